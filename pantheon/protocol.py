@@ -1,0 +1,192 @@
+"""Typed messages between the router and its workers.
+
+Both sides import this module, so it imports neither torch nor quart: only msgspec.
+Every message is a tagged ``msgspec.Struct`` encoded as msgpack; ``decode`` turns bytes
+back into the right class from the tag. The router sends ``RouterMsg`` and the worker
+sends ``WorkerMsg``; a worker never receives anything before it has sent ``Hello``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How one request picks its next token. Checked by the router before it is sent."""
+
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_window: int = 64  # the penalty looks at this many recent tokens (prompt included)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # a seeded request draws the same tokens whatever shares its batch
+    max_tokens: int = 16
+    min_tokens: int = 0  # stop ids are masked until this many tokens came out
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20
+
+
+# ---------------------------------------------------------------- router -> worker
+
+
+class LoadModel(msgspec.Struct, tag=True, kw_only=True):
+    instance: str  # the instance id the router gave it, unique in the router
+    path: str
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    devices: list[str] = []  # e.g. ["cuda:0"] or ["cuda:0", "cuda:1"] (layers split), ["cpu"]
+    kv_budget_bytes: int = 256 << 20
+    num_slots: int = 8
+    prefill_chunk: int = 128
+    max_model_len: int | None = None
+    quantize: bool = False
+
+
+class UnloadModel(msgspec.Struct, tag=True, kw_only=True):
+    instance: str
+
+
+class Submit(msgspec.Struct, tag=True, kw_only=True):
+    request_id: str
+    instance: str
+    prompt: list[int]
+    params: SamplingParams
+    session_id: str | None = None
+    cache_salt: str | None = None
+
+
+class Abort(msgspec.Struct, tag=True, kw_only=True):
+    request_ids: list[str]
+
+
+class Ping(msgspec.Struct, tag=True, kw_only=True):
+    seq: int
+    sent_at: float
+
+
+class Shutdown(msgspec.Struct, tag=True, kw_only=True):
+    pass
+
+
+# ---------------------------------------------------------------- worker -> router
+
+
+class Hello(msgspec.Struct, tag=True, kw_only=True):
+    die: str
+    device_name: str
+    total_bytes: int
+    free_bytes: int
+    pid: int
+    version: int = PROTOCOL_VERSION
+
+
+class LoadProgress(msgspec.Struct, tag=True, kw_only=True):
+    instance: str
+    done: int  # tensors filled so far
+    total: int
+
+
+class Loaded(msgspec.Struct, tag=True, kw_only=True):
+    instance: str
+    weight_bytes: int
+    kv_bytes: int
+    max_model_len: int
+    num_slots: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+class LoadFailed(msgspec.Struct, tag=True, kw_only=True):
+    instance: str
+    kind: str  # not_found | unsupported | invalid | out_of_memory | internal
+    reason: str
+
+
+class Unloaded(msgspec.Struct, tag=True, kw_only=True):
+    instance: str
+
+
+class TokenOut(msgspec.Struct, array_like=True):
+    """One new token of one request. ``top`` holds (token id, logprob) pairs when asked for."""
+
+    request_id: str
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+    finish: str | None = None  # None while running; "stop" (EOS/stop id) | "length" | "abort"
+
+
+class Rejected(msgspec.Struct, tag=True, kw_only=True):
+    """A Submit the engine could not take (prompt too long for the pool, unknown instance)."""
+
+    request_id: str
+    kind: str  # context_length | no_instance | invalid
+    reason: str
+
+
+class StepOutput(msgspec.Struct, tag=True, kw_only=True):
+    instance: str
+    tokens: list[TokenOut]
+    step_ms: float = 0.0
+
+
+class SlotInfo(msgspec.Struct, array_like=True):
+    state: str  # idle | prefill | decode
+    request_id: str | None = None
+    prompt_tokens: int = 0
+    prefilled: int = 0
+    generated: int = 0
+    session_id: str | None = None
+
+
+class InstanceStats(msgspec.Struct, kw_only=True):
+    instance: str
+    slots: list[SlotInfo]
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    weight_bytes: int
+    kv_bytes: int
+
+
+class Stats(msgspec.Struct, tag=True, kw_only=True):
+    free_bytes: int
+    total_bytes: int
+    instances: list[InstanceStats] = []
+    steps: int = 0
+    step_ms_avg: float = 0.0
+
+
+class Pong(msgspec.Struct, tag=True, kw_only=True):
+    seq: int
+    sent_at: float
+
+
+RouterMsg = LoadModel | UnloadModel | Submit | Abort | Ping | Shutdown
+WorkerMsg = (
+    Hello | LoadProgress | Loaded | LoadFailed | Unloaded | Rejected | StepOutput | Stats | Pong
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_router_decoder = msgspec.msgpack.Decoder(RouterMsg)
+_worker_decoder = msgspec.msgpack.Decoder(WorkerMsg)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_router_msg(data: bytes) -> RouterMsg:
+    """Decode what the router sent (called in the worker)."""
+    return _router_decoder.decode(data)
+
+
+def decode_worker_msg(data: bytes) -> WorkerMsg:
+    """Decode what a worker sent (called in the router)."""
+    return _worker_decoder.decode(data)

@@ -1,0 +1,56 @@
+"""Shared fixtures: small random-weight models written once per test session.
+
+Each preset is written by ``pantheon.makemodel.make_model`` into a session temp folder, so the
+tests load real safetensors files and a real trained tokenizer, exactly as a user's folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Two cores here: keep torch from oversubscribing when tests spawn workers.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """Return ``make(preset, **overrides) -> Path``; each distinct call is written once."""
+    from pantheon.makemodel import make_model
+
+    cache: dict[tuple, Path] = {}
+
+    def make(preset: str, **overrides) -> Path:
+        key = (preset, tuple(sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"model-{preset}")
+            cache[key] = make_model(preset, out, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_factory) -> Path:
+    """The ``tiny`` preset (Qwen3 architecture), bf16 weights."""
+    return model_factory("tiny")

@@ -1,0 +1,191 @@
+"""The engine: one model, its KV pool, the scheduler and the sampler, behind a small API.
+
+    engine = Engine("/models/qwen3", devices=["cpu"], num_slots=8, kv_budget_bytes=512 << 20)
+    engine.submit("req-1", prompt_ids, SamplingParams(max_tokens=32))
+    while engine.has_work():
+        for out in engine.step():   # TokenOut: request_id, token, logprob, top, finish
+            ...
+
+No HTTP, no ZeroMQ: the worker process wraps this. ``step`` returns every new token at once;
+the caller sends them on (one message per step), so a slow consumer never blocks the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from pantheon.protocol import InstanceStats, SamplingParams, SlotInfo, TokenOut
+from workers.block_manager import BlockManager
+from workers.errors import LoadError, RequestRejected
+from workers.loader import load_model, resolve_dtype
+from workers.model_config import load_config
+from workers.runner import ModelRunner, kv_block_bytes
+from workers.sampler import SamplerState, sample
+from workers.scheduler import Scheduler, Sequence
+
+__all__ = ["Engine", "LoadError", "RequestRejected"]
+
+
+class Engine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        devices: list[str] | None = None,
+        dtype: str = "auto",
+        num_slots: int = 8,
+        kv_budget_bytes: int = 256 << 20,
+        prefill_chunk: int = 128,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        quantize: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ):
+        if num_slots < 1 or prefill_chunk < 1 or block_size < 1:
+            raise LoadError("invalid", "num_slots, prefill_chunk and block_size must be at least 1")
+        devices = devices or ["cpu"]
+        cfg = load_config(model_path)  # fail fast on config errors before touching weights
+        dt = resolve_dtype(dtype, cfg, torch.device(devices[0]))
+        block_bytes = kv_block_bytes(cfg, block_size, dt)
+        num_blocks = kv_budget_bytes // block_bytes
+        if num_blocks < 2:
+            raise LoadError(
+                "out_of_memory", f"KV budget of {kv_budget_bytes} bytes holds fewer than 2 blocks "
+                f"of {block_size} tokens ({block_bytes} bytes each)"
+            )
+        self.model, self.cfg = load_model(model_path, devices, dtype, progress)
+        if quantize:
+            from workers.quant import quantize_int8
+
+            quantize_int8(self.model)
+        self.dtype = dt
+        self.devices = [torch.device(d) for d in devices]
+        self.num_slots = num_slots
+        limit = cfg.max_position_embeddings
+        if cfg.rope.type == "dynamic":
+            limit = int(limit * cfg.rope.scaling["factor"])  # dynamic NTK stretches past the trained length
+        self.max_model_len = min(max_model_len or limit, limit)
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = list(cfg.eos_token_ids)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.blocks, num_slots, prefill_chunk, self.max_model_len)
+        self.runner = ModelRunner(self.model, cfg, self.blocks, dt)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes += sum(b.numel() * b.element_size() for b in self.model.buffers())
+        self.kv_bytes = self.runner.kv_bytes
+        self._samplers: dict[str, SamplerState] = {}
+        # Test and debug hook: called with (sequences, fp32 logits [B, V]) before sampling.
+        self.on_logits: Callable[[list[Sequence], torch.Tensor], None] | None = None
+        self.steps = 0
+        self.step_seconds = 0.0
+
+    # ------------------------------------------------------------ API
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        session_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request. Raises ``RequestRejected`` if it can never run here."""
+        if request_id in self._samplers:
+            raise RequestRejected("duplicate", f"request id {request_id!r} is already running")
+        if not prompt:
+            raise RequestRejected("invalid", "the prompt is empty")
+        if any(t < 0 or t >= self.vocab_size for t in prompt):
+            raise RequestRejected("invalid", f"prompt token ids must be in [0, {self.vocab_size})")
+        if params.max_tokens < 1:
+            raise RequestRejected("invalid", "max_tokens must be at least 1")
+        if len(prompt) >= self.max_model_len:
+            raise RequestRejected(
+                "context_length", f"the prompt has {len(prompt)} tokens; this model takes at most "
+                f"{self.max_model_len - 1} plus one generated token"
+            )
+        if self.blocks.blocks_for(len(prompt) + 1) > self.blocks.num_blocks:
+            raise RequestRejected(
+                "context_length", f"the prompt has {len(prompt)} tokens but the KV pool holds "
+                f"{self.blocks.num_blocks * self.blocks.block_size}"
+            )
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(self.eos_token_ids)
+        self._samplers[request_id] = SamplerState.create(params, sorted(stop), self.devices[0])
+        self.scheduler.add(
+            Sequence(
+                request_id=request_id,
+                prompt_len=len(prompt),
+                tokens=list(prompt),
+                max_tokens=params.max_tokens,
+                stop_ids=frozenset(stop),
+                min_tokens=params.min_tokens,
+                session_id=session_id,
+            )
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its slot and blocks. Unknown ids are ignored."""
+        self.scheduler.abort(request_id)
+        self._samplers.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[TokenOut]:
+        """Run one step: decode every running sequence, plus at most one prefill chunk's worth."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        outs = [TokenOut(s.request_id, -1, finish="length") for s in plan.truncated]
+        for s in plan.truncated:
+            self._samplers.pop(s.request_id, None)
+        if plan.empty:
+            return outs
+        seqs = plan.sampled()
+        logits = self.runner.run(plan)
+        self.scheduler.commit(plan)
+        if seqs:
+            if self.on_logits is not None:
+                self.on_logits(seqs, logits)
+            states = [self._samplers[s.request_id] for s in seqs]
+            recents = [s.tokens[-st.params.repetition_window :] for s, st in zip(seqs, states)]
+            picks = sample(logits, states, recents, [s.num_output for s in seqs])
+            for s, pick in zip(seqs, picks):
+                reason = self.scheduler.append_token(s, pick.token)
+                outs.append(TokenOut(s.request_id, pick.token, pick.logprob, pick.top, reason))
+                if reason:
+                    self._samplers.pop(s.request_id, None)
+        self.steps += 1
+        self.step_seconds += time.perf_counter() - t0
+        return outs
+
+    def stats(self, instance: str) -> InstanceStats:
+        slots = []
+        for s in self.scheduler.slots:
+            if s is None:
+                slots.append(SlotInfo("idle"))
+            else:
+                state = "decode" if s.num_output > 0 and s.decoding else "prefill"
+                slots.append(
+                    SlotInfo(state, s.request_id, s.prompt_len, min(s.num_computed, s.prompt_len), s.num_output, s.session_id)
+                )
+        return InstanceStats(
+            instance=instance,
+            slots=slots,
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.blocks.num_blocks,
+            kv_blocks_used=self.blocks.num_used,
+            weight_bytes=self.weight_bytes,
+            kv_bytes=self.kv_bytes,
+        )
+
+    def close(self) -> None:
+        """Drop the weights and the cache (the worker calls this on unload)."""
+        self.runner = None
+        self.model = None
+        if any(d.type == "cuda" for d in self.devices):
+            torch.cuda.empty_cache()

@@ -1,0 +1,165 @@
+"""The Llama family (Llama, Qwen2, Qwen3) in plain torch, reading and writing a paged KV cache.
+
+One forward call takes a flat batch of N tokens: first one token for each decoding sequence,
+then the tokens of the prefill chunks. Linear layers see all N rows at once (the weights are
+read once per step, which is what decode speed on a CPU is bound by); attention runs once for
+the decode rows together and once per prefill chunk. The runner builds the ``AttnBatch``.
+q/k/v and gate/up are fused into one matrix each: fewer, larger matrix products per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model_config import ModelConfig
+from workers.rope import apply_rotary
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prefill chunk inside the flat batch."""
+
+    start: int  # first row of the chunk in the flat batch
+    end: int  # one past its last row
+    gather: torch.Tensor  # [T] int64: cache rows of positions 0..T-1 of this sequence
+    mask: torch.Tensor | None  # [1, 1, C, T] bool (True = attend), None when plain causal
+
+
+@dataclass
+class AttnBatch:
+    """Where each token's K/V goes and what each query attends to, on one device."""
+
+    cos: torch.Tensor  # [N, D]
+    sin: torch.Tensor  # [N, D]
+    slot_mapping: torch.Tensor  # [N] int64: cache row that receives each token's K/V
+    n_decode: int  # rows [0, n_decode) are one decode token per sequence
+    decode_gather: torch.Tensor | None  # [B, T] int64 cache rows (padding points at row 0)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, T] bool, False on padding
+    prefills: list[PrefillChunk]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In fp32 and cast back before the weight, exactly as transformers does it.
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, b: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        # x: [N, hidden]; k_cache, v_cache: [rows, KV, D]
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : self.q_size].view(n, self.n_heads, self.head_dim)  # [N, H, D]
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.n_kv, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, b.cos, b.sin)
+        k = apply_rotary(k, b.cos, b.sin)
+        k_cache.index_copy_(0, b.slot_mapping, k)
+        v_cache.index_copy_(0, b.slot_mapping, v.contiguous())
+
+        out = torch.empty_like(q)  # [N, H, D]
+        if b.n_decode:
+            kk = k_cache[b.decode_gather].transpose(1, 2)  # [B, KV, T, D]
+            vv = v_cache[b.decode_gather].transpose(1, 2)
+            qd = q[: b.n_decode].unsqueeze(2)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(qd, kk, vv, attn_mask=b.decode_mask, enable_gqa=True)
+            out[: b.n_decode] = o.squeeze(2)
+        for c in b.prefills:
+            kk = k_cache[c.gather].transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]
+            vv = v_cache[c.gather].transpose(0, 1).unsqueeze(0)
+            qp = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, C, D]
+            o = F.scaled_dot_product_attention(
+                qp, kk, vv, attn_mask=c.mask, is_causal=c.mask is None, enable_gqa=True
+            )
+            out[c.start : c.end] = o[0].transpose(0, 1)
+        return self.o_proj(out.view(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x)  # [N, 2I]
+        return self.down_proj(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, b: AttnBatch, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), b, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head. Layers may live on several devices."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Filled by the loader: the device of each layer (layers split across dies).
+        self.layer_devices: list[torch.device] = []
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batches: dict[torch.device, AttnBatch],
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """input_ids: [N] -> hidden states after the final norm: [N, hidden]."""
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            dev = self.layer_devices[i]
+            if h.device != dev:
+                h = h.to(dev)
+            h = layer(h, batches[dev], *kv[i])
+        return self.norm(h.to(self.embed_tokens.weight.device))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [M, hidden] -> logits [M, vocab] in fp32."""
+        return F.linear(hidden, self.head_weight()).float()

@@ -1,0 +1,122 @@
+"""The model runner: turns a ``StepPlan`` into tensors, runs the model, returns logits.
+
+It owns the KV cache tensors (one K and one V tensor per layer, on that layer's device,
+shaped [num_blocks * block_size, KV heads, head_dim]) and knows nothing of requests beyond
+their tokens, positions and block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.block_manager import BlockManager
+from workers.model import AttnBatch, CausalLM, PrefillChunk
+from workers.model_config import ModelConfig
+from workers.rope import Rotary
+from workers.scheduler import StepPlan
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers (K and V)."""
+    return block_size * cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cfg: ModelConfig, blocks: BlockManager, dtype: torch.dtype):
+        self.model, self.cfg, self.blocks, self.dtype = model, cfg, blocks, dtype
+        self.devices = list(dict.fromkeys(model.layer_devices))
+        self.main = model.embed_tokens.weight.device
+        rows = blocks.num_blocks * blocks.block_size
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (
+                torch.zeros(rows, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev),
+                torch.zeros(rows, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev),
+            )
+            for dev in model.layer_devices
+        ]
+        self.rotary = Rotary(cfg, self.main)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv)
+
+    def _rows(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.blocks.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Compute the plan's tokens; return fp32 logits [len(plan.sampled()), vocab]."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        # Decode rows: the newest token of each decoding sequence.
+        for s in plan.decode:
+            p = s.num_computed
+            ids.append(s.tokens[p])
+            positions.append(p)
+            slots.append(self._rows(s.block_table, p, p + 1)[0])
+        n_decode = len(ids)
+        chunks: list[tuple[int, int, int, int, list[int]]] = []  # start, end, first pos, last pos, table
+        for s, n in plan.prefill:
+            p0 = s.num_computed
+            start = len(ids)
+            ids += s.tokens[p0 : p0 + n]
+            positions += range(p0, p0 + n)
+            slots += self._rows(s.block_table, p0, p0 + n)
+            chunks.append((start, len(ids), p0, p0 + n, s.block_table))
+
+        dev = self.main
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        cos, sin = self._cos_sin(pos_t, plan, n_decode, chunks)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+
+        dec_gather = dec_mask = None
+        if n_decode:
+            lens = [s.num_computed + 1 for s in plan.decode]
+            t = max(lens)
+            gather = [self._rows(s.block_table, 0, n) + [0] * (t - n) for s, n in zip(plan.decode, lens)]
+            dec_gather = torch.tensor(gather, dtype=torch.long, device=dev)  # [B, T]
+            dec_mask = (torch.arange(t, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None])
+            dec_mask = dec_mask[:, None, None, :]  # [B, 1, 1, T]
+        pre = []
+        for start, end, p0, p1, table in chunks:
+            gather = torch.tensor(self._rows(table, 0, p1), dtype=torch.long, device=dev)  # [T]
+            mask = None
+            if p0:
+                # Query row i sits at position p0 + i and sees keys 0..p0 + i.
+                q_pos = torch.arange(p0, p1, device=dev)[:, None]
+                mask = (torch.arange(p1, device=dev)[None, :] <= q_pos)[None, None]  # [1, 1, C, T]
+            pre.append(PrefillChunk(start, end, gather, mask))
+
+        base = AttnBatch(cos, sin, slot_t, n_decode, dec_gather, dec_mask, pre)
+        batches = {d: base if d == dev else _to(base, d) for d in self.devices}
+        hidden = self.model(input_ids, batches, self.kv)  # [N, hidden]
+
+        # Only the last row of each sampled sequence needs logits.
+        rows = list(range(n_decode))
+        for (start, end, _p0, p1, _t), (s, _n) in zip(chunks, plan.prefill):
+            if p1 == len(s.tokens):
+                rows.append(end - 1)
+        return self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
+
+    def _cos_sin(self, pos_t, plan: StepPlan, n_decode: int, chunks):
+        if not self.rotary.dynamic:
+            return self.rotary.cos_sin(pos_t, self.dtype)
+        # Dynamic NTK: the frequencies depend on each sequence's length, so go per sequence.
+        parts = [self.rotary.cos_sin(pos_t[i : i + 1], self.dtype, int(pos_t[i]) + 1) for i in range(n_decode)]
+        parts += [self.rotary.cos_sin(pos_t[a:b], self.dtype, p1) for a, b, _p0, p1, _t in chunks]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def _to(b: AttnBatch, dev: torch.device) -> AttnBatch:
+    """The same batch description on another device (layers split across dies)."""
+
+    def mv(t):
+        return None if t is None else t.to(dev, non_blocking=True)
+
+    return AttnBatch(
+        mv(b.cos), mv(b.sin), mv(b.slot_mapping), b.n_decode, mv(b.decode_gather), mv(b.decode_mask),
+        [PrefillChunk(c.start, c.end, mv(c.gather), mv(c.mask)) for c in b.prefills],
+    )

@@ -1,0 +1,193 @@
+"""Slot states, queue order and the plan of each engine step. No torch here.
+
+A step decodes one token for every sequence that is past its prefill and spends at most
+``prefill_chunk`` tokens on prefill, oldest joiner first, so a decoding sequence waits at
+most one chunk for joiners. When the KV pool runs dry, the newest running sequence is
+preempted: its blocks are freed and it is recomputed from its tokens later; the others are
+untouched. Requests beyond the slot count wait FIFO.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from workers.block_manager import BlockManager
+
+
+@dataclass
+class Sequence:
+    """One request inside the engine."""
+
+    request_id: str
+    prompt_len: int
+    tokens: list[int]  # prompt then output; grows by one per sampled token
+    max_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    arrival: int = 0
+    session_id: str | None = None
+    num_computed: int = 0  # leading tokens whose K/V is in the cache
+    block_table: list[int] = field(default_factory=list)
+    slot: int | None = None
+    finish: str | None = None
+    preemptions: int = 0
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def pending(self) -> int:
+        """Tokens not yet in the cache; the last of them is the one that predicts the next."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def decoding(self) -> bool:
+        return self.num_computed > 0 and self.pending == 1
+
+
+@dataclass
+class StepPlan:
+    """What one step computes: one token per decode sequence, then the prefill chunks."""
+
+    decode: list[Sequence]
+    prefill: list[tuple[Sequence, int]]  # (sequence, tokens of it to compute this step)
+    preempted: list[Sequence] = field(default_factory=list)
+    truncated: list[Sequence] = field(default_factory=list)  # finished: the pool cannot hold more
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    def sampled(self) -> list[Sequence]:
+        """Sequences that get a new token from this step, in row order of the step's logits."""
+        out = list(self.decode)
+        out += [s for s, n in self.prefill if s.num_computed + n == len(s.tokens)]
+        return out
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, num_slots: int = 8, prefill_chunk: int = 128, max_model_len: int = 4096):
+        self.blocks = blocks
+        self.slots: list[Sequence | None] = [None] * num_slots
+        self.prefill_chunk = prefill_chunk
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self._by_id: dict[str, Sequence] = {}
+        self._arrivals = 0
+
+    # ------------------------------------------------------------ queue
+
+    def add(self, seq: Sequence) -> None:
+        seq.arrival = self._arrivals
+        self._arrivals += 1
+        self._by_id[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is; its blocks and slot are free at once."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return False
+        if seq.slot is None:
+            self.waiting.remove(seq)
+        self._release(seq, "abort")
+        return True
+
+    def running(self) -> list[Sequence]:
+        return [s for s in self.slots if s is not None]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    # ------------------------------------------------------------ the step
+
+    def schedule(self) -> StepPlan:
+        self._admit()
+        plan = StepPlan(decode=[], prefill=[])
+        running = sorted(self.running(), key=lambda s: s.arrival)
+
+        for seq in running:
+            if seq.slot is None or not seq.decoding:
+                continue
+            if self._grow(seq, seq.num_computed + 1, plan):
+                plan.decode.append(seq)
+
+        budget = self.prefill_chunk
+        for seq in running:
+            if budget == 0:
+                break
+            if seq.slot is None or seq.decoding or seq.finish:
+                continue
+            n = min(budget, seq.pending)
+            if not self.blocks.ensure(seq.block_table, seq.num_computed + n):
+                break  # wait for decoders to finish; never preempt a decoder for a joiner
+            plan.prefill.append((seq, n))
+            budget -= n
+        return plan
+
+    def _admit(self) -> None:
+        for i, s in enumerate(self.slots):
+            if s is None and self.waiting:
+                seq = self.waiting.popleft()
+                seq.slot = i
+                self.slots[i] = seq
+
+    def _grow(self, seq: Sequence, n_tokens: int, plan: StepPlan) -> bool:
+        """Make room for ``seq`` to hold ``n_tokens``, preempting newer sequences if needed."""
+        while not self.blocks.ensure(seq.block_table, n_tokens):
+            victim = max((s for s in self.running() if s is not seq), key=lambda s: s.arrival, default=None)
+            if victim is None or victim.arrival < seq.arrival:
+                if victim is None:
+                    # Alone and the pool still cannot hold it: it has reached the pool's size.
+                    plan.truncated.append(seq)
+                    self._release(seq, "length")
+                else:
+                    self._preempt(seq, plan)
+                return False
+            self._preempt(victim, plan)
+            if victim in plan.decode:
+                plan.decode.remove(victim)
+        return True
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.blocks.free(seq.block_table)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.slots[seq.slot] = None
+        seq.slot = None
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+
+    # ------------------------------------------------------------ after the step
+
+    def commit(self, plan: StepPlan) -> None:
+        """Record that the plan's tokens are now in the cache."""
+        for seq in plan.decode:
+            seq.num_computed += 1
+        for seq, n in plan.prefill:
+            seq.num_computed += n
+
+    def append_token(self, seq: Sequence, token: int) -> str | None:
+        """Add a sampled token; return the finish reason if the sequence is done (and free it)."""
+        seq.tokens.append(token)
+        reason = None
+        if token in seq.stop_ids and seq.num_output >= max(seq.min_tokens, 1):
+            reason = "stop"
+        elif seq.num_output >= seq.max_tokens or len(seq.tokens) >= self.max_model_len:
+            reason = "length"
+        if reason:
+            self._release(seq, reason)
+        return reason
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        seq.finish = reason
+        self.blocks.free(seq.block_table)
+        if seq.slot is not None:
+            self.slots[seq.slot] = None
+            seq.slot = None
+        self._by_id.pop(seq.request_id, None)
