@@ -6,6 +6,7 @@ tests load real safetensors files and a real trained tokenizer, exactly as a use
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -38,10 +39,10 @@ def model_factory(tmp_path_factory):
     """Return ``make(preset, **overrides) -> Path``; each distinct call is written once."""
     from pantheon.makemodel import make_model
 
-    cache: dict[tuple, Path] = {}
+    cache: dict[tuple[str, str], Path] = {}
 
     def make(preset: str, **overrides) -> Path:
-        key = (preset, tuple(sorted(overrides.items())))
+        key = (preset, json.dumps(overrides, sort_keys=True))
         if key not in cache:
             out = tmp_path_factory.mktemp(f"model-{preset}")
             cache[key] = make_model(preset, out, **overrides)

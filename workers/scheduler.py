@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from workers.block_manager import BlockManager
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: sequences are tracked by object
 class Sequence:
     """One request inside the engine."""
 
@@ -61,10 +61,13 @@ class StepPlan:
         return not self.decode and not self.prefill
 
     def sampled(self) -> list[Sequence]:
-        """Sequences that get a new token from this step, in row order of the step's logits."""
-        out = list(self.decode)
-        out += [s for s, n in self.prefill if s.num_computed + n == len(s.tokens)]
-        return out
+        """Sequences that get a new token from this step, in row order of the step's logits.
+
+        Fixed when the plan is made: a prefill chunk samples only if it reaches the last token.
+        """
+        return list(self.decode) + [s for s, _n in self.prefill if s in self._completing]
+
+    _completing: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
@@ -127,6 +130,8 @@ class Scheduler:
             if not self.blocks.ensure(seq.block_table, seq.num_computed + n):
                 break  # wait for decoders to finish; never preempt a decoder for a joiner
             plan.prefill.append((seq, n))
+            if n == seq.pending:
+                plan._completing.append(seq)
             budget -= n
         return plan
 

@@ -1,0 +1,173 @@
+"""Every loader error names the file and the field or tensor at fault."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+
+from pantheon.protocol import SamplingParams
+from workers.engine import Engine
+from workers.errors import LoadError
+from workers.loader import load_model
+
+
+@pytest.fixture
+def folder(model_factory, tmp_path):
+    """A private copy of tiny-llama that a test may damage."""
+    dst = tmp_path / "m"
+    shutil.copytree(model_factory("tiny-llama"), dst)
+    return dst
+
+
+def edit_config(folder, **changes):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def load_error(folder) -> LoadError:
+    with pytest.raises(LoadError) as e:
+        load_model(folder)
+    return e.value
+
+
+def test_missing_folder(tmp_path):
+    err = load_error(tmp_path / "nope")
+    assert err.kind == "not_found" and "nope" in err.reason
+
+
+def test_missing_config(folder):
+    (folder / "config.json").unlink()
+    err = load_error(folder)
+    assert err.kind == "not_found" and "config.json" in err.reason
+
+
+def test_config_not_json(folder):
+    (folder / "config.json").write_text("{not json")
+    err = load_error(folder)
+    assert err.kind == "invalid" and "config.json" in err.reason
+
+
+def test_unsupported_architecture(folder):
+    edit_config(folder, architectures=["MambaForCausalLM"])
+    err = load_error(folder)
+    assert err.kind == "unsupported" and "architectures" in err.reason and "MambaForCausalLM" in err.reason
+
+
+def test_missing_field(folder):
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["hidden_size"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    err = load_error(folder)
+    assert err.kind == "invalid" and "hidden_size" in err.reason
+
+
+def test_unknown_rope_type(folder):
+    edit_config(folder, rope_scaling={"rope_type": "wobbly", "factor": 2.0})
+    err = load_error(folder)
+    assert err.kind == "unsupported" and "wobbly" in err.reason
+
+
+def test_missing_weights(folder):
+    (folder / "model.safetensors").unlink()
+    err = load_error(folder)
+    assert err.kind == "not_found" and "safetensors" in err.reason
+
+
+def test_pickle_weights_are_never_loaded(folder):
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    err = load_error(folder)
+    assert err.kind == "not_found" and "pytorch_model.bin" in err.reason and "pickle" in err.reason
+
+
+def test_wrong_shape(folder):
+    edit_config(folder, intermediate_size=96)  # the checkpoint has another size
+    err = load_error(folder)
+    assert err.kind == "invalid" and "model.safetensors" in err.reason and "mlp." in err.reason
+    assert "shape" in err.reason
+
+
+def test_truncated_file(folder):
+    f = folder / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    err = load_error(folder)
+    assert err.kind == "invalid" and "model.safetensors" in err.reason and "truncated" in err.reason
+
+
+def test_tiny_file(folder):
+    (folder / "model.safetensors").write_bytes(b"\x01\x02")
+    err = load_error(folder)
+    assert err.kind == "invalid" and "truncated" in err.reason
+
+
+def test_corrupt_header(folder):
+    f = folder / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    data[8 : 8 + n] = b"\xff" * n
+    f.write_bytes(bytes(data))
+    err = load_error(folder)
+    assert err.kind == "invalid" and "model.safetensors" in err.reason and "header" in err.reason
+
+
+def test_missing_tensor(folder):
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    tensors = load_file(str(f))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    err = load_error(folder)
+    assert err.kind == "invalid" and "model.layers.1.mlp.down_proj.weight" in err.reason
+
+
+def test_missing_lm_head_is_tied(folder):
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    tensors = load_file(str(f))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    model, _ = load_model(folder)
+    assert model.lm_head is None and model.head_weight() is model.embed_tokens.weight
+
+
+def test_sharded_checkpoint_loads_the_same(model_factory):
+    one = model_factory("tiny-llama", dtype="float32")
+    sharded = model_factory("tiny-llama", dtype="float32", shard_bytes=200_000)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    a, _ = load_model(one)
+    b, _ = load_model(sharded)
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb and torch.equal(pa, pb)
+
+
+def test_missing_shard(model_factory, tmp_path):
+    dst = tmp_path / "s"
+    shutil.copytree(model_factory("tiny-llama", dtype="float32", shard_bytes=200_000), dst)
+    next(dst.glob("model-00002-*.safetensors")).unlink()
+    err = load_error(dst)
+    assert err.kind == "not_found" and "model-00002" in err.reason
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_dtypes(model_factory, dtype):
+    eng = Engine(str(model_factory("tiny-llama")), dtype=dtype, kv_budget_bytes=1 << 20)
+    assert eng.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+    eng.submit("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    n = 0
+    while eng.has_work():
+        n += len(eng.step())
+    assert n == 3
+
+
+def test_weights_fill_without_a_second_copy(model_factory):
+    """Parameters are filled in place: no parameter is left on the meta device or uninitialised."""
+    model, cfg = load_model(model_factory("tiny"))
+    for name, p in model.named_parameters():
+        assert p.device.type == "cpu" and torch.isfinite(p).all(), name

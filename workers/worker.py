@@ -1,0 +1,466 @@
+"""The worker process: one per die, driven by the router over one ZeroMQ DEALER socket.
+
+``pantheon worker --die cpu:0 --endpoint ipc:///run/pantheon/router.sock`` (or
+``python -m workers.worker ...``) connects to the router's ROUTER socket with the die id as its
+identity, says ``Hello``, then runs one loop:
+
+1. drain the inbox without blocking and handle every message (load, unload, submit, abort, ping,
+   shutdown);
+2. run one ``engine.step()`` for every loaded instance that has work and send its tokens as one
+   ``StepOutput``;
+3. send ``Stats`` every 250 ms while busy and every second when idle (that is the heartbeat);
+4. with nothing to do, block on the socket until a message comes or the next heartbeat is due.
+
+Loading runs in a background thread, one model at a time, so a model that takes minutes to read
+never stalls heartbeats, pongs or the other instances' decoding; the main loop forwards the
+loader's progress as ``LoadProgress``.
+
+The worker exits by itself when the router is gone: no message from it for ``--router-timeout``
+seconds (the router pings every second), or, when spawned with ``--parent-pid``, its parent
+process is no longer its parent.
+
+This module never imports quart, textual or tokenizers: prompts arrive as token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from pantheon import protocol as p
+from workers.devices import Die, engine_device, open_die
+from workers.errors import LoadError, RequestRejected
+
+log = logging.getLogger("pantheon.worker")
+
+EXIT_OK = 0
+EXIT_BAD_ARGS = 2
+EXIT_ROUTER_SILENT = 3
+EXIT_PARENT_GONE = 4
+
+BUSY_STATS_S = 0.25
+IDLE_STATS_S = 1.0
+LOADING_POLL_S = 0.05  # how often the main loop looks at the loader thread's progress
+PROGRESS_EVERY_S = 0.1  # LoadProgress at most this often (it is called per tensor)
+
+
+def _engine_class():
+    """Import the engine on first use (and once before Hello, see ``Worker.run``)."""
+    from workers.engine import Engine
+
+    return Engine
+
+
+@dataclass
+class _Instance:
+    engine: Any
+    booked_bytes: int
+
+
+@dataclass
+class _LoadJob:
+    msg: p.LoadModel
+    cancelled: bool = False
+
+
+class Worker:
+    """One die's worker. ``run()`` returns the process exit code."""
+
+    def __init__(
+        self,
+        die: Die,
+        endpoint: str,
+        *,
+        router_timeout: float = 10.0,
+        parent_pid: int | None = None,
+    ):
+        self.die = die
+        self.endpoint = endpoint
+        self.router_timeout = router_timeout
+        self.parent_pid = parent_pid
+        self.instances: dict[str, _Instance] = {}
+        self.owner: dict[str, str] = {}  # request id -> instance, while the request runs
+        self.load_queue: collections.deque[_LoadJob] = collections.deque()
+        self.loading: _LoadJob | None = None  # the job the loader thread is running
+        self.load_results: queue.Queue[tuple[_LoadJob, Any]] = queue.Queue()
+        self.load_progress: tuple[int, int] | None = None  # written by the loader thread
+        self.sent_progress: tuple[int, int] | None = None
+        self.last_progress_at = 0.0
+        self.engine_import_error: str | None = None
+        self.steps = 0
+        self.window_steps = 0
+        self.window_ms = 0.0
+        self.exit_code: int | None = None
+        self.ctx: zmq.Context | None = None
+        self.sock: zmq.Socket | None = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    def send(self, msg: msgspec.Struct) -> None:
+        # SNDHWM is 0 (unbounded), so a DEALER send never blocks.
+        self.sock.send(p.encode(msg))
+
+    def _connect(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, self.die.id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.connect(self.endpoint)
+
+    def _hello(self) -> p.Hello:
+        free, total = self.die.memory()
+        return p.Hello(
+            die=self.die.id,
+            device_name=self.die.device_name,
+            total_bytes=total,
+            free_bytes=free,
+            pid=os.getpid(),
+        )
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> int:
+        # Import the engine (and torch) before Hello: the router's silence clock starts at
+        # Hello, and a cold torch import can take seconds on a busy machine.
+        try:
+            _engine_class()
+        except Exception:
+            self.engine_import_error = traceback.format_exc(limit=3).strip()
+            log.error("workers.engine failed to import:\n%s", self.engine_import_error)
+        self._connect()
+        self.send(self._hello())
+        log.info("worker for %s (%s) connected to %s", self.die.id, self.die.device_name, self.endpoint)
+        last_router = time.monotonic()
+        next_stats = 0.0  # send Stats at once, so the router has them right after Hello
+        try:
+            while self.exit_code is None:
+                if self._drain():
+                    last_router = time.monotonic()
+                self._finish_loads()
+                busy = self._step_all()
+                now = time.monotonic()
+                loading = self.loading is not None
+                if now >= next_stats:
+                    self.send(self._stats())
+                    next_stats = now + (BUSY_STATS_S if busy or loading else IDLE_STATS_S)
+                self._check_alive(now - last_router)
+                if not busy and self.exit_code is None:
+                    wait = next_stats - time.monotonic()
+                    if loading:
+                        wait = min(wait, LOADING_POLL_S)
+                    self.sock.poll(max(0, int(wait * 1000)) + 1)
+        finally:
+            self.sock.close(0)
+            self.ctx.term()
+        return self.exit_code
+
+    def _check_alive(self, router_silent_s: float) -> None:
+        if router_silent_s > self.router_timeout:
+            log.error("no message from the router for %.1f s: exiting", router_silent_s)
+            self.exit_code = EXIT_ROUTER_SILENT
+        elif self.parent_pid is not None and os.getppid() != self.parent_pid:
+            log.error("parent process %d is gone: exiting", self.parent_pid)
+            self.exit_code = EXIT_PARENT_GONE
+
+    def _drain(self) -> bool:
+        """Handle every message already waiting; True if there was at least one."""
+        got = False
+        while self.exit_code is None:
+            try:
+                data = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            got = True
+            try:
+                msg = p.decode_router_msg(data)
+            except msgspec.DecodeError as e:
+                log.error("dropped a message that does not decode: %s", e)
+                continue
+            self._handle(msg)
+        return got
+
+    def _handle(self, msg: p.RouterMsg) -> None:
+        if isinstance(msg, p.Submit):
+            self._submit(msg)
+        elif isinstance(msg, p.Abort):
+            for rid in msg.request_ids:
+                inst = self.instances.get(self.owner.pop(rid, ""))
+                if inst is not None:
+                    inst.engine.abort(rid)
+        elif isinstance(msg, p.Ping):
+            self.send(p.Pong(seq=msg.seq, sent_at=msg.sent_at))
+        elif isinstance(msg, p.LoadModel):
+            self._queue_load(msg)
+        elif isinstance(msg, p.UnloadModel):
+            self._unload(msg.instance)
+        elif isinstance(msg, p.Shutdown):
+            log.info("shutdown requested")
+            self.exit_code = EXIT_OK
+
+    def _step_all(self) -> bool:
+        """One engine step for every instance with work; True if any had work."""
+        busy = False
+        for name, inst in list(self.instances.items()):
+            if not inst.engine.has_work():
+                continue
+            busy = True
+            t0 = time.perf_counter()
+            tokens = inst.engine.step()
+            ms = (time.perf_counter() - t0) * 1000.0
+            self.steps += 1
+            self.window_steps += 1
+            self.window_ms += ms
+            if tokens:  # a prefill chunk that completes no prompt yields nothing to send
+                self.send(p.StepOutput(instance=name, tokens=tokens, step_ms=ms))
+                for t in tokens:
+                    if t.finish is not None:
+                        self.owner.pop(t.request_id, None)
+        return busy
+
+    def _stats(self) -> p.Stats:
+        """``steps`` counts every step since start; ``step_ms_avg`` covers those since the last Stats."""
+        free, total = self.die.memory()
+        avg = self.window_ms / self.window_steps if self.window_steps else 0.0
+        self.window_steps, self.window_ms = 0, 0.0
+        return p.Stats(
+            free_bytes=free,
+            total_bytes=total,
+            instances=[inst.engine.stats(name) for name, inst in self.instances.items()],
+            steps=self.steps,
+            step_ms_avg=avg,
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def _submit(self, msg: p.Submit) -> None:
+        inst = self.instances.get(msg.instance)
+        if inst is None:
+            reason = f"instance {msg.instance!r} is not loaded on {self.die.id}"
+            self.send(p.Rejected(request_id=msg.request_id, kind="no_instance", reason=reason))
+            return
+        try:
+            inst.engine.submit(
+                msg.request_id,
+                msg.prompt,
+                msg.params,
+                session_id=msg.session_id,
+                cache_salt=msg.cache_salt,
+            )
+        except RequestRejected as e:
+            self.send(p.Rejected(request_id=msg.request_id, kind=e.kind, reason=e.reason))
+        else:
+            self.owner[msg.request_id] = msg.instance
+
+    # ------------------------------------------------------------------ load / unload
+
+    def _queue_load(self, msg: p.LoadModel) -> None:
+        busy = {j.msg.instance for j in self.load_queue}
+        if self.loading is not None:
+            busy.add(self.loading.msg.instance)
+        if msg.instance in self.instances or msg.instance in busy:
+            reason = f"instance {msg.instance!r} is already loaded or loading on {self.die.id}"
+            self.send(p.LoadFailed(instance=msg.instance, kind="invalid", reason=reason))
+            return
+        self.load_queue.append(_LoadJob(msg))
+        self._start_next_load()
+
+    def _start_next_load(self) -> None:
+        if self.loading is not None or not self.load_queue:
+            return
+        job = self.loading = self.load_queue.popleft()
+        self.load_progress = self.sent_progress = None
+        log.info("loading %s from %s", job.msg.instance, job.msg.path)
+        threading.Thread(target=self._load_thread, args=(job,), name="loader", daemon=True).start()
+
+    def _load_thread(self, job: _LoadJob) -> None:
+        """Build the engine; hand the engine or a LoadFailed back to the main loop."""
+        msg = job.msg
+        t0 = time.monotonic()
+        try:
+            if self.engine_import_error:
+                raise RuntimeError(f"workers.engine failed to import: {self.engine_import_error}")
+            try:
+                devices = [engine_device(d) for d in msg.devices] or [self.die.torch_device]
+                result: Any = _engine_class()(
+                    msg.path,
+                    devices=devices,
+                    dtype=msg.dtype,
+                    num_slots=msg.num_slots,
+                    kv_budget_bytes=msg.kv_budget_bytes,
+                    prefill_chunk=msg.prefill_chunk,
+                    max_model_len=msg.max_model_len,
+                    quantize=msg.quantize,
+                    progress=self._on_progress,
+                )
+            except LoadError as e:
+                result = p.LoadFailed(instance=msg.instance, kind=e.kind, reason=e.reason)
+        except MemoryError as e:
+            result = p.LoadFailed(instance=msg.instance, kind="out_of_memory", reason=str(e) or "out of memory")
+        except Exception as e:
+            # torch.cuda.OutOfMemoryError is a RuntimeError; name it so the router can place elsewhere
+            kind = "out_of_memory" if type(e).__name__ == "OutOfMemoryError" else "internal"
+            log.error("loading %s failed:\n%s", msg.instance, traceback.format_exc())
+            result = p.LoadFailed(instance=msg.instance, kind=kind, reason=f"{type(e).__name__}: {e}")
+        log.info("load of %s ended after %.2f s", msg.instance, time.monotonic() - t0)
+        self.load_results.put((job, result))
+
+    def _on_progress(self, done: int, total: int) -> None:
+        # Called in the loader thread for every tensor: only record it; the main loop sends.
+        self.load_progress = (done, total)
+
+    def _finish_loads(self) -> None:
+        """Forward load progress, and turn finished loads into Loaded / LoadFailed."""
+        try:
+            job, result = self.load_results.get_nowait()
+        except queue.Empty:
+            self._send_progress(force=False)
+            return
+        self._send_progress(force=True)  # the router sees the final count before Loaded
+        self.loading = None
+        name = job.msg.instance
+        if isinstance(result, p.LoadFailed):
+            self.send(result)
+        elif job.cancelled:
+            self._close_engine(result)
+            self.send(p.LoadFailed(instance=name, kind="cancelled", reason="unloaded while loading"))
+            self.send(p.Unloaded(instance=name))
+        else:
+            self._register(name, result)
+        self._start_next_load()
+
+    def _send_progress(self, *, force: bool) -> None:
+        job, prog = self.loading, self.load_progress
+        if job is None or prog is None or prog == self.sent_progress:
+            return
+        now = time.monotonic()
+        if force or now - self.last_progress_at >= PROGRESS_EVERY_S:
+            self.send(p.LoadProgress(instance=job.msg.instance, done=prog[0], total=prog[1]))
+            self.sent_progress, self.last_progress_at = prog, now
+
+    def _register(self, name: str, engine: Any) -> None:
+        need = int(engine.weight_bytes) + int(engine.kv_bytes)
+        free, total = self.die.memory()
+        if self.die.kind == "cpu" and need > free:
+            # A virtual die enforces its budget the way a real one would run out of memory.
+            self._close_engine(engine)
+            reason = (
+                f"{name} needs {need} bytes (weights {engine.weight_bytes} + KV cache {engine.kv_bytes}) "
+                f"but {self.die.id} has {free} of its {total}-byte budget free"
+            )
+            self.send(p.LoadFailed(instance=name, kind="out_of_memory", reason=reason))
+            return
+        if self.die.kind == "cpu":
+            self.die.book(need)
+        self.instances[name] = _Instance(engine, need if self.die.kind == "cpu" else 0)
+        self.send(
+            p.Loaded(
+                instance=name,
+                weight_bytes=int(engine.weight_bytes),
+                kv_bytes=int(engine.kv_bytes),
+                max_model_len=int(engine.max_model_len),
+                num_slots=int(engine.num_slots),
+                vocab_size=int(engine.vocab_size),
+                eos_token_ids=[int(t) for t in engine.eos_token_ids],
+            )
+        )
+        log.info("loaded %s (%d bytes booked on %s)", name, need, self.die.id)
+
+    def _unload(self, name: str) -> None:
+        if self.loading is not None and self.loading.msg.instance == name:
+            self.loading.cancelled = True  # Unloaded follows when the loader thread is done
+            return
+        for job in list(self.load_queue):
+            if job.msg.instance == name:
+                self.load_queue.remove(job)
+                self.send(p.LoadFailed(instance=name, kind="cancelled", reason="unloaded before loading"))
+        inst = self.instances.pop(name, None)
+        if inst is not None:
+            for rid in [r for r, i in self.owner.items() if i == name]:
+                del self.owner[rid]
+            self._close_engine(inst.engine)
+            self.die.release(inst.booked_bytes)
+            log.info("unloaded %s", name)
+        self.send(p.Unloaded(instance=name))  # also for an unknown name: unload is idempotent
+
+    def _close_engine(self, engine: Any) -> None:
+        try:
+            engine.close()
+        except Exception:
+            log.exception("engine.close() failed")
+        del engine
+        gc.collect()  # drop the tensors now, so the memory is really free when we say so
+        self.die.empty_cache()
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pantheon worker", description="Run one worker process for one die.")
+    ap.add_argument("--die", required=True, help="cpu:N or cuda:N")
+    ap.add_argument("--endpoint", required=True, help="the router's socket, ipc:///path or tcp://host:port")
+    ap.add_argument("--budget-bytes", type=int, default=None, help="memory budget of a cpu die (default: all RAM)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    ap.add_argument(
+        "--router-timeout",
+        type=float,
+        default=10.0,
+        help="exit when the router has sent nothing for this many seconds (it pings every second)",
+    )
+    ap.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="exit when this process is no longer our parent; also ignore SIGINT (the parent shuts us down)",
+    )
+    return ap
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """Entry point of ``pantheon worker``; returns the exit code."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {args.die} %(levelname)s %(message)s"
+    )
+    if args.parent_pid is not None:
+        # Ctrl-C in the router's terminal reaches the whole process group; the router then
+        # shuts its workers down in order, so the worker must not die first on its own.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        die = open_die(args.die, budget_bytes=args.budget_bytes)
+    except ValueError as e:
+        log.error("%s", e)
+        return EXIT_BAD_ARGS
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    worker = Worker(die, args.endpoint, router_timeout=args.router_timeout, parent_pid=args.parent_pid)
+    code = worker.run()
+    if worker.loading is not None:
+        # A daemon loader thread inside torch can make interpreter shutdown hang: leave now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())
