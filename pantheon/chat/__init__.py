@@ -1,0 +1,52 @@
+"""The router's text layer: chat templates, incremental detokenization, the output emitter.
+
+Pure Python (jinja2 and tokenizers); nothing here imports torch, transformers or quart. One request
+goes through it like this::
+
+    template = ChatTemplate.from_model_dir(model_dir)          # once per model
+    policy = resolve_tool_choice(body.get("tools"), body.get("tool_choice"))
+    prompt = template.render(messages, tools=policy.template_tools, **chat_template_kwargs)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    emitter = Emitter(reasoning=template.reasoning, stop=stop, tools_enabled=policy.parse,
+                      think_open=think_open(prompt))
+    for token_id in generated:                                 # from the worker's StepOutputs
+        send(emitter.feed(detok.push(token_id)))
+        if emitter.stopped:                                    # a stop string: Abort the worker
+            break
+    send(emitter.feed(detok.flush()) + emitter.finish())
+    finish = emitter.finish_reason("length" if out_of_tokens else "stop")
+"""
+
+from .detokenize import IncrementalDetokenizer
+from .emitter import MAX_STOP, Delta, Emitter, finish_reason, join_deltas
+from .template import ChatTemplate, TemplateError, normalize_messages, render_chatml, think_open
+from .tools import (
+    ParsedToolCall,
+    ToolChoiceError,
+    ToolPolicy,
+    new_call_id,
+    parse_tool_block,
+    resolve_tool_choice,
+)
+
+__all__ = [
+    "ChatTemplate",
+    "Delta",
+    "Emitter",
+    "IncrementalDetokenizer",
+    "MAX_STOP",
+    "ParsedToolCall",
+    "TemplateError",
+    "ToolChoiceError",
+    "ToolPolicy",
+    "finish_reason",
+    "join_deltas",
+    "new_call_id",
+    "normalize_messages",
+    "parse_tool_block",
+    "render_chatml",
+    "resolve_tool_choice",
+    "think_open",
+]

@@ -1,0 +1,331 @@
+"""The emitter: model text in, OpenAI deltas out (reasoning, content, tool calls), stop strings.
+
+Text arrives in arbitrary pieces (whatever the detokenizer made final). The emitter splits it into
+channels as the spec describes:
+
+- *reasoning*: everything before ``</think>`` when the prompt left a ``<think>`` open
+  (``think_open``) or the output itself starts with ``<think>``. The markers are never emitted.
+- *content*: the rest, up to a stop string or a ``<tool_call>``.
+- *tool calls*: the JSON inside ``<tool_call>`` ... ``</tool_call>``, read when the block closes
+  (see :func:`pantheon.chat.tools.parse_tool_block`). A block that does not parse is content again,
+  written out as the model wrote it.
+
+Stop strings (at most four) are matched on the raw text, in every channel, across piece boundaries;
+a match is never emitted, everything after it is dropped, and :attr:`Emitter.stopped` turns True so
+the caller can abort the request. When two matches overlap, the one that completes first wins, which
+is what a streaming reader sees, so the result never depends on how the text was split.
+
+A carry buffer holds back the longest tail of the text that could still become a marker or a stop
+string; all other text goes out at once. Whitespace is tidied at channel edges the way chat
+templates render it back (Qwen's ``<think>\\n...\\n</think>\\n\\n``): leading whitespace after
+``<think>``, ``</think>`` and ``</tool_call>`` is dropped, and trailing whitespace before
+``</think>`` or ``<tool_call>`` too. Within a channel nothing is changed.
+
+The same text always gives the same deltas once they are joined per channel, however it is split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .tools import TOOL_CLOSE, TOOL_OPEN, new_call_id, parse_tool_block
+
+__all__ = ["Delta", "Emitter", "MAX_STOP", "THINK_CLOSE", "THINK_OPEN", "finish_reason", "join_deltas"]
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+# OpenAI allows up to four stop sequences; the HTTP layer answers more with a 400.
+MAX_STOP = 4
+
+REASONING = "reasoning"
+CONTENT = "content"
+TOOL_CALL = "tool_call"
+
+# Emitter states.
+_START = "start"  # a reasoning model's first characters: is there a <think>?
+_THINK = "think"
+_CONTENT = "content"
+_TOOL = "tool"
+
+
+@dataclass
+class Delta:
+    """One piece of output.
+
+    ``kind`` is "reasoning" or "content" (with ``text``), or "tool_call". A tool call comes as
+    a first delta with its ``index`` (0, 1, ... in the response), ``id`` (``call_`` + 24 letters and
+    digits), ``name`` and ``arguments=""``, then deltas with the same ``index`` carrying fragments
+    of ``arguments`` (JSON text), exactly like OpenAI's stream chunks.
+    """
+
+    kind: str
+    text: str = ""
+    index: int | None = None
+    id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
+def finish_reason(tool_calls_emitted: bool, reason: str) -> str:
+    """The ``finish_reason`` to report: "tool_calls" once a tool call went out, else ``reason``."""
+    return "tool_calls" if tool_calls_emitted else reason
+
+
+class Emitter:
+    """Splits a model's output text into reasoning, content and tool calls; applies stop strings.
+
+    ``reasoning``: the model may open its output with ``<think>`` (Qwen3 and the like).
+    ``think_open``: the prompt already ends inside ``<think>``, so output starts as reasoning.
+    ``stop``: up to :data:`MAX_STOP` stop strings (empty ones are ignored).
+    ``tools_enabled``: read ``<tool_call>`` blocks (off: they are plain content).
+
+    Call :meth:`feed` with each new piece of text and :meth:`finish` at the end; both return the
+    deltas that are now final. After a stop string matched, :attr:`stopped` is True, and further
+    feeding returns nothing.
+    """
+
+    def __init__(
+        self,
+        *,
+        reasoning: bool,
+        stop: Iterable[str] = (),
+        tools_enabled: bool = True,
+        think_open: bool = False,
+    ):
+        stops = list(dict.fromkeys(s for s in (stop or ()) if s))
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+        self._stops = tuple(stops)
+        self.reasoning = reasoning
+        self.tools_enabled = tools_enabled
+        self.stopped = False
+        self.stop_string: str | None = None  # the stop string that matched
+        self.finished = False
+        self.tool_calls: list[dict[str, Any]] = []  # OpenAI-shaped, for non-streamed responses
+
+        self._state = _THINK if think_open else (_START if reasoning else _CONTENT)
+        self._buf = ""  # the carry: raw text not yet decided
+        self._skip_ws = think_open  # drop leading whitespace of the next channel text
+        self._pending_ws = ""  # trailing whitespace held in case a channel edge follows
+        self._tool_raw = ""  # the inside of the open <tool_call> block
+        self._ws_before_tool = ""  # whitespace dropped before <tool_call>, restored if it is not a call
+        self._out: list[Delta] = []
+
+    # -------------------------------------------------------------- public
+
+    def feed(self, text: str) -> list[Delta]:
+        """Add model text; return the deltas that are final now."""
+        if self.stopped or self.finished or not text:
+            return []
+        self._buf += text
+        self._process(final=False)
+        return self._take()
+
+    def finish(self) -> list[Delta]:
+        """End of output: decide the carry, close an open tool block; return the last deltas."""
+        if self.finished:
+            return []
+        self.finished = True
+        if not self.stopped:
+            self._process(final=True)
+            self._close_state()
+        return self._take()
+
+    def finish_reason(self, reason: str) -> str:
+        """Return "tool_calls" if this output made any tool call, else ``reason``."""
+        return finish_reason(bool(self.tool_calls), reason)
+
+    # -------------------------------------------------------------- the scanner
+
+    def _needles(self) -> list[tuple[str, bool]]:
+        """The strings that change something in the current state, with whether each is a stop."""
+        needles = [(s, True) for s in self._stops]
+        if self._state == _THINK:
+            needles.append((THINK_CLOSE, False))
+        elif self._state == _CONTENT and self.tools_enabled:
+            needles.append((TOOL_OPEN, False))
+        elif self._state == _TOOL:
+            needles.append((TOOL_CLOSE, False))
+        return needles
+
+    @staticmethod
+    def _first_match(buf: str, needles: list[tuple[str, bool]]) -> tuple[int, str, bool] | None:
+        """The match a left-to-right reader completes first: earliest end, then earliest start
+        (the longer string), then a stop string before a marker."""
+        best = None
+        for needle, is_stop in needles:
+            i = buf.find(needle)
+            if i < 0:
+                continue
+            key = (i + len(needle), i, not is_stop)
+            if best is None or key < best[0]:
+                best = (key, i, needle, is_stop)
+        return None if best is None else best[1:]
+
+    @staticmethod
+    def _carry_len(buf: str, needles: list[tuple[str, bool]]) -> int:
+        """Length of the longest tail of ``buf`` that is the start of some needle."""
+        longest = min(len(buf), max((len(n) - 1 for n, _ in needles), default=0))
+        for k in range(longest, 0, -1):
+            tail = buf[-k:]
+            if any(n.startswith(tail) for n, _ in needles):
+                return k
+        return 0
+
+    def _process(self, *, final: bool) -> None:
+        while not self.stopped:
+            if self._state == _START:
+                if not self._decide_start(final):
+                    return
+                continue
+            needles = self._needles()
+            match = self._first_match(self._buf, needles)
+            if match is not None:
+                start, needle, is_stop = match
+                self._text(self._buf[:start])
+                self._buf = self._buf[start + len(needle) :]
+                if is_stop:
+                    self._stop(needle)
+                    return
+                self._marker(needle)
+                continue
+            keep = 0 if final else self._carry_len(self._buf, needles)
+            self._text(self._buf[: len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep :]
+            return
+
+    def _decide_start(self, final: bool) -> bool:
+        """A reasoning model's output may begin (after whitespace) with ``<think>``. Returns False
+        while the carry could still turn out to be that marker."""
+        body = self._buf.lstrip()
+        if not final and (THINK_OPEN.startswith(body) and body != THINK_OPEN):
+            return False
+        lead = len(self._buf) - len(body)
+        marker_end = lead + len(THINK_OPEN)
+        # A stop string completed before the marker did comes first: that text is content.
+        stop_first = self._first_match(self._buf[:marker_end], [(s, True) for s in self._stops])
+        if body.startswith(THINK_OPEN) and stop_first is None:
+            self._buf = self._buf[marker_end:]
+            self._state = _THINK
+            self._skip_ws = True
+        else:
+            self._state = _CONTENT
+        return True
+
+    # -------------------------------------------------------------- what the scanner found
+
+    def _text(self, text: str) -> None:
+        """Text that belongs to the current state."""
+        if not text:
+            return
+        if self._state == _TOOL:
+            self._tool_raw += text
+            return
+        kind = REASONING if self._state == _THINK else CONTENT
+        if self._skip_ws:
+            text = text.lstrip()
+            if not text:
+                return
+            self._skip_ws = False
+        # Trailing whitespace waits only where a marker could follow and swallow it.
+        edge_possible = self._state == _THINK or self.tools_enabled
+        if not edge_possible:
+            self._emit(kind, text)
+            return
+        text = self._pending_ws + text
+        body = text.rstrip()
+        self._pending_ws = text[len(body) :]
+        if body:
+            self._emit(kind, body)
+
+    def _marker(self, marker: str) -> None:
+        if marker == THINK_CLOSE:
+            self._pending_ws = ""
+            self._state = _CONTENT
+            self._skip_ws = True
+        elif marker == TOOL_OPEN:
+            self._ws_before_tool, self._pending_ws = self._pending_ws, ""
+            self._state = _TOOL
+            self._tool_raw = ""
+        elif marker == TOOL_CLOSE:
+            self._state = _CONTENT
+            if self._close_tool(closed=True):
+                self._skip_ws = True
+
+    def _stop(self, stop: str) -> None:
+        self.stopped = True
+        self.stop_string = stop
+        self._buf = ""
+        self._close_state()
+
+    def _close_state(self) -> None:
+        """End of the text (stop string or finish): settle what is still open."""
+        if self._state == _TOOL:
+            self._state = _CONTENT
+            self._close_tool(closed=False)
+        if self._state == _CONTENT and self._pending_ws:
+            self._emit(CONTENT, self._pending_ws)
+        elif self._state == _THINK and self._pending_ws and self.stopped:
+            self._emit(REASONING, self._pending_ws)
+        self._pending_ws = ""
+
+    def _close_tool(self, *, closed: bool) -> bool:
+        """Turn the finished tool block into calls; True if it was one. A block that does not parse,
+        and one cut off by a stop or the end that does not parse either, is content as written."""
+        calls = parse_tool_block(self._tool_raw)
+        if calls is None:
+            raw = self._ws_before_tool + TOOL_OPEN + self._tool_raw + (TOOL_CLOSE if closed else "")
+            self._tool_raw = self._ws_before_tool = ""
+            self._skip_ws = False
+            self._text(raw)
+            return False
+        for call in calls:
+            index = len(self.tool_calls)
+            call_id = new_call_id()
+            self.tool_calls.append(
+                {"id": call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            )
+            self._out.append(Delta(TOOL_CALL, index=index, id=call_id, name=call.name, arguments=""))
+            self._out.append(Delta(TOOL_CALL, index=index, arguments=call.arguments))
+        self._tool_raw = self._ws_before_tool = ""
+        return True
+
+    # -------------------------------------------------------------- output
+
+    def _emit(self, kind: str, text: str) -> None:
+        if self._out and self._out[-1].kind == kind and kind != TOOL_CALL:
+            self._out[-1].text += text  # one delta per channel run keeps SSE chunks few
+        else:
+            self._out.append(Delta(kind, text=text))
+
+    def _take(self) -> list[Delta]:
+        out, self._out = self._out, []
+        return out
+
+
+def join_deltas(deltas: Iterable[Delta]) -> dict[str, Any]:
+    """Fold deltas into one message: ``{"reasoning": str, "content": str, "tool_calls": [...]}``
+    (OpenAI-shaped tool calls, arguments fragments joined), for non-streamed responses and tests."""
+    reasoning: list[str] = []
+    content: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        if d.kind == REASONING:
+            reasoning.append(d.text)
+        elif d.kind == CONTENT:
+            content.append(d.text)
+        elif d.kind == TOOL_CALL:
+            call = calls.setdefault(d.index, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+            if d.id is not None:
+                call["id"] = d.id
+            if d.name is not None:
+                call["function"]["name"] = d.name
+            call["function"]["arguments"] += d.arguments or ""
+    return {
+        "reasoning": "".join(reasoning),
+        "content": "".join(content),
+        "tool_calls": [calls[i] for i in sorted(calls)],
+    }

@@ -1,0 +1,186 @@
+"""Tool calling at the text level: reading the model's ``<tool_call>`` blocks, and ``tool_choice``.
+
+Qwen, Hermes and most ChatML models write a call as::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+:func:`parse_tool_block` reads the JSON between the markers. :func:`resolve_tool_choice` turns a
+request's ``tools`` and ``tool_choice`` into what the template and the emitter are given.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "ParsedToolCall",
+    "ToolChoiceError",
+    "ToolPolicy",
+    "new_call_id",
+    "parse_tool_block",
+    "resolve_tool_choice",
+]
+
+TOOL_OPEN = "<tool_call>"
+TOOL_CLOSE = "</tool_call>"
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def new_call_id() -> str:
+    """An OpenAI-style tool call id: ``call_`` and 24 random letters and digits."""
+    return "call_" + "".join(secrets.choice(_ALPHANUMERIC) for _ in range(24))
+
+
+@dataclass(frozen=True)
+class ParsedToolCall:
+    """One call read from a tool block: the function name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+def _strip_fence(text: str) -> str:
+    # Some models wrap the JSON in a Markdown code fence inside the block.
+    if text.startswith("```"):
+        first_newline = text.find("\n")
+        if first_newline != -1 and text.endswith("```"):
+            return text[first_newline + 1 : -3].strip()
+    return text
+
+
+def _one_call(obj: Any) -> ParsedToolCall | None:
+    if not isinstance(obj, Mapping):
+        return None
+    if isinstance(obj.get("function"), Mapping) and "name" not in obj:
+        obj = obj["function"]  # {"type": "function", "function": {...}}, OpenAI's own shape
+    name = obj.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return None
+    # "arguments" is Qwen's key, "parameters" Llama's.
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if args is None:
+        args = {}
+    if isinstance(args, str):
+        # A model may write the arguments as a JSON string, as OpenAI transmits them.
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    if not isinstance(args, Mapping):
+        return None
+    return ParsedToolCall(name=name.strip(), arguments=json.dumps(args, ensure_ascii=False))
+
+
+def parse_tool_block(text: str) -> list[ParsedToolCall] | None:
+    """Parse the inside of one ``<tool_call>`` block; None when it is not a well-formed call.
+
+    Accepts surrounding whitespace, a code fence, ``{"name", "arguments"}`` (Qwen/Hermes) or
+    ``{"name", "parameters"}`` (Llama) objects, arguments as an object or as JSON text, and several
+    objects in a row or in a JSON list (each becomes a call). Arguments come back as compact-spaced
+    JSON text with non-ASCII characters kept as they are.
+    """
+    body = _strip_fence(text.strip())
+    if not body:
+        return None
+    decoder = json.JSONDecoder()
+    calls: list[ParsedToolCall] = []
+    pos = 0
+    while pos < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except ValueError:
+            return None
+        for item in obj if isinstance(obj, list) else [obj]:
+            call = _one_call(item)
+            if call is None:
+                return None
+            calls.append(call)
+        pos = end
+        while pos < len(body) and body[pos] in " \t\r\n,;":
+            pos += 1
+    return calls or None
+
+
+# ------------------------------------------------------------------ tool_choice
+
+
+class ToolChoiceError(ValueError):
+    """``tools`` / ``tool_choice`` are not valid together (a 400 for the client)."""
+
+
+@dataclass(frozen=True)
+class ToolPolicy:
+    """What a request's ``tools`` and ``tool_choice`` mean for rendering and parsing.
+
+    ``template_tools``: the tools to hand to the chat template (None: none). ``parse``: whether the
+    emitter reads ``<tool_call>`` blocks (``Emitter(tools_enabled=...)``). ``choice``: "none",
+    "auto", "required" or "function"; ``function``: the forced function's name for "function".
+    Enforcing "required" and a named function is the HTTP layer's decision; they are passed through.
+    """
+
+    template_tools: list[dict[str, Any]] | None
+    parse: bool
+    choice: str
+    function: str | None = None
+
+    @property
+    def required(self) -> bool:
+        """The client demands a call ("required" or a named function)."""
+        return self.choice in ("required", "function")
+
+
+def _tool_names(tools: Sequence[Any]) -> list[str]:
+    names = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+            raise ToolChoiceError(f"tools[{i}]: only tools of type 'function' are supported")
+        fn = tool.get("function")
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ToolChoiceError(f"tools[{i}]: 'function.name' is required")
+        names.append(fn["name"])
+    return names
+
+
+def resolve_tool_choice(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any = None) -> ToolPolicy:
+    """Read ``tools`` and ``tool_choice`` as OpenAI defines them.
+
+    - ``none``: the tools are not passed to the template and tool parsing is off;
+    - ``auto`` (the default with tools): tools passed, parsing on;
+    - ``required`` and ``{"type": "function", "function": {"name": ...}}``: as ``auto``, with the
+      demand recorded for the HTTP layer; the name must be one of the tools.
+
+    Without tools the default is ``none``, and asking for a call is an error. Raises
+    :class:`ToolChoiceError` for anything malformed.
+    """
+    if tools is not None and not isinstance(tools, Sequence):
+        raise ToolChoiceError("'tools' must be a list")
+    tools = list(tools or [])
+    names = _tool_names(tools)
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if isinstance(tool_choice, str):
+        if tool_choice == "none":
+            return ToolPolicy(template_tools=None, parse=False, choice="none")
+        if tool_choice not in ("auto", "required"):
+            raise ToolChoiceError(f"tool_choice {tool_choice!r} is not one of 'none', 'auto', 'required'")
+        if not tools:
+            if tool_choice == "auto":
+                return ToolPolicy(template_tools=None, parse=False, choice="none")
+            raise ToolChoiceError("tool_choice 'required' needs 'tools'")
+        return ToolPolicy(template_tools=[dict(t) for t in tools], parse=True, choice=tool_choice)
+    if isinstance(tool_choice, Mapping):
+        fn = tool_choice.get("function")
+        if tool_choice.get("type") != "function" or not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ToolChoiceError('tool_choice must be {"type": "function", "function": {"name": ...}}')
+        if fn["name"] not in names:
+            raise ToolChoiceError(f"tool_choice names function {fn['name']!r}, which is not in 'tools'")
+        return ToolPolicy(template_tools=[dict(t) for t in tools], parse=True, choice="function", function=fn["name"])
+    raise ToolChoiceError("tool_choice must be a string or an object")
