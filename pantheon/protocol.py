@@ -104,7 +104,7 @@ class Loaded(msgspec.Struct, tag=True, kw_only=True):
 
 class LoadFailed(msgspec.Struct, tag=True, kw_only=True):
     instance: str
-    kind: str  # not_found | unsupported | invalid | out_of_memory | internal
+    kind: str  # not_found | unsupported | invalid | out_of_memory | internal | cancelled
     reason: str
 
 
@@ -126,7 +126,7 @@ class Rejected(msgspec.Struct, tag=True, kw_only=True):
     """A Submit the engine could not take (prompt too long for the pool, unknown instance)."""
 
     request_id: str
-    kind: str  # context_length | no_instance | invalid
+    kind: str  # context_length | no_instance | invalid | duplicate
     reason: str
 
 
