@@ -1,0 +1,375 @@
+"""``pantheon make-model``: presets write folders that transformers loads as-is."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pantheon import makemodel
+from pantheon import tokenizer_train as tt
+
+TINY = ["tiny", "tiny-llama", "tiny-qwen2"]
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "Ça va? Größe, señor, Zażółć gęślą jaźń.",
+    "Καλημέρα κόσμε. Доброе утро!",
+    "中文。今天天气很好。日本語のテキスト。한국어",
+    "Emoji 🎉🦜 👨‍👩‍👧‍👦 and symbols ∑ ≤ ½ €",
+    'def f(x):\n    return {"a": [1, 2.5, null]}  # 12345\n\n\ttab',
+]
+
+
+def _files_digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def hf():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+@pytest.fixture(scope="module")
+def raw_tokenizer(tiny_model):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+
+
+def _load(hf, folder: Path):
+    model, info = hf.AutoModelForCausalLM.from_pretrained(
+        folder, local_files_only=True, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info["mismatched_keys"], info
+    return model.eval()
+
+
+def _logits(model, ids=(3992, 100, 200, 300, 3993, 198)):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits.float()
+
+
+# ------------------------------------------------------------------------------------- import
+
+
+def test_import_does_not_pull_in_torch():
+    code = "import sys, pantheon.makemodel; print(sorted({'torch', 'tokenizers', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------- models
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_tiny_preset_loads_and_runs(hf, model_factory, preset):
+    import torch
+
+    folder = model_factory(preset)
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= names
+    model = _load(hf, folder)
+    config = makemodel.PRESETS[preset]
+    assert type(model).__name__ == config["architectures"][0]
+    assert model.dtype == torch.bfloat16
+    logits = _logits(model)
+    assert logits.shape == (1, 6, config["vocab_size"])
+    assert torch.isfinite(logits).all()
+    # Not degenerate: real spread across the vocabulary, different rows per position.
+    real = logits[0, :, : tt.VOCAB_SIZE]
+    assert real.std() > 0.05
+    assert not torch.allclose(real[0], real[1])
+    # Padding rows past the tokenizer are zero, so their logits are exactly 0.
+    assert (logits[0, :, tt.VOCAB_SIZE:] == 0).all()
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_tensor_names_and_norm_jitter(model_factory, preset):
+    from safetensors import safe_open
+
+    with safe_open(model_factory(preset) / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        norm = f.get_tensor("model.layers.0.input_layernorm.weight").float()
+    assert "model.embed_tokens.weight" in keys and "model.norm.weight" in keys
+    assert ("lm_head.weight" in keys) == (preset == "tiny-llama")
+    assert ("model.layers.1.self_attn.q_norm.weight" in keys) == (preset == "tiny")
+    assert ("model.layers.1.self_attn.k_proj.bias" in keys) == (preset == "tiny-qwen2")
+    assert "model.layers.1.self_attn.o_proj.bias" not in keys
+    # Norm weights are 1 + 0.1 * N(0, 1) on the tiny presets.
+    assert 0.9 < norm.mean() < 1.1 and 0.03 < norm.std() < 0.3
+
+
+def test_large_preset_norms_are_ones(tmp_path):
+    from safetensors import safe_open
+
+    # The qwen3-0.6b preset shrunk through overrides: norms are plain ones there.
+    out = makemodel.make_model("qwen3-0.6b", tmp_path, num_hidden_layers=1, hidden_size=32,
+                               intermediate_size=64, head_dim=8, vocab_size=4096)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert (f.get_tensor("model.layers.0.self_attn.q_norm.weight") == 1).all()
+        assert (f.get_tensor("model.norm.weight") == 1).all()
+        assert f.get_tensor("model.embed_tokens.weight").shape == (4096, 32)
+
+
+def test_same_seed_same_bytes(tmp_path, tiny_model):
+    again = makemodel.make_model("tiny", tmp_path / "again")
+    assert _files_digest(again) == _files_digest(tiny_model)
+    other = makemodel.make_model("tiny", tmp_path / "other", seed=1)
+    digests = _files_digest(other)
+    assert digests["model.safetensors"] != _files_digest(tiny_model)["model.safetensors"]
+    assert digests["tokenizer.json"] == _files_digest(tiny_model)["tokenizer.json"]
+
+
+def test_same_bytes_in_a_fresh_process(tmp_path, tiny_model):
+    # A new process retrains the tokenizer and redraws the weights, with one thread.
+    code = f"from pantheon.makemodel import make_model; make_model('tiny', {str(tmp_path)!r})"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=Path(__file__).parents[1])
+    assert _files_digest(tmp_path) == _files_digest(tiny_model)
+
+
+def test_config_overrides(hf, model_factory):
+    folder = model_factory("tiny", num_hidden_layers=3, tie_word_embeddings=False)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3 and config["tie_word_embeddings"] is False
+    model = _load(hf, folder)
+    assert len(model.model.layers) == 3
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    # The preset itself is unchanged.
+    assert makemodel.PRESETS["tiny"]["num_hidden_layers"] == 2
+
+
+@pytest.mark.parametrize(
+    "preset,rope_scaling",
+    [
+        ("tiny", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
+        ("tiny", {"rope_type": "linear", "factor": 2.0}),
+        ("tiny-llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}),
+    ],
+)
+def test_rope_scaling_override_loads(hf, model_factory, preset, rope_scaling):
+    import torch
+
+    folder = model_factory(preset, rope_scaling=rope_scaling)
+    assert json.loads((folder / "config.json").read_text())["rope_scaling"] == rope_scaling
+    model = _load(hf, folder)
+    rope = model.config.rope_parameters
+    assert rope["rope_type"] == rope_scaling["rope_type"] and rope["factor"] == rope_scaling["factor"]
+    assert torch.isfinite(_logits(model)).all()
+
+
+def test_dtype_float32(hf, model_factory):
+    import torch
+    from safetensors import safe_open
+
+    folder = model_factory("tiny-qwen2", dtype="float32")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "float32"
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.norm.weight").dtype == torch.float32
+    assert _load(hf, folder).dtype == torch.float32
+
+
+def test_sharded_folder_loads(hf, model_factory):
+    import torch
+
+    folder = model_factory("tiny-llama", shard_bytes=200_000)
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) >= 3 and not (folder / "model.safetensors").exists()
+    assert shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert all(p.stat().st_size < 200_000 + 400_000 for p in shards)  # one big tensor may exceed
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    specs = makemodel.tensor_specs(makemodel.PRESETS["tiny-llama"])
+    assert set(index["weight_map"]) == {name for name, _, _ in specs}
+    assert set(index["weight_map"].values()) == {p.name for p in shards}
+    assert index["metadata"]["total_size"] == sum(2 * makemodel._numel(s) for _, s, _ in specs)
+    # Same seed: the sharded model computes exactly what the single-file one does.
+    assert torch.equal(_logits(_load(hf, folder)), _logits(_load(hf, model_factory("tiny-llama"))))
+
+
+def test_generation_config(hf, tiny_model):
+    gen = hf.GenerationConfig.from_pretrained(tiny_model, local_files_only=True)
+    ids = tt.TOKEN_IDS
+    assert gen.eos_token_id == [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    assert gen.bos_token_id == gen.pad_token_id == ids["<|endoftext|>"]
+    assert gen.do_sample is True
+
+
+def test_qwen3_06b_config_shapes():
+    c = makemodel.PRESETS["qwen3-0.6b"]
+    assert c["architectures"] == ["Qwen3ForCausalLM"] and c["model_type"] == "qwen3"
+    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
+            c["num_key_value_heads"], c["head_dim"], c["intermediate_size"], c["vocab_size"]) == (
+        1024, 28, 16, 8, 128, 3072, 151936)
+    assert c["tie_word_embeddings"] is True and c["rope_theta"] == 1000000
+    assert c["rms_norm_eps"] == 1e-6 and c["max_position_embeddings"] == 40960
+    assert c["torch_dtype"] == "bfloat16" and c["hidden_act"] == "silu"
+    specs = makemodel.tensor_specs(c)
+    assert sum(makemodel._numel(shape) for _, shape, _ in specs) == 596_049_920  # Qwen3-0.6B's count
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="unknown preset"):
+        makemodel.make_model("nope", tmp_path)
+    with pytest.raises(ValueError, match="dtype"):
+        makemodel.make_model("tiny", tmp_path, dtype="int8")
+    with pytest.raises(ValueError, match="vocab_size"):
+        makemodel.make_model("tiny", tmp_path, vocab_size=1000)
+
+
+# ---------------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_sizes(raw_tokenizer):
+    assert raw_tokenizer.get_vocab_size() == tt.VOCAB_SIZE == 4000
+    for preset in TINY:
+        assert makemodel.PRESETS[preset]["vocab_size"] == -(-tt.VOCAB_SIZE // 64) * 64 == 4032
+
+
+def test_training_is_deterministic():
+    # Two uncached trainings (each with fresh Rust hash seeds) give the same tokenizer.json.
+    assert tt.train_tokenizer().to_str() == tt.train_tokenizer().to_str()
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip_and_hf_parity(hf, tiny_model, raw_tokenizer, text):
+    tok = hf.AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
+    ids = raw_tokenizer.encode(text).ids
+    assert raw_tokenizer.decode(ids) == text
+    assert tok(text).input_ids == ids  # no BOS is added; same pipeline as tokenizer.json
+    assert tok.decode(ids) == text
+
+
+def test_multibyte_characters_split_across_tokens(raw_tokenizer):
+    # Detokenizer tests rely on this: these characters take several tokens, and a token on its
+    # own is an incomplete UTF-8 sequence.
+    vocab = {i: s for s, i in raw_tokenizer.get_vocab().items()}
+    from tokenizers.decoders import ByteLevel
+
+    for char in ["🦜", "文"]:
+        ids = raw_tokenizer.encode(char).ids
+        assert len(ids) > 1, (char, ids)
+        first = ByteLevel().decode([vocab[ids[0]]])
+        assert "\ufffd" in first or first != char[: len(first)], (char, first)
+
+
+def test_special_tokens_are_single_ids(hf, tiny_model, raw_tokenizer):
+    text = "".join(f"a{t}b" for t, _ in tt.ADDED_TOKENS)
+    ids = raw_tokenizer.encode(text).ids
+    for token, _ in tt.ADDED_TOKENS:
+        assert raw_tokenizer.encode(token).ids == [tt.TOKEN_IDS[token]]
+        assert tt.TOKEN_IDS[token] in ids
+    tok = hf.AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert tok.eos_token_id == tt.TOKEN_IDS["<|im_end|>"]
+    # As in Qwen3: ChatML markers are special (skipped), think/tool tags are not.
+    decoded = tok.decode(raw_tokenizer.encode("<|im_start|>hi<think>x</think><|im_end|>").ids,
+                         skip_special_tokens=True)
+    assert decoded == "hi<think>x</think>"
+
+
+def test_tokenizer_config_fields(tiny_model):
+    cfg = json.loads((tiny_model / "tokenizer_config.json").read_text())
+    for key in ("chat_template", "bos_token", "eos_token", "pad_token", "model_max_length"):
+        assert cfg[key], key
+    assert cfg["model_max_length"] == 4096
+    decoder = cfg["added_tokens_decoder"]
+    assert {v["content"]: v["special"] for v in decoder.values()} == dict(tt.ADDED_TOKENS)
+    assert {int(k): v["content"] for k, v in decoder.items()} == {i: t for t, i in tt.TOKEN_IDS.items()}
+
+
+# ------------------------------------------------------------------------------ chat template
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & later",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Zürich?"},
+    {"role": "assistant", "content": None, "reasoning_content": "Use the tool.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Bern"}}},
+    ]},
+    {"role": "tool", "tool_call_id": "c1", "content": "12 °C"},
+    {"role": "tool", "tool_call_id": "c2", "content": "10 °C"},
+]
+
+
+def test_chat_template_plain(hf, tiny_model):
+    tok = hf.AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!",
+                 "reasoning_content": "old thoughts are dropped"}, {"role": "user", "content": "Bye"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+                    "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")
+    no_think = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                       enable_thinking=False)
+    assert no_think == text + "<think>\n\n</think>\n\n"
+    # Content given as a list of text parts.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert tok.apply_chat_template(parts, tokenize=False) == "<|im_start|>user\nab<|im_end|>\n"
+    # Tokenized: the markers are single ids (transformers 5 returns a BatchEncoding here).
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert ids[0] == tt.TOKEN_IDS["<|im_start|>"] and ids.count(tt.TOKEN_IDS["<|im_end|>"]) == 3
+
+
+def test_chat_template_tools(hf, tiny_model):
+    tok = hf.AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
+    text = tok.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) + "\n</tools>" in text
+    assert ("<|im_start|>assistant\n<think>\nUse the tool.\n</think>\n\n<tool_call>\n"
+            '{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>\n<tool_call>\n'
+            '{"name": "get_weather", "arguments": {"city": "Bern"}}\n</tool_call><|im_end|>\n') in text
+    assert text.endswith("<|im_start|>user\n<tool_response>\n12 °C\n</tool_response>\n<tool_response>\n"
+                         "10 °C\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_chat_template_renders_with_plain_jinja(hf, tiny_model):
+    # The router renders with jinja2 directly; with an HF-style tojson it must match transformers.
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
+    ours = env.from_string(tt.CHAT_TEMPLATE).render(messages=CONVERSATION, tools=TOOLS,
+                                                   add_generation_prompt=True)
+    tok = hf.AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
+    assert ours == tok.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False,
+                                           add_generation_prompt=True)
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_list(capsys):
+    assert makemodel.cli(["--list"]) == 0
+    out = capsys.readouterr().out
+    for name in makemodel.PRESETS:
+        assert name in out
+
+
+def test_cli_writes_tiny(tmp_path, tiny_model, capsys):
+    assert makemodel.cli(["--preset", "tiny", "--out", str(tmp_path / "m")]) == 0
+    assert _files_digest(tmp_path / "m") == _files_digest(tiny_model)
+    assert makemodel.cli(["--preset", "tiny", "--out", str(tmp_path / "f"), "--seed", "3",
+                          "--dtype", "float16", "--set", "num_hidden_layers=1"]) == 0
+    config = json.loads((tmp_path / "f" / "config.json").read_text())
+    assert config["torch_dtype"] == "float16" and config["num_hidden_layers"] == 1
+    assert makemodel.cli(["--preset", "tiny"]) == 2
+
+
+def test_pantheon_entry_point(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pantheon", "make-model", "--list"], capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).parents[1])
+    assert "qwen3-0.6b" in out.stdout
