@@ -59,6 +59,11 @@ def test_logits_match_transformers(model_factory, preset):
     assert_matches(model_factory(preset, dtype="float32"))
 
 
+def test_llama_with_attention_bias(model_factory):
+    """Llama with ``attention_bias``: biases on q, k, v and o."""
+    assert_matches(model_factory("tiny-llama", dtype="float32", attention_bias=True))
+
+
 def test_chunked_prefill_matches_transformers(model_factory):
     """A prompt split into 7-token chunks gives the same logits as one pass."""
     assert_matches(model_factory("tiny-llama", dtype="float32"), prefill_chunk=7, block_size=4)

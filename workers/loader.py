@@ -100,6 +100,8 @@ def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor,
             if cfg.attention_bias:
                 t[f"{p}self_attn.{kind}_proj.bias"] = (a.qkv_proj.bias, off, rows)
         t[f"{p}self_attn.o_proj.weight"] = (a.o_proj.weight, 0, cfg.hidden_size)
+        if cfg.o_bias:
+            t[f"{p}self_attn.o_proj.bias"] = (a.o_proj.bias, 0, cfg.hidden_size)
         if cfg.qk_norm:
             t[f"{p}self_attn.q_norm.weight"] = (a.q_norm.weight, 0, cfg.head_dim)
             t[f"{p}self_attn.k_norm.weight"] = (a.k_norm.weight, 0, cfg.head_dim)

@@ -62,7 +62,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -85,11 +85,7 @@ class Attention(nn.Module):
 
         out = torch.empty_like(q)  # [N, H, D]
         if b.n_decode:
-            kk = k_cache[b.decode_gather].transpose(1, 2)  # [B, KV, T, D]
-            vv = v_cache[b.decode_gather].transpose(1, 2)
-            qd = q[: b.n_decode].unsqueeze(2)  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(qd, kk, vv, attn_mask=b.decode_mask, enable_gqa=True)
-            out[: b.n_decode] = o.squeeze(2)
+            out[: b.n_decode] = self._decode_attention(q[: b.n_decode], b, k_cache, v_cache)
         for c in b.prefills:
             kk = k_cache[c.gather].transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]
             vv = v_cache[c.gather].transpose(0, 1).unsqueeze(0)
@@ -99,6 +95,24 @@ class Attention(nn.Module):
             )
             out[c.start : c.end] = o[0].transpose(0, 1)
         return self.o_proj(out.view(n, self.q_size))
+
+
+    def _decode_attention(self, q: torch.Tensor, b: AttnBatch, k_cache, v_cache) -> torch.Tensor:
+        """One query per sequence against its cached keys. q: [B, H, D] -> [B, H, D].
+
+        Plain matmuls rather than SDPA: with one query row the fused CPU kernel's setup costs
+        more than the arithmetic. Grouped heads share their K/V without copying them.
+        """
+        bsz, g = q.shape[0], self.n_heads // self.n_kv
+        k = k_cache[b.decode_gather]  # [B, T, KV, D]
+        v = v_cache[b.decode_gather]
+        qg = q.view(bsz, self.n_kv, g, self.head_dim)  # [B, KV, G, D]
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float()  # [B, KV, G, T]
+        scores = scores * self.head_dim**-0.5
+        scores = scores.masked_fill(~b.decode_mask, float("-inf"))  # mask: [B, 1, 1, T]
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        o = torch.matmul(probs, v.transpose(1, 2))  # [B, KV, G, D]
+        return o.reshape(bsz, self.n_heads, self.head_dim)
 
 
 class MLP(nn.Module):

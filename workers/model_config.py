@@ -45,7 +45,8 @@ class ModelConfig:
     max_position_embeddings: int
     rope: RopeConfig
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v biases (Qwen2 always, Llama when attention_bias is set)
+    attention_bias: bool  # q/k/v biases (Qwen2 always, Llama/Qwen3 when attention_bias is set)
+    o_bias: bool  # o_proj bias: Llama/Qwen3 with attention_bias; never in Qwen2
     qk_norm: bool  # Qwen3's per-head RMSNorm on q and k
     torch_dtype: str  # the checkpoint's dtype name: bfloat16 | float16 | float32
     bos_token_id: int | None
@@ -162,6 +163,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         rope=_rope_from(raw, str(path)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        o_bias=arch != "qwen2" and bool(raw.get("attention_bias", False)),
         qk_norm=arch == "qwen3",
         torch_dtype=dtype,
         bos_token_id=raw.get("bos_token_id"),

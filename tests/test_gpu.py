@@ -1,0 +1,66 @@
+"""The same engine on ``cuda:N``: skipped without a CUDA device (``just gpu-check`` runs them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pantheon.protocol import SamplingParams
+from workers.engine import Engine
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 17, 300, 41], list(range(100, 160)), [64], [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+def run(eng: Engine, params: SamplingParams) -> dict[str, list[int]]:
+    for i, p in enumerate(PROMPTS):
+        eng.submit(f"p{i}", p, params)
+    out: dict[str, list[int]] = {}
+    while eng.has_work():
+        for o in eng.step():
+            out.setdefault(o.request_id, []).append(o.token)
+    return out
+
+
+def test_cuda_logits_match_cpu(model_factory):
+    path = str(model_factory("tiny-llama", dtype="float32"))
+    rows = {}
+    for dev in ("cpu", "cuda:0"):
+        eng = Engine(path, devices=[dev], dtype="float32", kv_budget_bytes=4 << 20)
+        eng.on_logits = lambda seqs, logits, dev=dev: rows.setdefault(dev, logits.cpu().clone())
+        run(eng, SamplingParams(temperature=0.0, max_tokens=1))
+    assert (rows["cpu"] - rows["cuda:0"]).abs().max() < 1e-3
+
+
+def test_cuda_batch_equals_alone_and_seeded_sampling(model_factory):
+    path = str(model_factory("tiny-llama", dtype="float32"))
+    eng = Engine(path, devices=["cuda:0"], dtype="float32", kv_budget_bytes=4 << 20)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    together = run(eng, greedy)
+    for i, p in enumerate(PROMPTS):
+        eng.submit("solo", p, greedy)
+        solo = []
+        while eng.has_work():
+            solo += [o.token for o in eng.step()]
+        assert solo == together[f"p{i}"]
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    assert run(eng, seeded) == run(eng, seeded)
+
+
+def test_bf16_and_int8_on_cuda(model_factory):
+    path = str(model_factory("tiny-llama"))
+    for quant in (False, True):
+        eng = Engine(path, devices=["cuda:0"], dtype="bfloat16", kv_budget_bytes=4 << 20, quantize=quant)
+        out = run(eng, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        assert all(len(v) == 8 for v in out.values())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_layers_split_across_two_dies(model_factory):
+    path = str(model_factory("tiny-llama", dtype="float32"))
+    one = Engine(path, devices=["cuda:0"], dtype="float32", kv_budget_bytes=4 << 20)
+    two = Engine(path, devices=["cuda:0", "cuda:1"], dtype="float32", kv_budget_bytes=4 << 20)
+    assert {d.index for d in two.model.layer_devices} == {0, 1}
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert run(one, greedy) == run(two, greedy)
