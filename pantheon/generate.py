@@ -1,0 +1,499 @@
+"""One chat request end to end, on the router side.
+
+render the chat template -> tokenize -> ``Submit`` to the instance's worker -> stream ``TokenOut``
+-> incremental detokenize -> emitter (reasoning / content / tool calls / stop strings) -> deltas,
+turned into SSE chunks (``stream_chunks``) or one completion body (``complete``).
+
+- A stop string found by the emitter aborts the worker request at once; so does a client that
+  goes away (the generators' ``finally`` sends the abort when they are closed or cancelled).
+- ``usage.completion_tokens`` counts the tokens the client received (up to and including the one
+  that ended the choice), not what the worker may have generated past a stop string.
+- ``n > 1`` runs n worker requests; a seeded request gives choice i the seed ``seed + i``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from pantheon import openai_api as oa
+from pantheon.chat.detokenize import IncrementalDetokenizer
+from pantheon.chat.emitter import Delta, Emitter
+from pantheon.chat.template import ChatTemplate, TemplateError, think_open
+from pantheon.openai_api import ApiError, ChatRequest
+from pantheon.protocol import Submit
+
+try:  # the pool's error types (classified by name if the module is not there)
+    from pantheon.workerpool import RequestRejectedError, WorkerDied
+except ImportError:  # pragma: no cover
+    class RequestRejectedError(Exception):  # type: ignore[no-redef]
+        kind = "invalid"
+        reason = ""
+
+    class WorkerDied(Exception):  # type: ignore[no-redef]
+        pass
+
+log = logging.getLogger("pantheon.generate")
+
+
+# ---------------------------------------------------------------- the per-model bundle
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table, inverted: the ByteLevel pre-tokenizer's alphabet."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _ids(v: Any) -> list[int]:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return [v]
+    if isinstance(v, list):
+        return [x for x in v if isinstance(x, int) and not isinstance(x, bool)]
+    return []
+
+
+class ModelAssets:
+    """What the router needs of a model folder: tokenizer, chat template, eos ids."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        self.template = ChatTemplate.from_model_dir(self.path)
+        src = (self.template.source or "") + (self.template.tool_use_source or "")
+        self.reasoning = "<think>" in src or (self.template.is_fallback and self.template.reasoning)
+        self.tool_call_markup = "<tool_call>" in src or self.template.is_fallback
+        eos: list[int] = []
+        for name in ("generation_config.json", "config.json"):
+            eos += _ids(_read_json(self.path / name).get("eos_token_id"))
+        if self.template.eos_token:
+            tid = self.tokenizer.token_to_id(self.template.eos_token)
+            if tid is not None:
+                eos.append(tid)
+        self.eos_ids = list(dict.fromkeys(eos))
+        tj = _read_json(self.path / "tokenizer.json")
+        self._byte_level = "ByteLevel" in json.dumps(tj.get("decoder") or {})
+        self._bd = _byte_decoder() if self._byte_level else {}
+        self._added = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+        self._pieces: dict[int, tuple[str, bytes]] = {}
+
+    def add_eos(self, ids: list[int]) -> None:
+        self.eos_ids = list(dict.fromkeys(self.eos_ids + list(ids)))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        """A token's own text and bytes, for logprobs (``bytes:\\x..`` when not valid UTF-8)."""
+        got = self._pieces.get(token_id)
+        if got is not None:
+            return got
+        if token_id in self._added:
+            raw = self._added[token_id].encode()
+        else:
+            tok = self.tokenizer.id_to_token(token_id) or ""
+            if self._byte_level and all(c in self._bd for c in tok):
+                raw = bytes(self._bd[c] for c in tok)
+            elif len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+                raw = bytes([int(tok[3:5], 16)])
+            else:
+                raw = tok.replace("\u2581", " ").encode()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        self._pieces[token_id] = (text, raw)
+        return text, raw
+
+
+# ---------------------------------------------------------------- preparing a request
+
+
+@dataclass
+class Prepared:
+    prompt_ids: list[int]
+    prefix: str  # text the emitter reads before the model's (a forced tool call's opening)
+    think_open: bool
+    max_tokens: int
+    forced: str | None = None  # the function a named tool_choice forces
+
+
+def prepare(assets: ModelAssets, req: ChatRequest, max_model_len: int) -> Prepared:
+    tools = req.tools if req.tools_enabled else None
+    try:
+        prompt = assets.template.render(req.messages, tools=tools, add_generation_prompt=True,
+                                        **req.chat_template_kwargs)
+    except TemplateError as e:
+        raise oa.invalid("messages", f"the chat template refused this conversation: {e.message}")
+    opened = assets.reasoning and think_open(prompt)
+    prefix, forced = "", None
+    if tools and req.tool_choice in ("required", "function") and assets.tool_call_markup:
+        forced = req.tool_choice_name
+        if forced is None and len(tools) == 1:  # "required" with one tool names it
+            forced = tools[0]["function"]["name"]
+        prefix = "<tool_call>\n"
+        if forced is not None:
+            prefix += '{"name": ' + json.dumps(forced) + ', "arguments": '
+        if opened:  # close the reasoning the template opened: a forced call comes at once
+            prompt += "\n</think>\n\n"
+            opened = False
+        prompt += prefix
+    ids = assets.encode(prompt)
+    room = max_model_len - len(ids)
+    if room < 1:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens; "
+                            f"the messages take {len(ids)}.", param="messages",
+                       code="context_length_exceeded")
+    if req.max_tokens is not None and req.max_tokens > room:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                            f"However, you requested {len(ids) + req.max_tokens} tokens "
+                            f"({len(ids)} in the messages, {req.max_tokens} in the completion).",
+                       param="max_tokens", code="context_length_exceeded")
+    return Prepared(ids, prefix, opened, req.max_tokens or room, forced)
+
+
+def _pool_error(e: BaseException) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, RequestRejectedError):
+        kind, reason = getattr(e, "kind", "invalid"), getattr(e, "reason", str(e))
+        if kind == "context_length":
+            return ApiError(400, reason, param="messages", code="context_length_exceeded")
+        if kind == "no_instance":
+            return ApiError(503, reason, type="server_error", code="model_not_ready")
+        return ApiError(400, reason, code=kind)
+    if isinstance(e, WorkerDied):
+        return ApiError(503, f"the worker serving this model died: {e}", type="server_error",
+                        code="worker_died")
+    log.exception("generation failed", exc_info=e)
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
+                    code="internal_error")
+
+
+class ForcedCall:
+    """The output of a request whose ``tool_choice`` names a function: the prompt already holds
+    ``<tool_call>\\n{"name": NAME, "arguments": `` so everything the model writes, up to the
+    wrapper's closing ``}`` and ``</tool_call>``, is that call's arguments, streamed as it comes.
+    Same interface as the emitter (``feed``, ``finish``, ``stopped``)."""
+
+    _TAIL = re.compile(r"(?:\}\s*)?\s*(?:<(?:/(?:t(?:o(?:o(?:l(?:_(?:c(?:a(?:l(?:l(?:>)?)?)?)?)?)?)?)?)?)?)?)?$")
+
+    def __init__(self, name: str):
+        self.name = name
+        self.stopped = False
+        self._buf = ""
+        self._sent = ""
+        self._started = False
+
+    def _header(self) -> list[Delta]:
+        if self._started:
+            return []
+        self._started = True
+        return [Delta("tool_call", index=0, id=oa.tool_call_id(), name=self.name, arguments="")]
+
+    def _args(self, text: str) -> list[Delta]:
+        self._sent += text
+        return self._header() + ([Delta("tool_call", index=0, arguments=text)] if text else [])
+
+    def feed(self, text: str) -> list[Delta]:
+        if self.stopped or not text:
+            return self._header() if not self.stopped else []
+        self._buf += text
+        end = self._buf.find("</tool_call>")
+        if end >= 0:
+            self.stopped = True
+            body = self._buf[:end].rstrip()
+            self._buf = ""
+            return self._args(body[:-1].rstrip() if body.endswith("}") else body)
+        cut = self._TAIL.search(self._buf).start()  # hold what may be the wrapper's end
+        out, self._buf = self._buf[:cut], self._buf[cut:]
+        return self._args(out)
+
+    def finish(self) -> list[Delta]:
+        body, self._buf = self._buf.rstrip(), ""
+        if body.endswith("}") and not _is_json(self._sent + body) and _is_json(
+                self._sent + body[:-1]):
+            body = body[:-1].rstrip()
+        return self._args(body)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------- one choice
+
+
+@dataclass
+class Piece:
+    index: int
+    deltas: list  # emitter Deltas
+    logprobs: list[dict] | None
+    finish: str | None = None  # set on the choice's last piece
+
+
+@dataclass
+class ChoiceRun:
+    index: int
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    tool_calls: bool = False
+    call_ids: dict[int, str] = field(default_factory=dict)
+
+
+class Generation:
+    """One chat request on one instance: ``n`` choices, streamed or collected."""
+
+    def __init__(self, pool: Any, inst: Any, req: ChatRequest, prep: Prepared, fingerprint: str):
+        self.pool, self.inst, self.req, self.prep = pool, inst, req, prep
+        self.id = oa.completion_id()
+        self.created = oa.now()
+        self.model = inst.name
+        self.fingerprint = fingerprint
+        self.runs = [ChoiceRun(i) for i in range(req.n)]
+
+    def _emitter(self):
+        req, prep, assets = self.req, self.prep, self.inst.assets
+        if prep.forced is not None:
+            return ForcedCall(prep.forced)
+        return Emitter(reasoning=assets.reasoning, stop=req.stop,
+                       tools_enabled=req.tools_enabled, think_open=prep.think_open)
+
+    async def _pieces(self, run: ChoiceRun) -> AsyncIterator[Piece]:
+        """The choice's output, one ``Piece`` per batch of tokens that arrived together."""
+        req, prep, assets = self.req, self.prep, self.inst.assets
+        emitter = self._emitter()
+        detok = IncrementalDetokenizer(assets.tokenizer, prompt_ids=prep.prompt_ids,
+                                       skip_special_tokens=True)
+        pending = emitter.feed(prep.prefix) if prep.prefix and prep.forced is None else []
+        seed = None if req.seed is None else req.seed + run.index
+        params = req.sampling(max_tokens=prep.max_tokens, seed=seed,
+                              stop_token_ids=[] if req.ignore_eos else assets.eos_ids)
+        rid = f"{self.id}-{run.index}-{uuid.uuid4().hex[:6]}"
+        sub = Submit(request_id=rid, instance=self.inst.instance_id, prompt=prep.prompt_ids,
+                     params=params, session_id=req.session_id)
+        stream = None
+        try:
+            stream = self.pool.submit(self.inst.die, sub)
+            while True:
+                toks = await stream.next_batch()
+                if not toks:
+                    raise ApiError(500, "the worker ended the request without a finish",
+                                   type="server_error", code="internal_error")
+                deltas, lps, finish = pending, [] if req.logprobs else None, None
+                pending = []
+                for tok in toks:
+                    if tok.finish == "abort":
+                        raise ApiError(500, "the worker aborted this request",
+                                       type="server_error", code="aborted")
+                    run.completion_tokens += 1
+                    text = detok.push(tok.token)
+                    new = emitter.feed(text) if text else []
+                    if emitter.stopped:
+                        finish = "stop"
+                    elif tok.finish is not None:
+                        tail = detok.flush()
+                        if tail:
+                            new += emitter.feed(tail)
+                        if not emitter.stopped:
+                            new += emitter.finish()
+                        finish = "stop" if emitter.stopped else tok.finish
+                    for d in new:
+                        if d.kind == "reasoning":
+                            run.reasoning_tokens += 1
+                            break
+                    deltas += new
+                    if lps is not None:
+                        lps.append(self._logprob(tok))
+                    if finish is not None:
+                        break
+                if any(d.kind == "tool_call" for d in deltas):
+                    run.tool_calls = True
+                if finish is not None:
+                    if finish == "stop" and run.tool_calls:
+                        finish = "tool_calls"
+                    run.finish_reason = finish
+                    yield Piece(run.index, deltas, lps, finish)
+                    return
+                yield Piece(run.index, deltas, lps)
+        except (GeneratorExit, asyncio.CancelledError):
+            raise
+        except BaseException as e:
+            raise _pool_error(e) from None
+        finally:
+            if stream is not None:
+                stream.abort()  # a no-op once the worker finished it
+
+    def _logprob(self, tok: Any) -> dict:
+        assets = self.inst.assets
+        text, raw = assets.piece(tok.token)
+        top = [(assets.piece(t)[0], lp, assets.piece(t)[1]) for t, lp in (tok.top or [])]
+        lp = tok.logprob if tok.logprob is not None else 0.0
+        return oa.token_logprob(text, lp, raw, top)
+
+    async def _all_pieces(self) -> AsyncIterator[Piece]:
+        """Every choice's pieces, interleaved as they come."""
+        if len(self.runs) == 1:
+            gen = self._pieces(self.runs[0])
+            try:
+                async for p in gen:
+                    yield p
+            finally:
+                await gen.aclose()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(run: ChoiceRun) -> None:
+            try:
+                async for p in self._pieces(run):
+                    await queue.put(p)
+            except BaseException as e:
+                await queue.put(e)
+                raise
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(r)) for r in self.runs]
+        try:
+            live = len(tasks)
+            while live:
+                item = await queue.get()
+                if item is None:
+                    live -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def usage(self) -> dict:
+        return oa.usage(len(self.prep.prompt_ids),
+                        sum(r.completion_tokens for r in self.runs),
+                        reasoning_tokens=sum(r.reasoning_tokens for r in self.runs))
+
+    # ------------------------------------------------------------ streamed
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
+        return oa.sse(oa.chunk(self.id, self.created, self.model, self.fingerprint, choices,
+                               include_usage=self.req.include_usage, usage_=usage))
+
+    def _delta_dicts(self, run: ChoiceRun, deltas: list) -> list[dict]:
+        out: list[dict] = []
+        for d in deltas:
+            if d.kind in ("content", "reasoning"):
+                key = "content" if d.kind == "content" else "reasoning_content"
+                if not d.text:
+                    continue
+                if out and list(out[-1]) == [key]:
+                    out[-1][key] += d.text
+                else:
+                    out.append({key: d.text})
+            elif d.kind == "tool_call":
+                entry: dict[str, Any] = {"index": d.index}
+                if d.index not in run.call_ids:
+                    run.call_ids[d.index] = d.id or oa.tool_call_id()
+                    entry["id"] = run.call_ids[d.index]
+                    entry["type"] = "function"
+                    entry["function"] = {"name": d.name or "", "arguments": d.arguments or ""}
+                else:
+                    entry["function"] = {"arguments": d.arguments or ""}
+                if out and list(out[-1]) == ["tool_calls"]:
+                    out[-1]["tool_calls"].append(entry)
+                else:
+                    out.append({"tool_calls": [entry]})
+        return out
+
+    async def stream_chunks(self) -> AsyncIterator[bytes]:
+        """SSE bytes: role deltas, content deltas, finish chunks, [usage], [DONE]."""
+        role = {"role": "assistant", "content": ""}
+        for run in self.runs:
+            yield self._chunk([oa.chunk_choice(run.index, dict(role))])
+        pending_lp: dict[int, list[dict]] = {}
+        try:
+            async for p in self._all_pieces():
+                run = self.runs[p.index]
+                lp = pending_lp.pop(p.index, []) + (p.logprobs or [])
+                dicts = self._delta_dicts(run, p.deltas)
+                for j, delta in enumerate(dicts):
+                    yield self._chunk([oa.chunk_choice(p.index, delta, None,
+                                                       lp if j == 0 and self.req.logprobs
+                                                       else None)])
+                if not dicts and lp:
+                    pending_lp[p.index] = lp
+                if p.finish is not None:
+                    rest = pending_lp.pop(p.index, None) if self.req.logprobs else None
+                    yield self._chunk([oa.chunk_choice(p.index, {}, p.finish, rest or None)])
+            if self.req.include_usage:
+                yield self._chunk([], self.usage())
+        except ApiError as e:
+            yield oa.sse(e.body())
+        except Exception as e:  # noqa: BLE001 - the stream must still end cleanly
+            yield oa.sse(_pool_error(e).body())
+        yield oa.SSE_DONE
+
+    # ------------------------------------------------------------ collected
+
+    async def complete(self) -> dict:
+        texts = {r.index: [] for r in self.runs}
+        reasoning = {r.index: [] for r in self.runs}
+        calls: dict[int, dict[int, dict]] = {r.index: {} for r in self.runs}
+        lps: dict[int, list[dict]] = {r.index: [] for r in self.runs}
+        async for p in self._all_pieces():
+            run = self.runs[p.index]
+            for d in p.deltas:
+                if d.kind == "content":
+                    texts[p.index].append(d.text or "")
+                elif d.kind == "reasoning":
+                    reasoning[p.index].append(d.text or "")
+                elif d.kind == "tool_call":
+                    c = calls[p.index].setdefault(d.index, {"id": d.id or oa.tool_call_id(),
+                                                            "name": d.name or "", "args": []})
+                    if d.name and not c["name"]:
+                        c["name"] = d.name
+                    c["args"].append(d.arguments or "")
+            if p.logprobs:
+                lps[p.index] += p.logprobs
+        choices = []
+        for run in self.runs:
+            i = run.index
+            tcs = [oa.tool_call(c["id"], c["name"], "".join(c["args"]))
+                   for _, c in sorted(calls[i].items())]
+            msg = oa.message("".join(texts[i]), reasoning="".join(reasoning[i]) or None,
+                             tool_calls=tcs or None)
+            choices.append(oa.choice(i, msg, run.finish_reason or "stop",
+                                     lps[i] if self.req.logprobs else None))
+        return oa.chat_completion(self.id, self.created, self.model, self.fingerprint, choices,
+                                  self.usage())

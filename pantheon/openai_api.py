@@ -1,0 +1,499 @@
+"""The OpenAI chat API surface: request validation into a typed ``ChatRequest``, and builders
+for every object the server sends back (completions, chunks, usage, models, errors).
+
+Validation is hand-written so that every invalid value is a 400 ``invalid_request_error`` whose
+``param`` names the exact field (``messages[2].content``, ``stop``, ``tool_choice.function.name``).
+Unknown fields are ignored, as OpenAI-compatible servers do. The builders emit exactly the shapes of
+the OpenAI OpenAPI schema (checked by tests/test_openai_api.py against ../shared/specs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from pantheon.protocol import SamplingParams
+
+MAX_STOP = 4
+MAX_N = 128
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    """An error the client sees as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (status, message, type,
+                                                                       param, code)
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(param: str | None, message: str, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def model_not_found(name: str | None) -> ApiError:
+    return ApiError(404, f"The model '{name}' does not exist", param="model",
+                    code="model_not_found")
+
+
+def no_model_loaded() -> ApiError:
+    return ApiError(503, "no model is loaded yet; retry shortly", type="server_error",
+                    code="model_not_ready", headers={"Retry-After": "1"})
+
+
+def server_busy() -> ApiError:
+    return ApiError(429, "a generation is already in progress on this model; retry shortly",
+                    type="rate_limit_error", code="server_busy")
+
+
+# ---------------------------------------------------------------- the typed request
+
+
+class ChatRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    messages: list[dict[str, Any]]  # normalised for the chat template
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = []
+    seed: int | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str = "auto"  # none | auto | required | function
+    tool_choice_name: str | None = None
+    response_format: str = "text"  # text | json_object
+    user: str | None = None
+    # extensions
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    session_id: str | None = None
+    chat_template_kwargs: dict[str, Any] = {}
+
+    @property
+    def tools_enabled(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def sampling(self, *, max_tokens: int, stop_token_ids: list[int],
+                 seed: int | None = None) -> SamplingParams:
+        greedy = self.temperature == 0.0 or self.top_p == 0.0
+        return SamplingParams(
+            temperature=0.0 if greedy else self.temperature,
+            top_p=1.0 if greedy else self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed if seed is None else seed,
+            max_tokens=max_tokens,
+            min_tokens=min(self.min_tokens, max_tokens),
+            stop_token_ids=list(stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs if self.logprobs else 0,
+        )
+
+
+# ---------------------------------------------------------------- field checkers
+
+
+def _int(body: dict, key: str, lo: int | None = None, hi: int | None = None,
+         param: str | None = None) -> int | None:
+    v = body.get(key)
+    param = param or key
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer() and not isinstance(v, bool):
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise invalid(param, f"'{param}' must be an integer, got {type(v).__name__}")
+    if lo is not None and v < lo or hi is not None and v > hi:
+        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise invalid(param, f"'{param}' must be {rng}, got {v}")
+    return v
+
+
+def _num(body: dict, key: str, lo: float | None = None, hi: float | None = None,
+         *, lo_open: bool = False) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise invalid(key, f"'{key}' must be a number, got {type(v).__name__}")
+    v = float(v)
+    if lo is not None and (v < lo or lo_open and v == lo) or hi is not None and v > hi:
+        rng = f"> {lo}" if lo_open and hi is None else (
+            f">= {lo}" if hi is None else f"between {lo} and {hi}")
+        raise invalid(key, f"'{key}' must be {rng}, got {v}")
+    return v
+
+
+def _typed(body: dict, key: str, kind: type, word: str, param: str | None = None) -> Any:
+    """``body[key]`` if it is a ``kind`` (None when absent); else a 400 naming ``param``."""
+    v = body.get(key)
+    if v is not None and not isinstance(v, kind):
+        raise invalid(param or key, f"'{param or key}' must be {word}")
+    return v
+
+
+def _bool(body: dict, key: str, param: str | None = None) -> bool | None:
+    return _typed(body, key, bool, "a boolean", param)
+
+
+def _str(body: dict, key: str, param: str | None = None) -> str | None:
+    return _typed(body, key, str, "a string", param)
+
+
+def _text(content: Any, param: str, *, allow_null: bool = False) -> str | None:
+    """A message's content: a string or a list of text parts, joined."""
+    if content is None:
+        if allow_null:
+            return None
+        raise invalid(param, f"'{param}' is required")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(param, f"'{param}' must be a string or an array of content parts")
+    if not content:
+        raise invalid(param, f"'{param}' must not be an empty array")
+    parts = []
+    for j, part in enumerate(content):
+        p = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise invalid(p, f"'{p}' must be an object")
+        kind = part.get("type")
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"{p}.text", f"'{p}.text' must be a string")
+            parts.append(part["text"])
+        elif kind == "refusal":
+            continue
+        else:
+            raise invalid(f"{p}.type", f"content part type {kind!r} is not supported "
+                                       "(only 'text')")
+    return "\n".join(parts)
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def _message(i: int, m: Any) -> dict[str, Any]:
+    p = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise invalid(p, f"'{p}' must be an object")
+    role = m.get("role")
+    if role not in _ROLES:
+        raise invalid(f"{p}.role", f"'{p}.role' must be one of {', '.join(_ROLES)}; got {role!r}")
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    if role == "assistant":
+        out["content"] = _text(m.get("content"), f"{p}.content", allow_null=True) or ""
+        calls = m.get("tool_calls")
+        if calls is not None:
+            out["tool_calls"] = _assistant_tool_calls(calls, f"{p}.tool_calls")
+        rc = m.get("reasoning_content")
+        if isinstance(rc, str) and rc:
+            out["reasoning_content"] = rc
+    else:
+        out["content"] = _text(m.get("content"), f"{p}.content")
+    if role in ("tool", "function"):
+        out["role"] = "tool"
+        tcid = _str(m, "tool_call_id", f"{p}.tool_call_id")
+        if role == "tool" and tcid is None:
+            raise invalid(f"{p}.tool_call_id", f"'{p}.tool_call_id' must be a string")
+        if tcid is not None:
+            out["tool_call_id"] = tcid
+    if _str(m, "name", f"{p}.name") is not None:
+        out["name"] = m["name"]
+    return out
+
+
+def _assistant_tool_calls(calls: Any, p: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise invalid(p, f"'{p}' must be an array")
+    out = []
+    for j, c in enumerate(calls):
+        q = f"{p}[{j}]"
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            raise invalid(f"{q}.function", f"'{q}.function' must be an object")
+        fn = c["function"]
+        if _str(fn, "name", f"{q}.function.name") is None:
+            raise invalid(f"{q}.function.name", f"'{q}.function.name' must be a string")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):  # templates want a dict (see specs/README.md)
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass
+        out.append({"id": c.get("id") or "", "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise invalid("tools", "'tools' must be an array")
+    out: list[dict[str, Any]] = []
+    for i, t in enumerate(tools):
+        p = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise invalid(p, f"'{p}' must be an object")
+        if t.get("type") != "function":
+            raise invalid(f"{p}.type", f"tool type {t.get('type')!r} is not supported")
+        fn = _typed(t, "function", dict, "an object", f"{p}.function")
+        name = _str(fn or {}, "name", f"{p}.function.name")
+        if not name:
+            raise invalid(f"{p}.function.name", f"'{p}.function.name' must be a non-empty string")
+        if any(o["function"]["name"] == name for o in out):
+            raise invalid(f"{p}.function.name", f"tool name {name!r} is given twice")
+        params = _typed(fn, "parameters", dict, "an object", f"{p}.function.parameters")
+        desc = _str(fn, "description", f"{p}.function.description")
+        clean: dict[str, Any] = {"name": name} if desc is None else {"name": name,
+                                                                     "description": desc}
+        clean["parameters"] = params if params is not None else {"type": "object",
+                                                                  "properties": {}}
+        out.append({"type": "function", "function": clean})
+    return out or None
+
+
+def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[str, str | None]:
+    tc = body.get("tool_choice")
+    if tc is None:
+        return "auto", None
+    if isinstance(tc, str):
+        if tc not in ("none", "auto", "required"):
+            raise invalid("tool_choice", "'tool_choice' must be none, auto, required or "
+                                         "a named function")
+        if tc == "required" and not tools:
+            raise invalid("tool_choice", "tool_choice 'required' needs 'tools'")
+        return tc, None
+    if not isinstance(tc, dict) or tc.get("type") != "function" or not isinstance(
+            tc.get("function"), dict):
+        raise invalid("tool_choice", "'tool_choice' object must be "
+                                     "{'type': 'function', 'function': {'name': ...}}")
+    name = tc["function"].get("name")
+    if not isinstance(name, str):
+        raise invalid("tool_choice.function.name", "'tool_choice.function.name' must be a string")
+    if not tools or name not in {t["function"]["name"] for t in tools}:
+        raise invalid("tool_choice.function.name", f"tool_choice names {name!r}, which is not in "
+                                                   "'tools'")
+    return "function", name
+
+
+def _stop(v: Any) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v] if v else []
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise invalid("stop", "'stop' must be a string or an array of strings")
+    if len(v) > MAX_STOP:
+        raise invalid("stop", f"'stop' takes at most {MAX_STOP} sequences, got {len(v)}")
+    return [s for s in v if s]
+
+
+def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = None
+                       ) -> ChatRequest:
+    """Bytes (or an already decoded value) -> ``ChatRequest``; raises ``ApiError`` (400)."""
+    if isinstance(raw, (bytes, bytearray, str)):
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise invalid(None, f"the request body is not valid JSON: {e}") from None
+    else:
+        body = raw
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object")
+
+    model = _str(body, "model")
+    msgs = body.get("messages")
+    if msgs is None:
+        raise invalid("messages", "'messages' is required")
+    if not isinstance(msgs, list) or not msgs:
+        raise invalid("messages", "'messages' must be a non-empty array")
+    messages = [_message(i, m) for i, m in enumerate(msgs)]
+
+    kw: dict[str, Any] = {"model": model, "messages": messages}
+    mct = _int(body, "max_completion_tokens", 1)
+    kw["max_tokens"] = mct if mct is not None else _int(body, "max_tokens", 1)
+    for key, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
+                        ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+        kw[key] = _num(body, key, lo, hi)
+    kw["repetition_penalty"] = _num(body, "repetition_penalty", 0.0, 10.0, lo_open=True)
+    kw["seed"] = _int(body, "seed", -(1 << 63), (1 << 63) - 1)
+    kw["n"] = _int(body, "n", 1, MAX_N)
+    top_k = _int(body, "top_k", -1)
+    kw["top_k"] = None if top_k is None else max(top_k, 0)  # -1 (vLLM's "off") is 0 here
+    kw["min_tokens"] = _int(body, "min_tokens", 0)
+    if kw["min_tokens"] and kw["max_tokens"] is not None and kw["min_tokens"] > kw["max_tokens"]:
+        raise invalid("min_tokens", "'min_tokens' must not exceed 'max_tokens'")
+    for key in ("logprobs", "stream", "ignore_eos"):
+        kw[key] = _bool(body, key)
+    _bool(body, "parallel_tool_calls")  # accepted; calls are parsed however many come
+    kw["top_logprobs"] = _int(body, "top_logprobs", 0, 20)
+    if kw["top_logprobs"] and not kw["logprobs"]:
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
+    kw["stop"] = _stop(body.get("stop"))
+
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise invalid("stream_options", "'stream_options' must be an object")
+        if not kw.get("stream"):
+            raise invalid("stream_options", "'stream_options' is only allowed when 'stream' "
+                                            "is true")
+        kw["include_usage"] = bool(_bool(so, "include_usage", "stream_options.include_usage"))
+
+    tools = _tools(body.get("tools"))
+    kw["tools"] = tools
+    kw["tool_choice"], kw["tool_choice_name"] = _tool_choice(body, tools)
+
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise invalid("response_format", "'response_format' must be an object with a 'type'")
+        if rf["type"] not in ("text", "json_object"):
+            raise invalid("response_format.type", f"response_format type {rf['type']!r} is not "
+                                                  "supported (text, json_object)")
+        kw["response_format"] = rf["type"]
+
+    kw["user"] = _str(body, "user")
+    sid = _str(body, "session_id")
+    kw["session_id"] = sid if sid is not None else header_session
+    kw["chat_template_kwargs"] = _typed(body, "chat_template_kwargs", dict, "an object")
+    return ChatRequest(**{k: v for k, v in kw.items() if v is not None})
+
+
+# ---------------------------------------------------------------- response builders
+
+
+def completion_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex
+
+
+def tool_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, *, cached_tokens: int = 0,
+          reasoning_tokens: int = 0) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+    }
+
+
+def message(content: str | None, *, reasoning: str | None = None,
+            tool_calls: list[dict] | None = None) -> dict:
+    msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+        if not content:
+            msg["content"] = None
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    return msg
+
+
+def tool_call(id: str, name: str, arguments: str) -> dict:
+    return {"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def choice(index: int, msg: dict, finish_reason: str, logprobs: list[dict] | None = None
+           ) -> dict:
+    lp = None if logprobs is None else {"content": logprobs, "refusal": None}
+    return {"index": index, "message": msg, "logprobs": lp, "finish_reason": finish_reason}
+
+
+def chat_completion(id: str, created: int, model: str, fingerprint: str, choices: list[dict],
+                    usage_: dict) -> dict:
+    return {"id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_, "system_fingerprint": fingerprint,
+            "service_tier": "default"}
+
+
+def chunk(id: str, created: int, model: str, fingerprint: str, choices: list[dict], *,
+          include_usage: bool = False, usage_: dict | None = None) -> dict:
+    out = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+           "system_fingerprint": fingerprint, "choices": choices}
+    if include_usage:
+        out["usage"] = usage_
+    return out
+
+
+def chunk_choice(index: int, delta: dict, finish_reason: str | None = None,
+                 logprobs: list[dict] | None = None) -> dict:
+    lp = None if logprobs is None else {"content": logprobs, "refusal": None}
+    return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+
+
+def token_logprob(token: str, logprob: float, raw: bytes | None,
+                  top: list[tuple[str, float, bytes | None]] = ()) -> dict:
+    def fin(x: float) -> float:
+        return x if math.isfinite(x) else -9999.0
+
+    return {"token": token, "logprob": fin(logprob), "bytes": None if raw is None else list(raw),
+            "top_logprobs": [{"token": t, "logprob": fin(lp),
+                              "bytes": None if b is None else list(b)} for t, lp, b in top]}
+
+
+def model_object(name: str, created: int, max_model_len: int | None) -> dict:
+    out: dict[str, Any] = {"id": name, "object": "model", "created": created,
+                           "owned_by": "pantheon"}
+    if max_model_len is not None:
+        out["max_model_len"] = max_model_len
+    return out
+
+
+def model_list(models: list[dict]) -> dict:
+    return {"object": "list", "data": models}
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def dumps(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

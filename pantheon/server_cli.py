@@ -1,0 +1,218 @@
+"""``pantheon serve``: parse flags, build the config, start the workers, serve HTTP.
+
+    pantheon serve --model PATH [--name NAME] [--dies LIST] [--model PATH ...]
+                   [--host 127.0.0.1] [--port 8000] [--slots 8] [--cpu-dies N]
+                   [--cpu-die-budget 2GiB]
+
+``--name`` and ``--dies`` apply to the ``--model`` before them. With no ``--model`` a built-in tiny
+model is written on first run into ``~/.cache/pantheon/models/tiny`` (by a ``pantheon make-model``
+subprocess: the router never imports torch). The HTTP socket is bound before the models load, so
+``/health`` answers 503 until one is ready. SIGINT or SIGTERM shuts down cleanly (workers too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from pantheon.config import ConfigError, ServeConfig, build_config, parse_dies
+
+log = logging.getLogger("pantheon.serve")
+
+DEFAULT_PRESET = "tiny"
+
+
+class _ModelAction(argparse.Action):
+    def __call__(self, parser, ns, value, option=None):
+        models = getattr(ns, "models", None) or []
+        if option == "--model":
+            models.append({"path": value})
+        elif not models:
+            parser.error(f"{option} must follow the --model it applies to")
+        elif option == "--name":
+            if "name" in models[-1]:
+                parser.error(f"--name given twice for --model {models[-1]['path']}")
+            models[-1]["name"] = value
+        else:
+            try:
+                models[-1]["dies"] = parse_dies(value)
+            except ConfigError as e:
+                parser.error(str(e))
+        ns.models = models
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pantheon serve",
+                                 description="Serve models over an OpenAI-compatible HTTP API.")
+    ap.add_argument("--model", action=_ModelAction, dest="models", metavar="PATH",
+                    help="a model folder (repeatable)")
+    ap.add_argument("--name", action=_ModelAction, dest="models", metavar="NAME",
+                    help="the served name of the preceding --model (default: its folder name)")
+    ap.add_argument("--dies", action=_ModelAction, dest="models", metavar="LIST",
+                    help="dies for the preceding --model: 0,1 (cuda) or cpu:0")
+    ap.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks one)")
+    ap.add_argument("--slots", type=int, default=None,
+                    help="batch slots per model (default 8; 1 is single-user mode)")
+    ap.add_argument("--queue-depth", type=int, default=None,
+                    help="requests that may wait for a slot (default 32)")
+    ap.add_argument("--queue-timeout", type=float, default=None,
+                    help="seconds a request waits for a slot (default 30)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill chunk (tokens)")
+    ap.add_argument("--cpu-dies", type=int, default=None, help="virtual CPU dies to create")
+    ap.add_argument("--cpu-die-budget", default=None, metavar="BYTES",
+                    help='memory budget of each CPU die (bytes or "2GiB")')
+    ap.add_argument("--kv-budget", default=None, metavar="BYTES",
+                    help="KV cache bytes per loaded model (default 256MiB)")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--dtype", default=None, help="auto | bfloat16 | float16 | float32")
+    ap.add_argument("--max-body", default=None, metavar="BYTES",
+                    help="largest request body accepted (default 8MiB)")
+    ap.add_argument("--hello-timeout", type=float, default=None,
+                    help="seconds a worker may take to say Hello (default 60)")
+    ap.add_argument("--log-level", default=None)
+    return ap
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("PANTHEON_CACHE_DIR")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "pantheon"
+
+
+def default_model() -> Path:
+    """The built-in model, written on first run by a ``make-model`` subprocess."""
+    out = cache_dir() / "models" / DEFAULT_PRESET
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    print(f"pantheon: writing the built-in model to {out} (first run only)", file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pantheon", "make-model", "--preset", DEFAULT_PRESET,
+           "--out", str(out)]
+    rc = subprocess.run(cmd).returncode
+    if rc != 0 or not (out / "config.json").is_file():
+        raise ConfigError(f"could not write the built-in model ({' '.join(cmd)} exited {rc})")
+    return out
+
+
+def _gpu_count() -> int:
+    """CUDA devices the NVIDIA driver lists, without importing torch."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
+    """Fill in the default model and the default die set."""
+    import msgspec
+
+    if not cfg.models:
+        cfg = build_config({**args, "models": [{"path": str(default_model()),
+                                                "name": DEFAULT_PRESET}]})
+    unplaced = any(not m.dies for m in cfg.models)
+    if unplaced and cfg.cpu_dies == 0 and _gpu_count() == 0:
+        cfg = msgspec.structs.replace(cfg, cpu_dies=1)
+    return cfg
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(cfg: ServeConfig) -> int:
+    from hypercorn.asyncio import serve as hc_serve
+    from hypercorn.config import Config as HcConfig
+
+    from pantheon.registry import Registry
+    from pantheon.server import create_app
+    from pantheon.workerpool import WorkerPool
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    sock = _bind(cfg.host, cfg.port)
+    host, port = sock.getsockname()[:2]
+    registry = Registry(slots=cfg.slots, queue_depth=cfg.queue_depth,
+                        queue_timeout_s=cfg.queue_timeout_s)
+    pool = WorkerPool(hello_timeout=cfg.hello_timeout_s, heartbeat_interval=cfg.heartbeat_s)
+    await pool.start()
+    app = create_app(cfg, pool, registry)
+    models = app.extensions["pantheon"]["models"]
+    pool.on_worker_dead = models.worker_dead
+    status = {"rc": 0}
+
+    async def bring_up() -> None:
+        try:
+            dies = [f"cpu:{i}" for i in range(cfg.cpu_dies)]
+            dies += [m.dies[0] for m in cfg.models if m.dies and m.dies[0] not in dies]
+            await asyncio.gather(*(models.ensure_worker(d) for d in dies))
+            for m in cfg.models:
+                inst = await models.load(m.path, m.name, m.dies)
+                print(f"pantheon: model {inst.name} ready on {','.join(inst.dies)} "
+                      f"({inst.instance_id})", file=sys.stderr, flush=True)
+            print("pantheon: all models ready", file=sys.stderr, flush=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - report and stop the server
+            msg = getattr(e, "message", None) or str(e)
+            print(f"pantheon serve: error: startup failed: {msg}", file=sys.stderr, flush=True)
+            status["rc"] = 1
+            stop.set()
+
+    hc = HcConfig()
+    hc.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the bound socket from here
+    hc.accesslog = None
+    hc.errorlog = "-"
+    hc.loglevel = "WARNING"
+    hc.graceful_timeout = 2.0
+    hc.keep_alive_timeout = 30.0
+    hc.h2_max_inbound_frame_size = 1 << 20
+    print(f"pantheon: serving on http://{host}:{port} (pid {os.getpid()})",
+          file=sys.stderr, flush=True)
+    loader = asyncio.create_task(bring_up())
+    try:
+        await hc_serve(app, hc, shutdown_trigger=stop.wait)
+    finally:
+        loader.cancel()
+        await asyncio.gather(loader, return_exceptions=True)
+        await pool.close()
+    print("pantheon: stopped", file=sys.stderr, flush=True)
+    return status["rc"]
+
+
+def cli(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    ns = ap.parse_args(argv)
+    args = {k: v for k, v in vars(ns).items() if v is not None}
+    try:
+        cfg = finalize(build_config(args), args)
+    except ConfigError as e:
+        print(f"pantheon serve: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="pantheon: %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(serve(cfg))
+    except KeyboardInterrupt:
+        return 130
+    except OSError as e:
+        print(f"pantheon serve: error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,513 @@
+"""End to end: real ``pantheon serve`` subprocesses on loopback, tiny models on CPU dies.
+
+Driven by the official ``openai`` client (sync and async, ``_strict_response_validation=True``) and
+by raw httpx for the error paths; every response body and every SSE chunk is validated against the
+OpenAI OpenAPI schemas in ../shared/specs.
+
+Two servers per module (started together, so their startups overlap):
+- ``main``: batched (8 slots), models ``tiny`` (Qwen3) and ``llama`` on one CPU die, 64 KiB body cap;
+- ``single``: ``--slots 1`` (single-user mode), ``tiny`` on cpu:0 and ``llama`` on cpu:1. Its
+  last test kills a worker mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from test_openai_api import check
+
+ROOT = Path(__file__).resolve().parents[1]
+MSG = [{"role": "user", "content": "Say something."}]
+pytestmark = pytest.mark.timeout(240)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args: list[str], log: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        for k in ("PANTHEON_BATCH_SLOTS", "QWEN35_BATCH_SLOTS", "QWEN35_GPU_FULL_LOGITS"):
+            env.pop(k, None)
+        self._fh = open(log, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pantheon", "serve", "--port", str(self.port), *args],
+            cwd=ROOT, env=env, stdout=self._fh, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 150.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"server not ready in {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._fh.close()
+        return self.proc.returncode
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
+                             timeout=60, _strict_response_validation=True, **kw)
+
+    def aclient(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
+                                  timeout=60, _strict_response_validation=True)
+
+
+@pytest.fixture(scope="module")
+def servers(model_factory, tmp_path_factory):
+    tiny, llama = model_factory("tiny"), model_factory("tiny-llama")
+    logs = tmp_path_factory.mktemp("serve-logs")
+    main = Server(["--model", str(tiny), "--name", "tiny", "--dies", "cpu:0",
+                   "--model", str(llama), "--name", "llama", "--dies", "cpu:0",
+                   "--cpu-dies", "1", "--max-body", "64KiB"], logs / "main.log")
+    single = Server(["--model", str(tiny), "--name", "tiny", "--dies", "cpu:0",
+                     "--model", str(llama), "--name", "llama", "--dies", "cpu:1",
+                     "--cpu-dies", "2", "--slots", "1"], logs / "single.log")
+    try:
+        main.wait_ready()
+        single.wait_ready()
+        yield {"main": main, "single": single}
+    finally:
+        rcs = {name: s.stop() for name, s in (("main", main), ("single", single))}
+        assert rcs["main"] == 0, f"main server did not shut down cleanly:\n{main.output()}"
+
+
+@pytest.fixture(scope="module")
+def srv(servers) -> Server:
+    return servers["main"]
+
+
+def sse_events(resp: httpx.Response) -> list:
+    """Raw SSE -> JSON objects, with "[DONE]" kept as the string; checks the framing."""
+    text = resp.read().decode()
+    blocks = text.split("\n\n")
+    assert blocks[-1] == "", "the stream must end with a blank line"
+    out = []
+    for b in blocks[:-1]:
+        assert b.startswith("data: "), b
+        data = b[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def post_stream(srv: Server, body: dict) -> list:
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return sse_events(r)
+
+
+def check_stream(events: list, n: int = 1, include_usage: bool = False) -> list[dict]:
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    chunks = events[:-1]
+    ids = {c["id"] for c in chunks}
+    assert len(ids) == 1 and next(iter(ids)).startswith("chatcmpl-")
+    for c in chunks:
+        assert "error" not in c, c
+        check("CreateChatCompletionStreamResponse", c)
+        assert isinstance(c["created"], int) and c["system_fingerprint"]
+        assert ("usage" in c) == include_usage
+    finals = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert sorted(ch["index"] for ch in finals) == list(range(n))
+    roles = [ch for c in chunks for ch in c["choices"] if "role" in ch["delta"]]
+    assert [r["delta"] for r in roles] == [{"role": "assistant", "content": ""}] * n
+    if include_usage:
+        last = chunks[-1]
+        assert last["choices"] == [] and last["usage"]["total_tokens"] > 0
+        assert all(c["usage"] is None for c in chunks[:-1])
+    return chunks
+
+
+def text_of(chunks: list[dict], index: int = 0) -> str:
+    return "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"]
+                   if ch["index"] == index)
+
+
+def post(srv: Server, body, **kw) -> httpx.Response:
+    if isinstance(body, (dict, list)):
+        kw["json"] = body
+    else:
+        kw["content"] = body
+    return httpx.post(srv.url + "/v1/chat/completions", timeout=60, **kw)
+
+
+def check_error(r: httpx.Response, status: int, param=..., code=...) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    check("ErrorResponse", body)
+    if param is not ...:
+        assert body["error"]["param"] == param, body
+    if code is not ...:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+# ---------------------------------------------------------------- cheap routes
+
+
+def test_root_health_cors_and_models(srv):
+    r = httpx.get(srv.url + "/")
+    assert r.json() == {"service": "pantheon", "status": "ok"}
+    assert r.headers["access-control-allow-origin"] == "*"
+    assert httpx.get(srv.url + "/health").status_code == 200
+    r = httpx.options(srv.url + "/v1/chat/completions",
+                      headers={"Origin": "http://x", "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 200 and r.json() == {}
+    assert "POST" in r.headers["access-control-allow-methods"]
+    r = httpx.get(srv.url + "/v1/models")
+    check("ListModelsResponse", r.json())
+    data = r.json()["data"]
+    assert [m["id"] for m in data] == ["tiny", "llama"]
+    assert all(m["max_model_len"] > 0 for m in data)
+    listed = srv.client().models.list()
+    assert [m.id for m in listed.data] == ["tiny", "llama"]
+    check_error(httpx.get(srv.url + "/nope"), 404)
+
+
+# ---------------------------------------------------------------- the openai client
+
+
+def test_sync_non_streaming(srv):
+    client = srv.client()
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=MSG,
+                                                           max_tokens=6, seed=1)
+    body = json.loads(raw.text)
+    check("CreateChatCompletionResponse", body)
+    c = raw.parse()
+    assert c.id.startswith("chatcmpl-") and re.fullmatch(r"chatcmpl-[0-9a-f]{32}", c.id)
+    assert c.object == "chat.completion" and c.model == "tiny" and isinstance(c.created, int)
+    assert c.choices[0].message.role == "assistant"
+    assert c.choices[0].finish_reason in ("length", "stop")
+    u = c.usage
+    assert u.completion_tokens <= 6 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens == 0
+    if c.choices[0].finish_reason == "length":
+        assert u.completion_tokens == 6
+    # one resident model name per request: the other model answers under its own name
+    assert client.chat.completions.create(model="llama", messages=MSG, max_tokens=2).model == "llama"
+
+
+def test_sync_streaming_include_usage(srv):
+    client = srv.client()
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=5, stream=True, seed=2,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens <= 5
+    assert chunks[0].choices[0].delta.role == "assistant"
+    events = post_stream(srv, {"model": "tiny", "messages": MSG, "max_tokens": 5, "seed": 2,
+                               "stream": True, "stream_options": {"include_usage": True}})
+    raw = check_stream(events, include_usage=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text_of(raw) == streamed  # same seed, same text, through both clients
+    # without include_usage no chunk has a usage key
+    check_stream(post_stream(srv, {"model": "tiny", "messages": MSG, "max_tokens": 3,
+                                   "stream": True}))
+
+
+async def test_async_client_streaming_and_not(srv):
+    client = srv.aclient()
+    try:
+        c1, c2 = await asyncio.gather(
+            client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, seed=7,
+                                           temperature=0.9),
+            client.chat.completions.create(model="llama", messages=MSG, max_tokens=4))
+        assert c1.model == "tiny" and c2.model == "llama"
+        stream = await client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4,
+                                                      seed=7, temperature=0.9, stream=True)
+        text = "".join([ch.choices[0].delta.content or "" async for ch in stream
+                        if ch.choices])
+        assert text == c1.choices[0].message.content
+    finally:
+        await client.close()
+
+
+def test_n2_streaming_and_not(srv):
+    client = srv.client()
+    c = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, n=2, seed=5)
+    assert [ch.index for ch in c.choices] == [0, 1]
+    assert c.usage.completion_tokens <= 8
+    if all(ch.finish_reason == "length" for ch in c.choices):
+        assert c.usage.completion_tokens == 8
+    events = post_stream(srv, {"model": "tiny", "messages": MSG, "max_tokens": 4, "n": 2,
+                               "seed": 5, "stream": True,
+                               "stream_options": {"include_usage": True}})
+    chunks = check_stream(events, n=2, include_usage=True)
+    assert [text_of(chunks, 0), text_of(chunks, 1)] == [ch.message.content for ch in c.choices]
+    assert chunks[-1]["usage"]["completion_tokens"] == c.usage.completion_tokens
+
+
+def test_stop_string_cuts_and_counts(srv):
+    client = srv.client()
+    args = dict(model="tiny", messages=MSG, max_tokens=16, temperature=1.0, seed=99)
+    full = client.chat.completions.create(**args)
+    text = full.choices[0].message.content
+    assert full.usage.completion_tokens == 16 and len(text.strip()) > 8, repr(text)
+    k = len(text) // 2
+    while not text[k:k + 3].strip():
+        k += 1
+    stop = text[k:k + 3]
+    cut = text[:text.find(stop)]
+    got = client.chat.completions.create(**args, stop=[stop, "\u2603never"])
+    assert got.choices[0].message.content == cut
+    assert got.choices[0].finish_reason == "stop"
+    assert got.usage.completion_tokens < 16  # the worker was stopped early
+    chunks = check_stream(post_stream(srv, {**args, "stop": stop, "stream": True}))
+    assert text_of(chunks) == cut and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_seed_reproducibility(srv):
+    client = srv.client()
+
+    def gen(seed):
+        return client.chat.completions.create(model="tiny", messages=MSG, max_tokens=8,
+                                              temperature=1.0, seed=seed).choices[0].message.content
+
+    a, b, c = gen(1234), gen(1234), gen(4321)
+    assert a == b
+    assert a != c
+
+
+def test_logprobs(srv):
+    r = post(srv, {"model": "tiny", "messages": MSG, "max_tokens": 4, "logprobs": True,
+                   "top_logprobs": 2})
+    body = r.json()
+    check("CreateChatCompletionResponse", body)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"]
+    for e in content:
+        assert len(e["top_logprobs"]) == 2 and e["logprob"] <= 0
+        assert bytes(e["bytes"]).decode("utf-8", "replace") == e["token"] or \
+            e["token"].startswith("bytes:")
+    chunks = check_stream(post_stream(srv, {"model": "tiny", "messages": MSG, "max_tokens": 4,
+                                            "logprobs": True, "top_logprobs": 1,
+                                            "stream": True}))
+    n = sum(len((ch["logprobs"] or {}).get("content") or []) for c in chunks
+            for ch in c["choices"])
+    assert n == 4 or chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+
+
+def test_tools(srv):
+    client = srv.client()
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    c = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, tools=TOOLS,
+                                       tool_choice=forced)
+    call = c.choices[0].message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("call_") and isinstance(call.function.arguments, str)
+    assert c.choices[0].finish_reason in ("tool_calls", "length")
+    chunks = check_stream(post_stream(srv, {"model": "tiny", "messages": MSG, "max_tokens": 6,
+                                            "tools": TOOLS, "tool_choice": forced,
+                                            "stream": True}))
+    tc = [t for c in chunks for ch in c["choices"] for t in ch["delta"].get("tool_calls", [])]
+    assert tc[0]["index"] == 0 and tc[0]["id"].startswith("call_")
+    assert tc[0]["type"] == "function" and tc[0]["function"]["name"] == "get_weather"
+    assert all("id" not in t and "name" not in t["function"] for t in tc[1:])
+    # a full tool round trip renders and answers (auto: the model may or may not call)
+    convo = MSG + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=convo,
+                                                           max_tokens=4, tools=TOOLS)
+    check("CreateChatCompletionResponse", json.loads(raw.text))
+    streamed = list(client.chat.completions.create(model="tiny", messages=convo, max_tokens=4,
+                                                   tools=TOOLS, tool_choice="none", stream=True))
+    assert streamed[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_ids_unique(srv):
+    client = srv.client()
+    ids = {client.chat.completions.create(model="tiny", messages=MSG, max_tokens=1).id
+           for _ in range(4)}
+    assert len(ids) == 4
+
+
+# ---------------------------------------------------------------- error paths (raw HTTP)
+
+
+def test_bad_json_and_wrong_types(srv):
+    check_error(post(srv, b"{nope", headers={"content-type": "application/json"}), 400,
+                param=None)
+    check_error(post(srv, {"model": "tiny", "messages": MSG, "max_tokens": "5"}), 400,
+                param="max_tokens")
+    check_error(post(srv, {"model": "tiny", "messages": "hi"}), 400, param="messages")
+    check_error(post(srv, {"model": "tiny", "messages": MSG, "temperature": 9}), 400,
+                param="temperature")
+    check_error(post(srv, {"model": "tiny", "messages": MSG, "stop": ["a"] * 5}), 400,
+                param="stop")
+    check_error(post(srv, {"model": "tiny", "messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}), 400, param="response_format.type")
+    err = check_error(post(srv, {"model": "tiny", "messages": MSG, "max_tokens": 100000}), 400,
+                      param="max_tokens", code="context_length_exceeded")
+    assert "maximum context length" in err["message"]
+    with pytest.raises(openai.BadRequestError) as ei:
+        srv.client().chat.completions.create(model="tiny", messages=MSG, n=0)
+    assert ei.value.body["param"] == "n"
+
+
+def test_unknown_model_404_with_two_models(srv):
+    check_error(post(srv, {"model": "gpt-4o", "messages": MSG}), 404, param="model",
+                code="model_not_found")
+    with pytest.raises(openai.NotFoundError):
+        srv.client().chat.completions.create(model="nope", messages=MSG, max_tokens=1)
+
+
+def test_oversized_body_413(srv):
+    big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * (80 << 10)}]}
+    check_error(post(srv, big), 413)
+    assert httpx.get(srv.url + "/").status_code == 200
+
+
+def test_client_disconnect_aborts(srv):
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": MSG, "max_tokens": 3000, "stream": True,
+            "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+            if got >= 4:
+                break
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        dies = httpx.get(srv.url + "/admin/dies").json()["data"]
+        insts = [i for d in dies for i in d["instances"] if i["name"] == "tiny"]
+        if all(i["in_flight"] == 0 and i.get("slots_busy", 0) == 0 for i in insts):
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the request kept running after the client left: {insts}")
+
+
+def test_admin_load_unload(srv, model_factory):
+    qwen2 = model_factory("tiny-qwen2")
+    r = httpx.post(srv.url + "/admin/models/load", timeout=120,
+                   json={"path": str(qwen2), "name": "q2", "dies": ["cpu:0"]})
+    assert r.status_code == 200, r.text
+    assert "q2" in [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
+    c = srv.client().chat.completions.create(model="q2", messages=MSG, max_tokens=2)
+    assert c.model == "q2"
+    r = httpx.post(srv.url + "/admin/models/unload", json={"name": "q2"}, timeout=60)
+    assert r.status_code == 200, r.text
+    check_error(post(srv, {"model": "q2", "messages": MSG}), 404, code="model_not_found")
+    before = httpx.get(srv.url + "/v1/models").json()
+    r = httpx.post(srv.url + "/admin/models/load", json={"path": "/no/such/model"}, timeout=60)
+    check_error(r, 404)
+    assert httpx.get(srv.url + "/v1/models").json() == before  # a failed load changes nothing
+    check_error(httpx.post(srv.url + "/admin/models/unload", json={"name": "q2"}), 404)
+
+
+def test_router_never_imports_torch(srv):
+    code = ("import sys; import pantheon.server, pantheon.server_cli, pantheon.registry, "
+            "pantheon.generate, pantheon.openai_api, pantheon.config, pantheon.workerpool; "
+            "bad = [m for m in ('torch', 'textual') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    maps = Path(f"/proc/{srv.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps and "/torch/" not in maps  # the live router holds no torch
+
+
+# ---------------------------------------------------------------- single-user mode
+
+
+def test_single_user_429_while_other_model_serves(servers):
+    s = servers["single"]
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        it = r.iter_lines()
+        next(l for l in it if l.startswith("data: "))
+        t0 = time.monotonic()
+        busy = post(s, {"model": "tiny", "messages": MSG, "max_tokens": 2})
+        assert time.monotonic() - t0 < 2.0  # at once, not after the first one ends
+        check_error(busy, 429, code="server_busy")
+        with pytest.raises(openai.RateLimitError):
+            s.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+        other = s.client().chat.completions.create(model="llama", messages=MSG, max_tokens=2)
+        assert other.model == "llama"
+    # the first request's client went away: the model serves again
+    deadline = time.monotonic() + 10
+    while True:
+        r = post(s, {"model": "tiny", "messages": MSG, "max_tokens": 2})
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 200, r.text
+    check("CreateChatCompletionResponse", r.json())
+
+
+def test_worker_death_mid_stream_ends_with_error_event(servers):
+    """Last: it kills the single server's cpu:0 worker."""
+    s = servers["single"]
+    dies = {d["die"]: d for d in httpx.get(s.url + "/admin/dies").json()["data"]}
+    pid = dies["cpu:0"]["pid"]
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}
+    events = []
+    with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if len(events) == 3:
+                os.kill(pid, signal.SIGKILL)
+    assert events[-1] == "[DONE]"
+    err = events[-2]
+    assert "error" in err, err
+    check("ErrorResponse", err)
+    for c in events[1:-2]:
+        check("CreateChatCompletionStreamResponse", c)
+    # the router stays up, the other die's model still serves, the dead one is reported
+    assert httpx.get(s.url + "/").status_code == 200
+    assert s.client().chat.completions.create(model="llama", messages=MSG, max_tokens=2)
+    dies = {d["die"]: d for d in httpx.get(s.url + "/admin/dies").json()["data"]}
+    assert not dies["cpu:0"]["alive"] and dies["cpu:0"]["error"]
+    # with one resident model left, it takes every request (spec: the single-model shortcut)
+    r = post(s, {"model": "tiny", "messages": MSG, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == "llama", r.text
