@@ -283,8 +283,8 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Bind the ROUTER socket in a fresh private directory and start the reader and heartbeat."""
-        self.runtime_dir = tempfile.mkdtemp(prefix="pantheon-", dir=self._runtime_parent)  # mode 0700
-        os.chmod(self.runtime_dir, 0o700)  # mkdtemp already does; say it where it matters
+        # mkdtemp makes it mode 0700: only our user can reach the socket inside.
+        self.runtime_dir = tempfile.mkdtemp(prefix="pantheon-", dir=self._runtime_parent)
         path = os.path.join(self.runtime_dir, "router.sock")
         if len(path) > _MAX_IPC_PATH:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
@@ -597,7 +597,12 @@ class WorkerPool:
                 # A recv that finds a message ready completes without yielding; under a burst,
                 # let the request streams' consumers run now and then.
                 await asyncio.sleep(0)
-            frames = await self._sock.recv_multipart()
+            try:
+                frames = await self._sock.recv_multipart()
+            except zmq.ZMQError as e:
+                log.error("receiving from the workers failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
             if len(frames) != 2:
                 log.warning("dropped a message with %d frames", len(frames))
                 continue
@@ -693,14 +698,15 @@ class WorkerPool:
             # judge no one this round. (Not zmq.EVENTS: reading it can eat the reader's wake-up.)
             stalled = now - last > self.heartbeat_interval + self.dead_after / 2
             last = now
-            for w in list(self._workers.values()):
-                if w.state != "ready":
-                    continue
+            for w in [w for w in self._workers.values() if w.state == "ready"]:
                 silent = now - w.last_seen
-                if silent > self.dead_after and not stalled:
-                    self._declare_dead(w, f"it sent nothing for {silent:.1f} s (pid {w.hello.pid})")
-                else:
-                    self._send(w, p.Ping(seq=next(w.ping_seq), sent_at=time.time()))
+                try:
+                    if silent > self.dead_after and not stalled:
+                        self._declare_dead(w, f"it sent nothing for {silent:.1f} s (pid {w.hello.pid})")
+                    else:
+                        self._send(w, p.Ping(seq=next(w.ping_seq), sent_at=time.time()))
+                except Exception:  # the heartbeat must go on for the other workers
+                    log.exception("heartbeat for %s failed", w.die)
 
 
 def _log_send_error(fut: asyncio.Future) -> None:
