@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from pantheon.protocol import InstanceStats, SamplingParams, SlotInfo, TokenOut
+from workers import cpu_pack
 from workers.block_manager import BlockManager
 from workers.errors import LoadError, RequestRejected
 from workers.loader import load_model, resolve_dtype
@@ -42,6 +43,7 @@ class Engine:
         block_size: int = 16,
         max_model_len: int | None = None,
         quantize: bool = False,
+        pack_weights: bool = True,
         progress: Callable[[int, int], None] | None = None,
     ):
         if num_slots < 1 or prefill_chunk < 1 or block_size < 1:
@@ -61,6 +63,8 @@ class Engine:
             from workers.quant import quantize_int8
 
             quantize_int8(self.model)
+        if pack_weights and cpu_pack.available():
+            cpu_pack.pack_model(self.model)
         self.dtype = dt
         self.devices = [torch.device(d) for d in devices]
         self.num_slots = num_slots
@@ -73,8 +77,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, num_slots, prefill_chunk, self.max_model_len)
         self.runner = ModelRunner(self.model, cfg, self.blocks, dt)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.weight_bytes += sum(b.numel() * b.element_size() for b in self.model.buffers())
+        self.weight_bytes = _weight_bytes(self.model)
         self.kv_bytes = self.runner.kv_bytes
         self._samplers: dict[str, SamplerState] = {}
         # Test and debug hook: called with (sequences, fp32 logits [B, V]) before sampling.
@@ -189,3 +192,15 @@ class Engine:
         self.model = None
         if any(d.type == "cuda" for d in self.devices):
             torch.cuda.empty_cache()
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every weight, prepacked ones included (their opaque tensors have no numel)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, cpu_pack.PackedLinear):
+            total += m.nbytes
+            continue
+        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+            total += t.numel() * t.element_size()
+    return total

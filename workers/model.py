@@ -155,6 +155,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Filled by the loader: the device of each layer (layers split across dies).
         self.layer_devices: list[torch.device] = []
+        self.packed_head: nn.Module | None = None  # a prepacked LM head on CPUs (cpu_pack)
 
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -176,4 +177,6 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [M, hidden] -> logits [M, vocab] in fp32."""
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
         return F.linear(hidden, self.head_weight()).float()
