@@ -58,7 +58,14 @@ class Submit(msgspec.Struct, tag=True, kw_only=True):
     prompt: list[int]
     params: SamplingParams
     session_id: str | None = None
-    cache_salt: str | None = None
+    cache_salt: str | None = None  # requests share cached prefixes only under the same salt
+    use_cache: bool = True  # False for a capped context: no prefix reuse for this turn
+
+
+class ResetCache(msgspec.Struct, tag=True, kw_only=True):
+    """Forget the cached prefixes of one instance, or of all when ``instance`` is None."""
+
+    instance: str | None = None
 
 
 class Abort(msgspec.Struct, tag=True, kw_only=True):
@@ -120,6 +127,7 @@ class TokenOut(msgspec.Struct, array_like=True):
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
     finish: str | None = None  # None while running; "stop" (EOS/stop id) | "length" | "abort"
+    cached_tokens: int | None = None  # on a request's first token: prompt tokens the prefix cache gave
 
 
 class Rejected(msgspec.Struct, tag=True, kw_only=True):
@@ -153,6 +161,9 @@ class InstanceStats(msgspec.Struct, kw_only=True):
     kv_blocks_used: int
     weight_bytes: int
     kv_bytes: int
+    kv_blocks_cached: int = 0  # held only by the prefix cache (evictable)
+    cache_hit_blocks: int = 0  # since load: prefix blocks reused ...
+    cache_query_blocks: int = 0  # ... of those looked up
 
 
 class Stats(msgspec.Struct, tag=True, kw_only=True):
@@ -168,7 +179,7 @@ class Pong(msgspec.Struct, tag=True, kw_only=True):
     sent_at: float
 
 
-RouterMsg = LoadModel | UnloadModel | Submit | Abort | Ping | Shutdown
+RouterMsg = LoadModel | UnloadModel | Submit | Abort | ResetCache | Ping | Shutdown
 WorkerMsg = (
     Hello | LoadProgress | Loaded | LoadFailed | Unloaded | Rejected | StepOutput | Stats | Pong
 )

@@ -149,3 +149,42 @@ def test_abort_frees_everything(where):
     if where != "waiting":
         assert s.blocks.num_free == 16 and s.slots[0] is None
     assert not s.abort(rid)
+
+
+def test_prefix_blocks_are_shared_then_kept_lru_then_evicted():
+    from workers.block_manager import block_hash
+
+    bm = BlockManager(num_blocks=4, block_size=2)
+    h0 = block_hash(None, [1, 2], None)
+    h1 = block_hash(h0, [3, 4], None)
+    assert block_hash(None, [1, 2], "salt") != h0
+    a: list[int] = []
+    bm.ensure(a, 5)  # 3 blocks
+    bm.register(a[0], h0)
+    bm.register(a[1], h1)
+    b = bm.match([h0, h1, b"nope"])
+    assert b == a[:2] and bm.num_used == 3  # shared, not copied
+    bm.free(a)
+    assert bm.num_cached == 0 and bm.num_used == 2  # b still holds the shared two
+    bm.free(b)
+    assert bm.num_cached == 2 and bm.num_free == 4
+    # Plain free blocks go first (3, then 2), then the least recently used cached one: b freed
+    # its tail first, so block 1 (h1) is older in the LRU than block 0 (h0), the shared head.
+    c: list[int] = []
+    assert bm.ensure(c, 6)
+    assert c == [3, 2, 1] and bm.num_cached == 1
+    assert bm.match([h0, h1]) == [0]
+
+
+def test_scheduler_reuses_prefix_and_publishes_full_blocks():
+    s = Scheduler(BlockManager(32, 4), num_slots=2, prefill_chunk=100)
+    a = seq("a", 10, max_tokens=3)
+    s.add(a)
+    for _ in range(3):
+        run_step(s)
+    assert a.finish == "length" and s.blocks.num_cached == 3  # 12 computed tokens: 3 full blocks
+    b = Sequence("b", 10, list(range(1, 11)), 3)
+    s.add(b)
+    plan = s.schedule()
+    assert b.cached_tokens == 8 and b.num_computed == 8  # two full prompt blocks; 2 tokens to go
+    assert [(q.request_id, n) for q, n in plan.prefill] == [("b", 2)]

@@ -44,6 +44,7 @@ class Engine:
         max_model_len: int | None = None,
         quantize: bool = False,
         pack_weights: bool = True,
+        prefix_cache: bool = True,
         progress: Callable[[int, int], None] | None = None,
     ):
         if num_slots < 1 or prefill_chunk < 1 or block_size < 1:
@@ -74,7 +75,7 @@ class Engine:
         self.max_model_len = min(max_model_len or limit, limit)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = list(cfg.eos_token_ids)
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, enable_cache=prefix_cache)
         self.scheduler = Scheduler(self.blocks, num_slots, prefill_chunk, self.max_model_len)
         self.runner = ModelRunner(self.model, cfg, self.blocks, dt)
         self.weight_bytes = _weight_bytes(self.model)
@@ -95,8 +96,13 @@ class Engine:
         *,
         session_id: str | None = None,
         cache_salt: str | None = None,
+        use_cache: bool = True,
     ) -> None:
-        """Queue a request. Raises ``RequestRejected`` if it can never run here."""
+        """Queue a request. Raises ``RequestRejected`` if it can never run here.
+
+        Its leading prompt blocks are shared with earlier requests of the same ``cache_salt``
+        that had the same tokens (the prefix cache) unless ``use_cache`` is False.
+        """
         if request_id in self._samplers:
             raise RequestRejected("duplicate", f"request id {request_id!r} is already running")
         if not prompt:
@@ -128,6 +134,8 @@ class Engine:
                 stop_ids=frozenset(stop),
                 min_tokens=params.min_tokens,
                 session_id=session_id,
+                cache_salt=cache_salt,
+                use_cache=use_cache,
             )
         )
 
@@ -135,6 +143,10 @@ class Engine:
         """Stop a request now and free its slot and blocks. Unknown ids are ignored."""
         self.scheduler.abort(request_id)
         self._samplers.pop(request_id, None)
+
+    def reset_cache(self) -> None:
+        """Forget every cached prefix (running requests keep their blocks)."""
+        self.blocks.reset_cache()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -159,7 +171,8 @@ class Engine:
             picks = sample(logits, states, recents, [s.num_output for s in seqs])
             for s, pick in zip(seqs, picks):
                 reason = self.scheduler.append_token(s, pick.token)
-                outs.append(TokenOut(s.request_id, pick.token, pick.logprob, pick.top, reason))
+                cached = s.cached_tokens if s.num_output == 1 else None
+                outs.append(TokenOut(s.request_id, pick.token, pick.logprob, pick.top, reason, cached))
                 if reason:
                     self._samplers.pop(s.request_id, None)
         self.steps += 1
@@ -184,6 +197,9 @@ class Engine:
             kv_blocks_used=self.blocks.num_used,
             weight_bytes=self.weight_bytes,
             kv_bytes=self.kv_bytes,
+            kv_blocks_cached=self.blocks.num_cached,
+            cache_hit_blocks=self.blocks.hits,
+            cache_query_blocks=self.blocks.queries,
         )
 
     def close(self) -> None:

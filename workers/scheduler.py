@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from workers.block_manager import BlockManager
+from workers.block_manager import BlockManager, block_hash
 
 
 @dataclass(eq=False)  # identity, not field equality: sequences are tracked by object
@@ -27,7 +27,12 @@ class Sequence:
     min_tokens: int = 0
     arrival: int = 0
     session_id: str | None = None
+    cache_salt: str | None = None
+    use_cache: bool = True  # False: neither reuse nor publish prefix blocks (a capped context)
     num_computed: int = 0  # leading tokens whose K/V is in the cache
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of the leading full blocks
+    num_registered: int = 0  # leading blocks of block_table filed in the prefix cache
     block_table: list[int] = field(default_factory=list)
     slot: int | None = None
     finish: str | None = None
@@ -141,6 +146,37 @@ class Scheduler:
                 seq = self.waiting.popleft()
                 seq.slot = i
                 self.slots[i] = seq
+                self._reuse_prefix(seq)
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Start ``seq`` on the cached blocks of its longest cached prefix."""
+        if not seq.use_cache:
+            return
+        # At least one token is always computed: its logits pick the next token.
+        n_full = (len(seq.tokens) - 1) // self.blocks.block_size
+        self._extend_hashes(seq, n_full)
+        seq.block_table = self.blocks.match(seq.block_hashes[:n_full])
+        seq.num_registered = len(seq.block_table)
+        seq.num_computed = len(seq.block_table) * self.blocks.block_size
+        if seq.preemptions == 0:
+            seq.cached_tokens = seq.num_computed
+
+    def _extend_hashes(self, seq: Sequence, n_blocks: int) -> None:
+        bs = self.blocks.block_size
+        while len(seq.block_hashes) < n_blocks:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(block_hash(parent, seq.tokens[i * bs : (i + 1) * bs], seq.cache_salt))
+
+    def _publish(self, seq: Sequence) -> None:
+        """File the blocks that this step filled in the prefix cache."""
+        n_full = seq.num_computed // self.blocks.block_size
+        if not seq.use_cache or n_full <= seq.num_registered:
+            return
+        self._extend_hashes(seq, n_full)
+        for i in range(seq.num_registered, n_full):
+            self.blocks.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered = n_full
 
     def _grow(self, seq: Sequence, n_tokens: int, plan: StepPlan) -> bool:
         """Make room for ``seq`` to hold ``n_tokens``, preempting newer sequences if needed."""
@@ -162,6 +198,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.blocks.free(seq.block_table)
         seq.num_computed = 0
+        seq.num_registered = 0
         seq.preemptions += 1
         self.slots[seq.slot] = None
         seq.slot = None
@@ -174,8 +211,10 @@ class Scheduler:
         """Record that the plan's tokens are now in the cache."""
         for seq in plan.decode:
             seq.num_computed += 1
+            self._publish(seq)
         for seq, n in plan.prefill:
             seq.num_computed += n
+            self._publish(seq)
 
     def append_token(self, seq: Sequence, token: int) -> str | None:
         """Add a sampled token; return the finish reason if the sequence is done (and free it)."""

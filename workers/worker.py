@@ -205,6 +205,10 @@ class Worker:
                     inst.engine.abort(rid)
         elif isinstance(msg, p.Ping):
             self.send(p.Pong(seq=msg.seq, sent_at=msg.sent_at))
+        elif isinstance(msg, p.ResetCache):
+            for name, inst in self.instances.items():
+                if msg.instance in (None, name):
+                    inst.engine.reset_cache()
         elif isinstance(msg, p.LoadModel):
             self._queue_load(msg)
         elif isinstance(msg, p.UnloadModel):
@@ -261,6 +265,7 @@ class Worker:
                 msg.params,
                 session_id=msg.session_id,
                 cache_salt=msg.cache_salt,
+                use_cache=msg.use_cache,
             )
         except RequestRejected as e:
             self.send(p.Rejected(request_id=msg.request_id, kind=e.kind, reason=e.reason))
