@@ -51,6 +51,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "auto"
     max_body_bytes: int = DEFAULT_MAX_BODY
     hello_timeout_s: float = 60.0
+    worker_threads: int | None = None  # torch threads per worker (None: the worker decides)
     heartbeat_s: float = 1.0
     log_level: str = "info"
     fingerprint: str = ""
@@ -231,6 +232,14 @@ def build_config(args: Mapping[str, Any] | None = None,
         if ht <= 0:
             raise ConfigError(f"hello timeout {ht}: must be > 0 seconds")
         kw["hello_timeout_s"] = float(ht)
+    wt = args.get("worker_threads")
+    if wt is None:
+        got = _env_int(env, ("PANTHEON_WORKER_THREADS",))
+        wt = got[1] if got else None
+    if wt is not None:
+        if wt < 1:
+            raise ConfigError(f"worker threads {wt}: must be >= 1")
+        kw["worker_threads"] = int(wt)
     level = args.get("log_level") or env.get("PANTHEON_LOG_LEVEL")
     if level:
         kw["log_level"] = level.lower()

@@ -14,6 +14,7 @@ turned into SSE chunks (``stream_chunks``) or one completion body (``complete``)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -281,6 +282,7 @@ class Generation:
         self.model = inst.name
         self.fingerprint = fingerprint
         self.runs = [ChoiceRun(i) for i in range(req.n)]
+        self._envelope: tuple[bytes, bytes] | None = None
 
     def _emitter(self):
         req, prep, assets = self.req, self.prep, self.inst.assets
@@ -361,16 +363,11 @@ class Generation:
         lp = tok.logprob if tok.logprob is not None else 0.0
         return oa.token_logprob(text, lp, raw, top)
 
-    async def _all_pieces(self) -> AsyncIterator[Piece]:
+    def _all_pieces(self) -> AsyncIterator[Piece]:
         """Every choice's pieces, interleaved as they come."""
-        if len(self.runs) == 1:
-            gen = self._pieces(self.runs[0])
-            try:
-                async for p in gen:
-                    yield p
-            finally:
-                await gen.aclose()
-            return
+        return self._pieces(self.runs[0]) if len(self.runs) == 1 else self._merged()
+
+    async def _merged(self) -> AsyncIterator[Piece]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(run: ChoiceRun) -> None:
@@ -407,8 +404,16 @@ class Generation:
     # ------------------------------------------------------------ streamed
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
-        return oa.sse(oa.chunk(self.id, self.created, self.model, self.fingerprint, choices,
-                               include_usage=self.req.include_usage, usage_=usage))
+        if usage is not None:
+            return oa.sse(oa.chunk(self.id, self.created, self.model, self.fingerprint, choices,
+                                   include_usage=True, usage_=usage))
+        if self._envelope is None:  # the chunk's fixed part, encoded once per request
+            empty = oa.sse(oa.chunk(self.id, self.created, self.model, self.fingerprint, [],
+                                    include_usage=self.req.include_usage))
+            head, _, tail = empty.partition(b'"choices":[]')
+            self._envelope = (head + b'"choices":[', b"]" + tail)
+        head, tail = self._envelope
+        return head + b",".join(map(oa.dumps, choices)) + tail
 
     def _delta_dicts(self, run: ChoiceRun, deltas: list) -> list[dict]:
         out: list[dict] = []
@@ -443,19 +448,18 @@ class Generation:
             yield self._chunk([oa.chunk_choice(run.index, dict(role))])
         pending_lp: dict[int, list[dict]] = {}
         try:
-            async for p in self._all_pieces():
-                run = self.runs[p.index]
-                lp = pending_lp.pop(p.index, []) + (p.logprobs or [])
-                dicts = self._delta_dicts(run, p.deltas)
-                for j, delta in enumerate(dicts):
-                    yield self._chunk([oa.chunk_choice(p.index, delta, None,
-                                                       lp if j == 0 and self.req.logprobs
-                                                       else None)])
-                if not dicts and lp:
-                    pending_lp[p.index] = lp
-                if p.finish is not None:
-                    rest = pending_lp.pop(p.index, None) if self.req.logprobs else None
-                    yield self._chunk([oa.chunk_choice(p.index, {}, p.finish, rest or None)])
+            async with contextlib.aclosing(self._all_pieces()) as pieces:
+                async for p in pieces:
+                    lp = pending_lp.pop(p.index, []) + (p.logprobs or [])
+                    dicts = self._delta_dicts(self.runs[p.index], p.deltas)
+                    for j, delta in enumerate(dicts):
+                        yield self._chunk([oa.chunk_choice(
+                            p.index, delta, None, lp if j == 0 and self.req.logprobs else None)])
+                    if not dicts and lp:
+                        pending_lp[p.index] = lp
+                    if p.finish is not None:
+                        rest = pending_lp.pop(p.index, None) if self.req.logprobs else None
+                        yield self._chunk([oa.chunk_choice(p.index, {}, p.finish, rest or None)])
             if self.req.include_usage:
                 yield self._chunk([], self.usage())
         except ApiError as e:
@@ -467,33 +471,27 @@ class Generation:
     # ------------------------------------------------------------ collected
 
     async def complete(self) -> dict:
-        texts = {r.index: [] for r in self.runs}
-        reasoning = {r.index: [] for r in self.runs}
-        calls: dict[int, dict[int, dict]] = {r.index: {} for r in self.runs}
-        lps: dict[int, list[dict]] = {r.index: [] for r in self.runs}
-        async for p in self._all_pieces():
-            run = self.runs[p.index]
-            for d in p.deltas:
-                if d.kind == "content":
-                    texts[p.index].append(d.text or "")
-                elif d.kind == "reasoning":
-                    reasoning[p.index].append(d.text or "")
-                elif d.kind == "tool_call":
-                    c = calls[p.index].setdefault(d.index, {"id": d.id or oa.tool_call_id(),
+        """The whole completion as one ``chat.completion`` body."""
+        out = [{"content": [], "reasoning": [], "calls": {}, "lps": []} for _ in self.runs]
+        async with contextlib.aclosing(self._all_pieces()) as pieces:
+            async for p in pieces:
+                o = out[p.index]
+                for d in p.deltas:
+                    if d.kind == "tool_call":
+                        c = o["calls"].setdefault(d.index, {"id": d.id or oa.tool_call_id(),
                                                             "name": d.name or "", "args": []})
-                    if d.name and not c["name"]:
-                        c["name"] = d.name
-                    c["args"].append(d.arguments or "")
-            if p.logprobs:
-                lps[p.index] += p.logprobs
+                        c["name"] = c["name"] or d.name or ""
+                        c["args"].append(d.arguments or "")
+                    elif d.kind in ("content", "reasoning"):
+                        o[d.kind].append(d.text or "")
+                o["lps"] += p.logprobs or []
         choices = []
-        for run in self.runs:
-            i = run.index
+        for run, o in zip(self.runs, out):
             tcs = [oa.tool_call(c["id"], c["name"], "".join(c["args"]))
-                   for _, c in sorted(calls[i].items())]
-            msg = oa.message("".join(texts[i]), reasoning="".join(reasoning[i]) or None,
+                   for _, c in sorted(o["calls"].items())]
+            msg = oa.message("".join(o["content"]), reasoning="".join(o["reasoning"]) or None,
                              tool_calls=tcs or None)
-            choices.append(oa.choice(i, msg, run.finish_reason or "stop",
-                                     lps[i] if self.req.logprobs else None))
+            choices.append(oa.choice(run.index, msg, run.finish_reason or "stop",
+                                     o["lps"] if self.req.logprobs else None))
         return oa.chat_completion(self.id, self.created, self.model, self.fingerprint, choices,
                                   self.usage())

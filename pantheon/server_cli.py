@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="largest request body accepted (default 8MiB)")
     ap.add_argument("--hello-timeout", type=float, default=None,
                     help="seconds a worker may take to say Hello (default 60)")
+    ap.add_argument("--worker-threads", type=int, default=None,
+                    help="torch threads in each worker (default: the worker decides)")
     ap.add_argument("--log-level", default=None)
     return ap
 
@@ -152,7 +154,8 @@ async def serve(cfg: ServeConfig) -> int:
     host, port = sock.getsockname()[:2]
     registry = Registry(slots=cfg.slots, queue_depth=cfg.queue_depth,
                         queue_timeout_s=cfg.queue_timeout_s)
-    pool = WorkerPool(hello_timeout=cfg.hello_timeout_s, heartbeat_interval=cfg.heartbeat_s)
+    pool = WorkerPool(hello_timeout=cfg.hello_timeout_s, heartbeat_interval=cfg.heartbeat_s,
+                      worker_threads=cfg.worker_threads)
     await pool.start()
     app = create_app(cfg, pool, registry)
     models = app.extensions["pantheon"]["models"]

@@ -41,13 +41,14 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, env: dict | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
         for k in ("PANTHEON_BATCH_SLOTS", "QWEN35_BATCH_SLOTS", "QWEN35_GPU_FULL_LOGITS"):
-            env.pop(k, None)
+            if k not in (env or {}):
+                env.pop(k, None)
         self._fh = open(log, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pantheon", "serve", "--port", str(self.port), *args],
@@ -176,6 +177,168 @@ def check_error(r: httpx.Response, status: int, param=..., code=...) -> dict:
     if code is not ...:
         assert body["error"]["code"] == code, body
     return body["error"]
+
+
+# ---------------------------------------------------------------- the app with a scripted pool
+#
+# create_app() on a fake pool whose "worker" replays a scripted text as token ids (the tiny
+# model's real tokenizer and template): deterministic tool calls, reasoning, stop strings and
+# failures, through the whole router path, without processes.
+
+
+class ScriptedStream:
+    def __init__(self, rid: str, ids: list[int], finish: str, fail_after: int | None):
+        self.rid, self.ids, self.finish, self.fail_after = rid, ids, finish, fail_after
+        self.i = 0
+        self.aborted = False
+
+    async def next_batch(self):
+        from pantheon.protocol import TokenOut
+        from pantheon.workerpool import WorkerDied
+
+        await asyncio.sleep(0)
+        if self.fail_after is not None and self.i >= self.fail_after:
+            raise WorkerDied("cpu:0", "killed by the test")
+        if self.aborted or self.i >= len(self.ids):
+            return []
+        tok = self.ids[self.i]
+        self.i += 1
+        fin = self.finish if self.i == len(self.ids) else None
+        return [TokenOut(self.rid, tok, -0.25, [(tok, -0.25)], fin)]
+
+    def abort(self):
+        self.aborted = True
+
+
+class ScriptedPool:
+    def __init__(self, assets):
+        self.assets = assets
+        self.text = "Hello"
+        self.fail_after = None
+        self.reject = None
+        self.streams: list[ScriptedStream] = []
+        self.submits = []
+
+    def submit(self, die, sub):
+        if self.reject:
+            from pantheon.workerpool import RequestRejectedError
+            raise RequestRejectedError(*self.reject)
+        self.submits.append(sub)
+        ids = self.assets.encode(self.text) + [self.assets.eos_ids[0]]
+        st = ScriptedStream(sub.request_id, ids, "stop", self.fail_after)
+        self.streams.append(st)
+        return st
+
+    def dies(self):
+        return []
+
+
+@pytest.fixture()
+def scripted(tiny_model):
+    from pantheon.config import build_config
+    from pantheon.generate import ModelAssets
+    from pantheon.registry import Registry
+    from pantheon.server import create_app
+
+    assets = ModelAssets(tiny_model)
+    pool = ScriptedPool(assets)
+    reg = Registry(slots=8)
+    app = create_app(build_config({}, {}), pool, reg)
+
+    def publish():
+        inst = reg.reserve("tiny", str(tiny_model), ("cpu:0",))
+        reg.publish(inst, assets=assets, max_model_len=4096)
+
+    return app.test_client(), pool, reg, publish
+
+
+def _sse(data: bytes) -> list:
+    return [b[6:] if b[6:] == "[DONE]" else json.loads(b[6:])
+            for b in data.decode().split("\n\n") if b.startswith("data: ")]
+
+
+async def test_app_health_and_503_before_a_model(scripted):
+    client, pool, reg, publish = scripted
+    r = await client.get("/health")
+    assert r.status_code == 503
+    r = await client.post("/v1/chat/completions", json={"model": "x", "messages": MSG})
+    assert r.status_code == 503
+    check("ErrorResponse", await r.get_json())
+    assert (await (await client.get("/v1/models")).get_json()) == {"object": "list", "data": []}
+    publish()
+    assert (await client.get("/health")).status_code == 200
+
+
+async def test_app_tool_call_auto(scripted):
+    client, pool, reg, publish = scripted
+    publish()
+    pool.text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                 '</tool_call>')
+    body = {"model": "tiny", "messages": MSG, "tools": TOOLS}
+    r = await client.post("/v1/chat/completions", json=body)
+    out = await r.get_json()
+    check("CreateChatCompletionResponse", out)
+    ch = out["choices"][0]
+    assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] is None
+    call = ch["message"]["tool_calls"][0]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert "get_weather" in pool.assets.tokenizer.decode(pool.submits[-1].prompt)  # in <tools>
+    r = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    events = _sse(await r.get_data())
+    chunks = check_stream(events)
+    tc = [t for c in chunks for x in c["choices"] for t in x["delta"].get("tool_calls", [])]
+    assert tc[0]["id"].startswith("call_") and tc[0]["function"]["name"] == "get_weather"
+    assert "".join(t["function"]["arguments"] for t in tc) == '{"city": "Paris"}'
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_app_reasoning_and_stop_across_tokens(scripted):
+    client, pool, reg, publish = scripted
+    publish()
+    pool.text = "<think>\nsome thought\n</think>\n\nHello world END and more text here"
+    r = await client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": MSG, "stop": ["END"]})
+    out = await r.get_json()
+    check("CreateChatCompletionResponse", out)
+    msg = out["choices"][0]["message"]
+    assert msg["reasoning_content"] == "some thought"
+    assert msg["content"].rstrip() == "Hello world"
+    assert out["choices"][0]["finish_reason"] == "stop"
+    st = pool.streams[-1]
+    assert st.aborted and st.i < len(st.ids)  # the worker request was stopped early
+    assert out["usage"]["completion_tokens"] == st.i  # what the client received
+    assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+    r = await client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": MSG, "stop": "END", "stream": True,
+        "stream_options": {"include_usage": True}})
+    chunks = check_stream(_sse(await r.get_data()), include_usage=True)
+    assert "".join(x["delta"].get("reasoning_content", "") for c in chunks
+                   for x in c["choices"]) == "some thought"
+    assert text_of(chunks).rstrip() == "Hello world"
+
+
+async def test_app_failures_mid_stream_and_rejections(scripted):
+    client, pool, reg, publish = scripted
+    publish()
+    pool.text, pool.fail_after = "one two three four five six", 3
+    r = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": MSG,
+                                                         "stream": True})
+    assert r.status_code == 200
+    events = _sse(await r.get_data())
+    assert events[-1] == "[DONE]" and "error" in events[-2]
+    check("ErrorResponse", events[-2])
+    assert events[-2]["error"]["code"] == "worker_died"
+    for c in events[:-2]:
+        check("CreateChatCompletionStreamResponse", c)
+    r = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": MSG})
+    assert r.status_code == 503
+    check("ErrorResponse", await r.get_json())
+    pool.fail_after, pool.reject = None, ("context_length", "too long for the KV pool")
+    r = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": MSG})
+    assert r.status_code == 400
+    assert (await r.get_json())["error"]["code"] == "context_length_exceeded"
+    inst = reg.instances()[0]
+    assert inst.refs == 0 and inst.gate.active == 0  # every path released its slot
 
 
 # ---------------------------------------------------------------- cheap routes
@@ -424,7 +587,7 @@ def test_client_disconnect_aborts(srv):
         pytest.fail(f"the request kept running after the client left: {insts}")
 
 
-def test_admin_load_unload(srv, model_factory):
+def test_admin_load_unload(srv, model_factory, tmp_path):
     qwen2 = model_factory("tiny-qwen2")
     r = httpx.post(srv.url + "/admin/models/load", timeout=120,
                    json={"path": str(qwen2), "name": "q2", "dies": ["cpu:0"]})
@@ -440,6 +603,52 @@ def test_admin_load_unload(srv, model_factory):
     check_error(r, 404)
     assert httpx.get(srv.url + "/v1/models").json() == before  # a failed load changes nothing
     check_error(httpx.post(srv.url + "/admin/models/unload", json={"name": "q2"}), 404)
+    # a folder the router can read but the worker cannot load (no weights)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / f).write_bytes((qwen2 / f).read_bytes())
+    r = httpx.post(srv.url + "/admin/models/load", json={"path": str(broken)}, timeout=60)
+    assert r.status_code >= 400
+    check("ErrorResponse", r.json())
+    assert httpx.get(srv.url + "/v1/models").json() == before
+    names = [i["name"] for i in httpx.get(srv.url + "/admin/models").json()["data"]]
+    assert names == ["tiny", "llama"]
+
+
+def _serve_cli(args: list[str], **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pantheon", "serve", *args], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_refusals():
+    r = _serve_cli(["--model", "/nowhere"], QWEN35_GPU_FULL_LOGITS="1")
+    assert r.returncode == 2 and "QWEN35_GPU_FULL_LOGITS" in r.stderr
+    r = _serve_cli(["--name", "x"])
+    assert r.returncode == 2 and "--model" in r.stderr
+    r = _serve_cli(["--model", "/nowhere", "--slots", "0"])
+    assert r.returncode == 2 and "--slots" in r.stderr
+    r = _serve_cli(["--model", "/nowhere", "--dies", "gpu7"])
+    assert r.returncode == 2 and "gpu7" in r.stderr
+    r = _serve_cli(["--model", "/nowhere"], BS_QUEUE_DEPTH="lots")
+    assert r.returncode == 2 and "BS_QUEUE_DEPTH" in r.stderr
+
+
+def test_default_model_first_run_and_sigint(tmp_path):
+    """No --model: the built-in model is written on first run; SIGINT stops it cleanly."""
+    s = Server(["--cpu-dies", "1"], tmp_path / "default.log",
+               env={"PANTHEON_CACHE_DIR": str(tmp_path / "cache")})
+    try:
+        s.wait_ready()
+        assert (tmp_path / "cache" / "models" / "tiny" / "config.json").is_file()
+        c = s.client().chat.completions.create(model="anything", messages=MSG, max_tokens=2)
+        assert c.model == "tiny"
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(20) == 0, s.output()
+    finally:
+        s.stop()
+    assert "stopped" in s.output()
 
 
 def test_router_never_imports_torch(srv):
