@@ -124,7 +124,7 @@ def main() -> int:
     weight_bytes: dict[str, int] = {}
     for label, quant in variants:
         eng = Engine(str(path), devices=[args.device], dtype=args.dtype, kv_budget_bytes=256 << 20, quantize=quant)
-        weight_bytes[label] = eng.weight_bytes
+        weight_bytes[label] = eng.step_read_bytes
         bench_engine(eng, 1, 4, args.device)  # warm up
         for b in batches:
             ours[(label, b)] = bench_engine(eng, b, args.tokens, args.device)
@@ -145,7 +145,7 @@ def main() -> int:
     print(f"{'variant':<8}{'batch':>6}{'ours tok/s':>12}{'hf tok/s':>10}{'ratio':>8}{'ms/step':>9}{'of bw limit':>13}")
     for (label, b), tps in ours.items():
         step_s = b / tps
-        limit_step_s = weight_bytes[label] / bw  # every weight byte read once per step
+        limit_step_s = weight_bytes[label] / bw  # every streamed weight byte read once per step
         h = hf.get(b) if label in ("bf16", args.dtype) else None
         ratio = f"{tps / h:.2f}x" if h else "-"
         h_s = f"{h:.1f}" if h else "-"

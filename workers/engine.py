@@ -79,6 +79,11 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, num_slots, prefill_chunk, self.max_model_len)
         self.runner = ModelRunner(self.model, cfg, self.blocks, dt)
         self.weight_bytes = _weight_bytes(self.model)
+        # Bytes one decode step streams: everything but the embedding table, of which a step
+        # reads only a few rows (unless the head is the table itself, untied and unpacked).
+        emb = self.model.embed_tokens.weight
+        head_is_table = self.model.packed_head is None and self.model.lm_head is None
+        self.step_read_bytes = self.weight_bytes - (0 if head_is_table else emb.numel() * emb.element_size())
         self.kv_bytes = self.runner.kv_bytes
         self._samplers: dict[str, SamplerState] = {}
         # Test and debug hook: called with (sequences, fp32 logits [B, V]) before sampling.
