@@ -33,15 +33,7 @@ from pantheon.chat.template import ChatTemplate, TemplateError, think_open
 from pantheon.openai_api import ApiError, ChatRequest
 from pantheon.protocol import Submit
 
-try:  # the pool's error types (classified by name if the module is not there)
-    from pantheon.workerpool import RequestRejectedError, WorkerDied
-except ImportError:  # pragma: no cover
-    class RequestRejectedError(Exception):  # type: ignore[no-redef]
-        kind = "invalid"
-        reason = ""
-
-    class WorkerDied(Exception):  # type: ignore[no-redef]
-        pass
+from pantheon.workerpool import RequestRejectedError, WorkerDied
 
 log = logging.getLogger("pantheon.generate")
 
@@ -268,6 +260,7 @@ class ChoiceRun:
     finish_reason: str | None = None
     completion_tokens: int = 0
     reasoning_tokens: int = 0
+    cached_tokens: int = 0
     tool_calls: bool = False
     call_ids: dict[int, str] = field(default_factory=dict)
 
@@ -319,6 +312,8 @@ class Generation:
                         raise ApiError(500, "the worker aborted this request",
                                        type="server_error", code="aborted")
                     run.completion_tokens += 1
+                    if tok.cached_tokens:
+                        run.cached_tokens = tok.cached_tokens
                     text = detok.push(tok.token)
                     new = emitter.feed(text) if text else []
                     if emitter.stopped:
@@ -399,7 +394,8 @@ class Generation:
     def usage(self) -> dict:
         return oa.usage(len(self.prep.prompt_ids),
                         sum(r.completion_tokens for r in self.runs),
-                        reasoning_tokens=sum(r.reasoning_tokens for r in self.runs))
+                        reasoning_tokens=sum(r.reasoning_tokens for r in self.runs),
+                        cached_tokens=max(r.cached_tokens for r in self.runs))
 
     # ------------------------------------------------------------ streamed
 

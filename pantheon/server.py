@@ -37,8 +37,11 @@ CORS_HEADERS = {
     "Access-Control-Max-Age": "86400",
 }
 
-LOAD_STATUS = {"not_found": 404, "invalid": 400, "unsupported": 400, "out_of_memory": 507,
-               "admission": 507, "duplicate": 409, "cancelled": 409}
+# The spec's status_for_reason: admission/table-full 507, duplicate/unloading 409, not-found 404,
+# anything else 500.
+LOAD_STATUS = {"not_found": 404, "out_of_memory": 507, "admission": 507, "duplicate": 409,
+               "cancelled": 409}
+MAX_INSTANCES = 16  # the spec's MR_MAX_MODELS
 
 
 def json_response(obj: Any, status: int = 200, headers: dict | None = None) -> Response:
@@ -114,9 +117,12 @@ class Models:
         try:
             assets = await asyncio.to_thread(ModelAssets, path)
         except Exception as e:  # noqa: BLE001 - a broken tokenizer or template
-            raise ApiError(400, f"cannot read the model's tokenizer or template: {e}",
-                           param="path", code="invalid") from None
+            raise ApiError(500, f"cannot read the model's tokenizer or template: {e}",
+                           type="server_error", param="path", code="invalid") from None
         async with self._upload:
+            if len(self.registry.instances()) >= MAX_INSTANCES:
+                raise ApiError(507, f"the model table is full ({MAX_INSTANCES} instances)",
+                               type="server_error", code="table_full")
             dies = tuple(dies) or self._place()
             for die in dies:
                 if die.startswith("cpu:") and int(die[4:]) >= self.config.cpu_dies:
@@ -138,9 +144,10 @@ class Models:
             except BaseException as e:
                 self.registry.discard(inst)
                 if isinstance(e, LoadFailedError):
-                    raise ApiError(LOAD_STATUS.get(e.kind, 500), f"load failed: {e.reason}",
-                                   type="invalid_request_error" if e.kind in LOAD_STATUS
-                                   else "server_error", code=e.kind) from None
+                    status = LOAD_STATUS.get(e.kind, 500)
+                    raise ApiError(status, f"load failed: {e.reason}", code=e.kind,
+                                   type="server_error" if status >= 500 else
+                                   "invalid_request_error") from None
                 if isinstance(e, PoolError):
                     raise ApiError(500, str(e), type="server_error", code="worker_died") from None
                 raise

@@ -54,14 +54,17 @@ class Server:
             [sys.executable, "-m", "pantheon", "serve", "--port", str(self.port), *args],
             cwd=ROOT, env=env, stdout=self._fh, stderr=subprocess.STDOUT)
 
-    def wait_ready(self, timeout: float = 150.0) -> None:
+    def wait_ready(self, models: tuple[str, ...] = (), timeout: float = 150.0) -> None:
+        """Until /health is 200 and every name in ``models`` is listed."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
+                    listed = httpx.get(self.url + "/v1/models", timeout=2).json()["data"]
+                    if set(models) <= {m["id"] for m in listed}:
+                        return
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
@@ -101,8 +104,8 @@ def servers(model_factory, tmp_path_factory):
                      "--model", str(llama), "--name", "llama", "--dies", "cpu:1",
                      "--cpu-dies", "2", "--slots", "1"], logs / "single.log")
     try:
-        main.wait_ready()
-        single.wait_ready()
+        main.wait_ready(("tiny", "llama"))
+        single.wait_ready(("tiny", "llama"))
         yield {"main": main, "single": single}
     finally:
         rcs = {name: s.stop() for name, s in (("main", main), ("single", single))}
@@ -317,6 +320,30 @@ async def test_app_reasoning_and_stop_across_tokens(scripted):
     assert text_of(chunks).rstrip() == "Hello world"
 
 
+async def test_app_passes_sampling_extensions_and_template_kwargs(scripted):
+    client, pool, reg, publish = scripted
+    publish()
+    r = await client.post("/v1/chat/completions", headers={"X-Session-Id": "sess-1"}, json={
+        "model": "tiny", "messages": MSG, "max_tokens": 9, "temperature": 0.5, "top_p": 0.9,
+        "top_k": 7, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 2,
+        "presence_penalty": 0.1, "frequency_penalty": 0.2, "seed": 11, "ignore_eos": True,
+        "user": "u", "response_format": {"type": "json_object"},
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, await r.get_data()
+    sub = pool.submits[-1]
+    p = sub.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (9, 0.5, 0.9, 7, 0.05)
+    assert (p.repetition_penalty, p.min_tokens, p.seed, p.ignore_eos) == (1.2, 2, 11, True)
+    assert (p.presence_penalty, p.frequency_penalty, p.stop_token_ids) == (0.1, 0.2, [])
+    assert sub.session_id == "sess-1" and sub.instance == reg.instances()[0].instance_id
+    assert pool.assets.tokenizer.decode(sub.prompt, skip_special_tokens=False).endswith(
+        "<think>\n\n</think>\n\n")
+    await client.post("/v1/chat/completions", json={"model": "tiny", "messages": MSG})
+    p = pool.submits[-1].params
+    assert p.temperature == 1.0 and set(pool.assets.eos_ids) <= set(p.stop_token_ids)
+    assert p.max_tokens == 4096 - len(pool.submits[-1].prompt)
+
+
 async def test_app_failures_mid_stream_and_rejections(scripted):
     client, pool, reg, publish = scripted
     publish()
@@ -522,6 +549,16 @@ def test_tools(srv):
     assert streamed[-1].choices[0].finish_reason in ("stop", "length")
 
 
+async def test_batched_mode_serves_8_at_once(srv):
+    client = srv.aclient()
+    try:
+        outs = await asyncio.gather(*(client.chat.completions.create(
+            model="tiny", messages=MSG, max_tokens=4, seed=i) for i in range(8)))
+    finally:
+        await client.close()
+    assert len({o.id for o in outs}) == 8 and all(o.model == "tiny" for o in outs)
+
+
 def test_ids_unique(srv):
     client = srv.client()
     ids = {client.chat.completions.create(model="tiny", messages=MSG, max_tokens=1).id
@@ -599,6 +636,17 @@ def test_admin_load_unload(srv, model_factory, tmp_path):
     assert r.status_code == 200, r.text
     check_error(post(srv, {"model": "q2", "messages": MSG}), 404, code="model_not_found")
     before = httpx.get(srv.url + "/v1/models").json()
+    # a replica of a served name: still one Model object; unload by instance id drops just it
+    tiny = model_factory("tiny")
+    r = httpx.post(srv.url + "/admin/models/load", timeout=120,
+                   json={"path": str(tiny), "name": "tiny"})
+    assert r.status_code == 200, r.text
+    replica = r.json()["instance"]
+    assert httpx.get(srv.url + "/v1/models").json() == before
+    assert [i["name"] for i in httpx.get(srv.url + "/admin/models").json()["data"]].count(
+        "tiny") == 2
+    r = httpx.post(srv.url + "/admin/models/unload", json={"name": replica}, timeout=60)
+    assert r.status_code == 200 and r.json()["instances"] == [replica]
     r = httpx.post(srv.url + "/admin/models/load", json={"path": "/no/such/model"}, timeout=60)
     check_error(r, 404)
     assert httpx.get(srv.url + "/v1/models").json() == before  # a failed load changes nothing
