@@ -311,10 +311,11 @@ class Generation:
                     if tok.finish == "abort":
                         raise ApiError(500, "the worker aborted this request",
                                        type="server_error", code="aborted")
-                    run.completion_tokens += 1
+                    real = tok.token >= 0  # -1: a finish without a token (truncated)
+                    run.completion_tokens += real
                     if tok.cached_tokens:
                         run.cached_tokens = tok.cached_tokens
-                    text = detok.push(tok.token)
+                    text = detok.push(tok.token) if real else ""
                     new = emitter.feed(text) if text else []
                     if emitter.stopped:
                         finish = "stop"
@@ -330,7 +331,7 @@ class Generation:
                             run.reasoning_tokens += 1
                             break
                     deltas += new
-                    if lps is not None:
+                    if lps is not None and real:
                         lps.append(self._logprob(tok))
                     if finish is not None:
                         break

@@ -115,16 +115,28 @@ def _gpu_count() -> int:
 
 
 def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
-    """Fill in the default model and the default die set."""
+    """Fill in the default model, and a die for each model given none: the CPU dies in turn
+    when there are any, else the CUDA devices in turn, else one CPU die made for it."""
     import msgspec
+
+    from pantheon.config import ModelSpec
 
     if not cfg.models:
         cfg = build_config({**args, "models": [{"path": str(default_model()),
                                                 "name": DEFAULT_PRESET}]})
-    unplaced = any(not m.dies for m in cfg.models)
-    if unplaced and cfg.cpu_dies == 0 and _gpu_count() == 0:
+    if all(m.dies for m in cfg.models):
+        return cfg
+    if cfg.cpu_dies == 0 and _gpu_count() == 0:
         cfg = msgspec.structs.replace(cfg, cpu_dies=1)
-    return cfg
+    pool = [f"cpu:{i}" for i in range(cfg.cpu_dies)] or [f"cuda:{i}" for i in
+                                                         range(_gpu_count())]
+    models, k = [], 0
+    for m in cfg.models:
+        if not m.dies:
+            m = ModelSpec(path=m.path, name=m.name, dies=(pool[k % len(pool)],))
+            k += 1
+        models.append(m)
+    return msgspec.structs.replace(cfg, models=tuple(models))
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -219,6 +219,7 @@ class ScriptedPool:
         self.text = "Hello"
         self.fail_after = None
         self.reject = None
+        self.truncate = False  # end with the engine's token-less "length" finish (-1)
         self.streams: list[ScriptedStream] = []
         self.submits = []
 
@@ -227,8 +228,9 @@ class ScriptedPool:
             from pantheon.workerpool import RequestRejectedError
             raise RequestRejectedError(*self.reject)
         self.submits.append(sub)
-        ids = self.assets.encode(self.text) + [self.assets.eos_ids[0]]
-        st = ScriptedStream(sub.request_id, ids, "stop", self.fail_after)
+        ids = self.assets.encode(self.text) + [-1 if self.truncate else self.assets.eos_ids[0]]
+        st = ScriptedStream(sub.request_id, ids, "length" if self.truncate else "stop",
+                            self.fail_after)
         self.streams.append(st)
         return st
 
@@ -342,6 +344,19 @@ async def test_app_passes_sampling_extensions_and_template_kwargs(scripted):
     p = pool.submits[-1].params
     assert p.temperature == 1.0 and set(pool.assets.eos_ids) <= set(p.stop_token_ids)
     assert p.max_tokens == 4096 - len(pool.submits[-1].prompt)
+
+
+async def test_app_truncated_finish_without_token(scripted):
+    client, pool, reg, publish = scripted
+    publish()
+    pool.text, pool.truncate = "Hello there", True
+    body = {"model": "tiny", "messages": MSG, "logprobs": True}
+    out = await (await client.post("/v1/chat/completions", json=body)).get_json()
+    check("CreateChatCompletionResponse", out)
+    n = len(pool.assets.encode("Hello there"))
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["choices"][0]["message"]["content"] == "Hello there"
+    assert out["usage"]["completion_tokens"] == n == len(out["choices"][0]["logprobs"]["content"])
 
 
 async def test_app_failures_mid_stream_and_rejections(scripted):
@@ -668,6 +683,23 @@ def _serve_cli(args: list[str], **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pantheon", "serve", *args], cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
                           capture_output=True, text=True, timeout=60)
+
+
+def test_cli_places_models_without_dies(monkeypatch):
+    from pantheon import server_cli
+    from pantheon.config import build_config
+
+    args = {"models": [{"path": "/a"}, {"path": "/b"}, {"path": "/c", "dies": "cpu:0"}],
+            "cpu_dies": 2}
+    cfg = server_cli.finalize(build_config(args, {}), args)
+    assert [m.dies for m in cfg.models] == [("cpu:0",), ("cpu:1",), ("cpu:0",)]
+    args = {"models": [{"path": "/a"}, {"path": "/b"}]}
+    monkeypatch.setattr(server_cli, "_gpu_count", lambda: 2)
+    cfg = server_cli.finalize(build_config(args, {}), args)
+    assert [m.dies for m in cfg.models] == [("cuda:0",), ("cuda:1",)] and cfg.cpu_dies == 0
+    monkeypatch.setattr(server_cli, "_gpu_count", lambda: 0)
+    cfg = server_cli.finalize(build_config(args, {}), args)
+    assert [m.dies for m in cfg.models] == [("cpu:0",), ("cpu:0",)] and cfg.cpu_dies == 1
 
 
 def test_cli_refusals():
