@@ -276,6 +276,14 @@ class Generation:
         self.fingerprint = fingerprint
         self.runs = [ChoiceRun(i) for i in range(req.n)]
         self._envelope: tuple[bytes, bytes] | None = None
+        self._streams: list = []
+        self.closing = False
+
+    def shutdown(self) -> None:
+        """The server is stopping: end every choice now (its stream ends with an error)."""
+        self.closing = True
+        for st in self._streams:
+            st.abort()
 
     def _emitter(self):
         req, prep, assets = self.req, self.prep, self.inst.assets
@@ -299,9 +307,16 @@ class Generation:
                      params=params, session_id=req.session_id)
         stream = None
         try:
+            if self.closing:
+                raise ApiError(503, "the server is shutting down", type="server_error",
+                               code="shutting_down")
             stream = self.pool.submit(self.inst.die, sub)
+            self._streams.append(stream)
             while True:
                 toks = await stream.next_batch()
+                if not toks and self.closing:
+                    raise ApiError(503, "the server is shutting down", type="server_error",
+                                   code="shutting_down")
                 if not toks:
                     raise ApiError(500, "the worker ended the request without a finish",
                                    type="server_error", code="internal_error")

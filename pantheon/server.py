@@ -186,8 +186,9 @@ def create_app(config: ServeConfig, pool: Any, registry: Registry) -> Quart:
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60
     models = Models(config, pool, registry)
+    live: set[Generation] = set()  # generations in flight, ended at once on shutdown
     app.extensions["pantheon"] = {"config": config, "pool": pool, "registry": registry,
-                                  "models": models}
+                                  "models": models, "live": live}
 
     @app.after_request
     async def cors(resp: Response) -> Response:
@@ -264,13 +265,19 @@ def create_app(config: ServeConfig, pool: Any, registry: Registry) -> Quart:
         except BaseException:
             registry.leave(inst)
             raise
+        live.add(gen)
+
+        def done() -> None:
+            live.discard(gen)
+            registry.leave(inst)
+
         if not req.stream:
             try:
                 out = await gen.complete()
             finally:
-                registry.leave(inst)
+                done()
             return json_response(out)
-        body = _Body(gen.stream_chunks(), lambda: registry.leave(inst))
+        body = _Body(gen.stream_chunks(), done)
         resp = Response(body, status=200, content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         resp.timeout = None

@@ -157,10 +157,8 @@ async def serve(cfg: ServeConfig) -> int:
     from pantheon.server import create_app
     from pantheon.workerpool import WorkerPool
 
-    stop = asyncio.Event()
+    stop = asyncio.Event()  # hypercorn's shutdown trigger
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
 
     sock = _bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
@@ -173,6 +171,18 @@ async def serve(cfg: ServeConfig) -> int:
     models = app.extensions["pantheon"]["models"]
     pool.on_worker_dead = models.worker_dead
     status = {"rc": 0}
+
+    def on_signal() -> None:
+        # end the streams in flight with an error event and [DONE] first, so that hypercorn's
+        # graceful wait finds them finished; a second signal stops at once
+        if stop.is_set():
+            os._exit(130)
+        for gen in list(app.extensions["pantheon"]["live"]):
+            gen.shutdown()
+        loop.call_later(0.05, stop.set)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
 
     async def bring_up() -> None:
         try:

@@ -716,19 +716,29 @@ def test_cli_refusals():
 
 
 def test_default_model_first_run_and_sigint(tmp_path):
-    """No --model: the built-in model is written on first run; SIGINT stops it cleanly."""
+    """No --model: the built-in model is written on first run. SIGINT during a stream ends
+    that stream with an error event and [DONE], then the server exits 0."""
     s = Server(["--cpu-dies", "1"], tmp_path / "default.log",
                env={"PANTHEON_CACHE_DIR": str(tmp_path / "cache")})
     try:
-        s.wait_ready()
+        s.wait_ready(("tiny",))
         assert (tmp_path / "cache" / "models" / "tiny" / "config.json").is_file()
         c = s.client().chat.completions.create(model="anything", messages=MSG, max_tokens=2)
         assert c.model == "tiny"
-        s.proc.send_signal(signal.SIGINT)
+        events = []
+        with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=30, json={
+                "messages": MSG, "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        s.proc.send_signal(signal.SIGINT)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "shutting_down"
         assert s.proc.wait(20) == 0, s.output()
     finally:
         s.stop()
-    assert "stopped" in s.output()
+    assert "stopped" in s.output() and "Traceback" not in s.output()
 
 
 def test_router_never_imports_torch(srv):
