@@ -23,7 +23,6 @@ import gc
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -62,7 +61,7 @@ def model_dir(args) -> Path:
 
 def prompt_ids(path: Path) -> list[int]:
     """The ids the router sends for MESSAGES: the same prompt both ways."""
-    from pantheon.generate import ModelAssets
+    from pantheon.registry import ModelAssets
 
     a = ModelAssets(path)
     return a.encode(a.template.render(MESSAGES, add_generation_prompt=True))

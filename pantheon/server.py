@@ -21,10 +21,10 @@ from werkzeug.exceptions import HTTPException
 
 from pantheon import openai_api as oa
 from pantheon.config import ServeConfig, parse_dies
-from pantheon.generate import Generation, ModelAssets, prepare
+from pantheon.generate import Generation, prepare
 from pantheon.openai_api import ApiError
 from pantheon.protocol import LoadModel
-from pantheon.registry import READY, Instance, Registry
+from pantheon.registry import READY, Instance, ModelAssets, Registry
 from pantheon.workerpool import LoadFailedError, PoolError
 
 log = logging.getLogger("pantheon.server")

@@ -241,7 +241,7 @@ class ScriptedPool:
 @pytest.fixture()
 def scripted(tiny_model):
     from pantheon.config import build_config
-    from pantheon.generate import ModelAssets
+    from pantheon.registry import ModelAssets
     from pantheon.registry import Registry
     from pantheon.server import create_app
 
