@@ -9,7 +9,9 @@ share a name (replicas). States: ``loading`` (the name is taken, nothing routes 
   ``model`` says;
 - with more, an exact name is needed (a missing name takes the first resident one); an unknown
   name is 404 ``model_not_found``; a name that is only loading, or no model at all, is 503;
-- among replicas of one name, the least busy (fewest in-flight requests) wins.
+- among replicas of one name, the least busy (fewest in-flight requests) wins, except that a
+  ``session_id`` goes back to the replica that served it last while that one has a free slot
+  (the spec's missing cross-replica session affinity, added).
 
 Each instance has a ``SlotGate``: in single-user mode a second request gets 429 ``server_busy`` at
 once; in batched mode requests beyond the slots wait in a FIFO of bounded depth (429 with
@@ -35,6 +37,7 @@ from pantheon.chat.template import ChatTemplate
 from pantheon.openai_api import ApiError, model_not_found, no_model_loaded, server_busy
 
 LOADING, READY, DRAINING = "loading", "ready", "draining"
+MAX_SESSIONS = 16384  # session -> replica affinity entries kept (least recently used dropped)
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -204,6 +207,7 @@ class Registry:
         self.single_user = slots <= 1 if single_user is None else single_user
         self._instances: list[Instance] = []
         self._ids = itertools.count(1)
+        self._sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     # ------------------------------------------------------------ table
 
@@ -248,8 +252,11 @@ class Registry:
 
     # ------------------------------------------------------------ routing
 
-    def route(self, name: str | None) -> Instance:
-        """Pick an instance for a request naming ``name``; raises ``ApiError``. No refcount."""
+    def route(self, name: str | None, session_id: str | None = None) -> Instance:
+        """Pick an instance for a request naming ``name``; raises ``ApiError``. No refcount.
+
+        A ``session_id`` seen before goes back to the replica that served it (its prefix cache
+        is warm there) while that replica has a free slot; otherwise the least busy replica."""
         ready = self.ready()
         if not ready:
             raise no_model_loaded()
@@ -265,22 +272,35 @@ class Registry:
         else:
             raise model_not_found(name)
         candidates = [i for i in ready if i.name == target]
+        if session_id is not None and len(candidates) > 1:
+            sticky = self._sessions.get(session_id)
+            for i in candidates:
+                if i.instance_id == sticky and i.gate.active < i.gate.slots:
+                    return i
         # least busy; ties go to the earliest loaded
         return min(candidates, key=lambda i: (i.refs, i.gate.waiting))
 
-    def acquire(self, name: str | None) -> Instance:
-        inst = self.route(name)
+    def acquire(self, name: str | None, session_id: str | None = None) -> Instance:
+        inst = self.route(name, session_id)
         inst.refs += 1
         return inst
+
+    def _remember(self, session_id: str | None, inst: Instance) -> None:
+        if session_id is None:
+            return
+        self._sessions[session_id] = inst.instance_id
+        self._sessions.move_to_end(session_id)
+        while len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
 
     def release(self, inst: Instance) -> None:
         inst.refs = max(0, inst.refs - 1)
         if inst.refs == 0 and inst._drained is not None:
             inst._drained.set()
 
-    async def admit(self, name: str | None) -> Instance:
+    async def admit(self, name: str | None, session_id: str | None = None) -> Instance:
         """Route, take a reference and a slot (may wait in the queue); pair with ``leave``."""
-        inst = self.acquire(name)
+        inst = self.acquire(name, session_id)
         if self.single_user and inst.gate.active >= inst.gate.slots:
             # single-user: another replica of the name may be free
             free = [i for i in self.ready() if i.name == inst.name
@@ -294,6 +314,7 @@ class Registry:
         except BaseException:
             self.release(inst)
             raise
+        self._remember(session_id, inst)
         return inst
 
     def leave(self, inst: Instance) -> None:

@@ -255,7 +255,7 @@ def create_app(config: ServeConfig, pool: Any, registry: Registry) -> Quart:
     async def chat():
         raw = await request.get_data(cache=False)
         req = oa.parse_chat_request(raw, header_session=request.headers.get("X-Session-Id"))
-        inst = await registry.admit(req.model)
+        inst = await registry.admit(req.model, req.session_id)
         try:
             if len(raw) > 32768:  # long prompts tokenize off the event loop
                 prep = await asyncio.to_thread(prepare, inst.assets, req, inst.max_model_len)

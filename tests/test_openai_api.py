@@ -409,6 +409,22 @@ def test_replicas_least_busy_and_dedupe():
     assert reg.acquire("a") is x
 
 
+async def test_session_affinity_across_replicas():
+    reg, (a1, a2) = _registry("a", "a", slots=3)
+    first = await reg.admit("a", "s1")
+    x = await reg.admit("a")
+    y = await reg.admit("a")
+    assert (first, x, y) == (a1, a2, a1)  # least busy, ties to the earliest
+    again = await reg.admit("a", "s1")
+    assert again is a1  # sticky, although a2 is less busy (1 against 2)
+    moved = await reg.admit("a", "s1")  # a1 is full (3 slots): the session moves on
+    assert moved is a2
+    assert reg.route("a", "s1") is a2  # ... and sticks to its new replica
+    for i in (first, x, y, again, moved):
+        reg.leave(i)
+    assert a1.refs == a2.refs == 0
+
+
 async def test_single_user_gate_429_while_other_model_serves():
     reg, (a, b) = _registry("a", "b", slots=1)
     first = await reg.admit("a")
