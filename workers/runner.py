@@ -44,6 +44,19 @@ class ModelRunner:
         bs = self.blocks.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def _gather(self, tables: list[list[int]], length: int) -> torch.Tensor:
+        """Cache rows of positions 0..length-1 for each table: [B, length] int64.
+
+        Built from the block tables with tensor ops (B * blocks Python ints, not B * length):
+        this runs every step for every decoding sequence. Positions past a table's end point
+        into block 0 and must be masked by the caller.
+        """
+        bs = self.blocks.block_size
+        nb = -(-length // bs)
+        tab = torch.tensor([t[:nb] + [0] * (nb - len(t[:nb])) for t in tables], dtype=torch.long)
+        rows = tab[:, :, None] * bs + torch.arange(bs)  # [B, nb, bs]
+        return rows.view(len(tables), nb * bs)[:, :length].to(self.main)
+
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Compute the plan's tokens; return fp32 logits [len(plan.sampled()), vocab]."""
@@ -76,13 +89,12 @@ class ModelRunner:
         if n_decode:
             lens = [s.num_computed + 1 for s in plan.decode]
             t = max(lens)
-            gather = [self._rows(s.block_table, 0, n) + [0] * (t - n) for s, n in zip(plan.decode, lens)]
-            dec_gather = torch.tensor(gather, dtype=torch.long, device=dev)  # [B, T]
+            dec_gather = self._gather([s.block_table for s in plan.decode], t)  # [B, T]
             dec_mask = (torch.arange(t, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None])
             dec_mask = dec_mask[:, None, None, :]  # [B, 1, 1, T]
         pre = []
         for start, end, p0, p1, table in chunks:
-            gather = torch.tensor(self._rows(table, 0, p1), dtype=torch.long, device=dev)  # [T]
+            gather = self._gather([table], p1)[0]  # [T]
             mask = None
             if p0:
                 # Query row i sits at position p0 + i and sees keys 0..p0 + i.
