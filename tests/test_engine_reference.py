@@ -55,8 +55,15 @@ def assert_matches(path, prompt=PROMPT, n_tokens=17, **kw):
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny"])
 def test_logits_match_transformers(model_factory, preset):
-    """Prefill plus 16 decode steps, for Llama, Qwen2 (biases) and Qwen3 (q/k norms)."""
-    assert_matches(model_factory(preset, dtype="float32"))
+    """Every prefill position, then 16 decode steps, for Llama, Qwen2 (biases), Qwen3 (q/k norms)."""
+    path = model_factory(preset, dtype="float32")
+    ours = Engine(str(path), dtype="float32").prompt_logits(PROMPT)  # [T, V]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPT])).logits[0].float()
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() < 1e-4
+    assert_matches(path)
 
 
 def test_llama_with_attention_bias(model_factory):

@@ -25,7 +25,7 @@ from workers.loader import load_model, resolve_dtype
 from workers.model_config import load_config
 from workers.runner import ModelRunner, kv_block_bytes
 from workers.sampler import SamplerState, sample
-from workers.scheduler import Scheduler, Sequence
+from workers.scheduler import Scheduler, Sequence, StepPlan
 
 __all__ = ["Engine", "LoadError", "RequestRejected"]
 
@@ -148,6 +148,20 @@ class Engine:
         """Stop a request now and free its slot and blocks. Unknown ids are ignored."""
         self.scheduler.abort(request_id)
         self._samplers.pop(request_id, None)
+
+    def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
+        """Logits at every position of ``prompt``: [T, vocab] fp32, computed in one pass.
+
+        Runs outside the scheduler on borrowed blocks (call it between steps); used by the
+        reference tests and for prompt logprobs.
+        """
+        seq = Sequence("\0prompt", len(prompt), list(prompt), 1, use_cache=False)
+        if not self.blocks.ensure(seq.block_table, len(prompt)):
+            raise RequestRejected("context_length", "the KV pool has no room for this prompt now")
+        try:
+            return self.runner.run(StepPlan(decode=[], prefill=[(seq, len(prompt))]), all_rows=True)
+        finally:
+            self.blocks.free(seq.block_table)
 
     def reset_cache(self) -> None:
         """Forget every cached prefix (running requests keep their blocks)."""

@@ -58,8 +58,11 @@ class ModelRunner:
         return rows.view(len(tables), nb * bs)[:, :length].to(self.main)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Compute the plan's tokens; return fp32 logits [len(plan.sampled()), vocab]."""
+    def run(self, plan: StepPlan, all_rows: bool = False) -> torch.Tensor:
+        """Compute the plan's tokens; return fp32 logits [len(plan.sampled()), vocab].
+
+        ``all_rows``: logits of every computed token instead (prompt logits), [N, vocab].
+        """
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -106,6 +109,8 @@ class ModelRunner:
         batches = {d: base if d == dev else _to(base, d) for d in self.devices}
         hidden = self.model(input_ids, batches, self.kv)  # [N, hidden]
 
+        if all_rows:
+            return self.model.logits(hidden)
         # Only the last row of each sampled sequence needs logits.
         rows = list(range(n_decode))
         for (start, end, _p0, p1, _t), (s, _n) in zip(chunks, plan.prefill):
