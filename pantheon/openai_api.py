@@ -95,6 +95,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     ignore_eos: bool = False
     session_id: str | None = None
+    cache_salt: str | None = None  # requests share cached prefixes only under the same salt
     chat_template_kwargs: dict[str, Any] = {}
 
     @property
@@ -389,6 +390,7 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     kw["user"] = _str(body, "user")
     sid = _str(body, "session_id")
     kw["session_id"] = sid if sid is not None else header_session
+    kw["cache_salt"] = _str(body, "cache_salt")
     kw["chat_template_kwargs"] = _typed(body, "chat_template_kwargs", dict, "an object")
     return ChatRequest(**{k: v for k, v in kw.items() if v is not None})
 

@@ -1,23 +1,30 @@
-"""The model registry: which instances exist, their state, refcounts, and request routing;
-and ``ModelAssets``, what the router itself reads of a model folder (tokenizer, template, eos).
+"""The model registry: the instance table, refcounts, routing, and each model's slot queue.
 
-An ``Instance`` is one loaded copy of a model on one die (or a die list); several instances may
-share a name (replicas). States: ``loading`` (the name is taken, nothing routes to it), ``ready``,
-``draining`` (no new requests; unload waits for in-flight ones). Routing follows the spec:
+An ``Instance`` is one loaded copy of a model on one die (or a die list: layers split); several
+instances may share a name (replicas; ``/v1/models`` shows the name once). States: ``loading``
+(the name is taken, nothing routes to it), ``ready``, ``draining`` (no new requests; unload waits
+for the in-flight ones), ``failed`` (its worker died). At most ``MAX_INSTANCES`` (16) rows.
+
+Routing follows the spec:
 
 - exactly one resident model (one name, however many replicas) takes every request, whatever
-  ``model`` says;
-- with more, an exact name is needed (a missing name takes the first resident one); an unknown
+  ``model`` says; with more, an exact name is needed (none: the first resident one); an unknown
   name is 404 ``model_not_found``; a name that is only loading, or no model at all, is 503;
-- among replicas of one name, the least busy (fewest in-flight requests) wins, except that a
-  ``session_id`` goes back to the replica that served it last while that one has a free slot
-  (the spec's missing cross-replica session affinity, added).
+- among replicas the least busy wins (in flight, then fewest served so far, so that sequential
+  traffic alternates), except that a ``session_id`` goes back to the replica that served it last
+  (its prefix cache is warm there) unless that replica is saturated: the spec's missing
+  cross-replica affinity.
 
-Each instance has a ``SlotGate``: in single-user mode a second request gets 429 ``server_busy`` at
-once; in batched mode requests beyond the slots wait in a FIFO of bounded depth (429 with
-``Retry-After: 5`` when full) for at most the queue timeout (429 with ``Retry-After: 2``).
+Admission to a slot (``admit``), per model name, after the spec's D1/D3 gate:
 
-The registry is plain asyncio state (one event loop, no locks needed); it never talks to workers.
+- fast path: a replica has a free slot, nobody queues ahead, and pressure is below CRITICAL;
+- else the request waits in the model's FIFO (depth ``queue_depth``, 32 by default) for at most
+  ``queue_timeout_s`` (30 s): a freed slot of any replica goes to the head of the queue;
+- queue full: 429 ``Retry-After: 5`` (503 at CRITICAL); waited too long: 429 ``Retry-After: 2``;
+  shutting down: 503. A client that goes away while queued leaves the queue (its task is
+  cancelled). Single-user instances (one slot) keep the spec's immediate 429 ``server_busy``.
+
+Plain asyncio state on the router's one event loop: no locks; it never talks to workers.
 """
 
 from __future__ import annotations
@@ -25,151 +32,53 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
-
-from pantheon.chat.template import ChatTemplate
+from pantheon.assets import ModelAssets  # noqa: F401 - re-exported (its old home)
 from pantheon.openai_api import ApiError, model_not_found, no_model_loaded, server_busy
 
-LOADING, READY, DRAINING = "loading", "ready", "draining"
+LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
+CRITICAL = 3
+MAX_INSTANCES = 16  # the spec's MR_MAX_MODELS
 MAX_SESSIONS = 16384  # session -> replica affinity entries kept (least recently used dropped)
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-to-unicode table, inverted: the ByteLevel pre-tokenizer's alphabet."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+def queue_full(critical: bool) -> ApiError:
+    if critical:
+        return ApiError(503, "memory pressure is critical and the queue is full; retry later",
+                        type="server_error", code="memory_pressure")
+    return ApiError(429, "all slots are busy and the queue is full; retry shortly",
+                    type="rate_limit_error", code="queue_full", headers={"Retry-After": "5"})
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+def queue_timeout(seconds: float) -> ApiError:
+    return ApiError(429, f"no slot became free within {seconds:g} s; retry",
+                    type="rate_limit_error", code="queue_timeout", headers={"Retry-After": "2"})
 
 
-def _ids(v: Any) -> list[int]:
-    if isinstance(v, int) and not isinstance(v, bool):
-        return [v]
-    if isinstance(v, list):
-        return [x for x in v if isinstance(x, int) and not isinstance(x, bool)]
-    return []
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", type="server_error",
+                    code="shutting_down")
 
 
-class ModelAssets:
-    """What the router needs of a model folder: tokenizer, chat template, eos ids."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
-        self.template = ChatTemplate.from_model_dir(self.path)
-        src = (self.template.source or "") + (self.template.tool_use_source or "")
-        self.reasoning = "<think>" in src or (self.template.is_fallback and self.template.reasoning)
-        self.tool_call_markup = "<tool_call>" in src or self.template.is_fallback
-        eos: list[int] = []
-        for name in ("generation_config.json", "config.json"):
-            eos += _ids(_read_json(self.path / name).get("eos_token_id"))
-        if self.template.eos_token:
-            tid = self.tokenizer.token_to_id(self.template.eos_token)
-            if tid is not None:
-                eos.append(tid)
-        self.eos_ids = list(dict.fromkeys(eos))
-        tj = _read_json(self.path / "tokenizer.json")
-        self._byte_level = "ByteLevel" in json.dumps(tj.get("decoder") or {})
-        self._bd = _byte_decoder() if self._byte_level else {}
-        self._added = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
-        self._pieces: dict[int, tuple[str, bytes]] = {}
-
-    def add_eos(self, ids: list[int]) -> None:
-        self.eos_ids = list(dict.fromkeys(self.eos_ids + list(ids)))
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def piece(self, token_id: int) -> tuple[str, bytes]:
-        """A token's own text and bytes, for logprobs (``bytes:\\x..`` when not valid UTF-8)."""
-        got = self._pieces.get(token_id)
-        if got is not None:
-            return got
-        if token_id in self._added:
-            raw = self._added[token_id].encode()
-        else:
-            tok = self.tokenizer.id_to_token(token_id) or ""
-            if self._byte_level and all(c in self._bd for c in tok):
-                raw = bytes(self._bd[c] for c in tok)
-            elif len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
-                raw = bytes([int(tok[3:5], 16)])
-            else:
-                raw = tok.replace("\u2581", " ").encode()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-        self._pieces[token_id] = (text, raw)
-        return text, raw
+def model_gone(name: str) -> ApiError:
+    return ApiError(503, f"model {name!r} was unloaded while the request waited; retry",
+                    type="server_error", code="model_not_ready", headers={"Retry-After": "1"})
 
 
-class SlotGate:
-    """Admission to one instance: ``slots`` running at once, then a bounded FIFO with a timeout."""
+@dataclass
+class Slots:
+    """An instance's router-side slots: ``active`` of ``slots`` are held by requests."""
 
-    def __init__(self, slots: int, queue_depth: int, timeout_s: float, single_user: bool):
-        self.slots = max(1, slots)
-        self.queue_depth = 0 if single_user else queue_depth
-        self.timeout_s = timeout_s
-        self.single_user = single_user
-        self.active = 0
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+    slots: int
+    active: int = 0
 
     @property
-    def waiting(self) -> int:
-        return sum(1 for f in self._waiters if not f.done())
-
-    async def acquire(self) -> None:
-        if self.active < self.slots and not self.waiting:
-            self.active += 1
-            return
-        if self.single_user:
-            raise server_busy()
-        if self.waiting >= self.queue_depth:
-            raise ApiError(429, "all slots are busy and the queue is full; retry shortly",
-                           type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": "5"})
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
-        except BaseException as e:
-            if fut.done() and not fut.cancelled():
-                self.release()  # the slot was handed to us as we gave up: pass it on
-            else:
-                fut.cancel()
-            if isinstance(e, TimeoutError):
-                raise ApiError(429, f"no slot became free within {self.timeout_s:g} s; retry",
-                               type="rate_limit_error", code="queue_timeout",
-                               headers={"Retry-After": "2"}) from None
-            raise
-
-    def release(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)  # hand the slot over; active stays the same
-                return
-        self.active = max(0, self.active - 1)
+    def free(self) -> bool:
+        return self.active < self.slots
 
 
 @dataclass(eq=False)
@@ -178,58 +87,123 @@ class Instance:
     instance_id: str
     path: str
     dies: tuple[str, ...]
-    gate: SlotGate
+    gate: Slots
     state: str = LOADING
-    refs: int = 0
+    refs: int = 0  # in flight: references taken by admit()/acquire(), ended by leave()/release()
+    served: int = 0  # requests granted a slot since load
     max_model_len: int | None = None
+    quantize: bool = False
     assets: Any = None  # the router-side tokenizer/template bundle (ModelAssets)
     loaded: Any = None  # the worker's protocol.Loaded
+    estimate: Any = None  # sizing.Estimate, for admission and bookings
+    kv_pool_tokens: int | None = None  # tokens the worker's KV pool holds
+    error: str | None = None  # why it failed
+    load_progress: float | None = None  # 0..1 while loading
+    load_msg: Any = None  # the protocol.LoadModel it was loaded with (a restart reuses it)
+    restarts: int = 0  # times it was reloaded after its worker died
     created: int = field(default_factory=lambda: int(time.time()))
     _drained: asyncio.Event | None = None
 
     @property
     def die(self) -> str:
+        """The die whose worker hosts the instance (the first of its dies)."""
         return self.dies[0]
+
+    @property
+    def single_user(self) -> bool:
+        return self.gate.slots <= 1
+
+    @property
+    def busy(self) -> int:
+        return self.gate.active
 
     def info(self) -> dict:
         return {"name": self.name, "instance": self.instance_id, "path": self.path,
-                "dies": list(self.dies), "state": self.state, "in_flight": self.refs,
-                "running": self.gate.active, "waiting": self.gate.waiting,
-                "max_model_len": self.max_model_len}
+                "dies": list(self.dies), "state": self.state, "error": self.error,
+                "in_flight": self.refs, "running": self.gate.active, "slots": self.gate.slots,
+                "served": self.served, "max_model_len": self.max_model_len,
+                "quantize": self.quantize, "load_progress": self.load_progress,
+                "restarts": self.restarts}
+
+
+@dataclass(eq=False)
+class _Waiter:
+    fut: asyncio.Future
+    session_id: str | None
+    since: float = field(default_factory=time.monotonic)
+
+
+class ModelQueue:
+    """One model name's FIFO of requests waiting for a slot on any of its replicas."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.waiters: collections.deque[_Waiter] = collections.deque()
+
+    def live(self) -> list[_Waiter]:
+        return [w for w in self.waiters if not w.fut.done()]
+
+    def __len__(self) -> int:
+        return sum(1 for w in self.waiters if not w.fut.done())
+
+    def oldest_wait_s(self) -> float:
+        live = self.live()
+        return time.monotonic() - live[0].since if live else 0.0
 
 
 class Registry:
+    """The instance table, routing and the per-model queues (see the module doc).
+
+    ``pressure(dies) -> level`` is asked at every gate decision (default: always 0)."""
+
     def __init__(self, *, slots: int = 8, queue_depth: int = 32, queue_timeout_s: float = 30.0,
-                 single_user: bool | None = None):
-        self.slots = slots
+                 single_user: bool | None = None,
+                 pressure: Callable[[tuple[str, ...]], int] | None = None):
+        self.slots = 1 if single_user else slots
         self.queue_depth = queue_depth
         self.queue_timeout_s = queue_timeout_s
-        self.single_user = slots <= 1 if single_user is None else single_user
+        self.pressure = pressure or (lambda dies: 0)
+        self.closing = False
         self._instances: list[Instance] = []
         self._ids = itertools.count(1)
         self._sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._queues: dict[str, ModelQueue] = {}
 
     # ------------------------------------------------------------ table
 
-    def reserve(self, name: str, path: str, dies: tuple[str, ...]) -> Instance:
-        """Take a table entry in ``loading`` state; ``discard`` it if the load fails."""
+    def reserve(self, name: str, path: str, dies: tuple[str, ...] = (), *,
+                slots: int | None = None) -> Instance:
+        """Phase 1 of a load: take a table row in ``loading`` state (not routable). Pair with
+        ``publish`` or ``discard``. Raises 507 when the table is full."""
+        if len(self._instances) >= MAX_INSTANCES:
+            raise ApiError(507, f"the model table is full ({MAX_INSTANCES} instances); unload "
+                                "one first", type="server_error", code="table_full")
         iid = f"{name}#{next(self._ids)}"
         inst = Instance(name=name, instance_id=iid, path=path, dies=tuple(dies),
-                        gate=SlotGate(self.slots, self.queue_depth, self.queue_timeout_s,
-                                      self.single_user))
+                        gate=Slots(max(1, slots or self.slots)))
         self._instances.append(inst)
         return inst
 
     def publish(self, inst: Instance, *, assets: Any = None, loaded: Any = None,
                 max_model_len: int | None = None) -> None:
+        """Phase 4 of a load: the instance takes requests."""
         inst.assets = assets
         inst.loaded = loaded
         inst.max_model_len = max_model_len
-        inst.state = READY
+        inst.state, inst.load_progress = READY, None
+        self._dispatch(inst.name)
 
     def discard(self, inst: Instance) -> None:
+        """Remove a row (failed load, unload). Requests queued for a name with no replica left
+        fail; those for a name with others move on to them."""
         if inst in self._instances:
             self._instances.remove(inst)
+        self._dispatch(inst.name)
+
+    def fail(self, inst: Instance, reason: str) -> None:
+        """Its worker died: nothing routes to it any more (the row stays, shown as failed)."""
+        inst.state, inst.error = FAILED, reason
+        self._dispatch(inst.name)
 
     def instances(self) -> list[Instance]:
         return list(self._instances)
@@ -238,7 +212,7 @@ class Registry:
         return [i for i in self._instances if i.state == READY]
 
     def find(self, name_or_id: str) -> list[Instance]:
-        """Instances named ``name_or_id``, or the one whose instance id it is."""
+        """The instance whose id ``name_or_id`` is, or every instance of that name."""
         by_id = [i for i in self._instances if i.instance_id == name_or_id]
         return by_id or [i for i in self._instances if i.name == name_or_id]
 
@@ -252,11 +226,8 @@ class Registry:
 
     # ------------------------------------------------------------ routing
 
-    def route(self, name: str | None, session_id: str | None = None) -> Instance:
-        """Pick an instance for a request naming ``name``; raises ``ApiError``. No refcount.
-
-        A ``session_id`` seen before goes back to the replica that served it (its prefix cache
-        is warm there) while that replica has a free slot; otherwise the least busy replica."""
+    def candidates(self, name: str | None) -> tuple[str, list[Instance]]:
+        """The model a request naming ``name`` goes to, and its ready replicas."""
         ready = self.ready()
         if not ready:
             raise no_model_loaded()
@@ -265,25 +236,45 @@ class Registry:
             target = names[0]
         elif name in names:
             target = name
-        elif any(i.name == name for i in self._instances if i.state == LOADING):
-            raise ApiError(503, f"model '{name}' is still loading; retry shortly",
+        elif any(i.name == name for i in self._instances if i.state in (LOADING, DRAINING)):
+            raise ApiError(503, f"model '{name}' is loading or unloading; retry shortly",
                            type="server_error", code="model_not_ready",
                            headers={"Retry-After": "1"})
         else:
             raise model_not_found(name)
-        candidates = [i for i in ready if i.name == target]
-        if session_id is not None and len(candidates) > 1:
+        return target, [i for i in ready if i.name == target]
+
+    def _pick(self, cands: list[Instance], session_id: str | None,
+              free_only: bool) -> Instance | None:
+        pool = [i for i in cands if i.gate.free] if free_only else cands
+        if not pool:
+            return None
+        if session_id is not None and len(cands) > 1:
             sticky = self._sessions.get(session_id)
-            for i in candidates:
-                if i.instance_id == sticky and i.gate.active < i.gate.slots:
+            for i in pool:
+                if i.instance_id == sticky and i.gate.free:
                     return i
-        # least busy; ties go to the earliest loaded
-        return min(candidates, key=lambda i: (i.refs, i.gate.waiting))
+        # least busy; then fewest served (sequential traffic alternates); then load order
+        return min(pool, key=lambda i: (i.refs, i.served))
+
+    def route(self, name: str | None, session_id: str | None = None) -> Instance:
+        """The instance a request naming ``name`` would take now; raises ``ApiError``."""
+        _, cands = self.candidates(name)
+        return self._pick(cands, session_id, free_only=False)
 
     def acquire(self, name: str | None, session_id: str | None = None) -> Instance:
+        """Route and take a reference (no slot); pair with ``release``."""
         inst = self.route(name, session_id)
         inst.refs += 1
         return inst
+
+    def release(self, inst: Instance) -> None:
+        inst.refs = max(0, inst.refs - 1)
+        self._maybe_drained(inst)
+
+    def _maybe_drained(self, inst: Instance) -> None:
+        if inst.refs == 0 and inst.gate.active == 0 and inst._drained is not None:
+            inst._drained.set()
 
     def _remember(self, session_id: str | None, inst: Instance) -> None:
         if session_id is None:
@@ -293,40 +284,111 @@ class Registry:
         while len(self._sessions) > MAX_SESSIONS:
             self._sessions.popitem(last=False)
 
-    def release(self, inst: Instance) -> None:
-        inst.refs = max(0, inst.refs - 1)
-        if inst.refs == 0 and inst._drained is not None:
-            inst._drained.set()
-
-    async def admit(self, name: str | None, session_id: str | None = None) -> Instance:
-        """Route, take a reference and a slot (may wait in the queue); pair with ``leave``."""
-        inst = self.acquire(name, session_id)
-        if self.single_user and inst.gate.active >= inst.gate.slots:
-            # single-user: another replica of the name may be free
-            free = [i for i in self.ready() if i.name == inst.name
-                    and i.gate.active < i.gate.slots]
-            if free:
-                self.release(inst)
-                inst = free[0]
-                inst.refs += 1
-        try:
-            await inst.gate.acquire()
-        except BaseException:
-            self.release(inst)
-            raise
+    def _grant(self, inst: Instance, session_id: str | None) -> Instance:
+        inst.gate.active += 1
+        inst.refs += 1
+        inst.served += 1
         self._remember(session_id, inst)
         return inst
 
+    # ------------------------------------------------------------ the gate
+
+    def queue(self, name: str) -> ModelQueue:
+        q = self._queues.get(name)
+        if q is None:
+            q = self._queues[name] = ModelQueue(self.queue_depth)
+        return q
+
+    def queues(self) -> dict[str, ModelQueue]:
+        return dict(self._queues)
+
+    def _level(self, cands: list[Instance]) -> int:
+        return self.pressure(tuple(dict.fromkeys(d for i in cands for d in i.dies)))
+
+    async def admit(self, name: str | None, session_id: str | None = None) -> Instance:
+        """Route and take a slot, waiting in the model's queue if need be; pair with ``leave``.
+        Raises ``ApiError`` (404, 429, 503)."""
+        if self.closing:
+            raise shutting_down()
+        target, cands = self.candidates(name)
+        q = self.queue(target)
+        level = self._level(cands)
+        if not len(q) and level < CRITICAL:
+            inst = self._pick(cands, session_id, free_only=True)
+            if inst is not None:
+                return self._grant(inst, session_id)
+        if all(i.single_user for i in cands):
+            if level >= CRITICAL:
+                raise queue_full(critical=True)
+            raise server_busy()  # the spec's single-user trylock: no queue
+        if len(q) >= q.depth:
+            raise queue_full(critical=level >= CRITICAL)
+        w = _Waiter(asyncio.get_running_loop().create_future(), session_id)
+        q.waiters.append(w)
+        try:
+            return await asyncio.wait_for(asyncio.shield(w.fut), self.queue_timeout_s)
+        except BaseException as e:
+            if w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
+                if isinstance(e, TimeoutError):
+                    return w.fut.result()  # granted just as the wait ran out: use it
+                self.leave(w.fut.result())  # granted as the client went away: pass it on
+            elif not w.fut.done():
+                w.fut.cancel()
+            if w in q.waiters:
+                q.waiters.remove(w)
+            if isinstance(e, TimeoutError):
+                raise queue_timeout(self.queue_timeout_s) from None
+            raise
+
     def leave(self, inst: Instance) -> None:
-        inst.gate.release()
-        self.release(inst)
+        """Give back the slot and the reference ``admit`` took."""
+        inst.gate.active = max(0, inst.gate.active - 1)
+        inst.refs = max(0, inst.refs - 1)
+        self._dispatch(inst.name)
+        self._maybe_drained(inst)
+
+    def _dispatch(self, name: str) -> None:
+        """Hand free slots of ``name``'s replicas to the head of its queue, in order."""
+        q = self._queues.get(name)
+        if q is None:
+            return
+        while q.waiters:
+            head = q.waiters[0]
+            if head.fut.done():
+                q.waiters.popleft()
+                continue
+            cands = [i for i in self.ready() if i.name == name]
+            if self.closing or not cands:
+                err = shutting_down() if self.closing else model_gone(name)
+                for w in q.live():
+                    w.fut.set_exception(err)
+                q.waiters.clear()
+                return
+            if self._level(cands) >= CRITICAL:
+                return
+            inst = self._pick(cands, head.session_id, free_only=True)
+            if inst is None:
+                return
+            q.waiters.popleft()
+            head.fut.set_result(self._grant(inst, head.session_id))
+
+    def poke(self) -> None:
+        """Re-run every queue (pressure may have dropped); called a few times a second."""
+        for name in list(self._queues):
+            self._dispatch(name)
+
+    def shut_down(self) -> None:
+        """Stop admitting: new requests and queued ones get 503 ``shutting_down``."""
+        self.closing = True
+        self.poke()
 
     # ------------------------------------------------------------ unload
 
     async def drain(self, inst: Instance, timeout_s: float | None = None) -> bool:
         """Stop routing to ``inst`` and wait for its in-flight requests; True if they drained."""
         inst.state = DRAINING
-        if inst.refs == 0:
+        self._dispatch(inst.name)  # its queued requests move to other replicas, or fail
+        if inst.refs == 0 and inst.gate.active == 0:
             return True
         inst._drained = asyncio.Event()
         try:

@@ -450,6 +450,11 @@ class WorkerPool:
         w = self._workers.get(die)
         return w.last_stats if w is not None else None
 
+    def reset_cache(self, die: str, instance: str | None = None) -> None:
+        """Tell ``die``'s worker to forget the cached prefixes of ``instance`` (all when None).
+        Raises ``WorkerDied`` if that worker is dead."""
+        self._send(self._ready(die), p.ResetCache(instance=instance))
+
     # ------------------------------------------------------------------ internals
 
     def _ready(self, die: str) -> _Worker:

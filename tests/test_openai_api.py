@@ -1,12 +1,12 @@
 """Unit tests of the OpenAI surface: request validation, the response/chunk builders checked against
-the official OpenAPI schemas in ../shared/specs, the config object and the registry's routing.
+the official OpenAPI schemas in ../shared/specs, and the config object (the registry's
+routing is tested in tests/test_registry.py).
 
 ``schema_validator(name)`` is shared with tests/test_serve.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import functools
 import json
@@ -18,7 +18,6 @@ import pytest
 from pantheon import openai_api as oa
 from pantheon.config import ConfigError, build_config, parse_dies, parse_size
 from pantheon.openai_api import ApiError, parse_chat_request
-from pantheon.registry import Registry, SlotGate
 
 SPECS = Path(__file__).resolve().parents[2] / "shared" / "specs"
 if not SPECS.is_dir():  # the checkout may live elsewhere; the specs sit next to it
@@ -355,115 +354,3 @@ def test_config_sizes_dies_and_models():
     assert c.fingerprint.startswith("fp_")
     assert c.fingerprint == build_config({"cpu_dies": 2, "cpu_die_budget": "1GiB", "models": [
         {"path": "/x/tiny"}, {"path": "/y", "name": "b", "dies": "cpu:1"}]}, {}).fingerprint
-
-
-# ---------------------------------------------------------------- registry routing
-
-
-def _registry(*names, slots=8, queue_depth=32, timeout=30.0):
-    reg = Registry(slots=slots, queue_depth=queue_depth, queue_timeout_s=timeout)
-    out = []
-    for n in names:
-        inst = reg.reserve(n, f"/models/{n}", ("cpu:0",))
-        reg.publish(inst, max_model_len=128)
-        out.append(inst)
-    return reg, out
-
-
-def _status(fn, *a):
-    with pytest.raises(ApiError) as ei:
-        fn(*a)
-    return ei.value.status, ei.value.code
-
-
-def test_routing_single_model_takes_everything():
-    reg, (a,) = _registry("a")
-    assert reg.route("gpt-4o") is a and reg.route(None) is a and reg.route("a") is a
-
-
-def test_routing_many_models():
-    reg, (a, b) = _registry("a", "b")
-    assert reg.route("b") is b and reg.route("a") is a and reg.route(None) is a
-    assert _status(reg.route, "c") == (404, "model_not_found")
-    loading = reg.reserve("c", "/models/c", ("cpu:0",))
-    assert _status(reg.route, "c")[0] == 503
-    reg.discard(loading)
-    assert _status(reg.route, "c")[0] == 404
-
-
-def test_routing_none_loaded():
-    reg = Registry()
-    assert _status(reg.route, "a")[0] == 503
-    reg.reserve("a", "/m", ("cpu:0",))
-    assert _status(reg.route, "a")[0] == 503  # loading only
-    assert not reg.has_ready
-
-
-def test_replicas_least_busy_and_dedupe():
-    reg, (a1, a2, b) = _registry("a", "a", "b")
-    assert reg.names() == ["a", "b"]
-    x = reg.acquire("a")
-    y = reg.acquire("a")
-    assert {x, y} == {a1, a2}
-    reg.release(x)
-    assert reg.acquire("a") is x
-
-
-async def test_session_affinity_across_replicas():
-    reg, (a1, a2) = _registry("a", "a", slots=3)
-    first = await reg.admit("a", "s1")
-    x = await reg.admit("a")
-    y = await reg.admit("a")
-    assert (first, x, y) == (a1, a2, a1)  # least busy, ties to the earliest
-    again = await reg.admit("a", "s1")
-    assert again is a1  # sticky, although a2 is less busy (1 against 2)
-    moved = await reg.admit("a", "s1")  # a1 is full (3 slots): the session moves on
-    assert moved is a2
-    assert reg.route("a", "s1") is a2  # ... and sticks to its new replica
-    for i in (first, x, y, again, moved):
-        reg.leave(i)
-    assert a1.refs == a2.refs == 0
-
-
-async def test_single_user_gate_429_while_other_model_serves():
-    reg, (a, b) = _registry("a", "b", slots=1)
-    first = await reg.admit("a")
-    with pytest.raises(ApiError) as ei:
-        await reg.admit("a")
-    assert ei.value.status == 429 and ei.value.code == "server_busy"
-    other = await reg.admit("b")  # a different model still serves
-    reg.leave(first)
-    again = await reg.admit("a")
-    assert again is a
-    reg.leave(again)
-    reg.leave(other)
-    assert a.refs == 0 and b.refs == 0 and a.gate.active == 0
-
-
-async def test_batched_gate_queues_then_times_out_or_overflows():
-    gate = SlotGate(slots=1, queue_depth=1, timeout_s=0.2, single_user=False)
-    await gate.acquire()
-    waiter = asyncio.create_task(gate.acquire())
-    await asyncio.sleep(0.01)
-    with pytest.raises(ApiError) as ei:
-        await gate.acquire()  # queue full
-    assert ei.value.status == 429 and ei.value.headers["Retry-After"] == "5"
-    gate.release()  # hands the slot to the waiter
-    await asyncio.wait_for(waiter, 1)
-    assert gate.active == 1
-    with pytest.raises(ApiError) as ei:
-        await gate.acquire()  # waits 0.2 s, then gives up
-    assert ei.value.headers["Retry-After"] == "2"
-    gate.release()
-    assert gate.active == 0 and gate.waiting == 0
-
-
-async def test_drain_waits_for_in_flight():
-    reg, (a,) = _registry("a")
-    inst = reg.acquire("a")
-    task = asyncio.create_task(reg.drain(inst, 5))
-    await asyncio.sleep(0.01)
-    assert not task.done() and inst.state == "draining"
-    assert _status(reg.route, "a")[0] == 503
-    reg.release(inst)
-    assert await asyncio.wait_for(task, 1) is True

@@ -1,0 +1,160 @@
+"""Context admission, before any prefill: pass, cap, or deny.
+
+The limit of an instance is its context (``max_model_len``) and no more than its worker's KV pool
+holds (``kv_pool_tokens``): in this design the KV pool is allocated once at load, so a context
+that fits the pool never asks the die for more memory, and one that does not fit could never run.
+
+- pass: the rendered prompt plus ``max_tokens`` fits the limit;
+- cap: it does not, so the oldest non-system turns are dropped (a turn: a user message and the
+  assistant/tool messages after it; the turn being answered always stays), then the oldest tokens
+  of what remains, until prompt plus ``max_tokens`` fit. The response says
+  ``"context_capped": true`` and that turn is sent with ``use_cache=False``: a capped prompt is a
+  different token sequence from the conversation the prefix cache holds, and caching it would
+  only evict useful blocks;
+- deny (503 and the reason): even the system messages and the last message alone leave no room.
+
+Without ``max_tokens`` the completion may use the rest of the limit; a capped prompt then keeps
+``min(limit / 4, 512)`` tokens of room, so capping never leaves a single token to generate.
+A ``max_tokens`` no context can ever hold is the OpenAI 400 ``context_length_exceeded``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pantheon import openai_api as oa
+from pantheon.chat.template import TemplateError, think_open
+from pantheon.openai_api import ApiError, ChatRequest
+
+CAPPED_ROOM = 512  # tokens kept for the completion of a capped prompt without max_tokens
+
+
+@dataclass
+class Prepared:
+    prompt_ids: list[int]
+    prefix: str  # text the emitter reads before the model's (a forced tool call's opening)
+    think_open: bool
+    max_tokens: int
+    forced: str | None = None  # the function a named tool_choice forces
+    capped: bool = False  # context admission dropped part of the conversation
+    dropped_messages: int = 0
+    dropped_tokens: int = 0
+
+
+def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], str, bool,
+                                                                      str | None]:
+    """The prompt token ids of ``messages`` under ``req``'s tools and options, and the forced
+    tool call's prefix (see ``ForcedCall``), whether the template opened a reasoning block, and
+    the forced function's name."""
+    tools = req.tools if req.tools_enabled else None
+    try:
+        prompt = assets.template.render(messages, tools=tools, add_generation_prompt=True,
+                                        **req.chat_template_kwargs)
+    except TemplateError as e:
+        raise oa.invalid("messages", f"the chat template refused this conversation: {e.message}")
+    opened = assets.reasoning and think_open(prompt)
+    prefix, forced = "", None
+    if tools and req.tool_choice in ("required", "function") and assets.tool_call_markup:
+        forced = req.tool_choice_name
+        if forced is None and len(tools) == 1:  # "required" with one tool names it
+            forced = tools[0]["function"]["name"]
+        prefix = "<tool_call>\n"
+        if forced is not None:
+            prefix += '{"name": ' + json.dumps(forced) + ', "arguments": '
+        if opened:  # close the reasoning the template opened: a forced call comes at once
+            prompt += "\n</think>\n\n"
+            opened = False
+        prompt += prefix
+    return assets.encode(prompt), prefix, opened, forced
+
+
+def limit_of(inst) -> int:
+    """The context admission limit of an instance (see the module doc)."""
+    limit = inst.max_model_len or 4096
+    if getattr(inst, "kv_pool_tokens", None):
+        limit = min(limit, inst.kv_pool_tokens)
+    return limit
+
+
+def prepare(assets, req: ChatRequest, max_model_len: int, limit: int | None = None) -> Prepared:
+    """Render, tokenize and admit ``req`` (pass / cap / deny); raises ``ApiError``."""
+    limit = min(limit or max_model_len, max_model_len)
+    if req.max_tokens is not None and req.max_tokens >= limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens. "
+                            f"However, you requested at least {req.max_tokens + 1} tokens "
+                            f"({req.max_tokens} in the completion).", param="max_tokens",
+                       code="context_length_exceeded")
+    ids, prefix, opened, forced = render(assets, req, req.messages)
+    if len(ids) + (req.max_tokens or 1) <= limit:
+        return Prepared(ids, prefix, opened, req.max_tokens or limit - len(ids), forced)
+    room = req.max_tokens or min(limit // 4, CAPPED_ROOM)
+    return _cap(assets, req, limit, room, len(ids))
+
+
+def _turns(messages: list[dict]) -> tuple[list[int], list[list[int]]]:
+    """Indices of the system messages, and of the other messages grouped into turns."""
+    system = [i for i, m in enumerate(messages) if m["role"] == "system"]
+    turns: list[list[int]] = []
+    for i, m in enumerate(messages):
+        if m["role"] == "system":
+            continue
+        if m["role"] == "user" or not turns:
+            turns.append([i])
+        else:
+            turns[-1].append(i)
+    return system, turns
+
+
+def _cap(assets, req: ChatRequest, limit: int, room: int, full_len: int) -> Prepared:
+    msgs = req.messages
+    system, turns = _turns(msgs)
+    budget = limit - room
+
+    def keep(k: int) -> list[dict]:  # drop the k oldest turns
+        kept = set(system) | {i for t in turns[k:] for i in t}
+        return [m for i, m in enumerate(msgs) if i in kept]
+
+    def size(messages: list[dict]) -> tuple[int, tuple]:
+        out = render(assets, req, messages)
+        return len(out[0]), out
+
+    # the fewest turns to drop: fits(k) only gets truer as k grows, so bisect
+    lo, hi = 1, len(turns) - 1  # the turn being answered always stays
+    best = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        n, out = size(keep(mid))
+        if n <= budget:
+            best, hi = (mid, out), mid - 1
+        else:
+            lo = mid + 1
+    if best is not None:
+        k, (ids, prefix, opened, forced) = best
+        dropped = sum(len(t) for t in turns[:k])
+        return Prepared(ids, prefix, opened, room, forced, True, dropped, full_len - len(ids))
+    # every older turn is gone and it still does not fit: drop the oldest tokens of the rest
+    k = max(0, len(turns) - 1)
+    messages = [dict(m) for m in keep(k)]
+    dropped = sum(len(t) for t in turns[:k])
+    n, out = size(messages)
+    for j, m in enumerate(messages):
+        if m["role"] == "system" or not m.get("content"):
+            continue
+        for _ in range(6):  # rendering is not exactly additive: a few rounds at most
+            if n <= budget:
+                break
+            toks = assets.encode(m["content"])
+            cut = min(len(toks), n - budget + 2)
+            m["content"] = assets.tokenizer.decode(toks[cut:]) if cut < len(toks) else ""
+            n, out = size(messages)
+            if not m["content"]:
+                break
+        if n <= budget:
+            ids, prefix, opened, forced = out
+            return Prepared(ids, prefix, opened, room, forced, True, dropped,
+                            full_len - len(ids))
+    raise ApiError(503, f"context admission denied: this model's context limit is {limit} "
+                        f"tokens, and even with every older turn and message text dropped the "
+                        f"prompt takes {n} tokens, leaving less than the {room} the completion "
+                        f"needs", type="server_error", code="context_denied")

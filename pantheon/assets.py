@@ -1,0 +1,96 @@
+"""``ModelAssets``: what the router itself reads of a model folder (tokenizer, chat template, EOS
+ids, token pieces for logprobs). The worker reads the weights; the router never does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from pantheon.chat.template import ChatTemplate
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table, inverted: the ByteLevel pre-tokenizer's alphabet."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _ids(v: Any) -> list[int]:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return [v]
+    if isinstance(v, list):
+        return [x for x in v if isinstance(x, int) and not isinstance(x, bool)]
+    return []
+
+
+class ModelAssets:
+    """What the router needs of a model folder: tokenizer, chat template, eos ids."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        self.template = ChatTemplate.from_model_dir(self.path)
+        src = (self.template.source or "") + (self.template.tool_use_source or "")
+        self.reasoning = "<think>" in src or (self.template.is_fallback and self.template.reasoning)
+        self.tool_call_markup = "<tool_call>" in src or self.template.is_fallback
+        eos: list[int] = []
+        for name in ("generation_config.json", "config.json"):
+            eos += _ids(_read_json(self.path / name).get("eos_token_id"))
+        if self.template.eos_token:
+            tid = self.tokenizer.token_to_id(self.template.eos_token)
+            if tid is not None:
+                eos.append(tid)
+        self.eos_ids = list(dict.fromkeys(eos))
+        tj = _read_json(self.path / "tokenizer.json")
+        self._byte_level = "ByteLevel" in json.dumps(tj.get("decoder") or {})
+        self._bd = _byte_decoder() if self._byte_level else {}
+        self._added = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+        self._pieces: dict[int, tuple[str, bytes]] = {}
+
+    def add_eos(self, ids: list[int]) -> None:
+        self.eos_ids = list(dict.fromkeys(self.eos_ids + list(ids)))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        """A token's own text and bytes, for logprobs (``bytes:\\x..`` when not valid UTF-8)."""
+        got = self._pieces.get(token_id)
+        if got is not None:
+            return got
+        if token_id in self._added:
+            raw = self._added[token_id].encode()
+        else:
+            tok = self.tokenizer.id_to_token(token_id) or ""
+            if self._byte_level and all(c in self._bd for c in tok):
+                raw = bytes(self._bd[c] for c in tok)
+            elif len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+                raw = bytes([int(tok[3:5], 16)])
+            else:
+                raw = tok.replace("\u2581", " ").encode()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        self._pieces[token_id] = (text, raw)
+        return text, raw

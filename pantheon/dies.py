@@ -1,0 +1,228 @@
+"""The die manager: which dies exist, their budgets, what each instance has booked on them, and
+where a new instance goes.
+
+A die is ``cpu:N`` (a virtual die whose total is the configured CPU die budget) or ``cuda:N``
+(its total is what its worker reports in ``Hello``/``Stats``). Its budget is the total minus a
+reserve (``--die-reserve``; by default 1 GiB on CUDA dies for the context and transients, nothing
+on CPU dies). Every instance books ``(weights, kv)`` bytes on each die it uses: an estimate while
+it loads (``sizing.estimate``), the worker's real figures once ``Loaded`` arrives; a failed load or
+an unload gives the booking back. Bookings are plain bookkeeping on the event loop: admission and
+booking happen in one synchronous step, so two concurrent loads can never both take the last
+free bytes.
+
+Placement: explicit (every listed die must have room for its share, else a 507 that names the
+die and how much it lacks) or automatic (the die where the whole model fits with the most free
+memory). ``free`` is the budget minus bookings, and no more than the memory the die really has
+free (a CUDA die shared with another process, host RAM for CPU dies).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pantheon.openai_api import ApiError
+
+GiB = 1 << 30
+DEFAULT_CUDA_RESERVE = 1 * GiB
+_DIE_RE = re.compile(r"^(cpu|cuda):(\d+)$")
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def gpu_count() -> int:
+    """CUDA devices the NVIDIA driver lists, without importing torch."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def default_worker_threads(cpu_dies: int, explicit: int | None) -> int | None:
+    """Torch threads per worker: an explicit value wins; with several CPU dies on one machine
+    each worker gets an equal share of the cores, so the workers do not oversubscribe them."""
+    if explicit:
+        return explicit
+    if cpu_dies > 1:
+        return max(1, (os.cpu_count() or 1) // cpu_dies)
+    return None
+
+
+@dataclass
+class Die:
+    id: str
+    kind: str  # cpu | cuda
+    total_bytes: int = 0  # 0: a CUDA die whose worker has not said Hello yet
+    reserve_bytes: int = 0
+    device_name: str = ""
+    measured_free: int | None = None  # what the worker last reported free (CUDA only)
+    bookings: dict[str, tuple[int, int]] = field(default_factory=dict)  # instance -> (w, kv)
+
+    @property
+    def known(self) -> bool:
+        return self.total_bytes > 0
+
+    @property
+    def budget_bytes(self) -> int:
+        return max(0, self.total_bytes - self.reserve_bytes)
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(w for w, _ in self.bookings.values())
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(k for _, k in self.bookings.values())
+
+    @property
+    def used_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes
+
+
+class DieManager:
+    """Dies, budgets, bookings and placement (see the module doc)."""
+
+    def __init__(self, *, cpu_dies: int = 0, cpu_budget: int = 2 * GiB,
+                 reserve: int | None = None, cuda_count: int | None = None,
+                 host_available: Callable[[], int] | None = None):
+        self.cpu_budget = cpu_budget
+        self.reserve = reserve
+        self.cuda_count = gpu_count() if cuda_count is None else cuda_count
+        self._host_available = host_available
+        self._dies: dict[str, Die] = {}
+        for i in range(cpu_dies):
+            self._add(f"cpu:{i}")
+
+    # ------------------------------------------------------------ discovery
+
+    def _add(self, die_id: str) -> Die:
+        kind = die_id.split(":")[0]
+        reserve = self.reserve if self.reserve is not None else (
+            DEFAULT_CUDA_RESERVE if kind == "cuda" else 0)
+        d = Die(die_id, kind, reserve_bytes=reserve,
+                total_bytes=self.cpu_budget if kind == "cpu" else 0)
+        self._dies[die_id] = d
+        return d
+
+    def check(self, die_id: str) -> str:
+        """The die's canonical id if this machine has it; else a 400."""
+        if die_id.isdigit():
+            die_id = f"cuda:{die_id}"
+        m = _DIE_RE.match(die_id)
+        if not m:
+            raise ApiError(400, f"{die_id!r} is not a die (use N, cuda:N or cpu:N)", param="dies")
+        if die_id not in self._dies:
+            n = int(m.group(2))
+            if m.group(1) == "cpu":
+                raise ApiError(400, f"die {die_id} does not exist (the server has "
+                                    f"{self.cpu_count} CPU dies: --cpu-dies)", param="dies",
+                               code="no_such_die")
+            if n >= self.cuda_count:
+                raise ApiError(400, f"die {die_id} does not exist (this machine has "
+                                    f"{self.cuda_count} CUDA devices)", param="dies",
+                               code="no_such_die")
+            self._add(die_id)
+        return die_id
+
+    @property
+    def cpu_count(self) -> int:
+        return sum(1 for d in self._dies.values() if d.kind == "cpu")
+
+    def on_worker(self, die_id: str, total_bytes: int, free_bytes: int,
+                  device_name: str = "") -> None:
+        """What a worker said in Hello or Stats: the real size of a CUDA die."""
+        d = self._dies.get(die_id) or self._add(die_id)
+        if device_name:
+            d.device_name = device_name
+        if d.kind == "cuda" and total_bytes > 0:
+            d.total_bytes = total_bytes
+            d.measured_free = free_bytes
+
+    def get(self, die_id: str) -> Die | None:
+        return self._dies.get(die_id)
+
+    def dies(self) -> list[Die]:
+        return sorted(self._dies.values(),
+                      key=lambda d: (d.kind, int(d.id.split(":")[1])))
+
+    # ------------------------------------------------------------ room
+
+    def free(self, die: Die) -> int:
+        """Bytes an instance may still book on ``die``."""
+        room = die.budget_bytes - die.used_bytes
+        if die.kind == "cuda" and die.measured_free is not None:
+            room = min(room, die.measured_free - die.reserve_bytes)
+        if die.kind == "cpu" and self._host_available is not None:
+            # CPU dies share the host's RAM: their budgets may add up to more than it has
+            room = min(room, self._host_available())
+        return max(0, room)
+
+    def place(self, need: Callable[[tuple[str, ...]], dict[str, tuple[int, int]]],
+              dies: tuple[str, ...] = (), candidates: list[str] | None = None) -> tuple[str, ...]:
+        """Dies for a new instance; ``need(dies)`` gives its ``{die: (w, kv)}`` split there.
+
+        Explicit ``dies``: each must have room for its share. Automatic: the single die with
+        room and the most free memory, among ``candidates`` (the alive ones; default all known).
+        Raises 507 naming what is short."""
+        if dies:
+            lacks = []
+            for die_id, (w, kv) in need(dies).items():
+                d = self._dies[die_id]
+                if not d.known:
+                    continue  # a CUDA die learns its size from its worker's Hello
+                room = self.free(d)
+                if w + kv > room:
+                    lacks.append(f"{die_id} lacks {fmt_bytes(w + kv - room)} (needs "
+                                 f"{fmt_bytes(w + kv)}: weights {fmt_bytes(w)} + KV cache "
+                                 f"{fmt_bytes(kv)}; {fmt_bytes(room)} of its "
+                                 f"{fmt_bytes(d.budget_bytes)} budget free)")
+            if lacks:
+                raise _no_room("the model does not fit: " + "; ".join(lacks))
+            return tuple(dies)
+        ids = candidates if candidates is not None else [d.id for d in self.dies() if d.known]
+        pool = [self._dies[i] for i in ids if i in self._dies and self._dies[i].known]
+        if not pool:
+            raise _no_room("no die is available to place the model on (start the server with "
+                           "--cpu-dies N, or give 'dies')", code="no_die")
+        fits, short = [], []
+        for d in pool:
+            w, kv = need((d.id,))[d.id]
+            room = self.free(d)
+            if w + kv <= room:
+                fits.append((room, d))
+            else:
+                short.append(f"{d.id} lacks {fmt_bytes(w + kv - room)} ({fmt_bytes(room)} "
+                             f"free)")
+        if not fits:
+            w, kv = need((pool[0].id,))[pool[0].id]
+            raise _no_room(f"no die has room for the model (weights {fmt_bytes(w)} + KV cache "
+                           f"{fmt_bytes(kv)}): " + "; ".join(short))
+        best = max(fits, key=lambda t: t[0])  # max() keeps the first of equals: lowest id
+        return (best[1].id,)
+
+    # ------------------------------------------------------------ bookings
+
+    def book(self, instance: str, split: dict[str, tuple[int, int]]) -> None:
+        """Book (or re-book, replacing the old figures) ``instance`` on its dies."""
+        self.release(instance)
+        for die_id, (w, kv) in split.items():
+            (self._dies.get(die_id) or self._add(die_id)).bookings[instance] = (int(w), int(kv))
+
+    def release(self, instance: str) -> None:
+        for d in self._dies.values():
+            d.bookings.pop(instance, None)
+
+    def bookings(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """``{die: {instance: (w, kv)}}``: for tests and the admin view."""
+        return {d.id: dict(d.bookings) for d in self.dies()}
+
+
+def _no_room(message: str, code: str = "insufficient_memory") -> ApiError:
+    return ApiError(507, message, type="server_error", code=code)

@@ -1,0 +1,209 @@
+"""The router's live feed: recent events, counters and throughput, and the ``Snapshot`` built from
+them for ``GET /admin/state`` and ``GET /admin/events`` (schema: ``pantheon.state``).
+
+- Events (load, loaded, load_failed, unload, unloaded, worker_dead, reject_429, reject_503) go
+  into a ring of the last ``RING`` and to every subscriber's queue (the SSE streams). Rejections
+  can come by the thousand in a second: each is counted, but at most one event per kind and model
+  per second is made (its message says how many it stands for).
+- Throughput: generated tokens and finished requests per second over a sliding window of
+  ``WINDOW_S`` seconds; time to first token p50/p99 over the last ``TTFT_KEPT`` requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import Any
+
+import msgspec
+
+from pantheon import state as st
+
+RING = 200
+WINDOW_S = 5.0
+TTFT_KEPT = 512
+_REJECT_EVERY_S = 1.0
+_SUBSCRIBER_BACKLOG = 1000  # events a slow SSE client may fall behind before it loses some
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+class Feed:
+    def __init__(self) -> None:
+        self.started_at = time.time()
+        self.events: collections.deque[st.Event] = collections.deque(maxlen=RING)
+        self.counters = st.Counters()
+        self._subs: set[asyncio.Queue] = set()
+        self._tokens: collections.deque[tuple[float, int]] = collections.deque()
+        self._done: collections.deque[float] = collections.deque()
+        self._ttft: collections.deque[float] = collections.deque(maxlen=TTFT_KEPT)
+        self._rejects: dict[tuple[str, str | None], list] = {}  # -> [last event at, unsent]
+
+    # ------------------------------------------------------------ events
+
+    def event(self, kind: str, message: str, *, model: str | None = None,
+              instance: str | None = None) -> st.Event:
+        ev = st.Event(ts=time.time(), kind=kind, message=message, model=model,
+                      instance=instance)
+        self.events.append(ev)
+        for q in list(self._subs):
+            if q.qsize() < _SUBSCRIBER_BACKLOG:
+                q.put_nowait(ev)
+        if kind == "load":
+            self.counters.loads += 1
+        elif kind == "load_failed":
+            self.counters.load_failures += 1
+        elif kind == "unloaded":
+            self.counters.unloads += 1
+        return ev
+
+    def subscribe(self) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self._subs.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue) -> None:
+        self._subs.discard(q)
+
+    def close(self) -> None:
+        """The server stops: every subscriber gets ``None`` (its stream ends)."""
+        for q in list(self._subs):
+            q.put_nowait(None)
+
+    def reject(self, status: int, model: str | None, code: str | None, message: str) -> None:
+        """A request was refused with 429 or 503."""
+        if status == 429:
+            self.counters.rejected_429 += 1
+        elif status == 503:
+            self.counters.rejected_503 += 1
+        else:
+            return
+        kind = f"reject_{status}"
+        now = time.monotonic()
+        slot = self._rejects.setdefault((kind, model), [0.0, 0])
+        slot[1] += 1
+        if now - slot[0] < _REJECT_EVERY_S:
+            return  # counted; the next event says how many it stands for
+        n, slot[0], slot[1] = slot[1], now, 0
+        text = f"{status} {code or ''}: {message}".strip()
+        if n > 1:
+            text += f" (and {n - 1} more since the last)"
+        self.event(kind, text, model=model)
+
+    # ------------------------------------------------------------ throughput
+
+    def tokens(self, n: int) -> None:
+        if n > 0:
+            self.counters.tokens += n
+            self._tokens.append((time.monotonic(), n))
+
+    def request_done(self, ttft_s: float | None) -> None:
+        self.counters.requests += 1
+        self._done.append(time.monotonic())
+        if ttft_s is not None:
+            self._ttft.append(ttft_s)
+
+    def throughput(self) -> st.Throughput:
+        now = time.monotonic()
+        cut = now - WINDOW_S
+        while self._tokens and self._tokens[0][0] < cut:
+            self._tokens.popleft()
+        while self._done and self._done[0] < cut:
+            self._done.popleft()
+        span = min(WINDOW_S, max(1e-3, time.time() - self.started_at))
+        ttft = list(self._ttft)
+        return st.Throughput(tokens_per_s=sum(n for _, n in self._tokens) / span,
+                             requests_per_s=len(self._done) / span,
+                             ttft_p50_s=_pct(ttft, 0.50), ttft_p99_s=_pct(ttft, 0.99))
+
+
+# ---------------------------------------------------------------- the snapshot
+
+
+def engine_stats(pool: Any) -> dict[str, Any]:
+    """``{instance id: InstanceStats}`` from every worker's last ``Stats``."""
+    out: dict[str, Any] = {}
+    for d in pool.dies() if pool is not None else []:
+        stats = getattr(d, "last_stats", None)
+        for es in (stats.instances if stats is not None else []):
+            out[es.instance] = es
+    return out
+
+
+def hit_rate(es: Any) -> float | None:
+    if es is None or not getattr(es, "cache_query_blocks", 0):
+        return None
+    return es.cache_hit_blocks / es.cache_query_blocks
+
+
+def booked(dies: Any, instance_id: str) -> tuple[int, int]:
+    """``(weights, kv)`` bytes an instance has booked over all its dies."""
+    w = kv = 0
+    for d in dies.dies():
+        bw, bkv = d.bookings.get(instance_id, (0, 0))
+        w, kv = w + bw, kv + bkv
+    return w, kv
+
+
+def instance_state(inst: Any, es: Any, queued: int, dies: Any) -> st.InstanceState:
+    booked_w, booked_kv = booked(dies, inst.instance_id)
+    slots = [st.SlotState(state=s.state, request_id=s.request_id, prompt_tokens=s.prompt_tokens,
+                          prefilled=s.prefilled, generated=s.generated, session_id=s.session_id)
+             for s in (es.slots if es is not None else [])]
+    return st.InstanceState(
+        id=inst.instance_id, name=inst.name, path=inst.path, dies=list(inst.dies),
+        state=inst.state, error=inst.error, load_progress=inst.load_progress,
+        weights_bytes=int(booked_w), kv_bytes=int(booked_kv), quantized=bool(inst.quantize),
+        max_model_len=int(inst.max_model_len or 0), slots=slots, in_flight=inst.refs,
+        queued=queued, restarts=int(getattr(inst, "restarts", 0) or 0),
+        cache_hit_rate=hit_rate(es))
+
+
+def die_states(dies: Any, pool: Any, pressure: Any, registry: Any) -> list[st.DieState]:
+    workers = {d.die: d for d in (pool.dies() if pool is not None else [])}
+    hosted: dict[str, list[str]] = {}
+    for inst in registry.instances():
+        for d in inst.dies:
+            hosted.setdefault(d, []).append(inst.instance_id)
+    out = []
+    for d in dies.dies():
+        w = workers.get(d.id)
+        alive = w.alive if w is not None else d.kind == "cpu"
+        out.append(st.DieState(
+            id=d.id, device_name=d.device_name or (w.device_name if w is not None else ""),
+            total_bytes=d.total_bytes, budget_bytes=d.budget_bytes, weights_bytes=d.weights_bytes,
+            kv_bytes=d.kv_bytes, free_bytes=max(0, d.budget_bytes - d.used_bytes),
+            pressure=pressure.die_level(d.id), alive=alive,
+            error=w.error if w is not None and not w.alive else None,
+            instances=sorted(set(hosted.get(d.id, [])) | set(d.bookings))))
+    return out
+
+
+def snapshot(state: dict) -> st.Snapshot:
+    """The whole ``Snapshot`` from the app's state (``app.extensions["pantheon"]``)."""
+    registry, pool, feed = state["registry"], state["pool"], state["feed"]
+    pressure, dies = state["pressure"], state["dies"]
+    engine = engine_stats(pool)
+    queues = registry.queues()
+    total, avail = pressure.host_memory()
+    die_list = die_states(dies, pool, pressure, registry)
+    insts = [instance_state(i, engine.get(i.instance_id),
+                            len(queues[i.name]) if i.name in queues else 0, dies)
+             for i in registry.instances()]
+    names = list(dict.fromkeys(i.name for i in registry.instances()))
+    qs = [st.QueueState(model=n, depth=len(queues[n]) if n in queues else 0,
+                        max_depth=registry.queue_depth,
+                        oldest_wait_s=queues[n].oldest_wait_s() if n in queues else 0.0)
+          for n in names]
+    level = max([pressure.host_level(), *(d.pressure for d in die_list)])
+    return st.Snapshot(ts=time.time(), started_at=feed.started_at, pressure=level,
+                       host_total_bytes=total, host_available_bytes=avail, dies=die_list,
+                       instances=insts, queues=qs, throughput=feed.throughput(),
+                       counters=msgspec.structs.replace(feed.counters),
+                       events=list(feed.events))

@@ -1,0 +1,321 @@
+"""Loading and unloading instances at runtime, against the dies' budgets.
+
+A load runs the spec's four phases, and whatever fails leaves nothing behind (the row is removed,
+the bookings returned, the name free again):
+
+1. reserve: a table row in ``loading`` state; the name is taken but nothing routes to it;
+2. place and admit: the router sizes the model from its ``config.json`` (``sizing``: weights,
+   and KV for a context guess of ``admit_ctx`` = 8192 tokens, ``PANTHEON_ADMIT_CTX``), picks the
+   die(s) (``dies.DieManager.place``) and books the estimate there, in one synchronous step;
+3. upload: the worker of the first die loads the weights; one upload at a time (``_upload``
+   lock) while every other model keeps serving; the worker's real weight and KV figures replace
+   the estimate;
+4. publish: the instance takes requests (queued ones first).
+
+Errors before the upload come back at once (404 no such folder, 400 bad request or unsupported
+architecture, 409 a load or unload of that name in progress or a duplicate replica, 507 no room
+or a full table); a worker's failure comes from phase 3 (507 out of memory, 404/400 what the
+worker found wrong with the folder, 500 anything else). With ``wait: false`` the admin call
+returns after phase 2 and ``GET /admin/models`` shows the progress, then the instance or the
+failure.
+
+Unload marks the instance draining, waits for its in-flight requests up to a deadline (30 s, or
+``drain_timeout``), then ends the rest with a clean error (a streamed response gets an error event
+and ``[DONE]``), frees the worker's memory and the bookings. By name it unloads every replica (in
+parallel), by instance id just that one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+from pantheon.assets import ModelAssets
+from pantheon.openai_api import ApiError
+from pantheon.protocol import LoadModel
+from pantheon.registry import DRAINING, FAILED, LOADING, READY, Instance, Registry
+from pantheon.sizing import SizingError, estimate, read_shape
+from pantheon.workerpool import LoadFailedError, PoolError
+
+log = logging.getLogger("pantheon.lifecycle")
+
+DEFAULT_DRAIN_S = 30.0
+_END_GRACE_S = 2.0  # after ending the requests past the deadline, how long their ends may take
+FAILURES_KEPT = 16
+FAILURE_SHOWN_S = 600.0  # a failed load stays visible in GET /admin/models this long
+# The worker's LoadFailed kinds -> HTTP status (the issue's table; the rest is 500).
+LOAD_STATUS = {"not_found": 404, "unsupported": 400, "invalid": 400, "out_of_memory": 507,
+               "cancelled": 409}
+_SIZING_STATUS = {"not_found": 404, "unsupported": 400, "invalid": 400}
+
+
+def unloaded_error(name: str) -> ApiError:
+    return ApiError(503, f"model {name!r} was unloaded while this request ran", type="server_error",
+                    code="model_unloaded")
+
+
+class Models:
+    """Loads, unloads, cache resets and worker deaths (see the module doc)."""
+
+    def __init__(self, config: Any, pool: Any, registry: Registry, dies: Any, feed: Any,
+                 live: set):
+        self.config, self.pool, self.registry = config, pool, registry
+        self.dies, self.feed, self.live = dies, feed, live
+        self.failures: collections.deque[dict] = collections.deque(maxlen=FAILURES_KEPT)
+        self._upload = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------ workers
+
+    async def ensure_worker(self, die: str) -> None:
+        """Start ``die``'s worker unless it runs; its Hello sizes a CUDA die."""
+        known = {d.die: d for d in self.pool.dies()}
+        if die in known and known[die].alive:
+            return
+        budget = self.config.cpu_die_budget if die.startswith("cpu:") else None
+        info = await self.pool.start_worker(die, budget_bytes=budget)
+        self.dies.on_worker(die, info.total_bytes, info.free_bytes, info.device_name)
+
+    def sync_dies(self) -> None:
+        """Copy the workers' latest memory figures into the die manager (a few times a second)."""
+        for d in self.pool.dies():
+            if d.alive:
+                self.dies.on_worker(d.die, d.total_bytes, d.free_bytes, d.device_name)
+
+    def worker_dead(self, die: str, reason: str) -> None:
+        """A worker died: its instances fail (their memory went with the process)."""
+        self.feed.event("worker_dead", f"the worker of {die} died: {reason}")
+        for inst in self.registry.instances():
+            if die == inst.die and inst.state in (READY, DRAINING):
+                log.error("instance %s is failed: its worker on %s died", inst.instance_id, die)
+                self.registry.fail(inst, f"its worker on {die} died: {reason}")
+                self.dies.release(inst.instance_id)
+
+    # ------------------------------------------------------------ load
+
+    def _check_new(self, name: str, dies: tuple[str, ...]) -> None:
+        for inst in self.registry.instances():
+            if inst.name != name:
+                continue
+            if inst.state == LOADING:
+                raise ApiError(409, f"model {name!r} is already being loaded ({inst.instance_id})",
+                               param="name", code="conflict")
+            if inst.state == DRAINING:
+                raise ApiError(409, f"model {name!r} is being unloaded ({inst.instance_id}); "
+                                    "retry when it is gone", param="name", code="conflict")
+            if dies and inst.dies == dies and inst.state == READY:
+                raise ApiError(409, f"{inst.instance_id} already serves {name!r} on "
+                                    f"{','.join(dies)}", param="dies", code="duplicate")
+
+    async def start_load(self, path: str, name: str | None = None, dies: tuple[str, ...] = (),
+                         quantize: bool = False, *, slots: int | None = None,
+                         max_context: int | None = None,
+                         background: bool = False) -> tuple[Instance, asyncio.Task]:
+        """Phases 1 and 2 (raise ``ApiError`` at once); phase 3 and 4 run in the returned task,
+        which ends with the instance published or raises the load's ``ApiError``.
+
+        ``background``: nobody waits for the outcome (``wait: false``), so a failure is kept
+        for ``GET /admin/models`` to show; a waiting caller gets the error itself."""
+        name = name or os.path.basename(os.path.normpath(path)) or "model"
+        if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+            raise ApiError(404, f"no model folder at {path!r} (it needs a config.json)",
+                           param="path", code="not_found")
+        try:
+            shape = read_shape(path)
+        except SizingError as e:
+            raise ApiError(_SIZING_STATUS.get(e.kind, 400), e.reason, param="path",
+                           code=e.kind) from None
+        dies = tuple(self.dies.check(d) for d in dies)
+        self._check_new(name, dies)
+        try:
+            assets = await asyncio.to_thread(ModelAssets, path)
+        except Exception as e:  # noqa: BLE001 - a broken tokenizer or template
+            raise ApiError(400, f"cannot read the model's tokenizer or template: {e}",
+                           param="path", code="invalid") from None
+        self._check_new(name, dies)  # again: another load may have started meanwhile
+        for die in dies:
+            if die.startswith("cuda:"):  # its worker's Hello tells the die's size
+                await self._start(die)
+        cfg = self.config
+        limit = shape.context_limit
+        mml = min(max_context or cfg.max_model_len or limit, limit)
+        ctx = min(cfg.admit_ctx, mml)
+
+        def need(ds: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+            est = estimate(shape, dtype=cfg.dtype, quantize=quantize,
+                           cpu=ds[0].startswith("cpu:"))
+            return est.split(ds, kv=cfg.kv_budget or est.kv_pool(ctx))
+
+        # phase 1: the name is taken (507 when the table is full)
+        inst = self.registry.reserve(name, path, dies, slots=slots or cfg.slots)
+        try:
+            # phase 2: place and book, synchronously: no other load can take the same bytes
+            alive = {d.die for d in self.pool.dies() if d.alive}
+            cands = [d.id for d in self.dies.dies() if d.known and (d.kind == "cpu"
+                                                                    or d.id in alive)]
+            inst.dies = self.dies.place(need, dies, cands)
+            self.dies.book(inst.instance_id, need(inst.dies))
+        except BaseException:
+            self.registry.discard(inst)
+            raise
+        inst.quantize, inst.max_model_len, inst.load_progress = quantize, mml, 0.0
+        inst.estimate = estimate(shape, dtype=cfg.dtype, quantize=quantize,
+                                 cpu=inst.die.startswith("cpu:"))
+        kv_bytes = sum(kv for _, kv in need(inst.dies).values())
+        inst.load_msg = LoadModel(
+            instance=inst.instance_id, path=os.path.abspath(path), dtype=cfg.dtype,
+            devices=list(inst.dies), kv_budget_bytes=kv_bytes, num_slots=inst.gate.slots,
+            prefill_chunk=cfg.prefill_chunk, max_model_len=mml, quantize=quantize)
+        self.feed.event("load", f"loading {path} as {inst.instance_id} on "
+                                f"{','.join(inst.dies)}", model=name, instance=inst.instance_id)
+        task = asyncio.create_task(self._finish_load(inst, assets, background),
+                                   name=f"load-{inst.instance_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._load_done)
+        return inst, task
+
+    def _load_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a wait:false failure is reported in /admin/models
+
+    async def _start(self, die: str) -> None:
+        try:
+            await self.ensure_worker(die)
+        except PoolError as e:
+            raise ApiError(500, str(e), type="server_error", code="worker_start") from None
+
+    async def load(self, path: str, name: str | None = None, dies: tuple[str, ...] = (),
+                   quantize: bool = False, **kw) -> Instance:
+        """Load and wait until the instance is ready; raises ``ApiError``."""
+        _, task = await self.start_load(path, name, dies, quantize, **kw)
+        # shielded: a client that goes away does not stop the load (it shows in /admin/models)
+        return await asyncio.shield(task)
+
+    async def _finish_load(self, inst: Instance, assets: ModelAssets,
+                           background: bool) -> Instance:
+        msg = inst.load_msg
+
+        def progress(p) -> None:
+            inst.load_progress = p.done / p.total if p.total else None
+
+        try:
+            async with self._upload:  # phase 3: one upload at a time
+                await self._start(inst.die)
+                loaded = await self.pool.load(inst.die, msg, progress)
+        except BaseException as e:
+            err = self._load_error(e)
+            self.registry.discard(inst)
+            self.dies.release(inst.instance_id)
+            if background:
+                self.failures.append({
+                    "name": inst.name, "instance": inst.instance_id, "path": inst.path,
+                    "dies": list(inst.dies), "state": FAILED, "error": err.message,
+                    "status": err.status, "code": err.code, "failed_at": time.time()})
+            self.feed.event("load_failed", f"{inst.instance_id}: {err.message}",
+                            model=inst.name, instance=inst.instance_id)
+            log.warning("load of %s failed: %s", inst.instance_id, err.message)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise err from None
+        # phase 4: book the real figures, publish
+        self.dies.book(inst.instance_id, inst.estimate.split(
+            inst.dies, weights=loaded.weight_bytes, kv=loaded.kv_bytes))
+        if inst.estimate.kv_per_token:
+            inst.kv_pool_tokens = loaded.kv_bytes // inst.estimate.kv_per_token
+        assets.add_eos(loaded.eos_token_ids)
+        self.registry.publish(inst, assets=assets, loaded=loaded,
+                              max_model_len=loaded.max_model_len)
+        self.feed.event("loaded", f"{inst.instance_id} is ready on {','.join(inst.dies)} "
+                                  f"(weights {loaded.weight_bytes} B, KV {loaded.kv_bytes} B)",
+                        model=inst.name, instance=inst.instance_id)
+        log.info("loaded %s as %s on %s (max_model_len %d)", inst.name, inst.instance_id,
+                 ",".join(inst.dies), loaded.max_model_len)
+        return inst
+
+    @staticmethod
+    def _load_error(e: BaseException) -> ApiError:
+        if isinstance(e, ApiError):
+            return e
+        if isinstance(e, LoadFailedError):
+            status = LOAD_STATUS.get(e.kind, 500)
+            return ApiError(status, f"load failed: {e.reason}", code=e.kind,
+                            type="server_error" if status >= 500 else "invalid_request_error")
+        if isinstance(e, PoolError):
+            return ApiError(500, f"load failed: {e}", type="server_error", code="worker_died")
+        if isinstance(e, asyncio.CancelledError):
+            return ApiError(500, "load cancelled (the server is stopping)", type="server_error",
+                            code="cancelled")
+        log.exception("load failed", exc_info=e)
+        return ApiError(500, f"load failed: {type(e).__name__}: {e}", type="server_error",
+                        code="internal_error")
+
+    def recent_failures(self) -> list[dict]:
+        cut = time.time() - FAILURE_SHOWN_S
+        return [f for f in self.failures if f["failed_at"] >= cut]
+
+    # ------------------------------------------------------------ unload
+
+    async def unload(self, target: str, drain_timeout: float | None = None) -> list[dict]:
+        """Unload every replica named ``target``, or the instance whose id it is."""
+        insts = self.registry.find(target)
+        if not insts:
+            raise ApiError(404, f"no model or instance named {target!r}", param="name",
+                           code="model_not_found")
+        todo = [i for i in insts if i.state in (READY, FAILED)]
+        if not todo:
+            raise ApiError(409, f"{target!r} is loading or already unloading", param="name",
+                           code="conflict")
+        timeout = DEFAULT_DRAIN_S if drain_timeout is None else drain_timeout
+        return list(await asyncio.gather(*(self._unload_one(i, timeout) for i in todo)))
+
+    async def _unload_one(self, inst: Instance, timeout: float) -> dict:
+        t0 = time.monotonic()
+        self.feed.event("unload", f"unloading {inst.instance_id} (drain up to {timeout:g} s, "
+                                  f"{inst.refs} in flight)", model=inst.name,
+                        instance=inst.instance_id)
+        drained = await self.registry.drain(inst, timeout)
+        ended = 0
+        if not drained:  # past the deadline: end the rest with a clean error
+            for gen in list(self.live):
+                if gen.inst is inst:
+                    gen.end(unloaded_error(inst.name))
+                    ended += 1
+            await self.registry.drain(inst, _END_GRACE_S)
+        self.registry.discard(inst)
+        self.dies.release(inst.instance_id)
+        with contextlib.suppress(PoolError, KeyError):
+            await self.pool.unload(inst.die, inst.instance_id)
+        took = time.monotonic() - t0
+        self.feed.event("unloaded", f"{inst.instance_id} unloaded after {took:.1f} s"
+                                    + (f" ({ended} request(s) ended at the deadline)"
+                                       if ended else ""),
+                        model=inst.name, instance=inst.instance_id)
+        return {"instance": inst.instance_id, "name": inst.name, "drained": drained,
+                "ended": ended, "seconds": round(took, 3)}
+
+    # ------------------------------------------------------------ the prefix cache
+
+    def reset_cache(self, name: str | None = None) -> list[str]:
+        """Forget the cached prefixes of ``name``'s instances (all models when None)."""
+        if name is None:
+            insts = self.registry.ready()
+        else:
+            insts = [i for i in self.registry.find(name) if i.state == READY]
+            if not insts:
+                raise ApiError(404, f"no ready model or instance named {name!r}", param="name",
+                               code="model_not_found")
+        for inst in insts:
+            with contextlib.suppress(PoolError, KeyError):
+                self.pool.reset_cache(inst.die, inst.instance_id)
+        return [i.instance_id for i in insts]
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,114 @@
+"""Memory pressure: a level from 0 (normal) to 3 (critical) for the host and for each die.
+
+A level is how many of the three thresholds (fractions of memory in use; default 0.85, 0.92 and
+0.97, ``--pressure-thresholds``) the memory in use has reached:
+
+- the host: ``1 - available / total`` from ``psutil.virtual_memory()``, read at most every
+  100 ms (the gate asks before every request; psutil costs a system call);
+- a CUDA die: ``1 - free / total`` as its worker last measured it (``Stats``);
+- a CPU die lives in host RAM, so its level is the host's. (Bookings are not pressure: a die
+  whose budget is fully booked by preallocated KV pools is working as designed.)
+
+What the levels do: at CRITICAL the slot gate takes no request on its fast path (requests wait
+in the queue, and a full queue answers 503 instead of 429); at HIGH and above context admission
+caps long contexts harder (``admission``).
+
+Test seam: ``force(level, die=None)`` overrides the measured level of the host (``die=None``:
+everything) or of one die until ``clear()``. The admin API exposes it only when the server runs
+with ``PANTHEON_TEST_HOOKS=1``, so tests can reach CRITICAL without eating memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import psutil
+
+NORMAL, ELEVATED, HIGH, CRITICAL = 0, 1, 2, 3
+NAMES = ("normal", "elevated", "high", "critical")
+DEFAULT_THRESHOLDS = (0.85, 0.92, 0.97)
+_HOST_EVERY_S = 0.1
+
+
+def level_for(used_fraction: float, thresholds: tuple[float, float, float]) -> int:
+    return sum(1 for t in thresholds if used_fraction >= t)
+
+
+def parse_thresholds(raw: str) -> tuple[float, float, float]:
+    """``"0.8,0.9,0.95"`` -> a rising triple of fractions in (0, 1]; raises ValueError."""
+    parts = [p.strip() for p in str(raw).split(",") if p.strip()]
+    if len(parts) != 3:
+        raise ValueError(f"{raw!r}: give three comma-separated fractions, e.g. 0.85,0.92,0.97")
+    vals = tuple(float(p) for p in parts)
+    if not all(0 < v <= 1 for v in vals) or not vals[0] <= vals[1] <= vals[2]:
+        raise ValueError(f"{raw!r}: the fractions must rise and lie in (0, 1]")
+    return vals  # type: ignore[return-value]
+
+
+class PressureSource:
+    """Levels for the host and the dies; see the module doc."""
+
+    def __init__(self, thresholds: tuple[float, float, float] = DEFAULT_THRESHOLDS, *,
+                 host_probe: Callable[[], tuple[int, int]] | None = None,
+                 die_probe: Callable[[str], tuple[int, int] | None] | None = None):
+        """``host_probe() -> (total, available)``; ``die_probe(die) -> (total, free)`` for a
+        CUDA die (None when unknown)."""
+        self.thresholds = thresholds
+        self._host_probe = host_probe or _psutil_host
+        self.die_probe = die_probe
+        self._host: tuple[int, int] = (0, 0)
+        self._host_at = 0.0
+        self._forced: dict[str | None, int] = {}
+
+    # ------------------------------------------------------------ the test seam
+
+    def force(self, level: int, die: str | None = None) -> None:
+        if not NORMAL <= level <= CRITICAL:
+            raise ValueError(f"pressure level {level} is not between 0 and 3")
+        self._forced[die] = level
+
+    def clear(self) -> None:
+        self._forced.clear()
+
+    @property
+    def forced(self) -> dict[str | None, int]:
+        return dict(self._forced)
+
+    # ------------------------------------------------------------ readings
+
+    def host_memory(self) -> tuple[int, int]:
+        """``(total, available)`` bytes of host RAM, at most 100 ms old."""
+        now = time.monotonic()
+        if now - self._host_at >= _HOST_EVERY_S or not self._host[0]:
+            self._host = self._host_probe()
+            self._host_at = now
+        return self._host
+
+    def host_level(self) -> int:
+        if None in self._forced:
+            return self._forced[None]
+        total, avail = self.host_memory()
+        return level_for(1 - avail / total, self.thresholds) if total else NORMAL
+
+    def die_level(self, die: str) -> int:
+        if die in self._forced:
+            return max(self._forced[die], self._forced.get(None, NORMAL))
+        if None in self._forced:
+            return self._forced[None]
+        if die.startswith("cuda:"):
+            got = self.die_probe(die) if self.die_probe is not None else None
+            if got is None or got[0] <= 0:
+                return NORMAL
+            total, free = got
+            return level_for(1 - free / total, self.thresholds)
+        return self.host_level()  # a CPU die lives in host RAM
+
+    def level(self, dies: Iterable[str] = ()) -> int:
+        """The worst of the host and ``dies``: what the gate of an instance on them sees."""
+        return max([self.host_level(), *(self.die_level(d) for d in dies)])
+
+
+def _psutil_host() -> tuple[int, int]:
+    vm = psutil.virtual_memory()
+    return int(vm.total), int(vm.available)

@@ -1,0 +1,170 @@
+"""How much memory a model will take, from its ``config.json`` alone (no torch, no weights read).
+
+The router admits a load against the dies' budgets *before* any worker touches the weights, so it
+needs an estimate: parameters x dtype bytes for the weights, and K+V bytes per token for the KV
+cache. After the load the worker reports the real figures (``Loaded.weight_bytes``/``kv_bytes``)
+and those are booked instead.
+
+The count follows the engine's Llama-family model exactly (``workers/model.py``): fused q/k/v and
+gate/up, q/k/v biases for Qwen2 (and Llama/Qwen3 with ``attention_bias``), Qwen3's per-head q/k
+norms, tied or untied LM head. Two engine details matter for the figure:
+
+- on CPU dies the worker prepacks the LM head for oneDNN, a second copy of ``vocab x hidden``;
+- ``quantize`` turns the decoder's linear layers into int8 plus one scale per output row (the
+  embeddings and the head stay): about half the weight memory of a bf16 model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+BLOCK_TOKENS = 16  # the engine's KV block size: pools are whole blocks
+
+
+class SizingError(Exception):
+    """The folder's ``config.json`` cannot be sized. ``kind``: not_found | unsupported | invalid."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    arch: str
+    vocab: int
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    torch_dtype: str
+    context_limit: int  # max_position_embeddings (stretched by dynamic RoPE)
+
+
+def _pos_int(raw: dict, key: str, where: str) -> int:
+    v = raw.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise SizingError("invalid", f"{where}: field {key!r} must be a positive integer, got {v!r}")
+    return v
+
+
+def read_shape(path: str | Path) -> ModelShape:
+    """Parse ``path/config.json``; raises ``SizingError``."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise SizingError("not_found", f"{cfg_path}: no such file")
+    try:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise SizingError("invalid", f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise SizingError("invalid", f"{cfg_path}: not a JSON object")
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) if isinstance(
+        archs, list) else None
+    if arch is None:
+        raise SizingError("unsupported", f"architecture {archs!r} is not supported (supported: "
+                                         f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+    where = str(cfg_path)
+    hidden = _pos_int(raw, "hidden_size", where)
+    heads = _pos_int(raw, "num_attention_heads", where)
+    kv_heads = raw.get("num_key_value_heads") or heads
+    head_dim = raw.get("head_dim") or hidden // heads
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    if dtype not in _DTYPE_BYTES:
+        raise SizingError("unsupported", f"{where}: torch_dtype {dtype!r} is not supported")
+    limit = int(raw.get("max_position_embeddings") or 4096)
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "dynamic":
+        limit = int(limit * float(rope.get("factor", 1.0)))
+    qwen2 = arch == "Qwen2ForCausalLM"
+    bias = bool(raw.get("attention_bias", False))
+    return ModelShape(
+        arch=arch, vocab=_pos_int(raw, "vocab_size", where), hidden=hidden,
+        inter=_pos_int(raw, "intermediate_size", where),
+        layers=_pos_int(raw, "num_hidden_layers", where), heads=heads, kv_heads=int(kv_heads),
+        head_dim=int(head_dim), tied=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=qwen2 or bias, o_bias=not qwen2 and bias, qk_norm=arch == "Qwen3ForCausalLM",
+        torch_dtype=dtype, context_limit=limit)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes a model takes: ``base`` (embeddings, final norm, heads) lives on the first die,
+    ``per_layer`` on the die that holds the layer; ``kv_per_token`` over all layers."""
+
+    base: int
+    per_layer: int
+    layers: int
+    kv_per_token: int
+    context_limit: int
+
+    @property
+    def weights(self) -> int:
+        return self.base + self.per_layer * self.layers
+
+    def kv_pool(self, tokens: int) -> int:
+        """The KV pool bytes that hold ``tokens`` tokens (whole blocks, at least two)."""
+        blocks = max(2, -(-max(1, tokens) // BLOCK_TOKENS))
+        return blocks * BLOCK_TOKENS * self.kv_per_token
+
+    def split(self, dies: tuple[str, ...], weights: int | None = None,
+              kv: int = 0) -> dict[str, tuple[int, int]]:
+        """``{die: (weight bytes, kv bytes)}`` for a replica whose layers are split across
+        ``dies`` the way the loader splits them (contiguous near-equal runs; the embeddings and
+        heads on the first die). ``weights`` (the worker's real figure) scales the estimate."""
+        n = len(dies)
+        counts = [0] * n
+        for i in range(self.layers):
+            counts[min(i * n // self.layers, n - 1)] += 1
+        est = self.weights or 1
+        scale = 1.0 if weights is None else weights / est
+        out: dict[str, tuple[int, int]] = {}
+        for j, die in enumerate(dies):
+            w = (self.base if j == 0 else 0) + self.per_layer * counts[j]
+            out[die] = (int(w * scale), int(kv * counts[j] / self.layers))
+        if weights is not None:  # rounding: the first die takes what is left
+            first = dies[0]
+            out[first] = (weights - sum(v[0] for d, v in out.items() if d != first), out[first][1])
+        if kv:
+            first = dies[0]
+            out[first] = (out[first][0], kv - sum(v[1] for d, v in out.items() if d != first))
+        return out
+
+
+def dtype_bytes(dtype: str, shape: ModelShape) -> int:
+    """Bytes per element of the weights and KV cache for a load's ``dtype`` ("auto": the
+    checkpoint's own; float16 becomes bfloat16 on CPUs, the same size)."""
+    name = shape.torch_dtype if dtype == "auto" else dtype
+    return _DTYPE_BYTES.get(name, 2)
+
+
+def estimate(shape: ModelShape, *, dtype: str = "auto", quantize: bool = False,
+             cpu: bool = True) -> Estimate:
+    b = dtype_bytes(dtype, shape)
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    linear = h * (q + 2 * kv) + q * h + 3 * h * shape.inter  # qkv, o, gate+up, down
+    rows = (q + 2 * kv) + h + 2 * shape.inter + h  # output rows of those matrices
+    small = 2 * h  # the two RMSNorms
+    small += (q + 2 * kv) if shape.qkv_bias else 0
+    small += h if shape.o_bias else 0
+    small += 2 * shape.head_dim if shape.qk_norm else 0
+    per_layer = (linear + rows * b if quantize else linear * b) + small * b
+    table = shape.vocab * h
+    base = table + h  # embeddings and the final norm
+    if not shape.tied:
+        base += table  # the LM head
+    if cpu:
+        base += table  # the head's prepacked copy
+    return Estimate(base=base * b, per_layer=per_layer, layers=shape.layers,
+                    kv_per_token=2 * shape.layers * kv * b, context_limit=shape.context_limit)
