@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+from pantheon.opsconfig import OpsConfig, build_ops
+
 DEFAULT_SLOTS = 8
 DEFAULT_QUEUE_DEPTH = 32
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
@@ -55,6 +57,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_s: float = 1.0
     log_level: str = "info"
     fingerprint: str = ""
+    ops: OpsConfig = OpsConfig()  # auth, limits, logs, registration, shutdown, recovery
 
     @property
     def single_user(self) -> bool:
@@ -216,6 +219,9 @@ def build_config(args: Mapping[str, Any] | None = None,
         kw["host"] = host
 
     mml = args.get("max_model_len")
+    if mml is None:
+        got = _env_int(env, ("PANTHEON_MAX_MODEL_LEN",))
+        mml = got[1] if got else None
     if mml is not None:
         if mml < 16:
             raise ConfigError(f"--max-model-len {mml}: must be >= 16")
@@ -247,6 +253,9 @@ def build_config(args: Mapping[str, Any] | None = None,
     models = _models(args.get("models") or (), kw.get("cpu_dies", 0))
     if models:
         kw["models"] = models
+    kw["ops"] = ops = build_ops(args, env)
+    if not ops.prefill_batch and "prefill_chunk" not in kw:  # QWEN35_BS_PREFILL_BATCH=0
+        kw["prefill_chunk"] = 1
     cfg = ServeConfig(**kw)
     key = repr((cfg.slots, cfg.prefill_chunk, cfg.dtype, [(m.path, m.name) for m in models]))
     fp = "fp_" + hashlib.sha256(key.encode()).hexdigest()[:10]

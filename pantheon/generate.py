@@ -190,6 +190,7 @@ class Generation:
         self._envelope: tuple[bytes, bytes] | None = None
         self._streams: list = []
         self.closing = False
+        self.trace = None  # the request's logs.RequestTrace (set by ops.attach), if any
 
     def shutdown(self) -> None:
         """The server is stopping: end every choice now (its stream ends with an error)."""
@@ -226,6 +227,8 @@ class Generation:
             self._streams.append(stream)
             while True:
                 toks = await stream.next_batch()
+                if self.trace is not None and toks:
+                    self.trace.tokens(run.index, toks)
                 if not toks and self.closing:
                     raise ApiError(503, "the server is shutting down", type="server_error",
                                    code="shutting_down")
@@ -274,7 +277,10 @@ class Generation:
         except (GeneratorExit, asyncio.CancelledError):
             raise
         except BaseException as e:
-            raise _pool_error(e) from None
+            err = _pool_error(e)
+            if self.trace is not None:
+                self.trace.failed(err)
+            raise err from None
         finally:
             if stream is not None:
                 stream.abort()  # a no-op once the worker finished it

@@ -20,6 +20,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from pantheon import openai_api as oa
+from pantheon import ops
 from pantheon.config import ServeConfig, parse_dies
 from pantheon.generate import Generation, prepare
 from pantheon.openai_api import ApiError
@@ -189,6 +190,7 @@ def create_app(config: ServeConfig, pool: Any, registry: Registry) -> Quart:
     live: set[Generation] = set()  # generations in flight, ended at once on shutdown
     app.extensions["pantheon"] = {"config": config, "pool": pool, "registry": registry,
                                   "models": models, "live": live}
+    ops.install(app)  # access rules, limits, /metrics, request logs, graceful shutdown
 
     @app.after_request
     async def cors(resp: Response) -> Response:
@@ -206,7 +208,8 @@ def create_app(config: ServeConfig, pool: Any, registry: Registry) -> Quart:
         kind = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
             code, "http_error")
         msg = {404: f"no route {request.method} {request.path}",
-               413: f"the request body is larger than {config.max_body_bytes} bytes"}.get(
+               413: f"the request body is larger than {config.max_body_bytes} bytes "
+                    f"(the --max-body limit)"}.get(
             code, e.description or e.name)
         return error_response(ApiError(code, msg, code=kind))
 
@@ -255,6 +258,7 @@ def create_app(config: ServeConfig, pool: Any, registry: Registry) -> Quart:
     async def chat():
         raw = await request.get_data(cache=False)
         req = oa.parse_chat_request(raw, header_session=request.headers.get("X-Session-Id"))
+        ops.check_request(req)  # the request limits (400), and the model for the trace
         inst = await registry.admit(req.model, req.session_id)
         try:
             if len(raw) > 32768:  # long prompts tokenize off the event loop
@@ -266,6 +270,7 @@ def create_app(config: ServeConfig, pool: Any, registry: Registry) -> Quart:
             registry.leave(inst)
             raise
         live.add(gen)
+        ops.attach(gen)  # per-request log and metrics; ended at once past the drain deadline
 
         def done() -> None:
             live.discard(gen)

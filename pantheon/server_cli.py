@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pantheon import opsconfig
 from pantheon.config import ConfigError, ServeConfig, build_config, parse_dies
 
 log = logging.getLogger("pantheon.serve")
@@ -80,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--worker-threads", type=int, default=None,
                     help="torch threads in each worker (default: the worker decides)")
     ap.add_argument("--log-level", default=None)
+    opsconfig.add_arguments(ap)  # security, limits, logs, registration, shutdown, recovery
+    opsconfig.document(ap)  # every flag's environment variables, and the variables-only knobs
     return ap
 
 
@@ -139,6 +143,22 @@ def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
     return msgspec.structs.replace(cfg, models=tuple(models))
 
 
+def _worker_env(cfg: ServeConfig) -> None:
+    """The workers inherit our environment: put the resolved engine knobs in it."""
+    for name in ("PANTHEON_STEP_STATS", "PANTHEON_ASYNC_POLL_US"):
+        os.environ.pop(name, None)
+    os.environ.update(opsconfig.worker_env(cfg.ops))
+
+
+def _warn_spec_knobs(cfg: ServeConfig) -> None:
+    if not cfg.ops.driver_sample:
+        log.warning("QWEN35_BS_DRIVER_SAMPLE=0 asks for owner-side lockstep sampling; this "
+                    "server always samples inside the worker (the default behaviour)")
+    if not cfg.ops.api_keys and cfg.host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("listening on %s without --api-key: /v1/* is open to anyone who can "
+                    "reach it", cfg.host)
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -153,6 +173,7 @@ async def serve(cfg: ServeConfig) -> int:
     from hypercorn.asyncio import serve as hc_serve
     from hypercorn.config import Config as HcConfig
 
+    from pantheon.registration import from_config as register_from_config
     from pantheon.registry import Registry
     from pantheon.server import create_app
     from pantheon.workerpool import WorkerPool
@@ -160,6 +181,7 @@ async def serve(cfg: ServeConfig) -> int:
     stop = asyncio.Event()  # hypercorn's shutdown trigger
     loop = asyncio.get_running_loop()
 
+    _worker_env(cfg)
     sock = _bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     registry = Registry(slots=cfg.slots, queue_depth=cfg.queue_depth,
@@ -171,18 +193,36 @@ async def serve(cfg: ServeConfig) -> int:
     models = app.extensions["pantheon"]["models"]
     pool.on_worker_dead = models.worker_dead
     status = {"rc": 0}
+    registration = register_from_config(cfg, registry, host, port)
+    if registration is not None:
+        registration.start()
 
-    def on_signal() -> None:
-        # end the streams in flight with an error event and [DONE] first, so that hypercorn's
-        # graceful wait finds them finished; a second signal stops at once
-        if stop.is_set():
-            os._exit(130)
-        for gen in list(app.extensions["pantheon"]["live"]):
-            gen.shutdown()
-        loop.call_later(0.05, stop.set)
+    async def drain_and_stop() -> None:
+        # deregister first (the router stops sending), then stop admitting and let the requests
+        # in flight finish up to the deadline; the rest end with an error event and [DONE]
+        try:
+            if registration is not None:
+                await registration.stop()
+            ext = app.extensions["pantheon"]
+            await ext["drain"].run(ext["live"], cfg.ops.drain_timeout_s)
+        finally:
+            stop.set()
+
+    def on_signal(signum: int) -> None:
+        if status.get("stopping"):  # a second signal: leave now, workers too
+            for d in pool.dies():
+                if d.pid:
+                    with contextlib.suppress(OSError):
+                        os.kill(d.pid, signal.SIGKILL)
+            os._exit(128 + signum)
+        status["stopping"] = True
+        print(f"pantheon: {signal.Signals(signum).name}: draining (up to "
+              f"{cfg.ops.drain_timeout_s:g} s; a second signal exits at once)",
+              file=sys.stderr, flush=True)
+        status["drain"] = loop.create_task(drain_and_stop())
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, on_signal, sig)
 
     async def bring_up() -> None:
         try:
@@ -228,12 +268,21 @@ def cli(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     args = {k: v for k, v in vars(ns).items() if v is not None}
     try:
+        if args.get("curve_keygen"):
+            from pantheon.curve import keygen
+
+            pub, sec = keygen(args["curve_keygen"])
+            print(f"pantheon: wrote {pub} and {sec} (and a worker keypair)")
+            return 0
+        args = opsconfig.merge_config_file(args, os.environ, ap)
         cfg = finalize(build_config(args), args)
     except ConfigError as e:
         print(f"pantheon serve: error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format="pantheon: %(levelname)s %(name)s: %(message)s")
+    from pantheon import logs
+
+    logs.setup(cfg.log_level, cfg.ops.log_format)
+    _warn_spec_knobs(cfg)
     try:
         return asyncio.run(serve(cfg))
     except KeyboardInterrupt:

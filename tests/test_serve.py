@@ -716,10 +716,12 @@ def test_cli_refusals():
 
 
 def test_default_model_first_run_and_sigint(tmp_path):
-    """No --model: the built-in model is written on first run. SIGINT during a stream ends
-    that stream with an error event and [DONE], then the server exits 0."""
+    """No --model: the built-in model is written on first run. SIGINT during a stream that
+    outlasts the drain deadline ends that stream with an error event and [DONE], then the
+    server exits 0 (tests/test_shutdown_recovery.py has streams that finish)."""
     s = Server(["--cpu-dies", "1"], tmp_path / "default.log",
-               env={"PANTHEON_CACHE_DIR": str(tmp_path / "cache")})
+               env={"PANTHEON_CACHE_DIR": str(tmp_path / "cache"),
+                    "PANTHEON_DRAIN_TIMEOUT": "0.5"})
     try:
         s.wait_ready(("tiny",))
         assert (tmp_path / "cache" / "models" / "tiny" / "config.json").is_file()

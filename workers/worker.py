@@ -58,6 +58,17 @@ LOADING_POLL_S = 0.05  # how often the main loop looks at the loader thread's pr
 PROGRESS_EVERY_S = 0.1  # LoadProgress at most this often (it is called per tensor)
 
 
+def _knobs() -> tuple[float, bool]:
+    """The spec's engine knobs, resolved by the router into our environment: the loop's longest
+    sleep between polls while a load runs (PN_ASYNC_POLL_US; zmq polls in whole milliseconds),
+    and per-step timing logs (QWEN35_BS_STATS)."""
+    poll = LOADING_POLL_S
+    raw = os.environ.get("PANTHEON_ASYNC_POLL_US", "")
+    if raw.isdigit():
+        poll = max(0.001, int(raw) / 1e6)
+    return poll, os.environ.get("PANTHEON_STEP_STATS", "") == "1"
+
+
 def _engine_class():
     """Import the engine on first use (and once before Hello, see ``Worker.run``)."""
     from workers.engine import Engine
@@ -107,6 +118,7 @@ class Worker:
         self.exit_code: int | None = None
         self.ctx: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
+        self.loading_poll_s, self.step_stats = _knobs()
 
     # ------------------------------------------------------------------ plumbing
 
@@ -163,7 +175,7 @@ class Worker:
                 if not busy and self.exit_code is None:
                     wait = next_stats - time.monotonic()
                     if loading:
-                        wait = min(wait, LOADING_POLL_S)
+                        wait = min(wait, self.loading_poll_s)
                     self.sock.poll(max(0, int(wait * 1000)) + 1)
         finally:
             self.sock.close(0)
@@ -230,6 +242,9 @@ class Worker:
             self.steps += 1
             self.window_steps += 1
             self.window_ms += ms
+            if self.step_stats:
+                print(f"step {self.steps} {name} {ms:.2f} ms {len(tokens)} tokens",
+                      file=sys.stderr, flush=True)
             if tokens:  # a prefill chunk that completes no prompt yields nothing to send
                 self.send(p.StepOutput(instance=name, tokens=tokens, step_ms=ms))
                 for t in tokens:

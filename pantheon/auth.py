@@ -1,0 +1,159 @@
+"""Who may call what, and how big a request may be.
+
+- ``/v1/*``: with API keys configured (``--api-key``, repeatable, or ``PANTHEON_API_KEY=a,b``), an
+  ``Authorization: Bearer KEY`` naming one of them; otherwise open.
+- ``/admin/*``: with ``--admin-key``, that key as a bearer token (from anywhere, loopback too);
+  without one, only clients on a loopback address (127.0.0.0/8, ::1), everyone else 403. A reverse
+  proxy on this host makes every client look local: give it an admin key.
+- ``/``, ``/health``, ``/metrics`` and CORS preflights are always open (probes and scrapers).
+
+A wrong or missing key is a 401 in the OpenAI error format that names nothing about the server (not
+the key, not which keys exist, not the models). Keys are compared in constant time.
+
+``--models-dir`` (repeatable): an admin load may only name a folder under one of these roots,
+after resolving links; the folder's files are checked too, so a link inside a root that points out
+of it is refused. Anything else is 403. (Startup ``--model`` folders are the operator's own and are
+not checked.) Only safetensors weights are read: the worker's loader refuses pickle files.
+
+``check_limits`` applies the per-request ceilings (``opsconfig.Limits``); each refusal is a 400 that
+names the limit and the flag that sets it. The body size limit (413) is Quart's
+``MAX_CONTENT_LENGTH``, set from ``--max-body``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import os
+
+from pantheon.openai_api import ApiError, ChatRequest
+from pantheon.opsconfig import Limits, OpsConfig
+
+OPEN_PATHS = ("/", "/health", "/metrics")
+
+
+def unauthorized(missing: bool) -> ApiError:
+    msg = ("You didn't provide an API key. Send it as 'Authorization: Bearer KEY'."
+           if missing else "Incorrect API key provided.")
+    return ApiError(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def forbidden(message: str, param: str | None = None) -> ApiError:
+    return ApiError(403, message, type="permission_error", param=param, code="forbidden")
+
+
+def is_loopback(addr: str | None) -> bool:
+    if not addr:
+        return False
+    try:
+        ip = ipaddress.ip_address(addr.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def _bearer(header: str | None) -> str | None:
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _matches(token: str, keys: tuple[str, ...]) -> bool:
+    ok = False
+    for k in keys:  # no early exit: every key is compared, in constant time
+        ok |= hmac.compare_digest(token.encode(), k.encode())
+    return ok
+
+
+class Guard:
+    """The access rules of one app (see the module doc)."""
+
+    def __init__(self, ops: OpsConfig):
+        self.api_keys = ops.api_keys
+        self.admin_key = ops.admin_key
+        self.roots = ops.models_dirs
+        self.limits = ops.limits
+
+    def check(self, method: str, path: str, authorization: str | None,
+              remote: str | None) -> None:
+        """Raise ``ApiError`` (401/403) unless this request may go on."""
+        if method == "OPTIONS" or path in OPEN_PATHS:
+            return
+        if path == "/admin" or path.startswith("/admin/"):
+            if self.admin_key is None:
+                if not is_loopback(remote):
+                    raise forbidden("the admin API answers only on loopback unless the server "
+                                    "has an admin key")
+                return
+            token = _bearer(authorization)
+            if token is None or not _matches(token, (self.admin_key,)):
+                raise unauthorized(token is None)
+            return
+        if self.api_keys:
+            token = _bearer(authorization)
+            if token is None or not _matches(token, self.api_keys):
+                raise unauthorized(token is None)
+
+    # ------------------------------------------------------------ --models-dir
+
+    def _inside(self, real: str) -> bool:
+        return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in self.roots)
+
+    def check_model_path(self, path: str) -> None:
+        """403 unless ``path`` (and every file in it) resolves under a ``--models-dir`` root."""
+        if not self.roots:
+            return
+        refuse = forbidden(f"{path!r} is not under an allowed models directory (--models-dir)",
+                           param="path")
+        real = os.path.realpath(path)
+        if not self._inside(real):
+            raise refuse
+        try:
+            entries = os.listdir(real)
+        except OSError:
+            return  # missing or unreadable: the load itself says 404
+        for name in entries:
+            if not self._inside(os.path.realpath(os.path.join(real, name))):
+                raise refuse
+
+    def check_admin_body(self, path: str, raw: bytes) -> None:
+        """The ``--models-dir`` rule for an admin load's JSON body (bad JSON is the route's 400)."""
+        if not self.roots or not path.startswith("/admin/models/load"):
+            return
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            return
+        if isinstance(body, dict) and isinstance(body.get("path"), str) and body["path"]:
+            self.check_model_path(body["path"])
+
+
+def _too_many(param: str, what: str, got: int, limit: int, flag: str) -> ApiError:
+    return ApiError(400, f"{what}: {got} given, this server's limit is {limit} ({flag})",
+                    param=param, code="limit_exceeded")
+
+
+def check_limits(req: ChatRequest, limits: Limits) -> None:
+    """400 naming the limit when ``req`` goes over one of ``limits``."""
+    if len(req.messages) > limits.max_messages:
+        raise _too_many("messages", "too many messages", len(req.messages),
+                        limits.max_messages, "--max-messages")
+    if req.n > limits.max_n:
+        raise _too_many("n", "'n' is too large", req.n, limits.max_n, "--max-n")
+    if limits.max_tokens is not None and req.max_tokens is not None \
+            and req.max_tokens > limits.max_tokens:
+        raise _too_many("max_tokens", "'max_tokens' is too large", req.max_tokens,
+                        limits.max_tokens, "--max-tokens-limit")
+    if len(req.stop) > limits.max_stop:
+        raise _too_many("stop", "too many stop strings", len(req.stop), limits.max_stop,
+                        "--max-stop")
+    for s in req.stop:
+        if len(s) > limits.max_stop_len:
+            raise _too_many("stop", "a stop string is too long (characters)", len(s),
+                            limits.max_stop_len, "--max-stop-len")

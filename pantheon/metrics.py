@@ -1,0 +1,222 @@
+"""``GET /metrics``: Prometheus text from a per-app ``CollectorRegistry`` (never the global one, so
+several apps in one process do not clash).
+
+The series vLLM exports, with vLLM's names, types and buckets, labelled by ``model_name``, so
+dashboards and gateways made for vLLM work unchanged:
+
+- gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+  (0..1, KV blocks in use over the pool, from the workers' Stats);
+- counters ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total`` (tokens the clients
+  received), ``vllm:request_success_total`` (with ``finished_reason``);
+- histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+  ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``.
+
+Plus ``pantheon_*``: per die (memory total, free, booked, pressure level, alive), per instance
+(in flight, running, waiting, ready, restarts), per queue (depth, wait time), 429 and 503 counts
+per model, loads, load failures and unloads per model, admin actions per action and status.
+
+Gauges are read from the registry, the pool and the die manager when scraped; counters and
+histograms are fed at the end of each request (``observe``) and by the instance watcher.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pantheon.logs import RequestTrace
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so percentiles line up across servers.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _Live:
+    """The collector of the gauges, read from the app's state at scrape time."""
+
+    def __init__(self, state: dict, metrics: Metrics):
+        self.state, self.metrics = state, metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        reg, pool = self.state.get("registry"), self.state.get("pool")
+        insts = list(reg.instances()) if reg is not None else []
+        dies = list(pool.dies()) if pool is not None and hasattr(pool, "dies") else []
+        engine = {}  # instance id -> the worker's engine stats
+        for d in dies:
+            st = getattr(d, "last_stats", None)
+            for es in (st.instances if st is not None else []):
+                engine[es.instance] = es
+        running = GaugeMetricFamily("vllm:num_requests_running",
+                                    "Requests running on a slot.", labels=["model_name"])
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting",
+                                    "Requests waiting for a slot.", labels=["model_name"])
+        kv = GaugeMetricFamily("vllm:kv_cache_usage_perc",
+                               "KV cache usage, 1 means 100 percent.", labels=["model_name"])
+        depth = GaugeMetricFamily("pantheon_queue_depth", "Requests waiting in the model's "
+                                  "queue.", labels=["model_name"])
+        per_model: dict[str, list[int]] = {}
+        i_flight = GaugeMetricFamily("pantheon_instance_in_flight", "Requests holding the "
+                                     "instance.", labels=["model_name", "instance"])
+        i_run = GaugeMetricFamily("pantheon_instance_running", "Requests on the instance's "
+                                  "slots.", labels=["model_name", "instance"])
+        i_wait = GaugeMetricFamily("pantheon_instance_waiting", "Requests queued for the "
+                                   "instance.", labels=["model_name", "instance"])
+        i_ready = GaugeMetricFamily("pantheon_instance_ready", "1 when the instance serves.",
+                                    labels=["model_name", "instance", "state"])
+        i_restarts = GaugeMetricFamily("pantheon_instance_restarts", "Times the instance was "
+                                       "reloaded after its worker died.",
+                                       labels=["model_name", "instance"])
+        for inst in insts:
+            info = inst.info()
+            run, wait = int(info.get("running", 0)), int(info.get("waiting", 0))
+            acc = per_model.setdefault(inst.name, [0, 0, 0, 0])
+            acc[0] += run
+            acc[1] += wait
+            es = engine.get(inst.instance_id)
+            if es is not None and getattr(es, "kv_blocks_total", 0):
+                acc[2] += es.kv_blocks_used
+                acc[3] += es.kv_blocks_total
+            labels = [inst.name, inst.instance_id]
+            i_flight.add_metric(labels, info.get("in_flight", 0))
+            i_run.add_metric(labels, run)
+            i_wait.add_metric(labels, wait)
+            state = str(info.get("state", ""))
+            i_ready.add_metric(labels + [state], 1.0 if state == "ready" else 0.0)
+            i_restarts.add_metric(labels, info.get("restarts", 0) or 0)
+        for name, (run, wait, used, total) in per_model.items():
+            running.add_metric([name], run)
+            waiting.add_metric([name], wait)
+            depth.add_metric([name], wait)
+            kv.add_metric([name], used / total if total else 0.0)
+        yield from (running, waiting, kv, depth, i_flight, i_run, i_wait, i_ready, i_restarts)
+        yield from self._dies(dies)
+
+    def _dies(self, dies: list):
+        total = GaugeMetricFamily("pantheon_die_memory_total_bytes", "Die memory.",
+                                  labels=["die"])
+        free = GaugeMetricFamily("pantheon_die_memory_free_bytes", "Die memory free, as the "
+                                 "worker measures it.", labels=["die"])
+        booked = GaugeMetricFamily("pantheon_die_memory_booked_bytes", "Die memory booked by "
+                                   "instances (weights and KV cache).", labels=["die"])
+        pressure = GaugeMetricFamily("pantheon_die_pressure_level", "Memory pressure, 0 normal "
+                                     "to 3 critical.", labels=["die"])
+        alive = GaugeMetricFamily("pantheon_die_alive", "1 when the die's worker is up.",
+                                  labels=["die"])
+        manager, source = self.state.get("dies"), self.state.get("pressure")
+        for d in dies:
+            total.add_metric([d.die], d.total_bytes)
+            free.add_metric([d.die], d.free_bytes)
+            alive.add_metric([d.die], 1.0 if d.alive else 0.0)
+            md = manager.get(d.die) if manager is not None and hasattr(manager, "get") else None
+            used = getattr(md, "used_bytes", None)
+            booked.add_metric([d.die], used if used is not None
+                              else max(0, d.total_bytes - d.free_bytes))
+            if source is not None and hasattr(source, "die_level"):
+                try:
+                    pressure.add_metric([d.die], source.die_level(d.die))
+                except Exception:  # noqa: BLE001 - a scrape must not fail on one probe
+                    pass
+        yield from (total, free, booked, pressure, alive)
+
+
+class Metrics:
+    """The app's metrics: ``render()`` for the route, ``observe()`` per finished request."""
+
+    def __init__(self, state: dict):
+        self.state = state
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        m = ["model_name"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", m,
+                                     registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens sent.", m,
+                                         registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests.",
+                               m + ["finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", m,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens.", m,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, end to "
+                             "end.", m, buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time waiting for a "
+                                    "slot.", m, buckets=E2E_BUCKETS, registry=r)
+        self.queue_wait = Histogram("pantheon_queue_wait_seconds", "Time waiting for a slot.",
+                                    m, buckets=TTFT_BUCKETS, registry=r)
+        self.rejected = Counter("pantheon_requests_rejected", "Requests refused with 429 or "
+                                "503.", m + ["status"], registry=r)
+        self.errors = Counter("pantheon_request_errors", "Requests that ended with an error.",
+                              m + ["code"], registry=r)
+        self.loads = Counter("pantheon_model_loads", "Instances that became ready.", m,
+                             registry=r)
+        self.load_failures = Counter("pantheon_model_load_failures", "Loads that failed.", m,
+                                     registry=r)
+        self.unloads = Counter("pantheon_model_unloads", "Instances unloaded.", m, registry=r)
+        self.worker_deaths = Counter("pantheon_worker_deaths", "Workers that died.", ["die"],
+                                     registry=r)
+        self.admin_actions = Counter("pantheon_admin_actions", "Admin API calls.",
+                                     ["action", "status"], registry=r)
+        r.register(_Live(state, self))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def _known(self, name: str | None) -> str:
+        """A label value for ``name``: only served names, so clients cannot mint series."""
+        reg = self.state.get("registry")
+        if name and reg is not None and any(i.name == name for i in reg.instances()):
+            return name
+        return ""
+
+    def itl_observer(self, model: str):
+        return self.itl.labels(model).observe
+
+    def observe(self, trace: RequestTrace, duration_s: float) -> None:
+        """Account one finished HTTP request."""
+        if trace.path.startswith("/admin/") and trace.method == "POST":
+            self.admin_actions.labels(trace.path.removeprefix("/admin/"),
+                                      str(trace.status)).inc()
+            return
+        if trace.status in (429, 503):
+            self.rejected.labels(self._known(trace.model), str(trace.status)).inc()
+        if trace.gen is None:
+            return
+        model = trace.model or ""
+        self.prompt_tokens.labels(model).inc(trace.prompt_tokens)
+        self.generation_tokens.labels(model).inc(trace.completion_tokens())
+        if trace.ttft_s is not None:
+            self.ttft.labels(model).observe(trace.ttft_s)
+        if trace.queue_wait_s is not None:
+            self.queue_wait.labels(model).observe(trace.queue_wait_s)
+            self.queue_time.labels(model).observe(trace.queue_wait_s)
+        self.e2e.labels(model).observe(duration_s)
+        if trace.error is not None or (trace.status or 200) >= 400:
+            code = getattr(trace.error, "code", None) or str(trace.status)
+            self.errors.labels(model, code).inc()
+            self.success.labels(model, "abort").inc()
+        else:
+            for reason in trace.finish_reasons():
+                self.success.labels(model, reason).inc()
+
+    def instance_event(self, event: str, inst: Any) -> None:
+        """From the instance watcher: loaded | unloaded | load_failed | failed."""
+        if event == "loaded":
+            self.loads.labels(inst.name).inc()
+        elif event == "unloaded":
+            self.unloads.labels(inst.name).inc()
+        elif event == "load_failed":
+            self.load_failures.labels(inst.name).inc()
+
+    def worker_died(self, die: str) -> None:
+        self.worker_deaths.labels(die).inc()

@@ -1,0 +1,244 @@
+"""Operations wiring for the Quart app: access rules, limits, per-request logs and metrics, the
+instance watcher, and graceful shutdown. ``install(app)`` is the one hook ``create_app`` calls;
+the chat route calls ``check_request`` after parsing and ``attach`` once its ``Generation`` exists.
+
+An ASGI middleware (``app.asgi_app`` wrapped) sees every HTTP request from its first byte to the
+last byte of its response, streams included: it makes the request's ``RequestTrace``, answers 503
+itself while the server drains, counts the requests a drain must wait for, and logs and meters each
+request when it ends. The access rules run as a ``before_request`` hook, so their errors come out
+through the app's OpenAI error handler.
+
+Shutdown (``Drain.run``): stop admitting (every new request, ``/health`` included, gets 503
+``shutting_down``; ``/metrics`` still answers), wait for the in-flight requests (``/v1/*`` and admin
+POSTs) up to the deadline, then end the generations still running (their streams end with an
+error event and ``[DONE]``, their JSON requests with a 503) and give them a moment to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from quart import Quart, Response, current_app, request
+
+from pantheon import auth, logs
+from pantheon.metrics import CONTENT_TYPE, Metrics
+
+log = logging.getLogger("pantheon.ops")
+
+TRACE_KEY = "pantheon.trace"
+WATCH_EVERY_S = 0.25
+_ADMIN_BODY_CAP = 64 << 10  # admin bodies kept for the audit line (they are small)
+_END_GRACE_S = 5.0  # after ending the generations, how long the last responses may take
+
+
+class Drain:
+    """Requests in flight, and the shutdown sequence."""
+
+    def __init__(self) -> None:
+        self.closing = False  # no new requests
+        self.ended = False  # past the deadline: generations end at once
+        self.active = 0
+        self._idle: asyncio.Event | None = None
+
+    def enter(self) -> None:
+        self.active += 1
+
+    def leave(self) -> None:
+        self.active -= 1
+        if self.active <= 0 and self._idle is not None:
+            self._idle.set()
+
+    async def _wait_idle(self, timeout: float) -> bool:
+        if self.active <= 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def run(self, live: set, deadline_s: float) -> None:
+        """Stop admitting, let in-flight requests finish up to ``deadline_s``, end the rest."""
+        self.closing = True
+        t0 = time.monotonic()
+        log.info("shutting down: %d request(s) in flight, waiting up to %g s", self.active,
+                 deadline_s)
+        if await self._wait_idle(deadline_s):
+            log.info("all requests finished in %.1f s", time.monotonic() - t0)
+            return
+        self.ended = True
+        log.warning("drain deadline (%g s) passed: ending %d generation(s)", deadline_s,
+                    len(live))
+        for gen in list(live):
+            gen.shutdown()
+        await self._wait_idle(_END_GRACE_S)
+
+
+class InstanceWatcher:
+    """Turns registry states into events (loaded, unloaded, load_failed, failed), by polling: it
+    sees every path an instance takes (startup, admin, recovery) without hooks in each."""
+
+    def __init__(self, registry: Any):
+        self.registry = registry
+        self._seen: dict[str, tuple[Any, str]] = {}
+        self.subscribers: list = []
+
+    def poll(self) -> list[tuple[str, Any]]:
+        events: list[tuple[str, Any]] = []
+        now = {i.instance_id: i for i in self.registry.instances()}
+        for iid, inst in now.items():
+            prev = self._seen.get(iid, (None, None))[1]
+            if inst.state == "ready" and prev in (None, "loading"):
+                events.append(("loaded", inst))
+            elif inst.state == "failed" and prev != "failed":
+                events.append(("failed", inst))
+            elif inst.state == "ready" and prev == "failed":
+                events.append(("loaded", inst))
+        for iid, (inst, prev) in self._seen.items():
+            if iid not in now:
+                events.append(("load_failed" if prev == "loading" else "unloaded", inst))
+        self._seen = {iid: (i, i.state) for iid, i in now.items()}
+        for ev in events:
+            for fn in self.subscribers:
+                try:
+                    fn(*ev)
+                except Exception:
+                    log.exception("instance event subscriber failed")
+        return events
+
+    async def run(self) -> None:
+        while True:
+            self.poll()
+            await asyncio.sleep(WATCH_EVERY_S)
+
+
+async def _send_json(send, status: int, obj: dict, headers: dict | None = None) -> None:
+    body = json.dumps(obj).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"access-control-allow-origin", b"*"), (b"connection", b"close")]
+    hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class OpsMiddleware:
+    """The ASGI wrapper (see the module doc)."""
+
+    def __init__(self, inner, state: dict):
+        self.inner, self.state = inner, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.inner(scope, receive, send)
+        path, method = scope["path"], scope["method"]
+        drain: Drain = self.state["drain"]
+        if drain.closing and path != "/metrics":
+            body = {"error": {"message": "the server is shutting down", "type": "server_error",
+                              "param": None, "code": "shutting_down"}}
+            if path == "/health":
+                body = {"status": "shutting_down"}
+            return await _send_json(send, 503, body)
+        trace = logs.RequestTrace(method, path, (scope.get("client") or (None,))[0])
+        scope[TRACE_KEY] = trace
+
+        async def send_(message):
+            if message["type"] == "http.response.start":
+                trace.status = message["status"]
+            await send(message)
+
+        admin = method == "POST" and path.startswith("/admin/")
+        recv = receive
+        if admin:
+            chunks: list[bytes] = []
+
+            async def recv():
+                message = await receive()
+                if message["type"] == "http.request" and sum(map(len, chunks)) < _ADMIN_BODY_CAP:
+                    chunks.append(message.get("body", b""))
+                return message
+
+        counted = admin or path.startswith("/v1/")
+        if counted:
+            drain.enter()
+        try:
+            await self.inner(scope, recv, send_)
+        finally:
+            if counted:
+                drain.leave()
+            dur = time.monotonic() - trace.t0
+            try:
+                if admin:
+                    with contextlib.suppress(ValueError):
+                        body = json.loads(b"".join(chunks) or b"{}")
+                        trace.admin = body if isinstance(body, dict) else None
+                    logs.log_admin(trace, dur)
+                else:
+                    logs.log_request(trace, dur)
+                self.state["metrics"].observe(trace, dur)
+            except Exception:
+                log.exception("accounting for %s %s failed", method, path)
+
+
+def install(app: Quart) -> None:
+    """Wire the access rules, /metrics, the middleware and the watcher into ``app``."""
+    state = app.extensions["pantheon"]
+    cfg = state["config"]
+    guard = auth.Guard(cfg.ops)
+    metrics = Metrics(state)
+    watcher = InstanceWatcher(state["registry"])
+    watcher.subscribers.append(metrics.instance_event)
+    state.update(guard=guard, metrics=metrics, drain=Drain(), watcher=watcher)
+
+    @app.before_request
+    async def access_rules():
+        client = (request.scope.get("client") or (None,))[0]
+        guard.check(request.method, request.path, request.headers.get("Authorization"), client)
+        if request.method == "POST" and guard.roots and request.path.startswith("/admin/"):
+            guard.check_admin_body(request.path, await request.get_data(cache=True))
+
+    @app.get("/metrics", provide_automatic_options=False)
+    async def metrics_route():
+        return Response(metrics.render(), content_type=CONTENT_TYPE)
+
+    @app.before_serving
+    async def start_watcher():
+        state["watch_task"] = asyncio.create_task(watcher.run(), name="instance-watcher")
+
+    @app.after_serving
+    async def stop_watcher():
+        task = state.pop("watch_task", None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    app.asgi_app = OpsMiddleware(app.asgi_app, state)
+
+
+def _trace() -> logs.RequestTrace | None:
+    return request.scope.get(TRACE_KEY)
+
+
+def check_request(req: Any) -> None:
+    """After parsing a chat request: note the model it names, apply the limits (400)."""
+    trace = _trace()
+    if trace is not None:
+        trace.model = req.model
+    auth.check_limits(req, current_app.extensions["pantheon"]["guard"].limits)
+
+
+def attach(gen: Any) -> None:
+    """A ``Generation`` was made for this request: trace it; past the drain deadline, end it."""
+    state = current_app.extensions["pantheon"]
+    trace = _trace()
+    if trace is not None:
+        trace.started(gen, gen.inst, len(gen.prep.prompt_ids))
+        trace.on_gap = state["metrics"].itl_observer(gen.inst.name)
+        gen.trace = trace
+    if state["drain"].ended:
+        gen.shutdown()
