@@ -24,7 +24,7 @@ DEFAULT_QUEUE_DEPTH = 32
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
 DEFAULT_PREFILL_CHUNK = 128
 DEFAULT_CPU_DIE_BUDGET = 2 << 30
-DEFAULT_KV_BUDGET = 256 << 20
+DEFAULT_ADMIT_CTX = 8192  # the spec's MR_ADMIT_CTX_GUESS: context a load is admitted for
 DEFAULT_MAX_BODY = 8 << 20
 
 
@@ -48,7 +48,11 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     cpu_dies: int = 0
     cpu_die_budget: int = DEFAULT_CPU_DIE_BUDGET
-    kv_budget: int = DEFAULT_KV_BUDGET  # KV cache bytes per loaded instance
+    kv_budget: int | None = None  # KV cache bytes per instance (None: admit_ctx tokens' worth)
+    admit_ctx: int = DEFAULT_ADMIT_CTX  # context guess (tokens) a load is admitted and sized for
+    die_reserve: int | None = None  # bytes kept free per die (None: 1 GiB on CUDA, 0 on CPU)
+    pressure_thresholds: tuple[float, float, float] = (0.85, 0.92, 0.97)
+    test_hooks: bool = False  # PANTHEON_TEST_HOOKS=1: the admin test seams (forced pressure)
     max_model_len: int | None = None
     dtype: str = "auto"
     max_body_bytes: int = DEFAULT_MAX_BODY
@@ -198,13 +202,15 @@ def build_config(args: Mapping[str, Any] | None = None,
     for key, field_, flag, var in (
             ("cpu_die_budget", "cpu_die_budget", "--cpu-die-budget", "PANTHEON_CPU_DIE_BUDGET"),
             ("kv_budget", "kv_budget", "--kv-budget", "PANTHEON_KV_BUDGET"),
+            ("die_reserve", "die_reserve", "--die-reserve", "PANTHEON_DIE_RESERVE"),
             ("max_body", "max_body_bytes", "--max-body", "PANTHEON_MAX_BODY")):
         raw = args.get(key)
         what = flag
         if raw is None and env.get(var):
             raw, what = env[var], var
         if raw is not None:
-            kw[field_] = parse_size(raw, what)
+            zero = field_ == "die_reserve" and str(raw).strip() in ("0", "0B", "0b")
+            kw[field_] = 0 if zero else parse_size(raw, what)  # a reserve may be nothing
 
     port = args.get("port")
     if port is None:
@@ -250,6 +256,7 @@ def build_config(args: Mapping[str, Any] | None = None,
     if level:
         kw["log_level"] = level.lower()
 
+    _capacity(args, env, kw)
     models = _models(args.get("models") or (), kw.get("cpu_dies", 0))
     if models:
         kw["models"] = models
@@ -260,6 +267,29 @@ def build_config(args: Mapping[str, Any] | None = None,
     key = repr((cfg.slots, cfg.prefill_chunk, cfg.dtype, [(m.path, m.name) for m in models]))
     fp = "fp_" + hashlib.sha256(key.encode()).hexdigest()[:10]
     return msgspec.structs.replace(cfg, fingerprint=fp)
+
+
+def _capacity(args: Mapping[str, Any], env: Mapping[str, str], kw: dict[str, Any]) -> None:
+    """The registry's knobs: admission context guess, pressure thresholds, test hooks."""
+    ctx = args.get("admit_ctx")
+    if ctx is None:
+        got = _env_int(env, ("PANTHEON_ADMIT_CTX",))
+        ctx = got[1] if got else None
+    if ctx is not None:
+        if ctx < 16:
+            raise ConfigError(f"admit context {ctx}: must be >= 16 tokens")
+        kw["admit_ctx"] = int(ctx)
+    raw, what = args.get("pressure_thresholds"), "--pressure-thresholds"
+    if raw is None and env.get("PANTHEON_PRESSURE_THRESHOLDS"):
+        raw, what = env["PANTHEON_PRESSURE_THRESHOLDS"], "PANTHEON_PRESSURE_THRESHOLDS"
+    if raw is not None:
+        from pantheon.pressure import parse_thresholds
+
+        try:
+            kw["pressure_thresholds"] = parse_thresholds(raw)
+        except ValueError as e:
+            raise ConfigError(f"{what} {e}") from None
+    kw["test_hooks"] = env.get("PANTHEON_TEST_HOOKS", "").strip() in ("1", "true", "yes")
 
 
 def _models(raw: Any, cpu_dies: int) -> tuple[ModelSpec, ...]:

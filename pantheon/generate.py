@@ -18,18 +18,18 @@ import contextlib
 import json
 import logging
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pantheon import openai_api as oa
+from pantheon.admission import Prepared, prepare  # noqa: F401 - prepare is re-exported
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Delta, Emitter
-from pantheon.chat.template import TemplateError, think_open
 from pantheon.openai_api import ApiError, ChatRequest
 from pantheon.protocol import Submit
-from pantheon.registry import ModelAssets
 
 from pantheon.workerpool import RequestRejectedError, WorkerDied
 
@@ -37,49 +37,9 @@ log = logging.getLogger("pantheon.generate")
 
 
 # ---------------------------------------------------------------- preparing a request
-
-
-@dataclass
-class Prepared:
-    prompt_ids: list[int]
-    prefix: str  # text the emitter reads before the model's (a forced tool call's opening)
-    think_open: bool
-    max_tokens: int
-    forced: str | None = None  # the function a named tool_choice forces
-
-
-def prepare(assets: ModelAssets, req: ChatRequest, max_model_len: int) -> Prepared:
-    tools = req.tools if req.tools_enabled else None
-    try:
-        prompt = assets.template.render(req.messages, tools=tools, add_generation_prompt=True,
-                                        **req.chat_template_kwargs)
-    except TemplateError as e:
-        raise oa.invalid("messages", f"the chat template refused this conversation: {e.message}")
-    opened = assets.reasoning and think_open(prompt)
-    prefix, forced = "", None
-    if tools and req.tool_choice in ("required", "function") and assets.tool_call_markup:
-        forced = req.tool_choice_name
-        if forced is None and len(tools) == 1:  # "required" with one tool names it
-            forced = tools[0]["function"]["name"]
-        prefix = "<tool_call>\n"
-        if forced is not None:
-            prefix += '{"name": ' + json.dumps(forced) + ', "arguments": '
-        if opened:  # close the reasoning the template opened: a forced call comes at once
-            prompt += "\n</think>\n\n"
-            opened = False
-        prompt += prefix
-    ids = assets.encode(prompt)
-    room = max_model_len - len(ids)
-    if room < 1:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens; "
-                            f"the messages take {len(ids)}.", param="messages",
-                       code="context_length_exceeded")
-    if req.max_tokens is not None and req.max_tokens > room:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
-                            f"However, you requested {len(ids) + req.max_tokens} tokens "
-                            f"({len(ids)} in the messages, {req.max_tokens} in the completion).",
-                       param="max_tokens", code="context_length_exceeded")
-    return Prepared(ids, prefix, opened, req.max_tokens or room, forced)
+#
+# Rendering, tokenizing and context admission (pass / cap / deny) live in pantheon.admission;
+# ``prepare`` and ``Prepared`` are re-exported here, where they used to be.
 
 
 def _pool_error(e: BaseException) -> ApiError:
@@ -180,7 +140,10 @@ class ChoiceRun:
 class Generation:
     """One chat request on one instance: ``n`` choices, streamed or collected."""
 
-    def __init__(self, pool: Any, inst: Any, req: ChatRequest, prep: Prepared, fingerprint: str):
+    def __init__(self, pool: Any, inst: Any, req: ChatRequest, prep: Prepared, fingerprint: str,
+                 *, arrived: float | None = None, on_tokens: Any = None):
+        """``arrived``: the request's arrival (``time.monotonic()``), for the time to first
+        token; ``on_tokens(n)``: called with each batch's count of generated tokens."""
         self.pool, self.inst, self.req, self.prep = pool, inst, req, prep
         self.id = oa.completion_id()
         self.created = oa.now()
@@ -190,10 +153,25 @@ class Generation:
         self._envelope: tuple[bytes, bytes] | None = None
         self._streams: list = []
         self.closing = False
+        self.ending: ApiError | None = None  # why end() stopped it
         self.trace = None  # the request's logs.RequestTrace (set by ops.attach), if any
+        self.arrived = time.monotonic() if arrived is None else arrived
+        self.first_token_at: float | None = None
+        self.on_tokens = on_tokens
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrived
 
     def shutdown(self) -> None:
         """The server is stopping: end every choice now (its stream ends with an error)."""
+        self.end(ApiError(503, "the server is shutting down", type="server_error",
+                          code="shutting_down"))
+
+    def end(self, err: ApiError) -> None:
+        """End every choice now with ``err`` (a stream gets it as an error event, then
+        ``[DONE]``): shutdown, or an unload past its drain deadline."""
+        self.ending = self.ending or err
         self.closing = True
         for st in self._streams:
             st.abort()
@@ -217,21 +195,22 @@ class Generation:
                               stop_token_ids=[] if req.ignore_eos else assets.eos_ids)
         rid = f"{self.id}-{run.index}-{uuid.uuid4().hex[:6]}"
         sub = Submit(request_id=rid, instance=self.inst.instance_id, prompt=prep.prompt_ids,
-                     params=params, session_id=req.session_id)
+                     params=params, session_id=req.session_id, cache_salt=req.cache_salt,
+                     use_cache=not prep.capped)
         stream = None
         try:
             if self.closing:
-                raise ApiError(503, "the server is shutting down", type="server_error",
-                               code="shutting_down")
+                raise self.ending
             stream = self.pool.submit(self.inst.die, sub)
             self._streams.append(stream)
             while True:
                 toks = await stream.next_batch()
                 if self.trace is not None and toks:
                     self.trace.tokens(run.index, toks)
+                if toks:
+                    self._count(toks)
                 if not toks and self.closing:
-                    raise ApiError(503, "the server is shutting down", type="server_error",
-                                   code="shutting_down")
+                    raise self.ending
                 if not toks:
                     raise ApiError(500, "the worker ended the request without a finish",
                                    type="server_error", code="internal_error")
@@ -285,6 +264,13 @@ class Generation:
             if stream is not None:
                 stream.abort()  # a no-op once the worker finished it
 
+    def _count(self, toks: list) -> None:
+        real = sum(1 for t in toks if t.token >= 0)
+        if real and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if real and self.on_tokens is not None:
+            self.on_tokens(real)
+
     def _logprob(self, tok: Any) -> dict:
         assets = self.inst.assets
         text, raw = assets.piece(tok.token)
@@ -333,13 +319,21 @@ class Generation:
 
     # ------------------------------------------------------------ streamed
 
+    def _capped(self, body: dict) -> dict:
+        """Context admission capped the prompt: every chunk and the body say so."""
+        if self.prep.capped:
+            body["context_capped"] = True
+        return body
+
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
         if usage is not None:
-            return oa.sse(oa.chunk(self.id, self.created, self.model, self.fingerprint, choices,
-                                   include_usage=True, usage_=usage))
+            return oa.sse(self._capped(oa.chunk(self.id, self.created, self.model,
+                                                self.fingerprint, choices, include_usage=True,
+                                                usage_=usage)))
         if self._envelope is None:  # the chunk's fixed part, encoded once per request
-            empty = oa.sse(oa.chunk(self.id, self.created, self.model, self.fingerprint, [],
-                                    include_usage=self.req.include_usage))
+            empty = oa.sse(self._capped(oa.chunk(self.id, self.created, self.model,
+                                                 self.fingerprint, [],
+                                                 include_usage=self.req.include_usage)))
             head, _, tail = empty.partition(b'"choices":[]')
             self._envelope = (head + b'"choices":[', b"]" + tail)
         head, tail = self._envelope
@@ -423,5 +417,5 @@ class Generation:
                              tool_calls=tcs or None)
             choices.append(oa.choice(run.index, msg, run.finish_reason or "stop",
                                      o["lps"] if self.req.logprobs else None))
-        return oa.chat_completion(self.id, self.created, self.model, self.fingerprint, choices,
-                                  self.usage())
+        return self._capped(oa.chat_completion(self.id, self.created, self.model,
+                                               self.fingerprint, choices, self.usage()))

@@ -2,18 +2,22 @@
 
 Routes (spec: serve-architecture.md): ``GET /``, ``GET /health``, ``OPTIONS`` anywhere (CORS
 preflight; every response carries the CORS headers), ``GET /v1/models`` (one Model object per name),
-``POST /v1/chat/completions`` (SSE or one JSON body), and the admin table: ``POST
-/admin/models/load``, ``POST /admin/models/unload``, ``GET /admin/dies``. Every error is an OpenAI
-error object. Cheap routes never wait on a generation.
+``POST /v1/chat/completions`` (SSE or one JSON body), and the admin API (``pantheon.admin``: load,
+unload, models, dies, cache reset, state, events). Every error is an OpenAI error object. Cheap
+routes never wait on a generation.
+
+A chat request: parse -> route (``Registry.candidates``) -> context admission (``admission``:
+pass / cap / deny) -> the model's slot gate (``Registry.admit``: fast path, FIFO queue, pressure)
+-> ``Generation`` -> release. The app owns the die manager, the pressure source and the feed;
+one background task re-runs the queues and copies the workers' memory figures a few times a
+second.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import os
+import time
 from typing import Any
 
 from quart import Quart, Response, request
@@ -21,12 +25,17 @@ from werkzeug.exceptions import HTTPException
 
 from pantheon import openai_api as oa
 from pantheon import ops
-from pantheon.config import ServeConfig, parse_dies
+from pantheon.admin import bp as admin_bp
+from pantheon.admission import limit_of
+from pantheon.config import ServeConfig
+from pantheon.dies import DieManager
+from pantheon.feed import Feed
 from pantheon.generate import Generation, prepare
+from pantheon.lifecycle import Models
 from pantheon.openai_api import ApiError
-from pantheon.protocol import LoadModel
-from pantheon.registry import READY, Instance, ModelAssets, Registry
-from pantheon.workerpool import LoadFailedError, PoolError
+from pantheon.pressure import NAMES as LEVEL_NAMES
+from pantheon.pressure import PressureSource
+from pantheon.registry import Registry
 
 log = logging.getLogger("pantheon.server")
 
@@ -38,11 +47,7 @@ CORS_HEADERS = {
     "Access-Control-Max-Age": "86400",
 }
 
-# The spec's status_for_reason: admission/table-full 507, duplicate/unloading 409, not-found 404,
-# anything else 500.
-LOAD_STATUS = {"not_found": 404, "out_of_memory": 507, "admission": 507, "duplicate": 409,
-               "cancelled": 409}
-MAX_INSTANCES = 16  # the spec's MR_MAX_MODELS
+TICK_S = 0.25  # how often the queues re-run and the dies' figures refresh
 
 
 def json_response(obj: Any, status: int = 200, headers: dict | None = None) -> Response:
@@ -82,114 +87,61 @@ class _Body:
         self._release()
 
 
-class Models:
-    """Loading and unloading instances: one upload at a time; a failed load changes nothing."""
-
-    def __init__(self, config: ServeConfig, pool: Any, registry: Registry):
-        self.config, self.pool, self.registry = config, pool, registry
-        self._upload = asyncio.Lock()
-
-    def _place(self) -> tuple[str, ...]:
-        """A die for a model given none: the alive die holding the fewest instances."""
-        dies = [d.die for d in self.pool.dies() if d.alive]
-        if not dies:
-            raise ApiError(507, "no die is available to place the model on (start the server "
-                                "with --cpu-dies N or give --dies)", type="server_error",
-                           code="no_die")
-        count = {d: 0 for d in dies}
-        for inst in self.registry.instances():
-            if inst.die in count:
-                count[inst.die] += 1
-        return (min(dies, key=lambda d: count[d]),)
-
-    async def ensure_worker(self, die: str) -> None:
-        known = {d.die: d for d in self.pool.dies()}
-        if die in known and known[die].alive:
-            return
-        budget = self.config.cpu_die_budget if die.startswith("cpu:") else None
-        await self.pool.start_worker(die, budget_bytes=budget)
-
-    async def load(self, path: str, name: str | None = None, dies: tuple[str, ...] = (),
-                   quantize: bool = False) -> Instance:
-        name = name or os.path.basename(os.path.normpath(path))
-        if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
-            raise ApiError(404, f"no model folder at {path!r} (it needs a config.json)",
-                           param="path", code="not_found")
-        try:
-            assets = await asyncio.to_thread(ModelAssets, path)
-        except Exception as e:  # noqa: BLE001 - a broken tokenizer or template
-            raise ApiError(500, f"cannot read the model's tokenizer or template: {e}",
-                           type="server_error", param="path", code="invalid") from None
-        async with self._upload:
-            if len(self.registry.instances()) >= MAX_INSTANCES:
-                raise ApiError(507, f"the model table is full ({MAX_INSTANCES} instances)",
-                               type="server_error", code="table_full")
-            dies = tuple(dies) or self._place()
-            for die in dies:
-                if die.startswith("cpu:") and int(die[4:]) >= self.config.cpu_dies:
-                    raise ApiError(400, f"die {die} does not exist (--cpu-dies "
-                                        f"{self.config.cpu_dies})", param="dies", code="invalid")
-            try:
-                await self.ensure_worker(dies[0])
-            except PoolError as e:
-                raise ApiError(500, str(e), type="server_error", code="worker_start") from None
-            inst = self.registry.reserve(name, path, dies)
-            msg = LoadModel(instance=inst.instance_id, path=os.path.abspath(path),
-                            dtype=self.config.dtype,
-                            devices=list(dies),
-                            kv_budget_bytes=self.config.kv_budget, num_slots=self.config.slots,
-                            prefill_chunk=self.config.prefill_chunk,
-                            max_model_len=self.config.max_model_len, quantize=quantize)
-            try:
-                loaded = await self.pool.load(dies[0], msg)
-            except BaseException as e:
-                self.registry.discard(inst)
-                if isinstance(e, LoadFailedError):
-                    status = LOAD_STATUS.get(e.kind, 500)
-                    raise ApiError(status, f"load failed: {e.reason}", code=e.kind,
-                                   type="server_error" if status >= 500 else
-                                   "invalid_request_error") from None
-                if isinstance(e, PoolError):
-                    raise ApiError(500, str(e), type="server_error", code="worker_died") from None
-                raise
-        assets.add_eos(loaded.eos_token_ids)
-        self.registry.publish(inst, assets=assets, loaded=loaded,
-                              max_model_len=loaded.max_model_len)
-        log.info("loaded %s as %s on %s (max_model_len %d)", name, inst.instance_id,
-                 ",".join(dies), loaded.max_model_len)
-        return inst
-
-    async def unload(self, name: str) -> list[Instance]:
-        insts = [i for i in self.registry.find(name) if i.state == READY]
-        if not insts:
-            if self.registry.find(name):
-                raise ApiError(409, f"model {name!r} is loading or already unloading",
-                               param="name", code="conflict")
-            raise ApiError(404, f"no model or instance named {name!r}", param="name",
-                           code="model_not_found")
-        for inst in insts:
-            await self.registry.drain(inst, self.config.queue_timeout_s)
-            self.registry.discard(inst)
-            with contextlib.suppress(Exception):
-                await self.pool.unload(inst.die, inst.instance_id)
-        return insts
-
-    def worker_dead(self, die: str, reason: str) -> None:
-        for inst in self.registry.instances():
-            if die in inst.dies and inst.state == READY:
-                inst.state = "failed"
-                log.error("instance %s is failed: its worker on %s died", inst.instance_id, die)
-
-
 def create_app(config: ServeConfig, pool: Any, registry: Registry) -> Quart:
     app = Quart("pantheon")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60
-    models = Models(config, pool, registry)
+    dies = DieManager(cpu_dies=config.cpu_dies, cpu_budget=config.cpu_die_budget,
+                      reserve=config.die_reserve,
+                      host_available=lambda: pressure.host_memory()[1])
+    workers = {}  # die -> (total, free) as its worker last measured: the pressure of CUDA dies
+
+    def measured(die: str):
+        return workers.get(die)
+
+    pressure = PressureSource(config.pressure_thresholds, die_probe=measured)
+    registry.pressure = pressure.level
+    feed = Feed()
     live: set[Generation] = set()  # generations in flight, ended at once on shutdown
+    models = Models(config, pool, registry, dies, feed, live)
     app.extensions["pantheon"] = {"config": config, "pool": pool, "registry": registry,
-                                  "models": models, "live": live}
+                                  "models": models, "live": live, "dies": dies,
+                                  "pressure": pressure, "feed": feed}
+    app.register_blueprint(admin_bp)
+
+    async def tick() -> None:
+        """Re-run the queues (pressure may have dropped), refresh the dies' figures, and note
+        a change of the pressure level as an event."""
+        last = 0
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                for d in pool.dies():
+                    workers[d.die] = (d.total_bytes, d.free_bytes)
+                models.sync_dies()
+                registry.poke()
+                level = pressure.level(d.id for d in dies.dies())
+                if level != last:
+                    feed.event("pressure", f"memory pressure {LEVEL_NAMES[last]} -> "
+                                           f"{LEVEL_NAMES[level]}")
+                    last = level
+            except Exception:  # noqa: BLE001 - the ticker must go on
+                log.exception("the registry tick failed")
+
+    @app.before_serving
+    async def start_tick():
+        app.extensions["pantheon"]["tick_task"] = asyncio.create_task(tick(), name="tick")
+
+    @app.after_serving
+    async def stop_tick():
+        task = app.extensions["pantheon"].pop("tick_task", None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        feed.close()
+        await models.close()
+
     ops.install(app)  # access rules, limits, /metrics, request logs, graceful shutdown
 
     @app.after_request
@@ -254,18 +206,40 @@ def create_app(config: ServeConfig, pool: Any, registry: Registry) -> Quart:
                 return json_response(m)
         raise oa.model_not_found(model_id)
 
+    async def _prepare(inst, req, big: bool):
+        if big:  # long prompts tokenize off the event loop
+            return await asyncio.to_thread(prepare, inst.assets, req, inst.max_model_len,
+                                           limit_of(inst))
+        return prepare(inst.assets, req, inst.max_model_len, limit_of(inst))
+
+    async def _admitted(req, big: bool):
+        """Route, admit the context (pass / cap / deny), then take a slot: a denied request
+        never waits in the queue. Returns ``(instance, Prepared)``."""
+        likely = registry.route(req.model, req.session_id)  # 404 / 503 before any work
+        prep = await _prepare(likely, req, big)
+        inst = await registry.admit(req.model, req.session_id)
+        try:
+            if inst.path != likely.path or limit_of(inst) != limit_of(likely):
+                prep = await _prepare(inst, req, big)  # another replica, another context
+        except BaseException:
+            registry.leave(inst)
+            raise
+        return inst, prep
+
     @app.post("/v1/chat/completions", provide_automatic_options=False)
     async def chat():
+        arrived = time.monotonic()
         raw = await request.get_data(cache=False)
         req = oa.parse_chat_request(raw, header_session=request.headers.get("X-Session-Id"))
         ops.check_request(req)  # the request limits (400), and the model for the trace
-        inst = await registry.admit(req.model, req.session_id)
         try:
-            if len(raw) > 32768:  # long prompts tokenize off the event loop
-                prep = await asyncio.to_thread(prepare, inst.assets, req, inst.max_model_len)
-            else:
-                prep = prepare(inst.assets, req, inst.max_model_len)
-            gen = Generation(pool, inst, req, prep, config.fingerprint)
+            inst, prep = await _admitted(req, len(raw) > 32768)
+        except ApiError as e:
+            feed.reject(e.status, req.model, e.code, e.message)  # counts 429s and 503s
+            raise
+        try:
+            gen = Generation(pool, inst, req, prep, config.fingerprint, arrived=arrived,
+                             on_tokens=feed.tokens)
         except BaseException:
             registry.leave(inst)
             raise
@@ -275,94 +249,22 @@ def create_app(config: ServeConfig, pool: Any, registry: Registry) -> Quart:
         def done() -> None:
             live.discard(gen)
             registry.leave(inst)
+            feed.request_done(gen.ttft_s)
 
+        headers = {"X-Pantheon-Instance": inst.instance_id}
+        if prep.capped:
+            headers["X-Context-Capped"] = "true"
         if not req.stream:
             try:
                 out = await gen.complete()
             finally:
                 done()
-            return json_response(out)
+            return json_response(out, headers=headers)
         body = _Body(gen.stream_chunks(), done)
         resp = Response(body, status=200, content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                 **headers})
         resp.timeout = None
         return resp
-
-    # ------------------------------------------------------------ admin
-
-    async def _json_object() -> dict:
-        raw = await request.get_data(cache=False)
-        try:
-            body = json.loads(raw or b"{}")
-        except ValueError:
-            raise oa.invalid(None, "the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise oa.invalid(None, "the request body must be a JSON object")
-        return body
-
-    @app.post("/admin/models/load", provide_automatic_options=False)
-    async def admin_load():
-        body = await _json_object()
-        path, name = body.get("path"), body.get("name")
-        if not isinstance(path, str) or not path:
-            raise oa.invalid("path", "'path' must be a model folder path")
-        if name is not None and not isinstance(name, str):
-            raise oa.invalid("name", "'name' must be a string")
-        dies = body.get("dies") or ()
-        if isinstance(dies, list):
-            if not all(isinstance(d, (int, str)) and not isinstance(d, bool) for d in dies):
-                raise oa.invalid("dies", "'dies' must be a list of die ids")
-            dies = ",".join(str(d) for d in dies)
-        if dies and not isinstance(dies, str):
-            raise oa.invalid("dies", "'dies' must be a list of die ids")
-        try:
-            die_t = parse_dies(dies, "dies") if dies else ()
-        except ValueError as e:
-            raise oa.invalid("dies", str(e)) from None
-        quantize = body.get("quantize", False)
-        if not isinstance(quantize, bool):
-            raise oa.invalid("quantize", "'quantize' must be a boolean")
-        inst = await models.load(path, name, die_t, quantize)
-        return json_response({"status": "loaded", **inst.info()})
-
-    @app.post("/admin/models/unload", provide_automatic_options=False)
-    async def admin_unload():
-        body = await _json_object()
-        name = body.get("name") or body.get("instance")
-        if not isinstance(name, str) or not name:
-            raise oa.invalid("name", "'name' must be a model name or instance id")
-        gone = await models.unload(name)
-        return json_response({"status": "unloaded", "instances": [i.instance_id for i in gone]})
-
-    @app.get("/admin/dies", provide_automatic_options=False)
-    async def admin_dies():
-        out = []
-        for d in pool.dies():
-            st = d.last_stats
-            engine = {s.instance: s for s in (st.instances if st else [])}
-            insts = []
-            for i in registry.instances():
-                if d.die in i.dies:
-                    info, es = i.info(), engine.get(i.instance_id)
-                    if es is not None:
-                        info["slots_busy"] = sum(1 for sl in es.slots if sl.state != "idle")
-                        info["engine_waiting"] = es.waiting
-                        info["kv_blocks_used"] = es.kv_blocks_used
-                        info["kv_blocks_total"] = es.kv_blocks_total
-                    insts.append(info)
-            out.append({"die": d.die, "device_name": d.device_name, "alive": d.alive,
-                        "pid": d.pid, "error": d.error, "total_bytes": d.total_bytes,
-                        "free_bytes": d.free_bytes,
-                        "used_bytes": max(0, d.total_bytes - d.free_bytes),
-                        "budget_bytes": config.cpu_die_budget if d.die.startswith("cpu:")
-                        else d.total_bytes,
-                        "step_ms_avg": st.step_ms_avg if st else None,
-                        "instances": insts})
-        return json_response({"object": "list", "data": out})
-
-    @app.get("/admin/models", provide_automatic_options=False)
-    async def admin_models():
-        return json_response({"object": "list",
-                              "data": [i.info() for i in registry.instances()]})
 
     return app

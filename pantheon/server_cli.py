@@ -72,7 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-die-budget", default=None, metavar="BYTES",
                     help='memory budget of each CPU die (bytes or "2GiB")')
     ap.add_argument("--kv-budget", default=None, metavar="BYTES",
-                    help="KV cache bytes per loaded model (default 256MiB)")
+                    help="KV cache bytes per loaded model (default: enough for --admit-ctx "
+                         "tokens)")
+    ap.add_argument("--admit-ctx", type=int, default=None, metavar="TOKENS",
+                    help="context a load is admitted and its KV cache sized for (default 8192)")
+    ap.add_argument("--die-reserve", default=None, metavar="BYTES",
+                    help="memory kept free on each die (default 1GiB on CUDA dies, 0 on CPU)")
+    ap.add_argument("--pressure-thresholds", default=None, metavar="F,F,F",
+                    help="fractions of memory in use for pressure levels 1, 2, 3 (default "
+                         "0.85,0.92,0.97)")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--dtype", default=None, help="auto | bfloat16 | float16 | float32")
     ap.add_argument("--max-body", default=None, metavar="BYTES",
@@ -174,6 +182,7 @@ async def serve(cfg: ServeConfig) -> int:
     from hypercorn.config import Config as HcConfig
 
     from pantheon.registration import from_config as register_from_config
+    from pantheon.dies import default_worker_threads
     from pantheon.registry import Registry
     from pantheon.server import create_app
     from pantheon.workerpool import WorkerPool
@@ -186,8 +195,10 @@ async def serve(cfg: ServeConfig) -> int:
     host, port = sock.getsockname()[:2]
     registry = Registry(slots=cfg.slots, queue_depth=cfg.queue_depth,
                         queue_timeout_s=cfg.queue_timeout_s)
+    # several CPU dies share the cores: each worker gets its share unless told otherwise
+    threads = default_worker_threads(cfg.cpu_dies, cfg.worker_threads)
     pool = WorkerPool(hello_timeout=cfg.hello_timeout_s, heartbeat_interval=cfg.heartbeat_s,
-                      worker_threads=cfg.worker_threads)
+                      worker_threads=threads)
     await pool.start()
     app = create_app(cfg, pool, registry)
     models = app.extensions["pantheon"]["models"]
@@ -227,6 +238,8 @@ async def serve(cfg: ServeConfig) -> int:
     async def bring_up() -> None:
         try:
             dies = [f"cpu:{i}" for i in range(cfg.cpu_dies)]
+            if not dies:  # a GPU server: discover every device (its worker's Hello sizes it)
+                dies = [f"cuda:{i}" for i in range(_gpu_count())]
             dies += [m.dies[0] for m in cfg.models if m.dies and m.dies[0] not in dies]
             await asyncio.gather(*(models.ensure_worker(d) for d in dies))
             for m in cfg.models:
