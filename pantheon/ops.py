@@ -208,7 +208,11 @@ def install(app: Quart) -> None:
 
     @app.before_serving
     async def start_watcher():
-        state["watch_task"] = asyncio.create_task(watcher.run(), name="instance-watcher")
+        feed = state.get("feed")
+        if feed is not None and hasattr(feed, "subscribe"):  # the admin feed's events
+            state["watch_task"] = asyncio.create_task(_follow(feed, metrics), name="ops-feed")
+        else:  # no event feed: find the transitions by polling the registry
+            state["watch_task"] = asyncio.create_task(watcher.run(), name="instance-watcher")
 
     @app.after_serving
     async def stop_watcher():
@@ -218,6 +222,16 @@ def install(app: Quart) -> None:
             await asyncio.gather(task, return_exceptions=True)
 
     app.asgi_app = OpsMiddleware(app.asgi_app, state)
+
+
+async def _follow(feed: Any, metrics: Metrics) -> None:
+    """Count loads, load failures, unloads and worker deaths from the feed's events."""
+    q = feed.subscribe()
+    try:
+        while (ev := await q.get()) is not None:
+            metrics.feed_event(ev.kind, ev.model, ev.message)
+    finally:
+        feed.unsubscribe(q)
 
 
 def _trace() -> logs.RequestTrace | None:
