@@ -10,10 +10,10 @@ Routing follows the spec:
 - exactly one resident model (one name, however many replicas) takes every request, whatever
   ``model`` says; with more, an exact name is needed (none: the first resident one); an unknown
   name is 404 ``model_not_found``; a name that is only loading, or no model at all, is 503;
-- among replicas the least busy wins (in flight, then fewest served so far, so that sequential
-  traffic alternates), except that a ``session_id`` goes back to the replica that served it last
-  (its prefix cache is warm there) unless that replica is saturated: the spec's missing
-  cross-replica affinity.
+- among replicas the least busy wins (in flight; between equals the one that waited longest for
+  a request, so that sequential traffic alternates), except that a ``session_id`` goes back to
+  the replica that served it last (its prefix cache is warm there) unless that replica is
+  saturated: the spec's missing cross-replica affinity.
 
 Admission to a slot (``admit``), per model name, after the spec's D1/D3 gate:
 
@@ -91,6 +91,7 @@ class Instance:
     state: str = LOADING
     refs: int = 0  # in flight: references taken by admit()/acquire(), ended by leave()/release()
     served: int = 0  # requests granted a slot since load
+    last_grant: int = 0  # when it last got a request (a sequence number): ties go to the oldest
     max_model_len: int | None = None
     quantize: bool = False
     assets: Any = None  # the router-side tokenizer/template bundle (ModelAssets)
@@ -166,6 +167,7 @@ class Registry:
         self.closing = False
         self._instances: list[Instance] = []
         self._ids = itertools.count(1)
+        self._grants = itertools.count(1)
         self._sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._queues: dict[str, ModelQueue] = {}
 
@@ -254,8 +256,9 @@ class Registry:
             for i in pool:
                 if i.instance_id == sticky and i.gate.free:
                     return i
-        # least busy; then fewest served (sequential traffic alternates); then load order
-        return min(pool, key=lambda i: (i.refs, i.served))
+        # least busy; then the one that waited longest for a request (sequential traffic
+        # alternates, whatever each replica served before); then load order
+        return min(pool, key=lambda i: (i.refs, i.last_grant))
 
     def route(self, name: str | None, session_id: str | None = None) -> Instance:
         """The instance a request naming ``name`` would take now; raises ``ApiError``."""
@@ -288,6 +291,7 @@ class Registry:
         inst.gate.active += 1
         inst.refs += 1
         inst.served += 1
+        inst.last_grant = next(self._grants)
         self._remember(session_id, inst)
         return inst
 
