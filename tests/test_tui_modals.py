@@ -1,0 +1,159 @@
+"""Pilot tests of the dashboard's modals against a fixed fake source: the load form (validation,
+progress, the router's error text) and the unload confirmation (then the drain)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+from textual.notifications import Notify
+
+from test_tui_app import SIZE, fixture, make_app, plain, settle, table_ids
+from tui.screens import ConfirmScreen, LoadScreen
+from tui.source import Link, StaticSource
+from tui.widgets.instances import InstancesTable
+from tui.widgets.slots import SlotGrid
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ------------------------------------------------------------ load modal
+
+
+async def fill(pilot, app, path="", name="", dies="", quantize=False):
+    screen = app.screen
+    for key, value in (("path", path), ("name", name), ("dies", dies)):
+        screen.query_one(f"#{key}").value = value
+    if quantize:
+        screen.query_one("#quantize").value = True
+    screen.query_one("#path").focus()  # so that Enter submits from the field
+    await pilot.pause()
+
+
+async def test_load_form_validates_before_sending():
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("l")
+        await pilot.pause()
+        assert isinstance(app.screen, LoadScreen)
+        await pilot.click("#do-load")
+        await pilot.pause()
+        error = plain(app.screen.query_one("#load-error"))
+        assert "path is required" in error
+        assert app.screen.query_one("#path").has_class("-invalid")
+        await fill(pilot, app, path="/models/x", dies="cpu:0,gpu1")
+        await pilot.press("enter")  # Enter in the (focused) path field submits as well
+        await pilot.pause()
+        assert "bad die 'gpu1'" in plain(app.screen.query_one("#load-error"))
+        assert app.source.calls == []
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.screen is app.screen_stack[0]
+
+
+async def test_load_shows_progress_then_closes():
+    hold = asyncio.Event()
+    source = StaticSource([Link("connected"), fixture("normal")], hold=hold)
+    app = make_app(source=source)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("l")
+        await pilot.pause()
+        await fill(pilot, app, path="/models/tiny", name="tiny2", dies="cpu:0, 1",
+                   quantize=True)
+        await pilot.press("enter")  # Enter in a field submits too
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, LoadScreen) and screen.running
+        assert screen.query_one("#load-progress").display
+        assert screen.query_one("#path").disabled
+        assert source.calls == [("load", {"path": "/models/tiny", "name": "tiny2",
+                                          "dies": ["cpu:0", "1"], "quantize": True})]
+        hold.set()
+        await pilot.pause()
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.screen is app.screen_stack[0]
+
+
+async def test_failed_load_shows_the_router_error():
+    msg = "no model folder at '/nope' (it needs a config.json)"
+    app = make_app(source=StaticSource([Link("connected"), fixture("normal")], load_error=msg))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("l")
+        await pilot.pause()
+        await fill(pilot, app, path="/nope")
+        await pilot.click("#do-load")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, LoadScreen) and not screen.running  # open, for a fix
+        assert msg in plain(screen.query_one("#load-error"))
+        assert not screen.query_one("#path").disabled
+
+
+# ------------------------------------------------------------ unload
+
+
+async def test_unload_asks_then_drains_until_the_instance_is_gone():
+    hold = asyncio.Event()
+    source = StaticSource([Link("connected"), fixture("normal")], hold=hold)
+    app = make_app(source=source)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await settle(app, pilot)
+        await pilot.press("down", "down")  # tiny#1
+        await pilot.press("u")
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmScreen) and "tiny#1" in app.screen.question
+        await pilot.press("n")
+        await pilot.pause()
+        assert app.screen is app.screen_stack[0] and source.calls == []
+        await pilot.press("u")
+        await pilot.pause()
+        await pilot.press("y")
+        await pilot.pause()
+        assert source.calls == [("unload", "tiny#1")]
+        assert app.draining == {"tiny#1"}
+        table = app.query_one(InstancesTable)
+        assert str(table.get_cell("tiny#1", "state")) == "draining"
+        assert "draining" in plain(app.query_one(SlotGrid))
+        assert app.check_action("unload", ()) is None  # not twice
+        hold.set()
+        await pilot.pause()
+        snap = fixture("normal")
+        app.receive(msgspec.structs.replace(
+            snap, instances=[i for i in snap.instances if i.id != "tiny#1"]))
+        await pilot.pause()
+        assert app.draining == frozenset() and "tiny#1" not in table_ids(app)
+        assert app.selected in table_ids(app)
+
+
+async def test_failed_unload_clears_draining_and_says_why():
+    app = make_app(source=StaticSource([Link("connected"), fixture("normal")],
+                                       unload_error="model 'llama#2' is loading"))
+    messages = []
+    async with app.run_test(size=SIZE, message_hook=messages.append) as pilot:
+        await settle(app, pilot)
+        await pilot.press("u")
+        await pilot.pause()
+        await pilot.press("y")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.draining == frozenset()
+        notes = [m.notification.message for m in messages if isinstance(m, Notify)]
+        assert any("model 'llama#2' is loading" in n for n in notes)
+
+
+async def test_modal_keys_do_not_reach_the_dashboard():
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("u")
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("q", "space")  # neither quits nor pauses behind the dialog
+        await pilot.pause()
+        assert app.return_code is None and not app.paused

@@ -1,0 +1,231 @@
+"""Pilot tests of the dashboard against a real ``pantheon serve`` (tiny model, one CPU die).
+
+One router per module, on a free loopback port. Through the dashboard's own keys and modals:
+a failed load shows the router's error text; a load appears in the table with its slots;
+streamed requests turn its slots busy; an unload through the confirmation drains it away.
+
+They need the router's ``GET /admin/state``. Until the router has it they skip: when no router
+source mentions the route the server is not even started; otherwise the fixture probes the
+route on the running server and skips on a 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from test_tui_app import plain, table_ids
+from tui.app import PantheonApp
+from tui.client import Backoff, RouterClient
+from tui.screens import ConfirmScreen, LoadScreen
+from tui.widgets.slots import SlotGrid
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "tui-tiny"  # the model the tests load through the modal
+SIZE = (120, 40)
+pytestmark = pytest.mark.timeout(120)
+
+
+def _router_mentions_state_route() -> bool:
+    return any("/admin/state" in p.read_text(errors="replace")
+               for p in (ROOT / "pantheon").glob("*.py") if p.name != "state.py")
+
+
+class Router:
+    """``pantheon serve`` in a subprocess, as tests/test_serve.py runs it."""
+
+    def __init__(self, args: list[str], log: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        self._fh = open(log, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pantheon", "serve", "--port", str(self.port), *args],
+            cwd=ROOT, env=env, stdout=self._fh, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready in {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._fh.close()
+
+
+@pytest.fixture(scope="module")
+def router(tiny_model, tmp_path_factory):
+    if not _router_mentions_state_route():
+        pytest.skip("the router has no GET /admin/state yet")
+    r = Router(["--model", str(tiny_model), "--name", "base", "--dies", "cpu:0",
+                "--cpu-dies", "1"], tmp_path_factory.mktemp("tui-serve") / "serve.log")
+    try:
+        r.wait_ready()
+        if httpx.get(r.url + "/admin/state", timeout=5).status_code == 404:
+            pytest.skip("the router answers 404 to GET /admin/state")
+        yield r
+    finally:
+        r.stop()
+
+
+def dashboard(router: Router, sse: bool = False) -> PantheonApp:
+    client = RouterClient(router.url, interval=0.2, sse=sse, backoff=Backoff(0.1, 0.5))
+    app = PantheonApp(client, sample_every=None, blink=False)
+    app.animation_level = "none"
+    return app
+
+
+async def until(pilot, check, what: str, timeout: float = 30.0):
+    """Poll ``check()`` (with UI turns in between) until it is truthy."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        await pilot.pause(0.05)
+        got = check()
+        if got:
+            return got
+    raise AssertionError(f"timed out waiting for {what} (link: {pilot.app.link})")
+
+
+def instance_named(app: PantheonApp, name: str):
+    snap = app.snapshot
+    return next((i for i in snap.instances if i.name == name), None) if snap else None
+
+
+async def open_load_form(app, pilot, path: str, name: str, dies: str):
+    await until(pilot, lambda: app.snapshot is not None, "the first snapshot")
+    await pilot.press("l")
+    await until(pilot, lambda: isinstance(app.screen, LoadScreen), "the load form")
+    for key, value in (("path", path), ("name", name), ("dies", dies)):
+        app.screen.query_one(f"#{key}").value = value
+    app.screen.query_one("#path").focus()
+    await pilot.press("enter")
+
+
+async def test_failed_load_shows_the_router_error(router):
+    app = dashboard(router)
+    async with app.run_test(size=SIZE) as pilot:
+        await open_load_form(app, pilot, "/nonexistent/model", "nope", "cpu:0")
+        error = await until(pilot, lambda: plain(app.screen.query_one("#load-error")),
+                            "the error text")
+        assert "no model folder at '/nonexistent/model'" in error
+        assert isinstance(app.screen, LoadScreen) and not app.screen.running
+
+
+async def test_sse_feed_brings_snapshots_and_events(router):
+    app = dashboard(router, sse=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: instance_named(app, "base"), "a snapshot over SSE")
+        assert app.source.sse  # the router has /admin/events: no fallback to polling
+        log = app.query_one("EventLog")
+        await until(pilot, lambda: any(e.kind == "loaded" for e in log.events), "the events")
+
+
+async def test_load_through_the_modal_shows_the_instance_and_its_slots(router, tiny_model):
+    app = dashboard(router)
+    async with app.run_test(size=SIZE) as pilot:
+        await open_load_form(app, pilot, str(tiny_model), NAME, "cpu:0")
+        await until(pilot, lambda: app.screen is app.screen_stack[0], "the form to close", 90)
+        # Slots come with the worker's next stats, a moment after the instance itself.
+        inst = await until(pilot, lambda: (i := instance_named(app, NAME)) and i.slots and i,
+                           "the new instance with its slots")
+        assert inst.state == "ready" and inst.dies == ["cpu:0"]
+        assert inst.id in table_ids(app)
+        grid = plain(app.query_one(SlotGrid))
+        assert inst.id in grid and "#0" in grid and "idle" in grid
+
+
+async def _stream(url: str, stop: asyncio.Event | None = None) -> int:
+    """Stream chat completions (again and again until ``stop``; once without). Returns the SSE
+    lines read; ends early when the router refuses a request (the model is draining)."""
+    body = {"model": NAME, "stream": True, "max_tokens": 200,
+            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    lines = 0
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        while True:
+            async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    return lines
+                async for line in resp.aiter_lines():
+                    lines += 1
+                    await asyncio.sleep(0.002)  # a slowish reader
+                    if line == "data: [DONE]":
+                        break
+            if stop is None or stop.is_set():
+                return lines
+
+
+def busy_slots(app: PantheonApp, name: str) -> int:
+    inst = instance_named(app, name)
+    return sum(s.state in ("prefill", "decode") for s in inst.slots) if inst else 0
+
+
+async def test_streams_make_the_slots_busy(router):
+    app = dashboard(router)
+    stop = asyncio.Event()
+    async with app.run_test(size=SIZE) as pilot:
+        inst = await until(pilot, lambda: instance_named(app, NAME), "the loaded instance")
+        table = app.query_one("InstancesTable")
+        table.move_cursor(row=table_ids(app).index(inst.id))
+        streams = [asyncio.create_task(_stream(router.url, stop)) for _ in range(3)]
+        try:
+            await until(pilot, lambda: busy_slots(app, NAME) >= 2, "two busy slots")
+            await until(pilot, lambda: "decode" in plain(app.query_one(SlotGrid)),
+                        "decode in the slot grid")
+            assert app.selected == inst.id
+        finally:
+            stop.set()
+            await asyncio.gather(*streams, return_exceptions=True)
+
+
+async def test_unload_through_the_confirmation_drains(router):
+    app = dashboard(router)
+    async with app.run_test(size=SIZE) as pilot:
+        inst = await until(pilot, lambda: instance_named(app, NAME), "the loaded instance")
+        table = app.query_one("InstancesTable")
+        table.move_cursor(row=table_ids(app).index(inst.id))
+        await until(pilot, lambda: app.selected == inst.id, "the selection")
+        # The drain of a tiny model can be over before the next poll: record what was shown.
+        shown: list[frozenset[str]] = []
+        app.watch(app, "draining", lambda value: shown.append(value), init=False)
+        stop = asyncio.Event()  # requests in flight: the router drains them first
+        streams = [asyncio.create_task(_stream(router.url, stop)) for _ in range(2)]
+        await until(pilot, lambda: busy_slots(app, NAME), "a busy slot")
+        await pilot.press("u")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirmation")
+        assert inst.id in app.screen.question
+        await pilot.press("y")
+        stop.set()
+        await until(pilot, lambda: instance_named(app, NAME) is None, "the instance to go")
+        assert shown[0] == {inst.id} and shown[-1] == frozenset()  # draining, then gone
+        assert all(n > 2 for n in await asyncio.gather(*streams))  # in flight: finished
+        assert inst.id not in table_ids(app) and app.selected in table_ids(app)
+        assert "base" in {i.name for i in app.snapshot.instances}

@@ -1,0 +1,78 @@
+"""The dies panel: one memory bar per die, split into weights / KV cache / free."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.reactive import reactive
+
+from pantheon.state import DieState, Snapshot
+from tui.format import human_bytes, join_lines, pressure_colour, pressure_name, split_bar
+from tui.widgets import AutoHeight
+
+WEIGHTS, KV, FREE = "█", "▓", "░"
+
+
+def die_line(die: DieState, width: int) -> Text:
+    """``cpu:0 ███▓▓░░░ 1.2G/2.0G P1``: the bar takes what the label and numbers leave."""
+    t = Text(no_wrap=True, overflow="ellipsis")
+    t.append(f"{die.id:<7}", "bold")
+    if not die.alive:
+        t.append(" DEAD ", "bold reverse red")
+        t.append(f" {die.error or 'worker gone'}", "red")
+        return t
+    used = die.weights_bytes + die.kv_bytes
+    nums = f" {human_bytes(used)}/{human_bytes(die.budget_bytes)}"
+    level = f" {pressure_name(die.pressure)}"
+    detail = (f"  w {human_bytes(die.weights_bytes)} kv {human_bytes(die.kv_bytes)}"
+              f" free {human_bytes(die.free_bytes)}")
+    room = width - 7 - len(nums) - len(level) - 1
+    if room - len(detail) >= 20:  # wide: add the split in numbers
+        room -= len(detail)
+    else:
+        detail = ""
+    w, k, f = split_bar(die.weights_bytes, die.kv_bytes, die.free_bytes, max(4, room))
+    colour = pressure_colour(die.pressure)
+    t.append(" ")
+    t.append(WEIGHTS * w, colour)
+    t.append(KV * k, f"{colour} dim")
+    t.append(FREE * f, "grey42")
+    t.append(nums)
+    t.append(level, f"bold {colour}")
+    t.append(detail, "dim")
+    return t
+
+
+class DiesPanel(AutoHeight):
+    """Memory per die, coloured by its pressure level, plus the host's available memory."""
+
+    DEFAULT_CSS = """
+    DiesPanel { height: auto; }
+    """
+
+    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
+
+    def watch_snapshot(self) -> None:
+        self.relayout()
+
+    def render(self) -> Text:
+        snap = self.snapshot
+        if snap is None:
+            return Text("waiting for the router…", "dim")
+        width = max(20, self.size.width)
+        lines = [die_line(d, width) for d in snap.dies] or [Text("no dies", "dim")]
+        if snap.host_total_bytes:
+            lines.append(Text(f"host   {human_bytes(snap.host_available_bytes)} available of "
+                              f"{human_bytes(snap.host_total_bytes)}", "dim"))
+        legend = Text(no_wrap=True)
+        for ch, label, style in ((WEIGHTS, "weights", ""), (KV, "KV cache", "dim"),
+                                 (FREE, "free", "grey42")):
+            legend.append(f"{ch}{ch} ", style)
+            legend.append(f"{label}  ", "dim")
+        lines.append(legend)
+        return join_lines(lines)
+
+    def get_content_height(self, container, viewport, width: int) -> int:
+        snap = self.snapshot
+        if snap is None:
+            return 1
+        return max(1, len(snap.dies)) + (1 if snap.host_total_bytes else 0) + 1
