@@ -219,17 +219,14 @@ class Metrics:
             self.load_failures.labels(inst.name).inc()
 
     def feed_event(self, kind: str, model: str | None, message: str = "") -> None:
-        """From the admin feed: loaded | load_failed | unloaded | worker_dead (others ignored)."""
+        """From the admin feed: loaded | load_failed | unloaded (others are ignored; worker
+        deaths and restarts come from the supervisor)."""
         if kind == "loaded":
             self.loads.labels(model or "").inc()
         elif kind == "load_failed":
             self.load_failures.labels(model or "").inc()
         elif kind == "unloaded":
             self.unloads.labels(model or "").inc()
-        elif kind == "worker_dead":
-            die = message.split("worker of ", 1)[-1].split(" ", 1)[0] if "worker of " in message \
-                else ""
-            self.worker_died(die)
 
     def worker_died(self, die: str) -> None:
         self.worker_deaths.labels(die).inc()

@@ -330,7 +330,7 @@ def worker_env(ops: OpsConfig) -> dict[str, str]:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The flags of ``OPTS`` (the env-only knobs get none) plus ``--config`` and ``--curve-keygen``."""
+    """The flags of ``OPTS`` (the env-only knobs get none), ``--config``, ``--curve-keygen``."""
     ap.add_argument("--config", metavar="FILE",
                     help="a TOML file with any of these settings (keys: the long flag names) and "
                          "[[models]] tables; flags and variables beat it")

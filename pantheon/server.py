@@ -25,6 +25,7 @@ from werkzeug.exceptions import HTTPException
 
 from pantheon import openai_api as oa
 from pantheon import ops
+from pantheon.supervisor import admit as recovery_admit
 from pantheon.admin import bp as admin_bp
 from pantheon.admission import limit_of
 from pantheon.config import ServeConfig
@@ -233,7 +234,9 @@ def create_app(config: ServeConfig, pool: Any, registry: Registry) -> Quart:
         req = oa.parse_chat_request(raw, header_session=request.headers.get("X-Session-Id"))
         ops.check_request(req)  # the request limits (400), and the model for the trace
         try:
-            inst, prep = await _admitted(req, len(raw) > 32768)
+            # (waits while its model restarts after a worker death: pantheon.supervisor)
+            inst, prep = await recovery_admit(app.extensions["pantheon"],
+                                              lambda: _admitted(req, len(raw) > 32768), req.model)
         except ApiError as e:
             feed.reject(e.status, req.model, e.code, e.message)  # counts 429s and 503s
             raise

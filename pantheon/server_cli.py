@@ -185,6 +185,7 @@ async def serve(cfg: ServeConfig) -> int:
     from pantheon.dies import default_worker_threads
     from pantheon.registry import Registry
     from pantheon.server import create_app
+    from pantheon.supervisor import Supervisor
     from pantheon.workerpool import WorkerPool
 
     stop = asyncio.Event()  # hypercorn's shutdown trigger
@@ -202,7 +203,12 @@ async def serve(cfg: ServeConfig) -> int:
     await pool.start()
     app = create_app(cfg, pool, registry)
     models = app.extensions["pantheon"]["models"]
-    pool.on_worker_dead = models.worker_dead
+    ext = app.extensions["pantheon"]
+    supervisor = Supervisor(models, registry, pool, max_restarts=cfg.ops.worker_restarts,
+                            backoff_s=cfg.ops.restart_backoff_s, metrics=ext.get("metrics"),
+                            feed=ext.get("feed"))
+    ext["supervisor"] = supervisor  # requests wait for a model that restarts
+    pool.on_worker_dead = supervisor.worker_dead
     status = {"rc": 0}
     registration = register_from_config(cfg, registry, host, port)
     if registration is not None:
@@ -271,6 +277,7 @@ async def serve(cfg: ServeConfig) -> int:
     finally:
         loader.cancel()
         await asyncio.gather(loader, return_exceptions=True)
+        await supervisor.close()  # no restarts while the workers are stopped
         await pool.close()
     print("pantheon: stopped", file=sys.stderr, flush=True)
     return status["rc"]

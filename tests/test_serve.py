@@ -6,8 +6,8 @@ OpenAI OpenAPI schemas in ../shared/specs.
 
 Two servers per module (started together, so their startups overlap):
 - ``main``: batched (8 slots), models ``tiny`` (Qwen3) and ``llama`` on one CPU die, 64 KiB body cap;
-- ``single``: ``--slots 1`` (single-user mode), ``tiny`` on cpu:0 and ``llama`` on cpu:1. Its
-  last test kills a worker mid-stream.
+- ``single``: ``--slots 1`` (single-user mode), ``tiny`` on cpu:0 and ``llama`` on cpu:1, no
+  worker restarts. Its last test kills a worker mid-stream.
 """
 
 from __future__ import annotations
@@ -102,7 +102,9 @@ def servers(model_factory, tmp_path_factory):
                    "--cpu-dies", "1", "--max-body", "64KiB"], logs / "main.log")
     single = Server(["--model", str(tiny), "--name", "tiny", "--dies", "cpu:0",
                      "--model", str(llama), "--name", "llama", "--dies", "cpu:1",
-                     "--cpu-dies", "2", "--slots", "1"], logs / "single.log")
+                     "--cpu-dies", "2", "--slots", "1",
+                     "--worker-restarts", "0"],  # a dead die stays dead here
+                    logs / "single.log")
     try:
         main.wait_ready(("tiny", "llama"))
         single.wait_ready(("tiny", "llama"))

@@ -1,0 +1,237 @@
+"""Worker recovery: a worker that dies is restarted with backoff and its models are reloaded.
+
+``Supervisor.worker_dead`` is the pool's ``on_worker_dead``. It first lets the lifecycle do what a
+death means (``Models.worker_dead``: the die's instances become ``failed`` with the reason, their
+bookings are returned; requests running on them end with a clean 503 ``worker_died`` error), then
+starts a recovery task for the die:
+
+1. wait ``restart_backoff * 2**k`` seconds (at most 30; ``k`` counts the die's consecutive
+   deaths, forgotten after a minute of good health);
+2. start the die's worker again (``Models.ensure_worker``); a worker that does not come up counts
+   as another death;
+3. reload every failed instance of that die in place, with the ``LoadModel`` it was loaded with:
+   the same row and instance id (``loading`` while it uploads), its bookings taken again, then
+   published; its ``restarts`` goes up by one and its ``error`` keeps the last failure, so
+   ``GET /admin/models`` shows both.
+
+After ``--worker-restarts`` consecutive deaths the die stays failed (its instances too).
+
+Requests and recovery: while an instance recovers and no ready replica serves its name, requests
+for that name (queued ones, which the registry fails with ``model_not_ready`` when the last ready
+replica goes, and new ones, which would otherwise be routed elsewhere by the single-model
+shortcut) wait for it, up to the queue timeout: ``admit`` wraps the chat route's admission. With
+another ready replica, the registry sends them there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pantheon.openai_api import ApiError
+
+log = logging.getLogger("pantheon.supervisor")
+
+BACKOFF_MAX_S = 30.0
+HEALTHY_AFTER_S = 60.0  # a worker up this long starts its die's death count afresh
+
+
+def _recovering_error(name: str | None, seconds: float) -> ApiError:
+    return ApiError(503, f"model {name or ''!r} is restarting after its worker died and was not "
+                         f"back within {seconds:g} s; retry shortly", type="server_error",
+                    code="model_not_ready", headers={"Retry-After": "2"})
+
+
+class Supervisor:
+    def __init__(self, models: Any, registry: Any, pool: Any, *, max_restarts: int = 10,
+                 backoff_s: float = 0.5, metrics: Any = None, feed: Any = None):
+        self.models, self.registry, self.pool = models, registry, pool
+        self.max_restarts, self.backoff_s = max_restarts, backoff_s
+        self.metrics, self.feed = metrics, feed
+        self.deaths: dict[str, int] = {}  # die -> consecutive deaths
+        self.restarted_at: dict[str, float] = {}
+        self._recovering: dict[str, Any] = {}  # instance id -> Instance, until it is back
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._changed = asyncio.Event()  # set whenever a recovery ends (back or given up)
+        self.closing = False
+
+    # ------------------------------------------------------------ deaths
+
+    def worker_dead(self, die: str, reason: str) -> None:
+        """The pool's ``on_worker_dead``: fail the die's instances, schedule the recovery."""
+        before = {i.instance_id for i in self.registry.instances() if i.state == "failed"}
+        self.models.worker_dead(die, reason)
+        if self.metrics is not None:
+            self.metrics.worker_died(die)
+        failed = [i for i in self.registry.instances() if i.state == "failed"
+                  and i.die == die and (i.instance_id not in before
+                                        or i.instance_id in self._recovering)]
+        if self.closing or self.max_restarts <= 0:
+            return
+        if time.monotonic() - self.restarted_at.get(die, 0.0) > HEALTHY_AFTER_S:
+            self.deaths[die] = 0
+        self.deaths[die] = self.deaths.get(die, 0) + 1
+        if self.deaths[die] > self.max_restarts:
+            log.error("the worker of %s died %d times in a row: it stays failed", die,
+                      self.deaths[die])
+            self._give_up(die)
+            return
+        for inst in failed:
+            self._recovering[inst.instance_id] = inst
+        if die not in self._tasks or self._tasks[die].done():
+            self._tasks[die] = asyncio.get_running_loop().create_task(
+                self._recover(die), name=f"recover-{die}")
+
+    def _give_up(self, die: str) -> None:
+        for iid, inst in list(self._recovering.items()):
+            if inst.die == die:
+                del self._recovering[iid]
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # ------------------------------------------------------------ recovery
+
+    async def _recover(self, die: str) -> None:
+        while not self.closing:
+            n = self.deaths.get(die, 1)
+            delay = min(BACKOFF_MAX_S, self.backoff_s * (2 ** (n - 1)))
+            log.warning("restarting the worker of %s in %.1f s (death %d of at most %d)", die,
+                        delay, n, self.max_restarts)
+            await asyncio.sleep(delay)
+            try:
+                await self.models.ensure_worker(die)
+            except Exception as e:  # noqa: BLE001 - a worker that does not start is a death
+                log.error("the worker of %s did not restart: %s", die, e)
+                self.deaths[die] = n + 1
+                if self.deaths[die] > self.max_restarts:
+                    self._give_up(die)
+                    return
+                continue
+            self.restarted_at[die] = time.monotonic()
+            self._event("worker_restarted", f"the worker of {die} was restarted (attempt {n})")
+            todo = [i for i in self._recovering.values() if i.die == die]
+            for inst in todo:
+                await self._reload(inst)
+            if not any(i.die == die for i in self._recovering.values()):
+                return
+            # a reload failed: a new death of the worker was counted by worker_dead; a load
+            # that failed on a live worker counts here
+            if any(d.die == die and d.alive for d in self.pool.dies()):
+                self.deaths[die] = self.deaths.get(die, n) + 1
+            if self.deaths.get(die, 0) > self.max_restarts:
+                self._give_up(die)
+                return
+
+    async def _reload(self, inst: Any) -> None:
+        if inst not in self.registry.instances() or inst.state != "failed":
+            self._recovering.pop(inst.instance_id, None)  # unloaded meanwhile
+            self._wake()
+            return
+        msg, loaded = inst.load_msg, inst.loaded
+        if msg is None:
+            self._recovering.pop(inst.instance_id, None)
+            self._wake()
+            return
+        dies = getattr(self.models, "dies", None)
+        if dies is not None and inst.estimate is not None and loaded is not None:
+            dies.book(inst.instance_id, inst.estimate.split(
+                inst.dies, weights=loaded.weight_bytes, kv=loaded.kv_bytes))
+        inst.state, inst.load_progress = "loading", 0.0
+
+        def progress(p) -> None:
+            inst.load_progress = p.done / p.total if p.total else None
+
+        upload = getattr(self.models, "_upload", None) or contextlib.nullcontext()
+        try:
+            async with upload:  # one upload at a time, as for admin loads
+                new = await self.pool.load(inst.die, msg, progress)
+        except Exception as e:  # noqa: BLE001 - reported on the instance, retried by _recover
+            inst.state, inst.load_progress = "failed", None
+            inst.error = f"reload after a worker death failed: {e}"
+            if dies is not None:
+                dies.release(inst.instance_id)
+            log.error("reloading %s failed: %s", inst.instance_id, e)
+            return
+        if inst not in self.registry.instances():  # unloaded while it loaded
+            with contextlib.suppress(Exception):
+                await self.pool.unload(inst.die, inst.instance_id)
+            self._recovering.pop(inst.instance_id, None)
+            self._wake()
+            return
+        if dies is not None and inst.estimate is not None:
+            dies.book(inst.instance_id, inst.estimate.split(
+                inst.dies, weights=new.weight_bytes, kv=new.kv_bytes))
+        inst.restarts += 1
+        self.registry.publish(inst, assets=inst.assets, loaded=new,
+                              max_model_len=new.max_model_len)
+        self._recovering.pop(inst.instance_id, None)
+        self._event("loaded", f"{inst.instance_id} reloaded on {','.join(inst.dies)} after its "
+                              f"worker died (restart {inst.restarts})", inst)
+        log.info("%s is back on %s (restart %d)", inst.instance_id, inst.die, inst.restarts)
+        self._wake()
+
+    def _event(self, kind: str, message: str, inst: Any = None) -> None:
+        if self.feed is None:
+            return
+        with contextlib.suppress(Exception):
+            self.feed.event(kind, message, model=getattr(inst, "name", None),
+                            instance=getattr(inst, "instance_id", None))
+
+    # ------------------------------------------------------------ requests
+
+    def recovering(self, name: str | None) -> bool:
+        """Would a request naming ``name`` be served by an instance now recovering (and by no
+        ready replica)?"""
+        if not self._recovering:
+            return False
+        ready = self.registry.ready()
+        if not ready:
+            return True
+        if name and any(i.name == name for i in self._recovering.values()):
+            return not any(i.name == name for i in ready)
+        return False
+
+    async def admit(self, admitted: Callable[[], Awaitable[Any]], name: str | None,
+                    timeout_s: float) -> Any:
+        """``await admitted()``, but while the model it names is recovering, wait for it first
+        (and again when a queued request is failed by the death), up to ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            while self.recovering(name):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _recovering_error(name, timeout_s)
+                changed = self._changed
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), min(left, 1.0))
+            try:
+                return await admitted()
+            except ApiError as e:
+                if e.code == "model_not_ready" and self.recovering(name) \
+                        and time.monotonic() < deadline:
+                    continue  # its last replica died while it queued: wait for the restart
+                raise
+
+    async def close(self) -> None:
+        self.closing = True
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._recovering.clear()
+        self._wake()
+
+
+async def admit(state: dict, admitted: Callable[[], Awaitable[Any]], name: str | None) -> Any:
+    """The chat route's admission through the app's supervisor, if it has one."""
+    sup = state.get("supervisor")
+    if sup is None:
+        return await admitted()
+    return await sup.admit(admitted, name, state["registry"].queue_timeout_s)
