@@ -55,7 +55,7 @@ class Feed:
         for q in list(self._subs):
             if q.qsize() < _SUBSCRIBER_BACKLOG:
                 q.put_nowait(ev)
-        if kind == "load":
+        if kind == "loaded":
             self.counters.loads += 1
         elif kind == "load_failed":
             self.counters.load_failures += 1

@@ -221,6 +221,7 @@ async def serve(cfg: ServeConfig) -> int:
             if registration is not None:
                 await registration.stop()
             ext = app.extensions["pantheon"]
+            registry.shut_down()  # requests still queued for a slot get 503 shutting_down now
             await ext["drain"].run(ext["live"], cfg.ops.drain_timeout_s)
         finally:
             stop.set()

@@ -347,3 +347,21 @@ def test_quantized_load_books_less_weight_memory(adm, model_factory):
         assert chat(adm, model="q8", max_tokens=2).status_code == 200
     finally:
         assert unload(adm, name="q8").status_code == 200
+
+
+def test_a_replica_split_over_two_dies_books_on_each(adm, model_factory):
+    r = load(adm, path=str(model_factory("tiny")), name="split", dies=["cpu:0", "cpu:1"])
+    assert r.status_code == 200, r.text
+    iid = r.json()["instance"]
+    try:
+        dies = {d["die"]: d for d in httpx.get(adm.url + "/admin/dies").json()["data"]}
+        on0, on1 = dies["cpu:0"]["bookings"][iid], dies["cpu:1"]["bookings"][iid]
+        # the embeddings and the head live on the first die, one layer and its KV on each
+        assert on0["weights_bytes"] > on1["weights_bytes"] > 0
+        assert on0["kv_bytes"] == on1["kv_bytes"] > 0
+        assert on0["weights_bytes"] + on1["weights_bytes"] == r.json()["weights_bytes"]
+        assert chat(adm, model="split", max_tokens=3).status_code == 200
+    finally:
+        assert unload(adm, name="split").status_code == 200
+    dies = {d["die"]: d for d in httpx.get(adm.url + "/admin/dies").json()["data"]}
+    assert all(iid not in d["bookings"] for d in dies.values())

@@ -443,7 +443,7 @@ def test_feed_counts_coalesces_rejects_and_measures_throughput():
     kinds = [e.kind for e in feed.events]
     assert kinds == ["reject_429", "reject_503"]  # 50 rejections, one event per second
     assert q.qsize() == 2
-    feed.event("load", "x")
+    feed.event("loaded", "x")
     feed.tokens(30)
     feed.request_done(0.1)
     feed.request_done(0.3)
