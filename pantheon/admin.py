@@ -283,5 +283,7 @@ async def test_pressure():
     else:
         s["pressure"].force(level, die)
     s["registry"].poke()  # waiters held by the old level may go now
+    if "note_pressure" in s:
+        s["note_pressure"]()
     return json_response({"status": "ok", "forced": {str(k): v for k, v in
                                                      s["pressure"].forced.items()}})

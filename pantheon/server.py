@@ -111,10 +111,21 @@ def create_app(config: ServeConfig, pool: Any, registry: Registry) -> Quart:
                                   "pressure": pressure, "feed": feed}
     app.register_blueprint(admin_bp)
 
+    level_seen = {"v": 0}
+
+    def note_pressure() -> None:
+        """A change of the overall pressure level becomes an event (the tick, the test seam)."""
+        level = pressure.level(d.id for d in dies.dies())
+        if level != level_seen["v"]:
+            feed.event("pressure", f"memory pressure {LEVEL_NAMES[level_seen['v']]} -> "
+                                   f"{LEVEL_NAMES[level]}")
+            level_seen["v"] = level
+
+    app.extensions["pantheon"]["note_pressure"] = note_pressure
+
     async def tick() -> None:
         """Re-run the queues (pressure may have dropped), refresh the dies' figures, and note
-        a change of the pressure level as an event."""
-        last = 0
+        a change of the pressure level."""
         while True:
             await asyncio.sleep(TICK_S)
             try:
@@ -122,11 +133,7 @@ def create_app(config: ServeConfig, pool: Any, registry: Registry) -> Quart:
                     workers[d.die] = (d.total_bytes, d.free_bytes)
                 models.sync_dies()
                 registry.poke()
-                level = pressure.level(d.id for d in dies.dies())
-                if level != last:
-                    feed.event("pressure", f"memory pressure {LEVEL_NAMES[last]} -> "
-                                           f"{LEVEL_NAMES[level]}")
-                    last = level
+                note_pressure()
             except Exception:  # noqa: BLE001 - the ticker must go on
                 log.exception("the registry tick failed")
 
