@@ -12,16 +12,18 @@ dashboards and gateways made for vLLM work unchanged:
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``.
 
 Plus ``pantheon_*``: per die (memory total, free, booked, pressure level, alive), per instance
-(in flight, running, waiting, ready, restarts), per queue (depth, wait time), 429 and 503 counts
-per model, loads, load failures and unloads per model, admin actions per action and status.
+(in flight, running, ready, restarts), per queue (depth, wait time), 429 and 503 counts per
+model, loads, load failures and unloads per model, worker deaths per die, admin actions per
+action and status.
 
 Gauges are read from the registry, the pool and the die manager when scraped; counters and
-histograms are fed at the end of each request (``observe``) and by the instance watcher.
+histograms are fed at the end of each request (``observe``), by the admin feed's events (loads,
+unloads) and by the supervisor (worker deaths).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -71,8 +73,6 @@ class _Live:
                                      "instance.", labels=["model_name", "instance"])
         i_run = GaugeMetricFamily("pantheon_instance_running", "Requests on the instance's "
                                   "slots.", labels=["model_name", "instance"])
-        i_wait = GaugeMetricFamily("pantheon_instance_waiting", "Requests queued for the "
-                                   "instance.", labels=["model_name", "instance"])
         i_ready = GaugeMetricFamily("pantheon_instance_ready", "1 when the instance serves.",
                                     labels=["model_name", "instance", "state"])
         i_restarts = GaugeMetricFamily("pantheon_instance_restarts", "Times the instance was "
@@ -80,10 +80,9 @@ class _Live:
                                        labels=["model_name", "instance"])
         for inst in insts:
             info = inst.info()
-            run, wait = int(info.get("running", 0)), int(info.get("waiting", 0))
+            run = int(info.get("running", 0))
             acc = per_model.setdefault(inst.name, [0, 0, 0, 0])
             acc[0] += run
-            acc[1] += wait
             es = engine.get(inst.instance_id)
             if es is not None and getattr(es, "kv_blocks_total", 0):
                 acc[2] += es.kv_blocks_used
@@ -91,16 +90,19 @@ class _Live:
             labels = [inst.name, inst.instance_id]
             i_flight.add_metric(labels, info.get("in_flight", 0))
             i_run.add_metric(labels, run)
-            i_wait.add_metric(labels, wait)
             state = str(info.get("state", ""))
             i_ready.add_metric(labels + [state], 1.0 if state == "ready" else 0.0)
             i_restarts.add_metric(labels, info.get("restarts", 0) or 0)
+        queues = reg.queues() if reg is not None and hasattr(reg, "queues") else {}
+        for name, q in queues.items():  # requests wait per model, for any of its replicas
+            if name in per_model:
+                per_model[name][1] = len(q)
         for name, (run, wait, used, total) in per_model.items():
             running.add_metric([name], run)
             waiting.add_metric([name], wait)
             depth.add_metric([name], wait)
             kv.add_metric([name], used / total if total else 0.0)
-        yield from (running, waiting, kv, depth, i_flight, i_run, i_wait, i_ready, i_restarts)
+        yield from (running, waiting, kv, depth, i_flight, i_run, i_ready, i_restarts)
         yield from self._dies(dies)
 
     def _dies(self, dies: list):
@@ -185,8 +187,10 @@ class Metrics:
     def observe(self, trace: RequestTrace, duration_s: float) -> None:
         """Account one finished HTTP request."""
         if trace.path.startswith("/admin/") and trace.method == "POST":
-            self.admin_actions.labels(trace.path.removeprefix("/admin/"),
-                                      str(trace.status)).inc()
+            action = trace.path.removeprefix("/admin/")
+            if len(action) > 40 or not re.fullmatch(r"[a-z_]+(/[a-z_]+)*", action):
+                action = "other"  # ids and typos do not mint series
+            self.admin_actions.labels(action, str(trace.status)).inc()
             return
         if trace.status in (429, 503):
             self.rejected.labels(self._known(trace.model), str(trace.status)).inc()
@@ -208,15 +212,6 @@ class Metrics:
         else:
             for reason in trace.finish_reasons():
                 self.success.labels(model, reason).inc()
-
-    def instance_event(self, event: str, inst: Any) -> None:
-        """From the instance watcher: loaded | unloaded | load_failed | failed."""
-        if event == "loaded":
-            self.loads.labels(inst.name).inc()
-        elif event == "unloaded":
-            self.unloads.labels(inst.name).inc()
-        elif event == "load_failed":
-            self.load_failures.labels(inst.name).inc()
 
     def feed_event(self, kind: str, model: str | None, message: str = "") -> None:
         """From the admin feed: loaded | load_failed | unloaded (others are ignored; worker

@@ -1,5 +1,5 @@
-"""Operations wiring for the Quart app: access rules, limits, per-request logs and metrics, the
-instance watcher, and graceful shutdown. ``install(app)`` is the one hook ``create_app`` calls;
+"""Operations wiring for the Quart app: access rules, limits, per-request logs and metrics, and
+graceful shutdown. ``install(app)`` is the one hook ``create_app`` calls;
 the chat route calls ``check_request`` after parsing and ``attach`` once its ``Generation`` exists.
 
 An ASGI middleware (``app.asgi_app`` wrapped) sees every HTTP request from its first byte to the
@@ -31,7 +31,6 @@ from pantheon.metrics import CONTENT_TYPE, Metrics
 log = logging.getLogger("pantheon.ops")
 
 TRACE_KEY = "pantheon.trace"
-WATCH_EVERY_S = 0.25
 _ADMIN_BODY_CAP = 64 << 10  # admin bodies kept for the audit line (they are small)
 _END_GRACE_S = 5.0  # after ending the generations, how long the last responses may take
 
@@ -80,44 +79,6 @@ class Drain:
         await self._wait_idle(_END_GRACE_S)
 
 
-class InstanceWatcher:
-    """Turns registry states into events (loaded, unloaded, load_failed, failed), by polling: it
-    sees every path an instance takes (startup, admin, recovery) without hooks in each."""
-
-    def __init__(self, registry: Any):
-        self.registry = registry
-        self._seen: dict[str, tuple[Any, str]] = {}
-        self.subscribers: list = []
-
-    def poll(self) -> list[tuple[str, Any]]:
-        events: list[tuple[str, Any]] = []
-        now = {i.instance_id: i for i in self.registry.instances()}
-        for iid, inst in now.items():
-            prev = self._seen.get(iid, (None, None))[1]
-            if inst.state == "ready" and prev in (None, "loading"):
-                events.append(("loaded", inst))
-            elif inst.state == "failed" and prev != "failed":
-                events.append(("failed", inst))
-            elif inst.state == "ready" and prev == "failed":
-                events.append(("loaded", inst))
-        for iid, (inst, prev) in self._seen.items():
-            if iid not in now:
-                events.append(("load_failed" if prev == "loading" else "unloaded", inst))
-        self._seen = {iid: (i, i.state) for iid, i in now.items()}
-        for ev in events:
-            for fn in self.subscribers:
-                try:
-                    fn(*ev)
-                except Exception:
-                    log.exception("instance event subscriber failed")
-        return events
-
-    async def run(self) -> None:
-        while True:
-            self.poll()
-            await asyncio.sleep(WATCH_EVERY_S)
-
-
 async def _send_json(send, status: int, obj: dict, headers: dict | None = None) -> None:
     body = json.dumps(obj).encode()
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -143,6 +104,8 @@ class OpsMiddleware:
                               "param": None, "code": "shutting_down"}}
             if path == "/health":
                 body = {"status": "shutting_down"}
+            else:
+                self.state["metrics"].rejected.labels("", "503").inc()
             return await _send_json(send, 503, body)
         trace = logs.RequestTrace(method, path, (scope.get("client") or (None,))[0])
         scope[TRACE_KEY] = trace
@@ -153,21 +116,19 @@ class OpsMiddleware:
             await send(message)
 
         admin = method == "POST" and path.startswith("/admin/")
-        recv = receive
-        if admin:
-            chunks: list[bytes] = []
+        chunks: list[bytes] = []
 
-            async def recv():
-                message = await receive()
-                if message["type"] == "http.request" and sum(map(len, chunks)) < _ADMIN_BODY_CAP:
-                    chunks.append(message.get("body", b""))
-                return message
+        async def keep_body():  # an admin body, kept for the audit line
+            message = await receive()
+            if message["type"] == "http.request" and sum(map(len, chunks)) < _ADMIN_BODY_CAP:
+                chunks.append(message.get("body", b""))
+            return message
 
         counted = admin or path.startswith("/v1/")
         if counted:
             drain.enter()
         try:
-            await self.inner(scope, recv, send_)
+            await self.inner(scope, keep_body if admin else receive, send_)
         finally:
             if counted:
                 drain.leave()
@@ -186,14 +147,12 @@ class OpsMiddleware:
 
 
 def install(app: Quart) -> None:
-    """Wire the access rules, /metrics, the middleware and the watcher into ``app``."""
+    """Wire the access rules, /metrics, the middleware and the feed follower into ``app``."""
     state = app.extensions["pantheon"]
     cfg = state["config"]
     guard = auth.Guard(cfg.ops)
     metrics = Metrics(state)
-    watcher = InstanceWatcher(state["registry"])
-    watcher.subscribers.append(metrics.instance_event)
-    state.update(guard=guard, metrics=metrics, drain=Drain(), watcher=watcher)
+    state.update(guard=guard, metrics=metrics, drain=Drain())
 
     @app.before_request
     async def access_rules():
@@ -207,16 +166,14 @@ def install(app: Quart) -> None:
         return Response(metrics.render(), content_type=CONTENT_TYPE)
 
     @app.before_serving
-    async def start_watcher():
+    async def follow_feed():
         feed = state.get("feed")
-        if feed is not None and hasattr(feed, "subscribe"):  # the admin feed's events
-            state["watch_task"] = asyncio.create_task(_follow(feed, metrics), name="ops-feed")
-        else:  # no event feed: find the transitions by polling the registry
-            state["watch_task"] = asyncio.create_task(watcher.run(), name="instance-watcher")
+        if feed is not None:  # load, unload and failure events, for the counters
+            state["follow_task"] = asyncio.create_task(_follow(feed, metrics), name="ops-feed")
 
     @app.after_serving
-    async def stop_watcher():
-        task = state.pop("watch_task", None)
+    async def stop_following():
+        task = state.pop("follow_task", None)
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

@@ -96,6 +96,7 @@ class Registration:
     def _models(self) -> dict[str, dict]:
         """Served names -> capacity, load and context, over their ready replicas."""
         out: dict[str, dict] = {}
+        queues = self.registry.queues() if hasattr(self.registry, "queues") else {}
         for inst in self.registry.instances():
             if inst.state != "ready":
                 continue
@@ -105,7 +106,7 @@ class Registration:
                                            "max_model_len": inst.max_model_len})
             m["capacity"] += getattr(gate, "slots", None) or self.slots
             m["busy"] += int(info.get("running", 0))
-            m["queued"] += int(info.get("waiting", 0))
+            m["queued"] = len(queues[inst.name]) if inst.name in queues else 0
         return out
 
     def _ident(self, model: str) -> dict:

@@ -91,6 +91,9 @@ def test_worker_killed_mid_stream_comes_back(servers):
               if m["model"] == "tiny" and m["depth"] == 2) == 0:
         assert time.monotonic() < deadline, "the requests did not queue"
         time.sleep(0.05)
+    m = httpx.get(s.url + "/metrics").text  # the vLLM gauges see the same
+    assert 'vllm:num_requests_waiting{model_name="tiny"} 2.0' in m
+    assert 'vllm:num_requests_running{model_name="tiny"} 2.0' in m
     os.kill(pid, signal.SIGKILL)
     for t in threads:
         t.join(60)
