@@ -180,3 +180,10 @@ def test_served_from_a_config_file(model_factory, tmp_path):
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert any(r.get("logger") == "pantheon.access" for r in records)
     assert re.search(r"\[worker cpu:0\] step \d+ from-file\S* [\d.]+ ms \d+ tokens", out)
+
+
+def test_ops_modules_never_import_torch():
+    code = ("import sys; import pantheon.ops, pantheon.auth, pantheon.metrics, pantheon.logs, "
+            "pantheon.registration, pantheon.supervisor, pantheon.opsconfig, pantheon.curve; "
+            "bad = [m for m in ('torch', 'textual') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
