@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
 import httpx
 import openai
@@ -26,21 +25,6 @@ pytestmark = pytest.mark.timeout(180)
 ADMIN = "adm-secret-7"
 LIMIT_FLAGS = ["--max-messages", "3", "--max-n", "2", "--max-tokens-limit", "8",
                "--max-stop", "2", "--max-stop-len", "5", "--max-body", "4KiB"]
-
-
-def _wait_health(s: Server, timeout: float = 150.0) -> None:
-    """Until /health is 200 (``Server.wait_ready`` lists /v1/models, which needs a key here)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if s.proc.poll() is not None:
-            raise RuntimeError(f"server exited {s.proc.returncode}:\n{s.output()}")
-        try:
-            if httpx.get(s.url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"server not ready in {timeout} s:\n{s.output()}")
 
 
 def _copy_model(src, dst) -> None:
@@ -77,7 +61,7 @@ def env(model_factory, tmp_path_factory):
     open_ = Server(["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1",
                     "--models-dir", str(root), *LIMIT_FLAGS], base / "open.log")
     try:
-        _wait_health(keyed)
+        keyed.wait_ready(None)  # /v1/models needs a key here
         open_.wait_ready(("tiny",))
         yield {"keyed": keyed, "open": open_, "root": root, "outside": outside}
     finally:

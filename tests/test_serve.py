@@ -54,14 +54,17 @@ class Server:
             [sys.executable, "-m", "pantheon", "serve", "--port", str(self.port), *args],
             cwd=ROOT, env=env, stdout=self._fh, stderr=subprocess.STDOUT)
 
-    def wait_ready(self, models: tuple[str, ...] = (), timeout: float = 150.0) -> None:
-        """Until /health is 200 and every name in ``models`` is listed."""
+    def wait_ready(self, models: tuple[str, ...] | None = (), timeout: float = 150.0) -> None:
+        """Until /health is 200 and every name in ``models`` is listed (None: /health alone,
+        for a server whose /v1/models needs a key)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    if models is None:
+                        return
                     listed = httpx.get(self.url + "/v1/models", timeout=2).json()["data"]
                     if set(models) <= {m["id"] for m in listed}:
                         return

@@ -4,100 +4,41 @@ One router per module, on a free loopback port. Through the dashboard's own keys
 a failed load shows the router's error text; a load appears in the table with its slots;
 streamed requests turn its slots busy; an unload through the confirmation drains it away.
 
-They need the router's ``GET /admin/state``. Until the router has it they skip: when no router
-source mentions the route the server is not even started; otherwise the fixture probes the
-route on the running server and skips on a 404.
+The router is started with tests/test_serve.py's ``Server``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from test_serve import Server
 from test_tui_app import plain, table_ids
 from tui.app import PantheonApp
 from tui.client import Backoff, RouterClient
 from tui.screens import ConfirmScreen, LoadScreen
 from tui.widgets.slots import SlotGrid
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = "tui-tiny"  # the model the tests load through the modal
 SIZE = (120, 40)
 pytestmark = pytest.mark.timeout(120)
 
 
-def _router_mentions_state_route() -> bool:
-    return any("/admin/state" in p.read_text(errors="replace")
-               for p in (ROOT / "pantheon").glob("*.py") if p.name != "state.py")
-
-
-class Router:
-    """``pantheon serve`` in a subprocess, as tests/test_serve.py runs it."""
-
-    def __init__(self, args: list[str], log: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        self._fh = open(log, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pantheon", "serve", "--port", str(self.port), *args],
-            cwd=ROOT, env=env, stdout=self._fh, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not ready in {timeout} s:\n{self.output()}")
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")[-6000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._fh.close()
-
-
 @pytest.fixture(scope="module")
 def router(tiny_model, tmp_path_factory):
-    if not _router_mentions_state_route():
-        pytest.skip("the router has no GET /admin/state yet")
-    r = Router(["--model", str(tiny_model), "--name", "base", "--dies", "cpu:0",
+    r = Server(["--model", str(tiny_model), "--name", "base", "--dies", "cpu:0",
                 "--cpu-dies", "1"], tmp_path_factory.mktemp("tui-serve") / "serve.log")
     try:
         r.wait_ready()
-        if httpx.get(r.url + "/admin/state", timeout=5).status_code == 404:
-            pytest.skip("the router answers 404 to GET /admin/state")
         yield r
     finally:
         r.stop()
 
 
-def dashboard(router: Router, sse: bool = False) -> PantheonApp:
+def dashboard(router: Server, sse: bool = False) -> PantheonApp:
     client = RouterClient(router.url, interval=0.2, sse=sse, backoff=Backoff(0.1, 0.5))
     app = PantheonApp(client, sample_every=None, blink=False)
     app.animation_level = "none"
