@@ -107,7 +107,9 @@ async def test_load_through_the_modal_shows_the_instance_and_its_slots(router, t
 async def _stream(url: str, stop: asyncio.Event | None = None) -> int:
     """Stream chat completions (again and again until ``stop``; once without). Returns the SSE
     lines read; ends early when the router refuses a request (the model is draining)."""
-    body = {"model": NAME, "stream": True, "max_tokens": 200,
+    # ignore_eos and many tokens: a random tiny model may end at once, and a slot that is busy
+    # for a few milliseconds can fall between two of the worker's Stats.
+    body = {"model": NAME, "stream": True, "max_tokens": 1000, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Tell me a long story."}]}
     lines = 0
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
