@@ -119,6 +119,15 @@ def _env_int(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, int] 
     return None
 
 
+def _flag_or_env_int(args: Mapping, env: Mapping[str, str], key: str, names: tuple[str, ...]) -> int | None:
+    """The flag's value if given, else the first set variable of ``names`` (flags beat env)."""
+    value = args.get(key)
+    if value is None:
+        got = _env_int(env, names)
+        value = got[1] if got else None
+    return value
+
+
 def _env_float(env: Mapping[str, str], name: str) -> float | None:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -164,10 +173,7 @@ def build_config(args: Mapping[str, Any] | None = None,
             raise ConfigError(f"--slots {slots}: must be >= 1 (1 is single-user mode)")
         kw["slots"] = int(slots)
 
-    q = args.get("queue_depth")
-    if q is None:
-        got = _env_int(env, ("PANTHEON_QUEUE_DEPTH", "BS_QUEUE_DEPTH"))
-        q = got[1] if got else None
+    q = _flag_or_env_int(args, env, "queue_depth", ("PANTHEON_QUEUE_DEPTH", "BS_QUEUE_DEPTH"))
     if q is not None:
         if q < 0:
             raise ConfigError(f"queue depth {q}: must be >= 0")
@@ -181,19 +187,13 @@ def build_config(args: Mapping[str, Any] | None = None,
             raise ConfigError(f"queue timeout {t}: must be > 0 seconds")
         kw["queue_timeout_s"] = float(t)
 
-    chunk = args.get("prefill_chunk")
-    if chunk is None:
-        got = _env_int(env, ("PANTHEON_PREFILL_CHUNK", "QWEN35_BS_PREFILL_CHUNK"))
-        chunk = got[1] if got else None
+    chunk = _flag_or_env_int(args, env, "prefill_chunk", ("PANTHEON_PREFILL_CHUNK", "QWEN35_BS_PREFILL_CHUNK"))
     if chunk is not None:
         if chunk < 1:
             raise ConfigError(f"prefill chunk {chunk}: must be >= 1 token")
         kw["prefill_chunk"] = int(chunk)
 
-    cpu_dies = args.get("cpu_dies")
-    if cpu_dies is None:
-        got = _env_int(env, ("PANTHEON_CPU_DIES",))
-        cpu_dies = got[1] if got else None
+    cpu_dies = _flag_or_env_int(args, env, "cpu_dies", ("PANTHEON_CPU_DIES",))
     if cpu_dies is not None:
         if not 0 <= cpu_dies <= 64:
             raise ConfigError(f"--cpu-dies {cpu_dies}: must be between 0 and 64")
@@ -212,10 +212,7 @@ def build_config(args: Mapping[str, Any] | None = None,
             zero = field_ == "die_reserve" and str(raw).strip() in ("0", "0B", "0b")
             kw[field_] = 0 if zero else parse_size(raw, what)  # a reserve may be nothing
 
-    port = args.get("port")
-    if port is None:
-        got = _env_int(env, ("PANTHEON_PORT",))
-        port = got[1] if got else None
+    port = _flag_or_env_int(args, env, "port", ("PANTHEON_PORT",))
     if port is not None:
         if not 0 <= port <= 65535:
             raise ConfigError(f"--port {port}: must be between 0 and 65535")
@@ -224,10 +221,7 @@ def build_config(args: Mapping[str, Any] | None = None,
     if host:
         kw["host"] = host
 
-    mml = args.get("max_model_len")
-    if mml is None:
-        got = _env_int(env, ("PANTHEON_MAX_MODEL_LEN",))
-        mml = got[1] if got else None
+    mml = _flag_or_env_int(args, env, "max_model_len", ("PANTHEON_MAX_MODEL_LEN",))
     if mml is not None:
         if mml < 16:
             raise ConfigError(f"--max-model-len {mml}: must be >= 16")
@@ -244,10 +238,7 @@ def build_config(args: Mapping[str, Any] | None = None,
         if ht <= 0:
             raise ConfigError(f"hello timeout {ht}: must be > 0 seconds")
         kw["hello_timeout_s"] = float(ht)
-    wt = args.get("worker_threads")
-    if wt is None:
-        got = _env_int(env, ("PANTHEON_WORKER_THREADS",))
-        wt = got[1] if got else None
+    wt = _flag_or_env_int(args, env, "worker_threads", ("PANTHEON_WORKER_THREADS",))
     if wt is not None:
         if wt < 1:
             raise ConfigError(f"worker threads {wt}: must be >= 1")
@@ -271,10 +262,7 @@ def build_config(args: Mapping[str, Any] | None = None,
 
 def _capacity(args: Mapping[str, Any], env: Mapping[str, str], kw: dict[str, Any]) -> None:
     """The registry's knobs: admission context guess, pressure thresholds, test hooks."""
-    ctx = args.get("admit_ctx")
-    if ctx is None:
-        got = _env_int(env, ("PANTHEON_ADMIT_CTX",))
-        ctx = got[1] if got else None
+    ctx = _flag_or_env_int(args, env, "admit_ctx", ("PANTHEON_ADMIT_CTX",))
     if ctx is not None:
         if ctx < 16:
             raise ConfigError(f"admit context {ctx}: must be >= 16 tokens")
