@@ -3,7 +3,10 @@ and reports user intent with messages (``InstanceSelected``)."""
 
 from __future__ import annotations
 
+from textual.reactive import reactive
 from textual.widget import Widget
+
+from pantheon.state import Snapshot
 
 
 class AutoHeight(Widget):
@@ -16,3 +19,12 @@ class AutoHeight(Widget):
 
     def relayout(self) -> None:
         self.call_after_refresh(self.refresh, layout=True)
+
+
+class SnapshotPanel(AutoHeight):
+    """An auto-height panel drawn from the whole Snapshot, which the App sets each refresh."""
+
+    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
+
+    def watch_snapshot(self) -> None:
+        self.relayout()

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from rich.text import Text
-from textual.reactive import reactive
 
-from pantheon.state import DieState, Snapshot
+from pantheon.state import DieState
 from tui.format import human_bytes, join_lines, pressure_colour, pressure_name, split_bar
-from tui.widgets import AutoHeight
+from tui.widgets import SnapshotPanel
 
 WEIGHTS, KV, FREE = "█", "▓", "░"
 
@@ -42,17 +41,12 @@ def die_line(die: DieState, width: int) -> Text:
     return t
 
 
-class DiesPanel(AutoHeight):
+class DiesPanel(SnapshotPanel):
     """Memory per die, coloured by its pressure level, plus the host's available memory."""
 
     DEFAULT_CSS = """
     DiesPanel { height: auto; }
     """
-
-    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
-
-    def watch_snapshot(self) -> None:
-        self.relayout()
 
     def render(self) -> Text:
         snap = self.snapshot

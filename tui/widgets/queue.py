@@ -13,7 +13,7 @@ from textual.widgets import Sparkline, Static
 
 from pantheon.state import QueueState, Snapshot
 from tui.format import human_count, join_lines
-from tui.widgets import AutoHeight
+from tui.widgets import SnapshotPanel
 
 
 def fill_style(frac: float) -> str:
@@ -37,17 +37,12 @@ def queue_line(q: QueueState, width: int) -> Text:
     return t
 
 
-class QueuePanel(AutoHeight):
+class QueuePanel(SnapshotPanel):
     """Per model queue depth against its maximum, then the 429 / 503 and load counters."""
 
     DEFAULT_CSS = """
     QueuePanel { height: auto; }
     """
-
-    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
-
-    def watch_snapshot(self) -> None:
-        self.relayout()
 
     def render(self) -> Text:
         snap = self.snapshot
