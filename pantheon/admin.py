@@ -119,7 +119,8 @@ def die_views(s: dict) -> list[dict]:
         wk = workers.get(d.id)
         stats = wk.last_stats if wk is not None else None
         level = pressure.die_level(d.id)
-        insts = [instance_view(s, i, engine) for i in registry.instances() if d.id in i.dies]
+        hosted = [i for i in registry.instances() if d.id in i.dies]
+        insts = [instance_view(s, i, engine) for i in hosted]
         out.append({
             "die": d.id, "kind": d.kind,
             "device_name": d.device_name or (wk.device_name if wk is not None else ""),
@@ -133,6 +134,10 @@ def die_views(s: dict) -> list[dict]:
             "free_bytes": max(0, d.budget_bytes - d.used_bytes),
             "measured_free_bytes": wk.free_bytes if wk is not None else None,
             "pressure": level, "pressure_name": NAMES[level],
+            # CPU dies: the vector ISA, which CPU paths work here, and each instance's choice
+            "isa": (wk.cpu_isa or None) if wk is not None else None,
+            "cpu_paths": {n: (why or "ok") for n, why in wk.cpu_paths.items()} if wk else {},
+            "cpu_path": ",".join(sorted({i.cpu_path for i in hosted if i.cpu_path})) or None,
             "step_ms_avg": stats.step_ms_avg if stats is not None else None,
             "bookings": {iid: {"weights_bytes": b[0], "kv_bytes": b[1]}
                          for iid, b in sorted(d.bookings.items())},

@@ -1,5 +1,6 @@
 """``ModelAssets``: what the router itself reads of a model folder (tokenizer, chat template, EOS
-ids, token pieces for logprobs). The worker reads the weights; the router never does.
+ids, token pieces for logprobs) or of a GGUF file (the same, from its metadata: ``pantheon.gguf``).
+The worker reads the weights; the router never does.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from pantheon.chat.template import ChatTemplate
+from pantheon.gguf import (chat_template, eos_token_ids, find_gguf, read_gguf, special_tokens,
+                           tokenizer_json)
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -48,21 +51,32 @@ class ModelAssets:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
-        self.template = ChatTemplate.from_model_dir(self.path)
+        gguf_file = find_gguf(self.path)
+        if gguf_file is not None:  # a GGUF file: everything comes from its metadata
+            g = read_gguf(gguf_file)
+            self.tokenizer = Tokenizer.from_str(tokenizer_json(g))
+            self.template = ChatTemplate(
+                chat_template(g), tool_use_template=chat_template(g, "tool_use"),
+                special_tokens=special_tokens(g),
+                reasoning="<think>" in g.meta.get("tokenizer.ggml.tokens", ()))
+            eos = eos_token_ids(g)
+            self._byte_level = True  # the only kind tokenizer_json builds
+        else:
+            self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+            self.template = ChatTemplate.from_model_dir(self.path)
+            eos = []
+            for name in ("generation_config.json", "config.json"):
+                eos += _ids(_read_json(self.path / name).get("eos_token_id"))
+            tj = _read_json(self.path / "tokenizer.json")
+            self._byte_level = "ByteLevel" in json.dumps(tj.get("decoder") or {})
         src = (self.template.source or "") + (self.template.tool_use_source or "")
         self.reasoning = "<think>" in src or (self.template.is_fallback and self.template.reasoning)
         self.tool_call_markup = "<tool_call>" in src or self.template.is_fallback
-        eos: list[int] = []
-        for name in ("generation_config.json", "config.json"):
-            eos += _ids(_read_json(self.path / name).get("eos_token_id"))
         if self.template.eos_token:
             tid = self.tokenizer.token_to_id(self.template.eos_token)
             if tid is not None:
                 eos.append(tid)
         self.eos_ids = list(dict.fromkeys(eos))
-        tj = _read_json(self.path / "tokenizer.json")
-        self._byte_level = "ByteLevel" in json.dumps(tj.get("decoder") or {})
         self._bd = _byte_decoder() if self._byte_level else {}
         self._added = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
         self._pieces: dict[int, tuple[str, bytes]] = {}

@@ -23,7 +23,6 @@ DEFAULT_SLOTS = 8
 DEFAULT_QUEUE_DEPTH = 32
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
 DEFAULT_PREFILL_CHUNK = 128
-DEFAULT_CPU_DIE_BUDGET = 2 << 30
 DEFAULT_ADMIT_CTX = 8192  # the spec's MR_ADMIT_CTX_GUESS: context a load is admitted for
 DEFAULT_MAX_BODY = 8 << 20
 
@@ -47,7 +46,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     cpu_dies: int = 0
-    cpu_die_budget: int = DEFAULT_CPU_DIE_BUDGET
+    cpu_die_budget: int | None = None  # None: from the machine's RAM (dies.default_cpu_budget)
     kv_budget: int | None = None  # KV cache bytes per instance (None: admit_ctx tokens' worth)
     admit_ctx: int = DEFAULT_ADMIT_CTX  # context guess (tokens) a load is admitted and sized for
     die_reserve: int | None = None  # bytes kept free per die (None: 1 GiB on CUDA, 0 on CPU)
@@ -300,4 +299,6 @@ def _models(raw: Any, cpu_dies: int) -> tuple[ModelSpec, ...]:
 
 
 def _default_name(path: str) -> str:
-    return os.path.basename(os.path.normpath(path)) or "model"
+    from pantheon.gguf import served_name  # a folder's name; a .gguf file's stem, lower-cased
+
+    return served_name(path)

@@ -45,6 +45,17 @@ def gpu_count() -> int:
         return 0
 
 
+def default_cpu_budget(cpu_dies: int, total_bytes: int | None = None) -> int:
+    """Each CPU die's budget when none is configured: the machine's RAM less a headroom for the
+    OS, the router and the page cache (an eighth, at least 2 GiB), shared equally by the dies."""
+    if total_bytes is None:
+        import psutil
+
+        total_bytes = psutil.virtual_memory().total
+    headroom = max(2 * GiB, total_bytes // 8)
+    return max(GiB // 4, (total_bytes - headroom) // max(1, cpu_dies))
+
+
 def default_worker_threads(cpu_dies: int, explicit: int | None) -> int | None:
     """Torch threads per worker: an explicit value wins; with several CPU dies on one machine
     each worker gets an equal share of the cores, so the workers do not oversubscribe them."""
@@ -89,10 +100,11 @@ class Die:
 class DieManager:
     """Dies, budgets, bookings and placement (see the module doc)."""
 
-    def __init__(self, *, cpu_dies: int = 0, cpu_budget: int = 2 * GiB,
+    def __init__(self, *, cpu_dies: int = 0, cpu_budget: int | None = None,
                  reserve: int | None = None, cuda_count: int | None = None,
                  host_available: Callable[[], int] | None = None):
-        self.cpu_budget = cpu_budget
+        # None: from the machine; dies created later (cpu:N named in a load) get the same share
+        self.cpu_budget = cpu_budget or default_cpu_budget(cpu_dies)
         self.reserve = reserve
         self.cuda_count = gpu_count() if cuda_count is None else cuda_count
         self._host_available = host_available

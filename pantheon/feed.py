@@ -168,9 +168,13 @@ def instance_state(inst: Any, es: Any, queued: int, dies: Any) -> st.InstanceSta
 def die_states(dies: Any, pool: Any, pressure: Any, registry: Any) -> list[st.DieState]:
     workers = {d.die: d for d in (pool.dies() if pool is not None else [])}
     hosted: dict[str, list[str]] = {}
+    chosen: dict[str, set[str]] = {}
     for inst in registry.instances():
         for d in inst.dies:
             hosted.setdefault(d, []).append(inst.instance_id)
+            if inst.cpu_path:
+                chosen.setdefault(d, set()).add(inst.cpu_path)
+    paths = {d: ",".join(sorted(v)) for d, v in chosen.items()}
     out = []
     for d in dies.dies():
         w = workers.get(d.id)
@@ -181,7 +185,8 @@ def die_states(dies: Any, pool: Any, pressure: Any, registry: Any) -> list[st.Di
             kv_bytes=d.kv_bytes, free_bytes=max(0, d.budget_bytes - d.used_bytes),
             pressure=pressure.die_level(d.id), alive=alive,
             error=w.error if w is not None and not w.alive else None,
-            instances=sorted(set(hosted.get(d.id, [])) | set(d.bookings))))
+            instances=sorted(set(hosted.get(d.id, [])) | set(d.bookings)),
+            isa=w.cpu_isa if w is not None else "", cpu_path=paths.get(d.id, "")))
     return out
 
 

@@ -4,9 +4,10 @@ A load runs the spec's four phases, and whatever fails leaves nothing behind (th
 the bookings returned, the name free again):
 
 1. reserve: a table row in ``loading`` state; the name is taken but nothing routes to it;
-2. place and admit: the router sizes the model from its ``config.json`` (``sizing``: weights,
-   and KV for a context guess of ``admit_ctx`` = 8192 tokens, ``PANTHEON_ADMIT_CTX``), picks the
-   die(s) (``dies.DieManager.place``) and books the estimate there, in one synchronous step;
+2. place and admit: the router sizes the model from its ``config.json`` or GGUF metadata
+   (``sizing``: weights, and KV for a context guess of ``admit_ctx`` = 8192 tokens,
+   ``PANTHEON_ADMIT_CTX``), picks the die(s) (``dies.DieManager.place``) and books the estimate
+   there, in one synchronous step;
 3. upload: the worker of the first die loads the weights; one upload at a time (``_upload``
    lock) while every other model keeps serving; the worker's real weight and KV figures replace
    the estimate;
@@ -36,6 +37,7 @@ import time
 from typing import Any
 
 from pantheon.assets import ModelAssets
+from pantheon.gguf import GGUFError, find_gguf, served_name
 from pantheon.openai_api import ApiError
 from pantheon.protocol import LoadModel
 from pantheon.registry import DRAINING, FAILED, LOADING, READY, Instance, Registry
@@ -77,7 +79,7 @@ class Models:
         known = {d.die: d for d in self.pool.dies()}
         if die in known and known[die].alive:
             return
-        budget = self.config.cpu_die_budget if die.startswith("cpu:") else None
+        budget = self.dies.cpu_budget if die.startswith("cpu:") else None
         info = await self.pool.start_worker(die, budget_bytes=budget)
         self.dies.on_worker(die, info.total_bytes, info.free_bytes, info.device_name)
 
@@ -121,10 +123,20 @@ class Models:
 
         ``background``: nobody waits for the outcome (``wait: false``), so a failure is kept
         for ``GET /admin/models`` to show; a waiting caller gets the error itself."""
-        name = name or os.path.basename(os.path.normpath(path)) or "model"
-        if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
-            raise ApiError(404, f"no model folder at {path!r} (it needs a config.json)",
-                           param="path", code="not_found")
+        name = name or served_name(path)
+        try:
+            gguf_file = find_gguf(path)
+        except GGUFError as e:  # a folder with several .gguf files
+            raise ApiError(_SIZING_STATUS.get(e.kind, 400), e.reason, param="path",
+                           code=e.kind) from None
+        if gguf_file is None and (not os.path.isdir(path)
+                                  or not os.path.isfile(os.path.join(path, "config.json"))):
+            why = ("it is a file but not a .gguf file" if os.path.isfile(path) else
+                   "it needs a config.json or a .gguf file" if os.path.isdir(path) else
+                   "nothing there; give a folder with a config.json, a .gguf file or a "
+                   "folder with one")
+            raise ApiError(404, f"no model folder at {path!r} ({why})", param="path",
+                           code="not_found")
         try:
             shape = read_shape(path)
         except SizingError as e:
@@ -146,9 +158,15 @@ class Models:
         mml = min(max_context or cfg.max_model_len or limit, limit)
         ctx = min(cfg.admit_ctx, mml)
 
+        works = {d.die: d.cpu_paths for d in self.pool.dies() if d.cpu_paths}
+
+        def sized(first: str, cpu_path: str | None = None):
+            # On a CPU die: the chosen path's bytes once known, else the largest it may choose
+            return estimate(shape, dtype=cfg.dtype, quantize=quantize, cpu=first.startswith("cpu:"),
+                            cpu_path=cpu_path, cpu_works=works.get(first))
+
         def need(ds: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-            est = estimate(shape, dtype=cfg.dtype, quantize=quantize,
-                           cpu=ds[0].startswith("cpu:"))
+            est = sized(ds[0])
             return est.split(ds, kv=cfg.kv_budget or est.kv_pool(ctx))
 
         # phase 1: the name is taken (507 when the table is full)
@@ -164,8 +182,7 @@ class Models:
             self.registry.discard(inst)
             raise
         inst.quantize, inst.max_model_len, inst.load_progress = quantize, mml, 0.0
-        inst.estimate = estimate(shape, dtype=cfg.dtype, quantize=quantize,
-                                 cpu=inst.die.startswith("cpu:"))
+        inst.estimate, inst.shape = sized(inst.die), shape
         kv_bytes = sum(kv for _, kv in need(inst.dies).values())
         inst.load_msg = LoadModel(
             instance=inst.instance_id, path=os.path.abspath(path), dtype=cfg.dtype,
@@ -224,6 +241,9 @@ class Models:
                 raise
             raise err from None
         # phase 4: book the real figures, publish
+        if loaded.cpu_path:  # the path is known now: size with it, not the upper bound
+            inst.cpu_path = loaded.cpu_path
+            inst.estimate = estimate(inst.shape, quantize=inst.quantize, cpu_path=loaded.cpu_path)
         self.dies.book(inst.instance_id, inst.estimate.split(
             inst.dies, weights=loaded.weight_bytes, kv=loaded.kv_bytes))
         if inst.estimate.kv_per_token:

@@ -75,6 +75,7 @@ class OpsConfig(msgspec.Struct, frozen=True, kw_only=True):
     step_stats: bool = False
     kv_q4: bool = True
     async_poll_us: int | None = None  # None: the worker's own 50 ms
+    cpu_path: str = "auto"  # CPU dies' linear-layer path (workers/cpu_paths.py)
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,11 @@ OPTS: tuple[Opt, ...] = (
     Opt("kv_q4", None, ("PANTHEON_KV_Q4", "QWEN35_KV_Q4"), "bool",
         "Q4 KV quantization in admission math; the Python engine keeps KV at full width, so "
         "admission always counts full-width KV (the effect of 0)"),
+    Opt("cpu_path", "--cpu-path", ("PANTHEON_CPU_PATH",), "str",
+        "how CPU dies run the linear layers: auto (default: the fastest of those that work on this "
+        "CPU, timed on each model's shapes at load) or one of bf16-packed, bf16, fp32-packed, fp32 "
+        "(int8 is what quantize=true loads use); a forced path that fails on this CPU fails loads",
+        "PATH"),
     Opt("async_poll_us", None, ("PANTHEON_ASYNC_POLL_US", "PN_ASYNC_POLL_US"), "int",
         "longest sleep, in microseconds, of a worker's loop between polls while it waits on a "
         "load (at least 1000: zmq polls in milliseconds; unset: 50000)"),
@@ -304,6 +310,12 @@ def build_ops(args: Mapping[str, Any], env: Mapping[str, str]) -> OpsConfig:
     for key in ("driver_sample", "prefill_batch", "step_stats", "kv_q4"):
         if (got := val(key)) is not None:
             kw[key] = got[0]
+    if (got := val("cpu_path")) is not None:
+        from pantheon.sizing import CPU_PATHS
+
+        if got[0] != "auto" and got[0] not in CPU_PATHS:
+            raise _config_error(f"{got[1]} {got[0]!r}: use auto or one of {', '.join(CPU_PATHS)}")
+        kw["cpu_path"] = got[0]
     if (got := val("async_poll_us")) is not None:
         if not 1 <= got[0] <= 1_000_000:
             raise _config_error(f"{got[1]}={got[0]}: must be between 1 and 1000000 µs")
@@ -323,6 +335,8 @@ def worker_env(ops: OpsConfig) -> dict[str, str]:
         out["PANTHEON_ASYNC_POLL_US"] = str(ops.async_poll_us)
     if ops.step_stats:
         out["PANTHEON_STEP_STATS"] = "1"
+    if ops.cpu_path != "auto":
+        out["PANTHEON_CPU_PATH"] = ops.cpu_path
     return out
 
 

@@ -91,6 +91,10 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     free_bytes: int
     pid: int
     version: int = PROTOCOL_VERSION
+    # CPU dies: torch's vector ISA here (avx512 | avx2 | ...) and each CPU path's probe result,
+    # run at worker start (path name -> "" when it works, else why not; workers/cpu_paths.py).
+    cpu_isa: str = ""
+    cpu_paths: dict[str, str] = {}
 
 
 class LoadProgress(msgspec.Struct, tag=True, kw_only=True):
@@ -107,6 +111,7 @@ class Loaded(msgspec.Struct, tag=True, kw_only=True):
     num_slots: int
     vocab_size: int
     eos_token_ids: list[int]
+    cpu_path: str = ""  # the CPU path the engine chose (or was forced to); "" on CUDA
 
 
 class LoadFailed(msgspec.Struct, tag=True, kw_only=True):

@@ -97,6 +97,8 @@ class Instance:
     assets: Any = None  # the router-side tokenizer/template bundle (ModelAssets)
     loaded: Any = None  # the worker's protocol.Loaded
     estimate: Any = None  # sizing.Estimate, for admission and bookings
+    shape: Any = None  # sizing.ModelShape the estimate came from
+    cpu_path: str = ""  # the CPU path its worker chose (workers/cpu_paths.py); "" on CUDA
     kv_pool_tokens: int | None = None  # tokens the worker's KV pool holds
     error: str | None = None  # why it failed
     load_progress: float | None = None  # 0..1 while loading
@@ -124,7 +126,7 @@ class Instance:
                 "in_flight": self.refs, "running": self.gate.active, "slots": self.gate.slots,
                 "served": self.served, "max_model_len": self.max_model_len,
                 "quantize": self.quantize, "load_progress": self.load_progress,
-                "restarts": self.restarts}
+                "restarts": self.restarts, "cpu_path": self.cpu_path or None}
 
 
 @dataclass(eq=False)

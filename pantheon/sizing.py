@@ -1,4 +1,5 @@
-"""How much memory a model will take, from its ``config.json`` alone (no torch, no weights read).
+"""How much memory a model will take, from its ``config.json`` (or a GGUF file's metadata) alone
+(no torch, no weights read).
 
 The router admits a load against the dies' budgets *before* any worker touches the weights, so it
 needs an estimate: parameters x dtype bytes for the weights, and K+V bytes per token for the KV
@@ -9,7 +10,8 @@ The count follows the engine's Llama-family model exactly (``workers/model.py``)
 gate/up, q/k/v biases for Qwen2 (and Llama/Qwen3 with ``attention_bias``), Qwen3's per-head q/k
 norms, tied or untied LM head. Two engine details matter for the figure:
 
-- on CPU dies the worker prepacks the LM head for oneDNN, a second copy of ``vocab x hidden``;
+- on CPU dies the layout is the CPU path's (``CPU_PATHS``): its dtype, and for packed paths a
+  second copy of a tied ``vocab x hidden`` head;
 - ``quantize`` turns the decoder's linear layers into int8 plus one scale per output row (the
   embeddings and the head stay): about half the weight memory of a bf16 model.
 """
@@ -19,6 +21,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from pantheon.gguf import GGUFError, find_gguf, hf_config, read_gguf
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -59,7 +63,15 @@ def _pos_int(raw: dict, key: str, where: str) -> int:
 
 
 def read_shape(path: str | Path) -> ModelShape:
-    """Parse ``path/config.json``; raises ``SizingError``."""
+    """Parse ``path/config.json``, or the metadata of a GGUF file (``path`` itself, or the one
+    ``.gguf`` in the folder); raises ``SizingError``."""
+    try:
+        gguf_file = find_gguf(path)
+        if gguf_file is not None:
+            where = f"{gguf_file} (GGUF metadata)"
+            return shape_from_config(hf_config(read_gguf(gguf_file)), where)
+    except GGUFError as e:
+        raise SizingError(e.kind, e.reason) from None
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
         raise SizingError("not_found", f"{cfg_path}: no such file")
@@ -67,15 +79,19 @@ def read_shape(path: str | Path) -> ModelShape:
         raw = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise SizingError("invalid", f"{cfg_path}: not valid JSON ({e})") from None
+    return shape_from_config(raw, str(cfg_path))
+
+
+def shape_from_config(raw: dict, where: str) -> ModelShape:
+    """Check a ``config.json`` dict; errors name ``where``."""
     if not isinstance(raw, dict):
-        raise SizingError("invalid", f"{cfg_path}: not a JSON object")
+        raise SizingError("invalid", f"{where}: not a JSON object")
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) if isinstance(
         archs, list) else None
     if arch is None:
         raise SizingError("unsupported", f"architecture {archs!r} is not supported (supported: "
                                          f"{', '.join(SUPPORTED_ARCHITECTURES)})")
-    where = str(cfg_path)
     hidden = _pos_int(raw, "hidden_size", where)
     heads = _pos_int(raw, "num_attention_heads", where)
     kv_heads = raw.get("num_key_value_heads") or heads
@@ -142,6 +158,30 @@ class Estimate:
         return out
 
 
+# The CPU paths a worker can lay a model out in (``workers/cpu_paths.py`` runs them; this table is
+# their torch-free description): name -> (compute dtype, layout, lossy). dense: plain weights;
+# packed: oneDNN-prepacked, the same bytes, plus a packed copy of a tied LM head (the table stays
+# for lookups); int8: weight-only int8 decoder linears with one scale per output row (lossy: only
+# for loads that ask to quantize).
+CPU_PATHS: dict[str, tuple[str, str, bool]] = {
+    "bf16-packed": ("bfloat16", "packed", False),
+    "bf16": ("bfloat16", "dense", False),
+    "fp32-packed": ("float32", "packed", False),
+    "fp32": ("float32", "dense", False),
+    "int8": ("bfloat16", "int8", True),
+}
+
+
+def cpu_path_names(quantize: bool, dtype: str = "auto",
+                   works: dict[str, str] | None = None) -> list[str]:
+    """The CPU paths a load may end up on: lossy only when it quantizes, the load's ``dtype``
+    when one is asked for, and only those that probed well (``works``: a worker's Hello
+    ``cpu_paths``; None: not known yet, so all of them)."""
+    return [n for n, (dt, _, lossy) in CPU_PATHS.items()
+            if lossy == quantize and (dtype == "auto" or dt == dtype)
+            and (works is None or works.get(n) == "")]
+
+
 def dtype_bytes(dtype: str, shape: ModelShape) -> int:
     """Bytes per element of the weights and KV cache for a load's ``dtype`` ("auto": the
     checkpoint's own; float16 becomes bfloat16 on CPUs, the same size)."""
@@ -150,7 +190,20 @@ def dtype_bytes(dtype: str, shape: ModelShape) -> int:
 
 
 def estimate(shape: ModelShape, *, dtype: str = "auto", quantize: bool = False,
-             cpu: bool = True) -> Estimate:
+             cpu: bool = True, cpu_path: str | None = None,
+             cpu_works: dict[str, str] | None = None) -> Estimate:
+    """What the engine allocates for this model. On a CPU die that is the given ``cpu_path``'s
+    layout; with none (the worker picks by timing at load) the largest of the paths it may pick
+    (``cpu_path_names``), so the booking is an upper bound until ``Loaded`` gives the real one."""
+    if cpu and cpu_path is None:
+        names = cpu_path_names(quantize, dtype, cpu_works) or cpu_path_names(quantize, dtype)
+        if not names:
+            names = list(CPU_PATHS)
+        ests = [estimate(shape, quantize=quantize, cpu_path=n) for n in names]
+        return max(ests, key=lambda e: (e.weights, e.kv_per_token))
+    layout = "int8" if quantize else "dense"
+    if cpu:
+        dtype, layout, _ = CPU_PATHS[cpu_path]
     b = dtype_bytes(dtype, shape)
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     linear = h * (q + 2 * kv) + q * h + 3 * h * shape.inter  # qkv, o, gate+up, down
@@ -159,12 +212,12 @@ def estimate(shape: ModelShape, *, dtype: str = "auto", quantize: bool = False,
     small += (q + 2 * kv) if shape.qkv_bias else 0
     small += h if shape.o_bias else 0
     small += 2 * shape.head_dim if shape.qk_norm else 0
-    per_layer = (linear + rows * b if quantize else linear * b) + small * b
+    per_layer = (linear + rows * b if layout == "int8" else linear * b) + small * b
     table = shape.vocab * h
     base = table + h  # embeddings and the final norm
     if not shape.tied:
         base += table  # the LM head
-    if cpu:
-        base += table  # the head's prepacked copy
+    elif layout == "packed":
+        base += table  # the tied head's prepacked copy
     return Estimate(base=base * b, per_layer=per_layer, layers=shape.layers,
                     kv_per_token=2 * shape.layers * kv * b, context_limit=shape.context_limit)

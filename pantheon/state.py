@@ -53,6 +53,8 @@ class DieState(msgspec.Struct, kw_only=True):
     alive: bool = True
     error: str | None = None
     instances: list[str] = []  # instance ids with memory on this die
+    isa: str = ""  # CPU dies: torch's vector ISA there (avx512 | avx2 | ...)
+    cpu_path: str = ""  # CPU dies: the linear-layer path(s) its instances run (workers/cpu_paths.py)
 
 
 class QueueState(msgspec.Struct, kw_only=True):

@@ -104,6 +104,8 @@ class DieInfo:
     alive: bool
     last_stats: p.Stats | None
     error: str | None  # why the worker is dead, when it is
+    cpu_isa: str = ""  # CPU dies: from Hello (see protocol.Hello)
+    cpu_paths: dict[str, str] = field(default_factory=dict)
 
 
 _END = object()  # queued into a RequestStream to end it without a finish token (abort)
@@ -476,6 +478,8 @@ class WorkerPool:
             alive=w.state == "ready",
             last_stats=s,
             error=w.error,
+            cpu_isa=h.cpu_isa if h else "",
+            cpu_paths=dict(h.cpu_paths) if h else {},
         )
 
     def _worker_env(self) -> dict[str, str]:

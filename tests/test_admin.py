@@ -365,3 +365,16 @@ def test_a_replica_split_over_two_dies_books_on_each(adm, model_factory):
         assert unload(adm, name="split").status_code == 200
     dies = {d["die"]: d for d in httpx.get(adm.url + "/admin/dies").json()["data"]}
     assert all(iid not in d["bookings"] for d in dies.values())
+
+
+def test_dies_show_the_isa_the_working_cpu_paths_and_each_choice(adm):
+    from pantheon.sizing import CPU_PATHS
+
+    dies = {d["die"]: d for d in httpx.get(adm.url + "/admin/dies").json()["data"]}
+    d = dies["cpu:0"]
+    assert d["isa"] and d["cpu_paths"]["fp32"] == "ok" and set(d["cpu_paths"]) == set(CPU_PATHS)
+    assert d["instances"] and all(i["cpu_path"] in CPU_PATHS for i in d["instances"])
+    assert set(d["cpu_path"].split(",")) == {i["cpu_path"] for i in d["instances"]}
+    snap = httpx.get(adm.url + "/admin/state").json()
+    die = next(x for x in snap["dies"] if x["id"] == "cpu:0")
+    assert die["isa"] == d["isa"] and die["cpu_path"] == d["cpu_path"]

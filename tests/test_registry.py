@@ -319,20 +319,34 @@ def test_worker_threads_share_the_cores(monkeypatch):
 # ---------------------------------------------------------------- sizing
 
 
-@pytest.mark.parametrize("preset,quantize", [("tiny", False), ("tiny-llama", False),
-                                             ("tiny-qwen2", False), ("tiny", True)])
-def test_estimate_matches_the_engine(model_factory, preset, quantize):
-    """The router's estimate from config.json against what a real engine allocates."""
+@pytest.mark.parametrize("preset,quantize,path", [
+    ("tiny", False, "auto"), ("tiny-llama", False, "auto"), ("tiny-qwen2", False, "auto"),
+    ("tiny", True, "auto"), ("tiny", False, "bf16-packed"), ("tiny", False, "bf16"),
+    ("tiny-llama", False, "fp32-packed"), ("tiny-llama", False, "fp32"), ("tiny-llama", True, "int8"),
+    ("tiny-llama", False, "bf16-packed")])
+def test_estimate_matches_the_engine(model_factory, preset, quantize, path):
+    """The router's estimate from config.json against what a real engine allocates, for every
+    CPU path forced (skipped where the path does not work on this host) and for the auto choice
+    (sized with the path the engine chose; unsized, the estimate is the upper bound of all)."""
     from pantheon.sizing import estimate, read_shape
+    from workers import cpu_paths
     from workers.engine import Engine
 
-    path = model_factory(preset)
-    est = estimate(read_shape(path), quantize=quantize, cpu=True)
+    if path != "auto" and cpu_paths.probe(path):
+        pytest.skip(f"{path} does not work here: {cpu_paths.probe(path)}")
+    shape = read_shape(model_factory(preset))
+    eng = Engine(str(model_factory(preset)), devices=["cpu"], kv_budget_bytes=1 << 20,
+                 quantize=quantize, cpu_path=path)
+    assert eng.cpu_path == (path if path != "auto" else eng.cpu_path)
+    est = estimate(shape, quantize=quantize, cpu_path=eng.cpu_path)
     kv = est.kv_pool(1000)
-    eng = Engine(str(path), devices=["cpu"], kv_budget_bytes=kv, quantize=quantize)
+    eng = Engine(str(model_factory(preset)), devices=["cpu"], kv_budget_bytes=kv,
+                 quantize=quantize, cpu_path=eng.cpu_path)
     assert eng.kv_bytes == kv
     assert abs(eng.weight_bytes - est.weights) <= 0.01 * est.weights, (eng.weight_bytes,
                                                                         est.weights)
+    bound = estimate(shape, quantize=quantize)  # before the choice: the largest it may be
+    assert bound.weights >= est.weights and bound.kv_per_token >= est.kv_per_token
 
 
 def test_sizing_refuses_unsupported_and_invalid(tmp_path):

@@ -94,3 +94,13 @@ def test_history_samples_on_its_own_timebase():
         h.sample(snap)
     h.sample(None)  # nothing yet: no sample
     assert list(h.tokens) == [5.0, 5.0, 5.0] and list(h.queue) == [5.0, 5.0, 5.0]
+
+
+def test_die_line_shows_the_cpu_path_and_isa_when_wide():
+    from pantheon.state import DieState
+    from tui.widgets.dies import die_line
+
+    die = DieState(id="cpu:0", device_name="cpu", total_bytes=8 << 30, budget_bytes=8 << 30,
+                   weights_bytes=1 << 30, free_bytes=7 << 30, isa="avx2", cpu_path="fp32-packed")
+    assert "fp32-packed (avx2)" in die_line(die, 160).plain
+    assert "avx2" not in die_line(die, 40).plain  # narrow: the bar and numbers only

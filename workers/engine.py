@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from pantheon.protocol import InstanceStats, SamplingParams, SlotInfo, TokenOut
-from workers import cpu_pack
+from workers import cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
 from workers.errors import LoadError, RequestRejected
 from workers.loader import load_model, resolve_dtype
@@ -43,7 +43,7 @@ class Engine:
         block_size: int = 16,
         max_model_len: int | None = None,
         quantize: bool = False,
-        pack_weights: bool = True,
+        cpu_path: str | None = None,
         prefix_cache: bool = True,
         progress: Callable[[int, int], None] | None = None,
     ):
@@ -51,6 +51,16 @@ class Engine:
             raise LoadError("invalid", "num_slots, prefill_chunk and block_size must be at least 1")
         devices = devices or ["cpu"]
         cfg = load_config(model_path)  # fail fast on config errors before touching weights
+        # On a CPU die the path (kernel layout and compute dtype) is chosen before the weights
+        # are read: forced by ``cpu_path`` / PANTHEON_CPU_PATH, else timed on this model's shapes.
+        self.cpu_path: str | None = None
+        self.cpu_timings: dict[str, tuple[float, float]] = {}
+        if torch.device(devices[0]).type == "cpu":
+            forced = cpu_path if cpu_path not in (None, cpu_paths.AUTO) else cpu_paths.forced_path()
+            names = cpu_paths.candidates(quantize=quantize, dtype=dtype, forced=forced)
+            choice = cpu_paths.choose(cfg, names)
+            self.cpu_path, self.cpu_timings = choice.name, choice.timings
+            dtype = cpu_paths.DTYPE_NAMES[cpu_paths.PATHS[choice.name].dtype]
         dt = resolve_dtype(dtype, cfg, torch.device(devices[0]))
         block_bytes = kv_block_bytes(cfg, block_size, dt)
         num_blocks = kv_budget_bytes // block_bytes
@@ -60,12 +70,12 @@ class Engine:
                 f"of {block_size} tokens ({block_bytes} bytes each)"
             )
         self.model, self.cfg = load_model(model_path, devices, dtype, progress)
-        if quantize:
+        if self.cpu_path is not None:
+            cpu_paths.apply(self.model, self.cpu_path)
+        elif quantize:
             from workers.quant import quantize_int8
 
             quantize_int8(self.model)
-        if pack_weights and cpu_pack.available():
-            cpu_pack.pack_model(self.model)
         self.dtype = dt
         self.devices = [torch.device(d) for d in devices]
         self.num_slots = num_slots
@@ -82,7 +92,7 @@ class Engine:
         # Bytes one decode step streams: everything but the embedding table, of which a step
         # reads only a few rows (unless the head is the table itself, untied and unpacked).
         emb = self.model.embed_tokens.weight
-        head_is_table = self.model.packed_head is None and self.model.lm_head is None
+        head_is_table = self.model.lm_head is None
         self.step_read_bytes = self.weight_bytes - (0 if head_is_table else emb.numel() * emb.element_size())
         self.kv_bytes = self.runner.kv_bytes
         self._samplers: dict[str, SamplerState] = {}

@@ -1,25 +1,31 @@
-"""Build a ``CausalLM`` on the meta device and fill it straight from safetensors files.
+"""Build a ``CausalLM`` on the meta device and fill it straight from safetensors or GGUF files.
 
 The model is created without storage (``torch.device("meta")``), then each parameter gets
 uninitialised storage on its die and every checkpoint tensor is copied into place from the
 memory-mapped file, so the weights exist once in memory (plus the page cache). Fused
-parameters (qkv, gate_up) are filled slice by slice. safetensors only: never pickle.
+parameters (qkv, gate_up) are filled slice by slice. Both sources share the filling (names,
+shape check, progress, missing tensors, the tied head); a GGUF's tensors are dequantized one at
+a time by ``workers.gguf_weights``. safetensors or GGUF only: never pickle.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 
+from pantheon.gguf import find_gguf, read_gguf
 from workers.errors import LoadError
+from workers.gguf_weights import iter_tensors
 from workers.model import CausalLM
-from workers.model_config import ModelConfig, load_config
+from workers.model_config import ModelConfig, gguf_config, gguf_errors, load_config
 
+_COPY_VALUES = 1 << 14  # values per copy into a parameter (see _fill)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ST_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -130,60 +136,29 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
 
 
 def load_model(
-    model_dir: str | Path,
+    model_path: str | Path,
     devices: list[str] | None = None,
     dtype: str = "auto",
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
-    """Load a Hugging Face model folder onto ``devices`` (layers split across several)."""
-    model_dir = Path(model_dir)
-    cfg = load_config(model_dir)
+    """Load a Hugging Face model folder, a GGUF file or a folder holding one onto ``devices``
+    (layers split across several)."""
+    model_path = Path(model_path)
+    with gguf_errors():
+        found = find_gguf(model_path)
+        g = read_gguf(found) if found is not None else None
+    if g is not None:
+        cfg, source = gguf_config(g), "the GGUF metadata"
+    else:
+        cfg, source = load_config(model_path), "config.json"
+        headers = {f: check_safetensors(f) for f in weight_files(model_path)}
     devs = [torch.device(d) for d in (devices or ["cpu"])]
     dt = resolve_dtype(dtype, cfg, devs[0])
-    files = weight_files(model_dir)
-    headers = {f: check_safetensors(f) for f in files}
-
-    with torch.device("meta"):
-        model = CausalLM(cfg)
-    model.layer_devices = layer_placement(cfg.num_layers, devs)
-    # Storage for every parameter on its die (uninitialised; filled below).
-    model.embed_tokens.to_empty(device=devs[0])
-    model.norm.to_empty(device=devs[0])
-    if model.lm_head is not None:
-        model.lm_head.to_empty(device=devs[0])
-    for layer, dev in zip(model.layers, model.layer_devices):
-        layer.to_empty(device=dev)
-    model.to(dt)
-
+    model = _empty_model(cfg, devs, dt)
     targets = _targets(model, cfg)
-    filled: set[str] = set()
-    total, done = len(targets), 0
-    for f in files:
-        names = [n for n in headers[f] if n != "__metadata__"]
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as st:
-                for name in names:
-                    if name not in targets:
-                        continue  # e.g. rotary inv_freq buffers some checkpoints carry
-                    param, off, rows = targets[name]
-                    src = st.get_tensor(name)
-                    want = (rows,) + tuple(param.shape[1:])
-                    if tuple(src.shape) != want:
-                        raise LoadError(
-                            "invalid", f"{f}: tensor {name!r} has shape {list(src.shape)}, "
-                            f"expected {list(want)} from config.json"
-                        )
-                    with torch.no_grad():
-                        param[off : off + rows].copy_(src)
-                    del src
-                    filled.add(name)
-                    done += 1
-                    if progress:
-                        progress(done, total)
-        except LoadError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for damaged files
-            raise LoadError("invalid", f"{f}: cannot read safetensors ({e})") from None
+    tensors = (iter_tensors(g, cfg, targets) if g is not None
+               else _safetensors_tensors(headers, targets))
+    filled = _fill(targets, tensors, source, progress)
 
     missing = [n for n in targets if n not in filled]
     if missing == ["lm_head.weight"]:
@@ -192,6 +167,77 @@ def load_model(
         missing = []
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise LoadError("invalid", f"{model_dir}: checkpoint lacks tensor(s) {shown}")
+        raise LoadError("invalid", f"{found or model_path}: checkpoint lacks tensor(s) {shown}")
     model.eval()
     return model, cfg
+
+
+class _NoInit(TorchFunctionMode):
+    """Skips ``torch.nn.init`` inside: the parameters are filled from the checkpoint, and on the
+    meta device those initialisers import ``torch._dynamo`` (seconds, on a load's first call)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs.get("tensor")
+        return func(*args, **kwargs)
+
+
+def _empty_model(cfg: ModelConfig, devs: list[torch.device], dt: torch.dtype) -> CausalLM:
+    """The model with uninitialised storage for every parameter on its die."""
+    with torch.device("meta"), _NoInit():
+        model = CausalLM(cfg)
+    model.to(dt)  # still on meta: the storage below is allocated in ``dt`` at once
+    model.layer_devices = layer_placement(cfg.num_layers, devs)
+    model.embed_tokens.to_empty(device=devs[0])
+    model.norm.to_empty(device=devs[0])
+    if model.lm_head is not None:
+        model.lm_head.to_empty(device=devs[0])
+    for layer, dev in zip(model.layers, model.layer_devices):
+        layer.to_empty(device=dev)
+    return model
+
+
+Tensors = Iterator[tuple[Path, str, str, torch.Tensor]]  # (file, label for errors, our name, data)
+
+
+def _safetensors_tensors(headers: dict[Path, dict], wanted: dict) -> Tensors:
+    """The checkpoint's tensors that we use, file by file (others are skipped: e.g. the rotary
+    inv_freq buffers some checkpoints carry)."""
+    for f, header in headers.items():
+        names = [n for n in header if n != "__metadata__" and n in wanted]
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for name in names:
+                    yield f, repr(name), name, st.get_tensor(name)
+        except LoadError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for damaged files
+            raise LoadError("invalid", f"{f}: cannot read safetensors ({e})") from None
+
+
+def _fill(targets: dict, tensors: Tensors, source: str,
+          progress: Callable[[int, int], None] | None) -> set[str]:
+    """Copy every checkpoint tensor into its parameter rows; returns the names filled."""
+    filled: set[str] = set()
+    total, done = len(targets), 0
+    for f, label, name, src in tensors:
+        param, off, rows = targets[name]
+        want = (rows,) + tuple(param.shape[1:])
+        if tuple(src.shape) != want:
+            raise LoadError(
+                "invalid", f"{f}: tensor {label} has shape {list(src.shape)}, "
+                f"expected {list(want)} from {source}"
+            )
+        with torch.no_grad():
+            # in runs of rows under torch's parallel grain: a copy is memory-bound, and a
+            # parallel one waits for threads that a busy machine may not schedule soon
+            dst, step = param[off : off + rows], max(1, _COPY_VALUES // max(1, src[0].numel()))
+            for r in range(0, rows, step):
+                dst[r : r + step].copy_(src[r : r + step])
+        del src
+        filled.add(name)
+        done += 1
+        if progress:
+            progress(done, total)
+    return filled

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model_config import ModelConfig
-from workers.rope import apply_rotary
 
 
 @dataclass
@@ -31,15 +30,31 @@ class PrefillChunk:
 
 @dataclass
 class AttnBatch:
-    """Where each token's K/V goes and what each query attends to, on one device."""
+    """Where each token's K/V goes and what each query attends to, on one device.
 
-    cos: torch.Tensor  # [N, D]
-    sin: torch.Tensor  # [N, D]
+    The rotary tables cover q and k heads together (``[N, H + KV, D]``) and already hold the
+    softmax scale on the q heads, so each layer rotates q and k in one pass and never scales
+    its scores. ``rot_sin`` is signed for the swapped-halves form (see ``rotate``).
+    """
+
+    rot_cos: torch.Tensor  # [N, H + KV, D]
+    rot_sin: torch.Tensor  # [N, H + KV, D]: -sin on the first half of D, +sin on the second
     slot_mapping: torch.Tensor  # [N] int64: cache row that receives each token's K/V
     n_decode: int  # rows [0, n_decode) are one decode token per sequence
     decode_gather: torch.Tensor | None  # [B, T] int64 cache rows (padding points at row 0)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, T] bool, False on padding
+    decode_bias: torch.Tensor | None  # [B, 1, 1, T] fp32, -inf on padding; None when no row pads
     prefills: list[PrefillChunk]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE in the rotate-half form HF checkpoints expect, in three ops.
+
+    x: [N, H, D]. rotate_half(x) * sin == swap_halves(x) * sin_signed, and swapping the two
+    halves of D is a flip of a [.., 2, D/2] view.
+    """
+    n, h, d = x.shape
+    swapped = x.view(n, h, 2, d // 2).flip(2).view(n, h, d)
+    return torch.addcmul(x * cos, swapped, sin_signed)
 
 
 class RMSNorm(nn.Module):
@@ -49,11 +64,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In fp32 and cast back before the weight, exactly as transformers does it.
-        dtype = x.dtype
+        # In fp32 and cast back before the weight, as transformers does it. vector_norm is one
+        # fused reduction (mean of squares = norm^2 / dim); the tail is in-place on [N, 1].
         h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        r = torch.linalg.vector_norm(h, dim=-1, keepdim=True)
+        r = r.square_().div_(h.shape[-1]).add_(self.eps).rsqrt_()
+        return self.weight * (h * r).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -71,48 +87,51 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, b: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor):
         # x: [N, hidden]; k_cache, v_cache: [rows, KV, D]
-        n = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q = qkv[:, : self.q_size].view(n, self.n_heads, self.head_dim)  # [N, H, D]
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.n_kv, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(n, self.n_kv, self.head_dim)
+        n, h, kvh, d = x.shape[0], self.n_heads, self.n_kv, self.head_dim
+        qkv = self.qkv_proj(x)  # [N, Q + 2 KV]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, b.cos, b.sin)
-        k = apply_rotary(k, b.cos, b.sin)
+            q = self.q_norm(qkv[:, : self.q_size].view(n, h, d))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(n, kvh, d))
+            qk = torch.cat((q, k), dim=1)
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, h + kvh, d)
+        qk = rotate(qk, b.rot_cos, b.rot_sin)  # [N, H + KV, D], q pre-scaled
+        q, k = qk[:, :h], qk[:, h:]
+        v = qkv[:, self.q_size + self.kv_size :].view(n, kvh, d)
         k_cache.index_copy_(0, b.slot_mapping, k)
-        v_cache.index_copy_(0, b.slot_mapping, v.contiguous())
+        v_cache.index_copy_(0, b.slot_mapping, v)
 
-        out = torch.empty_like(q)  # [N, H, D]
-        if b.n_decode:
-            out[: b.n_decode] = self._decode_attention(q[: b.n_decode], b, k_cache, v_cache)
-        for c in b.prefills:
-            kk = k_cache[c.gather].transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]
-            vv = v_cache[c.gather].transpose(0, 1).unsqueeze(0)
-            qp = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, C, D]
-            o = F.scaled_dot_product_attention(
-                qp, kk, vv, attn_mask=c.mask, is_causal=c.mask is None, enable_gqa=True
-            )
-            out[c.start : c.end] = o[0].transpose(0, 1)
-        return self.o_proj(out.view(n, self.q_size))
-
+        if not b.prefills:  # the pure decode step: no copy into a shared output
+            out = self._decode_attention(q, b, k_cache, v_cache)
+        else:
+            out = torch.empty_like(q)  # [N, H, D]
+            if b.n_decode:
+                out[: b.n_decode] = self._decode_attention(q[: b.n_decode], b, k_cache, v_cache)
+            for c in b.prefills:
+                kk = k_cache[c.gather].transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]
+                vv = v_cache[c.gather].transpose(0, 1).unsqueeze(0)
+                qp = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, C, D]
+                o = F.scaled_dot_product_attention(
+                    qp, kk, vv, attn_mask=c.mask, is_causal=c.mask is None, enable_gqa=True, scale=1.0
+                )
+                out[c.start : c.end] = o[0].transpose(0, 1)
+        return self.o_proj(out.reshape(n, self.q_size))
 
     def _decode_attention(self, q: torch.Tensor, b: AttnBatch, k_cache, v_cache) -> torch.Tensor:
-        """One query per sequence against its cached keys. q: [B, H, D] -> [B, H, D].
+        """One (pre-scaled) query per sequence against its cached keys. q: [B, H, D] -> [B, H, D].
 
         Plain matmuls rather than SDPA: with one query row the fused CPU kernel's setup costs
         more than the arithmetic. Grouped heads share their K/V without copying them.
         """
         bsz, g = q.shape[0], self.n_heads // self.n_kv
-        k = k_cache[b.decode_gather]  # [B, T, KV, D]
-        v = v_cache[b.decode_gather]
-        qg = q.view(bsz, self.n_kv, g, self.head_dim)  # [B, KV, G, D]
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float()  # [B, KV, G, T]
-        scores = scores * self.head_dim**-0.5
-        scores = scores.masked_fill(~b.decode_mask, float("-inf"))  # mask: [B, 1, 1, T]
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        o = torch.matmul(probs, v.transpose(1, 2))  # [B, KV, G, D]
-        return o.reshape(bsz, self.n_heads, self.head_dim)
+        k = k_cache[b.decode_gather].transpose(1, 2)  # [B, KV, T, D]
+        v = v_cache[b.decode_gather].transpose(1, 2)
+        qg = q.reshape(bsz, self.n_kv, g, self.head_dim)  # [B, KV, G, D]
+        scores = torch.matmul(qg, k.transpose(2, 3))  # [B, KV, G, T]
+        if b.decode_bias is not None:
+            scores = scores + b.decode_bias  # fp32 from here; bias: [B, 1, 1, T]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v).view(bsz, self.n_heads, self.head_dim)  # [B, KV, G, D]
 
 
 class MLP(nn.Module):
@@ -155,7 +174,8 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Filled by the loader: the device of each layer (layers split across dies).
         self.layer_devices: list[torch.device] = []
-        self.packed_head: nn.Module | None = None  # a prepacked LM head on CPUs (cpu_pack)
+        # lm_head is None while the head is the embedding table itself; a CPU path may set it to
+        # a laid-out copy (workers/cpu_paths.py), so any module mapping [M, hidden] -> [M, vocab].
 
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -177,6 +197,6 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [M, hidden] -> logits [M, vocab] in fp32."""
-        if self.packed_head is not None:
-            return self.packed_head(hidden).float()
-        return F.linear(hidden, self.head_weight()).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()

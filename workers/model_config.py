@@ -1,4 +1,5 @@
-"""The model's shape, read once from a Hugging Face ``config.json``. No torch here.
+"""The model's shape, read once from a Hugging Face ``config.json`` or a GGUF file's metadata
+(``pantheon.gguf`` turns it into the same dict). No torch here.
 
 Supports the Llama family as transformers names it: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``
 (q/k/v biases) and ``Qwen3ForCausalLM`` (per-head q/k RMSNorm). RoPE settings come in two
@@ -9,9 +10,11 @@ styles: the older ``rope_theta`` + ``rope_scaling`` pair, and transformers 5's
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pantheon.gguf import GGUFError, GGUFFile, find_gguf, hf_config, read_gguf
 from workers.errors import LoadError
 
 SUPPORTED_ARCHITECTURES = {
@@ -100,41 +103,70 @@ def _eos_ids(raw: dict, gen: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def load_config(model_dir: str | Path) -> ModelConfig:
-    """Read and check ``config.json`` (and ``generation_config.json`` for EOS ids)."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise LoadError("not_found", f"{model_dir}: no such model folder")
-    path = model_dir / "config.json"
+def load_config(model_path: str | Path) -> ModelConfig:
+    """Read and check a model's config: a Hugging Face folder's ``config.json`` (and
+    ``generation_config.json`` for EOS ids), or a GGUF file's metadata (the file, or the one
+    ``.gguf`` in a folder)."""
+    model_path = Path(model_path)
+    with gguf_errors():
+        found = find_gguf(model_path)
+        if found is not None:
+            return gguf_config(read_gguf(found))
+    if not model_path.is_dir():
+        raise LoadError("not_found", f"{model_path}: no such model folder or .gguf file")
+    path = model_path / "config.json"
     if not path.is_file():
-        raise LoadError("not_found", f"{path}: missing config.json")
+        raise LoadError("not_found", f"{path}: missing config.json (and no .gguf file)")
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoadError("invalid", f"{path}: not valid JSON ({e})") from None
-    gen_path = model_dir / "generation_config.json"
+    gen_path = model_path / "generation_config.json"
     gen = {}
     if gen_path.is_file():
         try:
             gen = json.loads(gen_path.read_text())
         except json.JSONDecodeError as e:
             raise LoadError("invalid", f"{gen_path}: not valid JSON ({e})") from None
+    return config_from_dict(raw, gen, str(path))
 
+
+@contextmanager
+def gguf_errors():
+    """``GGUFError`` (pantheon.gguf) raised inside becomes the same ``LoadError``."""
+    try:
+        yield
+    except GGUFError as e:
+        raise LoadError(e.kind, e.reason) from None
+
+
+def gguf_config(g: GGUFFile) -> ModelConfig:
+    """The config of a parsed GGUF file (its metadata as a ``config.json``, checked as one)."""
+    with gguf_errors():
+        raw = hf_config(g)
+    return config_from_dict(raw, {}, f"{g.path} (GGUF metadata)")
+
+
+def config_from_dict(raw: dict, gen: dict, where: str) -> ModelConfig:
+    """Check a ``config.json`` dict (``gen``: ``generation_config.json``, for EOS ids); errors
+    name ``where``."""
+    if not isinstance(raw, dict):
+        raise LoadError("invalid", f"{where}: not a JSON object")
     archs = raw.get("architectures") or []
     arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise LoadError(
             "unsupported",
-            f"{path}: field 'architectures' is {archs!r}; supported: "
+            f"{where}: field 'architectures' is {archs!r}; supported: "
             + ", ".join(SUPPORTED_ARCHITECTURES),
         )
 
     def need(key: str, kind=int):
         if key not in raw:
-            raise LoadError("invalid", f"{path}: missing field {key!r}")
+            raise LoadError("invalid", f"{where}: missing field {key!r}")
         v = raw[key]
         if kind is int and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-            raise LoadError("invalid", f"{path}: field {key!r} must be a positive integer, got {v!r}")
+            raise LoadError("invalid", f"{where}: field {key!r} must be a positive integer, got {v!r}")
         return v
 
     hidden = need("hidden_size")
@@ -143,12 +175,12 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     head_dim = raw.get("head_dim") or hidden // heads
     if heads % kv_heads:
         raise LoadError(
-            "invalid", f"{path}: num_attention_heads {heads} is not a multiple of "
+            "invalid", f"{where}: num_attention_heads {heads} is not a multiple of "
             f"num_key_value_heads {kv_heads}"
         )
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
     if dtype not in ("bfloat16", "float16", "float32"):
-        raise LoadError("unsupported", f"{path}: field 'torch_dtype' {dtype!r} is not supported")
+        raise LoadError("unsupported", f"{where}: field 'torch_dtype' {dtype!r} is not supported")
     return ModelConfig(
         arch=arch,
         vocab_size=need("vocab_size"),
@@ -160,7 +192,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        rope=_rope_from(raw, str(path)),
+        rope=_rope_from(raw, where),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
         o_bias=arch != "qwen2" and bool(raw.get("attention_bias", False)),

@@ -32,10 +32,13 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+
 def quantize_int8(model: nn.Module) -> None:
-    """Replace every ``nn.Linear`` inside the decoder layers in place (the LM head stays)."""
+    """Replace every ``nn.Linear`` inside the decoder layers in place (the LM head stays).
+
+    Used on CUDA dies; CPU dies reach the same layout through ``cpu_paths`` ("int8").
+    """
+    from workers.cpu_paths import PATHS, replace_linears
+
     for layer in model.layers:
-        for name, child in list(layer.named_modules()):
-            for attr, sub in list(child.named_children()):
-                if isinstance(sub, nn.Linear):
-                    setattr(child, attr, Int8Linear(sub.weight, sub.bias))
+        replace_linears(layer, PATHS["int8"])

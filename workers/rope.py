@@ -96,8 +96,8 @@ class Rotary:
         inv_freq, self.scale = inv_freq_for(cfg)
         self.inv_freq = inv_freq.to(device)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, seq_len: int | None = None):
-        """positions: [N] int64 -> cos, sin: [N, head_dim] in ``dtype``.
+    def cos_sin(self, positions: torch.Tensor, seq_len: int | None = None):
+        """positions: [N] int64 -> cos, sin: [N, head_dim / 2] fp32 (attention scaling applied).
 
         For ``dynamic`` RoPE, ``seq_len`` is the sequence length the chunk reaches.
         """
@@ -105,13 +105,19 @@ class Rotary:
         if self.dynamic and seq_len is not None and seq_len > self.cfg.max_position_embeddings:
             inv_freq = inv_freq_for(self.cfg, seq_len)[0].to(self.device)
         freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+        return freqs.cos() * self.scale, freqs.sin() * self.scale
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, H, D]; cos, sin: [N, D]. The rotate-half form that HF checkpoints expect."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def qk_tables(cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int, dtype: torch.dtype):
+    """The per-step rotary tables for q and k heads together, built once for all layers.
+
+    cos, sin: [N, D/2] fp32 -> rot_cos, rot_sin: [N, H + KV, D] in ``dtype``, with the softmax
+    scale 1/sqrt(D) folded into the q heads (rotation is linear, so scaling q before it is the
+    same as scaling the scores after) and sin signed for ``model.rotate``'s swapped halves.
+    """
+    n, half = cos.shape
+    c = torch.cat((cos, cos), dim=-1)[:, None, :]  # [N, 1, D]
+    s = torch.cat((-sin, sin), dim=-1)[:, None, :]
+    scale = torch.ones(1, n_heads + n_kv, 1, dtype=torch.float32, device=cos.device)
+    scale[:, :n_heads] = (2 * half) ** -0.5
+    return (c * scale).to(dtype), (s * scale).to(dtype)

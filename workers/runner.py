@@ -12,7 +12,7 @@ import torch
 from workers.block_manager import BlockManager
 from workers.model import AttnBatch, CausalLM, PrefillChunk
 from workers.model_config import ModelConfig
-from workers.rope import Rotary
+from workers.rope import Rotary, qk_tables
 from workers.scheduler import StepPlan
 
 
@@ -88,13 +88,15 @@ class ModelRunner:
         cos, sin = self._cos_sin(pos_t, plan, n_decode, chunks)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
 
-        dec_gather = dec_mask = None
+        dec_gather = dec_bias = None
         if n_decode:
             lens = [s.num_computed + 1 for s in plan.decode]
             t = max(lens)
             dec_gather = self._gather([s.block_table for s in plan.decode], t)  # [B, T]
-            dec_mask = (torch.arange(t, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None])
-            dec_mask = dec_mask[:, None, None, :]  # [B, 1, 1, T]
+            if min(lens) < t:  # some rows are padded: mask their tail
+                pad = torch.arange(t, device=dev)[None, :] >= torch.tensor(lens, device=dev)[:, None]
+                dec_bias = torch.zeros(pad.shape, dtype=torch.float32, device=dev)
+                dec_bias = dec_bias.masked_fill_(pad, float("-inf"))[:, None, None, :]  # [B, 1, 1, T]
         pre = []
         for start, end, p0, p1, table in chunks:
             gather = self._gather([table], p1)[0]  # [T]
@@ -105,7 +107,7 @@ class ModelRunner:
                 mask = (torch.arange(p1, device=dev)[None, :] <= q_pos)[None, None]  # [1, 1, C, T]
             pre.append(PrefillChunk(start, end, gather, mask))
 
-        base = AttnBatch(cos, sin, slot_t, n_decode, dec_gather, dec_mask, pre)
+        base = AttnBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre)
         batches = {d: base if d == dev else _to(base, d) for d in self.devices}
         hidden = self.model(input_ids, batches, self.kv)  # [N, hidden]
 
@@ -119,12 +121,15 @@ class ModelRunner:
         return self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
 
     def _cos_sin(self, pos_t, plan: StepPlan, n_decode: int, chunks):
+        """The step's rotary tables for q and k: [N, H + KV, D] each (see ``rope.qk_tables``)."""
         if not self.rotary.dynamic:
-            return self.rotary.cos_sin(pos_t, self.dtype)
-        # Dynamic NTK: the frequencies depend on each sequence's length, so go per sequence.
-        parts = [self.rotary.cos_sin(pos_t[i : i + 1], self.dtype, int(pos_t[i]) + 1) for i in range(n_decode)]
-        parts += [self.rotary.cos_sin(pos_t[a:b], self.dtype, p1) for a, b, _p0, p1, _t in chunks]
-        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+            cos, sin = self.rotary.cos_sin(pos_t)
+        else:
+            # Dynamic NTK: the frequencies depend on each sequence's length, so go per sequence.
+            parts = [self.rotary.cos_sin(pos_t[i : i + 1], int(pos_t[i]) + 1) for i in range(n_decode)]
+            parts += [self.rotary.cos_sin(pos_t[a:b], p1) for a, b, _p0, p1, _t in chunks]
+            cos, sin = torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+        return qk_tables(cos, sin, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype)
 
 
 def _to(b: AttnBatch, dev: torch.device) -> AttnBatch:
@@ -134,6 +139,6 @@ def _to(b: AttnBatch, dev: torch.device) -> AttnBatch:
         return None if t is None else t.to(dev, non_blocking=True)
 
     return AttnBatch(
-        mv(b.cos), mv(b.sin), mv(b.slot_mapping), b.n_decode, mv(b.decode_gather), mv(b.decode_mask),
+        mv(b.rot_cos), mv(b.rot_sin), mv(b.slot_mapping), b.n_decode, mv(b.decode_gather), mv(b.decode_bias),
         [PrefillChunk(c.start, c.end, mv(c.gather), mv(c.mask)) for c in b.prefills],
     )

@@ -137,12 +137,25 @@ class Worker:
 
     def _hello(self) -> p.Hello:
         free, total = self.die.memory()
+        isa, paths = "", {}
+        if self.die.kind == "cpu" and not self.engine_import_error:
+            from workers import cpu_paths
+
+            isa = cpu_paths.isa()
+            paths = {name: why or "" for name, why in cpu_paths.probe_all().items()}
+            log.info("%s: isa %s; CPU paths that work: %s", self.die.id, isa,
+                     ", ".join(n for n, why in paths.items() if not why) or "none")
+            for name, why in paths.items():
+                if why:
+                    log.info("%s: CPU path %s is not used here: %s", self.die.id, name, why)
         return p.Hello(
             die=self.die.id,
             device_name=self.die.device_name,
             total_bytes=total,
             free_bytes=free,
             pid=os.getpid(),
+            cpu_isa=isa,
+            cpu_paths=paths,
         )
 
     # ------------------------------------------------------------------ main loop
@@ -397,9 +410,11 @@ class Worker:
                 num_slots=int(engine.num_slots),
                 vocab_size=int(engine.vocab_size),
                 eos_token_ids=[int(t) for t in engine.eos_token_ids],
+                cpu_path=engine.cpu_path or "",
             )
         )
-        log.info("loaded %s (%d bytes booked on %s)", name, need, self.die.id)
+        log.info("loaded %s (%d bytes booked on %s%s)", name, need, self.die.id,
+                 f", CPU path {engine.cpu_path}" if engine.cpu_path else "")
 
     def _unload(self, name: str) -> None:
         if self.loading is not None and self.loading.msg.instance == name:

@@ -24,6 +24,8 @@ def die_line(die: DieState, width: int) -> Text:
     level = f" {pressure_name(die.pressure)}"
     detail = (f"  w {human_bytes(die.weights_bytes)} kv {human_bytes(die.kv_bytes)}"
               f" free {human_bytes(die.free_bytes)}")
+    if die.cpu_path or die.isa:  # how a CPU die computes: its chosen path and the ISA
+        detail += f"  {die.cpu_path or '-'}{f' ({die.isa})' if die.isa else ''}"
     room = width - 7 - len(nums) - len(level) - 1
     if room - len(detail) >= 20:  # wide: add the split in numbers
         room -= len(detail)

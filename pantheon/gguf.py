@@ -1,0 +1,559 @@
+"""GGUF files as model sources: find them, read their header, and turn the metadata into what a
+Hugging Face folder would hold (``config.json``, ``tokenizer.json``, the chat template).
+
+Shared by the router (sizing, tokenizer, template) and the worker (config; ``workers/gguf_weights``
+reads the tensors). No torch here. The header is parsed by this module (a GGUF v2/v3 file:
+magic, version, counts, the metadata key/values, the tensor infos, then the aligned data), straight
+from a memory map with ``struct``: ``gguf.GGUFReader`` builds a numpy view per array element and
+takes seconds on a 49k-token vocabulary, which a load pays twice in the router and twice in the
+worker. The ``gguf`` package is imported lazily, only to name a tensor type we do not read.
+
+Tensor shapes here are in torch order (GGUF lists ``ne[0]``, the contiguous dimension, first).
+Every error is a ``GGUFError(kind, reason)``, kind not_found | unsupported | invalid, and the
+reason names the file and the field or tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+# general.architecture -> (transformers architecture, model_type)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+# The tensor types the worker dequantizes: ggml type id -> (name, elements per block, bytes per
+# block). ``workers/gguf_weights.py`` has one function per entry.
+TENSOR_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    30: ("BF16", 1, 2),
+}
+SUPPORTED_TYPES = ", ".join(name for name, _, _ in TENSOR_TYPES.values())
+
+# llama.cpp's token types (tokenizer.ggml.token_type)
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = range(1, 7)
+
+# Metadata value types: id -> (struct format, size) for the fixed-size ones.
+_SCALARS = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4),
+            6: ("f", 4), 7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFError(Exception):
+    """A GGUF file (or folder) that cannot be used. ``kind``: not_found | unsupported | invalid."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    type: int  # ggml type id (a key of TENSOR_TYPES)
+    type_name: str
+    shape: tuple[int, ...]  # torch order: the GGUF dimensions reversed
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A parsed GGUF header: ``meta`` (key -> str | int | float | bool | list) and ``tensors``
+    (name -> GGUFTensor, in file order)."""
+
+    path: Path
+    version: int
+    meta: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+
+    @property
+    def arch(self) -> str:
+        return str(self.meta.get("general.architecture", ""))
+
+
+# ---------------------------------------------------------------- finding the file
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file ``path`` names: itself when it is a ``.gguf`` file, the only ``*.gguf`` in a
+    folder without a ``config.json``; None for anything else (a Hugging Face folder, a missing
+    path). A folder with several ``.gguf`` files is an error naming them."""
+    p = Path(path)
+    if p.is_file():
+        return p if p.suffix.lower() == ".gguf" else None
+    if not p.is_dir() or (p / "config.json").is_file():
+        return None
+    found = sorted(f for f in p.iterdir() if f.suffix.lower() == ".gguf" and f.is_file())
+    if len(found) > 1:
+        names = ", ".join(f.name for f in found)
+        raise GGUFError("invalid", f"{p}: holds several .gguf files ({names}); give the path "
+                                   "of the one to load")
+    return found[0] if found else None
+
+
+_QUANT_TAG = re.compile(
+    r"[._-](?:i?q\d+(?:_[a-z0-9]+)*|bf16|f16|fp16|f32|fp32|f64)$", re.IGNORECASE)
+
+
+def served_name(path: str | Path) -> str:
+    """The default served name of a model path: a ``.gguf`` file's stem lower-cased, without a
+    trailing quantization tag (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``smollm2-135m-instruct``);
+    a folder's name otherwise."""
+    base = os.path.basename(os.path.normpath(str(path)))
+    if base.lower().endswith(".gguf") and not os.path.isdir(path):
+        stem = base[:-5]
+        while (cut := _QUANT_TAG.sub("", stem)) != stem and cut:
+            stem = cut
+        return stem.lower() or "model"
+    return base or "model"
+
+
+# ---------------------------------------------------------------- the header
+
+
+class _Cursor:
+    """Reads little-endian values off a memory map, with bounds checks that name the item."""
+
+    def __init__(self, buf, path: Path):
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+        self.what = "the header"
+
+    def need(self, n: int) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise GGUFError("invalid", f"{self.path}: truncated GGUF file: {self.what} runs past "
+                                       f"the end of the file ({self.size} bytes)")
+
+    def unpack(self, fmt: str, size: int):
+        self.need(size)
+        v = struct.unpack_from("<" + fmt, self.buf, self.pos)[0]
+        self.pos += size
+        return v
+
+    def string(self) -> str:
+        n = self.unpack("Q", 8)
+        self.need(n)
+        raw = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int):
+        if vtype in _SCALARS:
+            return self.unpack(*_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            itype = self.unpack("I", 4)
+            count = self.unpack("Q", 8)
+            if itype in _SCALARS:
+                fmt, size = _SCALARS[itype]
+                self.need(count * size)
+                out = list(struct.unpack_from(f"<{count}{fmt}", self.buf, self.pos))
+                self.pos += count * size
+                return out
+            if itype == _STRING:
+                self.need(count * 8)  # at least the lengths
+                return [self.string() for _ in range(count)]
+            if itype == _ARRAY:
+                self.need(count * 12)
+                return [self.value(_ARRAY) for _ in range(count)]
+            raise GGUFError("invalid", f"{self.path}: {self.what} is an array of unknown value "
+                                       f"type {itype}")
+        raise GGUFError("invalid", f"{self.path}: {self.what} has unknown value type {vtype}")
+
+
+def _type_name(type_id: int) -> str:
+    if type_id in TENSOR_TYPES:
+        return TENSOR_TYPES[type_id][0]
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(type_id).name
+    except (ImportError, ValueError):
+        return f"type {type_id}"
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse a GGUF file's header and check every tensor's type, size and bounds; raises
+    ``GGUFError``. The tensor data is not read (``workers/gguf_weights`` maps it)."""
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise GGUFError("not_found", f"{path}: no such file") from None
+    except OSError as e:
+        raise GGUFError("invalid", f"{path}: cannot open ({e.strerror})") from None
+    with f:
+        size = path.stat().st_size
+        if size < 24:
+            raise GGUFError("invalid", f"{path}: truncated GGUF file ({size} bytes, no header)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return _parse(buf, path, size)
+
+
+def _parse(buf, path: Path, size: int) -> GGUFFile:
+    cur = _Cursor(buf, path)
+    if buf[:4] != GGUF_MAGIC:
+        raise GGUFError("invalid", f"{path}: not a GGUF file (magic {bytes(buf[:4])!r})")
+    cur.pos = 4
+    version = cur.unpack("I", 4)
+    if version & 0xFFFF == 0 and version:
+        raise GGUFError("unsupported", f"{path}: big-endian GGUF files are not supported")
+    if version not in (2, 3):
+        raise GGUFError("unsupported", f"{path}: GGUF version {version} is not supported "
+                                       "(supported: 2, 3)")
+    n_tensors, n_kv = cur.unpack("Q", 8), cur.unpack("Q", 8)
+    meta: dict[str, Any] = {}
+    for i in range(n_kv):
+        cur.what = f"metadata entry #{i}"
+        key = cur.string()
+        cur.what = f"metadata field {key!r}"
+        meta[key] = cur.value(cur.unpack("I", 4))
+    infos = []
+    for i in range(n_tensors):
+        cur.what = f"tensor info #{i}"
+        name = cur.string()
+        cur.what = f"tensor info of {name!r}"
+        n_dims = cur.unpack("I", 4)
+        if n_dims > 8:
+            raise GGUFError("invalid", f"{path}: tensor {name!r} has {n_dims} dimensions")
+        dims = [cur.unpack("Q", 8) for _ in range(n_dims)]
+        infos.append((name, dims, cur.unpack("I", 4), cur.unpack("Q", 8)))
+    align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise GGUFError("invalid", f"{path}: metadata field 'general.alignment' must be a power "
+                                   f"of two, got {align!r}")
+    data_start = -(-cur.pos // align) * align
+    tensors: dict[str, GGUFTensor] = {}
+    for name, dims, type_id, offset in infos:
+        if name in tensors:
+            raise GGUFError("invalid", f"{path}: tensor {name!r} is listed twice")
+        if type_id not in TENSOR_TYPES:
+            raise GGUFError("unsupported", f"{path}: tensor {name!r} has type "
+                                           f"{_type_name(type_id)}, which is not supported "
+                                           f"(supported: {SUPPORTED_TYPES})")
+        tname, block, block_bytes = TENSOR_TYPES[type_id]
+        numel = 1
+        for d in dims:
+            numel *= d
+        if dims and dims[0] % block:
+            raise GGUFError("invalid", f"{path}: tensor {name!r} ({tname}) has rows of "
+                                       f"{dims[0]} values, not a multiple of its block of {block}")
+        nbytes = numel // block * block_bytes
+        start = data_start + offset
+        if offset % align:
+            raise GGUFError("invalid", f"{path}: tensor {name!r} is not aligned to {align} bytes")
+        if start + nbytes > size:
+            raise GGUFError("invalid", f"{path}: truncated GGUF file: tensor {name!r} ends at "
+                                       f"byte {start + nbytes} but the file has {size}")
+        tensors[name] = GGUFTensor(name, type_id, tname, tuple(reversed(dims)), start, nbytes)
+    return GGUFFile(path=path, version=version, meta=meta, tensors=tensors)
+
+
+# ---------------------------------------------------------------- config.json
+
+
+def _field(g: GGUFFile, key: str, kind=int, default=...):
+    if key not in g.meta:
+        if default is not ...:
+            return default
+        raise GGUFError("invalid", f"{g.path}: missing metadata field {key!r}")
+    v = g.meta[key]
+    ok = (isinstance(v, (int, float)) and not isinstance(v, bool)) if kind is float else (
+        isinstance(v, kind) and not (kind is int and isinstance(v, bool)))
+    if not ok or (kind is int and v <= 0):
+        want = {int: "a positive integer", float: "a number", str: "a string"}.get(kind, kind)
+        raise GGUFError("invalid", f"{g.path}: metadata field {key!r} must be {want}, "
+                                   f"got {v!r}")
+    return v
+
+
+def _per_layer(g: GGUFFile, key: str, default=...) -> int:
+    """A count that a file may also give per layer (a list): ours must all be the same."""
+    v = g.meta.get(key)
+    if not isinstance(v, list):
+        return _field(g, key, default=default)
+    if len(set(v)) != 1:
+        raise GGUFError("unsupported", f"{g.path}: metadata field {key!r} varies per layer "
+                                       f"({sorted(set(v))})")
+    if not isinstance(v[0], int) or isinstance(v[0], bool) or v[0] <= 0:
+        raise GGUFError("invalid", f"{g.path}: metadata field {key!r} must be a positive "
+                                   f"integer, got {v[0]!r}")
+    return v[0]
+
+
+def _rope_scaling(g: GGUFFile, a: str) -> dict | None:
+    kind = g.meta.get(f"{a}.rope.scaling.type")
+    factor = g.meta.get(f"{a}.rope.scaling.factor")
+    if kind is None and isinstance(g.meta.get(f"{a}.rope.scale_linear"), (int, float)):
+        kind, factor = "linear", g.meta[f"{a}.rope.scale_linear"]
+    if kind in (None, "none"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise GGUFError("unsupported", f"{g.path}: metadata field '{a}.rope.scaling.type' is "
+                                       f"{kind!r}; supported: none, linear, yarn")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+        raise GGUFError("invalid", f"{g.path}: missing metadata field '{a}.rope.scaling.factor'")
+    out: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    orig = g.meta.get(f"{a}.rope.scaling.original_context_length")
+    if isinstance(orig, int) and orig > 0:
+        out["original_max_position_embeddings"] = orig
+    for src, dst in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        v = g.meta.get(f"{a}.rope.scaling.{src}")
+        if isinstance(v, (int, float)) and v:
+            out[dst] = float(v)
+    return out
+
+
+def _token_id(g: GGUFFile, key: str) -> int | None:
+    v = g.meta.get(f"tokenizer.ggml.{key}")
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def eos_token_ids(g: GGUFFile) -> list[int]:
+    """The end-of-generation ids: eos, then eot and eom when the file names them."""
+    ids = [_token_id(g, k) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def hf_config(g: GGUFFile) -> dict:
+    """The ``config.json`` a Hugging Face folder of this model would have (checked by the same
+    code as a real one: ``workers.model_config.config_from_dict``, ``pantheon.sizing``)."""
+    a = g.arch
+    if a not in ARCHITECTURES:
+        raise GGUFError("unsupported", f"{g.path}: metadata field 'general.architecture' is "
+                                       f"{a!r}; supported: {', '.join(ARCHITECTURES)}")
+    split = g.meta.get("split.count")
+    if isinstance(split, int) and split > 1:
+        raise GGUFError("unsupported", f"{g.path}: split GGUF files ({split} parts) are not "
+                                       "supported; merge them first")
+    if "rope_freqs.weight" in g.tensors:
+        raise GGUFError("unsupported", f"{g.path}: tensor 'rope_freqs.weight' (per-dimension RoPE "
+                                       "frequency factors, as Llama 3.1 files carry) is not "
+                                       "supported")
+    hidden = _field(g, f"{a}.embedding_length")
+    heads = _per_layer(g, f"{a}.attention.head_count")
+    kv_heads = _per_layer(g, f"{a}.attention.head_count_kv", default=heads)
+    head_dim = _field(g, f"{a}.attention.key_length", default=hidden // heads)
+    value_dim = _field(g, f"{a}.attention.value_length", default=head_dim)
+    if value_dim != head_dim:
+        raise GGUFError("unsupported", f"{g.path}: metadata field '{a}.attention.value_length' "
+                                       f"({value_dim}) differs from '{a}.attention.key_length' "
+                                       f"({head_dim})")
+    rot = _field(g, f"{a}.rope.dimension_count", default=head_dim)
+    if rot != head_dim:
+        raise GGUFError("unsupported", f"{g.path}: metadata field '{a}.rope.dimension_count' is "
+                                       f"{rot} but heads have {head_dim} dimensions (partial "
+                                       "rotary embeddings are not supported)")
+    emb = g.tensors.get("token_embd.weight")
+    tokens = g.meta.get("tokenizer.ggml.tokens")
+    if emb is not None and len(emb.shape) == 2:
+        vocab = emb.shape[0]
+    elif isinstance(tokens, list) and tokens:
+        vocab = len(tokens)
+    else:
+        vocab = _field(g, f"{a}.vocab_size")
+    two_d = [t.type_name for t in g.tensors.values() if len(t.shape) == 2]
+    dtype = ("float32" if two_d and all(t == "F32" for t in two_d) else
+             "float16" if two_d and all(t == "F16" for t in two_d) else "bfloat16")
+    bias = "blk.0.attn_q.bias" in g.tensors
+    eos = eos_token_ids(g)
+    arch_name, model_type = ARCHITECTURES[a]
+    return {
+        "architectures": [arch_name],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": _field(g, f"{a}.feed_forward_length"),
+        "num_hidden_layers": _field(g, f"{a}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(_field(g, f"{a}.attention.layer_norm_rms_epsilon", float, 1e-6)),
+        "rope_theta": float(_field(g, f"{a}.rope.freq_base", float, 10000.0)),
+        "rope_scaling": _rope_scaling(g, a),
+        "max_position_embeddings": _field(g, f"{a}.context_length", default=4096),
+        "vocab_size": vocab,
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "attention_bias": bias and a != "qwen2",
+        "torch_dtype": dtype,
+        "bos_token_id": _token_id(g, "bos_token_id"),
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+    }
+
+
+# ---------------------------------------------------------------- tokenizer.json
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's alphabet)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) -> the split regex its merges were learned
+# with; None: GPT-2's own regex inside the ByteLevel pre-tokenizer.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS: dict[str, str | None] = {
+    "default": None, "gpt2": None, "gpt-2": None,
+    "smollm": "digits",  # GPT-2's regex after splitting every digit (as SmolLM's tokenizer.json)
+    "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
+}
+
+
+def _byte_level(use_regex: bool) -> dict:
+    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+            "use_regex": use_regex}
+
+
+def _pre_tokenizer(g: GGUFFile) -> dict:
+    pre = g.meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise GGUFError("unsupported", f"{g.path}: metadata field 'tokenizer.ggml.pre' is "
+                                       f"{pre!r}; supported: {', '.join(PRE_TOKENIZERS)}")
+    split = PRE_TOKENIZERS[pre]
+    if split is None:
+        return _byte_level(True)
+    if split == "digits":
+        return {"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": True}, _byte_level(True)]}
+    return {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False},
+        _byte_level(False)]}
+
+
+def _tokens(g: GGUFFile) -> list[str]:
+    tokens = g.meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise GGUFError("invalid", f"{g.path}: missing metadata field 'tokenizer.ggml.tokens'")
+    return tokens
+
+
+def tokenizer_json(g: GGUFFile) -> str:
+    """A ``tokenizers`` JSON for the file's vocabulary (``tokenizer.ggml.model`` "gpt2": byte-level
+    BPE), with the ids transformers gives it (``AutoTokenizer.from_pretrained(gguf_file=...)``):
+    tokens outside the byte alphabet respelled into it, CONTROL tokens added as special tokens and
+    USER_DEFINED ones as plain added tokens."""
+    model = g.meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise GGUFError("unsupported", f"{g.path}: metadata field 'tokenizer.ggml.model' is "
+                                       f"{model!r}; only 'gpt2' (byte-level BPE) is supported")
+    tokens = _tokens(g)
+    merges_raw = g.meta.get("tokenizer.ggml.merges")
+    if not isinstance(merges_raw, list):
+        raise GGUFError("invalid", f"{g.path}: missing metadata field 'tokenizer.ggml.merges'")
+    types = g.meta.get("tokenizer.ggml.token_type")
+    if types is not None and (not isinstance(types, list) or len(types) != len(tokens)):
+        raise GGUFError("invalid", f"{g.path}: metadata field 'tokenizer.ggml.token_type' does "
+                                   f"not have one entry per token ({len(tokens)})")
+    spell = _byte_alphabet()
+    alphabet = set(spell.values())
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        key = t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))
+        vocab[key] = i
+    merges = []
+    for i, m in enumerate(merges_raw):
+        parts = m.split(" ") if isinstance(m, str) else []
+        if len(parts) != 2:
+            raise GGUFError("invalid", f"{g.path}: metadata field 'tokenizer.ggml.merges' entry "
+                                       f"#{i} is not two tokens: {m!r}")
+        merges.append(parts)
+    added = []
+    for i, (t, kind) in enumerate(zip(tokens, types or ())):
+        if kind == TOKEN_CONTROL and set(t) <= alphabet or (
+                kind == TOKEN_USER_DEFINED and vocab.get(t) == i):
+            added.append({"id": i, "content": t, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False, "special": kind == TOKEN_CONTROL})
+    single: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}}]
+    pair: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}},
+                        {"Sequence": {"id": "B", "type_id": 1}}]
+    specials: dict[str, dict] = {}
+    for flag, key, at_end in (("add_bos_token", "bos_token_id", False),
+                              ("add_eos_token", "eos_token_id", True)):
+        tid = _token_id(g, key)
+        if g.meta.get(f"tokenizer.ggml.{flag}") is True and tid is not None and tid < len(tokens):
+            tok = tokens[tid]
+            specials[tok] = {"id": tok, "ids": [tid], "tokens": [tok]}
+            if at_end:
+                single.append({"SpecialToken": {"id": tok, "type_id": 0}})
+                pair.insert(1, {"SpecialToken": {"id": tok, "type_id": 0}})
+                pair.append({"SpecialToken": {"id": tok, "type_id": 1}})
+            else:
+                single.insert(0, {"SpecialToken": {"id": tok, "type_id": 0}})
+                pair.insert(0, {"SpecialToken": {"id": tok, "type_id": 0}})
+                pair.insert(2, {"SpecialToken": {"id": tok, "type_id": 1}})
+    return json.dumps({
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": _pre_tokenizer(g),
+        "post_processor": {"type": "TemplateProcessing", "single": single, "pair": pair,
+                           "special_tokens": specials},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                    "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": False,
+                  "byte_fallback": False, "ignore_merges": False, "vocab": vocab,
+                  "merges": merges},
+    }, ensure_ascii=False)
+
+
+# ---------------------------------------------------------------- chat template
+
+
+def chat_template(g: GGUFFile, name: str | None = None) -> str | None:
+    """``tokenizer.chat_template`` (or the named one, ``tokenizer.chat_template.NAME``)."""
+    v = g.meta.get("tokenizer.chat_template" + (f".{name}" if name else ""))
+    return v if isinstance(v, str) and v else None
+
+
+def special_tokens(g: GGUFFile) -> dict[str, str]:
+    """``bos_token``, ``eos_token``, ``unk_token``, ``pad_token`` as strings, those the file names."""
+    tokens = g.meta.get("tokenizer.ggml.tokens")
+    out: dict[str, str] = {}
+    if not isinstance(tokens, list):
+        return out
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        tid = _token_id(g, key)
+        if tid is not None and tid < len(tokens):
+            out[name] = tokens[tid]
+    return out

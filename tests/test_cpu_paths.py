@@ -1,0 +1,155 @@
+"""CPU paths (workers/cpu_paths.py): probed by running them, forced by PANTHEON_CPU_PATH, chosen
+by timing, and counted exactly by the router's sizing. Every host runs every path it has, and the
+"this CPU lacks it" case is made by making a path's kernel raise (we cannot borrow an AVX2 host).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pantheon.dies import GiB, default_cpu_budget
+from pantheon.protocol import SamplingParams
+from pantheon.sizing import CPU_PATHS, cpu_path_names, estimate, read_shape
+from workers import cpu_paths
+from workers.engine import Engine
+from workers.errors import LoadError
+
+WORKING = [n for n in cpu_paths.PATHS if cpu_paths.probe(n) is None]
+
+
+@pytest.fixture
+def fresh_probes():
+    cpu_paths.probe.cache_clear()
+    yield
+    cpu_paths.probe.cache_clear()
+
+
+def _greedy(eng: Engine, prompt: list[int], n: int = 8) -> list[int]:
+    eng.submit("r", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    out: list[int] = []
+    while eng.has_work():
+        out += [o.token for o in eng.step()]
+    return out
+
+
+def test_the_router_table_and_the_engine_table_agree():
+    assert list(cpu_paths.PATHS) == list(CPU_PATHS)
+    for name, spec in cpu_paths.PATHS.items():
+        assert cpu_paths.DTYPE_NAMES[spec.dtype] == CPU_PATHS[name][0]
+
+
+def test_probe_runs_every_path_and_the_plain_ones_always_work():
+    results = cpu_paths.probe_all()
+    assert set(results) == set(cpu_paths.PATHS)
+    assert results["fp32"] is None and results["bf16"] is None  # F.linear runs everywhere
+    assert cpu_paths.isa() in {"avx512", "avx2", "default", "zvector", "vsx"} or cpu_paths.isa()
+
+
+def test_a_path_that_raises_is_never_chosen(fresh_probes, monkeypatch, model_factory):
+    """What an AVX2-only host does with oneDNN's bf16 reorder: the probe reports it, the load
+    picks among the others, and forcing it fails the load with the reason."""
+    real = cpu_paths.make_linear
+
+    def avx2_host(spec, w, b):
+        if spec.name == "bf16-packed":
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
+                               "avx_ne_convert or avx512bw, avx512vl and avx512dq")
+        return real(spec, w, b)
+
+    monkeypatch.setattr(cpu_paths, "make_linear", avx2_host)
+    assert "avx512bw" in cpu_paths.probe("bf16-packed")
+    assert "bf16-packed" not in cpu_paths.candidates(quantize=False)
+    path = str(model_factory("tiny"))
+    eng = Engine(path, devices=["cpu"], kv_budget_bytes=1 << 20)
+    assert eng.cpu_path != "bf16-packed" and len(_greedy(eng, [5, 6, 7])) == 8
+    monkeypatch.setenv("PANTHEON_CPU_PATH", "bf16-packed")
+    with pytest.raises(LoadError) as ei:
+        Engine(path, devices=["cpu"], kv_budget_bytes=1 << 20)
+    assert ei.value.kind == "unsupported" and "bf16-packed" in ei.value.reason
+    assert "avx512bw" in ei.value.reason
+
+
+def test_a_path_with_wrong_numbers_is_never_chosen(fresh_probes, monkeypatch):
+    real = cpu_paths.make_linear
+
+    class Liar(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * 1.5
+
+    monkeypatch.setattr(cpu_paths, "make_linear", lambda spec, w, b: Liar(real(spec, w, b))
+                        if spec.name == "fp32-packed" else real(spec, w, b))
+    assert "wrong results" in cpu_paths.probe("fp32-packed")
+    assert "fp32-packed" not in cpu_paths.candidates(quantize=False)
+
+
+def test_forced_path_from_the_environment(monkeypatch, model_factory):
+    path = str(model_factory("tiny"))
+    monkeypatch.setenv("PANTHEON_CPU_PATH", "fp32")
+    eng = Engine(path, devices=["cpu"], kv_budget_bytes=1 << 20)
+    assert eng.cpu_path == "fp32" and eng.dtype == torch.float32
+    monkeypatch.setenv("PANTHEON_CPU_PATH", "avx9000")
+    with pytest.raises(LoadError) as ei:
+        Engine(path, devices=["cpu"], kv_budget_bytes=1 << 20)
+    assert ei.value.kind == "invalid" and "PANTHEON_CPU_PATH" in ei.value.reason
+
+
+def test_quantize_and_dtype_narrow_the_candidates():
+    assert cpu_paths.candidates(quantize=True) == ["int8"] or cpu_paths.probe("int8")
+    assert all(CPU_PATHS[n][0] == "float32" for n in cpu_paths.candidates(quantize=False,
+                                                                           dtype="float32"))
+    assert set(cpu_path_names(False)) == {"bf16-packed", "bf16", "fp32-packed", "fp32"}
+    assert cpu_path_names(False, works={"bf16": "", "fp32": "no", "bf16-packed": "x"}) == ["bf16"]
+
+
+@pytest.mark.parametrize("name", WORKING)
+def test_every_working_path_matches_the_fp32_reference(name, model_factory):
+    """Each path's logits against the plain fp32 path on the same checkpoint; within a dtype,
+    packed and plain give the same greedy tokens."""
+    path = str(model_factory("tiny-llama", dtype="float32", num_hidden_layers=2))
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    ref = Engine(path, devices=["cpu"], kv_budget_bytes=1 << 20, cpu_path="fp32")
+    eng = Engine(path, devices=["cpu"], kv_budget_bytes=1 << 20, cpu_path=name,
+                 quantize=cpu_paths.PATHS[name].lossy)
+    assert eng.cpu_path == name
+    a, b = ref.prompt_logits(prompt), eng.prompt_logits(prompt)
+    tol = {"fp32": 1e-4, "fp32-packed": 1e-4}.get(name, 0.05 if name != "int8" else 0.25)
+    assert float((a - b).abs().max() / a.abs().max()) < tol
+    twin = {"fp32-packed": "fp32", "bf16-packed": "bf16"}.get(name)
+    if twin in WORKING:
+        other = Engine(path, devices=["cpu"], kv_budget_bytes=1 << 20, cpu_path=twin)
+        assert _greedy(eng, prompt) == _greedy(other, prompt)
+
+
+def test_choose_times_the_candidates_on_the_models_shapes(model_factory):
+    from workers.model_config import load_config
+
+    cfg = load_config(model_factory("tiny"))
+    names = [n for n in WORKING if not cpu_paths.PATHS[n].lossy]
+    choice = cpu_paths.choose(cfg, names)
+    assert choice.name in names and set(choice.timings) == set(names)
+    assert all(t1 > 0 and t8 > 0 for t1, t8 in choice.timings.values())
+    assert cpu_paths.choose(cfg, ["fp32"]).timings == {}  # one candidate: nothing to time
+    shapes = cpu_paths.linear_shapes(cfg)
+    assert shapes[-1] == (cfg.vocab_size, cfg.hidden_size, 1)  # the LM head, counted once
+
+
+def test_upper_bound_estimate_covers_every_path(model_factory):
+    shape = read_shape(model_factory("tiny"))
+    bound = estimate(shape)
+    for name in cpu_path_names(False):
+        e = estimate(shape, cpu_path=name)
+        assert e.weights <= bound.weights and e.kv_per_token <= bound.kv_per_token
+    only_bf16 = estimate(shape, cpu_works={"bf16": "", "bf16-packed": ""})
+    assert only_bf16.weights == estimate(shape, cpu_path="bf16-packed").weights
+
+
+def test_default_cpu_budget_comes_from_the_machine():
+    assert default_cpu_budget(1, 24 * GiB) == 21 * GiB  # an eighth kept back
+    assert default_cpu_budget(2, 24 * GiB) == 21 * GiB // 2  # shared by the dies
+    assert default_cpu_budget(1, 8 * GiB) == 6 * GiB  # at least 2 GiB kept back
+    assert default_cpu_budget(1) > 0
