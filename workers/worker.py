@@ -415,6 +415,10 @@ class Worker:
         )
         log.info("loaded %s (%d bytes booked on %s%s)", name, need, self.die.id,
                  f", CPU path {engine.cpu_path}" if engine.cpu_path else "")
+        if engine.cpu_timings:  # what the choice was made on: ms of one step's linears
+            log.info("%s: CPU paths timed on its shapes (ms per step at 1 / 8 rows): %s", name,
+                     ", ".join(f"{n} {a * 1e3:.2f} / {b * 1e3:.2f}"
+                               for n, (a, b) in engine.cpu_timings.items()))
 
     def _unload(self, name: str) -> None:
         if self.loading is not None and self.loading.msg.instance == name:
