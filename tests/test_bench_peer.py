@@ -1,0 +1,92 @@
+"""bench/peer.py without llama.cpp: binary lookup, the CLI and llama-bench's JSON, on stand-ins.
+
+No build, no network, nothing timed: the "binaries" are shell scripts written here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def peer(monkeypatch, tmp_path):
+    monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
+    monkeypatch.setenv("LLAMA_CPP_CACHE", str(tmp_path / "cache"))
+    spec = importlib.util.spec_from_file_location("bench_peer_under_test", ROOT / "bench" / "peer.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _fake_bins(d: Path, bench_stdout: str = "[]") -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    for name in ("llama-server", "llama-bench"):
+        f = d / name
+        f.write_text("#!/bin/sh\ncat <<'EOF'\n" + bench_stdout + "\nEOF\n")
+        f.chmod(f.stat().st_mode | stat.S_IXUSR)
+    return d
+
+
+def test_no_binaries(peer, tmp_path, capsys):
+    assert peer.cache_dir() == tmp_path / "cache"
+    assert peer.find_bins() is None
+    assert peer.main(["path"]) == 1
+    assert "peer.py build" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="peer.py build"):
+        peer.llama_bench_tg(tmp_path / "m.gguf")
+    with pytest.raises(FileNotFoundError):
+        with peer.llama_server(tmp_path / "m.gguf"):
+            pass
+
+
+def test_cache_binaries_found(peer, tmp_path, capsys):
+    bins = _fake_bins(tmp_path / "cache" / "build" / "bin")
+    assert peer.find_bins() == bins
+    assert peer.main(["path"]) == 0
+    assert capsys.readouterr().out.strip() == str(bins)
+    assert peer.build() == bins  # already built: nothing to do, no cmake needed
+
+
+def test_llama_cpp_dir(peer, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path / "nothing"))
+    with pytest.raises(FileNotFoundError, match="LLAMA_CPP_DIR"):
+        peer.find_bins()
+    monkeypatch.setenv("LLAMA_CPP_DIR", str(_fake_bins(tmp_path / "mine")))
+    _fake_bins(tmp_path / "cache" / "build" / "bin")
+    assert peer.find_bins() == tmp_path / "mine"
+
+
+def test_llama_bench_json(peer, tmp_path):
+    records = [{"n_prompt": 0, "n_gen": 64, "avg_ts": 123.5, "stddev_ts": 1.5, "cpu_info": "x"},
+               {"n_prompt": 512, "n_gen": 0, "avg_ts": 900.0, "stddev_ts": 3.0}]
+    _fake_bins(tmp_path / "cache" / "build" / "bin", json.dumps(records))
+    assert peer.llama_bench_tg(tmp_path / "m.gguf", threads=2, tokens=64) == 123.5
+    assert peer.llama_bench(tmp_path / "m.gguf")["stddev_ts"] == 1.5
+    with pytest.raises(RuntimeError, match="tg32"):
+        peer.llama_bench(tmp_path / "m.gguf", tokens=32)
+
+
+def test_configured_source(peer, tmp_path):
+    build = tmp_path / "b"
+    assert peer._configured_source(build) is None
+    build.mkdir()
+    (build / "CMakeCache.txt").write_text("X:BOOL=ON\nCMAKE_HOME_DIRECTORY:INTERNAL=/src/llama.cpp\n")
+    assert peer._configured_source(build) == Path("/src/llama.cpp")
+
+
+def test_decode_imports_peer():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import peer as imported
+    finally:
+        sys.path.remove(str(ROOT))
+    assert callable(imported.find_bins) and callable(imported.llama_bench_tg)
+    assert callable(imported.llama_server)
