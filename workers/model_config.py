@@ -54,6 +54,7 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's dtype name: bfloat16 | float16 | float32
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    quantized_source: bool = False  # a GGUF file whose weights are all stored quantized
 
     @property
     def q_size(self) -> int:
@@ -198,6 +199,7 @@ def config_from_dict(raw: dict, gen: dict, where: str) -> ModelConfig:
         o_bias=arch != "qwen2" and bool(raw.get("attention_bias", False)),
         qk_norm=arch == "qwen3",
         torch_dtype=dtype,
+        quantized_source=bool(raw.get("quantized_source", False)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(raw, gen),
     )
