@@ -276,6 +276,26 @@ def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def cpu_path_table(cfg) -> dict:
+    """Every CPU path that works here, timed on the model's linear shapes as a load times them
+    (workers/cpu_paths.py), printed as a table: ms of one step's linears at 1 and 8 rows."""
+    from workers import cpu_paths
+
+    names = [n for n, why in cpu_paths.probe_all().items() if why is None]
+    choice = cpu_paths.choose(cfg, names, rounds=10)
+    print(f"\nCPU paths on this host (isa {cpu_paths.isa()}; linears of one decode step, best of 10):")
+    print("| path | dtype | 1 row ms | 8 rows ms |\n|---|---|---:|---:|")
+    for n, (a, b) in choice.timings.items():
+        mark = " (kept)" if n == choice.name else ""
+        print(f"| {n}{mark} | {cpu_paths.DTYPE_NAMES[cpu_paths.PATHS[n].dtype]} | {a * 1e3:.2f} | {b * 1e3:.2f} |")
+    for n, why in cpu_paths.probe_all().items():
+        if why:
+            print(f"| {n} | does not work here: {why} | | |")
+    print(flush=True)
+    return {"isa": cpu_paths.isa(), "chosen": choice.name,
+            "timings_ms": {n: [a * 1e3, b * 1e3] for n, (a, b) in choice.timings.items()}}
+
+
 def run_gguf(args) -> int:
     from bench import peer
 
@@ -314,6 +334,7 @@ def run_gguf(args) -> int:
     out["ours_weights"] = (f"{dtype}{', CPU path ' + cpu_path if cpu_path else ''} "
                            f"({eng.step_read_bytes / 1e6:.0f} MB read per step)")
     print(f"ours: {out['ours_weights']}", flush=True)
+    out["cpu_paths"] = cpu_path_table(eng.cfg)
     bench_engine(eng, 1, 4, "cpu")  # warm up both shapes
     bench_engine(eng, n, 4, "cpu")
     for b in (1, n):

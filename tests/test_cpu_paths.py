@@ -175,3 +175,21 @@ def test_int8_is_a_candidate_only_for_files_stored_quantized(model_factory):
     est = estimate(shape, cpu_path="int8")
     assert abs(eng.weight_bytes - est.weights) <= 0.01 * est.weights
     assert estimate(shape).weights >= est.weights  # the unsized bound covers it
+
+
+def test_the_qwen3_preset_fits_a_24_gib_machine_with_no_flags():
+    """The issue's 507: a fixed 2 GiB CPU die refused qwen3-0.6b. With the budget from the
+    machine, its largest CPU layout (fp32, packed head copy) and an 8k-token KV pool fit."""
+    import copy
+
+    from pantheon.dies import DieManager
+    from pantheon.makemodel import PRESETS
+    from pantheon.sizing import shape_from_config
+
+    raw = copy.deepcopy(PRESETS["qwen3-0.6b"])
+    raw["torch_dtype"] = "bfloat16"
+    est = estimate(shape_from_config(raw, "qwen3-0.6b"))  # the upper bound over every path
+    need = est.weights + est.kv_pool(8192)
+    dm = DieManager(cpu_dies=1, cpu_budget=default_cpu_budget(1, 24 * GiB))
+    assert need < dm.get("cpu:0").budget_bytes, (need, dm.get("cpu:0").budget_bytes)
+    assert need > 2 * GiB  # what the old fixed budget refused
