@@ -264,12 +264,9 @@ def pantheon_server(model: Path, threads: int, slots: int, dtype: str) -> Iterat
                 time.sleep(0.25)
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            from bench.peer import stop
+
+            stop(proc, 30)
 
 
 def _load() -> str:

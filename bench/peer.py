@@ -202,12 +202,7 @@ def llama_server(gguf: str | Path, threads: int = 2, slots: int = 8, ctx_per_slo
                 time.sleep(0.25)
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, 20)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,5 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def stop(proc: subprocess.Popen, wait_s: float) -> None:
+    """SIGTERM a server we started, SIGKILL it if it has not exited after ``wait_s``."""
+    proc.terminate()
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 if __name__ == "__main__":
     raise SystemExit(main())
+

@@ -12,22 +12,13 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from pantheon.chat.template import ChatTemplate
-from pantheon.gguf import (chat_template, eos_token_ids, find_gguf, read_gguf, special_tokens,
-                           tokenizer_json)
+from pantheon.gguf import (byte_alphabet, chat_template, eos_token_ids, find_gguf, read_gguf,
+                           special_tokens, tokenizer_json)
 
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-to-unicode table, inverted: the ByteLevel pre-tokenizer's alphabet."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {c: b for b, c in byte_alphabet().items()}
 
 
 def _read_json(path: Path) -> dict:

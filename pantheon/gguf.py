@@ -411,7 +411,7 @@ def hf_config(g: GGUFFile) -> dict:
 # ---------------------------------------------------------------- tokenizer.json
 
 
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's alphabet)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
         range(ord("®"), ord("ÿ") + 1))
@@ -485,7 +485,7 @@ def tokenizer_json(g: GGUFFile) -> str:
     if types is not None and (not isinstance(types, list) or len(types) != len(tokens)):
         raise GGUFError("invalid", f"{g.path}: metadata field 'tokenizer.ggml.token_type' does "
                                    f"not have one entry per token ({len(tokens)})")
-    spell = _byte_alphabet()
+    spell = byte_alphabet()
     alphabet = set(spell.values())
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
