@@ -23,3 +23,16 @@ def test_int8_halves_weights_and_stays_close(model_factory):
     a, b = rows["full"], rows["quant"]
     cos = torch.nn.functional.cosine_similarity(a, b, dim=0)
     assert cos > 0.99, cos
+
+
+def test_quantize_int8_keeps_the_weights_dtype(model_factory):
+    """The CUDA dies' int8 (quant.quantize_int8): scales in the model's own dtype, plain head."""
+    from workers.loader import load_model
+    from workers.quant import Int8Linear, quantize_int8
+
+    model, _ = load_model(model_factory("tiny-llama", dtype="float32"), dtype="float32")
+    quantize_int8(model)
+    lin = model.layers[0].self_attn.qkv_proj
+    assert isinstance(lin, Int8Linear) and lin.scale.dtype == torch.float32
+    assert isinstance(model.lm_head, torch.nn.Linear)
+    assert lin(torch.randn(2, lin.in_features)).dtype == torch.float32

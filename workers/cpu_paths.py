@@ -201,11 +201,12 @@ def choose(cfg, names: list[str], rounds: int = 5, margin: float = 0.1) -> Choic
     return Choice(name, timings)
 
 
-def replace_linears(module: nn.Module, spec: PathSpec) -> None:
+def replace_linears(module: nn.Module, make) -> None:
+    """Swap every ``nn.Linear`` under ``module`` for ``make(weight, bias)``, in place."""
     for child in list(module.modules()):
         for attr, sub in list(child.named_children()):
             if isinstance(sub, nn.Linear):
-                setattr(child, attr, make_linear(spec, sub.weight, sub.bias))
+                setattr(child, attr, make(sub.weight, sub.bias))
 
 
 def apply(model: nn.Module, name: str) -> None:
@@ -220,6 +221,6 @@ def apply(model: nn.Module, name: str) -> None:
         return
     for layer, dev in zip(model.layers, model.layer_devices):
         if dev.type == "cpu":
-            replace_linears(layer, spec)
+            replace_linears(layer, lambda w, b: make_linear(spec, w, b))
     if model.embed_tokens.weight.device.type == "cpu":
         model.lm_head = make_linear(spec, model.head_weight(), None)

@@ -38,7 +38,7 @@ def quantize_int8(model: nn.Module) -> None:
 
     Used on CUDA dies; CPU dies reach the same layout through ``cpu_paths`` ("int8").
     """
-    from workers.cpu_paths import PATHS, replace_linears
+    from workers.cpu_paths import replace_linears
 
     for layer in model.layers:
-        replace_linears(layer, PATHS["int8"])
+        replace_linears(layer, Int8Linear)  # in the weights' own dtype
