@@ -173,7 +173,13 @@ def test_sigterm_drains_in_flight_requests(servers):
     assert all(e.wait(30) for e in started)
     pt = threading.Thread(target=post)
     pt.start()
-    time.sleep(0.1)
+    # signal only once the server holds all three (a fixed sleep raced a busy machine)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        models = httpx.get(s.url + "/admin/models", timeout=5).json()["data"]
+        if sum(m.get("in_flight", 0) for m in models) >= 3:
+            break
+        time.sleep(0.05)
     s.proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     # draining: no new requests, /health says so, /metrics still answers
