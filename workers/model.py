@@ -64,12 +64,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In fp32 and cast back before the weight, as transformers does it. vector_norm is one
-        # fused reduction (mean of squares = norm^2 / dim); the tail is in-place on [N, 1].
-        h = x.to(torch.float32)
-        r = torch.linalg.vector_norm(h, dim=-1, keepdim=True)
-        r = r.square_().div_(h.shape[-1]).add_(self.eps).rsqrt_()
-        return self.weight * (h * r).to(x.dtype)
+        # In fp32 and cast back before the weight, as transformers does it, in six ops: the
+        # norm is one fused fp32 reduction (mean of squares = norm^2 / dim), the rsqrt of
+        # eps + norm^2 / dim is an addcmul on [N, 1], and x * r promotes x to fp32 itself.
+        r = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+        r = torch.addcmul(r.new_full((), self.eps), r, r, value=1.0 / x.shape[-1]).rsqrt_()
+        return self.weight * (x * r).to(x.dtype)
 
 
 class Attention(nn.Module):
