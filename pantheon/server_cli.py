@@ -187,7 +187,8 @@ def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
 
 def _worker_env(cfg: ServeConfig) -> None:
     """The workers inherit our environment: put the resolved engine knobs in it."""
-    for name in ("PANTHEON_STEP_STATS", "PANTHEON_ASYNC_POLL_US", "PANTHEON_CPU_PATH"):
+    for name in ("PANTHEON_STEP_STATS", "PANTHEON_ASYNC_POLL_US", "PANTHEON_CPU_PATH",
+                 "PANTHEON_COMPILE"):
         os.environ.pop(name, None)
     os.environ.update(opsconfig.worker_env(cfg.ops))
 

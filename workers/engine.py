@@ -20,6 +20,7 @@ import torch
 from pantheon.protocol import InstanceStats, SamplingParams, SlotInfo, TokenOut
 from workers import cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
+from workers.compiled import wanted as compiled_wanted
 from workers.errors import LoadError, RequestRejected
 from workers.loader import load_model, resolve_dtype
 from workers.model_config import load_config
@@ -44,6 +45,7 @@ class Engine:
         max_model_len: int | None = None,
         quantize: bool = False,
         cpu_path: str | None = None,
+        compile_decode: bool | None = None,
         prefix_cache: bool = True,
         progress: Callable[[int, int], None] | None = None,
     ):
@@ -89,6 +91,11 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size, enable_cache=prefix_cache)
         self.scheduler = Scheduler(self.blocks, num_slots, prefill_chunk, self.max_model_len)
         self.runner = ModelRunner(self.model, cfg, self.blocks, dt)
+        # Opt-in (PANTHEON_COMPILE=1): minutes of compile at load for faster decode steps
+        self.compile_error: str | None = None
+        if compile_decode if compile_decode is not None else compiled_wanted():
+            self.compile_error = self.runner.compile_decode()
+        self.compiled = self.runner.compiled is not None
         self.weight_bytes = _weight_bytes(self.model)
         # Bytes one decode step streams: everything but the embedding table, of which a step
         # reads only a few rows (unless the head is the table itself, untied and unpacked).

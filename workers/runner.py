@@ -35,6 +35,24 @@ class ModelRunner:
             for dev in model.layer_devices
         ]
         self.rotary = Rotary(cfg, self.main)
+        self.compiled = None  # a workers.compiled.CompiledDecode for pure decode steps, opt-in
+
+    def compile_decode(self) -> str | None:
+        """Compile the pure decode step (see workers/compiled.py); None when it worked, else
+        why not (the runner stays eager)."""
+        from workers.compiled import CompiledDecode
+
+        if len(self.devices) > 1:
+            return "layers split across devices"
+        c = CompiledDecode(self.model, self.kv)
+
+        def tables(pos):
+            cos, sin = self.rotary.cos_sin(pos)
+            return qk_tables(cos, sin, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype)
+
+        if c.warm_up(tables, self.blocks.num_blocks * self.blocks.block_size):
+            self.compiled = c
+        return c.error
 
     @property
     def kv_bytes(self) -> int:
@@ -108,6 +126,8 @@ class ModelRunner:
             pre.append(PrefillChunk(start, end, gather, mask))
 
         base = AttnBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre)
+        if self.compiled is not None and not pre and not all_rows:
+            return self.compiled(input_ids, base)  # every row is a sampled decode row
         batches = {d: base if d == dev else _to(base, d) for d in self.devices}
         hidden = self.model(input_ids, batches, self.kv)  # [N, hidden]
 

@@ -415,6 +415,9 @@ class Worker:
         )
         log.info("loaded %s (%d bytes booked on %s%s)", name, need, self.die.id,
                  f", CPU path {engine.cpu_path}" if engine.cpu_path else "")
+        if engine.compiled or engine.compile_error:
+            log.info("%s: decode step %s", name, "compiled (torch.compile)" if engine.compiled
+                     else f"left eager, the compile failed: {engine.compile_error}")
         if engine.cpu_timings:  # what the choice was made on: ms of one step's linears
             log.info("%s: CPU paths timed on its shapes (ms per step at 1 / 8 rows): %s", name,
                      ", ".join(f"{n} {a * 1e3:.2f} / {b * 1e3:.2f}"
