@@ -29,6 +29,9 @@ def test_compiled_decode_gives_the_eager_tokens(model_factory):
     batch = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3] * 20]  # unequal lengths: a padding bias
     assert _run(fast, batch) == _run(eager, batch)
     assert _run(fast, [[4, 5, 6]]) == _run(eager, [[4, 5, 6]])  # batch 1: its own graph
+    # every decode step ran the graphs built at load: none would have needed a new compile
+    # (which a serving step must never wait for; it would run eager and count here)
+    assert fast.runner.compiled.fallbacks == 0
 
 
 def test_a_failed_compile_stays_eager(model_factory, monkeypatch):

@@ -46,18 +46,24 @@ class CompiledDecode:
             return model.logits(model(ids, {self.device: b}, kv))
 
         self._fn = torch.compile(step, dynamic=True)
+        self.fallbacks = 0  # calls that would have recompiled and ran eager instead
 
     def warm_up(self, make_tables, free_rows: int) -> bool:
         """Compile both graphs now, on dummy rows of the (still empty) KV pool. ``make_tables``
         maps positions [B] to the step's rotary tables. True when compiled."""
+        # Without duck sizing a context length that happens to equal another size (a stride,
+        # the batch) is not fused with it into a guard that the next step breaks.
+        torch.fx.experimental._config.use_duck_shape = False
         try:
             with torch.inference_mode():
                 for bsz, t in ((1, 19), (3, 23)):
                     pos = torch.full((bsz,), t - 1, device=self.device)
                     cos, sin = make_tables(pos)
+                    # fresh tensors with standard strides, as the runner builds them
                     gather = torch.arange(bsz * t, device=self.device).view(bsz, t) % free_rows
-                    self(torch.zeros(bsz, dtype=torch.long, device=self.device), AttnBatch(
-                        cos, sin, gather[:, -1].contiguous(), bsz, gather, None, []))
+                    slots = torch.tensor(gather[:, -1].tolist(), device=self.device)
+                    self._call(torch.zeros(bsz, dtype=torch.long, device=self.device), AttnBatch(
+                        cos, sin, slots, bsz, gather, None, []))
         except Exception as e:  # noqa: BLE001 - any compile failure means: stay eager
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             log.warning("torch.compile of the decode step failed, staying eager: %s", self.error)
@@ -65,9 +71,28 @@ class CompiledDecode:
         self.ready = True
         return True
 
-    def __call__(self, input_ids: torch.Tensor, b: AttnBatch) -> torch.Tensor:
+    def _call(self, input_ids: torch.Tensor, b: AttnBatch) -> torch.Tensor:
         bias = b.decode_bias
         if input_ids.shape[0] > 1 and bias is None:  # one graph for every batch >= 2
             bias = torch.zeros(b.decode_gather.shape[0], 1, 1, b.decode_gather.shape[1],
                                dtype=torch.float32, device=self.device)
-        return self._fn(input_ids, b.rot_cos, b.rot_sin, b.slot_mapping, b.decode_gather, bias)
+        # Standard strides: the runner's gather is a slice whose row stride changes with the
+        # context (and .contiguous() keeps it when there is one row, which is "contiguous")
+        g = b.decode_gather
+        if g.stride(0) != g.shape[1]:
+            g = g.flatten().clone().view(g.shape)
+        return self._fn(input_ids, b.rot_cos, b.rot_sin, b.slot_mapping, g, bias)
+
+    def __call__(self, input_ids: torch.Tensor, b: AttnBatch) -> torch.Tensor | None:
+        """The step's logits, or None when these inputs would need a new graph: compiling
+        takes seconds to minutes, which a serving worker must never spend inside a step, so
+        the caller runs that step eager instead."""
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._call(input_ids, b)
+        except Exception as e:  # noqa: BLE001 - a recompile refused (or any compiled failure)
+            self.fallbacks += 1
+            if self.fallbacks in (1, 10, 100, 1000):
+                log.warning("compiled decode step refused these inputs (%d so far), ran eager: "
+                            "%s", self.fallbacks, str(e).splitlines()[0][:200] if str(e) else e)
+            return None

@@ -127,7 +127,9 @@ class ModelRunner:
 
         base = AttnBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre)
         if self.compiled is not None and not pre and not all_rows:
-            return self.compiled(input_ids, base)  # every row is a sampled decode row
+            logits = self.compiled(input_ids, base)  # every row is a sampled decode row
+            if logits is not None:
+                return logits
         batches = {d: base if d == dev else _to(base, d) for d in self.devices}
         hidden = self.model(input_ids, batches, self.kv)  # [N, hidden]
 
