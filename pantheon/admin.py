@@ -38,7 +38,7 @@ from quart import Blueprint, Response, current_app, request
 from pantheon import openai_api as oa
 from pantheon import state as st
 from pantheon.config import ConfigError, parse_dies
-from pantheon.feed import booked, engine_stats, hit_rate, snapshot
+from pantheon.feed import booked, die_cpu_paths, engine_stats, hit_rate, snapshot
 from pantheon.pressure import NAMES
 
 bp = Blueprint("admin", __name__)
@@ -114,13 +114,13 @@ def die_views(s: dict) -> list[dict]:
     pool, dies, pressure, registry = s["pool"], s["dies"], s["pressure"], s["registry"]
     workers = {d.die: d for d in pool.dies()}
     engine = engine_stats(pool)
+    paths = die_cpu_paths(registry)
     out = []
     for d in dies.dies():
         wk = workers.get(d.id)
         stats = wk.last_stats if wk is not None else None
         level = pressure.die_level(d.id)
-        hosted = [i for i in registry.instances() if d.id in i.dies]
-        insts = [instance_view(s, i, engine) for i in hosted]
+        insts = [instance_view(s, i, engine) for i in registry.instances() if d.id in i.dies]
         out.append({
             "die": d.id, "kind": d.kind,
             "device_name": d.device_name or (wk.device_name if wk is not None else ""),
@@ -137,7 +137,7 @@ def die_views(s: dict) -> list[dict]:
             # CPU dies: the vector ISA, which CPU paths work here, and each instance's choice
             "isa": (wk.cpu_isa or None) if wk is not None else None,
             "cpu_paths": {n: (why or "ok") for n, why in wk.cpu_paths.items()} if wk else {},
-            "cpu_path": ",".join(sorted({i.cpu_path for i in hosted if i.cpu_path})) or None,
+            "cpu_path": paths.get(d.id),
             "step_ms_avg": stats.step_ms_avg if stats is not None else None,
             "bookings": {iid: {"weights_bytes": b[0], "kv_bytes": b[1]}
                          for iid, b in sorted(d.bookings.items())},

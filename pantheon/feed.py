@@ -165,16 +165,23 @@ def instance_state(inst: Any, es: Any, queued: int, dies: Any) -> st.InstanceSta
         cache_hit_rate=hit_rate(es))
 
 
+def die_cpu_paths(registry: Any) -> dict[str, str]:
+    """Die -> the CPU paths its instances run, sorted and comma-joined (dies without one absent)."""
+    chosen: dict[str, set[str]] = {}
+    for inst in registry.instances():
+        if inst.cpu_path:
+            for d in inst.dies:
+                chosen.setdefault(d, set()).add(inst.cpu_path)
+    return {d: ",".join(sorted(v)) for d, v in chosen.items()}
+
+
 def die_states(dies: Any, pool: Any, pressure: Any, registry: Any) -> list[st.DieState]:
     workers = {d.die: d for d in (pool.dies() if pool is not None else [])}
     hosted: dict[str, list[str]] = {}
-    chosen: dict[str, set[str]] = {}
     for inst in registry.instances():
         for d in inst.dies:
             hosted.setdefault(d, []).append(inst.instance_id)
-            if inst.cpu_path:
-                chosen.setdefault(d, set()).add(inst.cpu_path)
-    paths = {d: ",".join(sorted(v)) for d, v in chosen.items()}
+    paths = die_cpu_paths(registry)
     out = []
     for d in dies.dies():
         w = workers.get(d.id)

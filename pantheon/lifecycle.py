@@ -160,10 +160,11 @@ class Models:
 
         works = {d.die: d.cpu_paths for d in self.pool.dies() if d.cpu_paths}
 
-        def sized(first: str, cpu_path: str | None = None):
-            # On a CPU die: the chosen path's bytes once known, else the largest it may choose
+        def sized(first: str):
+            # On a CPU die the worker picks the path at load: book the largest it may pick
+            # (phase 4 sizes with the real one)
             return estimate(shape, dtype=cfg.dtype, quantize=quantize, cpu=first.startswith("cpu:"),
-                            cpu_path=cpu_path, cpu_works=works.get(first))
+                            cpu_works=works.get(first))
 
         def need(ds: tuple[str, ...]) -> dict[str, tuple[int, int]]:
             est = sized(ds[0])
