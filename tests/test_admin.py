@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import threading
 import time
 
@@ -114,10 +116,19 @@ def test_every_load_error_leaves_nothing_behind(adm, model_factory, tmp_path):
         elif status == 507:
             assert "cpu:0 lacks" in err["message"] and "cpu:1 lacks" in err["message"], err
         assert tables(adm) == before, (status, body)
-    # 409 while a load of the same name is in progress; wait: false answers 202 at once
-    r = load(adm, path=str(tiny), name="q2", wait=False)
-    assert r.status_code == 202 and r.json()["state"] == "loading", r.text
-    check_error(load(adm, path=str(tiny), name="q2"), 409, code="conflict")
+    # 409 while a load of the same name is in progress; wait: false answers 202 at once.
+    # The workers are stopped meanwhile: a tiny load can finish before the second request
+    # arrives, and then it rightly loads a replica instead (CI saw that race).
+    pids = [d["pid"] for d in httpx.get(adm.url + "/admin/dies").json()["data"]]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        r = load(adm, path=str(tiny), name="q2", wait=False)
+        assert r.status_code == 202 and r.json()["state"] == "loading", r.text
+        check_error(load(adm, path=str(tiny), name="q2"), 409, code="conflict")
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
     until(lambda: "q2" in tables(adm)[2], what="q2 to load")
     assert unload(adm, name="q2").status_code == 200
     assert tables(adm) == before
