@@ -1,0 +1,56 @@
+"""The step budget: prefill tokens per step sized from measured step times (no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.step_budget import StepBudget
+
+
+def test_the_ceiling_until_something_was_measured():
+    b = StepBudget(target_s=0.5, ceiling=512)
+    assert b.tokens() == 512
+    b.observe(n_decode=4, n_prefill=0, seconds=0.05)  # decode alone says nothing of prefill
+    assert b.tokens() == 512
+
+
+def test_sized_to_the_target_from_the_measured_costs():
+    b = StepBudget(target_s=0.5, ceiling=4096)
+    b.observe(n_decode=8, n_prefill=0, seconds=0.1)  # decode: 100 ms a step
+    b.observe(n_decode=8, n_prefill=100, seconds=0.1 + 100 * 0.004)  # 4 ms a prompt token
+    assert b.decode_s == pytest.approx(0.1) and b.per_token_s == pytest.approx(0.004)
+    assert b.tokens() == 100  # (0.5 - 0.1) / 0.004
+    assert b.tokens(decoding=False) == 125  # nothing decodes: the whole target is prefill
+
+
+def test_a_slow_machine_gets_small_chunks_but_never_below_the_floor():
+    b = StepBudget(target_s=0.5, ceiling=512, floor=16)
+    b.observe(0, 128, 1.6)  # 12.5 ms a token: the qwen3-0.6b-on-AVX2 case
+    assert b.tokens() == 40
+    b.observe(8, 0, 0.6)  # decoding alone already takes longer than the target
+    b.decode_s = 0.6
+    assert b.tokens() == 16
+
+
+def test_a_fast_machine_is_capped_by_the_ceiling():
+    b = StepBudget(target_s=0.5, ceiling=512)
+    b.observe(0, 512, 0.01)
+    assert b.tokens() == 512
+
+
+def test_moving_average_follows_a_change():
+    b = StepBudget(target_s=1.0, ceiling=10_000)
+    b.observe(0, 100, 1.0)  # 10 ms a token
+    for _ in range(20):
+        b.observe(0, 100, 0.1)  # then 1 ms a token (the page cache warmed up, say)
+    assert 900 <= b.tokens() <= 1000
+
+
+def test_bad_samples_and_settings():
+    b = StepBudget(target_s=0.5, ceiling=64)
+    b.observe(0, 0, 1.0)  # an empty step
+    b.observe(1, 1, -1.0)  # a clock that went backwards
+    assert b.decode_s is None and b.per_token_s is None
+    with pytest.raises(ValueError):
+        StepBudget(target_s=0)
+    assert StepBudget(ceiling=8, floor=16).floor == 8  # the floor never exceeds the ceiling

@@ -1,0 +1,68 @@
+"""How many prompt tokens one engine step may prefill, so that a step takes about a target time.
+
+A step decodes one token for every running sequence and spends the rest of its time on prefill
+chunks. A fixed chunk size is wrong on every machine but one: 128 tokens of a 0.6B model take
+well over a second on two AVX2 cores (every decoding stream stalls that long, and the old
+liveness check took the silence for a dead worker) and a few milliseconds on a GPU (prefill
+crawls). So the engine measures, as it runs, what a step costs:
+
+    step_s ~= decode_s + per_token_s * prefill_tokens
+
+``decode_s`` from steps that prefilled nothing and ``per_token_s`` from steps that did (less
+the decode part), each an exponential moving average, and gives the next step
+``(target_s - decode_s) / per_token_s`` prefill tokens, clamped to ``[floor, ceiling]``. The
+floor keeps a long prompt moving even when decoding alone fills the target; the ceiling is the
+configured ``prefill_chunk`` (the most one step may take, and the whole budget until the first
+measurements come in).
+
+No torch here: the scheduler and its tests use it as plain numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_TARGET_S = 0.5  # CPU: a decode stream waits at most about this long for a joiner
+MIN_PREFILL_TOKENS = 16  # one KV block: a prompt always moves forward
+_ALPHA = 0.3  # weight of the newest measurement in the moving averages
+
+
+@dataclass
+class StepBudget:
+    """Prefill tokens per step from measured step times. ``observe`` after each step,
+    ``tokens()`` before the next."""
+
+    target_s: float = DEFAULT_TARGET_S
+    ceiling: int = 512
+    floor: int = MIN_PREFILL_TOKENS
+    decode_s: float | None = None  # EWMA of a step that only decodes
+    per_token_s: float | None = None  # EWMA of the cost of one prefill token
+
+    def __post_init__(self) -> None:
+        if self.target_s <= 0:
+            raise ValueError(f"the step target must be positive, got {self.target_s}")
+        self.floor = max(1, min(self.floor, self.ceiling))
+
+    def observe(self, n_decode: int, n_prefill: int, seconds: float) -> None:
+        """Record one step: ``n_decode`` decoded rows, ``n_prefill`` prefilled tokens."""
+        if seconds < 0 or (n_decode == 0 and n_prefill == 0):
+            return
+        if n_prefill == 0:
+            self.decode_s = _ewma(self.decode_s, seconds)
+            return
+        decode = self.decode_s if n_decode and self.decode_s is not None else 0.0
+        # A step shorter than our decode estimate still says prefill was cheap, not free.
+        per_token = max(seconds - decode, seconds * 0.1) / n_prefill
+        self.per_token_s = _ewma(self.per_token_s, per_token)
+
+    def tokens(self, decoding: bool = True) -> int:
+        """Prefill tokens for the next step; ``decoding``: some sequence decodes in it too."""
+        if self.per_token_s is None or self.per_token_s <= 0:
+            return self.ceiling
+        room = self.target_s - ((self.decode_s or 0.0) if decoding else 0.0)
+        n = int(room / self.per_token_s)
+        return max(self.floor, min(self.ceiling, n))
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - _ALPHA) * old + _ALPHA * new
