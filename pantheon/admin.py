@@ -128,6 +128,15 @@ def die_views(s: dict) -> list[dict]:
                 "dead" if wk is not None else "not started"),
             "pid": wk.pid if wk is not None else None,
             "error": wk.error if wk is not None and not wk.alive else None,
+            # liveness: deaths and restarts since start, the latest death's reason (kept after
+            # the restart), and the heartbeat's view of the step running now
+            "deaths": wk.deaths if wk is not None else 0,
+            "restarts": wk.restarts if wk is not None else 0,
+            "last_death": ({"reason": wk.last_death, "at": wk.last_death_at}
+                           if wk is not None and wk.last_death else None),
+            "step_running_s": (round(wk.beat.turn_s, 3) if wk is not None and wk.alive
+                               and wk.beat is not None else None),
+            "steps": wk.beat.steps if wk is not None and wk.beat is not None else None,
             "total_bytes": d.total_bytes, "reserve_bytes": d.reserve_bytes,
             "budget_bytes": d.budget_bytes, "used_bytes": d.used_bytes,
             "weights_bytes": d.weights_bytes, "kv_bytes": d.kv_bytes,

@@ -22,7 +22,7 @@ from pantheon.opsconfig import OpsConfig, build_ops
 DEFAULT_SLOTS = 8
 DEFAULT_QUEUE_DEPTH = 32
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
-DEFAULT_PREFILL_CHUNK = 128
+DEFAULT_PREFILL_CHUNK = 512  # a ceiling: the step budget takes fewer on a slow die
 DEFAULT_ADMIT_CTX = 8192  # the spec's MR_ADMIT_CTX_GUESS: context a load is admitted for
 DEFAULT_MAX_BODY = 8 << 20
 

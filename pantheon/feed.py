@@ -162,7 +162,10 @@ def instance_state(inst: Any, es: Any, queued: int, dies: Any) -> st.InstanceSta
         weights_bytes=int(booked_w), kv_bytes=int(booked_kv), quantized=bool(inst.quantize),
         max_model_len=int(inst.max_model_len or 0), slots=slots, in_flight=inst.refs,
         queued=queued, restarts=int(getattr(inst, "restarts", 0) or 0),
-        cache_hit_rate=hit_rate(es))
+        cache_hit_rate=hit_rate(es),
+        kv_blocks_used=int(es.kv_blocks_used) if es is not None else 0,
+        kv_blocks_total=int(es.kv_blocks_total) if es is not None else 0,
+        prefill_budget=int(getattr(es, "prefill_budget", 0)) if es is not None else 0)
 
 
 def die_cpu_paths(registry: Any) -> dict[str, str]:
@@ -193,7 +196,9 @@ def die_states(dies: Any, pool: Any, pressure: Any, registry: Any) -> list[st.Di
             pressure=pressure.die_level(d.id), alive=alive,
             error=w.error if w is not None and not w.alive else None,
             instances=sorted(set(hosted.get(d.id, [])) | set(d.bookings)),
-            isa=w.cpu_isa if w is not None else "", cpu_path=paths.get(d.id, "")))
+            isa=w.cpu_isa if w is not None else "", cpu_path=paths.get(d.id, ""),
+            restarts=int(getattr(w, "restarts", 0)) if w is not None else 0,
+            last_death=getattr(w, "last_death", None) if w is not None else None))
     return out
 
 

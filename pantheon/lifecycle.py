@@ -188,7 +188,8 @@ class Models:
         inst.load_msg = LoadModel(
             instance=inst.instance_id, path=os.path.abspath(path), dtype=cfg.dtype,
             devices=list(inst.dies), kv_budget_bytes=kv_bytes, num_slots=inst.gate.slots,
-            prefill_chunk=cfg.prefill_chunk, max_model_len=mml, quantize=quantize)
+            prefill_chunk=cfg.prefill_chunk, step_target_s=cfg.ops.step_target_s,
+            max_model_len=mml, quantize=quantize)
         self.feed.event("load", f"loading {path} as {inst.instance_id} on "
                                 f"{','.join(inst.dies)}", model=name, instance=inst.instance_id)
         task = asyncio.create_task(self._finish_load(inst, assets, background),

@@ -116,11 +116,24 @@ class _Live:
                                      "to 3 critical.", labels=["die"])
         alive = GaugeMetricFamily("pantheon_die_alive", "1 when the die's worker is up.",
                                   labels=["die"])
+        restarts = GaugeMetricFamily("pantheon_worker_restarts", "Times the die's worker was "
+                                     "started again after it died.", labels=["die"])
+        died_at = GaugeMetricFamily("pantheon_worker_last_death_timestamp_seconds", "Unix time "
+                                    "of the die's latest worker death (the reason is in "
+                                    "/admin/dies).", labels=["die"])
+        turn = GaugeMetricFamily("pantheon_worker_step_running_seconds", "How long the "
+                                 "worker's current step has run (0 when idle), from its "
+                                 "heartbeat.", labels=["die"])
         manager, source = self.state.get("dies"), self.state.get("pressure")
         for d in dies:
             total.add_metric([d.die], d.total_bytes)
             free.add_metric([d.die], d.free_bytes)
             alive.add_metric([d.die], 1.0 if d.alive else 0.0)
+            restarts.add_metric([d.die], getattr(d, "restarts", 0))
+            if getattr(d, "last_death_at", None) is not None:
+                died_at.add_metric([d.die], d.last_death_at)
+            beat = getattr(d, "beat", None)
+            turn.add_metric([d.die], beat.turn_s if beat is not None and d.alive else 0.0)
             md = manager.get(d.die) if manager is not None and hasattr(manager, "get") else None
             used = getattr(md, "used_bytes", None)
             booked.add_metric([d.die], used if used is not None
@@ -130,7 +143,7 @@ class _Live:
                     pressure.add_metric([d.die], source.die_level(d.die))
                 except Exception:  # noqa: BLE001 - a scrape must not fail on one probe
                     pass
-        yield from (total, free, booked, pressure, alive)
+        yield from (total, free, booked, pressure, alive, restarts, died_at, turn)
 
 
 class Metrics:

@@ -67,6 +67,8 @@ class OpsConfig(msgspec.Struct, frozen=True, kw_only=True):
     advertise_host: str | None = None
     worker_restarts: int = 10  # restarts per die before giving up (0: never restart)
     restart_backoff_s: float = 0.5  # first restart delay; doubles, at most 30 s
+    step_timeout_s: float = 300.0  # a worker turn (a step) running longer is a hung worker
+    step_target_s: float = 0.5  # the engines size prefill so that one step takes about this
     worker_listen: str | None = None  # tcp://host:port for remote workers (needs CURVE keys)
     curve_dir: str | None = None
     # the spec's engine knobs
@@ -133,6 +135,12 @@ OPTS: tuple[Opt, ...] = (
     Opt("restart_backoff", "--restart-backoff", ("PANTHEON_RESTART_BACKOFF",), "float",
         "seconds before the first restart of a dead worker; doubles each time, at most 30 "
         "(default 0.5)", "S"),
+    Opt("step_timeout", "--step-timeout", ("PANTHEON_STEP_TIMEOUT",), "float",
+        "seconds one worker step may run before the worker counts as hung and is restarted; "
+        "its heartbeat thread reports progress meanwhile (default 300)", "S"),
+    Opt("step_target", "--step-target", ("PANTHEON_STEP_TARGET",), "float",
+        "seconds one engine step should take: each step prefills as many prompt tokens as fit, "
+        "measured as it runs, so streams keep flowing past long prompts (default 0.5)", "S"),
     Opt("worker_listen", "--worker-listen", ("PANTHEON_WORKER_LISTEN",), "str",
         "tcp://HOST:PORT for workers on other hosts; refused without CURVE keys in --curve-dir",
         "URL"),
@@ -294,7 +302,9 @@ def build_ops(args: Mapping[str, Any], env: Mapping[str, str]) -> OpsConfig:
         kw["log_format"] = got[0]
     for key, field, lo in (("drain_timeout", "drain_timeout_s", 0.0),
                            ("registry_heartbeat", "registry_heartbeat_s", 0.05),
-                           ("restart_backoff", "restart_backoff_s", 0.0)):
+                           ("restart_backoff", "restart_backoff_s", 0.0),
+                           ("step_timeout", "step_timeout_s", 1.0),
+                           ("step_target", "step_target_s", 0.01)):
         if (got := val(key)) is not None:
             if got[0] < lo:
                 raise _config_error(f"{got[1]} {got[0]}: must be >= {lo:g} seconds")

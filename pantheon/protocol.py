@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -43,7 +43,8 @@ class LoadModel(msgspec.Struct, tag=True, kw_only=True):
     devices: list[str] = []  # e.g. ["cuda:0"] or ["cuda:0", "cuda:1"] (layers split), ["cpu"]
     kv_budget_bytes: int = 256 << 20
     num_slots: int = 8
-    prefill_chunk: int = 128
+    prefill_chunk: int = 512  # the most prompt tokens one step prefills (workers/step_budget.py)
+    step_target_s: float = 0.5  # the engine sizes prefill so that a step takes about this long
     max_model_len: int | None = None
     quantize: bool = False
 
@@ -95,6 +96,19 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     # run at worker start (path name -> "" when it works, else why not; workers/cpu_paths.py).
     cpu_isa: str = ""
     cpu_paths: dict[str, str] = {}
+
+
+class Beat(msgspec.Struct, tag=True, kw_only=True):
+    """The worker's heartbeat. A thread of its own sends it every ``BEAT_INTERVAL_S`` on a
+    second socket (identity ``<die>/hb``), so it keeps coming while a step computes: the router
+    tells a long step from a hung one by ``turn_s``, not by silence."""
+
+    turns: int  # main-loop turns since start
+    turn_s: float  # how long the current turn has run; 0 while the loop waits for work
+    steps: int  # engine steps since start
+
+
+BEAT_INTERVAL_S = 0.5
 
 
 class LoadProgress(msgspec.Struct, tag=True, kw_only=True):
@@ -169,6 +183,7 @@ class InstanceStats(msgspec.Struct, kw_only=True):
     kv_blocks_cached: int = 0  # held only by the prefix cache (evictable)
     cache_hit_blocks: int = 0  # since load: prefix blocks reused ...
     cache_query_blocks: int = 0  # ... of those looked up
+    prefill_budget: int = 0  # prompt tokens the next step may prefill (the step budget)
 
 
 class Stats(msgspec.Struct, tag=True, kw_only=True):
@@ -186,7 +201,7 @@ class Pong(msgspec.Struct, tag=True, kw_only=True):
 
 RouterMsg = LoadModel | UnloadModel | Submit | Abort | ResetCache | Ping | Shutdown
 WorkerMsg = (
-    Hello | LoadProgress | Loaded | LoadFailed | Unloaded | Rejected | StepOutput | Stats | Pong
+    Hello | Beat | LoadProgress | Loaded | LoadFailed | Unloaded | Rejected | StepOutput | Stats | Pong
 )
 
 _encoder = msgspec.msgpack.Encoder()

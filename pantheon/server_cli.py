@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests that may wait for a slot (default 32)")
     ap.add_argument("--queue-timeout", type=float, default=None,
                     help="seconds a request waits for a slot (default 30)")
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill chunk (tokens)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="most prompt tokens one step prefills (default 512; steps "
+                    "take fewer where they would outgrow --step-target)")
     ap.add_argument("--cpu-dies", type=int, default=None, help="virtual CPU dies to create")
     ap.add_argument("--cpu-die-budget", default=None, metavar="BYTES",
                     help='memory budget of each CPU die (bytes or "2GiB"; default: the '
@@ -234,7 +235,7 @@ async def serve(cfg: ServeConfig) -> int:
     # several CPU dies share the cores: each worker gets its share unless told otherwise
     threads = default_worker_threads(cfg.cpu_dies, cfg.worker_threads)
     pool = WorkerPool(hello_timeout=cfg.hello_timeout_s, heartbeat_interval=cfg.heartbeat_s,
-                      worker_threads=threads)
+                      step_timeout=cfg.ops.step_timeout_s, worker_threads=threads)
     await pool.start()
     app = create_app(cfg, pool, registry)
     models = app.extensions["pantheon"]["models"]

@@ -39,6 +39,9 @@ class InstanceState(msgspec.Struct, kw_only=True):
     queued: int = 0
     restarts: int = 0
     cache_hit_rate: float | None = None  # prefix cache, blocks reused / looked up
+    kv_blocks_used: int = 0  # KV blocks requests hold (not those kept only for the prefix cache)
+    kv_blocks_total: int = 0
+    prefill_budget: int = 0  # prompt tokens the engine's next step may prefill
 
 
 class DieState(msgspec.Struct, kw_only=True):
@@ -55,6 +58,8 @@ class DieState(msgspec.Struct, kw_only=True):
     instances: list[str] = []  # instance ids with memory on this die
     isa: str = ""  # CPU dies: torch's vector ISA there (avx512 | avx2 | ...)
     cpu_path: str = ""  # CPU dies: the linear-layer path(s) its instances run (workers/cpu_paths.py)
+    restarts: int = 0  # times its worker was started again after dying
+    last_death: str | None = None  # why its worker last died (kept after the restart)
 
 
 class QueueState(msgspec.Struct, kw_only=True):

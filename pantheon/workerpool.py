@@ -7,8 +7,11 @@ here, all on the router's event loop:
 * one reader that receives every worker message and fans it out: tokens to the per-request queue
   of their ``RequestStream`` (unbounded, so a slow HTTP client never holds the reader up), load and
   unload replies to the futures waiting for them, ``Stats`` into the die's snapshot;
-* one heartbeat that pings every worker each ``heartbeat_interval`` and declares dead a worker
-  that sent nothing (no Stats, no Pong) for ``dead_after`` seconds;
+* one heartbeat that pings every worker each ``heartbeat_interval`` and judges it by its
+  ``Beat`` (sent by a thread of the worker's own, every 0.5 s, whatever the model computes): a
+  worker is dead when its beats stop for ``dead_after`` seconds (the whole process is frozen)
+  or one turn of its loop, a step, has run longer than ``step_timeout`` (it hangs). A long step
+  is not silence: the beats say how long it has run;
 * per worker, one task that forwards its stdout/stderr to ours (keeping the last lines for error
   messages) and one that waits for the process to exit, so a crash is noticed at once.
 
@@ -106,6 +109,11 @@ class DieInfo:
     error: str | None  # why the worker is dead, when it is
     cpu_isa: str = ""  # CPU dies: from Hello (see protocol.Hello)
     cpu_paths: dict[str, str] = field(default_factory=dict)
+    deaths: int = 0  # times this die's worker died since the pool started
+    restarts: int = 0  # times it was started again after a death
+    last_death: str | None = None  # the reason of the latest death (kept after a restart)
+    last_death_at: float | None = None  # unix time of it
+    beat: p.Beat | None = None  # the latest heartbeat
 
 
 _END = object()  # queued into a RequestStream to end it without a finish token (abort)
@@ -215,6 +223,7 @@ class _Worker:
     hello_fut: asyncio.Future | None = None
     error: str | None = None
     last_seen: float = 0.0
+    beat: p.Beat | None = None
     last_stats: p.Stats | None = None
     output: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_OUTPUT_LINES))
     streams: dict[str, RequestStream] = field(default_factory=dict)
@@ -252,7 +261,8 @@ class WorkerPool:
         runtime_dir: str | None = None,
         hello_timeout: float = 60.0,
         heartbeat_interval: float = 1.0,
-        dead_after: float = 5.0,
+        dead_after: float = 30.0,
+        step_timeout: float = 300.0,
         worker_threads: int | None = None,
         on_worker_dead: Callable[[str, str], None] | None = None,
         worker_command: list[str] | None = None,
@@ -260,6 +270,10 @@ class WorkerPool:
         self.hello_timeout = hello_timeout
         self.heartbeat_interval = heartbeat_interval
         self.dead_after = dead_after
+        self.step_timeout = step_timeout
+        self._deaths: collections.Counter[str] = collections.Counter()
+        self._starts: collections.Counter[str] = collections.Counter()
+        self._last_death: dict[str, tuple[str, float]] = {}
         self.worker_threads = worker_threads
         self.on_worker_dead = on_worker_dead
         self.worker_command = list(worker_command or [sys.executable, "-m", "workers.worker"])
@@ -329,6 +343,7 @@ class WorkerPool:
             argv += ["--threads", str(self.worker_threads)]
         w = _Worker(die=die, argv=argv, hello_fut=asyncio.get_running_loop().create_future())
         self._workers[die] = w
+        self._starts[die] += 1
         try:
             w.proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -480,6 +495,11 @@ class WorkerPool:
             error=w.error,
             cpu_isa=h.cpu_isa if h else "",
             cpu_paths=dict(h.cpu_paths) if h else {},
+            deaths=self._deaths[w.die],
+            restarts=max(0, self._starts[w.die] - 1),
+            last_death=self._last_death.get(w.die, (None, None))[0],
+            last_death_at=self._last_death.get(w.die, (None, None))[1],
+            beat=w.beat,
         )
 
     def _worker_env(self) -> dict[str, str]:
@@ -554,6 +574,8 @@ class WorkerPool:
         w.state, w.error = "dead", reason
         if was_ready and not self._closing:
             log.error("worker for %s is dead: %s", w.die, reason)
+            self._deaths[w.die] += 1
+            self._last_death[w.die] = (reason, time.time())
         for stream in w.streams.values():
             stream._close(WorkerDied(w.die, reason))
         w.streams.clear()
@@ -616,7 +638,8 @@ class WorkerPool:
                 log.warning("dropped a message with %d frames", len(frames))
                 continue
             ident, data = frames
-            w = self._workers.get(ident.decode(errors="replace"))
+            # A worker's heart speaks from "<die>/hb": the same worker, another socket.
+            w = self._workers.get(ident.decode(errors="replace").removesuffix("/hb"))
             if w is None or w.state == "dead":
                 continue  # an unknown peer, or late words of a worker already declared dead
             try:
@@ -641,6 +664,8 @@ class WorkerPool:
                     stream._close(tok)
                 else:
                     stream._put(tok)
+        elif isinstance(msg, p.Beat):
+            w.beat = msg
         elif isinstance(msg, p.Stats):
             w.last_stats = msg
         elif isinstance(msg, p.Pong):
@@ -697,8 +722,20 @@ class WorkerPool:
         if not w.hello_fut.done():
             w.hello_fut.set_result(msg)
 
+    def _verdict(self, w: _Worker, now: float) -> str | None:
+        """Why ``w`` is dead by now, or None while it is alive (see the module docstring)."""
+        silent = now - w.last_seen
+        if silent > self.dead_after:
+            return (f"it sent nothing, not even a heartbeat, for {silent:.1f} s "
+                    f"(pid {w.hello.pid} is frozen or wedged)")
+        b = w.beat
+        if b is not None and b.turn_s > self.step_timeout:
+            return (f"its step has run {b.turn_s:.0f} s without finishing (the step timeout is "
+                    f"{self.step_timeout:g} s; pid {w.hello.pid}, after {b.steps} steps)")
+        return None
+
     async def _heartbeat_loop(self) -> None:
-        """Ping every ready worker; declare dead one that sent nothing for ``dead_after`` seconds."""
+        """Ping every ready worker; declare dead one whose ``_verdict`` says so."""
         last = time.monotonic()
         while True:
             await asyncio.sleep(self.heartbeat_interval)
@@ -708,10 +745,10 @@ class WorkerPool:
             stalled = now - last > self.heartbeat_interval + self.dead_after / 2
             last = now
             for w in [w for w in self._workers.values() if w.state == "ready"]:
-                silent = now - w.last_seen
                 try:
-                    if silent > self.dead_after and not stalled:
-                        self._declare_dead(w, f"it sent nothing for {silent:.1f} s (pid {w.hello.pid})")
+                    why = None if stalled else self._verdict(w, now)
+                    if why is not None:
+                        self._declare_dead(w, why)
                     else:
                         self._send(w, p.Ping(seq=next(w.ping_seq), sent_at=time.time()))
                 except Exception:  # the heartbeat must go on for the other workers

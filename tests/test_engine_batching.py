@@ -127,8 +127,8 @@ def test_pool_exhaustion_preempts_without_corruption(path, alone):
     preempted = []
     orig = eng.scheduler.schedule
 
-    def spy():
-        plan = orig()
+    def spy(*args):
+        plan = orig(*args)
         preempted.extend(s.request_id for s in plan.preempted)
         return plan
 

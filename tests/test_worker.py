@@ -6,6 +6,7 @@ ones check how the worker exits. ``tests/test_workerpool.py`` covers the router'
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -32,20 +33,29 @@ class Router:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(self.endpoint)
+        self.beats: list = []  # (received at, identity, Beat)
 
-    def spawn(self, die: str, *extra: str) -> subprocess.Popen:
+    def spawn(self, die: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "workers.worker", "--die", die, "--endpoint", self.endpoint, *extra]
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
 
     def send(self, ident: bytes, msg) -> None:
         self.sock.send_multipart([ident, p.encode(msg)])
 
-    def recv(self, timeout: float = 10.0):
-        """The next ``(identity, message)``; fails the test after ``timeout`` seconds."""
-        if not self.sock.poll(int(timeout * 1000)):
-            pytest.fail(f"no message from a worker within {timeout} s")
-        ident, data = self.sock.recv_multipart()
-        return ident, p.decode_worker_msg(data)
+    def recv(self, timeout: float = 10.0, beats: bool = False):
+        """The next ``(identity, message)``; fails the test after ``timeout`` seconds.
+
+        Heartbeats (``Beat`` from ``<die>/hb``) are kept in ``self.beats`` and skipped unless
+        ``beats``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                pytest.fail(f"no message from a worker within {timeout} s")
+            ident, data = self.sock.recv_multipart()
+            msg = p.decode_worker_msg(data)
+            if beats or not isinstance(msg, p.Beat):
+                return ident, msg
+            self.beats.append((time.monotonic(), ident, msg))
 
     def collect(self, until, timeout: float = 20.0) -> list:
         """Every message up to and including the first one for which ``until(msg)`` is true."""
@@ -142,11 +152,50 @@ def test_ping_pong(worker):
 
 
 @pytest.mark.timeout(30)
-def test_idle_stats_are_a_heartbeat(worker):
+def test_idle_stats_come_every_second(worker):
     worker.next(p.Stats)
     t0 = time.monotonic()
     worker.next(p.Stats)
     assert 0.5 < time.monotonic() - t0 < 1.6  # ~1 s apart when idle
+
+
+@pytest.mark.timeout(90)
+def test_the_heart_beats_through_a_long_step(router, tiny_model, tmp_path):
+    """Beats come from ``<die>/hb`` every 0.5 s, also while one step sleeps 3 s (the test seam),
+    and say how long that step has run; the main loop's own messages pause meanwhile."""
+    hook = tmp_path / "hook"
+    env = dict(os.environ, PANTHEON_TEST_STEP_HOOK=str(hook))
+    proc = router.spawn("cpu:5", "--budget-bytes", str(BUDGET), "--threads", "1",
+                        "--router-timeout", "300", env=env)
+    ident = b"cpu:5"
+
+    def wait_for(until, timeout):  # this worker's messages (the module's cpu:0 talks too)
+        deadline = time.monotonic() + timeout
+        while True:
+            who, msg = router.recv(max(0.01, deadline - time.monotonic()))
+            if who == ident and until(msg):
+                return msg
+
+    try:
+        assert isinstance(wait_for(lambda m: True, 60), p.Hello)
+        router.send(ident, p.LoadModel(instance="m", path=str(tiny_model), kv_budget_bytes=KV))
+        assert isinstance(wait_for(lambda m: isinstance(m, (p.Loaded, p.LoadFailed)), 60), p.Loaded)
+        hook.write_text("3")
+        router.send(ident, p.Submit(request_id="r", instance="m", prompt=[5, 6, 7],
+                                    params=p.SamplingParams(max_tokens=2, ignore_eos=True)))
+        router.beats.clear()
+        t0 = time.monotonic()
+        wait_for(lambda m: isinstance(m, p.StepOutput) and any(t.finish for t in m.tokens), 30)
+        took = time.monotonic() - t0
+        assert took > 2.5 and not hook.exists()  # the hook ran, once
+        beats = [(at, b) for at, who, b in router.beats if who == b"cpu:5/hb"]
+        during = [b.turn_s for at, b in beats if at - t0 < took]
+        assert len(during) >= 4, beats  # about one per 0.5 s, while the main loop slept
+        assert max(during) > 2.0  # ... and they said how long the step had run
+        gaps = [b[0] - a[0] for a, b in zip(beats, beats[1:])]
+        assert max(gaps) < 1.5, gaps
+    finally:
+        _stop(proc)
 
 
 @pytest.mark.timeout(30)

@@ -254,6 +254,51 @@ async def test_silent_worker_is_declared_dead():
         assert not pool.dies()[0].alive
 
 
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_long_step_is_not_a_dead_worker_but_a_hung_one_is(tiny_model, tmp_path, monkeypatch):
+    """The step seam sleeps 4 s inside one step: longer than the pool's silence bound (2 s
+    here; it was the whole liveness rule before), yet the heartbeat thread keeps the worker
+    alive and the request completes. Then the seam hangs the step: after the step timeout
+    (6 s) the worker is declared dead, its request fails with the reason, its process is gone."""
+    hook = tmp_path / "hook"
+    monkeypatch.setenv("PANTHEON_TEST_STEP_HOOK", str(hook))  # the worker inherits our env
+    deaths = []
+    async with WorkerPool(worker_threads=1, heartbeat_interval=0.2, dead_after=2.0,
+                          step_timeout=6.0, on_worker_dead=lambda d, r: deaths.append(r)) as pool:
+        info = await pool.start_worker("cpu:4", budget_bytes=BUDGET)
+        await pool.load("cpu:4", load_msg("m", tiny_model))
+        hook.write_text("4")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        toks = [t async for t in pool.submit("cpu:4", submit("slow", 3))]
+        assert len(toks) == 3 and loop.time() - t0 > 3.5 and not hook.exists()
+        await asyncio.sleep(1.0)  # the next beats
+        d = pool.dies()[0]
+        assert d.alive and not deaths and d.beat.steps >= 3 and d.beat.turn_s < 1.0
+
+        hook.write_text("hang")
+        stream = pool.submit("cpu:4", submit("stuck", 50))
+        t0 = loop.time()
+        with pytest.raises(WorkerDied, match="step has run") as e:
+            async with asyncio.timeout(30):
+                async for _ in stream:
+                    pass
+        assert 6.0 <= loop.time() - t0 < 15
+        assert "step timeout is 6 s" in str(e.value)
+        d = pool.dies()[0]
+        assert not d.alive and d.deaths == 1 and "step has run" in d.last_death
+        assert len(deaths) == 1
+        with pytest.raises(ProcessLookupError):
+            for _ in range(50):  # the pool killed it: it must let go of the die
+                os.kill(info.pid, 0)
+                await asyncio.sleep(0.1)
+        hook.unlink(missing_ok=True)
+        again = await pool.start_worker("cpu:4", budget_bytes=BUDGET)
+        assert again.alive and again.restarts == 1 and again.deaths == 1
+        assert again.last_death == d.last_death  # kept after the restart
+
+
 # ---------------------------------------------------------------------- start failures
 
 

@@ -27,6 +27,7 @@ from workers.model_config import load_config
 from workers.runner import ModelRunner, kv_block_bytes
 from workers.sampler import SamplerState, sample
 from workers.scheduler import Scheduler, Sequence, StepPlan
+from workers.step_budget import DEFAULT_TARGET_S, StepBudget
 
 __all__ = ["Engine", "LoadError", "RequestRejected"]
 
@@ -40,7 +41,8 @@ class Engine:
         dtype: str = "auto",
         num_slots: int = 8,
         kv_budget_bytes: int = 256 << 20,
-        prefill_chunk: int = 128,
+        prefill_chunk: int = 512,
+        step_target_s: float = DEFAULT_TARGET_S,
         block_size: int = 16,
         max_model_len: int | None = None,
         quantize: bool = False,
@@ -90,6 +92,9 @@ class Engine:
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.blocks = BlockManager(num_blocks, block_size, enable_cache=prefix_cache)
         self.scheduler = Scheduler(self.blocks, num_slots, prefill_chunk, self.max_model_len)
+        # Prefill per step: at most prefill_chunk, fewer when measured steps would outgrow the
+        # target (a slow CPU, a big model), so decoding streams keep flowing past long prompts.
+        self.budget = StepBudget(target_s=step_target_s, ceiling=prefill_chunk)
         self.runner = ModelRunner(self.model, cfg, self.blocks, dt)
         # Opt-in (PANTHEON_COMPILE=1): minutes of compile at load for faster decode steps
         self.compile_error: str | None = None
@@ -191,7 +196,8 @@ class Engine:
     def step(self) -> list[TokenOut]:
         """Run one step: decode every running sequence, plus at most one prefill chunk's worth."""
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        decoding = any(s.decoding for s in self.scheduler.running())
+        plan = self.scheduler.schedule(self.budget.tokens(decoding))
         outs = [TokenOut(s.request_id, -1, finish="length") for s in plan.truncated]
         for s in plan.truncated:
             self._samplers.pop(s.request_id, None)
@@ -212,8 +218,10 @@ class Engine:
                 outs.append(TokenOut(s.request_id, pick.token, pick.logprob, pick.top, reason, cached))
                 if reason:
                     self._samplers.pop(s.request_id, None)
+        took = time.perf_counter() - t0
+        self.budget.observe(len(plan.decode), sum(n for _s, n in plan.prefill), took)
         self.steps += 1
-        self.step_seconds += time.perf_counter() - t0
+        self.step_seconds += took
         return outs
 
     def stats(self, instance: str) -> InstanceStats:
@@ -237,6 +245,7 @@ class Engine:
             kv_blocks_cached=self.blocks.num_cached,
             cache_hit_blocks=self.blocks.hits,
             cache_query_blocks=self.blocks.queries,
+            prefill_budget=self.budget.tokens(),
         )
 
     def close(self) -> None:

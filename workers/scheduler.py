@@ -1,7 +1,8 @@
 """Slot states, queue order and the plan of each engine step. No torch here.
 
 A step decodes one token for every sequence that is past its prefill and spends at most
-``prefill_chunk`` tokens on prefill, oldest joiner first, so a decoding sequence waits at
+``prefill_chunk`` tokens (or the step budget the engine passes, see ``step_budget``) on
+prefill, oldest joiner first, so a decoding sequence waits at
 most one chunk for joiners. When the KV pool runs dry, the newest running sequence is
 preempted: its blocks are freed and it is recomputed from its tokens later; the others are
 untouched. Requests beyond the slot count wait FIFO.
@@ -114,7 +115,8 @@ class Scheduler:
 
     # ------------------------------------------------------------ the step
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, prefill_tokens: int | None = None) -> StepPlan:
+        """Plan the next step; it prefills at most ``prefill_tokens`` (default ``prefill_chunk``)."""
         self._admit()
         plan = StepPlan(decode=[], prefill=[])
         running = sorted(self.running(), key=lambda s: s.arrival)
@@ -125,7 +127,7 @@ class Scheduler:
             if self._grow(seq, seq.num_computed + 1, plan):
                 plan.decode.append(seq)
 
-        budget = self.prefill_chunk
+        budget = self.prefill_chunk if prefill_tokens is None else max(1, prefill_tokens)
         for seq in running:
             if budget == 0:
                 break

@@ -8,8 +8,14 @@ identity, says ``Hello``, then runs one loop:
    shutdown);
 2. run one ``engine.step()`` for every loaded instance that has work and send its tokens as one
    ``StepOutput``;
-3. send ``Stats`` every 250 ms while busy and every second when idle (that is the heartbeat);
-4. with nothing to do, block on the socket until a message comes or the next heartbeat is due.
+3. send ``Stats`` every 250 ms while busy and every second when idle;
+4. with nothing to do, block on the socket until a message comes or the next Stats is due.
+
+The heartbeat does not depend on that loop: a thread of its own (``Heart``) sends ``Beat``
+every ``BEAT_INTERVAL_S`` on a second DEALER socket (identity ``<die>/hb``), carrying the loop's
+turn counter and how long the current turn has run. Torch releases the GIL inside its kernels,
+so beats keep coming through a step of any length; the router declares the worker dead only
+when the beats stop (the process is frozen or gone) or one turn outlives the step timeout.
 
 Loading runs in a background thread, one model at a time, so a model that takes minutes to read
 never stalls heartbeats, pongs or the other instances' decoding; the main loop forwards the
@@ -17,7 +23,12 @@ loader's progress as ``LoadProgress``.
 
 The worker exits by itself when the router is gone: no message from it for ``--router-timeout``
 seconds (the router pings every second), or, when spawned with ``--parent-pid``, its parent
-process is no longer its parent.
+process is no longer its parent (the heart checks that too, so a worker stuck in a step does
+not outlive its router).
+
+Test seam: with ``PANTHEON_TEST_STEP_HOOK=FILE`` in its environment, the worker looks for FILE
+before each step; when it is there, the worker deletes it and sleeps inside that step for the
+seconds FILE holds, or forever if it holds ``hang``.
 
 This module never imports quart, textual or tokenizers: prompts arrive as token ids.
 """
@@ -69,6 +80,57 @@ def _knobs() -> tuple[float, bool]:
     return poll, os.environ.get("PANTHEON_STEP_STATS", "") == "1"
 
 
+class Heart(threading.Thread):
+    """Sends ``Beat`` every ``interval`` seconds from its own socket, whatever the main loop does.
+
+    Reads the worker's ``turns`` / ``turn_began`` / ``steps`` (plain attributes the main loop
+    writes; a stale read only makes one beat a turn late). Exits the process when the parent
+    is gone, since the main loop may be the thing that is stuck."""
+
+    def __init__(self, worker: Worker, interval: float = p.BEAT_INTERVAL_S):
+        super().__init__(name="heart", daemon=True)
+        self.worker, self.interval = worker, interval
+        self.stopped = threading.Event()
+
+    def beat(self) -> p.Beat:
+        w = self.worker
+        began = w.turn_began
+        return p.Beat(turns=w.turns, turn_s=time.monotonic() - began if began else 0.0, steps=w.steps)
+
+    def run(self) -> None:
+        w = self.worker
+        sock = w.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{w.die.id}/hb".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.connect(w.endpoint)
+        try:
+            while True:
+                sock.send(p.encode(self.beat()))
+                if self.stopped.wait(self.interval):
+                    return
+                if w.parent_pid is not None and os.getppid() != w.parent_pid:
+                    log.error("parent process %d is gone: exiting", w.parent_pid)
+                    logging.shutdown()
+                    os._exit(EXIT_PARENT_GONE)
+        finally:
+            sock.close(0)
+
+
+def _step_hook() -> None:
+    """The test seam described in the module docstring (a no-op unless the env names a file)."""
+    path = os.environ.get("PANTHEON_TEST_STEP_HOOK")
+    if not path or not os.path.exists(path):
+        return
+    with open(path) as f:
+        what = f.read().strip()
+    os.unlink(path)
+    log.warning("test step hook: %s inside this step", what)
+    if what == "hang":
+        threading.Event().wait()
+    time.sleep(float(what))
+
+
 def _engine_class():
     """Import the engine on first use (and once before Hello, see ``Worker.run``)."""
     from workers.engine import Engine
@@ -113,6 +175,9 @@ class Worker:
         self.last_progress_at = 0.0
         self.engine_import_error: str | None = None
         self.steps = 0
+        self.turns = 0  # main-loop turns; with turn_began, what the heart reports
+        self.turn_began: float | None = None  # monotonic start of the running turn; None: idle
+        self.heart: Heart | None = None
         self.window_steps = 0
         self.window_ms = 0.0
         self.exit_code: int | None = None
@@ -171,10 +236,14 @@ class Worker:
         self._connect()
         self.send(self._hello())
         log.info("worker for %s (%s) connected to %s", self.die.id, self.die.device_name, self.endpoint)
+        self.heart = Heart(self)
+        self.heart.start()
         last_router = time.monotonic()
         next_stats = 0.0  # send Stats at once, so the router has them right after Hello
         try:
             while self.exit_code is None:
+                self.turns += 1
+                self.turn_began = time.monotonic()
                 if self._drain():
                     last_router = time.monotonic()
                 self._finish_loads()
@@ -189,8 +258,11 @@ class Worker:
                     wait = next_stats - time.monotonic()
                     if loading:
                         wait = min(wait, self.loading_poll_s)
+                    self.turn_began = None  # waiting for work is not a turn that hangs
                     self.sock.poll(max(0, int(wait * 1000)) + 1)
         finally:
+            self.heart.stopped.set()
+            self.heart.join(2.0)
             self.sock.close(0)
             self.ctx.term()
         return self.exit_code
@@ -250,6 +322,7 @@ class Worker:
                 continue
             busy = True
             t0 = time.perf_counter()
+            _step_hook()
             tokens = inst.engine.step()
             ms = (time.perf_counter() - t0) * 1000.0
             self.steps += 1
@@ -337,6 +410,7 @@ class Worker:
                     num_slots=msg.num_slots,
                     kv_budget_bytes=msg.kv_budget_bytes,
                     prefill_chunk=msg.prefill_chunk,
+                    step_target_s=msg.step_target_s,
                     max_model_len=msg.max_model_len,
                     quantize=msg.quantize,
                     progress=self._on_progress,

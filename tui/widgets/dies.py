@@ -15,17 +15,21 @@ def die_line(die: DieState, width: int) -> Text:
     """``cpu:0 ███▓▓░░░ 1.2G/2.0G P1``: the bar takes what the label and numbers leave."""
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append(f"{die.id:<7}", "bold")
+    # a worker that was restarted says so, and why it last died, until the router restarts
+    restarts = f" restarted {die.restarts}x" if die.restarts else ""
     if not die.alive:
         t.append(" DEAD ", "bold reverse red")
-        t.append(f" {die.error or 'worker gone'}", "red")
+        t.append(f"{restarts} {die.error or 'worker gone'}", "red")
         return t
     used = die.weights_bytes + die.kv_bytes
     nums = f" {human_bytes(used)}/{human_bytes(die.budget_bytes)}"
-    level = f" {pressure_name(die.pressure)}"
+    level = f" {pressure_name(die.pressure)}{restarts}"
     detail = (f"  w {human_bytes(die.weights_bytes)} kv {human_bytes(die.kv_bytes)}"
               f" free {human_bytes(die.free_bytes)}")
     if die.cpu_path or die.isa:  # how a CPU die computes: its chosen path and the ISA
         detail += f"  {die.cpu_path or '-'}{f' ({die.isa})' if die.isa else ''}"
+    if die.restarts and die.last_death:
+        detail += f"  last death: {die.last_death}"
     room = width - 7 - len(nums) - len(level) - 1
     if room - len(detail) >= 20:  # wide: add the split in numbers
         room -= len(detail)
@@ -38,7 +42,8 @@ def die_line(die: DieState, width: int) -> Text:
     t.append(KV * k, f"{colour} dim")
     t.append(FREE * f, "grey42")
     t.append(nums)
-    t.append(level, f"bold {colour}")
+    t.append(level[:len(level) - len(restarts)], f"bold {colour}")
+    t.append(restarts, "bold yellow")
     t.append(detail, "dim")
     return t
 
