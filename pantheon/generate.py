@@ -53,8 +53,9 @@ def _pool_error(e: BaseException) -> ApiError:
             return ApiError(503, reason, type="server_error", code="model_not_ready")
         return ApiError(400, reason, code=kind)
     if isinstance(e, WorkerDied):
+        # Retry-After: the supervisor has the model back within a few seconds
         return ApiError(503, f"the worker serving this model died: {e}", type="server_error",
-                        code="worker_died")
+                        code="worker_died", headers={"Retry-After": "2"})
     log.exception("generation failed", exc_info=e)
     return ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
                     code="internal_error")

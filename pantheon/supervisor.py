@@ -110,6 +110,8 @@ class Supervisor:
             except Exception as e:  # noqa: BLE001 - a worker that does not start is a death
                 log.error("the worker of %s did not restart: %s", die, e)
                 self.deaths[die] = n + 1
+                if self.metrics is not None:
+                    self.metrics.worker_died(die)
                 if self.deaths[die] > self.max_restarts:
                     self._give_up(die)
                     return

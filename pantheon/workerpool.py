@@ -572,10 +572,11 @@ class WorkerPool:
             return
         was_ready = w.state == "ready"
         w.state, w.error = "dead", reason
-        if was_ready and not self._closing:
-            log.error("worker for %s is dead: %s", w.die, reason)
+        if not self._closing:  # a worker that dies while it starts counts too
             self._deaths[w.die] += 1
             self._last_death[w.die] = (reason, time.time())
+        if was_ready and not self._closing:
+            log.error("worker for %s is dead: %s", w.die, reason)
         for stream in w.streams.values():
             stream._close(WorkerDied(w.die, reason))
         w.streams.clear()

@@ -1,0 +1,305 @@
+"""Failures that lose nothing, with a real ``pantheon serve``, real workers and real sockets.
+
+One server: ``tiny`` on cpu:0 with 8 slots, quick restarts. In order:
+
+- 8 clients leave mid-stream: every slot and KV block is free within a second, and the next 8
+  requests are served;
+- the request body fuzz (hypothesis): no 5xx, no hang, and the server serves afterwards;
+- kill -9 of the worker while 7 streams and one non-streamed request run and 4 more wait in
+  the queue: each stream ends with one error event and ``[DONE]``, the non-streamed one gets
+  503 with ``Retry-After``; the worker is killed again while it restarts; the queued requests
+  complete once it is back; registry, slots and the die's memory account are exactly as before,
+  and ``/admin/dies`` and ``/metrics`` count the two deaths and restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from test_openai_api import check
+from test_serve import MSG, Server
+
+pytestmark = pytest.mark.timeout(240)
+
+LONG = {"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def fault(model_factory, tmp_path_factory):
+    s = Server(["--model", str(model_factory("tiny")), "--name", "tiny", "--cpu-dies", "1",
+                "--restart-backoff", "0.2", "--queue-timeout", "90",
+                "--kv-budget", "32MiB"],  # room for 8 long streams at once
+               tmp_path_factory.mktemp("faults") / "fault.log")
+    try:
+        s.wait_ready(("tiny",))
+        yield s
+    finally:
+        s.stop()
+
+
+def state(s: Server) -> dict:
+    return httpx.get(s.url + "/admin/state", timeout=10).json()
+
+
+def die0(s: Server) -> dict:
+    return next(d for d in httpx.get(s.url + "/admin/dies", timeout=10).json()["data"]
+                if d["die"] == "cpu:0")
+
+
+def idle(s: Server) -> bool:
+    """No slot busy, no KV block held by a request, nothing queued or in flight."""
+    snap = state(s)
+    insts = [i for i in snap["instances"] if i["name"] == "tiny"]
+    return bool(insts) and all(
+        i["state"] == "ready" and i["in_flight"] == 0 and i["kv_blocks_used"] == 0
+        and i["slots"] and all(sl["state"] == "idle" for sl in i["slots"]) for i in insts) and \
+        all(q["depth"] == 0 for q in snap["queues"])
+
+
+def until(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def stream_into(url: str, body: dict, out: list, started: threading.Event) -> None:
+    """One SSE response into ``out``: the status, then JSON events and "[DONE]"."""
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True},
+                          timeout=120) as r:
+            out.append(r.status_code)
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    out.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+                    if len(out) >= 3:
+                        started.set()
+    except httpx.HTTPError as e:
+        out.append(e)
+    finally:
+        started.set()
+
+
+def test_clients_that_leave_mid_stream_free_their_slots_at_once(fault):
+    until(lambda: idle(fault), 30, "the server to be idle")
+    responses = []
+    with httpx.Client(timeout=60) as c:
+        streams = [c.stream("POST", fault.url + "/v1/chat/completions",
+                            json={**LONG, "stream": True}) for _ in range(8)]
+        for cm in streams:
+            responses.append(cm.__enter__())
+        # (the line iterators are kept: one that is collected closes its response)
+        readers = [r.iter_lines() for r in responses]
+        for lines in readers:  # a few chunks each: all 8 are decoding
+            got = 0
+            while got < 3:
+                got += next(lines).startswith("data: ")
+        until(lambda: sum(sl["state"] != "idle" for i in state(fault)["instances"]
+                          for sl in i["slots"]) == 8, 5, "all 8 slots to show busy")
+        for cm in streams:  # all 8 go away
+            cm.__exit__(None, None, None)
+    left = time.monotonic()
+    until(lambda: idle(fault), 1.0 + 0.5, "the 8 slots and their KV blocks to be free")
+    # (the half second on top: one /admin/state reflects the worker's Stats of 250 ms ago)
+    assert time.monotonic() - left < 1.5
+    done = []
+
+    def short(i):
+        done.append(httpx.post(fault.url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": MSG, "max_tokens": 4, "seed": i}).status_code)
+
+    threads = [threading.Thread(target=short, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert done == [200] * 8
+
+
+# ---------------------------------------------------------------------- the request fuzz
+
+_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40),
+                    st.floats(allow_nan=False), st.text(max_size=12))
+_json = st.recursive(_scalar, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=6)
+_content = st.one_of(st.text(max_size=40), _json,
+                     st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url",
+                                                                              "x"]),
+                                                     "text": st.text(max_size=20)}), max_size=2))
+_message = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool",
+                                                    "developer", "bogus"]),
+                           "content": _content}),
+    _json)
+# Every field of CreateChatCompletionRequest that we read, each with good and bad values;
+# max_tokens stays small (or wrong) so that no example generates for long.
+FIELDS = {
+    "model": st.one_of(st.just("tiny"), _scalar),
+    "messages": st.one_of(st.lists(_message, min_size=1, max_size=3), _json),
+    "stream": st.one_of(st.booleans(), _scalar),
+    "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": _scalar}), _json),
+    "temperature": st.one_of(st.floats(-1, 3), _scalar),
+    "top_p": st.one_of(st.floats(-0.5, 1.5), _scalar),
+    "top_k": st.one_of(st.integers(-3, 100), _scalar),
+    "min_p": _scalar,
+    "n": st.one_of(st.integers(-1, 3), _scalar),
+    "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=6), _scalar),
+    "seed": _scalar,
+    "logprobs": _scalar,
+    "top_logprobs": st.one_of(st.integers(-1, 25), _scalar),
+    "presence_penalty": _scalar,
+    "frequency_penalty": _scalar,
+    "repetition_penalty": _scalar,
+    "logit_bias": _json,
+    "response_format": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(
+        ["text", "json_object", "json_schema", "xml"])}), _json),
+    "tools": st.one_of(st.lists(st.fixed_dictionaries({"type": st.just("function"),
+                                                       "function": _json}), max_size=2), _json),
+    "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), _json),
+    "user": _scalar,
+    "ignore_eos": _scalar,
+    "min_tokens": st.one_of(st.integers(-1, 4), _scalar),
+    "chat_template_kwargs": _json,
+}
+_max_tokens = st.one_of(st.integers(-2, 6), st.none(), st.text(max_size=3), st.booleans(),
+                        st.floats(0, 6))
+
+
+@st.composite
+def bodies(draw):
+    keys = draw(st.sets(st.sampled_from(sorted(FIELDS)), max_size=8))
+    body = {k: draw(FIELDS[k]) for k in keys}
+    body.setdefault("model", "tiny")
+    body.setdefault("messages", MSG)
+    body[draw(st.sampled_from(["max_tokens", "max_completion_tokens"]))] = draw(_max_tokens)
+    if not isinstance(body.get("max_tokens", 1), int) or \
+            not isinstance(body.get("max_completion_tokens", 1), int):
+        body["max_tokens"] = 4  # a wrong-typed limit must not leave the other one unbounded
+    return body
+
+
+def test_fuzzed_request_bodies_never_get_a_5xx(fault):
+    seen: dict[int, int] = {}
+    with httpx.Client(base_url=fault.url, timeout=30) as c:
+        @settings(max_examples=int(os.environ.get("PANTHEON_FUZZ_EXAMPLES", "150")),
+                  deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(bodies())
+        def one(body):
+            try:
+                raw = json.dumps(body).encode()
+            except (TypeError, ValueError):
+                return
+            r = c.post("/v1/chat/completions", content=raw,
+                       headers={"content-type": "application/json"})
+            text = r.read().decode(errors="replace")
+            seen[r.status_code] = seen.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (r.status_code, body, text)
+            if r.status_code >= 400:
+                check("ErrorResponse", json.loads(text))
+            elif r.headers["content-type"].startswith("text/event-stream"):
+                assert text.rstrip().endswith("data: [DONE]"), (body, text[-300:])
+                for block in text.split("\n\n")[:-2]:  # an in-stream error is a 4xx's body
+                    ev = json.loads(block[6:])
+                    if "error" in ev:
+                        assert ev["error"]["code"] != "internal_error", (body, ev)
+
+        one()
+    assert seen.get(200, 0) > 10 and sum(v for k, v in seen.items() if k >= 400) > 10, seen
+    until(lambda: idle(fault), 10, "the fuzzed requests to let go of every slot")
+    r = httpx.post(fault.url + "/v1/chat/completions", timeout=30,
+                   json={"model": "tiny", "messages": MSG, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------------- kill -9
+
+
+def accounts(s: Server) -> tuple:
+    """What a death and recovery must leave as it was: instances, bookings, slots."""
+    rows = sorted((r["instance"], r["name"], r["state"], tuple(r["dies"]))
+                  for r in httpx.get(s.url + "/admin/models", timeout=10).json()["data"])
+    d = die0(s)
+    snap = [(i["id"], len(i["slots"]), i["kv_blocks_total"]) for i in state(s)["instances"]]
+    return rows, d["bookings"], d["used_bytes"], snap
+
+
+def test_kill_9_during_8_requests_then_again_during_the_restart(fault):
+    until(lambda: idle(fault), 30, "the server to be idle")
+    before = accounts(fault)
+    d = die0(fault)
+    pid, deaths0, restarts0 = d["pid"], d["deaths"], d["restarts"]
+    # 7 streams and 1 non-streamed request fill the 8 slots ...
+    outs = [[] for _ in range(7)]
+    started = [threading.Event() for _ in range(7)]
+    threads = [threading.Thread(target=stream_into, args=(fault.url, LONG, outs[i], started[i]))
+               for i in range(7)]
+    plain: list = []
+
+    def post(body, into):
+        into.append(httpx.post(fault.url + "/v1/chat/completions", json=body, timeout=150))
+
+    threads.append(threading.Thread(target=post, args=(LONG, plain)))
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in started)
+    until(lambda: sum(sl["state"] != "idle" for i in state(fault)["instances"]
+                      for sl in i["slots"]) == 8, 30, "all 8 slots to be busy")
+    # ... and 4 more wait in the queue
+    queued: list = []
+    waiters = [threading.Thread(target=post, args=({"model": "tiny", "messages": MSG,
+                                                    "max_tokens": 3, "seed": i}, queued))
+               for i in range(4)]
+    for t in waiters:
+        t.start()
+    until(lambda: sum(q["depth"] for q in state(fault)["queues"]) == 4, 30, "4 queued requests")
+
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "a client hung after the worker died"
+    for ev in outs:  # each stream: 200, chunks, one error event, [DONE]
+        assert ev[0] == 200 and ev[-1] == "[DONE]", ev[-3:]
+        check("ErrorResponse", ev[-2])
+        assert ev[-2]["error"]["code"] == "worker_died", ev[-2]
+        assert not any("error" in e for e in ev[1:-2] if isinstance(e, dict))
+    r = plain[0]
+    assert r.status_code == 503 and r.headers["retry-after"], (r.status_code, r.text)
+    assert r.json()["error"]["code"] == "worker_died"
+
+    # the second kill, while the die restarts (a new pid up, its model not yet back)
+    second = until(lambda: (p := die0(fault)["pid"]) not in (None, pid) and p, 30,
+                   "the restarted worker")
+    os.kill(second, signal.SIGKILL)
+    for t in waiters:
+        t.join(120)
+        assert not t.is_alive(), "a queued request hung"
+    assert [q.status_code for q in queued] == [200] * 4, [q.text for q in queued]
+    for q in queued:
+        check("CreateChatCompletionResponse", q.json())
+
+    until(lambda: idle(fault), 30, "the restarted model to be ready and idle")
+    d = die0(fault)
+    assert d["alive"] and d["pid"] not in (pid, second)
+    assert d["deaths"] == deaths0 + 2 and d["restarts"] == restarts0 + 2, d
+    assert "SIGKILL" in d["last_death"]["reason"] and d["last_death"]["at"] > 0
+    assert accounts(fault) == before  # same instance, same bookings, same slots and KV pool
+    metrics = httpx.get(fault.url + "/metrics").text
+    assert f'pantheon_worker_restarts{{die="cpu:0"}} {restarts0 + 2}.0' in metrics
+    assert f'pantheon_worker_deaths_total{{die="cpu:0"}} {deaths0 + 2}.0' in metrics
+    r = httpx.post(fault.url + "/v1/chat/completions", timeout=30,
+                   json={"model": "tiny", "messages": MSG, "max_tokens": 3})
+    assert r.status_code == 200, r.text
