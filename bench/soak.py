@@ -221,9 +221,8 @@ def main() -> int:
 
     model = Path(args.model) if args.model else default_model()[0]
     second = second_model(args.second) if args.second else None
-    logs = ROOT / "bench" / "logs"
-    logs.mkdir(exist_ok=True)
-    proc, url = start_server(model, args, logs / "soak-server.log")
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / "bench-soak-server.log"
+    proc, url = start_server(model, args, log)
     soak = Soak(args)
     t0 = time.monotonic()
     try:
