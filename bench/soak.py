@@ -88,8 +88,13 @@ class Soak:
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    if '"error"' in line[:16]:
-                        return "stream:" + json.loads(line[6:])["error"].get("code", "?")
+                    ev = json.loads(line[6:])
+                    if "error" in ev:
+                        return "stream:" + (ev["error"].get("code") or "?")
+                    delta = ev["choices"][0].get("delta", {}) if ev.get("choices") else {}
+                    if not (delta.get("content") or delta.get("reasoning_content")
+                            or delta.get("tool_calls")):
+                        continue  # the role chunk, the finish chunk: no token in them
                     now = time.perf_counter()
                     if kind == "long" and not stamps:
                         self.prefilling -= 1

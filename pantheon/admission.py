@@ -52,7 +52,8 @@ def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], s
         prompt = assets.template.render(messages, tools=tools, add_generation_prompt=True,
                                         **req.chat_template_kwargs)
     except TemplateError as e:
-        raise oa.invalid("messages", f"the chat template refused this conversation: {e.message}")
+        raise oa.invalid(
+            "messages", f"the chat template refused this conversation: {e.message}") from None
     opened = assets.reasoning and think_open(prompt)
     prefix, forced = "", None
     if tools and req.tool_choice in ("required", "function") and assets.tool_call_markup:
@@ -138,7 +139,7 @@ def _cap(assets, req: ChatRequest, limit: int, room: int, full_len: int) -> Prep
     messages = [dict(m) for m in keep(k)]
     dropped = sum(len(t) for t in turns[:k])
     n, out = size(messages)
-    for j, m in enumerate(messages):
+    for m in messages:
         if m["role"] == "system" or not m.get("content"):
             continue
         for _ in range(6):  # rendering is not exactly additive: a few rounds at most

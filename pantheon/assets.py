@@ -12,8 +12,15 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from pantheon.chat.template import ChatTemplate
-from pantheon.gguf import (byte_alphabet, chat_template, eos_token_ids, find_gguf, read_gguf,
-                           special_tokens, tokenizer_json)
+from pantheon.gguf import (
+    byte_alphabet,
+    chat_template,
+    eos_token_ids,
+    find_gguf,
+    read_gguf,
+    special_tokens,
+    tokenizer_json,
+)
 
 
 def _byte_decoder() -> dict[str, int]:

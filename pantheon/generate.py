@@ -30,7 +30,6 @@ from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Delta, Emitter
 from pantheon.openai_api import ApiError, ChatRequest
 from pantheon.protocol import Submit
-
 from pantheon.workerpool import RequestRejectedError, WorkerDied
 
 log = logging.getLogger("pantheon.generate")

@@ -25,7 +25,6 @@ from werkzeug.exceptions import HTTPException
 
 from pantheon import openai_api as oa
 from pantheon import ops
-from pantheon.supervisor import admit as recovery_admit
 from pantheon.admin import bp as admin_bp
 from pantheon.admission import limit_of
 from pantheon.config import ServeConfig
@@ -37,6 +36,7 @@ from pantheon.openai_api import ApiError
 from pantheon.pressure import NAMES as LEVEL_NAMES
 from pantheon.pressure import PressureSource
 from pantheon.registry import Registry
+from pantheon.supervisor import admit as recovery_admit
 
 log = logging.getLogger("pantheon.server")
 

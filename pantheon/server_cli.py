@@ -217,8 +217,8 @@ async def serve(cfg: ServeConfig) -> int:
     from hypercorn.asyncio import serve as hc_serve
     from hypercorn.config import Config as HcConfig
 
-    from pantheon.registration import from_config as register_from_config
     from pantheon.dies import default_worker_threads
+    from pantheon.registration import from_config as register_from_config
     from pantheon.registry import Registry
     from pantheon.server import create_app
     from pantheon.supervisor import Supervisor

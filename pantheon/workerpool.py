@@ -362,7 +362,7 @@ class WorkerPool:
         ]
         try:
             await asyncio.wait_for(w.hello_fut, self.hello_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             what = f"it sent no Hello within {self.hello_timeout:g} s"
             if w.proc.returncode is None:
                 what += f" (pid {w.proc.pid} was still running; it has been killed)"

@@ -19,9 +19,9 @@ import time
 
 import httpx
 import pytest
+from test_serve import MSG, Server, check_error
 
 from pantheon.state import decode_snapshot
-from test_serve import MSG, Server, check_error
 
 pytestmark = pytest.mark.timeout(180)
 DIE_BUDGET = 48 << 20
@@ -185,7 +185,7 @@ async def test_16_instances_at_once(adm, model_factory):
         loaded.append(r.json()["instance"])
     try:
         check_error(load(adm, path=tiny, name="seventeen"), 507, code="table_full")
-        snap = decode_snapshot(httpx.get(adm.url + "/admin/state").content)
+        snap = decode_snapshot(httpx.get(adm.url + "/admin/state").content)  # noqa: ASYNC210
         assert len(snap.instances) == 16 and all(i.state == "ready" for i in snap.instances)
         per_die = {d.id: len(d.instances) for d in snap.dies}
         assert sum(per_die.values()) == 16 and min(per_die.values()) >= 6  # spread by free memory

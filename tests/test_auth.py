@@ -16,7 +16,6 @@ import shutil
 import httpx
 import openai
 import pytest
-
 from test_openai_api import check
 from test_serve import MSG, Server, check_error
 

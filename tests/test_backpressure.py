@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from test_serve import MSG, Server, check_error
 
 from pantheon.state import decode_snapshot
-from test_serve import MSG, Server, check_error
 
 pytestmark = pytest.mark.timeout(120)
 SHORT = {"model": "tiny", "messages": MSG, "max_tokens": 2}

@@ -164,7 +164,7 @@ def test_qwen3_content_parts_are_joined(qwen3):
 def test_qwen3_raw_transformers_crashes_on_null_content_but_we_do_not(qwen3):
     msgs = [{"role": "user", "content": "x"}, openai_tool_turn('{"city": "Paris"}')]
     # transformers drops the None content and the template then fails on it.
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - whatever jinja raises there
         hf_render(QWEN3.read_text(), msgs, bos=None)
     out = qwen3.render(msgs, add_generation_prompt=False)
     assert out.endswith('<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n')

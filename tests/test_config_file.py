@@ -14,11 +14,11 @@ import time
 
 import httpx
 import pytest
+from test_serve import MSG, ROOT, Server, _free_port, check_error
 
 from pantheon.config import ConfigError, build_config
 from pantheon.opsconfig import merge_config_file
 from pantheon.server_cli import build_parser
-from test_serve import MSG, ROOT, Server, _free_port, check_error
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import importlib.metadata
 
 import pytest
+from test_serve import Server
 
 from pantheon import server_cli
-from test_serve import Server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -24,7 +24,6 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from test_openai_api import check
 from test_serve import MSG, Server
 

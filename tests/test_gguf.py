@@ -537,7 +537,6 @@ def test_router_reads_gguf_without_torch(files):
 
 def test_admin_loads_gguf_and_failures_leave_nothing(model_factory, files, tmp_path):
     import httpx
-
     from test_admin import load, tables, unload
     from test_serve import MSG, Server, check_error
 

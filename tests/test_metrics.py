@@ -15,7 +15,6 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from test_serve import MSG, Server, check_error
 
 pytestmark = pytest.mark.timeout(180)

@@ -62,7 +62,7 @@ def test_multi_turn_identical_and_cached_counts_exact(path):
     # output token; the cache gives the full blocks of that.
     prompt_len = 25
     expected = [0]
-    for t in range(1, 5):
+    for _ in range(1, 5):
         computed = prompt_len + 3 + 10 - 1  # previous prompt + its output, minus the last token
         prompt_len += 13
         expected.append(min(computed, prompt_len - 1) // BS * BS)

@@ -26,7 +26,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from test_openai_api import check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -246,8 +245,7 @@ class ScriptedPool:
 @pytest.fixture()
 def scripted(tiny_model):
     from pantheon.config import build_config
-    from pantheon.registry import ModelAssets
-    from pantheon.registry import Registry
+    from pantheon.registry import ModelAssets, Registry
     from pantheon.server import create_app
 
     assets = ModelAssets(tiny_model)
@@ -772,7 +770,7 @@ def test_single_user_429_while_other_model_serves(servers):
             "stream": True}
     with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
         it = r.iter_lines()
-        next(l for l in it if l.startswith("data: "))
+        next(line for line in it if line.startswith("data: "))
         t0 = time.monotonic()
         busy = post(s, {"model": "tiny", "messages": MSG, "max_tokens": 2})
         assert time.monotonic() - t0 < 2.0  # at once, not after the first one ends

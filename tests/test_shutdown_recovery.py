@@ -19,7 +19,6 @@ import time
 
 import httpx
 import pytest
-
 from test_openai_api import check
 from test_serve import MSG, Server, check_error
 

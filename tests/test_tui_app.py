@@ -52,7 +52,7 @@ def make_app(items=None, *, source: StaticSource | None = None, history: History
     if source is None:
         source = StaticSource([Link("connected"), fixture("normal")] if items is None else items)
     kw.setdefault("clock", FakeClock())
-    app = PantheonApp(source, tz=datetime.timezone.utc, sample_every=None, blink=False,
+    app = PantheonApp(source, tz=datetime.UTC, sample_every=None, blink=False,
                       history=history, **kw)
     app.animation_level = "none"
     return app

@@ -5,11 +5,21 @@ from __future__ import annotations
 import datetime
 
 import pytest
+from test_tui_app import fixture
 
 from pantheon.state import InstanceState, QueueState, SlotState, Snapshot, Throughput
-from test_tui_app import fixture
-from tui.format import (busy_slots, clock_time, human_age, human_bytes, human_count,
-                        instance_state, pressure_name, slot_detail, slot_kind, split_bar)
+from tui.format import (
+    busy_slots,
+    clock_time,
+    human_age,
+    human_bytes,
+    human_count,
+    instance_state,
+    pressure_name,
+    slot_detail,
+    slot_kind,
+    split_bar,
+)
 from tui.forms import parse_dies, validate_load
 from tui.history import History
 from tui.widgets.instances import visible
@@ -22,7 +32,7 @@ def test_sizes_counts_ages_and_times():
     assert [human_count(n) for n in (7, 1287, 40123554)] == ["7", "1.3k", "40.1M"]
     assert [human_age(s) for s in (None, 0.4, 42, 185, 7800)] == ["-", "0s", "42s", "3m05s",
                                                                     "2h10m"]
-    assert clock_time(1767225600.0 + 3723, datetime.timezone.utc) == "01:02:03"
+    assert clock_time(1767225600.0 + 3723, datetime.UTC) == "01:02:03"
     assert pressure_name(0) == "normal" and pressure_name(3) == "critical"
     assert pressure_name(9) == "critical"
 

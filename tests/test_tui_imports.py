@@ -11,12 +11,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = ("torch", "zmq", "workers", "quart", "hypercorn")
 
-PROBE = """
+PROBE = f"""
 import json, sys
 import tui.app, tui.client, tui.screens, tui.source
 tui.app.build_parser()
-print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in %r)))
-""" % (FORBIDDEN,)
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in {FORBIDDEN!r})))
+"""
 
 
 def test_tui_imports_neither_torch_zmq_nor_workers():

@@ -7,9 +7,9 @@ import asyncio
 
 import msgspec
 import pytest
+from test_tui_app import SIZE, fixture, make_app, plain, settle, table_ids
 from textual.notifications import Notify
 
-from test_tui_app import SIZE, fixture, make_app, plain, settle, table_ids
 from tui.screens import ConfirmScreen, LoadScreen
 from tui.source import Link, StaticSource
 from tui.widgets.instances import InstancesTable

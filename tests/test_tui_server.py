@@ -14,9 +14,9 @@ import time
 
 import httpx
 import pytest
-
 from test_serve import Server
 from test_tui_app import plain, table_ids
+
 from tui.app import PantheonApp
 from tui.client import Backoff, RouterClient
 from tui.screens import ConfirmScreen, LoadScreen

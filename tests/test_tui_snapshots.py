@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from test_tui_app import FakeClock, fixture, make_app
+
 from tui.history import History
 from tui.source import Link
 from tui.widgets.header import StatusHeader

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 from pantheon.state import Event, Snapshot
 
@@ -27,7 +27,7 @@ class Link:
 
 
 # One item of a source's feed: a whole snapshot, a single event (SSE), or a link change.
-Update = Union[Snapshot, Event, Link]
+Update = Snapshot | Event | Link
 
 
 class RouterError(Exception):

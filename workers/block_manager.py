@@ -137,6 +137,6 @@ class BlockManager:
         for b in self._lru:
             self._free.append(b)
         self._lru.clear()
-        for h, b in self._by_hash.items():
+        for b in self._by_hash.values():
             self._hash[b] = None
         self._by_hash.clear()

@@ -84,7 +84,7 @@ def make_linear(spec: PathSpec, weight: torch.Tensor, bias: torch.Tensor | None)
     return lin
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe(name: str) -> str | None:
     """Run path ``name`` once on small tensors: None when it works, else why it does not."""
     spec = PATHS[name]

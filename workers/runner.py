@@ -137,7 +137,7 @@ class ModelRunner:
             return self.model.logits(hidden)
         # Only the last row of each sampled sequence needs logits.
         rows = list(range(n_decode))
-        for (start, end, _p0, p1, _t), (s, _n) in zip(chunks, plan.prefill):
+        for (_start, end, _p0, p1, _t), (s, _n) in zip(chunks, plan.prefill):
             if p1 == len(s.tokens):
                 rows.append(end - 1)
         return self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])

@@ -27,7 +27,7 @@ class SamplerState:
     output_counts: dict[int, int] = field(default_factory=dict)  # for presence/frequency penalties
 
     @classmethod
-    def create(cls, params: SamplingParams, stop_ids: list[int], device: torch.device) -> "SamplerState":
+    def create(cls, params: SamplingParams, stop_ids: list[int], device: torch.device) -> SamplerState:
         # Generators live on the CPU: the draw is made there (one tiny copy per sampled row),
         # which keeps seeded streams identical across CPU and CUDA dies.
         g = torch.Generator(device="cpu")

@@ -386,7 +386,7 @@ class ChatTemplate:
         return self._compiled is None and self._compiled_tool_use is None
 
     @classmethod
-    def from_model_dir(cls, path: str | Path, *, reasoning: bool | None = None) -> "ChatTemplate":
+    def from_model_dir(cls, path: str | Path, *, reasoning: bool | None = None) -> ChatTemplate:
         """Load the template of a Hugging Face model folder, as transformers finds it.
 
         Sources, the later winning as in transformers: ``chat_template`` in tokenizer_config.json

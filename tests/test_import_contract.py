@@ -1,0 +1,78 @@
+"""The import lines of DESIGN.md, checked statically over every module (every import statement,
+also the ones inside functions):
+
+- the router (``pantheon/``) never imports torch or ``workers``; the only exception is the
+  offline model writer ``pantheon/makemodel.py`` (``pantheon make-model``), and only inside its
+  functions, so importing it stays torch-free;
+- ``workers/`` never imports the HTTP, TUI or tokenizer side: quart, hypercorn, textual, httpx,
+  jinja2, tokenizers, nor ``pantheon`` beyond the wire protocol and the torch-free tables it
+  shares with the router;
+- ``tui/`` talks HTTP only: no torch, zmq, quart, hypercorn, ``workers``, and from ``pantheon``
+  only the snapshot types (``pantheon.state``).
+
+The runtime twins of these checks (what a process really has in ``sys.modules``) are in
+test_serve, test_worker, test_workerpool and test_tui_imports.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RULES = {
+    "pantheon": {"forbidden": {"torch", "workers", "textual"}, "pantheon_allowed": None},
+    "workers": {"forbidden": {"quart", "hypercorn", "textual", "httpx", "jinja2", "tokenizers", "tui"},
+                "pantheon_allowed": {"pantheon.protocol", "pantheon.sizing", "pantheon.gguf"}},
+    "tui": {"forbidden": {"torch", "zmq", "quart", "hypercorn", "workers", "msgspec.msgpack"},
+            "pantheon_allowed": {"pantheon.state"}},
+}
+# (module, imported top-level name): allowed, and only inside a function
+LAZY_EXCEPTIONS = {("pantheon/makemodel.py", "torch")}
+
+
+def imports(path: Path) -> list[tuple[str, bool]]:
+    """Every module ``path`` imports, with whether the import sits at module level."""
+    tree = ast.parse(path.read_text(), str(path))
+    out: list[tuple[str, bool]] = []
+    top = {id(n) for n in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # "from pantheon import protocol" imports pantheon.protocol (for an attribute the
+            # name is not a module, but its first part still is)
+            out += [(f"{node.module}.{a.name}", id(node) in top) for a in node.names]
+    return out
+
+
+def modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(RULES))
+def test_import_lines(package):
+    rule = RULES[package]
+    broken = []
+    for path in modules(package):
+        rel = path.relative_to(ROOT).as_posix()
+        for name, at_top in imports(path):
+            head = name.split(".")[0]
+            if (rel, head) in LAZY_EXCEPTIONS and not at_top:
+                continue
+            if head in rule["forbidden"] or name in rule["forbidden"]:
+                broken.append(f"{rel} imports {name}")
+            allowed = rule["pantheon_allowed"]
+            if head == "pantheon" and allowed is not None and package != "pantheon" and \
+                    not any(name == a or name.startswith(a + ".") for a in allowed):
+                broken.append(f"{rel} imports {name} (only {sorted(allowed)} from pantheon)")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_checker_sees_lazy_and_nested_imports(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import os\nfrom a.b import c\ndef f():\n    import torch\n")
+    assert imports(f) == [("os", True), ("a.b.c", True), ("torch", False)]
