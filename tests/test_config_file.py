@@ -36,7 +36,8 @@ def _cli(args: list[str], **env) -> subprocess.CompletedProcess:
 
 def test_spec_table_variables_and_aliases():
     c = build_config({}, {})
-    assert (c.slots, c.queue_depth, c.prefill_chunk) == (8, 32, 128)
+    # prefill_chunk: the spec's 128 became a 512 ceiling under the step budget (issue 12)
+    assert (c.slots, c.queue_depth, c.prefill_chunk) == (8, 32, 512)
     assert c.ops.driver_sample and c.ops.prefill_batch and c.ops.kv_q4 and not c.ops.step_stats
     assert c.ops.registry_url is None and c.ops.node_id == "node0"
     assert c.ops.registry_transport == "local" and c.ops.async_poll_us is None

@@ -305,7 +305,7 @@ def test_logprob_non_finite_and_bytes():
 
 def test_config_defaults_and_flags_beat_env():
     c = build_config({}, {})
-    assert c.slots == 8 and c.queue_depth == 32 and c.prefill_chunk == 128 and not c.single_user
+    assert c.slots == 8 and c.queue_depth == 32 and c.prefill_chunk == 512 and not c.single_user
     c = build_config({"slots": 4, "queue_depth": 2, "prefill_chunk": 64},
                      {"PANTHEON_BATCH_SLOTS": "0", "PANTHEON_QUEUE_DEPTH": "9",
                       "PANTHEON_PREFILL_CHUNK": "16"})
