@@ -24,6 +24,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_backpressure import until
 from test_openai_api import check
 from test_serve import MSG, Server
 
@@ -62,16 +63,6 @@ def idle(s: Server) -> bool:
         i["state"] == "ready" and i["in_flight"] == 0 and i["kv_blocks_used"] == 0
         and i["slots"] and all(sl["state"] == "idle" for sl in i["slots"]) for i in insts) and \
         all(q["depth"] == 0 for q in snap["queues"])
-
-
-def until(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
 def stream_into(url: str, body: dict, out: list, started: threading.Event) -> None:
