@@ -49,7 +49,7 @@ from workers.engine import Engine  # noqa: E402
 
 
 def default_model(preset: str) -> Path:
-    from pantheon.makemodel import make_model
+    from pantheon.models.makemodel import make_model
 
     out = Path(os.environ.get("PANTHEON_CACHE", Path.home() / ".cache" / "pantheon")) / "models" / preset
     if not (out / "model.safetensors").exists():

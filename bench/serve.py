@@ -61,7 +61,7 @@ def model_dir(args) -> Path:
 
 def prompt_ids(path: Path) -> list[int]:
     """The ids the router sends for MESSAGES: the same prompt both ways."""
-    from pantheon.registry import ModelAssets
+    from pantheon.control.registry import ModelAssets
 
     a = ModelAssets(path)
     return a.encode(a.template.render(MESSAGES, add_generation_prompt=True))

@@ -201,7 +201,7 @@ def audit(url: str) -> dict:
 
 
 def second_model(name: str) -> Path:
-    from pantheon.server_cli import cache_dir
+    from pantheon.serve import cache_dir
 
     out = cache_dir() / "models" / name
     if not (out / "config.json").exists():
@@ -222,7 +222,7 @@ def main() -> int:
     ap.add_argument("serve_args", nargs="*", help="more `pantheon serve` flags (after --)")
     args = ap.parse_args()
 
-    from pantheon.server_cli import default_model
+    from pantheon.serve import default_model
 
     model = Path(args.model) if args.model else default_model()[0]
     second = second_model(args.second) if args.second else None

@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 
 _COMMANDS = {
-    "serve": ("pantheon.server_cli", "start the router (HTTP API) and its workers"),
+    "serve": ("pantheon.serve", "start the router (HTTP API) and its workers"),
     "worker": ("workers.worker", "run one worker process (spawned by serve)"),
-    "make-model": ("pantheon.makemodel", "write a random-weight model folder from a preset"),
+    "make-model": ("pantheon.models.makemodel", "write a random-weight model folder from a preset"),
     "tui": ("tui.app", "the live dashboard"),
 }
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from test_serve import MSG, Server, check_error
 
-from pantheon.state import decode_snapshot
+from pantheon.snapshot import decode_snapshot
 
 pytestmark = pytest.mark.timeout(180)
 DIE_BUDGET = 48 << 20
@@ -379,7 +379,7 @@ def test_a_replica_split_over_two_dies_books_on_each(adm, model_factory):
 
 
 def test_dies_show_the_isa_the_working_cpu_paths_and_each_choice(adm):
-    from pantheon.sizing import CPU_PATHS
+    from pantheon.models.sizing import CPU_PATHS
 
     dies = {d["die"]: d for d in httpx.get(adm.url + "/admin/dies").json()["data"]}
     d = dies["cpu:0"]

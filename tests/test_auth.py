@@ -123,9 +123,9 @@ def test_admin_open_on_loopback_only(env, tiny_model):
 
     import asyncio
 
-    from pantheon.config import build_config
-    from pantheon.registry import Registry
-    from pantheon.server import create_app
+    from pantheon.api.app import create_app
+    from pantheon.config.settings import build_config
+    from pantheon.control.registry import Registry
 
     class _Pool:
         def dies(self):

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from test_serve import MSG, Server, check_error
 
-from pantheon.state import decode_snapshot
+from pantheon.snapshot import decode_snapshot
 
 pytestmark = pytest.mark.timeout(120)
 SHORT = {"model": "tiny", "messages": MSG, "max_tokens": 2}

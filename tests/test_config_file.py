@@ -16,9 +16,9 @@ import httpx
 import pytest
 from test_serve import MSG, ROOT, Server, _free_port, check_error
 
-from pantheon.config import ConfigError, build_config
-from pantheon.opsconfig import merge_config_file
-from pantheon.server_cli import build_parser
+from pantheon.config.ops import merge_config_file
+from pantheon.config.settings import ConfigError, build_config
+from pantheon.serve import build_parser
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,7 +133,7 @@ def test_worker_listen_needs_curve_keys(tmp_path):
     assert (keys / "server.key").is_file() and (keys / "server.key_secret").is_file()
     assert (keys / "authorized" / "worker.key").is_file()
     assert (keys / "server.key_secret").stat().st_mode & 0o077 == 0
-    from pantheon.curve import load_server_keys
+    from pantheon.workerlink.curve import load_server_keys
 
     pub, sec = load_server_keys(str(keys))
     assert len(pub) == 40 and len(sec) == 40  # Z85 text of 32-byte keys
@@ -184,7 +184,7 @@ def test_served_from_a_config_file(model_factory, tmp_path):
 
 
 def test_ops_modules_never_import_torch():
-    code = ("import sys; import pantheon.ops, pantheon.auth, pantheon.metrics, pantheon.logs, "
-            "pantheon.registration, pantheon.supervisor, pantheon.opsconfig, pantheon.curve; "
+    code = ("import sys; import pantheon.api.middleware, pantheon.api.auth, pantheon.api.metrics, pantheon.logs, "
+            "pantheon.control.registration, pantheon.control.supervisor, pantheon.config.ops, pantheon.workerlink.curve; "
             "bad = [m for m in ('torch', 'textual') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pantheon.dies import GiB, default_cpu_budget
+from pantheon.control.dies import GiB, default_cpu_budget
+from pantheon.models.sizing import CPU_PATHS, cpu_path_names, estimate, read_shape
 from pantheon.protocol import SamplingParams
-from pantheon.sizing import CPU_PATHS, cpu_path_names, estimate, read_shape
 from workers import cpu_paths
 from workers.engine import Engine
 from workers.errors import LoadError
@@ -158,7 +158,7 @@ def test_default_cpu_budget_comes_from_the_machine():
 def test_int8_is_a_candidate_only_for_files_stored_quantized(model_factory):
     """A Q4 GGUF may run in int8 rows (less loss than its own blocks); a bf16 checkpoint is never
     quantized unless the load asks."""
-    from pantheon.server_cli import smollm2_file
+    from pantheon.serve import smollm2_file
     from workers.model_config import load_config
 
     hf = str(model_factory("tiny"))
@@ -182,9 +182,9 @@ def test_the_qwen3_preset_fits_a_24_gib_machine_with_no_flags():
     machine, its largest CPU layout (fp32, packed head copy) and an 8k-token KV pool fit."""
     import copy
 
-    from pantheon.dies import DieManager
-    from pantheon.makemodel import PRESETS
-    from pantheon.sizing import shape_from_config
+    from pantheon.control.dies import DieManager
+    from pantheon.models.makemodel import PRESETS
+    from pantheon.models.sizing import shape_from_config
 
     raw = copy.deepcopy(PRESETS["qwen3-0.6b"])
     raw["torch_dtype"] = "bfloat16"

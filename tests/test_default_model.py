@@ -9,7 +9,7 @@ import importlib.metadata
 import pytest
 from test_serve import Server
 
-from pantheon import server_cli
+from pantheon import serve as server_cli
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -76,9 +76,9 @@ def tokenizer(request) -> Tokenizer:
     if request.param == "metaspace":
         return metaspace_tokenizer()
     try:
-        import pantheon.makemodel  # noqa: F401
+        import pantheon.models.makemodel  # noqa: F401
     except ImportError:
-        pytest.skip("pantheon.makemodel is not there yet")
+        pytest.skip("pantheon.models.makemodel is not there yet")
     folder = request.getfixturevalue("tiny_model")
     return Tokenizer.from_file(str(folder / "tokenizer.json"))
 

@@ -2,13 +2,13 @@
 also the ones inside functions):
 
 - the router (``pantheon/``) never imports torch or ``workers``; the only exception is the
-  offline model writer ``pantheon/makemodel.py`` (``pantheon make-model``), and only inside its
+  offline model writer ``pantheon/models/makemodel.py`` (``pantheon make-model``), and only inside its
   functions, so importing it stays torch-free;
 - ``workers/`` never imports the HTTP, TUI or tokenizer side: quart, hypercorn, textual, httpx,
   jinja2, tokenizers, nor ``pantheon`` beyond the wire protocol and the torch-free tables it
   shares with the router;
 - ``tui/`` talks HTTP only: no torch, zmq, quart, hypercorn, ``workers``, and from ``pantheon``
-  only the snapshot types (``pantheon.state``).
+  only the snapshot types (``pantheon.snapshot``).
 
 The runtime twins of these checks (what a process really has in ``sys.modules``) are in
 test_serve, test_worker, test_workerpool and test_tui_imports.
@@ -26,12 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RULES = {
     "pantheon": {"forbidden": {"torch", "workers", "textual"}, "pantheon_allowed": None},
     "workers": {"forbidden": {"quart", "hypercorn", "textual", "httpx", "jinja2", "tokenizers", "tui"},
-                "pantheon_allowed": {"pantheon.protocol", "pantheon.sizing", "pantheon.gguf"}},
+                "pantheon_allowed": {"pantheon.protocol", "pantheon.models.sizing", "pantheon.models.gguf"}},
     "tui": {"forbidden": {"torch", "zmq", "quart", "hypercorn", "workers", "msgspec.msgpack"},
-            "pantheon_allowed": {"pantheon.state"}},
+            "pantheon_allowed": {"pantheon.snapshot"}},
 }
 # (module, imported top-level name): allowed, and only inside a function
-LAZY_EXCEPTIONS = {("pantheon/makemodel.py", "torch")}
+LAZY_EXCEPTIONS = {("pantheon/models/makemodel.py", "torch")}
 
 
 def imports(path: Path) -> list[tuple[str, bool]]:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pantheon import makemodel
-from pantheon import tokenizer_train as tt
+from pantheon.models import makemodel
+from pantheon.models import tokenizer_train as tt
 
 TINY = ["tiny", "tiny-llama", "tiny-qwen2"]
 TEXTS = [
@@ -63,7 +63,7 @@ def _logits(model, ids=(3992, 100, 200, 300, 3993, 198)):
 
 
 def test_import_does_not_pull_in_torch():
-    code = "import sys, pantheon.makemodel; print(sorted({'torch', 'tokenizers', 'transformers'} & set(sys.modules)))"
+    code = "import sys, pantheon.models.makemodel; print(sorted({'torch', 'tokenizers', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -133,7 +133,7 @@ def test_same_seed_same_bytes(tmp_path, tiny_model):
 
 def test_same_bytes_in_a_fresh_process(tmp_path, tiny_model):
     # A new process retrains the tokenizer and redraws the weights, with one thread.
-    code = f"from pantheon.makemodel import make_model; make_model('tiny', {str(tmp_path)!r})"
+    code = f"from pantheon.models.makemodel import make_model; make_model('tiny', {str(tmp_path)!r})"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=Path(__file__).parents[1])
     assert _files_digest(tmp_path) == _files_digest(tiny_model)

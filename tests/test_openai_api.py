@@ -15,9 +15,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from pantheon import openai_api as oa
-from pantheon.config import ConfigError, build_config, parse_dies, parse_size
-from pantheon.openai_api import ApiError, parse_chat_request
+from pantheon.api.openai import protocol as oa
+from pantheon.api.openai.protocol import ApiError, parse_chat_request
+from pantheon.config.settings import ConfigError, build_config, parse_dies, parse_size
 
 SPECS = Path(__file__).resolve().parents[2] / "shared" / "specs"
 if not SPECS.is_dir():  # the checkout may live elsewhere; the specs sit next to it

@@ -174,8 +174,8 @@ def test_deregister_at_shutdown(setup):
 
 
 def test_unset_sends_nothing():
-    from pantheon.config import build_config
-    from pantheon.registration import from_config
+    from pantheon.config.settings import build_config
+    from pantheon.control.registration import from_config
 
     assert from_config(build_config({}, {}), object(), "127.0.0.1", 8000) is None
     cfg = build_config({}, {"PANTHEON_REGISTRY_URL": "http://127.0.0.1:9/x/"})

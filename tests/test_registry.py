@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from pantheon.openai_api import ApiError, parse_chat_request
-from pantheon.registry import MAX_INSTANCES, Registry
+from pantheon.api.openai.protocol import ApiError, parse_chat_request
+from pantheon.control.registry import MAX_INSTANCES, Registry
 
 # ---------------------------------------------------------------- routing (moved from test_openai_api)
 
@@ -251,7 +251,7 @@ def test_table_holds_16_instances():
 
 
 def _dm(**kw):
-    from pantheon.dies import DieManager
+    from pantheon.control.dies import DieManager
 
     kw.setdefault("cuda_count", 0)
     return DieManager(**kw)
@@ -280,7 +280,7 @@ def test_die_budgets_reserve_and_bookings():
 
 
 def test_placement_auto_most_free_explicit_split_and_507_naming_the_die():
-    from pantheon.sizing import Estimate
+    from pantheon.models.sizing import Estimate
 
     est = Estimate(base=4 << 20, per_layer=2 << 20, layers=4, kv_per_token=1024,
                    context_limit=4096)
@@ -307,7 +307,7 @@ def test_placement_auto_most_free_explicit_split_and_507_naming_the_die():
 
 
 def test_worker_threads_share_the_cores(monkeypatch):
-    from pantheon import dies
+    from pantheon.control import dies
 
     monkeypatch.setattr(dies.os, "cpu_count", lambda: 16)
     assert dies.default_worker_threads(4, None) == 4
@@ -328,7 +328,7 @@ def test_estimate_matches_the_engine(model_factory, preset, quantize, path):
     """The router's estimate from config.json against what a real engine allocates, for every
     CPU path forced (skipped where the path does not work on this host) and for the auto choice
     (sized with the path the engine chose; unsized, the estimate is the upper bound of all)."""
-    from pantheon.sizing import estimate, read_shape
+    from pantheon.models.sizing import estimate, read_shape
     from workers import cpu_paths
     from workers.engine import Engine
 
@@ -352,7 +352,7 @@ def test_estimate_matches_the_engine(model_factory, preset, quantize, path):
 def test_sizing_refuses_unsupported_and_invalid(tmp_path):
     import json
 
-    from pantheon.sizing import SizingError, read_shape
+    from pantheon.models.sizing import SizingError, read_shape
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(SizingError) as ei:
@@ -371,7 +371,7 @@ def test_sizing_refuses_unsupported_and_invalid(tmp_path):
 
 
 def test_pressure_levels_thresholds_and_the_test_seam():
-    from pantheon.pressure import CRITICAL, PressureSource, level_for, parse_thresholds
+    from pantheon.control.pressure import CRITICAL, PressureSource, level_for, parse_thresholds
 
     th = parse_thresholds("0.5,0.7,0.9")
     assert [level_for(x, th) for x in (0.1, 0.5, 0.75, 0.95)] == [0, 1, 2, 3]
@@ -411,8 +411,8 @@ def _convo(turns: int) -> list[dict]:
 
 
 def test_admission_pass_cap_deny(tiny_model):
-    from pantheon.admission import prepare
-    from pantheon.assets import ModelAssets
+    from pantheon.control.context import prepare
+    from pantheon.models.assets import ModelAssets
 
     assets = ModelAssets(tiny_model)
     short = prepare(assets, _chat(_convo(1), max_tokens=8), 4096)
@@ -446,7 +446,7 @@ def test_admission_pass_cap_deny(tiny_model):
 
 
 def test_feed_counts_coalesces_rejects_and_measures_throughput():
-    from pantheon.feed import Feed
+    from pantheon.control.feed import Feed
 
     feed = Feed()
     q = feed.subscribe()

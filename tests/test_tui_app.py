@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from rich.text import Text
 
-from pantheon.state import Event, Snapshot, decode_snapshot
+from pantheon.snapshot import Event, Snapshot, decode_snapshot
 from tui.app import KEYS, PantheonApp
 from tui.history import History
 from tui.screens import HelpScreen

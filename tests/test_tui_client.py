@@ -15,7 +15,7 @@ import httpx
 import pytest
 from test_tui_app import FIXTURES, fixture, plain, table_ids
 
-from pantheon.state import Event, Snapshot
+from pantheon.snapshot import Event, Snapshot
 from tui.client import Backoff, RouterClient, decode_sse, error_text, parse_sse
 from tui.source import CONNECTED, CONNECTING, DISCONNECTED, Link, RouterError
 from tui.widgets.header import StatusHeader

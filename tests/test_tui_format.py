@@ -7,7 +7,7 @@ import datetime
 import pytest
 from test_tui_app import fixture
 
-from pantheon.state import InstanceState, QueueState, SlotState, Snapshot, Throughput
+from pantheon.snapshot import InstanceState, QueueState, SlotState, Snapshot, Throughput
 from tui.format import (
     busy_slots,
     clock_time,
@@ -107,7 +107,7 @@ def test_history_samples_on_its_own_timebase():
 
 
 def test_die_line_shows_the_cpu_path_and_isa_when_wide():
-    from pantheon.state import DieState
+    from pantheon.snapshot import DieState
     from tui.widgets.dies import die_line
 
     die = DieState(id="cpu:0", device_name="cpu", total_bytes=8 << 30, budget_bytes=8 << 30,

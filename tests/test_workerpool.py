@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from pantheon import protocol as p
-from pantheon.workerpool import (
+from pantheon.workerlink.pool import (
     LoadFailedError,
     RequestRejectedError,
     WorkerDied,
@@ -380,5 +380,5 @@ async def test_bad_die_id():
 
 
 def test_never_imports_torch():
-    code = "import sys, pantheon.workerpool; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, pantheon.workerlink.pool; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)

@@ -26,7 +26,7 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Input
 
-from pantheon.state import Event, InstanceState, Snapshot
+from pantheon.snapshot import Event, InstanceState, Snapshot
 from tui.forms import LoadRequest
 from tui.history import History
 from tui.screens import ConfirmScreen, HelpScreen, LoadScreen

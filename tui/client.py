@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from pantheon.state import Event, Snapshot, decode_snapshot
+from pantheon.snapshot import Event, Snapshot, decode_snapshot
 from tui.source import CONNECTED, CONNECTING, DISCONNECTED, Link, RouterError, Update
 
 # A load blocks until the model is ready (minutes for a big one), an unload until it is drained.

@@ -10,7 +10,7 @@ from datetime import datetime, tzinfo
 
 from rich.text import Text
 
-from pantheon.state import InstanceState, SlotState
+from pantheon.snapshot import InstanceState, SlotState
 
 PRESSURE_NAMES = ("normal", "elevated", "high", "critical")
 # One colour per pressure level; the dies bars, the header badge and the queue bars share them.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from pantheon.state import Snapshot
+from pantheon.snapshot import Snapshot
 
 
 class History:

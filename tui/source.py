@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pantheon.state import Event, Snapshot
+from pantheon.snapshot import Event, Snapshot
 
 CONNECTING, CONNECTED, DISCONNECTED = "connecting", "connected", "disconnected"
 

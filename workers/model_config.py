@@ -1,5 +1,5 @@
 """The model's shape, read once from a Hugging Face ``config.json`` or a GGUF file's metadata
-(``pantheon.gguf`` turns it into the same dict). No torch here.
+(``pantheon.models.gguf`` turns it into the same dict). No torch here.
 
 Supports the Llama family as transformers names it: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``
 (q/k/v biases) and ``Qwen3ForCausalLM`` (per-head q/k RMSNorm). RoPE settings come in two
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pantheon.gguf import GGUFError, GGUFFile, find_gguf, hf_config, read_gguf
+from pantheon.models.gguf import GGUFError, GGUFFile, find_gguf, hf_config, read_gguf
 from workers.errors import LoadError
 
 SUPPORTED_ARCHITECTURES = {
@@ -134,7 +134,7 @@ def load_config(model_path: str | Path) -> ModelConfig:
 
 @contextmanager
 def gguf_errors():
-    """``GGUFError`` (pantheon.gguf) raised inside becomes the same ``LoadError``."""
+    """``GGUFError`` (pantheon.models.gguf) raised inside becomes the same ``LoadError``."""
     try:
         yield
     except GGUFError as e:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from pantheon.state import Snapshot
+from pantheon.snapshot import Snapshot
 
 
 class AutoHeight(Widget):

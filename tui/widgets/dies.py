@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from pantheon.state import DieState
+from pantheon.snapshot import DieState
 from tui.format import human_bytes, join_lines, pressure_colour, pressure_name, split_bar
 from tui.widgets import SnapshotPanel
 

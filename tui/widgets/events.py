@@ -9,7 +9,7 @@ from datetime import tzinfo
 from rich.text import Text
 from textual.widget import Widget
 
-from pantheon.state import Event
+from pantheon.snapshot import Event
 from tui.format import clock_time, join_lines
 
 KIND_STYLES = {"load": "cyan", "loaded": "green", "load_failed": "bold red",

@@ -14,7 +14,7 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.widgets import DataTable
 
-from pantheon.state import InstanceState, Snapshot
+from pantheon.snapshot import InstanceState, Snapshot
 from tui.format import busy_slots, human_bytes, instance_state, state_style
 
 

@@ -11,7 +11,7 @@ from textual.renderables.sparkline import Sparkline as SparklineRenderable
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
-from pantheon.state import QueueState, Snapshot
+from pantheon.snapshot import QueueState, Snapshot
 from tui.format import human_count, join_lines
 from tui.widgets import SnapshotPanel
 

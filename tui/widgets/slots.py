@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.reactive import reactive
 
-from pantheon.state import InstanceState, SlotState
+from pantheon.snapshot import InstanceState, SlotState
 from tui.format import busy_slots, instance_state, join_lines, slot_kind, state_style
 from tui.widgets import AutoHeight
 

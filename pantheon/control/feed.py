@@ -1,5 +1,5 @@
 """The router's live feed: recent events, counters and throughput, and the ``Snapshot`` built from
-them for ``GET /admin/state`` and ``GET /admin/events`` (schema: ``pantheon.state``).
+them for ``GET /admin/state`` and ``GET /admin/events`` (schema: ``pantheon.snapshot``).
 
 - Events (load, loaded, load_failed, unload, unloaded, worker_dead, reject_429, reject_503) go
   into a ring of the last ``RING`` and to every subscriber's queue (the SSE streams). Rejections
@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from pantheon import state as st
+from pantheon import snapshot as st
 
 RING = 200
 WINDOW_S = 5.0

@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pantheon.openai_api import ApiError
+from pantheon.api.openai.protocol import ApiError
 
 GiB = 1 << 30
 DEFAULT_CUDA_RESERVE = 1 * GiB

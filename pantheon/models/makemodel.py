@@ -20,7 +20,7 @@ import struct
 import sys
 from pathlib import Path
 
-from pantheon import tokenizer_train as tt
+from pantheon.models import tokenizer_train as tt
 
 # ---------------------------------------------------------------------------------------- presets
 

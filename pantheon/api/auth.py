@@ -27,8 +27,8 @@ import ipaddress
 import json
 import os
 
-from pantheon.openai_api import ApiError, ChatRequest
-from pantheon.opsconfig import Limits, OpsConfig
+from pantheon.api.openai.protocol import ApiError, ChatRequest
+from pantheon.config.ops import Limits, OpsConfig
 
 OPEN_PATHS = ("/", "/health", "/metrics")
 

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pantheon.gguf import GGUFError, find_gguf, hf_config, read_gguf
+from pantheon.models.gguf import GGUFError, find_gguf, hf_config, read_gguf
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

@@ -25,10 +25,11 @@ from typing import Any
 
 from quart import Quart, Response, current_app, request
 
-from pantheon import auth, logs
-from pantheon.metrics import CONTENT_TYPE, Metrics
+from pantheon import logs
+from pantheon.api import auth
+from pantheon.api.metrics import CONTENT_TYPE, Metrics
 
-log = logging.getLogger("pantheon.ops")
+log = logging.getLogger("pantheon.api.middleware")
 
 TRACE_KEY = "pantheon.trace"
 _ADMIN_BODY_CAP = 64 << 10  # admin bodies kept for the audit line (they are small)

@@ -36,15 +36,15 @@ import os
 import time
 from typing import Any
 
-from pantheon.assets import ModelAssets
-from pantheon.gguf import GGUFError, find_gguf, served_name
-from pantheon.openai_api import ApiError
+from pantheon.api.openai.protocol import ApiError
+from pantheon.control.registry import DRAINING, FAILED, LOADING, READY, Instance, Registry
+from pantheon.models.assets import ModelAssets
+from pantheon.models.gguf import GGUFError, find_gguf, served_name
+from pantheon.models.sizing import SizingError, estimate, read_shape
 from pantheon.protocol import LoadModel
-from pantheon.registry import DRAINING, FAILED, LOADING, READY, Instance, Registry
-from pantheon.sizing import SizingError, estimate, read_shape
-from pantheon.workerpool import LoadFailedError, PoolError
+from pantheon.workerlink.pool import LoadFailedError, PoolError
 
-log = logging.getLogger("pantheon.lifecycle")
+log = logging.getLogger("pantheon.control.lifecycle")
 
 DEFAULT_DRAIN_S = 30.0
 _END_GRACE_S = 2.0  # after ending the requests past the deadline, how long their ends may take

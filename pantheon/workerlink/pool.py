@@ -45,7 +45,7 @@ import zmq.asyncio
 
 from pantheon import protocol as p
 
-log = logging.getLogger("pantheon.workerpool")
+log = logging.getLogger("pantheon.workerlink.pool")
 
 _DIE_RE = re.compile(r"^(cpu|cuda):\d+$")
 _MAX_IPC_PATH = 100  # sun_path is 108 bytes on Linux; keep a margin
@@ -507,7 +507,7 @@ class WorkerPool:
         env["PYTHONUNBUFFERED"] = "1"  # the worker's log lines reach us (and the operator) as they happen
         # The worker must import the same pantheon/workers as we run, from a source checkout too.
         # (Not for an installed copy: site-packages ahead of the standard library could shadow it.)
-        root = str(Path(__file__).resolve().parent.parent)
+        root = str(Path(__file__).resolve().parents[2])
         installed = {os.path.realpath(d) for d in (*site.getsitepackages(), site.getusersitepackages())}
         if os.path.realpath(root) not in installed:
             env["PYTHONPATH"] = os.pathsep.join(x for x in (root, env.get("PYTHONPATH", "")) if x)

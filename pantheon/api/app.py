@@ -2,7 +2,7 @@
 
 Routes (spec: serve-architecture.md): ``GET /``, ``GET /health``, ``OPTIONS`` anywhere (CORS
 preflight; every response carries the CORS headers), ``GET /v1/models`` (one Model object per name),
-``POST /v1/chat/completions`` (SSE or one JSON body), and the admin API (``pantheon.admin``: load,
+``POST /v1/chat/completions`` (SSE or one JSON body), and the admin API (``pantheon.api.admin.routes``: load,
 unload, models, dies, cache reset, state, events). Every error is an OpenAI error object. Cheap
 routes never wait on a generation.
 
@@ -23,22 +23,22 @@ from typing import Any
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from pantheon import openai_api as oa
-from pantheon import ops
-from pantheon.admin import bp as admin_bp
-from pantheon.admission import limit_of
-from pantheon.config import ServeConfig
-from pantheon.dies import DieManager
-from pantheon.feed import Feed
-from pantheon.generate import Generation, prepare
-from pantheon.lifecycle import Models
-from pantheon.openai_api import ApiError
-from pantheon.pressure import NAMES as LEVEL_NAMES
-from pantheon.pressure import PressureSource
-from pantheon.registry import Registry
-from pantheon.supervisor import admit as recovery_admit
+from pantheon.api import middleware as ops
+from pantheon.api.admin.routes import bp as admin_bp
+from pantheon.api.openai import protocol as oa
+from pantheon.api.openai.protocol import ApiError
+from pantheon.api.openai.service import Generation, prepare
+from pantheon.config.settings import ServeConfig
+from pantheon.control.context import limit_of
+from pantheon.control.dies import DieManager
+from pantheon.control.feed import Feed
+from pantheon.control.lifecycle import Models
+from pantheon.control.pressure import NAMES as LEVEL_NAMES
+from pantheon.control.pressure import PressureSource
+from pantheon.control.registry import Registry
+from pantheon.control.supervisor import admit as recovery_admit
 
-log = logging.getLogger("pantheon.server")
+log = logging.getLogger("pantheon.api.app")
 
 CORS_HEADERS = {
     "Access-Control-Allow-Origin": "*",
@@ -241,7 +241,7 @@ def create_app(config: ServeConfig, pool: Any, registry: Registry) -> Quart:
         req = oa.parse_chat_request(raw, header_session=request.headers.get("X-Session-Id"))
         ops.check_request(req)  # the request limits (400), and the model for the trace
         try:
-            # (waits while its model restarts after a worker death: pantheon.supervisor)
+            # (waits while its model restarts after a worker death: pantheon.control.supervisor)
             inst, prep = await recovery_admit(app.extensions["pantheon"],
                                               lambda: _admitted(req, len(raw) > 32768), req.model)
         except ApiError as e:

@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-log = logging.getLogger("pantheon.registration")
+log = logging.getLogger("pantheon.control.registration")
 
 TICK_S = 0.25
 TIMEOUT = httpx.Timeout(2.0, connect=1.0)

@@ -341,7 +341,7 @@ def eos_token_ids(g: GGUFFile) -> list[int]:
 
 def hf_config(g: GGUFFile) -> dict:
     """The ``config.json`` a Hugging Face folder of this model would have (checked by the same
-    code as a real one: ``workers.model_config.config_from_dict``, ``pantheon.sizing``)."""
+    code as a real one: ``workers.model_config.config_from_dict``, ``pantheon.models.sizing``)."""
     a = g.arch
     if a not in ARCHITECTURES:
         raise GGUFError("unsupported", f"{g.path}: metadata field 'general.architecture' is "

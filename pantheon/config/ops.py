@@ -38,7 +38,7 @@ import msgspec
 
 
 def _config_error(msg: str) -> Exception:
-    from pantheon.config import ConfigError
+    from pantheon.config.settings import ConfigError
 
     return ConfigError(msg)
 
@@ -326,7 +326,7 @@ def build_ops(args: Mapping[str, Any], env: Mapping[str, str]) -> OpsConfig:
         if (got := val(key)) is not None:
             kw[key] = got[0]
     if (got := val("cpu_path")) is not None:
-        from pantheon.sizing import CPU_PATHS
+        from pantheon.models.sizing import CPU_PATHS
 
         if got[0] != "auto" and got[0] not in CPU_PATHS:
             raise _config_error(f"{got[1]} {got[0]!r}: use auto or one of {', '.join(CPU_PATHS)}")
@@ -337,7 +337,7 @@ def build_ops(args: Mapping[str, Any], env: Mapping[str, str]) -> OpsConfig:
         kw["async_poll_us"] = got[0]
     ops = OpsConfig(**kw)
     if ops.worker_listen is not None:
-        from pantheon.curve import check_listen
+        from pantheon.workerlink.curve import check_listen
 
         check_listen(ops.worker_listen, ops.curve_dir)  # raises ConfigError
     return ops

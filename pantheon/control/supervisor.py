@@ -32,9 +32,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pantheon.openai_api import ApiError
+from pantheon.api.openai.protocol import ApiError
 
-log = logging.getLogger("pantheon.supervisor")
+log = logging.getLogger("pantheon.control.supervisor")
 
 BACKOFF_MAX_S = 30.0
 HEALTHY_AFTER_S = 60.0  # a worker up this long starts its die's death count afresh

@@ -19,7 +19,7 @@ import stat
 
 
 def _error(msg: str) -> Exception:
-    from pantheon.config import ConfigError
+    from pantheon.config.settings import ConfigError
 
     return ConfigError(msg)
 

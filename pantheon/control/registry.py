@@ -37,8 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pantheon.assets import ModelAssets  # noqa: F401 - re-exported (its old home)
-from pantheon.openai_api import ApiError, model_not_found, no_model_loaded, server_busy
+from pantheon.api.openai.protocol import ApiError, model_not_found, no_model_loaded, server_busy
+from pantheon.models.assets import ModelAssets  # noqa: F401 - re-exported (its old home)
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
 CRITICAL = 3

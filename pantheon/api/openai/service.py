@@ -24,20 +24,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pantheon import openai_api as oa
-from pantheon.admission import Prepared, prepare  # noqa: F401 - prepare is re-exported
+from pantheon.api.openai import protocol as oa
+from pantheon.api.openai.protocol import ApiError, ChatRequest
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Delta, Emitter
-from pantheon.openai_api import ApiError, ChatRequest
+from pantheon.control.context import Prepared, prepare  # noqa: F401 - prepare is re-exported
 from pantheon.protocol import Submit
-from pantheon.workerpool import RequestRejectedError, WorkerDied
+from pantheon.workerlink.pool import RequestRejectedError, WorkerDied
 
-log = logging.getLogger("pantheon.generate")
+log = logging.getLogger("pantheon.api.openai.service")
 
 
 # ---------------------------------------------------------------- preparing a request
 #
-# Rendering, tokenizing and context admission (pass / cap / deny) live in pantheon.admission;
+# Rendering, tokenizing and context admission (pass / cap / deny) live in pantheon.control.context;
 # ``prepare`` and ``Prepared`` are re-exported here, where they used to be.
 
 

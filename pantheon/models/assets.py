@@ -1,5 +1,5 @@
 """``ModelAssets``: what the router itself reads of a model folder (tokenizer, chat template, EOS
-ids, token pieces for logprobs) or of a GGUF file (the same, from its metadata: ``pantheon.gguf``).
+ids, token pieces for logprobs) or of a GGUF file (the same, from its metadata: ``pantheon.models.gguf``).
 The worker reads the weights; the router never does.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from pantheon.chat.template import ChatTemplate
-from pantheon.gguf import (
+from pantheon.models.gguf import (
     byte_alphabet,
     chat_template,
     eos_token_ids,

@@ -27,8 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pantheon import opsconfig
-from pantheon.config import ConfigError, ServeConfig, build_config, parse_dies
+from pantheon.config import ops as opsconfig
+from pantheon.config.settings import ConfigError, ServeConfig, build_config, parse_dies
 
 log = logging.getLogger("pantheon.serve")
 
@@ -166,7 +166,7 @@ def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
     when there are any, else the CUDA devices in turn, else one CPU die made for it."""
     import msgspec
 
-    from pantheon.config import ModelSpec
+    from pantheon.config.settings import ModelSpec
 
     if not cfg.models:
         path, name = default_model()
@@ -217,12 +217,12 @@ async def serve(cfg: ServeConfig) -> int:
     from hypercorn.asyncio import serve as hc_serve
     from hypercorn.config import Config as HcConfig
 
-    from pantheon.dies import default_worker_threads
-    from pantheon.registration import from_config as register_from_config
-    from pantheon.registry import Registry
-    from pantheon.server import create_app
-    from pantheon.supervisor import Supervisor
-    from pantheon.workerpool import WorkerPool
+    from pantheon.api.app import create_app
+    from pantheon.control.dies import default_worker_threads
+    from pantheon.control.registration import from_config as register_from_config
+    from pantheon.control.registry import Registry
+    from pantheon.control.supervisor import Supervisor
+    from pantheon.workerlink.pool import WorkerPool
 
     stop = asyncio.Event()  # hypercorn's shutdown trigger
     loop = asyncio.get_running_loop()
@@ -326,7 +326,7 @@ def cli(argv: list[str] | None = None) -> int:
     args = {k: v for k, v in vars(ns).items() if v is not None}
     try:
         if args.get("curve_keygen"):
-            from pantheon.curve import keygen
+            from pantheon.workerlink.curve import keygen
 
             pub, sec = keygen(args["curve_keygen"])
             print(f"pantheon: wrote {pub} and {sec} (and a worker keypair)")

@@ -16,7 +16,7 @@ GET      /admin/models           instances (loading / ready / draining / failed)
                                  failed loads
 GET      /admin/dies             per die: budget, used, free, pressure, instances
 POST     /admin/cache/reset      ``{name?}``: forget cached prefixes (one model, or all)
-GET      /admin/state            one ``pantheon.state.Snapshot``
+GET      /admin/state            one ``pantheon.snapshot.Snapshot``
 GET      /admin/events           Server-Sent Events: ``event: snapshot`` every ``interval``
                                  seconds (default 1; ``interval_ms`` also works) and
                                  ``event: event`` for each event as it happens
@@ -35,11 +35,11 @@ from typing import Any
 import msgspec
 from quart import Blueprint, Response, current_app, request
 
-from pantheon import openai_api as oa
-from pantheon import state as st
-from pantheon.config import ConfigError, parse_dies
-from pantheon.feed import booked, die_cpu_paths, engine_stats, hit_rate, snapshot
-from pantheon.pressure import NAMES
+from pantheon import snapshot as st
+from pantheon.api.openai import protocol as oa
+from pantheon.config.settings import ConfigError, parse_dies
+from pantheon.control.feed import booked, die_cpu_paths, engine_stats, hit_rate, snapshot
+from pantheon.control.pressure import NAMES
 
 bp = Blueprint("admin", __name__)
 MIN_INTERVAL_S = 0.05

@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pantheon import openai_api as oa
+from pantheon.api.openai import protocol as oa
+from pantheon.api.openai.protocol import ApiError, ChatRequest
 from pantheon.chat.template import TemplateError, think_open
-from pantheon.openai_api import ApiError, ChatRequest
 
 CAPPED_ROOM = 512  # tokens kept for the completion of a capped prompt without max_tokens
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from pantheon.opsconfig import OpsConfig, build_ops
+from pantheon.config.ops import OpsConfig, build_ops
 
 DEFAULT_SLOTS = 8
 DEFAULT_QUEUE_DEPTH = 32
@@ -270,7 +270,7 @@ def _capacity(args: Mapping[str, Any], env: Mapping[str, str], kw: dict[str, Any
     if raw is None and env.get("PANTHEON_PRESSURE_THRESHOLDS"):
         raw, what = env["PANTHEON_PRESSURE_THRESHOLDS"], "PANTHEON_PRESSURE_THRESHOLDS"
     if raw is not None:
-        from pantheon.pressure import parse_thresholds
+        from pantheon.control.pressure import parse_thresholds
 
         try:
             kw["pressure_thresholds"] = parse_thresholds(raw)
@@ -299,6 +299,6 @@ def _models(raw: Any, cpu_dies: int) -> tuple[ModelSpec, ...]:
 
 
 def _default_name(path: str) -> str:
-    from pantheon.gguf import served_name  # a folder's name; a .gguf file's stem, lower-cased
+    from pantheon.models.gguf import served_name  # a folder's name; a .gguf file's stem, lower-cased
 
     return served_name(path)

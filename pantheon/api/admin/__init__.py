@@ -1,0 +1,1 @@
+"""The admin API: load and unload models, the die and instance tables, the live feed."""
