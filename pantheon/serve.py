@@ -218,6 +218,7 @@ async def serve(cfg: ServeConfig) -> int:
     from hypercorn.config import Config as HcConfig
 
     from pantheon.api.app import create_app
+    from pantheon.api.state import app_state
     from pantheon.control.dies import default_worker_threads
     from pantheon.control.registration import from_config as register_from_config
     from pantheon.control.registry import Registry
@@ -238,12 +239,11 @@ async def serve(cfg: ServeConfig) -> int:
                       step_timeout=cfg.ops.step_timeout_s, worker_threads=threads)
     await pool.start()
     app = create_app(cfg, pool, registry)
-    models = app.extensions["pantheon"]["models"]
-    ext = app.extensions["pantheon"]
-    supervisor = Supervisor(models, registry, pool, max_restarts=cfg.ops.worker_restarts,
-                            backoff_s=cfg.ops.restart_backoff_s, metrics=ext.get("metrics"),
-                            feed=ext.get("feed"))
-    ext["supervisor"] = supervisor  # requests wait for a model that restarts
+    state = app_state(app)
+    supervisor = Supervisor(state.models, registry, pool, max_restarts=cfg.ops.worker_restarts,
+                            backoff_s=cfg.ops.restart_backoff_s, metrics=state.metrics,
+                            feed=state.feed)
+    state.supervisor = supervisor  # requests wait for a model that restarts
     pool.on_worker_dead = supervisor.worker_dead
     status = {"rc": 0}
     registration = register_from_config(cfg, registry, host, port)
@@ -256,9 +256,8 @@ async def serve(cfg: ServeConfig) -> int:
         try:
             if registration is not None:
                 await registration.stop()
-            ext = app.extensions["pantheon"]
             registry.shut_down()  # requests still queued for a slot get 503 shutting_down now
-            await ext["drain"].run(ext["live"], cfg.ops.drain_timeout_s)
+            await state.drain.run(state.live, cfg.ops.drain_timeout_s)
         finally:
             stop.set()
 
@@ -284,9 +283,9 @@ async def serve(cfg: ServeConfig) -> int:
             if not dies:  # a GPU server: discover every device (its worker's Hello sizes it)
                 dies = [f"cuda:{i}" for i in range(_gpu_count())]
             dies += [m.dies[0] for m in cfg.models if m.dies and m.dies[0] not in dies]
-            await asyncio.gather(*(models.ensure_worker(d) for d in dies))
+            await asyncio.gather(*(state.models.ensure_worker(d) for d in dies))
             for m in cfg.models:
-                inst = await models.load(m.path, m.name, m.dies)
+                inst = await state.models.load(m.path, m.name, m.dies)
                 print(f"pantheon: model {inst.name} ready on {','.join(inst.dies)} "
                       f"({inst.instance_id})", file=sys.stderr, flush=True)
             print("pantheon: all models ready", file=sys.stderr, flush=True)

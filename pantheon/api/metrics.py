@@ -24,12 +24,17 @@ unloads) and by the supervisor (worker deaths).
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pantheon.logs import RequestTrace
+
+if TYPE_CHECKING:
+    from pantheon.api.state import AppState
+    from pantheon.control.live import Projection
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so percentiles line up across servers.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -45,21 +50,14 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class _Live:
     """The collector of the gauges, read from the app's state at scrape time."""
 
-    def __init__(self, state: dict, metrics: Metrics):
+    def __init__(self, state: AppState, metrics: Metrics):
         self.state, self.metrics = state, metrics
 
     def describe(self):
         return []
 
     def collect(self):
-        reg, pool = self.state.get("registry"), self.state.get("pool")
-        insts = list(reg.instances()) if reg is not None else []
-        dies = list(pool.dies()) if pool is not None and hasattr(pool, "dies") else []
-        engine = {}  # instance id -> the worker's engine stats
-        for d in dies:
-            st = getattr(d, "last_stats", None)
-            for es in (st.instances if st is not None else []):
-                engine[es.instance] = es
+        live = self.state.project()
         running = GaugeMetricFamily("vllm:num_requests_running",
                                     "Requests running on a slot.", labels=["model_name"])
         waiting = GaugeMetricFamily("vllm:num_requests_waiting",
@@ -78,13 +76,13 @@ class _Live:
         i_restarts = GaugeMetricFamily("pantheon_instance_restarts", "Times the instance was "
                                        "reloaded after its worker died.",
                                        labels=["model_name", "instance"])
-        for inst in insts:
+        for f in live.instances:
+            inst, es = f.inst, f.engine
             info = inst.info()
             run = int(info.get("running", 0))
             acc = per_model.setdefault(inst.name, [0, 0, 0, 0])
             acc[0] += run
-            es = engine.get(inst.instance_id)
-            if es is not None and getattr(es, "kv_blocks_total", 0):
+            if es is not None and es.kv_blocks_total:
                 acc[2] += es.kv_blocks_used
                 acc[3] += es.kv_blocks_total
             labels = [inst.name, inst.instance_id]
@@ -93,8 +91,7 @@ class _Live:
             state = str(info.get("state", ""))
             i_ready.add_metric(labels + [state], 1.0 if state == "ready" else 0.0)
             i_restarts.add_metric(labels, info.get("restarts", 0) or 0)
-        queues = reg.queues() if reg is not None and hasattr(reg, "queues") else {}
-        for name, q in queues.items():  # requests wait per model, for any of its replicas
+        for name, q in live.queues.items():  # requests wait per model, for any of its replicas
             if name in per_model:
                 per_model[name][1] = len(q)
         for name, (run, wait, used, total) in per_model.items():
@@ -103,9 +100,9 @@ class _Live:
             depth.add_metric([name], wait)
             kv.add_metric([name], used / total if total else 0.0)
         yield from (running, waiting, kv, depth, i_flight, i_run, i_ready, i_restarts)
-        yield from self._dies(dies)
+        yield from self._dies(live)
 
-    def _dies(self, dies: list):
+    def _dies(self, live: Projection):
         total = GaugeMetricFamily("pantheon_die_memory_total_bytes", "Die memory.",
                                   labels=["die"])
         free = GaugeMetricFamily("pantheon_die_memory_free_bytes", "Die memory free, as the "
@@ -124,8 +121,8 @@ class _Live:
         turn = GaugeMetricFamily("pantheon_worker_step_running_seconds", "How long the "
                                  "worker's current step has run (0 when idle), from its "
                                  "heartbeat.", labels=["die"])
-        manager, source = self.state.get("dies"), self.state.get("pressure")
-        for d in dies:
+        facts = {f.die.id: f for f in live.dies}
+        for d in live.workers:
             total.add_metric([d.die], d.total_bytes)
             free.add_metric([d.die], d.free_bytes)
             alive.add_metric([d.die], 1.0 if d.alive else 0.0)
@@ -134,22 +131,18 @@ class _Live:
                 died_at.add_metric([d.die], d.last_death_at)
             beat = getattr(d, "beat", None)
             turn.add_metric([d.die], beat.turn_s if beat is not None and d.alive else 0.0)
-            md = manager.get(d.die) if manager is not None and hasattr(manager, "get") else None
-            used = getattr(md, "used_bytes", None)
-            booked.add_metric([d.die], used if used is not None
+            f = facts.get(d.die)  # a worker's die the die manager does not know: measured only
+            booked.add_metric([d.die], f.die.used_bytes if f is not None
                               else max(0, d.total_bytes - d.free_bytes))
-            if source is not None and hasattr(source, "die_level"):
-                try:
-                    pressure.add_metric([d.die], source.die_level(d.die))
-                except Exception:  # noqa: BLE001 - a scrape must not fail on one probe
-                    pass
+            if f is not None:
+                pressure.add_metric([d.die], f.pressure)
         yield from (total, free, booked, pressure, alive, restarts, died_at, turn)
 
 
 class Metrics:
     """The app's metrics: ``render()`` for the route, ``observe()`` per finished request."""
 
-    def __init__(self, state: dict):
+    def __init__(self, state: AppState):
         self.state = state
         r = self.registry = CollectorRegistry(auto_describe=True)
         m = ["model_name"]
@@ -189,8 +182,7 @@ class Metrics:
 
     def _known(self, name: str | None) -> str:
         """A label value for ``name``: only served names, so clients cannot mint series."""
-        reg = self.state.get("registry")
-        if name and reg is not None and any(i.name == name for i in reg.instances()):
+        if name and any(i.name == name for i in self.state.registry.instances()):
             return name
         return ""
 

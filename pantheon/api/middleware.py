@@ -23,11 +23,12 @@ import logging
 import time
 from typing import Any
 
-from quart import Quart, Response, current_app, request
+from quart import Quart, Response, request
 
 from pantheon import logs
 from pantheon.api import auth
 from pantheon.api.metrics import CONTENT_TYPE, Metrics
+from pantheon.api.state import AppState, app_state
 
 log = logging.getLogger("pantheon.api.middleware")
 
@@ -92,21 +93,21 @@ async def _send_json(send, status: int, obj: dict, headers: dict | None = None) 
 class OpsMiddleware:
     """The ASGI wrapper (see the module doc)."""
 
-    def __init__(self, inner, state: dict):
+    def __init__(self, inner, state: AppState):
         self.inner, self.state = inner, state
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.inner(scope, receive, send)
         path, method = scope["path"], scope["method"]
-        drain: Drain = self.state["drain"]
+        drain = self.state.drain
         if drain.closing and path != "/metrics":
             body = {"error": {"message": "the server is shutting down", "type": "server_error",
                               "param": None, "code": "shutting_down"}}
             if path == "/health":
                 body = {"status": "shutting_down"}
             else:
-                self.state["metrics"].rejected.labels("", "503").inc()
+                self.state.metrics.rejected.labels("", "503").inc()
             return await _send_json(send, 503, body)
         trace = logs.RequestTrace(method, path, (scope.get("client") or (None,))[0])
         scope[TRACE_KEY] = trace
@@ -142,18 +143,17 @@ class OpsMiddleware:
                     logs.log_admin(trace, dur)
                 else:
                     logs.log_request(trace, dur)
-                self.state["metrics"].observe(trace, dur)
+                self.state.metrics.observe(trace, dur)
             except Exception:
                 log.exception("accounting for %s %s failed", method, path)
 
 
 def install(app: Quart) -> None:
     """Wire the access rules, /metrics, the middleware and the feed follower into ``app``."""
-    state = app.extensions["pantheon"]
-    cfg = state["config"]
-    guard = auth.Guard(cfg.ops)
-    metrics = Metrics(state)
-    state.update(guard=guard, metrics=metrics, drain=Drain())
+    state = app_state(app)
+    guard = state.guard = auth.Guard(state.config.ops)
+    metrics = state.metrics = Metrics(state)
+    state.drain = Drain()
 
     @app.before_request
     async def access_rules():
@@ -168,13 +168,12 @@ def install(app: Quart) -> None:
 
     @app.before_serving
     async def follow_feed():
-        feed = state.get("feed")
-        if feed is not None:  # load, unload and failure events, for the counters
-            state["follow_task"] = asyncio.create_task(_follow(feed, metrics), name="ops-feed")
+        # load, unload and failure events, for the counters
+        state.tasks["follow"] = asyncio.create_task(_follow(state.feed, metrics), name="ops-feed")
 
     @app.after_serving
     async def stop_following():
-        task = state.pop("follow_task", None)
+        task = state.tasks.pop("follow", None)
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -201,16 +200,16 @@ def check_request(req: Any) -> None:
     trace = _trace()
     if trace is not None:
         trace.model = req.model
-    auth.check_limits(req, current_app.extensions["pantheon"]["guard"].limits)
+    auth.check_limits(req, app_state().guard.limits)
 
 
 def attach(gen: Any) -> None:
     """A ``Generation`` was made for this request: trace it; past the drain deadline, end it."""
-    state = current_app.extensions["pantheon"]
+    state = app_state()
     trace = _trace()
     if trace is not None:
         trace.started(gen, gen.inst, len(gen.prep.prompt_ids))
-        trace.on_gap = state["metrics"].itl_observer(gen.inst.name)
+        trace.on_gap = state.metrics.itl_observer(gen.inst.name)
         gen.trace = trace
-    if state["drain"].ended:
+    if state.drain.ended:
         gen.shutdown()

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from pantheon import snapshot as st
+from pantheon.control.live import DieFacts, InstanceFacts, Projection
 
 RING = 200
 WINDOW_S = 5.0
@@ -126,101 +127,51 @@ class Feed:
 # ---------------------------------------------------------------- the snapshot
 
 
-def engine_stats(pool: Any) -> dict[str, Any]:
-    """``{instance id: InstanceStats}`` from every worker's last ``Stats``."""
-    out: dict[str, Any] = {}
-    for d in pool.dies() if pool is not None else []:
-        stats = getattr(d, "last_stats", None)
-        for es in (stats.instances if stats is not None else []):
-            out[es.instance] = es
-    return out
-
-
-def hit_rate(es: Any) -> float | None:
-    if es is None or not getattr(es, "cache_query_blocks", 0):
-        return None
-    return es.cache_hit_blocks / es.cache_query_blocks
-
-
-def booked(dies: Any, instance_id: str) -> tuple[int, int]:
-    """``(weights, kv)`` bytes an instance has booked over all its dies."""
-    w = kv = 0
-    for d in dies.dies():
-        bw, bkv = d.bookings.get(instance_id, (0, 0))
-        w, kv = w + bw, kv + bkv
-    return w, kv
-
-
-def instance_state(inst: Any, es: Any, queued: int, dies: Any) -> st.InstanceState:
-    booked_w, booked_kv = booked(dies, inst.instance_id)
+def instance_state(f: InstanceFacts) -> st.InstanceState:
+    inst, es = f.inst, f.engine
     slots = [st.SlotState(state=s.state, request_id=s.request_id, prompt_tokens=s.prompt_tokens,
                           prefilled=s.prefilled, generated=s.generated, session_id=s.session_id)
              for s in (es.slots if es is not None else [])]
     return st.InstanceState(
         id=inst.instance_id, name=inst.name, path=inst.path, dies=list(inst.dies),
         state=inst.state, error=inst.error, load_progress=inst.load_progress,
-        weights_bytes=int(booked_w), kv_bytes=int(booked_kv), quantized=bool(inst.quantize),
+        weights_bytes=f.weights_bytes, kv_bytes=f.kv_bytes, quantized=bool(inst.quantize),
         max_model_len=int(inst.max_model_len or 0), slots=slots, in_flight=inst.refs,
-        queued=queued, restarts=int(getattr(inst, "restarts", 0) or 0),
-        cache_hit_rate=hit_rate(es),
+        queued=f.queued, restarts=int(inst.restarts or 0), cache_hit_rate=f.hit_rate,
         kv_blocks_used=int(es.kv_blocks_used) if es is not None else 0,
         kv_blocks_total=int(es.kv_blocks_total) if es is not None else 0,
-        prefill_budget=int(getattr(es, "prefill_budget", 0)) if es is not None else 0)
+        prefill_budget=int(es.prefill_budget) if es is not None else 0)
 
 
-def die_cpu_paths(registry: Any) -> dict[str, str]:
-    """Die -> the CPU paths its instances run, sorted and comma-joined (dies without one absent)."""
-    chosen: dict[str, set[str]] = {}
-    for inst in registry.instances():
-        if inst.cpu_path:
-            for d in inst.dies:
-                chosen.setdefault(d, set()).add(inst.cpu_path)
-    return {d: ",".join(sorted(v)) for d, v in chosen.items()}
+def die_state(f: DieFacts) -> st.DieState:
+    d, w = f.die, f.worker
+    return st.DieState(
+        id=d.id, device_name=d.device_name or (w.device_name if w is not None else ""),
+        total_bytes=d.total_bytes, budget_bytes=d.budget_bytes, weights_bytes=d.weights_bytes,
+        kv_bytes=d.kv_bytes, free_bytes=max(0, d.budget_bytes - d.used_bytes),
+        pressure=f.pressure,
+        # a CPU die without a worker yet is usable (its worker starts on the first load)
+        alive=w.alive if w is not None else d.kind == "cpu",
+        error=w.error if w is not None and not w.alive else None,
+        instances=f.hosted, isa=w.cpu_isa if w is not None else "", cpu_path=f.cpu_path,
+        restarts=int(w.restarts) if w is not None else 0,
+        last_death=w.last_death if w is not None else None)
 
 
-def die_states(dies: Any, pool: Any, pressure: Any, registry: Any) -> list[st.DieState]:
-    workers = {d.die: d for d in (pool.dies() if pool is not None else [])}
-    hosted: dict[str, list[str]] = {}
-    for inst in registry.instances():
-        for d in inst.dies:
-            hosted.setdefault(d, []).append(inst.instance_id)
-    paths = die_cpu_paths(registry)
-    out = []
-    for d in dies.dies():
-        w = workers.get(d.id)
-        alive = w.alive if w is not None else d.kind == "cpu"
-        out.append(st.DieState(
-            id=d.id, device_name=d.device_name or (w.device_name if w is not None else ""),
-            total_bytes=d.total_bytes, budget_bytes=d.budget_bytes, weights_bytes=d.weights_bytes,
-            kv_bytes=d.kv_bytes, free_bytes=max(0, d.budget_bytes - d.used_bytes),
-            pressure=pressure.die_level(d.id), alive=alive,
-            error=w.error if w is not None and not w.alive else None,
-            instances=sorted(set(hosted.get(d.id, [])) | set(d.bookings)),
-            isa=w.cpu_isa if w is not None else "", cpu_path=paths.get(d.id, ""),
-            restarts=int(getattr(w, "restarts", 0)) if w is not None else 0,
-            last_death=getattr(w, "last_death", None) if w is not None else None))
-    return out
-
-
-def snapshot(state: dict) -> st.Snapshot:
-    """The whole ``Snapshot`` from the app's state (``app.extensions["pantheon"]``)."""
-    registry, pool, feed = state["registry"], state["pool"], state["feed"]
-    pressure, dies = state["pressure"], state["dies"]
-    engine = engine_stats(pool)
-    queues = registry.queues()
+def snapshot(live: Projection, feed: Feed, pressure: Any, queue_depth: int) -> st.Snapshot:
+    """The whole ``Snapshot``: one ``project`` of the live state, with the feed's figures."""
     total, avail = pressure.host_memory()
-    die_list = die_states(dies, pool, pressure, registry)
-    insts = [instance_state(i, engine.get(i.instance_id),
-                            len(queues[i.name]) if i.name in queues else 0, dies)
-             for i in registry.instances()]
-    names = list(dict.fromkeys(i.name for i in registry.instances()))
+    die_list = [die_state(f) for f in live.dies]
+    names = list(dict.fromkeys(f.inst.name for f in live.instances))
+    queues = live.queues
     qs = [st.QueueState(model=n, depth=len(queues[n]) if n in queues else 0,
-                        max_depth=registry.queue_depth,
+                        max_depth=queue_depth,
                         oldest_wait_s=queues[n].oldest_wait_s() if n in queues else 0.0)
           for n in names]
     level = max([pressure.host_level(), *(d.pressure for d in die_list)])
     return st.Snapshot(ts=time.time(), started_at=feed.started_at, pressure=level,
                        host_total_bytes=total, host_available_bytes=avail, dies=die_list,
-                       instances=insts, queues=qs, throughput=feed.throughput(),
+                       instances=[instance_state(f) for f in live.instances], queues=qs,
+                       throughput=feed.throughput(),
                        counters=msgspec.structs.replace(feed.counters),
                        events=list(feed.events))

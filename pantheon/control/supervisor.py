@@ -230,10 +230,3 @@ class Supervisor:
         self._recovering.clear()
         self._wake()
 
-
-async def admit(state: dict, admitted: Callable[[], Awaitable[Any]], name: str | None) -> Any:
-    """The chat route's admission through the app's supervisor, if it has one."""
-    sup = state.get("supervisor")
-    if sup is None:
-        return await admitted()
-    return await sup.admit(admitted, name, state["registry"].queue_timeout_s)

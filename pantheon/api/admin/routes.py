@@ -33,20 +33,16 @@ import time
 from typing import Any
 
 import msgspec
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, request
 
 from pantheon import snapshot as st
+from pantheon.api.admin.views import die_view, facts_of, instance_view
 from pantheon.api.openai import protocol as oa
+from pantheon.api.state import app_state
 from pantheon.config.settings import ConfigError, parse_dies
-from pantheon.control.feed import booked, die_cpu_paths, engine_stats, hit_rate, snapshot
-from pantheon.control.pressure import NAMES
 
 bp = Blueprint("admin", __name__)
 MIN_INTERVAL_S = 0.05
-
-
-def _state() -> dict:
-    return current_app.extensions["pantheon"]
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -88,72 +84,6 @@ def _dies(raw: Any) -> tuple[str, ...]:
         raise oa.invalid("dies", str(e)) from None
 
 
-# ---------------------------------------------------------------- views
-
-
-def instance_view(s: dict, inst: Any, engine: dict) -> dict:
-    """One row of GET /admin/models: the registry's, the worker's and the die manager's view."""
-    es = engine.get(inst.instance_id)
-    q = s["registry"].queues().get(inst.name)
-    out = inst.info()
-    w, kv = booked(s["dies"], inst.instance_id)
-    out.update(weights_bytes=w, kv_bytes=kv, queue_depth=len(q) if q is not None else 0,
-               kv_pool_tokens=inst.kv_pool_tokens, slots_busy=inst.gate.active)
-    if es is not None:
-        block = es.kv_bytes // es.kv_blocks_total if es.kv_blocks_total else 0
-        out.update(slots_busy=sum(1 for sl in es.slots if sl.state != "idle"),
-                   engine_waiting=es.waiting, kv_blocks_used=es.kv_blocks_used,
-                   kv_blocks_total=es.kv_blocks_total,
-                   cache={"blocks": es.kv_blocks_cached, "bytes": es.kv_blocks_cached * block,
-                          "hit_blocks": es.cache_hit_blocks,
-                          "query_blocks": es.cache_query_blocks, "hit_rate": hit_rate(es)})
-    return out
-
-
-def die_views(s: dict) -> list[dict]:
-    pool, dies, pressure, registry = s["pool"], s["dies"], s["pressure"], s["registry"]
-    workers = {d.die: d for d in pool.dies()}
-    engine = engine_stats(pool)
-    paths = die_cpu_paths(registry)
-    out = []
-    for d in dies.dies():
-        wk = workers.get(d.id)
-        stats = wk.last_stats if wk is not None else None
-        level = pressure.die_level(d.id)
-        insts = [instance_view(s, i, engine) for i in registry.instances() if d.id in i.dies]
-        out.append({
-            "die": d.id, "kind": d.kind,
-            "device_name": d.device_name or (wk.device_name if wk is not None else ""),
-            "alive": bool(wk and wk.alive), "worker": "running" if wk and wk.alive else (
-                "dead" if wk is not None else "not started"),
-            "pid": wk.pid if wk is not None else None,
-            "error": wk.error if wk is not None and not wk.alive else None,
-            # liveness: deaths and restarts since start, the latest death's reason (kept after
-            # the restart), and the heartbeat's view of the step running now
-            "deaths": wk.deaths if wk is not None else 0,
-            "restarts": wk.restarts if wk is not None else 0,
-            "last_death": ({"reason": wk.last_death, "at": wk.last_death_at}
-                           if wk is not None and wk.last_death else None),
-            "step_running_s": (round(wk.beat.turn_s, 3) if wk is not None and wk.alive
-                               and wk.beat is not None else None),
-            "steps": wk.beat.steps if wk is not None and wk.beat is not None else None,
-            "total_bytes": d.total_bytes, "reserve_bytes": d.reserve_bytes,
-            "budget_bytes": d.budget_bytes, "used_bytes": d.used_bytes,
-            "weights_bytes": d.weights_bytes, "kv_bytes": d.kv_bytes,
-            "free_bytes": max(0, d.budget_bytes - d.used_bytes),
-            "measured_free_bytes": wk.free_bytes if wk is not None else None,
-            "pressure": level, "pressure_name": NAMES[level],
-            # CPU dies: the vector ISA, which CPU paths work here, and each instance's choice
-            "isa": (wk.cpu_isa or None) if wk is not None else None,
-            "cpu_paths": {n: (why or "ok") for n, why in wk.cpu_paths.items()} if wk else {},
-            "cpu_path": paths.get(d.id),
-            "step_ms_avg": stats.step_ms_avg if stats is not None else None,
-            "bookings": {iid: {"weights_bytes": b[0], "kv_bytes": b[1]}
-                         for iid, b in sorted(d.bookings.items())},
-            "instances": insts})
-    return out
-
-
 # ---------------------------------------------------------------- routes
 
 
@@ -175,13 +105,13 @@ async def load():
     if max_context is not None and max_context < 16:
         raise oa.invalid("max_context", "'max_context' must be at least 16 tokens")
     wait = _typed(body, "wait", bool, "a boolean", True)
-    s = _state()
-    inst, task = await s["models"].start_load(path, name, dies, quantize, slots=slots,
-                                              max_context=max_context, background=not wait)
+    s = app_state()
+    inst, task = await s.models.start_load(path, name, dies, quantize, slots=slots,
+                                           max_context=max_context, background=not wait)
     if not wait:
-        return json_response({"status": "loading", **instance_view(s, inst, {})}, 202)
+        return json_response({"status": "loading", **instance_view(facts_of(s.project(), inst, s.dies))}, 202)
     await asyncio.shield(task)  # a client that goes away does not stop the load
-    return json_response({"status": "loaded", **instance_view(s, inst, engine_stats(s["pool"]))})
+    return json_response({"status": "loaded", **instance_view(facts_of(s.project(), inst, s.dies))})
 
 
 @bp.post("/admin/models/unload", provide_automatic_options=False)
@@ -194,39 +124,38 @@ async def unload():
     if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(
             timeout, bool) or not 0 <= timeout <= 3600):
         raise oa.invalid("drain_timeout", "'drain_timeout' must be seconds between 0 and 3600")
-    done = await _state()["models"].unload(target, timeout)
+    done = await app_state().models.unload(target, timeout)
     return json_response({"status": "unloaded", "instances": [d["instance"] for d in done],
                           "results": done})
 
 
 @bp.get("/admin/models", provide_automatic_options=False)
 async def models():
-    s = _state()
-    engine = engine_stats(s["pool"])
-    rows = [instance_view(s, i, engine) for i in s["registry"].instances()]
-    return json_response({"object": "list", "data": rows + s["models"].recent_failures()})
+    s = app_state()
+    rows = [instance_view(f) for f in s.project().instances]
+    return json_response({"object": "list", "data": rows + s.models.recent_failures()})
 
 
 @bp.get("/admin/dies", provide_automatic_options=False)
 async def dies():
-    s = _state()
-    total, avail = s["pressure"].host_memory()
-    return json_response({"object": "list", "data": die_views(s),
+    s = app_state()
+    total, avail = s.pressure.host_memory()
+    return json_response({"object": "list", "data": [die_view(f) for f in s.project().dies],
                           "host": {"total_bytes": total, "available_bytes": avail,
-                                   "pressure": s["pressure"].host_level()}})
+                                   "pressure": s.pressure.host_level()}})
 
 
 @bp.post("/admin/cache/reset", provide_automatic_options=False)
 async def cache_reset():
     body = await _json_object()
     name = _typed(body, "name", str, "a string") or _typed(body, "instance", str, "a string")
-    done = _state()["models"].reset_cache(name)
+    done = app_state().models.reset_cache(name)
     return json_response({"status": "reset", "instances": done})
 
 
 @bp.get("/admin/state", provide_automatic_options=False)
 async def state():
-    return Response(st.encode(snapshot(_state())), content_type="application/json")
+    return Response(st.encode(app_state().snapshot()), content_type="application/json")
 
 
 def _interval() -> float:
@@ -246,26 +175,25 @@ def _interval() -> float:
 @bp.get("/admin/events", provide_automatic_options=False)
 async def events():
     interval = _interval()
-    s = _state()
-    feed = s["feed"]
+    s = app_state()
+    feed = s.feed
     queue = feed.subscribe()
 
     def frame(kind: str, data: bytes) -> bytes:
         return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
     def stopping() -> bool:
-        drain = s.get("drain")
-        return s["registry"].closing or bool(drain is not None and drain.closing)
+        return s.registry.closing or s.drain.closing
 
     async def stream():
         try:
-            yield frame("snapshot", st.encode(snapshot(s)))
+            yield frame("snapshot", st.encode(s.snapshot()))
             due = time.monotonic() + interval
             while not stopping():
                 try:
                     ev = await asyncio.wait_for(queue.get(), max(0.0, due - time.monotonic()))
                 except TimeoutError:
-                    yield frame("snapshot", st.encode(snapshot(s)))
+                    yield frame("snapshot", st.encode(s.snapshot()))
                     due = max(due + interval, time.monotonic())
                     continue
                 if ev is None:
@@ -283,21 +211,20 @@ async def events():
 @bp.post("/admin/test/pressure", provide_automatic_options=False)
 async def test_pressure():
     """The pressure test seam (registered only with PANTHEON_TEST_HOOKS=1)."""
-    s = _state()
-    if not s["config"].test_hooks:
+    s = app_state()
+    if not s.config.test_hooks:
         raise oa.ApiError(404, f"no route {request.method} {request.path}", code="not_found")
     body = await _json_object()
     level, die = body.get("level"), body.get("die")
     if die is not None and not isinstance(die, str):
         raise oa.invalid("die", "'die' must be a die id")
     if level is None:
-        s["pressure"].clear()
+        s.pressure.clear()
     elif not isinstance(level, int) or isinstance(level, bool) or not 0 <= level <= 3:
         raise oa.invalid("level", "'level' must be 0..3, or null to clear")
     else:
-        s["pressure"].force(level, die)
-    s["registry"].poke()  # waiters held by the old level may go now
-    if "note_pressure" in s:
-        s["note_pressure"]()
+        s.pressure.force(level, die)
+    s.registry.poke()  # waiters held by the old level may go now
+    s.note_pressure()
     return json_response({"status": "ok", "forced": {str(k): v for k, v in
-                                                     s["pressure"].forced.items()}})
+                                                     s.pressure.forced.items()}})

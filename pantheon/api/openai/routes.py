@@ -1,0 +1,158 @@
+"""The OpenAI routes: ``GET /v1/models``, ``GET /v1/models/<id>``, ``POST /v1/chat/completions``.
+
+A chat request, in order: parse and check it -> route it to a replica (``Registry.route``: 404
+or 503 before any work) -> fit its context (``pantheon.control.context``: pass, cap or deny,
+400) -> acquire a slot (``Registry.acquire``: fast path, FIFO queue, memory pressure: 429 / 503;
+while its model restarts after a worker death the supervisor holds it) -> submit a
+``Generation`` to the instance's worker -> emit one JSON body or an SSE stream -> release the
+slot, even when the client went away first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from quart import Blueprint, Response, request
+
+from pantheon.api import middleware as ops
+from pantheon.api.openai import protocol as oa
+from pantheon.api.openai.protocol import ApiError, ChatRequest
+from pantheon.api.openai.service import Generation
+from pantheon.api.responses import json_response
+from pantheon.api.state import AppState, app_state
+from pantheon.control.context import Prepared, limit_of, prepare
+from pantheon.control.registry import Instance
+
+bp = Blueprint("openai", __name__)
+
+BIG_BODY = 32768  # bytes: a body this long is tokenized off the event loop
+
+
+def _model_objects(s: AppState) -> list[dict]:
+    out, seen = [], set()
+    for inst in s.registry.ready():
+        if inst.name not in seen:
+            seen.add(inst.name)
+            out.append(oa.model_object(inst.name, inst.created, inst.max_model_len))
+    return out
+
+
+@bp.get("/v1/models", provide_automatic_options=False)
+async def list_models():
+    return json_response(oa.model_list(_model_objects(app_state())))
+
+
+@bp.get("/v1/models/<path:model_id>", provide_automatic_options=False)
+async def get_model(model_id: str):
+    for m in _model_objects(app_state()):
+        if m["id"] == model_id:
+            return json_response(m)
+    raise oa.model_not_found(model_id)
+
+
+async def _fit_context(inst: Instance, req: ChatRequest, big: bool) -> Prepared:
+    """Render and tokenize for ``inst``, and fit the context to its limit (pass / cap / 400)."""
+    if big:  # long prompts tokenize off the event loop
+        return await asyncio.to_thread(prepare, inst.assets, req, inst.max_model_len,
+                                       limit_of(inst))
+    return prepare(inst.assets, req, inst.max_model_len, limit_of(inst))
+
+
+async def _place(s: AppState, req: ChatRequest, big: bool) -> tuple[Instance, Prepared]:
+    """Route, fit the context, then acquire a slot: a denied request never waits in the queue.
+    Returns ``(instance, Prepared)`` holding the slot."""
+    likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
+    prep = await _fit_context(likely, req, big)
+    inst = await s.registry.admit(req.model, req.session_id)
+    try:
+        if inst.path != likely.path or limit_of(inst) != limit_of(likely):
+            prep = await _fit_context(inst, req, big)  # another replica, another context
+    except BaseException:
+        s.registry.leave(inst)
+        raise
+    return inst, prep
+
+
+async def _through_recovery(s: AppState, place: Callable[[], Awaitable[tuple[Instance, Prepared]]],
+                            model: str | None) -> tuple[Instance, Prepared]:
+    """``place()``, waiting while the model restarts after a worker death when a supervisor
+    runs (``pantheon.control.supervisor``)."""
+    if s.supervisor is None:
+        return await place()
+    return await s.supervisor.admit(place, model, s.registry.queue_timeout_s)
+
+
+@bp.post("/v1/chat/completions", provide_automatic_options=False)
+async def chat():
+    s = app_state()
+    arrived = time.monotonic()
+    raw = await request.get_data(cache=False)
+    req = oa.parse_chat_request(raw, header_session=request.headers.get("X-Session-Id"))
+    ops.check_request(req)  # the request limits (400), and the model for the trace
+    try:
+        inst, prep = await _through_recovery(s, lambda: _place(s, req, len(raw) > BIG_BODY),
+                                             req.model)
+    except ApiError as e:
+        s.feed.reject(e.status, req.model, e.code, e.message)  # counts 429s and 503s
+        raise
+    try:
+        gen = Generation(s.pool, inst, req, prep, s.config.fingerprint, arrived=arrived,
+                         on_tokens=s.feed.tokens)
+    except BaseException:
+        s.registry.leave(inst)
+        raise
+    s.live.add(gen)
+    ops.attach(gen)  # per-request log and metrics; ended at once past the drain deadline
+
+    def done() -> None:
+        s.live.discard(gen)
+        s.registry.leave(inst)
+        s.feed.request_done(gen.ttft_s)
+
+    headers = {"X-Pantheon-Instance": inst.instance_id}
+    if prep.capped:
+        headers["X-Context-Capped"] = "true"
+    if not req.stream:
+        try:
+            out = await gen.complete()
+        finally:
+            done()
+        return json_response(out, headers=headers)
+    body = _Body(gen.stream_chunks(), done)
+    resp = Response(body, status=200, content_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+    resp.timeout = None
+    return resp
+
+
+class _Body:
+    """The SSE body: releases the instance when closed, even if it never started."""
+
+    def __init__(self, agen, on_close):
+        self._agen = agen
+        self._on_close = on_close
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._agen.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._agen.aclose()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        cb, self._on_close = self._on_close, None
+        if cb is not None:
+            cb()
+
+    def __del__(self):
+        self._release()
+
+
+
