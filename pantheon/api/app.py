@@ -54,6 +54,7 @@ def build_state(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Ap
     dies = DieManager(cpu_dies=config.cpu_dies, cpu_budget=config.cpu_die_budget,
                       reserve=config.die_reserve,
                       host_available=lambda: pressure.host_memory()[1])
+    pressure.booked_probe = lambda die: getattr(dies.get(die), "used_bytes", 0)
     registry.pressure = pressure.level
     feed = Feed()
     live: set = set()

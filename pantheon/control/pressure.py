@@ -5,13 +5,19 @@ A level is how many of the three thresholds (fractions of memory in use; default
 
 - the host: ``1 - available / total`` from ``psutil.virtual_memory()``, read at most every
   100 ms (the gate asks before every request; psutil costs a system call);
-- a CUDA die: ``1 - free / total`` as its worker last measured it (``Stats``);
+- a CUDA die: the share of its *headroom* in use, where the headroom is what the instances
+  did not book (``total - booked``: the weights and KV pools are allocated once, at load, and
+  never grow) and in use is what the worker measures beyond the bookings
+  (``total - free - booked``: activations, the allocator's cache, other processes). A die
+  packed to the brim with pools but with its small remainder idle is NORMAL: an H200 with
+  136 GB booked of 141 GB and 4 GiB free is at level 0, not 3. With nothing booked this is the
+  plain ``1 - free / total``;
 - a CPU die lives in host RAM, so its level is the host's. (Bookings are not pressure: a die
   whose budget is fully booked by preallocated KV pools is working as designed.)
 
 What the levels do: at CRITICAL the slot gate takes no request on its fast path (requests wait
-in the queue, and a full queue answers 503 instead of 429); at HIGH and above context admission
-caps long contexts harder (``admission``).
+in the queue, and a full queue answers 503 instead of 429). The lower levels are reported
+(``/admin/dies``, the dashboard, ``/metrics``) and change nothing else.
 
 Test seam: ``force(level, die=None)`` overrides the measured level of the host (``die=None``:
 everything) or of one die until ``clear()``. The admin API exposes it only when the server runs
@@ -46,17 +52,30 @@ def parse_thresholds(raw: str) -> tuple[float, float, float]:
     return vals  # type: ignore[return-value]
 
 
+def headroom_used(total: int, free: int, booked: int) -> float:
+    """The share of a die's unbooked memory in use, 0..1 (see the module doc)."""
+    booked = max(0, min(booked, total))
+    headroom = total - booked
+    if headroom <= 0:
+        return 1.0 if free <= 0 else 0.0
+    beyond = total - free - booked  # in use but not booked
+    return min(1.0, max(0.0, beyond / headroom))
+
+
 class PressureSource:
     """Levels for the host and the dies; see the module doc."""
 
     def __init__(self, thresholds: tuple[float, float, float] = DEFAULT_THRESHOLDS, *,
                  host_probe: Callable[[], tuple[int, int]] | None = None,
-                 die_probe: Callable[[str], tuple[int, int] | None] | None = None):
+                 die_probe: Callable[[str], tuple[int, int] | None] | None = None,
+                 booked_probe: Callable[[str], int] | None = None):
         """``host_probe() -> (total, available)``; ``die_probe(die) -> (total, free)`` for a
-        CUDA die (None when unknown)."""
+        CUDA die (None when unknown); ``booked_probe(die) -> bytes`` the instances booked on
+        it (0 when not given)."""
         self.thresholds = thresholds
         self._host_probe = host_probe or _psutil_host
         self.die_probe = die_probe
+        self.booked_probe = booked_probe
         self._host: tuple[int, int] = (0, 0)
         self._host_at = 0.0
         self._forced: dict[str | None, int] = {}
@@ -101,7 +120,8 @@ class PressureSource:
             if got is None or got[0] <= 0:
                 return NORMAL
             total, free = got
-            return level_for(1 - free / total, self.thresholds)
+            booked = self.booked_probe(die) if self.booked_probe is not None else 0
+            return level_for(headroom_used(total, free, booked), self.thresholds)
         return self.host_level()  # a CPU die lives in host RAM
 
     def level(self, dies: Iterable[str] = ()) -> int:
