@@ -1,0 +1,72 @@
+"""The sampler keeps a step on the device: what crosses to the host is the token ids and the
+logprobs asked for, never a vocabulary-sized row (issue 16: ``probs.cpu()`` copied ~600 KB
+per slot per step at a 150k vocabulary, and synced once per row)."""
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from pantheon.protocol import SamplingParams
+from workers.sampler import SamplerState, sample
+
+V = 4096
+HOST = {"cpu", "item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__"}
+
+
+class HostCopies(TorchFunctionMode):
+    """Records every call that hands a tensor's values to Python or to the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST and args and isinstance(args[0], torch.Tensor):
+            self.calls.append((name, args[0].numel()))
+        if name == "to" and args and isinstance(args[0], torch.Tensor) and "cpu" in repr(args[1:]):
+            self.calls.append((name, args[0].numel()))
+        return func(*args, **(kwargs or {}))
+
+
+def _states(params):
+    return [SamplerState.create(p, [0], torch.device("cpu")) for p in params]
+
+
+def test_a_sampled_batch_copies_back_token_ids_only():
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, max_tokens=8)
+              for i in range(6)] + [SamplingParams(temperature=0.0)] * 2
+    logits = torch.randn(len(params), V)
+    with HostCopies() as mode:
+        out = sample(logits, _states(params), [[1, 2, 3]] * len(params), [0] * len(params))
+    assert len(out) == 8 and all(0 <= s.token < V for s in out)
+    assert mode.calls == [("tolist", 8)]  # one copy of B ids: no [V] row, no sync per row
+
+
+def test_logprobs_come_back_for_the_rows_that_asked_only():
+    params = [SamplingParams(temperature=1.0, seed=1, logprobs=True, top_logprobs=3),
+              SamplingParams(temperature=1.0, seed=2),
+              SamplingParams(temperature=0.0, logprobs=True)]
+    logits = torch.randn(3, V)
+    with HostCopies() as mode:
+        out = sample(logits, _states(params), [[], [], []], [0, 0, 0])
+    assert all(n <= 3 * 2 for _, n in mode.calls), mode.calls  # ids, 2 chosen, 2x3 top
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out[0].logprob == raw[0, out[0].token].item() and len(out[0].top) == 3
+    assert out[0].top[0][0] == int(torch.argmax(raw[0]))
+    assert out[1].logprob is None and out[1].top is None
+    assert out[2].token == int(torch.argmax(logits[2])) and out[2].top is None
+    assert out[2].logprob == raw[2, out[2].token].item()
+
+
+def test_the_generator_lives_on_the_logits_device():
+    st = SamplerState.create(SamplingParams(seed=3), [], torch.device("cpu"))
+    assert st.generator.device.type == "cpu"
+
+
+def test_a_seed_draws_the_same_tokens_whatever_shares_the_batch():
+    p = SamplingParams(temperature=1.0, seed=42)
+    row = torch.randn(1, V)
+    alone = [sample(row, _states([p]), [[]], [0])[0].token]
+    other = SamplingParams(temperature=1.0, seed=7)
+    mixed = sample(torch.cat([torch.randn(1, V), row]), _states([other, p]), [[], []], [0, 0])
+    assert mixed[1].token == alone[0]
