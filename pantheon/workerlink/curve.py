@@ -17,10 +17,10 @@ import os
 import re
 import stat
 
+from pantheon.config.values import ConfigError  # a leaf module: no import cycle
+
 
 def _error(msg: str) -> Exception:
-    from pantheon.config.settings import ConfigError
-
     return ConfigError(msg)
 
 

@@ -1,0 +1,121 @@
+"""``ConfigError`` and the value parsers every settings source shares (flag, variable, TOML file).
+
+This module imports nothing from ``pantheon``: ``pantheon.workerlink.curve`` and the admin API
+import ``ConfigError`` from here without pulling in the rest of the configuration (and without
+the old ``config`` -> ``curve`` -> ``config`` import cycle). Every parser takes ``what``, the
+name of the source the value came from (``--port``, ``PANTHEON_PORT``, ``--config FILE: port``),
+and puts it in the message of the ``ConfigError`` it raises.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A flag or environment variable has a value the server cannot run with."""
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10,
+          "m": 1000**2, "mb": 1000**2, "mib": 1 << 20, "mi": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "gi": 1 << 30,
+          "t": 1000**4, "tb": 1000**4, "tib": 1 << 40, "ti": 1 << 40}
+
+
+def parse_size(value: str | int, what: str) -> int:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5G"`` or a plain byte count -> bytes."""
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m or m.group(2) is not None and m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{what}: {value!r} is not a size (try 2GiB, 512MiB or bytes)")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if n <= 0:
+        raise ConfigError(f"{what}: a size must be positive, got {value!r}")
+    return n
+
+
+def format_size(n: int) -> str:
+    """The inverse of ``parse_size`` for the help text: ``8 << 20`` -> ``"8MiB"``."""
+    for unit, mult in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
+
+
+def parse_dies(value: str, what: str = "--dies") -> tuple[str, ...]:
+    """``"0,1"`` -> ``("cuda:0", "cuda:1")``; ``"cpu:0"`` stays; duplicates are refused."""
+    out: list[str] = []
+    for part in (p.strip() for p in value.split(",")):
+        if not part:
+            continue
+        if part.isdigit():
+            part = f"cuda:{int(part)}"
+        elif not re.fullmatch(r"(cuda|cpu):\d+", part):
+            raise ConfigError(f"{what}: {part!r} is not a die (use N, cuda:N or cpu:N)")
+        if part in out:
+            raise ConfigError(f"{what}: die {part} listed twice")
+        out.append(part)
+    if not out:
+        raise ConfigError(f"{what}: empty die list")
+    return tuple(out)
+
+
+def parse_int(raw: Any, what: str) -> int:
+    # a TOML true is an int to Python; refuse it rather than read it as 1
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    try:
+        if isinstance(raw, bool):
+            raise ValueError
+        return int(str(raw).strip())
+    except ValueError:
+        raise ConfigError(f"{what}={raw!r}: expected an integer") from None
+
+
+def parse_float(raw: Any, what: str) -> float:
+    try:
+        if isinstance(raw, bool):
+            raise ValueError
+        return float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}={raw!r}: expected a number") from None
+
+
+def parse_bool(raw: Any, what: str) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    s = str(raw).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{what}={raw!r}: expected 1 or 0")
+
+
+def parse_switch(raw: Any, what: str) -> bool:
+    """A variable that is on when set to 1/true/yes and off otherwise; never an error."""
+    if isinstance(raw, bool):
+        return raw
+    return str(raw).strip() in ("1", "true", "yes")
+
+
+def parse_str(raw: Any, what: str) -> str:
+    if not isinstance(raw, str):
+        raise ConfigError(f"{what}: expected a string")
+    return raw
+
+
+def parse_list(raw: Any, what: str, sep: str | None) -> tuple[str, ...]:
+    """A list of strings: a list as given, or a string split on ``sep`` (None: one item).
+    Flags and the file give one item per string; variables pack several with ``sep``."""
+    if isinstance(raw, str):
+        items = raw.split(sep) if sep else [raw]
+    elif isinstance(raw, (list, tuple)):
+        items = list(raw)
+    else:
+        raise ConfigError(f"{what}: expected a list of strings")
+    return tuple(str(x).strip() for x in items if str(x).strip())
