@@ -4,7 +4,7 @@ One router per module, on a free loopback port. Through the dashboard's own keys
 a failed load shows the router's error text; a load appears in the table with its slots;
 streamed requests turn its slots busy; an unload through the confirmation drains it away.
 
-The router is started with tests/test_serve.py's ``Server``.
+The router is started with tests/helpers/serve.py's ``Server``.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import time
 
 import httpx
 import pytest
-from test_serve import Server
 from test_tui_app import plain, table_ids
 
 from tui.app import PantheonApp
 from tui.client import Backoff, RouterClient
 from tui.screens import ConfirmScreen, LoadScreen
 from tui.widgets.slots import SlotGrid
+
+from helpers.serve import Server
 
 NAME = "tui-tiny"  # the model the tests load through the modal
 SIZE = (120, 40)

@@ -25,8 +25,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_backpressure import until
-from test_openai_api import check
-from test_serve import MSG, Server
+
+from helpers.openapi import check
+from helpers.serve import MSG, Server
 
 pytestmark = pytest.mark.timeout(240)
 

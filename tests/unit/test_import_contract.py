@@ -11,7 +11,7 @@ also the ones inside functions):
   only the snapshot types (``pantheon.snapshot``).
 
 The runtime twins of these checks (what a process really has in ``sys.modules``) are in
-test_serve, test_worker, test_workerpool and test_tui_imports.
+tests/e2e (test_serve, test_worker, test_workerpool) and tests/tui/test_tui_imports.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 
 RULES = {
     "pantheon": {"forbidden": {"torch", "workers", "textual"}, "pantheon_allowed": None},

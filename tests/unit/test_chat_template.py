@@ -9,9 +9,8 @@ import pytest
 
 from pantheon.chat.template import ChatTemplate, TemplateError, normalize_messages, render_chatml, think_open
 
-SPECS = Path(__file__).resolve().parents[2] / "shared" / "specs"
-if not SPECS.is_dir():  # the repo may be checked out elsewhere; the reference data is beside it
-    SPECS = Path("/work/shared/specs")
+from helpers.paths import SPECS, need_specs
+
 QWEN3 = SPECS / "qwen3-0.6B.chat_template.jinja"
 LLAMA33 = SPECS / "llama-3.3-70B-Instruct.chat_template.jinja"
 
@@ -93,6 +92,7 @@ THINKING_HISTORY = [
 
 @pytest.fixture(scope="module")
 def qwen3() -> ChatTemplate:
+    need_specs()
     return ChatTemplate(QWEN3.read_text(encoding="utf-8"), eos_token="<|im_end|>", reasoning=True)
 
 
@@ -182,6 +182,7 @@ def test_think_open_detection(qwen3):
 
 @pytest.fixture(scope="module")
 def llama() -> ChatTemplate:
+    need_specs()
     return ChatTemplate(LLAMA33.read_text(encoding="utf-8"), bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
 
 
@@ -407,6 +408,7 @@ def test_chatml_tools_listing_exact():
         "</tool_call><|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n"
     )
     # Same as what the Qwen3 template writes for tools (it is the Hermes/Qwen form).
+    need_specs()
     assert out == hf_render(QWEN3.read_text(), [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}],
                             tools=[tool], bos=None)
 

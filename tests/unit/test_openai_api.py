@@ -1,60 +1,24 @@
 """Unit tests of the OpenAI surface: request validation, the response/chunk builders checked against
 the official OpenAPI schemas in ../shared/specs, and the config object (the registry's
-routing is tested in tests/test_registry.py).
+routing is tested in tests/unit/test_registry.py).
 
-``schema_validator(name)`` is shared with tests/test_serve.py.
+``check`` and ``schema_validator`` live in tests/helpers/openapi.py (tests/e2e use them too).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import json
 from pathlib import Path
 
-import jsonschema
 import pytest
 
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.protocol import ApiError, parse_chat_request
 from pantheon.config.settings import ConfigError, build_config, parse_dies, parse_size
 
-SPECS = Path(__file__).resolve().parents[2] / "shared" / "specs"
-if not SPECS.is_dir():  # the checkout may live elsewhere; the specs sit next to it
-    SPECS = Path("/work/shared/specs")
-
-
-# ---------------------------------------------------------------- schema helpers
-
-
-def _fix_nullable(node):
-    """OpenAPI 3.0 ``nullable: true`` -> a JSON-Schema union with null (see specs/README.md)."""
-    if isinstance(node, list):
-        return [_fix_nullable(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _fix_nullable(v) for k, v in node.items()}
-    if out.pop("nullable", False) is True:
-        return {"anyOf": [out, {"type": "null"}]}
-    return out
-
-
-@functools.cache
-def _schemas() -> dict:
-    doc = json.loads((SPECS / "openai-openapi-chat-subset.json").read_text())
-    return _fix_nullable(doc["components"]["schemas"])
-
-
-@functools.cache
-def schema_validator(name: str) -> jsonschema.Draft202012Validator:
-    root = {"$ref": f"#/components/schemas/{name}", "components": {"schemas": _schemas()}}
-    return jsonschema.Draft202012Validator(root)
-
-
-def check(name: str, obj) -> None:
-    errors = sorted(schema_validator(name).iter_errors(obj), key=lambda e: list(e.path))
-    assert not errors, f"{name}: " + "; ".join(
-        f"{list(e.path)}: {e.message}" for e in errors[:5])
+from helpers.openapi import check, schema_validator
+from helpers.paths import need_specs
 
 
 def read_sse(path: Path) -> list:
@@ -69,6 +33,7 @@ def read_sse(path: Path) -> list:
 
 def test_real_streams_validate_after_nullable_fix():
     """The helper itself: OpenAI's own recorded chunks must pass, and null finish_reason with them."""
+    SPECS = need_specs()
     for f in sorted(SPECS.glob("openai-stream-*.sse")):
         events = read_sse(f)
         assert events[-1] == "[DONE]"

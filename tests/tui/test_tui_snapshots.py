@@ -1,13 +1,13 @@
 """Screenshots of the dashboard (pytest-textual-snapshot): the normal, empty, high-pressure and
-disconnected states at 80x24 and 160x48, from the fixed snapshots in tests/tui_fixtures.
+disconnected states at 80x24 and 160x48, from the fixed snapshots in tests/tui/tui_fixtures.
 
 These run in their own pytest process (textual issue 5788: after another test in the same
 process has run an event loop, ``snap_compare`` can fail with "There is no current event loop"),
 so the default run skips them:
 
-    PANTHEON_SNAPSHOTS=1 python -m pytest tests/test_tui_snapshots.py -p no:cacheprovider
+    PANTHEON_SNAPSHOTS=1 python -m pytest tests/tui/test_tui_snapshots.py -p no:cacheprovider
 
-Add ``--snapshot-update`` to rewrite the SVGs in tests/__snapshots__/test_tui_snapshots/ after
+Add ``--snapshot-update`` to rewrite the SVGs in tests/tui/__snapshots__/test_tui_snapshots/ after
 looking at the report of what changed.
 """
 
@@ -25,7 +25,7 @@ from tui.widgets.header import StatusHeader
 pytestmark = [
     pytest.mark.skipif(os.environ.get("PANTHEON_SNAPSHOTS") != "1",
                        reason="screenshot tests run in their own invocation: "
-                              "PANTHEON_SNAPSHOTS=1 pytest tests/test_tui_snapshots.py"),
+                              "PANTHEON_SNAPSHOTS=1 pytest tests/tui/test_tui_snapshots.py"),
     pytest.mark.timeout(120),
 ]
 

@@ -1,7 +1,7 @@
 """The worker process against a bare ROUTER socket: the wire protocol as the worker speaks it.
 
 One real worker process (cpu:0, the ``tiny`` model) serves the whole module; a few short-lived
-ones check how the worker exits. ``tests/test_workerpool.py`` covers the router's side.
+ones check how the worker exits. ``tests/e2e/test_workerpool.py`` covers the router's side.
 """
 
 from __future__ import annotations

@@ -19,9 +19,10 @@ import time
 
 import httpx
 import pytest
-from test_serve import MSG, Server, check_error
 
 from pantheon.snapshot import decode_snapshot
+
+from helpers.serve import MSG, Server, check_error
 
 pytestmark = pytest.mark.timeout(180)
 DIE_BUDGET = 48 << 20

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 FORBIDDEN = ("torch", "zmq", "workers", "quart", "hypercorn")
 
 PROBE = f"""

@@ -1,7 +1,7 @@
 """Pilot tests of the dashboard against a fixed fake source: every binding (the modals are in
 test_tui_modals.py).
 
-The App gets a ``StaticSource`` (fixed snapshots from tests/tui_fixtures), a fixed clock and UTC
+The App gets a ``StaticSource`` (fixed snapshots from tests/tui/tui_fixtures), a fixed clock and UTC
 event times; tests feed further snapshots with ``app.receive`` (what the feed worker calls).
 """
 

@@ -13,7 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from test_serve import MSG, Server
+
+from helpers.serve import MSG, Server
 
 pytestmark = pytest.mark.timeout(180)
 

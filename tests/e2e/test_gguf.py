@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.paths import REPO_ROOT
+
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf import GGUFWriter  # noqa: E402
@@ -38,7 +40,7 @@ from workers.gguf_weights import dequantize, hf_name, unpermute  # noqa: E402
 from workers.loader import load_model  # noqa: E402
 from workers.model_config import load_config  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 PROMPT = [7, 300, 12, 99, 5, 1000, 42, 17, 256, 3, 77, 1500, 8, 64, 900, 11, 23, 400, 6, 88]
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -538,7 +540,8 @@ def test_router_reads_gguf_without_torch(files):
 def test_admin_loads_gguf_and_failures_leave_nothing(model_factory, files, tmp_path):
     import httpx
     from test_admin import load, tables, unload
-    from test_serve import MSG, Server, check_error
+
+    from helpers.serve import MSG, Server, check_error
 
     tiny = model_factory("tiny")
     good = files("tiny", QT.Q8_0, name="Tiny-Qwen3.Q8_0.gguf")

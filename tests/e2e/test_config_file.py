@@ -14,11 +14,12 @@ import time
 
 import httpx
 import pytest
-from test_serve import MSG, ROOT, Server, _free_port, check_error
 
 from pantheon.config.ops import merge_config_file
 from pantheon.config.settings import ConfigError, build_config
 from pantheon.serve import build_parser
+
+from helpers.serve import MSG, ROOT, Server, _free_port, check_error
 
 pytestmark = pytest.mark.timeout(120)
 

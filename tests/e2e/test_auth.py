@@ -16,8 +16,9 @@ import shutil
 import httpx
 import openai
 import pytest
-from test_openai_api import check
-from test_serve import MSG, Server, check_error
+
+from helpers.openapi import check
+from helpers.serve import MSG, Server, check_error
 
 pytestmark = pytest.mark.timeout(180)
 

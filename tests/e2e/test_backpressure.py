@@ -22,9 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_serve import MSG, Server, check_error
 
 from pantheon.snapshot import decode_snapshot
+
+from helpers.serve import MSG, Server, check_error
 
 pytestmark = pytest.mark.timeout(120)
 SHORT = {"model": "tiny", "messages": MSG, "max_tokens": 2}

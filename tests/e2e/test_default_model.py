@@ -7,9 +7,10 @@ from __future__ import annotations
 import importlib.metadata
 
 import pytest
-from test_serve import Server
 
 from pantheon import serve as server_cli
+
+from helpers.serve import Server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

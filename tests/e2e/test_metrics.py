@@ -15,7 +15,8 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_serve import MSG, Server, check_error
+
+from helpers.serve import MSG, Server, check_error
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -14,6 +14,8 @@ import pytest
 from pantheon.models import makemodel
 from pantheon.models import tokenizer_train as tt
 
+from helpers.paths import REPO_ROOT
+
 TINY = ["tiny", "tiny-llama", "tiny-qwen2"]
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -135,7 +137,7 @@ def test_same_bytes_in_a_fresh_process(tmp_path, tiny_model):
     # A new process retrains the tokenizer and redraws the weights, with one thread.
     code = f"from pantheon.models.makemodel import make_model; make_model('tiny', {str(tmp_path)!r})"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=Path(__file__).parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO_ROOT)
     assert _files_digest(tmp_path) == _files_digest(tiny_model)
 
 
@@ -371,5 +373,5 @@ def test_cli_writes_tiny(tmp_path, tiny_model, capsys):
 
 def test_pantheon_entry_point(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pantheon", "make-model", "--list"], capture_output=True,
-                         text=True, check=True, cwd=Path(__file__).parents[1])
+                         text=True, check=True, cwd=REPO_ROOT)
     assert "qwen3-0.6b" in out.stdout
