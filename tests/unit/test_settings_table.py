@@ -23,7 +23,9 @@ from pantheon.config.settings import ConfigError, ServeConfig, build_config
 from pantheon.config.table import BY_NAME, SETTINGS, Setting
 from pantheon.serve import build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 CONFIG_ROWS = [s for s in SETTINGS if s.field is not None]
 BAD = "not-a-value!"  # no row reads this as its sample value; most refuse it
 
