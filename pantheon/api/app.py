@@ -19,9 +19,9 @@ import logging
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
+from pantheon import errors
 from pantheon.api import middleware as ops
 from pantheon.api.admin.routes import bp as admin_bp
-from pantheon.api.openai.protocol import ApiError
 from pantheon.api.openai.routes import bp as openai_bp
 from pantheon.api.responses import error_response, json_response
 from pantheon.api.state import AppState, app_state, install_state
@@ -32,6 +32,7 @@ from pantheon.control.lifecycle import Models
 from pantheon.control.pressure import NAMES as LEVEL_NAMES
 from pantheon.control.pressure import PressureSource
 from pantheon.control.registry import Registry
+from pantheon.errors import ApiError
 from pantheon.workerlink.pool import WorkerPool
 
 log = logging.getLogger("pantheon.server")
@@ -152,16 +153,15 @@ def _install_errors(app: Quart, config: ServeConfig) -> None:
     @app.errorhandler(HTTPException)
     async def http_error(e: HTTPException):
         code = e.code or 500
-        kind = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
-            code, "http_error")
-        msg = {404: f"no route {request.method} {request.path}",
-               413: f"the request body is larger than {config.max_body_bytes} bytes "
-                    f"(the --max-body limit)"}.get(
-            code, e.description or e.name)
-        return error_response(ApiError(code, msg, code=kind))
+        if code == 404:
+            err = errors.route_not_found(request.method, request.path)
+        elif code == 413:
+            err = errors.body_too_large(config.max_body_bytes)
+        else:
+            err = errors.http_error(code, e.description or e.name)
+        return error_response(err)
 
     @app.errorhandler(Exception)
     async def internal(e: Exception):
         log.exception("unhandled error")
-        return error_response(ApiError(500, f"internal error: {type(e).__name__}",
-                                       type="server_error", code="internal_error"))
+        return error_response(errors.internal_error(e))

@@ -27,20 +27,11 @@ import ipaddress
 import json
 import os
 
-from pantheon.api.openai.protocol import ApiError, ChatRequest
+from pantheon import errors
+from pantheon.api.openai.protocol import ChatRequest
 from pantheon.config.ops import Limits, OpsConfig
 
 OPEN_PATHS = ("/", "/health", "/metrics")
-
-
-def unauthorized(missing: bool) -> ApiError:
-    msg = ("You didn't provide an API key. Send it as 'Authorization: Bearer KEY'."
-           if missing else "Incorrect API key provided.")
-    return ApiError(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-
-def forbidden(message: str, param: str | None = None) -> ApiError:
-    return ApiError(403, message, type="permission_error", param=param, code="forbidden")
 
 
 def is_loopback(addr: str | None) -> bool:
@@ -88,17 +79,16 @@ class Guard:
         if path == "/admin" or path.startswith("/admin/"):
             if self.admin_key is None:
                 if not is_loopback(remote):
-                    raise forbidden("the admin API answers only on loopback unless the server "
-                                    "has an admin key")
+                    raise errors.admin_loopback_only()
                 return
             token = _bearer(authorization)
             if token is None or not _matches(token, (self.admin_key,)):
-                raise unauthorized(token is None)
+                raise errors.unauthorized(token is None)
             return
         if self.api_keys:
             token = _bearer(authorization)
             if token is None or not _matches(token, self.api_keys):
-                raise unauthorized(token is None)
+                raise errors.unauthorized(token is None)
 
     # ------------------------------------------------------------ --models-dir
 
@@ -109,8 +99,7 @@ class Guard:
         """403 unless ``path`` (and every file in it) resolves under a ``--models-dir`` root."""
         if not self.roots:
             return
-        refuse = forbidden(f"{path!r} is not under an allowed models directory (--models-dir)",
-                           param="path")
+        refuse = errors.path_not_allowed(path)
         real = os.path.realpath(path)
         if not self._inside(real):
             raise refuse
@@ -134,26 +123,22 @@ class Guard:
             self.check_model_path(body["path"])
 
 
-def _too_many(param: str, what: str, got: int, limit: int, flag: str) -> ApiError:
-    return ApiError(400, f"{what}: {got} given, this server's limit is {limit} ({flag})",
-                    param=param, code="limit_exceeded")
-
-
 def check_limits(req: ChatRequest, limits: Limits) -> None:
     """400 naming the limit when ``req`` goes over one of ``limits``."""
+    too_many = errors.limit_exceeded
     if len(req.messages) > limits.max_messages:
-        raise _too_many("messages", "too many messages", len(req.messages),
-                        limits.max_messages, "--max-messages")
+        raise too_many("messages", "too many messages", len(req.messages),
+                       limits.max_messages, "--max-messages")
     if req.n > limits.max_n:
-        raise _too_many("n", "'n' is too large", req.n, limits.max_n, "--max-n")
+        raise too_many("n", "'n' is too large", req.n, limits.max_n, "--max-n")
     if limits.max_tokens is not None and req.max_tokens is not None \
             and req.max_tokens > limits.max_tokens:
-        raise _too_many("max_tokens", "'max_tokens' is too large", req.max_tokens,
-                        limits.max_tokens, "--max-tokens-limit")
+        raise too_many("max_tokens", "'max_tokens' is too large", req.max_tokens,
+                       limits.max_tokens, "--max-tokens-limit")
     if len(req.stop) > limits.max_stop:
-        raise _too_many("stop", "too many stop strings", len(req.stop), limits.max_stop,
-                        "--max-stop")
+        raise too_many("stop", "too many stop strings", len(req.stop), limits.max_stop,
+                       "--max-stop")
     for s in req.stop:
         if len(s) > limits.max_stop_len:
-            raise _too_many("stop", "a stop string is too long (characters)", len(s),
-                            limits.max_stop_len, "--max-stop-len")
+            raise too_many("stop", "a stop string is too long (characters)", len(s),
+                           limits.max_stop_len, "--max-stop-len")

@@ -25,7 +25,7 @@ from typing import Any
 
 from quart import Quart, Response, request
 
-from pantheon import logs
+from pantheon import errors, logs
 from pantheon.api import auth
 from pantheon.api.metrics import CONTENT_TYPE, Metrics
 from pantheon.api.state import AppState, app_state
@@ -102,13 +102,11 @@ class OpsMiddleware:
         path, method = scope["path"], scope["method"]
         drain = self.state.drain
         if drain.closing and path != "/metrics":
-            body = {"error": {"message": "the server is shutting down", "type": "server_error",
-                              "param": None, "code": "shutting_down"}}
+            err = errors.shutting_down()
             if path == "/health":
-                body = {"status": "shutting_down"}
-            else:
-                self.state.metrics.rejected.labels("", "503").inc()
-            return await _send_json(send, 503, body)
+                return await _send_json(send, err.status, {"status": "shutting_down"})
+            self.state.metrics.rejected.labels("", str(err.status)).inc()
+            return await _send_json(send, err.status, err.body(), err.headers)
         trace = logs.RequestTrace(method, path, (scope.get("client") or (None,))[0])
         scope[TRACE_KEY] = trace
 

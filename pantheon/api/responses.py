@@ -7,7 +7,7 @@ from typing import Any
 from quart import Response
 
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.protocol import ApiError
+from pantheon.errors import ApiError
 
 
 def json_response(obj: Any, status: int = 200, headers: dict | None = None) -> Response:

@@ -1,4 +1,4 @@
-"""Context admission, before any prefill: pass, cap, or deny.
+"""Fitting a request's context (``fit_context``), before any prefill: pass, cap, or deny.
 
 The limit of an instance is its context (``max_model_len``) and no more than its worker's KV pool
 holds (``kv_pool_tokens``): in this design the KV pool is allocated once at load, so a context
@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.protocol import ApiError, ChatRequest
+from pantheon import errors
+from pantheon.api.openai.protocol import ChatRequest
 from pantheon.chat.template import TemplateError, think_open
 
 CAPPED_ROOM = 512  # tokens kept for the completion of a capped prompt without max_tokens
@@ -37,7 +37,7 @@ class Prepared:
     think_open: bool
     max_tokens: int
     forced: str | None = None  # the function a named tool_choice forces
-    capped: bool = False  # context admission dropped part of the conversation
+    capped: bool = False  # fit_context dropped part of the conversation
     dropped_messages: int = 0
     dropped_tokens: int = 0
 
@@ -52,8 +52,7 @@ def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], s
         prompt = assets.template.render(messages, tools=tools, add_generation_prompt=True,
                                         **req.chat_template_kwargs)
     except TemplateError as e:
-        raise oa.invalid(
-            "messages", f"the chat template refused this conversation: {e.message}") from None
+        raise errors.chat_template_refused(e.message) from None
     opened = assets.reasoning and think_open(prompt)
     prefix, forced = "", None
     if tools and req.tool_choice in ("required", "function") and assets.tool_call_markup:
@@ -71,21 +70,21 @@ def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], s
 
 
 def limit_of(inst) -> int:
-    """The context admission limit of an instance (see the module doc)."""
+    """The context limit ``fit_context`` fits a request to on an instance (see the module
+    doc)."""
     limit = inst.max_model_len or 4096
     if getattr(inst, "kv_pool_tokens", None):
         limit = min(limit, inst.kv_pool_tokens)
     return limit
 
 
-def prepare(assets, req: ChatRequest, max_model_len: int, limit: int | None = None) -> Prepared:
-    """Render, tokenize and admit ``req`` (pass / cap / deny); raises ``ApiError``."""
+def fit_context(assets, req: ChatRequest, max_model_len: int,
+                limit: int | None = None) -> Prepared:
+    """Render and tokenize ``req``, and fit its context to ``limit`` (pass / cap / deny);
+    raises ``ApiError``."""
     limit = min(limit or max_model_len, max_model_len)
     if req.max_tokens is not None and req.max_tokens >= limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens. "
-                            f"However, you requested at least {req.max_tokens + 1} tokens "
-                            f"({req.max_tokens} in the completion).", param="max_tokens",
-                       code="context_length_exceeded")
+        raise errors.max_tokens_too_large(limit, req.max_tokens)
     ids, prefix, opened, forced = render(assets, req, req.messages)
     if len(ids) + (req.max_tokens or 1) <= limit:
         return Prepared(ids, prefix, opened, req.max_tokens or limit - len(ids), forced)
@@ -155,7 +154,4 @@ def _cap(assets, req: ChatRequest, limit: int, room: int, full_len: int) -> Prep
             ids, prefix, opened, forced = out
             return Prepared(ids, prefix, opened, room, forced, True, dropped,
                             full_len - len(ids))
-    raise ApiError(503, f"context admission denied: this model's context limit is {limit} "
-                        f"tokens, and even with every older turn and message text dropped the "
-                        f"prompt takes {n} tokens, leaving less than the {room} the completion "
-                        f"needs", type="server_error", code="context_denied")
+    raise errors.context_denied(limit, n, room)

@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pantheon.api.openai.protocol import ApiError
+from pantheon import errors
 
 GiB = 1 << 30
 DEFAULT_CUDA_RESERVE = 1 * GiB
@@ -129,17 +129,13 @@ class DieManager:
             die_id = f"cuda:{die_id}"
         m = _DIE_RE.match(die_id)
         if not m:
-            raise ApiError(400, f"{die_id!r} is not a die (use N, cuda:N or cpu:N)", param="dies")
+            raise errors.not_a_die(die_id)
         if die_id not in self._dies:
             n = int(m.group(2))
             if m.group(1) == "cpu":
-                raise ApiError(400, f"die {die_id} does not exist (the server has "
-                                    f"{self.cpu_count} CPU dies: --cpu-dies)", param="dies",
-                               code="no_such_die")
+                raise errors.no_such_die(die_id, "cpu", self.cpu_count)
             if n >= self.cuda_count:
-                raise ApiError(400, f"die {die_id} does not exist (this machine has "
-                                    f"{self.cuda_count} CUDA devices)", param="dies",
-                               code="no_such_die")
+                raise errors.no_such_die(die_id, "cuda", self.cuda_count)
             self._add(die_id)
         return die_id
 
@@ -196,13 +192,12 @@ class DieManager:
                                  f"{fmt_bytes(kv)}; {fmt_bytes(room)} of its "
                                  f"{fmt_bytes(d.budget_bytes)} budget free)")
             if lacks:
-                raise _no_room("the model does not fit: " + "; ".join(lacks))
+                raise errors.insufficient_memory("the model does not fit: " + "; ".join(lacks))
             return tuple(dies)
         ids = candidates if candidates is not None else [d.id for d in self.dies() if d.known]
         pool = [self._dies[i] for i in ids if i in self._dies and self._dies[i].known]
         if not pool:
-            raise _no_room("no die is available to place the model on (start the server with "
-                           "--cpu-dies N, or give 'dies')", code="no_die")
+            raise errors.no_die_available()
         fits, short = [], []
         for d in pool:
             w, kv = need((d.id,))[d.id]
@@ -214,8 +209,9 @@ class DieManager:
                              f"free)")
         if not fits:
             w, kv = need((pool[0].id,))[pool[0].id]
-            raise _no_room(f"no die has room for the model (weights {fmt_bytes(w)} + KV cache "
-                           f"{fmt_bytes(kv)}): " + "; ".join(short))
+            raise errors.insufficient_memory(f"no die has room for the model (weights "
+                                             f"{fmt_bytes(w)} + KV cache {fmt_bytes(kv)}): "
+                                             + "; ".join(short))
         best = max(fits, key=lambda t: t[0])  # max() keeps the first of equals: lowest id
         return (best[1].id,)
 
@@ -234,7 +230,3 @@ class DieManager:
     def bookings(self) -> dict[str, dict[str, tuple[int, int]]]:
         """``{die: {instance: (w, kv)}}``: for tests and the admin view."""
         return {d.id: dict(d.bookings) for d in self.dies()}
-
-
-def _no_room(message: str, code: str = "insufficient_memory") -> ApiError:
-    return ApiError(507, message, type="server_error", code=code)

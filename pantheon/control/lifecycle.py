@@ -4,7 +4,7 @@ A load runs the spec's four phases, and whatever fails leaves nothing behind (th
 the bookings returned, the name free again):
 
 1. reserve: a table row in ``loading`` state; the name is taken but nothing routes to it;
-2. place and admit: the router sizes the model from its ``config.json`` or GGUF metadata
+2. place and book: the router sizes the model from its ``config.json`` or GGUF metadata
    (``sizing``: weights, and KV for a context guess of ``admit_ctx`` = 8192 tokens,
    ``PANTHEON_ADMIT_CTX``), picks the die(s) (``dies.DieManager.place``) and books the estimate
    there, in one synchronous step;
@@ -36,8 +36,9 @@ import os
 import time
 from typing import Any
 
-from pantheon.api.openai.protocol import ApiError
+from pantheon import errors
 from pantheon.control.registry import DRAINING, FAILED, LOADING, READY, Instance, Registry
+from pantheon.errors import ApiError
 from pantheon.models.assets import ModelAssets
 from pantheon.models.gguf import GGUFError, find_gguf, served_name
 from pantheon.models.sizing import SizingError, estimate, read_shape
@@ -50,15 +51,6 @@ DEFAULT_DRAIN_S = 30.0
 _END_GRACE_S = 2.0  # after ending the requests past the deadline, how long their ends may take
 FAILURES_KEPT = 16
 FAILURE_SHOWN_S = 600.0  # a failed load stays visible in GET /admin/models this long
-# The worker's LoadFailed kinds -> HTTP status (the issue's table; the rest is 500).
-LOAD_STATUS = {"not_found": 404, "unsupported": 400, "invalid": 400, "out_of_memory": 507,
-               "cancelled": 409}
-_SIZING_STATUS = {"not_found": 404, "unsupported": 400, "invalid": 400}
-
-
-def unloaded_error(name: str) -> ApiError:
-    return ApiError(503, f"model {name!r} was unloaded while this request ran", type="server_error",
-                    code="model_unloaded")
 
 
 class Models:
@@ -105,14 +97,11 @@ class Models:
             if inst.name != name:
                 continue
             if inst.state == LOADING:
-                raise ApiError(409, f"model {name!r} is already being loaded ({inst.instance_id})",
-                               param="name", code="conflict")
+                raise errors.load_in_progress(name, inst.instance_id)
             if inst.state == DRAINING:
-                raise ApiError(409, f"model {name!r} is being unloaded ({inst.instance_id}); "
-                                    "retry when it is gone", param="name", code="conflict")
+                raise errors.unload_in_progress(name, inst.instance_id)
             if dies and inst.dies == dies and inst.state == READY:
-                raise ApiError(409, f"{inst.instance_id} already serves {name!r} on "
-                                    f"{','.join(dies)}", param="dies", code="duplicate")
+                raise errors.duplicate_replica(inst.instance_id, name, dies)
 
     async def start_load(self, path: str, name: str | None = None, dies: tuple[str, ...] = (),
                          quantize: bool = False, *, slots: int | None = None,
@@ -127,28 +116,24 @@ class Models:
         try:
             gguf_file = find_gguf(path)
         except GGUFError as e:  # a folder with several .gguf files
-            raise ApiError(_SIZING_STATUS.get(e.kind, 400), e.reason, param="path",
-                           code=e.kind) from None
+            raise errors.unreadable_model(e.kind, e.reason) from None
         if gguf_file is None and (not os.path.isdir(path)
                                   or not os.path.isfile(os.path.join(path, "config.json"))):
             why = ("it is a file but not a .gguf file" if os.path.isfile(path) else
                    "it needs a config.json or a .gguf file" if os.path.isdir(path) else
                    "nothing there; give a folder with a config.json, a .gguf file or a "
                    "folder with one")
-            raise ApiError(404, f"no model folder at {path!r} ({why})", param="path",
-                           code="not_found")
+            raise errors.no_model_folder(path, why)
         try:
             shape = read_shape(path)
         except SizingError as e:
-            raise ApiError(_SIZING_STATUS.get(e.kind, 400), e.reason, param="path",
-                           code=e.kind) from None
+            raise errors.unreadable_model(e.kind, e.reason) from None
         dies = tuple(self.dies.check(d) for d in dies)
         self._check_new(name, dies)
         try:
             assets = await asyncio.to_thread(ModelAssets, path)
         except Exception as e:  # noqa: BLE001 - a broken tokenizer or template
-            raise ApiError(400, f"cannot read the model's tokenizer or template: {e}",
-                           param="path", code="invalid") from None
+            raise errors.unreadable_assets(e) from None
         self._check_new(name, dies)  # again: another load may have started meanwhile
         for die in dies:
             if die.startswith("cuda:"):  # its worker's Hello tells the die's size
@@ -207,7 +192,7 @@ class Models:
         try:
             await self.ensure_worker(die)
         except PoolError as e:
-            raise ApiError(500, str(e), type="server_error", code="worker_start") from None
+            raise errors.worker_start_failed(e) from None
 
     async def load(self, path: str, name: str | None = None, dies: tuple[str, ...] = (),
                    quantize: bool = False, **kw) -> Instance:
@@ -265,17 +250,13 @@ class Models:
         if isinstance(e, ApiError):
             return e
         if isinstance(e, LoadFailedError):
-            status = LOAD_STATUS.get(e.kind, 500)
-            return ApiError(status, f"load failed: {e.reason}", code=e.kind,
-                            type="server_error" if status >= 500 else "invalid_request_error")
+            return errors.load_failed(e.kind, e.reason)
         if isinstance(e, PoolError):
-            return ApiError(500, f"load failed: {e}", type="server_error", code="worker_died")
+            return errors.load_worker_died(e)
         if isinstance(e, asyncio.CancelledError):
-            return ApiError(500, "load cancelled (the server is stopping)", type="server_error",
-                            code="cancelled")
+            return errors.load_cancelled()
         log.exception("load failed", exc_info=e)
-        return ApiError(500, f"load failed: {type(e).__name__}: {e}", type="server_error",
-                        code="internal_error")
+        return errors.load_internal_error(e)
 
     def recent_failures(self) -> list[dict]:
         cut = time.time() - FAILURE_SHOWN_S
@@ -287,12 +268,10 @@ class Models:
         """Unload every replica named ``target``, or the instance whose id it is."""
         insts = self.registry.find(target)
         if not insts:
-            raise ApiError(404, f"no model or instance named {target!r}", param="name",
-                           code="model_not_found")
+            raise errors.no_such_instance(target)
         todo = [i for i in insts if i.state in (READY, FAILED)]
         if not todo:
-            raise ApiError(409, f"{target!r} is loading or already unloading", param="name",
-                           code="conflict")
+            raise errors.unload_conflict(target)
         timeout = DEFAULT_DRAIN_S if drain_timeout is None else drain_timeout
         return list(await asyncio.gather(*(self._unload_one(i, timeout) for i in todo)))
 
@@ -306,7 +285,7 @@ class Models:
         if not drained:  # past the deadline: end the rest with a clean error
             for gen in list(self.live):
                 if gen.inst is inst:
-                    gen.end(unloaded_error(inst.name))
+                    gen.end(errors.model_unloaded(inst.name))
                     ended += 1
             await self.registry.drain(inst, _END_GRACE_S)
         self.registry.discard(inst)
@@ -330,8 +309,7 @@ class Models:
         else:
             insts = [i for i in self.registry.find(name) if i.state == READY]
             if not insts:
-                raise ApiError(404, f"no ready model or instance named {name!r}", param="name",
-                               code="model_not_found")
+                raise errors.no_ready_instance(name)
         for inst in insts:
             with contextlib.suppress(PoolError, KeyError):
                 self.pool.reset_cache(inst.die, inst.instance_id)

@@ -15,7 +15,7 @@ Routing follows the spec:
   the replica that served it last (its prefix cache is warm there) unless that replica is
   saturated: the spec's missing cross-replica affinity.
 
-Admission to a slot (``admit``), per model name, after the spec's D1/D3 gate:
+Acquiring a slot (``acquire_slot``), per model name, after the spec's D1/D3 gate:
 
 - fast path: a replica has a free slot, nobody queues ahead, and pressure is below CRITICAL;
 - else the request waits in the model's FIFO (depth ``queue_depth``, 32 by default) for at most
@@ -37,36 +37,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pantheon.api.openai.protocol import ApiError, model_not_found, no_model_loaded, server_busy
+from pantheon import errors
 from pantheon.models.assets import ModelAssets  # noqa: F401 - re-exported (its old home)
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
 CRITICAL = 3
 MAX_INSTANCES = 16  # the spec's MR_MAX_MODELS
 MAX_SESSIONS = 16384  # session -> replica affinity entries kept (least recently used dropped)
-
-
-def queue_full(critical: bool) -> ApiError:
-    if critical:
-        return ApiError(503, "memory pressure is critical and the queue is full; retry later",
-                        type="server_error", code="memory_pressure")
-    return ApiError(429, "all slots are busy and the queue is full; retry shortly",
-                    type="rate_limit_error", code="queue_full", headers={"Retry-After": "5"})
-
-
-def queue_timeout(seconds: float) -> ApiError:
-    return ApiError(429, f"no slot became free within {seconds:g} s; retry",
-                    type="rate_limit_error", code="queue_timeout", headers={"Retry-After": "2"})
-
-
-def shutting_down() -> ApiError:
-    return ApiError(503, "the server is shutting down", type="server_error",
-                    code="shutting_down")
-
-
-def model_gone(name: str) -> ApiError:
-    return ApiError(503, f"model {name!r} was unloaded while the request waited; retry",
-                    type="server_error", code="model_not_ready", headers={"Retry-After": "1"})
 
 
 @dataclass
@@ -89,7 +66,7 @@ class Instance:
     dies: tuple[str, ...]
     gate: Slots
     state: str = LOADING
-    refs: int = 0  # in flight: references taken by admit()/acquire(), ended by leave()/release()
+    refs: int = 0  # in flight: taken by acquire_slot()/acquire(), ended by leave()/release()
     served: int = 0  # requests granted a slot since load
     last_grant: int = 0  # when it last got a request (a sequence number): ties go to the oldest
     max_model_len: int | None = None
@@ -180,8 +157,7 @@ class Registry:
         """Phase 1 of a load: take a table row in ``loading`` state (not routable). Pair with
         ``publish`` or ``discard``. Raises 507 when the table is full."""
         if len(self._instances) >= MAX_INSTANCES:
-            raise ApiError(507, f"the model table is full ({MAX_INSTANCES} instances); unload "
-                                "one first", type="server_error", code="table_full")
+            raise errors.table_full(MAX_INSTANCES)
         iid = f"{name}#{next(self._ids)}"
         inst = Instance(name=name, instance_id=iid, path=path, dies=tuple(dies),
                         gate=Slots(max(1, slots or self.slots)))
@@ -234,18 +210,16 @@ class Registry:
         """The model a request naming ``name`` goes to, and its ready replicas."""
         ready = self.ready()
         if not ready:
-            raise no_model_loaded()
+            raise errors.no_model_loaded()
         names = list(dict.fromkeys(i.name for i in ready))
         if len(names) == 1 or not name:
             target = names[0]
         elif name in names:
             target = name
         elif any(i.name == name for i in self._instances if i.state in (LOADING, DRAINING)):
-            raise ApiError(503, f"model '{name}' is loading or unloading; retry shortly",
-                           type="server_error", code="model_not_ready",
-                           headers={"Retry-After": "1"})
+            raise errors.model_loading(name)
         else:
-            raise model_not_found(name)
+            raise errors.model_not_found(name)
         return target, [i for i in ready if i.name == target]
 
     def _pick(self, cands: list[Instance], session_id: str | None,
@@ -311,11 +285,11 @@ class Registry:
     def _level(self, cands: list[Instance]) -> int:
         return self.pressure(tuple(dict.fromkeys(d for i in cands for d in i.dies)))
 
-    async def admit(self, name: str | None, session_id: str | None = None) -> Instance:
+    async def acquire_slot(self, name: str | None, session_id: str | None = None) -> Instance:
         """Route and take a slot, waiting in the model's queue if need be; pair with ``leave``.
         Raises ``ApiError`` (404, 429, 503)."""
         if self.closing:
-            raise shutting_down()
+            raise errors.shutting_down()
         target, cands = self.candidates(name)
         q = self.queue(target)
         level = self._level(cands)
@@ -325,10 +299,10 @@ class Registry:
                 return self._grant(inst, session_id)
         if all(i.single_user for i in cands):
             if level >= CRITICAL:
-                raise queue_full(critical=True)
-            raise server_busy()  # the spec's single-user trylock: no queue
+                raise errors.memory_pressure()
+            raise errors.server_busy()  # the spec's single-user trylock: no queue
         if len(q) >= q.depth:
-            raise queue_full(critical=level >= CRITICAL)
+            raise errors.memory_pressure() if level >= CRITICAL else errors.queue_full()
         w = _Waiter(asyncio.get_running_loop().create_future(), session_id)
         q.waiters.append(w)
         try:
@@ -343,11 +317,11 @@ class Registry:
             if w in q.waiters:
                 q.waiters.remove(w)
             if isinstance(e, TimeoutError):
-                raise queue_timeout(self.queue_timeout_s) from None
+                raise errors.queue_timeout(self.queue_timeout_s) from None
             raise
 
     def leave(self, inst: Instance) -> None:
-        """Give back the slot and the reference ``admit`` took."""
+        """Give back the slot and the reference ``acquire_slot`` took."""
         inst.gate.active = max(0, inst.gate.active - 1)
         inst.refs = max(0, inst.refs - 1)
         self._dispatch(inst.name)
@@ -365,7 +339,7 @@ class Registry:
                 continue
             cands = [i for i in self.ready() if i.name == name]
             if self.closing or not cands:
-                err = shutting_down() if self.closing else model_gone(name)
+                err = errors.shutting_down() if self.closing else errors.model_gone(name)
                 for w in q.live():
                     w.fut.set_exception(err)
                 q.waiters.clear()
@@ -384,7 +358,7 @@ class Registry:
             self._dispatch(name)
 
     def shut_down(self) -> None:
-        """Stop admitting: new requests and queued ones get 503 ``shutting_down``."""
+        """Stop granting slots: new requests and queued ones get 503 ``shutting_down``."""
         self.closing = True
         self.poke()
 

@@ -19,8 +19,9 @@ After ``--worker-restarts`` consecutive deaths the die stays failed (its instanc
 Requests and recovery: while an instance recovers and no ready replica serves its name, requests
 for that name (queued ones, which the registry fails with ``model_not_ready`` when the last ready
 replica goes, and new ones, which would otherwise be routed elsewhere by the single-model
-shortcut) wait for it, up to the queue timeout: ``admit`` wraps the chat route's admission. With
-another ready replica, the registry sends them there.
+shortcut) wait for it, up to the queue timeout: ``await_recovery`` wraps the chat route's
+placement (fit the context, acquire a slot). With another ready replica, the registry sends them
+there.
 """
 
 from __future__ import annotations
@@ -32,18 +33,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pantheon.api.openai.protocol import ApiError
+from pantheon import errors
+from pantheon.errors import ApiError
 
 log = logging.getLogger("pantheon.control.supervisor")
 
 BACKOFF_MAX_S = 30.0
 HEALTHY_AFTER_S = 60.0  # a worker up this long starts its die's death count afresh
-
-
-def _recovering_error(name: str | None, seconds: float) -> ApiError:
-    return ApiError(503, f"model {name or ''!r} is restarting after its worker died and was not "
-                         f"back within {seconds:g} s; retry shortly", type="server_error",
-                    code="model_not_ready", headers={"Retry-After": "2"})
 
 
 class Supervisor:
@@ -200,21 +196,21 @@ class Supervisor:
             return not any(i.name == name for i in ready)
         return False
 
-    async def admit(self, admitted: Callable[[], Awaitable[Any]], name: str | None,
-                    timeout_s: float) -> Any:
-        """``await admitted()``, but while the model it names is recovering, wait for it first
+    async def await_recovery(self, place: Callable[[], Awaitable[Any]], name: str | None,
+                             timeout_s: float) -> Any:
+        """``await place()``, but while the model it names is recovering, wait for it first
         (and again when a queued request is failed by the death), up to ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
             while self.recovering(name):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise _recovering_error(name, timeout_s)
+                    raise errors.model_recovering(name, timeout_s)
                 changed = self._changed
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), min(left, 1.0))
             try:
-                return await admitted()
+                return await place()
             except ApiError as e:
                 if e.code == "model_not_ready" and self.recovering(name) \
                         and time.monotonic() < deadline:

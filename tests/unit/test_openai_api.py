@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.protocol import ApiError, parse_chat_request
+from pantheon.api.openai.protocol import parse_chat_request
 from pantheon.config.settings import ConfigError, build_config, parse_dies, parse_size
+from pantheon.errors import ApiError, invalid_param, model_not_found, no_model_loaded, server_busy
 
 from helpers.openapi import check, schema_validator
 from helpers.paths import need_specs
@@ -249,14 +250,14 @@ def test_models_and_errors_shapes():
     lst = oa.model_list([oa.model_object("a", 1, 4096), oa.model_object("b", 2, None)])
     check("ListModelsResponse", lst)
     assert lst["data"][0]["max_model_len"] == 4096
-    for e in (oa.model_not_found("x"), oa.no_model_loaded(), oa.server_busy(),
-              oa.invalid("stop", "bad")):
+    for e in (model_not_found("x"), no_model_loaded(), server_busy(),
+              invalid_param("stop", "bad")):
         check("ErrorResponse", e.body())
         assert set(e.body()["error"]) == {"message", "type", "param", "code"}
-    assert oa.model_not_found("x").status == 404
-    assert oa.model_not_found("x").code == "model_not_found"
-    assert oa.server_busy().status == 429 and oa.server_busy().code == "server_busy"
-    assert oa.no_model_loaded().status == 503
+    assert model_not_found("x").status == 404
+    assert model_not_found("x").code == "model_not_found"
+    assert server_busy().status == 429 and server_busy().code == "server_busy"
+    assert no_model_loaded().status == 503
 
 
 def test_logprob_non_finite_and_bytes():

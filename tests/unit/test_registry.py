@@ -8,8 +8,9 @@ import asyncio
 
 import pytest
 
-from pantheon.api.openai.protocol import ApiError, parse_chat_request
+from pantheon.api.openai.protocol import parse_chat_request
 from pantheon.control.registry import MAX_INSTANCES, Registry
+from pantheon.errors import ApiError
 
 # ---------------------------------------------------------------- routing (moved from test_openai_api)
 
@@ -65,13 +66,13 @@ def test_replicas_least_busy_and_dedupe():
 
 async def test_session_affinity_across_replicas():
     reg, (a1, a2) = _registry("a", "a", slots=3)
-    first = await reg.admit("a", "s1")
-    x = await reg.admit("a")
-    y = await reg.admit("a")
+    first = await reg.acquire_slot("a", "s1")
+    x = await reg.acquire_slot("a")
+    y = await reg.acquire_slot("a")
     assert (first, x, y) == (a1, a2, a1)  # least busy, ties to the earliest
-    again = await reg.admit("a", "s1")
+    again = await reg.acquire_slot("a", "s1")
     assert again is a1  # sticky, although a2 is less busy (1 against 2)
-    moved = await reg.admit("a", "s1")  # a1 is full (3 slots): the session moves on
+    moved = await reg.acquire_slot("a", "s1")  # a1 is full (3 slots): the session moves on
     assert moved is a2
     assert reg.route("a", "s1") is a2  # ... and sticks to its new replica
     for i in (first, x, y, again, moved):
@@ -81,13 +82,13 @@ async def test_session_affinity_across_replicas():
 
 async def test_single_user_gate_429_while_other_model_serves():
     reg, (a, b) = _registry("a", "b", slots=1)
-    first = await reg.admit("a")
+    first = await reg.acquire_slot("a")
     with pytest.raises(ApiError) as ei:
-        await reg.admit("a")
+        await reg.acquire_slot("a")
     assert ei.value.status == 429 and ei.value.code == "server_busy"
-    other = await reg.admit("b")  # a different model still serves
+    other = await reg.acquire_slot("b")  # a different model still serves
     reg.leave(first)
-    again = await reg.admit("a")
+    again = await reg.acquire_slot("a")
     assert again is a
     reg.leave(again)
     reg.leave(other)
@@ -108,19 +109,19 @@ async def test_drain_waits_for_in_flight():
 # ---------------------------------------------------------------- the per-model queue and gate
 
 
-async def _admit_task(reg, name, session=None):
-    t = asyncio.create_task(reg.admit(name, session))
+async def _acquire_task(reg, name, session=None):
+    t = asyncio.create_task(reg.acquire_slot(name, session))
     await asyncio.sleep(0.01)
     return t
 
 
 async def test_queue_full_429_retry_after_5_then_timeout_retry_after_2():
     reg, (a,) = _registry("a", slots=1 + 1, queue_depth=1, timeout=0.2)
-    held = [await reg.admit("a"), await reg.admit("a")]
-    waiter = await _admit_task(reg, "a")
+    held = [await reg.acquire_slot("a"), await reg.acquire_slot("a")]
+    waiter = await _acquire_task(reg, "a")
     assert len(reg.queue("a")) == 1
     with pytest.raises(ApiError) as ei:
-        await reg.admit("a")  # the queue (depth 1) is full
+        await reg.acquire_slot("a")  # the queue (depth 1) is full
     assert (ei.value.status, ei.value.headers["Retry-After"]) == (429, "5")
     with pytest.raises(ApiError) as ei:
         await waiter  # nobody left within 0.2 s
@@ -134,16 +135,16 @@ async def test_queue_full_429_retry_after_5_then_timeout_retry_after_2():
 
 async def test_queue_is_fifo_and_a_freed_slot_of_any_replica_serves_its_head():
     reg, (a1, a2) = _registry("a", "a", slots=1 + 1, queue_depth=8)
-    held = [await reg.admit("a") for _ in range(4)]  # both replicas full
+    held = [await reg.acquire_slot("a") for _ in range(4)]  # both replicas full
     assert sorted(i.instance_id for i in held) == sorted([a1.instance_id] * 2 + [a2.instance_id] * 2)
-    w1, w2 = await _admit_task(reg, "a"), await _admit_task(reg, "a")
+    w1, w2 = await _acquire_task(reg, "a"), await _acquire_task(reg, "a")
     reg.leave(held[-1])  # a slot frees on one replica: the first waiter gets it
     got1 = await asyncio.wait_for(w1, 1)
     assert got1 is held[-1] and not w2.done()
     reg.leave(held[0])
     assert await asyncio.wait_for(w2, 1) is held[0]
     # a new arrival does not overtake a waiter: the fast path needs an empty queue
-    w3 = await _admit_task(reg, "a")
+    w3 = await _acquire_task(reg, "a")
     assert not w3.done()
     reg.leave(got1)
     assert await asyncio.wait_for(w3, 1) is got1
@@ -151,8 +152,8 @@ async def test_queue_is_fifo_and_a_freed_slot_of_any_replica_serves_its_head():
 
 async def test_client_that_goes_away_leaves_the_queue():
     reg, (a,) = _registry("a", slots=2, queue_depth=4)
-    held = [await reg.admit("a"), await reg.admit("a")]
-    w = await _admit_task(reg, "a")
+    held = [await reg.acquire_slot("a"), await reg.acquire_slot("a")]
+    w = await _acquire_task(reg, "a")
     assert len(reg.queue("a")) == 1
     w.cancel()
     await asyncio.gather(w, return_exceptions=True)
@@ -166,10 +167,10 @@ async def test_critical_pressure_holds_the_fast_path_then_503_when_full():
     level = {"v": 3}
     reg, (a,) = _registry("a", slots=4, queue_depth=1)
     reg.pressure = lambda dies: level["v"]
-    w = await _admit_task(reg, "a")
+    w = await _acquire_task(reg, "a")
     assert not w.done()  # a free slot, but CRITICAL: it waits
     with pytest.raises(ApiError) as ei:
-        await reg.admit("a")
+        await reg.acquire_slot("a")
     assert (ei.value.status, ei.value.code) == (503, "memory_pressure")
     reg.poke()
     assert not w.done()
@@ -182,14 +183,14 @@ async def test_critical_pressure_holds_the_fast_path_then_503_when_full():
 
 async def test_shutdown_fails_waiters_and_new_requests_with_503():
     reg, (a,) = _registry("a", slots=2, queue_depth=4)
-    held = [await reg.admit("a"), await reg.admit("a")]
-    w = await _admit_task(reg, "a")
+    held = [await reg.acquire_slot("a"), await reg.acquire_slot("a")]
+    w = await _acquire_task(reg, "a")
     reg.shut_down()
     with pytest.raises(ApiError) as ei:
         await w
     assert (ei.value.status, ei.value.code) == (503, "shutting_down")
     with pytest.raises(ApiError) as ei:
-        await reg.admit("a")
+        await reg.acquire_slot("a")
     assert ei.value.status == 503
     for i in held:
         reg.leave(i)
@@ -197,8 +198,8 @@ async def test_shutdown_fails_waiters_and_new_requests_with_503():
 
 async def test_unloading_the_last_replica_fails_its_queue_others_move_on():
     reg, (a1, a2) = _registry("a", "a", slots=2, queue_depth=4)
-    held = [await reg.admit("a") for _ in range(4)]
-    w = await _admit_task(reg, "a")
+    held = [await reg.acquire_slot("a") for _ in range(4)]
+    w = await _acquire_task(reg, "a")
     drain = asyncio.create_task(reg.drain(a1, 5))
     await asyncio.sleep(0.01)
     assert not w.done()  # a2 still serves the name: it keeps waiting
@@ -206,7 +207,7 @@ async def test_unloading_the_last_replica_fails_its_queue_others_move_on():
         reg.leave(i)
     assert await asyncio.wait_for(w, 1) is a2
     reg.discard(a2)  # a2 gone too (its holders let go later): a new waiter fails
-    w2 = await _admit_task(reg, "a")
+    w2 = await _acquire_task(reg, "a")
     with pytest.raises(ApiError):
         await w2
     for i in held:
@@ -219,20 +220,20 @@ async def test_sessions_stick_unless_saturated_and_sequential_traffic_alternates
     reg, (a1, a2) = _registry("a", "a", slots=2)
     seen = []
     for _ in range(4):  # one at a time: least busy ties, fewest served wins
-        i = await reg.admit("a")
+        i = await reg.acquire_slot("a")
         seen.append(i)
         reg.leave(i)
     assert seen == [a1, a2, a1, a2]
-    s = await reg.admit("a", "sess")
+    s = await reg.acquire_slot("a", "sess")
     reg.leave(s)
     for _ in range(3):
-        i = await reg.admit("a", "sess")
+        i = await reg.acquire_slot("a", "sess")
         assert i is s  # although the other replica has served fewer
         reg.leave(i)
     other = a2 if s is a1 else a1
-    held = [await reg.admit("a", "sess"), await reg.admit("a", "sess")]
+    held = [await reg.acquire_slot("a", "sess"), await reg.acquire_slot("a", "sess")]
     assert held == [s, s]
-    moved = await reg.admit("a", "sess")  # its replica is saturated: the session moves
+    moved = await reg.acquire_slot("a", "sess")  # its replica is saturated: the session moves
     assert moved is other
     for i in held + [moved]:
         reg.leave(i)
@@ -411,34 +412,34 @@ def _convo(turns: int) -> list[dict]:
 
 
 def test_admission_pass_cap_deny(tiny_model):
-    from pantheon.control.context import prepare
+    from pantheon.control.context import fit_context
     from pantheon.models.assets import ModelAssets
 
     assets = ModelAssets(tiny_model)
-    short = prepare(assets, _chat(_convo(1), max_tokens=8), 4096)
+    short = fit_context(assets, _chat(_convo(1), max_tokens=8), 4096)
     assert not short.capped and short.max_tokens == 8
-    full = prepare(assets, _chat(_convo(8), max_tokens=8), 4096)
+    full = fit_context(assets, _chat(_convo(8), max_tokens=8), 4096)
     assert not full.capped
-    capped = prepare(assets, _chat(_convo(8), max_tokens=8), 4096, limit=96)
+    capped = fit_context(assets, _chat(_convo(8), max_tokens=8), 4096, limit=96)
     assert capped.capped and len(capped.prompt_ids) + 8 <= 96
     assert capped.dropped_messages > 0 and capped.dropped_messages % 2 == 0  # whole turns
     text = assets.tokenizer.decode(capped.prompt_ids, skip_special_tokens=False)
     assert "Be brief." in text and "and tomorrow?" in text and "question 0" not in text
     # the fewest turns are dropped: with one more turn kept it would not fit
-    assert len(prepare(assets, _chat(_convo(2), max_tokens=8), 4096).prompt_ids) + 8 > 96
+    assert len(fit_context(assets, _chat(_convo(2), max_tokens=8), 4096).prompt_ids) + 8 > 96
     # one long message: its oldest tokens go
     long = [{"role": "user", "content": " ".join(f"w{i}" for i in range(200))}]
-    cut = prepare(assets, _chat(long), 64)
+    cut = fit_context(assets, _chat(long), 64)
     assert cut.capped and len(cut.prompt_ids) + cut.max_tokens <= 64 and cut.max_tokens == 16
     assert "w199" in assets.tokenizer.decode(cut.prompt_ids) and cut.dropped_tokens > 0
     # deny: the system prompt alone does not fit
     with pytest.raises(ApiError) as ei:
-        prepare(assets, _chat([{"role": "system", "content": "word " * 80},
+        fit_context(assets, _chat([{"role": "system", "content": "word " * 80},
                                {"role": "user", "content": "hi"}], max_tokens=8), 64)
     assert (ei.value.status, ei.value.code) == (503, "context_denied")
     # a max_tokens no context can hold stays the OpenAI 400
     with pytest.raises(ApiError) as ei:
-        prepare(assets, _chat(_convo(0), max_tokens=64), 64)
+        fit_context(assets, _chat(_convo(0), max_tokens=64), 64)
     assert (ei.value.status, ei.value.param) == (400, "max_tokens")
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 from quart import Blueprint, Response, request
 
+from pantheon import errors
 from pantheon import snapshot as st
 from pantheon.api.admin.views import die_view, facts_of, instance_view
 from pantheon.api.openai import protocol as oa
@@ -54,9 +55,9 @@ async def _json_object() -> dict:
     try:
         body = json.loads(raw or b"{}")
     except ValueError:
-        raise oa.invalid(None, "the request body is not valid JSON") from None
+        raise errors.invalid_json() from None
     if not isinstance(body, dict):
-        raise oa.invalid(None, "the request body must be a JSON object")
+        raise errors.not_an_object()
     return body
 
 
@@ -65,7 +66,7 @@ def _typed(body: dict, key: str, kind: type | tuple, word: str, default: Any = N
     if v is None:
         return default
     if not isinstance(v, kind) or (isinstance(v, bool) and kind is int):
-        raise oa.invalid(key, f"'{key}' must be {word}")
+        raise errors.invalid_param(key, f"'{key}' must be {word}")
     return v
 
 
@@ -74,14 +75,14 @@ def _dies(raw: Any) -> tuple[str, ...]:
         return ()
     if isinstance(raw, list):
         if not all(isinstance(d, (int, str)) and not isinstance(d, bool) for d in raw):
-            raise oa.invalid("dies", "'dies' must be a list of die ids (N, cuda:N or cpu:N)")
+            raise errors.invalid_param("dies", "'dies' must be a list of die ids (N, cuda:N or cpu:N)")
         raw = ",".join(str(d) for d in raw)
     if not isinstance(raw, str):
-        raise oa.invalid("dies", "'dies' must be a list of die ids (N, cuda:N or cpu:N)")
+        raise errors.invalid_param("dies", "'dies' must be a list of die ids (N, cuda:N or cpu:N)")
     try:
         return parse_dies(raw, "dies")
     except ConfigError as e:
-        raise oa.invalid("dies", str(e)) from None
+        raise errors.invalid_param("dies", str(e)) from None
 
 
 # ---------------------------------------------------------------- routes
@@ -92,18 +93,18 @@ async def load():
     body = await _json_object()
     path = body.get("path")
     if not isinstance(path, str) or not path:
-        raise oa.invalid("path", "'path' must be a model folder path")
+        raise errors.invalid_param("path", "'path' must be a model folder path")
     name = _typed(body, "name", str, "a string")
     if name is not None and (not name.strip() or "#" in name or len(name) > 128):
-        raise oa.invalid("name", "'name' must be 1 to 128 characters, without '#'")
+        raise errors.invalid_param("name", "'name' must be 1 to 128 characters, without '#'")
     dies = _dies(body.get("dies"))
     quantize = _typed(body, "quantize", bool, "a boolean", False)
     slots = _typed(body, "slots", int, "an integer")
     if slots is not None and not 1 <= slots <= 256:
-        raise oa.invalid("slots", "'slots' must be between 1 and 256")
+        raise errors.invalid_param("slots", "'slots' must be between 1 and 256")
     max_context = _typed(body, "max_context", int, "an integer")
     if max_context is not None and max_context < 16:
-        raise oa.invalid("max_context", "'max_context' must be at least 16 tokens")
+        raise errors.invalid_param("max_context", "'max_context' must be at least 16 tokens")
     wait = _typed(body, "wait", bool, "a boolean", True)
     s = app_state()
     inst, task = await s.models.start_load(path, name, dies, quantize, slots=slots,
@@ -119,11 +120,11 @@ async def unload():
     body = await _json_object()
     target = body.get("name") or body.get("instance")
     if not isinstance(target, str) or not target:
-        raise oa.invalid("name", "'name' must be a model name or instance id")
+        raise errors.invalid_param("name", "'name' must be a model name or instance id")
     timeout = body.get("drain_timeout")
     if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(
             timeout, bool) or not 0 <= timeout <= 3600):
-        raise oa.invalid("drain_timeout", "'drain_timeout' must be seconds between 0 and 3600")
+        raise errors.invalid_param("drain_timeout", "'drain_timeout' must be seconds between 0 and 3600")
     done = await app_state().models.unload(target, timeout)
     return json_response({"status": "unloaded", "instances": [d["instance"] for d in done],
                           "results": done})
@@ -166,9 +167,9 @@ def _interval() -> float:
         else:
             value = float(args.get("interval", 1.0))
     except ValueError:
-        raise oa.invalid("interval", "'interval' must be a number of seconds") from None
+        raise errors.invalid_param("interval", "'interval' must be a number of seconds") from None
     if not MIN_INTERVAL_S <= value <= 3600:
-        raise oa.invalid("interval", f"'interval' must be between {MIN_INTERVAL_S} and 3600 s")
+        raise errors.invalid_param("interval", f"'interval' must be between {MIN_INTERVAL_S} and 3600 s")
     return value
 
 
@@ -213,15 +214,15 @@ async def test_pressure():
     """The pressure test seam (registered only with PANTHEON_TEST_HOOKS=1)."""
     s = app_state()
     if not s.config.test_hooks:
-        raise oa.ApiError(404, f"no route {request.method} {request.path}", code="not_found")
+        raise errors.route_not_found(request.method, request.path)
     body = await _json_object()
     level, die = body.get("level"), body.get("die")
     if die is not None and not isinstance(die, str):
-        raise oa.invalid("die", "'die' must be a die id")
+        raise errors.invalid_param("die", "'die' must be a die id")
     if level is None:
         s.pressure.clear()
     elif not isinstance(level, int) or isinstance(level, bool) or not 0 <= level <= 3:
-        raise oa.invalid("level", "'level' must be 0..3, or null to clear")
+        raise errors.invalid_param("level", "'level' must be 0..3, or null to clear")
     else:
         s.pressure.force(level, die)
     s.registry.poke()  # waiters held by the old level may go now

@@ -1,5 +1,6 @@
 """The OpenAI chat API surface: request validation into a typed ``ChatRequest``, and builders
-for every object the server sends back (completions, chunks, usage, models, errors).
+for every object the server sends back (completions, chunks, usage, models). The errors, and
+their OpenAI error object, are ``pantheon.errors``.
 
 Validation is hand-written so that every invalid value is a 400 ``invalid_request_error`` whose
 ``param`` names the exact field (``messages[2].content``, ``stop``, ``tool_choice.function.name``).
@@ -17,52 +18,11 @@ from typing import Any
 
 import msgspec
 
+from pantheon.errors import invalid_json, invalid_param, not_an_object
 from pantheon.protocol import SamplingParams
 
 MAX_STOP = 4
 MAX_N = 128
-
-
-# ---------------------------------------------------------------- errors
-
-
-class ApiError(Exception):
-    """An error the client sees as ``{"error": {...}}`` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (status, message, type,
-                                                                       param, code)
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def invalid(param: str | None, message: str, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-def model_not_found(name: str | None) -> ApiError:
-    return ApiError(404, f"The model '{name}' does not exist", param="model",
-                    code="model_not_found")
-
-
-def no_model_loaded() -> ApiError:
-    return ApiError(503, "no model is loaded yet; retry shortly", type="server_error",
-                    code="model_not_ready", headers={"Retry-After": "1"})
-
-
-def server_busy() -> ApiError:
-    return ApiError(429, "a generation is already in progress on this model; retry shortly",
-                    type="rate_limit_error", code="server_busy")
 
 
 # ---------------------------------------------------------------- the typed request
@@ -135,10 +95,10 @@ def _int(body: dict, key: str, lo: int | None = None, hi: int | None = None,
     if isinstance(v, float) and v.is_integer() and not isinstance(v, bool):
         v = int(v)
     if not isinstance(v, int) or isinstance(v, bool):
-        raise invalid(param, f"'{param}' must be an integer, got {type(v).__name__}")
+        raise invalid_param(param, f"'{param}' must be an integer, got {type(v).__name__}")
     if lo is not None and v < lo or hi is not None and v > hi:
         rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise invalid(param, f"'{param}' must be {rng}, got {v}")
+        raise invalid_param(param, f"'{param}' must be {rng}, got {v}")
     return v
 
 
@@ -148,12 +108,12 @@ def _num(body: dict, key: str, lo: float | None = None, hi: float | None = None,
     if v is None:
         return None
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-        raise invalid(key, f"'{key}' must be a number, got {type(v).__name__}")
+        raise invalid_param(key, f"'{key}' must be a number, got {type(v).__name__}")
     v = float(v)
     if lo is not None and (v < lo or lo_open and v == lo) or hi is not None and v > hi:
         rng = f"> {lo}" if lo_open and hi is None else (
             f">= {lo}" if hi is None else f"between {lo} and {hi}")
-        raise invalid(key, f"'{key}' must be {rng}, got {v}")
+        raise invalid_param(key, f"'{key}' must be {rng}, got {v}")
     return v
 
 
@@ -161,7 +121,7 @@ def _typed(body: dict, key: str, kind: type, word: str, param: str | None = None
     """``body[key]`` if it is a ``kind`` (None when absent); else a 400 naming ``param``."""
     v = body.get(key)
     if v is not None and not isinstance(v, kind):
-        raise invalid(param or key, f"'{param or key}' must be {word}")
+        raise invalid_param(param or key, f"'{param or key}' must be {word}")
     return v
 
 
@@ -178,28 +138,28 @@ def _text(content: Any, param: str, *, allow_null: bool = False) -> str | None:
     if content is None:
         if allow_null:
             return None
-        raise invalid(param, f"'{param}' is required")
+        raise invalid_param(param, f"'{param}' is required")
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(param, f"'{param}' must be a string or an array of content parts")
+        raise invalid_param(param, f"'{param}' must be a string or an array of content parts")
     if not content:
-        raise invalid(param, f"'{param}' must not be an empty array")
+        raise invalid_param(param, f"'{param}' must not be an empty array")
     parts = []
     for j, part in enumerate(content):
         p = f"{param}[{j}]"
         if not isinstance(part, dict):
-            raise invalid(p, f"'{p}' must be an object")
+            raise invalid_param(p, f"'{p}' must be an object")
         kind = part.get("type")
         if kind == "text":
             if not isinstance(part.get("text"), str):
-                raise invalid(f"{p}.text", f"'{p}.text' must be a string")
+                raise invalid_param(f"{p}.text", f"'{p}.text' must be a string")
             parts.append(part["text"])
         elif kind == "refusal":
             continue
         else:
-            raise invalid(f"{p}.type", f"content part type {kind!r} is not supported "
-                                       "(only 'text')")
+            raise invalid_param(f"{p}.type", f"content part type {kind!r} is not supported "
+                                             "(only 'text')")
     return "\n".join(parts)
 
 
@@ -209,10 +169,10 @@ _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 def _message(i: int, m: Any) -> dict[str, Any]:
     p = f"messages[{i}]"
     if not isinstance(m, dict):
-        raise invalid(p, f"'{p}' must be an object")
+        raise invalid_param(p, f"'{p}' must be an object")
     role = m.get("role")
     if role not in _ROLES:
-        raise invalid(f"{p}.role", f"'{p}.role' must be one of {', '.join(_ROLES)}; got {role!r}")
+        raise invalid_param(f"{p}.role", f"'{p}.role' must be one of {', '.join(_ROLES)}; got {role!r}")
     out: dict[str, Any] = {"role": "system" if role == "developer" else role}
     if role == "assistant":
         out["content"] = _text(m.get("content"), f"{p}.content", allow_null=True) or ""
@@ -228,7 +188,7 @@ def _message(i: int, m: Any) -> dict[str, Any]:
         out["role"] = "tool"
         tcid = _str(m, "tool_call_id", f"{p}.tool_call_id")
         if role == "tool" and tcid is None:
-            raise invalid(f"{p}.tool_call_id", f"'{p}.tool_call_id' must be a string")
+            raise invalid_param(f"{p}.tool_call_id", f"'{p}.tool_call_id' must be a string")
         if tcid is not None:
             out["tool_call_id"] = tcid
     if _str(m, "name", f"{p}.name") is not None:
@@ -238,15 +198,15 @@ def _message(i: int, m: Any) -> dict[str, Any]:
 
 def _assistant_tool_calls(calls: Any, p: str) -> list[dict[str, Any]]:
     if not isinstance(calls, list):
-        raise invalid(p, f"'{p}' must be an array")
+        raise invalid_param(p, f"'{p}' must be an array")
     out = []
     for j, c in enumerate(calls):
         q = f"{p}[{j}]"
         if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
-            raise invalid(f"{q}.function", f"'{q}.function' must be an object")
+            raise invalid_param(f"{q}.function", f"'{q}.function' must be an object")
         fn = c["function"]
         if _str(fn, "name", f"{q}.function.name") is None:
-            raise invalid(f"{q}.function.name", f"'{q}.function.name' must be a string")
+            raise invalid_param(f"{q}.function.name", f"'{q}.function.name' must be a string")
         args = fn.get("arguments", "{}")
         if isinstance(args, str):  # templates want a dict (see specs/README.md)
             try:
@@ -262,20 +222,20 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise invalid("tools", "'tools' must be an array")
+        raise invalid_param("tools", "'tools' must be an array")
     out: list[dict[str, Any]] = []
     for i, t in enumerate(tools):
         p = f"tools[{i}]"
         if not isinstance(t, dict):
-            raise invalid(p, f"'{p}' must be an object")
+            raise invalid_param(p, f"'{p}' must be an object")
         if t.get("type") != "function":
-            raise invalid(f"{p}.type", f"tool type {t.get('type')!r} is not supported")
+            raise invalid_param(f"{p}.type", f"tool type {t.get('type')!r} is not supported")
         fn = _typed(t, "function", dict, "an object", f"{p}.function")
         name = _str(fn or {}, "name", f"{p}.function.name")
         if not name:
-            raise invalid(f"{p}.function.name", f"'{p}.function.name' must be a non-empty string")
+            raise invalid_param(f"{p}.function.name", f"'{p}.function.name' must be a non-empty string")
         if any(o["function"]["name"] == name for o in out):
-            raise invalid(f"{p}.function.name", f"tool name {name!r} is given twice")
+            raise invalid_param(f"{p}.function.name", f"tool name {name!r} is given twice")
         params = _typed(fn, "parameters", dict, "an object", f"{p}.function.parameters")
         desc = _str(fn, "description", f"{p}.function.description")
         clean: dict[str, Any] = {"name": name} if desc is None else {"name": name,
@@ -292,21 +252,21 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[str, str | None]
         return "auto", None
     if isinstance(tc, str):
         if tc not in ("none", "auto", "required"):
-            raise invalid("tool_choice", "'tool_choice' must be none, auto, required or "
-                                         "a named function")
+            raise invalid_param("tool_choice", "'tool_choice' must be none, auto, required or "
+                                               "a named function")
         if tc == "required" and not tools:
-            raise invalid("tool_choice", "tool_choice 'required' needs 'tools'")
+            raise invalid_param("tool_choice", "tool_choice 'required' needs 'tools'")
         return tc, None
     if not isinstance(tc, dict) or tc.get("type") != "function" or not isinstance(
             tc.get("function"), dict):
-        raise invalid("tool_choice", "'tool_choice' object must be "
-                                     "{'type': 'function', 'function': {'name': ...}}")
+        raise invalid_param("tool_choice", "'tool_choice' object must be "
+                                           "{'type': 'function', 'function': {'name': ...}}")
     name = tc["function"].get("name")
     if not isinstance(name, str):
-        raise invalid("tool_choice.function.name", "'tool_choice.function.name' must be a string")
+        raise invalid_param("tool_choice.function.name", "'tool_choice.function.name' must be a string")
     if not tools or name not in {t["function"]["name"] for t in tools}:
-        raise invalid("tool_choice.function.name", f"tool_choice names {name!r}, which is not in "
-                                                   "'tools'")
+        raise invalid_param("tool_choice.function.name", f"tool_choice names {name!r}, which is not in "
+                                                         "'tools'")
     return "function", name
 
 
@@ -316,9 +276,9 @@ def _stop(v: Any) -> list[str]:
     if isinstance(v, str):
         return [v] if v else []
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise invalid("stop", "'stop' must be a string or an array of strings")
+        raise invalid_param("stop", "'stop' must be a string or an array of strings")
     if len(v) > MAX_STOP:
-        raise invalid("stop", f"'stop' takes at most {MAX_STOP} sequences, got {len(v)}")
+        raise invalid_param("stop", f"'stop' takes at most {MAX_STOP} sequences, got {len(v)}")
     return [s for s in v if s]
 
 
@@ -329,18 +289,18 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
-            raise invalid(None, f"the request body is not valid JSON: {e}") from None
+            raise invalid_json(str(e)) from None
     else:
         body = raw
     if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object")
+        raise not_an_object()
 
     model = _str(body, "model")
     msgs = body.get("messages")
     if msgs is None:
-        raise invalid("messages", "'messages' is required")
+        raise invalid_param("messages", "'messages' is required")
     if not isinstance(msgs, list) or not msgs:
-        raise invalid("messages", "'messages' must be a non-empty array")
+        raise invalid_param("messages", "'messages' must be a non-empty array")
     messages = [_message(i, m) for i, m in enumerate(msgs)]
 
     kw: dict[str, Any] = {"model": model, "messages": messages}
@@ -356,22 +316,22 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     kw["top_k"] = None if top_k is None else max(top_k, 0)  # -1 (vLLM's "off") is 0 here
     kw["min_tokens"] = _int(body, "min_tokens", 0)
     if kw["min_tokens"] and kw["max_tokens"] is not None and kw["min_tokens"] > kw["max_tokens"]:
-        raise invalid("min_tokens", "'min_tokens' must not exceed 'max_tokens'")
+        raise invalid_param("min_tokens", "'min_tokens' must not exceed 'max_tokens'")
     for key in ("logprobs", "stream", "ignore_eos"):
         kw[key] = _bool(body, key)
     _bool(body, "parallel_tool_calls")  # accepted; calls are parsed however many come
     kw["top_logprobs"] = _int(body, "top_logprobs", 0, 20)
     if kw["top_logprobs"] and not kw["logprobs"]:
-        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
+        raise invalid_param("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
     kw["stop"] = _stop(body.get("stop"))
 
     so = body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
-            raise invalid("stream_options", "'stream_options' must be an object")
+            raise invalid_param("stream_options", "'stream_options' must be an object")
         if not kw.get("stream"):
-            raise invalid("stream_options", "'stream_options' is only allowed when 'stream' "
-                                            "is true")
+            raise invalid_param("stream_options", "'stream_options' is only allowed when 'stream' "
+                                                  "is true")
         kw["include_usage"] = bool(_bool(so, "include_usage", "stream_options.include_usage"))
 
     tools = _tools(body.get("tools"))
@@ -381,10 +341,10 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     rf = body.get("response_format")
     if rf is not None:
         if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-            raise invalid("response_format", "'response_format' must be an object with a 'type'")
+            raise invalid_param("response_format", "'response_format' must be an object with a 'type'")
         if rf["type"] not in ("text", "json_object"):
-            raise invalid("response_format.type", f"response_format type {rf['type']!r} is not "
-                                                  "supported (text, json_object)")
+            raise invalid_param("response_format.type", f"response_format type {rf['type']!r} is not "
+                                                        "supported (text, json_object)")
         kw["response_format"] = rf["type"]
 
     kw["user"] = _str(body, "user")

@@ -1,11 +1,11 @@
 """The OpenAI routes: ``GET /v1/models``, ``GET /v1/models/<id>``, ``POST /v1/chat/completions``.
 
 A chat request, in order: parse and check it -> route it to a replica (``Registry.route``: 404
-or 503 before any work) -> fit its context (``pantheon.control.context``: pass, cap or deny,
-400) -> acquire a slot (``Registry.acquire``: fast path, FIFO queue, memory pressure: 429 / 503;
-while its model restarts after a worker death the supervisor holds it) -> submit a
-``Generation`` to the instance's worker -> emit one JSON body or an SSE stream -> release the
-slot, even when the client went away first.
+or 503 before any work) -> fit its context (``pantheon.control.context.fit_context``: pass, cap
+or deny, 400) -> acquire a slot (``Registry.acquire_slot``: fast path, FIFO queue, memory
+pressure: 429 / 503; while its model restarts after a worker death ``Supervisor.await_recovery``
+holds it) -> submit a ``Generation`` to the instance's worker -> emit one JSON body or an SSE
+stream -> release the slot, even when the client went away first.
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ from collections.abc import Awaitable, Callable
 
 from quart import Blueprint, Response, request
 
+from pantheon import errors
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.protocol import ApiError, ChatRequest
+from pantheon.api.openai.protocol import ChatRequest
 from pantheon.api.openai.service import Generation
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
-from pantheon.control.context import Prepared, limit_of, prepare
+from pantheon.control.context import Prepared, fit_context, limit_of
 from pantheon.control.registry import Instance
+from pantheon.errors import ApiError
 
 bp = Blueprint("openai", __name__)
 
@@ -49,15 +51,15 @@ async def get_model(model_id: str):
     for m in _model_objects(app_state()):
         if m["id"] == model_id:
             return json_response(m)
-    raise oa.model_not_found(model_id)
+    raise errors.model_not_found(model_id)
 
 
 async def _fit_context(inst: Instance, req: ChatRequest, big: bool) -> Prepared:
     """Render and tokenize for ``inst``, and fit the context to its limit (pass / cap / 400)."""
     if big:  # long prompts tokenize off the event loop
-        return await asyncio.to_thread(prepare, inst.assets, req, inst.max_model_len,
+        return await asyncio.to_thread(fit_context, inst.assets, req, inst.max_model_len,
                                        limit_of(inst))
-    return prepare(inst.assets, req, inst.max_model_len, limit_of(inst))
+    return fit_context(inst.assets, req, inst.max_model_len, limit_of(inst))
 
 
 async def _place(s: AppState, req: ChatRequest, big: bool) -> tuple[Instance, Prepared]:
@@ -65,7 +67,7 @@ async def _place(s: AppState, req: ChatRequest, big: bool) -> tuple[Instance, Pr
     Returns ``(instance, Prepared)`` holding the slot."""
     likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
     prep = await _fit_context(likely, req, big)
-    inst = await s.registry.admit(req.model, req.session_id)
+    inst = await s.registry.acquire_slot(req.model, req.session_id)
     try:
         if inst.path != likely.path or limit_of(inst) != limit_of(likely):
             prep = await _fit_context(inst, req, big)  # another replica, another context
@@ -81,7 +83,7 @@ async def _through_recovery(s: AppState, place: Callable[[], Awaitable[tuple[Ins
     runs (``pantheon.control.supervisor``)."""
     if s.supervisor is None:
         return await place()
-    return await s.supervisor.admit(place, model, s.registry.queue_timeout_s)
+    return await s.supervisor.await_recovery(place, model, s.registry.queue_timeout_s)
 
 
 @bp.post("/v1/chat/completions", provide_automatic_options=False)

@@ -24,21 +24,23 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pantheon import errors
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.protocol import ApiError, ChatRequest
+from pantheon.api.openai.protocol import ChatRequest
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Delta, Emitter
-from pantheon.control.context import Prepared, prepare  # noqa: F401 - prepare is re-exported
+from pantheon.control.context import Prepared
+from pantheon.errors import ApiError
 from pantheon.protocol import Submit
 from pantheon.workerlink.pool import RequestRejectedError, WorkerDied
 
 log = logging.getLogger("pantheon.api.openai.service")
 
 
-# ---------------------------------------------------------------- preparing a request
+# ---------------------------------------------------------------- the pool's errors
 #
-# Rendering, tokenizing and context admission (pass / cap / deny) live in pantheon.control.context;
-# ``prepare`` and ``Prepared`` are re-exported here, where they used to be.
+# Rendering, tokenizing and fitting the context (pass / cap / deny) happen before a Generation,
+# in pantheon.control.context (``fit_context``, which makes the ``Prepared``).
 
 
 def _pool_error(e: BaseException) -> ApiError:
@@ -47,17 +49,15 @@ def _pool_error(e: BaseException) -> ApiError:
     if isinstance(e, RequestRejectedError):
         kind, reason = getattr(e, "kind", "invalid"), getattr(e, "reason", str(e))
         if kind == "context_length":
-            return ApiError(400, reason, param="messages", code="context_length_exceeded")
+            return errors.context_length_exceeded(reason)
         if kind == "no_instance":
-            return ApiError(503, reason, type="server_error", code="model_not_ready")
-        return ApiError(400, reason, code=kind)
+            return errors.no_instance(reason)
+        return errors.request_rejected(reason, kind)
     if isinstance(e, WorkerDied):
         # Retry-After: the supervisor has the model back within a few seconds
-        return ApiError(503, f"the worker serving this model died: {e}", type="server_error",
-                        code="worker_died", headers={"Retry-After": "2"})
+        return errors.worker_died(e)
     log.exception("generation failed", exc_info=e)
-    return ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
-                    code="internal_error")
+    return errors.generation_failed(e)
 
 
 class ForcedCall:
@@ -165,8 +165,7 @@ class Generation:
 
     def shutdown(self) -> None:
         """The server is stopping: end every choice now (its stream ends with an error)."""
-        self.end(ApiError(503, "the server is shutting down", type="server_error",
-                          code="shutting_down"))
+        self.end(errors.shutting_down())
 
     def end(self, err: ApiError) -> None:
         """End every choice now with ``err`` (a stream gets it as an error event, then
@@ -212,14 +211,12 @@ class Generation:
                 if not toks and self.closing:
                     raise self.ending
                 if not toks:
-                    raise ApiError(500, "the worker ended the request without a finish",
-                                   type="server_error", code="internal_error")
+                    raise errors.worker_no_finish()
                 deltas, lps, finish = pending, [] if req.logprobs else None, None
                 pending = []
                 for tok in toks:
                     if tok.finish == "abort":
-                        raise ApiError(500, "the worker aborted this request",
-                                       type="server_error", code="aborted")
+                        raise errors.worker_aborted()
                     real = tok.token >= 0  # -1: a finish without a token (truncated)
                     run.completion_tokens += real
                     if tok.cached_tokens:

@@ -1,0 +1,448 @@
+"""Every OpenAI-format error the server can return, defined once.
+
+A client sees an error as ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status
+(and sometimes headers). ``ApiError`` is that error as a Python exception; the factories below
+are the only places one is made, so that each status, ``type``, ``code`` and header is written
+once. A raise site says which error it is (``raise errors.queue_full()``), not how it looks.
+
+Groups, with the status, ``type``, ``code`` and headers of each:
+
+========================  ======  =====================  ==========================  ===========
+factory                   status  type                   code                        headers
+========================  ======  =====================  ==========================  ===========
+**access** (``pantheon.api.auth``)
+unauthorized              401     invalid_request_error  invalid_api_key             WWW-Authenticate
+admin_loopback_only       403     permission_error       forbidden
+path_not_allowed          403     permission_error       forbidden (param path)
+**the HTTP layer** (``pantheon.api.app``, the admin test hook)
+route_not_found           404     invalid_request_error  not_found
+body_too_large            413     invalid_request_error  request_too_large
+http_error                any     invalid_request_error  method_not_allowed (405) / http_error
+internal_error            500     server_error           internal_error
+**request validation** (``pantheon.api.openai.protocol``, the admin routes, the limits)
+invalid_param             400     invalid_request_error  (none; param: the field)
+invalid_json              400     invalid_request_error
+not_an_object             400     invalid_request_error
+limit_exceeded            400     invalid_request_error  limit_exceeded
+chat_template_refused     400     invalid_request_error  (param messages)
+**context** (``pantheon.control.context``, the worker's rejections)
+max_tokens_too_large      400     invalid_request_error  context_length_exceeded (param max_tokens)
+context_length_exceeded   400     invalid_request_error  context_length_exceeded (param messages)
+request_rejected          400     invalid_request_error  the worker's kind
+context_denied            503     server_error           context_denied
+**routing** (``pantheon.control.registry``, the OpenAI routes)
+model_not_found           404     invalid_request_error  model_not_found (param model)
+no_model_loaded           503     server_error           model_not_ready             Retry-After: 1
+model_loading             503     server_error           model_not_ready             Retry-After: 1
+model_gone                503     server_error           model_not_ready             Retry-After: 1
+no_instance               503     server_error           model_not_ready
+model_recovering          503     server_error           model_not_ready             Retry-After: 2
+**slots and backpressure** (``pantheon.control.registry``)
+server_busy               429     rate_limit_error       server_busy
+queue_full                429     rate_limit_error       queue_full                  Retry-After: 5
+queue_timeout             429     rate_limit_error       queue_timeout               Retry-After: 2
+memory_pressure           503     server_error           memory_pressure
+shutting_down             503     server_error           shutting_down
+**a running generation** (``pantheon.api.openai.service``, unload)
+worker_died               503     server_error           worker_died                 Retry-After: 2
+model_unloaded            503     server_error           model_unloaded
+worker_no_finish          500     server_error           internal_error
+worker_aborted            500     server_error           aborted
+generation_failed         500     server_error           internal_error
+**loads and unloads** (``pantheon.control.lifecycle``, ``dies``, ``registry``; admin API)
+not_a_die                 400     invalid_request_error  (param dies)
+no_such_die               400     invalid_request_error  no_such_die (param dies)
+unreadable_model          404/400 invalid_request_error  the kind (param path)
+no_model_folder           404     invalid_request_error  not_found (param path)
+unreadable_assets         400     invalid_request_error  invalid (param path)
+load_in_progress          409     invalid_request_error  conflict (param name)
+unload_in_progress        409     invalid_request_error  conflict (param name)
+duplicate_replica         409     invalid_request_error  duplicate (param dies)
+table_full                507     server_error           table_full
+insufficient_memory       507     server_error           insufficient_memory
+no_die_available          507     server_error           no_die
+worker_start_failed       500     server_error           worker_start
+load_failed               by kind by status              the worker's kind
+load_worker_died          500     server_error           worker_died
+load_cancelled            500     server_error           cancelled
+load_internal_error       500     server_error           internal_error
+no_such_instance          404     invalid_request_error  model_not_found (param name)
+unload_conflict           409     invalid_request_error  conflict (param name)
+no_ready_instance         404     invalid_request_error  model_not_found (param name)
+========================  ======  =====================  ==========================  ===========
+
+Not every 503 and 429 carries ``Retry-After`` yet: ``server_busy``, ``memory_pressure``,
+``shutting_down``, ``context_denied``, ``no_instance`` and ``model_unloaded`` do not (issue 16;
+tests/test_errors.py lists them).
+
+Plain Python: no Quart, no torch. ``pantheon.api.responses.error_response`` turns an
+``ApiError`` into a response; the ASGI middleware sends ``body()`` itself.
+"""
+
+from __future__ import annotations
+
+INVALID = "invalid_request_error"
+SERVER = "server_error"
+RATE_LIMIT = "rate_limit_error"
+PERMISSION = "permission_error"
+
+# The worker's LoadFailed kinds -> HTTP status (the load issue's table; the rest is 500).
+LOAD_STATUS = {"not_found": 404, "unsupported": 400, "invalid": 400, "out_of_memory": 507,
+               "cancelled": 409}
+# A model folder the router cannot size (GGUFError / SizingError kinds) -> HTTP status.
+MODEL_FOLDER_STATUS = {"not_found": 404, "unsupported": 400, "invalid": 400}
+
+
+class ApiError(Exception):
+    """An error the client sees as ``{"error": {...}}`` with an HTTP status. Made only by the
+    factories of this module."""
+
+    def __init__(self, status: int, message: str, *, type: str = INVALID,
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (status, message, type,
+                                                                       param, code)
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        """The OpenAI error object."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = INVALID, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _retry_after(seconds: int) -> dict[str, str]:
+    return {"Retry-After": str(seconds)}
+
+
+# ---------------------------------------------------------------- access
+
+
+def unauthorized(missing: bool) -> ApiError:
+    """401: no API key (``missing``) or a wrong one; names nothing about the server."""
+    msg = ("You didn't provide an API key. Send it as 'Authorization: Bearer KEY'."
+           if missing else "Incorrect API key provided.")
+    return ApiError(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _forbidden(message: str, param: str | None = None) -> ApiError:
+    return ApiError(403, message, type=PERMISSION, param=param, code="forbidden")
+
+
+def admin_loopback_only() -> ApiError:
+    """403: an admin call from a non-loopback client, and the server has no admin key."""
+    return _forbidden("the admin API answers only on loopback unless the server has an admin key")
+
+
+def path_not_allowed(path: str) -> ApiError:
+    """403: a load path outside every ``--models-dir`` root."""
+    return _forbidden(f"{path!r} is not under an allowed models directory (--models-dir)",
+                      param="path")
+
+
+# ---------------------------------------------------------------- the HTTP layer
+
+
+def route_not_found(method: str, path: str) -> ApiError:
+    """404: no such route (also the admin test hook when test hooks are off)."""
+    return ApiError(404, f"no route {method} {path}", code="not_found")
+
+
+def body_too_large(limit_bytes: int) -> ApiError:
+    """413: the body is over ``--max-body``."""
+    return ApiError(413, f"the request body is larger than {limit_bytes} bytes "
+                         f"(the --max-body limit)", code="request_too_large")
+
+
+def http_error(status: int, message: str) -> ApiError:
+    """Any other HTTP error Quart raises (405 and the rest), with its own message."""
+    return ApiError(status, message, code="method_not_allowed" if status == 405 else "http_error")
+
+
+def internal_error(exc: BaseException) -> ApiError:
+    """500: an unhandled exception in a route (its type only: no internals in the message)."""
+    return ApiError(500, f"internal error: {type(exc).__name__}", type=SERVER,
+                    code="internal_error")
+
+
+# ---------------------------------------------------------------- request validation
+
+
+def invalid_param(param: str | None, message: str) -> ApiError:
+    """400: the generic validation error; ``param`` names the exact field
+    (``messages[2].content``), or None for the body as a whole."""
+    return ApiError(400, message, param=param)
+
+
+def invalid_json(detail: str | None = None) -> ApiError:
+    """400: the body does not parse as JSON (with the parser's ``detail`` when given)."""
+    msg = "the request body is not valid JSON"
+    return ApiError(400, msg if detail is None else f"{msg}: {detail}")
+
+
+def not_an_object() -> ApiError:
+    """400: the body is JSON but not an object."""
+    return ApiError(400, "the request body must be a JSON object")
+
+
+def limit_exceeded(param: str, what: str, got: int, limit: int, flag: str) -> ApiError:
+    """400: a per-request ceiling (``opsconfig.Limits``), naming the limit and its flag."""
+    return ApiError(400, f"{what}: {got} given, this server's limit is {limit} ({flag})",
+                    param=param, code="limit_exceeded")
+
+
+def chat_template_refused(detail: str) -> ApiError:
+    """400: the model's chat template raised on this conversation."""
+    return invalid_param("messages", f"the chat template refused this conversation: {detail}")
+
+
+# ---------------------------------------------------------------- context
+
+
+def max_tokens_too_large(limit: int, max_tokens: int) -> ApiError:
+    """400: a ``max_tokens`` no context of this model can ever hold."""
+    return ApiError(400, f"This model's maximum context length is {limit} tokens. "
+                         f"However, you requested at least {max_tokens + 1} tokens "
+                         f"({max_tokens} in the completion).", param="max_tokens",
+                    code="context_length_exceeded")
+
+
+def context_length_exceeded(reason: str) -> ApiError:
+    """400: the worker rejected the prompt as longer than its context."""
+    return ApiError(400, reason, param="messages", code="context_length_exceeded")
+
+
+def request_rejected(reason: str, kind: str) -> ApiError:
+    """400: another rejection by the worker; ``code`` is the worker's kind."""
+    return ApiError(400, reason, code=kind)
+
+
+def context_denied(limit: int, tokens: int, room: int) -> ApiError:
+    """503: even with every older turn and message text dropped the prompt leaves no room."""
+    return ApiError(503, f"context admission denied: this model's context limit is {limit} "
+                         f"tokens, and even with every older turn and message text dropped the "
+                         f"prompt takes {tokens} tokens, leaving less than the {room} the "
+                         f"completion needs", type=SERVER, code="context_denied")
+
+
+# ---------------------------------------------------------------- routing
+
+
+def model_not_found(name: str | None) -> ApiError:
+    """404: no resident model has that name."""
+    return ApiError(404, f"The model '{name}' does not exist", param="model",
+                    code="model_not_found")
+
+
+def no_model_loaded() -> ApiError:
+    """503: no model is ready at all."""
+    return ApiError(503, "no model is loaded yet; retry shortly", type=SERVER,
+                    code="model_not_ready", headers=_retry_after(1))
+
+
+def model_loading(name: str) -> ApiError:
+    """503: the named model is only loading or unloading."""
+    return ApiError(503, f"model '{name}' is loading or unloading; retry shortly", type=SERVER,
+                    code="model_not_ready", headers=_retry_after(1))
+
+
+def model_gone(name: str) -> ApiError:
+    """503: the last replica of a queued request's model went away."""
+    return ApiError(503, f"model {name!r} was unloaded while the request waited; retry",
+                    type=SERVER, code="model_not_ready", headers=_retry_after(1))
+
+
+def no_instance(reason: str) -> ApiError:
+    """503: the worker does not have the instance the request was sent to."""
+    return ApiError(503, reason, type=SERVER, code="model_not_ready")
+
+
+def model_recovering(name: str | None, seconds: float) -> ApiError:
+    """503: the model's worker died and the model was not back within the queue timeout."""
+    return ApiError(503, f"model {name or ''!r} is restarting after its worker died and was not "
+                         f"back within {seconds:g} s; retry shortly", type=SERVER,
+                    code="model_not_ready", headers=_retry_after(2))
+
+
+# ---------------------------------------------------------------- slots and backpressure
+
+
+def server_busy() -> ApiError:
+    """429: a single-user instance (one slot) is busy; no queue."""
+    return ApiError(429, "a generation is already in progress on this model; retry shortly",
+                    type=RATE_LIMIT, code="server_busy")
+
+
+def queue_full() -> ApiError:
+    """429: every slot is busy and the model's queue is full."""
+    return ApiError(429, "all slots are busy and the queue is full; retry shortly",
+                    type=RATE_LIMIT, code="queue_full", headers=_retry_after(5))
+
+
+def queue_timeout(seconds: float) -> ApiError:
+    """429: no slot became free within the queue timeout."""
+    return ApiError(429, f"no slot became free within {seconds:g} s; retry", type=RATE_LIMIT,
+                    code="queue_timeout", headers=_retry_after(2))
+
+
+def memory_pressure() -> ApiError:
+    """503: memory pressure is CRITICAL and the request cannot queue."""
+    return ApiError(503, "memory pressure is critical and the queue is full; retry later",
+                    type=SERVER, code="memory_pressure")
+
+
+def shutting_down() -> ApiError:
+    """503: the server is draining (new and queued requests, and generations past the drain
+    deadline)."""
+    return ApiError(503, "the server is shutting down", type=SERVER, code="shutting_down")
+
+
+# ---------------------------------------------------------------- a running generation
+
+
+def worker_died(detail: object) -> ApiError:
+    """503: the worker serving the request died; the supervisor has it back within seconds."""
+    return ApiError(503, f"the worker serving this model died: {detail}", type=SERVER,
+                    code="worker_died", headers=_retry_after(2))
+
+
+def model_unloaded(name: str) -> ApiError:
+    """503: an unload passed its drain deadline while this request ran."""
+    return ApiError(503, f"model {name!r} was unloaded while this request ran", type=SERVER,
+                    code="model_unloaded")
+
+
+def worker_no_finish() -> ApiError:
+    """500: the worker's stream ended without a finish reason."""
+    return ApiError(500, "the worker ended the request without a finish", type=SERVER,
+                    code="internal_error")
+
+
+def worker_aborted() -> ApiError:
+    """500: the worker aborted the request."""
+    return ApiError(500, "the worker aborted this request", type=SERVER, code="aborted")
+
+
+def generation_failed(exc: BaseException) -> ApiError:
+    """500: anything else that ended a generation."""
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type=SERVER,
+                    code="internal_error")
+
+
+# ---------------------------------------------------------------- loads and unloads
+
+
+def not_a_die(die_id: str) -> ApiError:
+    """400: a die id that is not ``N``, ``cuda:N`` or ``cpu:N``."""
+    return ApiError(400, f"{die_id!r} is not a die (use N, cuda:N or cpu:N)", param="dies")
+
+
+def no_such_die(die_id: str, kind: str, count: int) -> ApiError:
+    """400: a well-formed die id this machine (``kind`` cuda) or server (cpu) lacks."""
+    if kind == "cpu":
+        why = f"the server has {count} CPU dies: --cpu-dies"
+    else:
+        why = f"this machine has {count} CUDA devices"
+    return ApiError(400, f"die {die_id} does not exist ({why})", param="dies", code="no_such_die")
+
+
+def unreadable_model(kind: str, reason: str) -> ApiError:
+    """404/400 (``MODEL_FOLDER_STATUS``): the router cannot size the model folder."""
+    return ApiError(MODEL_FOLDER_STATUS.get(kind, 400), reason, param="path", code=kind)
+
+
+def no_model_folder(path: str, why: str) -> ApiError:
+    """404: nothing loadable at ``path``."""
+    return ApiError(404, f"no model folder at {path!r} ({why})", param="path", code="not_found")
+
+
+def unreadable_assets(exc: BaseException) -> ApiError:
+    """400: the model's tokenizer or chat template cannot be read."""
+    return ApiError(400, f"cannot read the model's tokenizer or template: {exc}", param="path",
+                    code="invalid")
+
+
+def load_in_progress(name: str, instance_id: str) -> ApiError:
+    """409: a load of that name is already running."""
+    return ApiError(409, f"model {name!r} is already being loaded ({instance_id})",
+                    param="name", code="conflict")
+
+
+def unload_in_progress(name: str, instance_id: str) -> ApiError:
+    """409: that name is being unloaded."""
+    return ApiError(409, f"model {name!r} is being unloaded ({instance_id}); retry when it is "
+                         "gone", param="name", code="conflict")
+
+
+def duplicate_replica(instance_id: str, name: str, dies: tuple[str, ...]) -> ApiError:
+    """409: a ready replica already serves that name on those dies."""
+    return ApiError(409, f"{instance_id} already serves {name!r} on {','.join(dies)}",
+                    param="dies", code="duplicate")
+
+
+def table_full(max_instances: int) -> ApiError:
+    """507: the instance table is full."""
+    return ApiError(507, f"the model table is full ({max_instances} instances); unload one "
+                         "first", type=SERVER, code="table_full")
+
+
+def insufficient_memory(message: str) -> ApiError:
+    """507: no die (or not the given ones) has room; ``message`` says which lacks how much."""
+    return ApiError(507, message, type=SERVER, code="insufficient_memory")
+
+
+def no_die_available() -> ApiError:
+    """507: there is no die to place a model on."""
+    return ApiError(507, "no die is available to place the model on (start the server with "
+                         "--cpu-dies N, or give 'dies')", type=SERVER, code="no_die")
+
+
+def worker_start_failed(detail: object) -> ApiError:
+    """500: a die's worker did not start."""
+    return ApiError(500, str(detail), type=SERVER, code="worker_start")
+
+
+def load_failed(kind: str, reason: str) -> ApiError:
+    """The worker's ``LoadFailed``: status by kind (``LOAD_STATUS``, else 500)."""
+    status = LOAD_STATUS.get(kind, 500)
+    return ApiError(status, f"load failed: {reason}", code=kind,
+                    type=SERVER if status >= 500 else INVALID)
+
+
+def load_worker_died(detail: object) -> ApiError:
+    """500: the worker died (or the pool failed) during the load."""
+    return ApiError(500, f"load failed: {detail}", type=SERVER, code="worker_died")
+
+
+def load_cancelled() -> ApiError:
+    """500: the load was cancelled because the server is stopping."""
+    return ApiError(500, "load cancelled (the server is stopping)", type=SERVER,
+                    code="cancelled")
+
+
+def load_internal_error(exc: BaseException) -> ApiError:
+    """500: anything else that failed a load."""
+    return ApiError(500, f"load failed: {type(exc).__name__}: {exc}", type=SERVER,
+                    code="internal_error")
+
+
+def no_such_instance(target: str) -> ApiError:
+    """404: an unload naming no model or instance."""
+    return ApiError(404, f"no model or instance named {target!r}", param="name",
+                    code="model_not_found")
+
+
+def unload_conflict(target: str) -> ApiError:
+    """409: every instance of ``target`` is loading or already unloading."""
+    return ApiError(409, f"{target!r} is loading or already unloading", param="name",
+                    code="conflict")
+
+
+def no_ready_instance(name: str) -> ApiError:
+    """404: a cache reset naming no ready model or instance."""
+    return ApiError(404, f"no ready model or instance named {name!r}", param="name",
+                    code="model_not_found")
