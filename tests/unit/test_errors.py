@@ -22,7 +22,9 @@ import pytest
 from pantheon import errors
 from pantheon.errors import ApiError
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 
 INVALID, SERVER, RATE, PERM = ("invalid_request_error", "server_error", "rate_limit_error",
                                "permission_error")
