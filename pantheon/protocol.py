@@ -1,16 +1,86 @@
 """Typed messages between the router and its workers.
 
-Both sides import this module, so it imports neither torch nor quart: only msgspec.
-Every message is a tagged ``msgspec.Struct`` encoded as msgpack; ``decode`` turns bytes
+Both sides import this module, so it imports neither torch nor quart: only msgspec (and
+``typing``). Every message is a tagged ``msgspec.Struct`` encoded as msgpack; ``decode`` turns bytes
 back into the right class from the tag. The router sends ``RouterMsg`` and the worker
 sends ``WorkerMsg``; a worker never receives anything before it has sent ``Hello``.
+
+Beside the messages, this module holds what both sides must agree on and may import: the kinds
+a message's code fields take (``Literal`` types, checked when a message is decoded; on the wire
+they stay plain strings), the worker's exit codes and what they mean, and how a die id is parsed.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 PROTOCOL_VERSION = 2
+
+# ---------------------------------------------------------------- codes
+# A value outside its Literal makes the whole message fail to decode, so a new code must be added
+# here, on both sides at once (PROTOCOL_VERSION guards a mismatch).
+
+LoadFailKind = Literal["not_found", "unsupported", "invalid", "out_of_memory", "internal", "cancelled"]
+"""Why a ``LoadModel`` failed (``LoadFailed.kind``)."""
+
+RejectKind = Literal["context_length", "no_instance", "invalid", "duplicate"]
+"""Why a ``Submit`` was not run (``Rejected.kind``)."""
+
+FinishReason = Literal["stop", "length", "abort"]
+"""Why a request ended (``TokenOut.finish``): EOS or a stop id | max_tokens or the context | aborted."""
+
+SlotState = Literal["idle", "prefill", "decode"]
+"""What one engine slot is doing (``SlotInfo.state``)."""
+
+DieKind = Literal["cpu", "cuda"]
+
+
+# ---------------------------------------------------------------- worker exit codes
+# The worker exits with these (workers/worker.py); the router words them in its errors.
+
+EXIT_OK = 0
+EXIT_BAD_ARGS = 2
+EXIT_ROUTER_SILENT = 3
+EXIT_PARENT_GONE = 4
+
+EXIT_MEANINGS: dict[int, str] = {
+    EXIT_BAD_ARGS: "bad arguments or a die this machine does not have",
+    EXIT_ROUTER_SILENT: "it heard nothing from the router for too long",
+    EXIT_PARENT_GONE: "its parent process went away",
+}
+"""What a worker's exit code means, for the codes that say more than "it exited"."""
+
+
+# ---------------------------------------------------------------- die ids
+
+
+def parse_die(die: str) -> tuple[DieKind, int]:
+    """``"cuda:1"`` -> ``("cuda", 1)``, ``"cpu:0"`` -> ``("cpu", 0)``; a bare integer means a CUDA
+    die (``"2"`` -> ``("cuda", 2)``). Raises ``ValueError`` for anything else.
+
+    The one parser of die ids: the router (pool, die manager) and the worker use it.
+    """
+    # Written without re so that this module keeps to msgspec; isdecimal is what \d matches.
+    if die.isdecimal():
+        return "cuda", int(die)
+    kind, sep, index = die.partition(":")
+    if not sep or kind not in ("cpu", "cuda") or not index.isdecimal():
+        raise ValueError(f"bad die {die!r}: expected cpu:N or cuda:N")
+    return kind, int(index)  # type: ignore[return-value]  # kind is one of DieKind here
+
+
+def normalize_die(die: str) -> str:
+    """The canonical spelling of a die id (``"3"`` -> ``"cuda:3"``, ``"cpu:01"`` -> ``"cpu:1"``).
+    Raises ``ValueError`` like ``parse_die``."""
+    kind, index = parse_die(die)
+    return f"{kind}:{index}"
+
+
+def die_kind(die: str) -> DieKind:
+    """``"cpu"`` or ``"cuda"``; raises ``ValueError`` like ``parse_die``."""
+    return parse_die(die)[0]
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -130,7 +200,7 @@ class Loaded(msgspec.Struct, tag=True, kw_only=True):
 
 class LoadFailed(msgspec.Struct, tag=True, kw_only=True):
     instance: str
-    kind: str  # not_found | unsupported | invalid | out_of_memory | internal | cancelled
+    kind: LoadFailKind
     reason: str
 
 
@@ -145,7 +215,7 @@ class TokenOut(msgspec.Struct, array_like=True):
     token: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
-    finish: str | None = None  # None while running; "stop" (EOS/stop id) | "length" | "abort"
+    finish: FinishReason | None = None  # None while running
     cached_tokens: int | None = None  # on a request's first token: prompt tokens the prefix cache gave
 
 
@@ -153,7 +223,7 @@ class Rejected(msgspec.Struct, tag=True, kw_only=True):
     """A Submit the engine could not take (prompt too long for the pool, unknown instance)."""
 
     request_id: str
-    kind: str  # context_length | no_instance | invalid | duplicate
+    kind: RejectKind
     reason: str
 
 
@@ -164,7 +234,7 @@ class StepOutput(msgspec.Struct, tag=True, kw_only=True):
 
 
 class SlotInfo(msgspec.Struct, array_like=True):
-    state: str  # idle | prefill | decode
+    state: SlotState
     request_id: str | None = None
     prompt_tokens: int = 0
     prefilled: int = 0

@@ -12,28 +12,14 @@ torch is imported only for CUDA dies, so describing a CPU die stays cheap.
 from __future__ import annotations
 
 import platform
-import re
 from dataclasses import dataclass
 
 import psutil
 
-_DIE_RE = re.compile(r"^(cpu|cuda):(\d+)$")
+# Die ids are parsed by the protocol's parser, the one the router uses too (re-exported here).
+from pantheon.protocol import normalize_die, parse_die
 
-
-def parse_die(die: str) -> tuple[str, int]:
-    """``"cuda:1"`` -> ``("cuda", 1)``; a bare integer means a CUDA die. Raises ValueError."""
-    if die.isdigit():
-        return "cuda", int(die)
-    m = _DIE_RE.match(die)
-    if not m:
-        raise ValueError(f"bad die {die!r}: expected cpu:N or cuda:N")
-    return m.group(1), int(m.group(2))
-
-
-def normalize_die(die: str) -> str:
-    """The canonical spelling of a die id (``"3"`` -> ``"cuda:3"``)."""
-    kind, index = parse_die(die)
-    return f"{kind}:{index}"
+__all__ = ["Die", "engine_device", "normalize_die", "open_die", "parse_die"]
 
 
 def engine_device(die: str) -> str:

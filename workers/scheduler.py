@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pantheon.protocol import FinishReason
 from workers.block_manager import BlockManager, block_hash
 
 
@@ -36,7 +37,7 @@ class Sequence:
     num_registered: int = 0  # leading blocks of block_table filed in the prefix cache
     block_table: list[int] = field(default_factory=list)
     slot: int | None = None
-    finish: str | None = None
+    finish: FinishReason | None = None
     preemptions: int = 0
 
     @property
@@ -218,10 +219,10 @@ class Scheduler:
             seq.num_computed += n
             self._publish(seq)
 
-    def append_token(self, seq: Sequence, token: int) -> str | None:
+    def append_token(self, seq: Sequence, token: int) -> FinishReason | None:
         """Add a sampled token; return the finish reason if the sequence is done (and free it)."""
         seq.tokens.append(token)
-        reason = None
+        reason: FinishReason | None = None
         if token in seq.stop_ids and seq.num_output >= max(seq.min_tokens, 1):
             reason = "stop"
         elif seq.num_output >= seq.max_tokens or len(seq.tokens) >= self.max_model_len:
@@ -230,7 +231,7 @@ class Scheduler:
             self._release(seq, reason)
         return reason
 
-    def _release(self, seq: Sequence, reason: str) -> None:
+    def _release(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish = reason
         self.blocks.free(seq.block_table)
         if seq.slot is not None:

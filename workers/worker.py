@@ -58,10 +58,7 @@ from workers.errors import LoadError, RequestRejected
 
 log = logging.getLogger("pantheon.worker")
 
-EXIT_OK = 0
-EXIT_BAD_ARGS = 2
-EXIT_ROUTER_SILENT = 3
-EXIT_PARENT_GONE = 4
+# The exit codes (and what the router says they mean) are in pantheon.protocol: EXIT_*.
 
 BUSY_STATS_S = 0.25
 IDLE_STATS_S = 1.0
@@ -112,7 +109,7 @@ class Heart(threading.Thread):
                 if w.parent_pid is not None and os.getppid() != w.parent_pid:
                     log.error("parent process %d is gone: exiting", w.parent_pid)
                     logging.shutdown()
-                    os._exit(EXIT_PARENT_GONE)
+                    os._exit(p.EXIT_PARENT_GONE)
         finally:
             sock.close(0)
 
@@ -270,10 +267,10 @@ class Worker:
     def _check_alive(self, router_silent_s: float) -> None:
         if router_silent_s > self.router_timeout:
             log.error("no message from the router for %.1f s: exiting", router_silent_s)
-            self.exit_code = EXIT_ROUTER_SILENT
+            self.exit_code = p.EXIT_ROUTER_SILENT
         elif self.parent_pid is not None and os.getppid() != self.parent_pid:
             log.error("parent process %d is gone: exiting", self.parent_pid)
-            self.exit_code = EXIT_PARENT_GONE
+            self.exit_code = p.EXIT_PARENT_GONE
 
     def _drain(self) -> bool:
         """Handle every message already waiting; True if there was at least one."""
@@ -312,7 +309,7 @@ class Worker:
             self._unload(msg.instance)
         elif isinstance(msg, p.Shutdown):
             log.info("shutdown requested")
-            self.exit_code = EXIT_OK
+            self.exit_code = p.EXIT_OK
 
     def _step_all(self) -> bool:
         """One engine step for every instance with work; True if any had work."""
@@ -562,7 +559,7 @@ def cli(argv: list[str] | None = None) -> int:
         die = open_die(args.die, budget_bytes=args.budget_bytes)
     except ValueError as e:
         log.error("%s", e)
-        return EXIT_BAD_ARGS
+        return p.EXIT_BAD_ARGS
     if args.threads:
         import torch
 

@@ -19,15 +19,14 @@ free (a CUDA die shared with another process, host RAM for CPU dies).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pantheon import errors
+from pantheon.protocol import die_kind, parse_die
 
 GiB = 1 << 30
 DEFAULT_CUDA_RESERVE = 1 * GiB
-_DIE_RE = re.compile(r"^(cpu|cuda):(\d+)$")
 
 
 def fmt_bytes(n: int) -> str:
@@ -115,7 +114,7 @@ class DieManager:
     # ------------------------------------------------------------ discovery
 
     def _add(self, die_id: str) -> Die:
-        kind = die_id.split(":")[0]
+        kind = die_kind(die_id)
         reserve = self.reserve if self.reserve is not None else (
             DEFAULT_CUDA_RESERVE if kind == "cuda" else 0)
         d = Die(die_id, kind, reserve_bytes=reserve,
@@ -125,14 +124,13 @@ class DieManager:
 
     def check(self, die_id: str) -> str:
         """The die's canonical id if this machine has it; else a 400."""
-        if die_id.isdigit():
-            die_id = f"cuda:{die_id}"
-        m = _DIE_RE.match(die_id)
-        if not m:
-            raise errors.not_a_die(die_id)
+        try:
+            kind, n = parse_die(die_id)
+        except ValueError:
+            raise errors.not_a_die(die_id) from None
+        die_id = f"{kind}:{n}"
         if die_id not in self._dies:
-            n = int(m.group(2))
-            if m.group(1) == "cpu":
+            if kind == "cpu":
                 raise errors.no_such_die(die_id, "cpu", self.cpu_count)
             if n >= self.cuda_count:
                 raise errors.no_such_die(die_id, "cuda", self.cuda_count)
@@ -158,7 +156,7 @@ class DieManager:
 
     def dies(self) -> list[Die]:
         return sorted(self._dies.values(),
-                      key=lambda d: (d.kind, int(d.id.split(":")[1])))
+                      key=lambda d: (d.kind, parse_die(d.id)[1]))
 
     # ------------------------------------------------------------ room
 

@@ -42,7 +42,7 @@ from pantheon.errors import ApiError
 from pantheon.models.assets import ModelAssets
 from pantheon.models.gguf import GGUFError, find_gguf, served_name
 from pantheon.models.sizing import SizingError, estimate, read_shape
-from pantheon.protocol import LoadModel
+from pantheon.protocol import LoadModel, die_kind
 from pantheon.workerlink.pool import LoadFailedError, PoolError
 
 log = logging.getLogger("pantheon.control.lifecycle")
@@ -71,7 +71,7 @@ class Models:
         known = {d.die: d for d in self.pool.dies()}
         if die in known and known[die].alive:
             return
-        budget = self.dies.cpu_budget if die.startswith("cpu:") else None
+        budget = self.dies.cpu_budget if die_kind(die) == "cpu" else None
         info = await self.pool.start_worker(die, budget_bytes=budget)
         self.dies.on_worker(die, info.total_bytes, info.free_bytes, info.device_name)
 
@@ -136,7 +136,7 @@ class Models:
             raise errors.unreadable_assets(e) from None
         self._check_new(name, dies)  # again: another load may have started meanwhile
         for die in dies:
-            if die.startswith("cuda:"):  # its worker's Hello tells the die's size
+            if die_kind(die) == "cuda":  # its worker's Hello tells the die's size
                 await self._start(die)
         cfg = self.config
         limit = shape.context_limit
@@ -148,7 +148,7 @@ class Models:
         def sized(first: str):
             # On a CPU die the worker picks the path at load: book the largest it may pick
             # (phase 4 sizes with the real one)
-            return estimate(shape, dtype=cfg.dtype, quantize=quantize, cpu=first.startswith("cpu:"),
+            return estimate(shape, dtype=cfg.dtype, quantize=quantize, cpu=die_kind(first) == "cpu",
                             cpu_works=works.get(first))
 
         def need(ds: tuple[str, ...]) -> dict[str, tuple[int, int]]:

@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable
 
 import psutil
 
+from pantheon.protocol import die_kind
+
 NORMAL, ELEVATED, HIGH, CRITICAL = 0, 1, 2, 3
 NAMES = ("normal", "elevated", "high", "critical")
 DEFAULT_THRESHOLDS = (0.85, 0.92, 0.97)
@@ -115,7 +117,7 @@ class PressureSource:
             return max(self._forced[die], self._forced.get(None, NORMAL))
         if None in self._forced:
             return self._forced[None]
-        if die.startswith("cuda:"):
+        if die_kind(die) == "cuda":
             got = self.die_probe(die) if self.die_probe is not None else None
             if got is None or got[0] <= 0:
                 return NORMAL
