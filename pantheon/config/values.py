@@ -1,6 +1,7 @@
 """``ConfigError`` and the value parsers every settings source shares (flag, variable, TOML file).
 
-This module imports nothing from ``pantheon``: ``pantheon.workerlink.curve`` and the admin API
+This module imports nothing from ``pantheon`` but the wire protocol (msgspec only; its die-id
+parser): ``pantheon.workerlink.curve`` and the admin API
 import ``ConfigError`` from here without pulling in the rest of the configuration (and without
 the old ``config`` -> ``curve`` -> ``config`` import cycle). Every parser takes ``what``, the
 name of the source the value came from (``--port``, ``PANTHEON_PORT``, ``--config FILE: port``),
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import re
 from typing import Any
+
+from pantheon.protocol import normalize_die
 
 
 class ConfigError(ValueError):
@@ -52,10 +55,10 @@ def parse_dies(value: str, what: str = "--dies") -> tuple[str, ...]:
     for part in (p.strip() for p in value.split(",")):
         if not part:
             continue
-        if part.isdigit():
-            part = f"cuda:{int(part)}"
-        elif not re.fullmatch(r"(cuda|cpu):\d+", part):
-            raise ConfigError(f"{what}: {part!r} is not a die (use N, cuda:N or cpu:N)")
+        try:
+            part = normalize_die(part)  # the one die-id parser, shared with the workers
+        except ValueError:
+            raise ConfigError(f"{what}: {part!r} is not a die (use N, cuda:N or cpu:N)") from None
         if part in out:
             raise ConfigError(f"{what}: die {part} listed twice")
         out.append(part)
