@@ -52,10 +52,8 @@ def convert(row: Setting, raw: Any, what: str, from_env: bool) -> Any:
         sep = ("," if kind == "keys" else os.pathsep) if from_env else None
         return v.parse_list(raw, what, sep)
     if kind == "thresholds":
-        from pantheon.control.pressure import parse_thresholds  # lazy: it imports psutil
-
         try:
-            return parse_thresholds(raw)
+            return v.parse_thresholds(raw)
         except ValueError as e:
             raise ConfigError(f"{what} {e}") from None
     return v.parse_str(raw, what)

@@ -122,3 +122,14 @@ def parse_list(raw: Any, what: str, sep: str | None) -> tuple[str, ...]:
     else:
         raise ConfigError(f"{what}: expected a list of strings")
     return tuple(str(x).strip() for x in items if str(x).strip())
+
+
+def parse_thresholds(raw: str) -> tuple[float, float, float]:
+    """``"0.8,0.9,0.95"`` -> a rising triple of fractions in (0, 1]; raises ValueError."""
+    parts = [p.strip() for p in str(raw).split(",") if p.strip()]
+    if len(parts) != 3:
+        raise ValueError(f"{raw!r}: give three comma-separated fractions, e.g. 0.85,0.92,0.97")
+    vals = tuple(float(p) for p in parts)
+    if not all(0 < v <= 1 for v in vals) or not vals[0] <= vals[1] <= vals[2]:
+        raise ValueError(f"{raw!r}: the fractions must rise and lie in (0, 1]")
+    return vals  # type: ignore[return-value]

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pantheon import errors
-from pantheon.api.openai.protocol import ChatRequest
 from pantheon.chat.template import TemplateError, think_open
+
+if TYPE_CHECKING:  # the request type only: control/ never imports api/ at run time
+    from pantheon.api.openai.protocol import ChatRequest
 
 CAPPED_ROOM = 512  # tokens kept for the completion of a capped prompt without max_tokens
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 
 import psutil
 
+from pantheon.config.values import parse_thresholds  # noqa: F401 - re-exported; it lives with the other settings parsers
 from pantheon.protocol import die_kind
 
 NORMAL, ELEVATED, HIGH, CRITICAL = 0, 1, 2, 3
@@ -41,17 +42,6 @@ _HOST_EVERY_S = 0.1
 
 def level_for(used_fraction: float, thresholds: tuple[float, float, float]) -> int:
     return sum(1 for t in thresholds if used_fraction >= t)
-
-
-def parse_thresholds(raw: str) -> tuple[float, float, float]:
-    """``"0.8,0.9,0.95"`` -> a rising triple of fractions in (0, 1]; raises ValueError."""
-    parts = [p.strip() for p in str(raw).split(",") if p.strip()]
-    if len(parts) != 3:
-        raise ValueError(f"{raw!r}: give three comma-separated fractions, e.g. 0.85,0.92,0.97")
-    vals = tuple(float(p) for p in parts)
-    if not all(0 < v <= 1 for v in vals) or not vals[0] <= vals[1] <= vals[2]:
-        raise ValueError(f"{raw!r}: the fractions must rise and lie in (0, 1]")
-    return vals  # type: ignore[return-value]
 
 
 def headroom_used(total: int, free: int, booked: int) -> float:

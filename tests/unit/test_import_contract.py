@@ -78,3 +78,57 @@ def test_the_checker_sees_lazy_and_nested_imports(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("import os\nfrom a.b import c\ndef f():\n    import torch\n")
     assert imports(f) == [("os", True), ("a.b.c", True), ("torch", False)]
+
+
+# The router's packages in layers, lowest first: a module imports from its own layer or below,
+# never above (so control/ cannot reach into api/, nor config/ into control/). An import of a
+# higher layer under ``if TYPE_CHECKING:`` is a type annotation only and allowed.
+LAYERS = [
+    {"protocol", "snapshot", "errors", "logs"},  # the wire and the vocabulary: msgspec at most
+    {"chat"},
+    {"models"},
+    {"config"},
+    {"workerlink"},
+    {"control"},
+    {"api"},
+    {"serve", "cli", "__main__"},
+]
+LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out |= {id(n) for n in ast.walk(node)}
+    return out
+
+
+def _part(rel: Path) -> str:
+    return rel.parts[1].removesuffix(".py")  # pantheon/<part>/... or pantheon/<part>.py
+
+
+def test_the_router_packages_only_import_downwards():
+    broken, seen = [], set()
+    for path in modules("pantheon"):
+        rel = path.relative_to(ROOT)
+        if rel.name == "__init__.py" and len(rel.parts) == 2:
+            continue
+        src = _part(rel)
+        assert src in LAYER_OF, f"{rel}: put pantheon/{src} in a layer of LAYERS"
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = _type_checking_nodes(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            names = ([f"pantheon.{a.name}" for a in node.names] if node.module == "pantheon"
+                     else [node.module])
+            for name in names:
+                parts = name.split(".")
+                if parts[0] != "pantheon" or len(parts) < 2 or parts[1] not in LAYER_OF:
+                    continue
+                seen.add((src, parts[1]))
+                if LAYER_OF[parts[1]] > LAYER_OF[src] and id(node) not in typing_only:
+                    broken.append(f"{rel.as_posix()} imports {name} (a higher layer)")
+    assert not broken, "\n".join(broken)
+    assert ("api", "control") in seen and ("control", "workerlink") in seen  # the walk works
