@@ -145,9 +145,6 @@ def _worker_env(cfg: ServeConfig) -> None:
 
 
 def _warn_spec_knobs(cfg: ServeConfig) -> None:
-    if not cfg.ops.driver_sample:
-        log.warning("QWEN35_BS_DRIVER_SAMPLE=0 asks for owner-side lockstep sampling; this "
-                    "server always samples inside the worker (the default behaviour)")
     if not cfg.ops.api_keys and cfg.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("listening on %s without --api-key: /v1/* is open to anyone who can "
                     "reach it", cfg.host)

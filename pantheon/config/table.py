@@ -99,6 +99,16 @@ def above(lo: float, note: str) -> Callable[[Any, str], Any]:
     return check
 
 
+def only(value: Any, why: str) -> Callable[[Any, str], Any]:
+    """A knob of the spec that this server accepts with one value only: any other is refused at
+    start, saying why (rather than parsed and silently ignored)."""
+    def check(v: Any, what: str) -> Any:
+        if v != value:
+            raise ConfigError(f"{what} {v}: {why}")
+        return v
+    return check
+
+
 def one_of(*choices: str, quote: bool = True) -> Callable[[Any, str], Any]:
     words = ", ".join(choices[:-1]) + f" or {choices[-1]}" if len(choices) > 1 else choices[0]
 
@@ -221,8 +231,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("config", "meta", None, "a TOML file with any of these settings (keys: the long flag "
             "names) and [[models]] tables; flags and variables beat it",
             toml=None, field=None, metavar="FILE"),
-    Setting("curve_keygen", "meta", None, "write a CURVE keypair for --worker-listen into DIR "
-            "and exit", toml=None, field=None, metavar="DIR"),
+    Setting("curve_keygen", "meta", None, "write CURVE keypairs into DIR and exit; they are for "
+            "remote workers (--worker-listen), which are not built yet", toml=None, field=None,
+            metavar="DIR"),
     # security, limits, logs, registration, shutdown, recovery
     Setting("api_key", "keys", (), "an API key that /v1/* accepts as 'Authorization: Bearer KEY' "
             "(repeatable; the variable takes several, comma-separated). Unset: /v1/* is open",
@@ -284,26 +295,32 @@ SETTINGS: tuple[Setting, ...] = (
             "prefills as many prompt tokens as fit, measured as it runs, so streams keep flowing "
             "past long prompts", ("PANTHEON_STEP_TARGET",), unit="s", metavar="S",
             field="ops.step_target_s", check=_seconds(0.01)),
-    Setting("worker_listen", "str", None, "tcp://HOST:PORT for workers on other hosts; refused "
-            "without CURVE keys in --curve-dir", ("PANTHEON_WORKER_LISTEN",), metavar="URL",
+    Setting("worker_listen", "str", None, "workers on other hosts over tcp://HOST:PORT: not "
+            "built yet, so any value is refused at start (after the CURVE keys in --curve-dir "
+            "are checked); local workers need no flag", ("PANTHEON_WORKER_LISTEN",), metavar="URL",
             field="ops.worker_listen", empty="unset"),
     Setting("curve_dir", "str", None, "folder with the router's CURVE keypair (server.key, "
-            "server.key_secret); 'pantheon serve --curve-keygen DIR' writes one",
+            "server.key_secret) for --worker-listen (not built yet); 'pantheon serve "
+            "--curve-keygen DIR' writes one",
             ("PANTHEON_CURVE_DIR",), metavar="DIR", field="ops.curve_dir", empty="unset"),
     # the spec's engine knobs
-    Setting("driver_sample", "bool", True, "1: sampling runs inside the worker; 0 "
-            "(legacy owner-side lockstep sampling) is accepted with a warning: this design always "
-            "samples in the worker", ("PANTHEON_DRIVER_SAMPLE", "QWEN35_BS_DRIVER_SAMPLE"),
-            flag=None, field="ops.driver_sample"),
+    Setting("driver_sample", "bool", True, "1: sampling runs inside the worker, the only way "
+            "this server samples; 0 (the spec's owner-side lockstep sampling) is not built and "
+            "is refused", ("PANTHEON_DRIVER_SAMPLE", "QWEN35_BS_DRIVER_SAMPLE"),
+            flag=None, field="ops.driver_sample",
+            check=only(True, "owner-side lockstep sampling is not built: this server always "
+                             "samples inside the worker (unset it, or set 1)")),
     Setting("prefill_batch", "bool", True, "0 disables batched chunk prefill: prompts are "
             "prefilled token by token (chunk 1)",
             ("PANTHEON_PREFILL_BATCH", "QWEN35_BS_PREFILL_BATCH"), flag=None,
             field="ops.prefill_batch"),
     Setting("step_stats", "bool", False, "workers log every engine step's timing to stderr",
             ("PANTHEON_STEP_STATS", "QWEN35_BS_STATS"), field="ops.step_stats"),
-    Setting("kv_q4", "bool", True, "Q4 KV quantization in admission math; the Python engine "
-            "keeps KV at full width, so admission always counts full-width KV (the effect of 0)",
-            ("PANTHEON_KV_Q4", "QWEN35_KV_Q4"), flag=None, field="ops.kv_q4"),
+    Setting("kv_q4", "bool", False, "Q4 KV cache: not built, so 1 is refused; the engine keeps "
+            "the KV cache at full width and sizes and admits by that",
+            ("PANTHEON_KV_Q4", "QWEN35_KV_Q4"), flag=None, field="ops.kv_q4",
+            check=only(False, "a Q4 KV cache is not built: the engine keeps KV at full width "
+                              "(unset it, or set 0)")),
     # CPU dies' linear-layer path (workers/cpu_paths.py)
     Setting("cpu_path", "str", "auto", "how CPU dies run the linear layers: auto (the fastest of "
             "those that work on this CPU, timed on each model's shapes at load) or one of "

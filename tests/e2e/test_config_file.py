@@ -39,16 +39,16 @@ def test_spec_table_variables_and_aliases():
     c = build_config({}, {})
     # prefill_chunk: the spec's 128 became a 512 ceiling under the step budget (issue 12)
     assert (c.slots, c.queue_depth, c.prefill_chunk) == (8, 32, 512)
-    assert c.ops.driver_sample and c.ops.prefill_batch and c.ops.kv_q4 and not c.ops.step_stats
+    assert c.ops.driver_sample and c.ops.prefill_batch and not c.ops.kv_q4 and not c.ops.step_stats
     assert c.ops.registry_url is None and c.ops.node_id == "node0"
     assert c.ops.registry_transport == "local" and c.ops.async_poll_us is None
     c = build_config({}, {"QWEN35_BATCH_SLOTS": "0", "BS_QUEUE_DEPTH": "5",
                           "QWEN35_BS_PREFILL_CHUNK": "64", "QWEN35_BS_STATS": "1",
-                          "QWEN35_BS_DRIVER_SAMPLE": "0", "QWEN35_KV_Q4": "0",
+                          "QWEN35_BS_DRIVER_SAMPLE": "1", "QWEN35_KV_Q4": "0",
                           "PN_ASYNC_POLL_US": "2000", "PANTHEON_REGISTRY_URL": "http://r:1",
                           "PANTHEON_NODE_ID": "n9", "PANTHEON_REGISTRY_TRANSPORT": "rdma"})
     assert (c.slots, c.queue_depth, c.prefill_chunk) == (1, 5, 64)
-    assert c.ops.step_stats and not c.ops.driver_sample and not c.ops.kv_q4
+    assert c.ops.step_stats and c.ops.driver_sample and not c.ops.kv_q4
     assert c.ops.async_poll_us == 2000 and c.ops.registry_url == "http://r:1"
     assert (c.ops.node_id, c.ops.registry_transport) == ("n9", "rdma")
     assert build_config({}, {"QWEN35_BATCH_SLOTS": "1"}).slots == 8  # 1 turns batching on
@@ -59,6 +59,13 @@ def test_spec_table_variables_and_aliases():
     c = build_config({}, env)
     assert c.queue_depth == 7 and not c.ops.step_stats
     assert build_config({"queue_depth": 3}, env).queue_depth == 3
+    # the spec's knobs this server does not build are refused, saying why, not ignored
+    for env, why in (({"QWEN35_BS_DRIVER_SAMPLE": "0"}, "owner-side lockstep sampling is not built"),
+                     ({"PANTHEON_DRIVER_SAMPLE": "0"}, "owner-side lockstep sampling is not built"),
+                     ({"QWEN35_KV_Q4": "1"}, "Q4 KV cache is not built"),
+                     ({"PANTHEON_KV_Q4": "1"}, "Q4 KV cache is not built")):
+        with pytest.raises(ConfigError, match=f"{next(iter(env))} .*{why}"):
+            build_config({}, env)
     for name in ("QWEN35_GPU_FULL_LOGITS", "PANTHEON_GPU_FULL_LOGITS"):
         with pytest.raises(ConfigError, match=name):
             build_config({}, {name: "1"})
@@ -83,7 +90,7 @@ def test_security_settings_from_flags_and_variables(tmp_path):
 def test_config_file_layer(tmp_path):
     f = tmp_path / "p.toml"
     f.write_text('port = 9001\nqueue-depth = 4\nmax_n = 5\napi_key = "one"\n'
-                 'cpu_dies = 2\ndriver_sample = false\n'
+                 'cpu_dies = 2\nstep_stats = true\n'
                  '[[models]]\npath = "/m/a"\nname = "a"\ndies = ["cpu:1"]\n'
                  '[[models]]\npath = "/m/b"\n')
     ap = build_parser()
@@ -94,7 +101,7 @@ def test_config_file_layer(tmp_path):
 
     c = cfg(["--config", str(f)], {})
     assert (c.port, c.queue_depth, c.cpu_dies, c.ops.limits.max_n) == (9001, 4, 2, 5)
-    assert c.ops.api_keys == ("one",) and not c.ops.driver_sample
+    assert c.ops.api_keys == ("one",) and c.ops.step_stats
     assert [(m.path, m.name, m.dies) for m in c.models] == [("/m/a", "a", ("cpu:1",)),
                                                             ("/m/b", "b", ())]
     # a variable beats the file (its alias too), a flag beats both

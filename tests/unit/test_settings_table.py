@@ -50,7 +50,7 @@ def samples(tmp: Path) -> dict[str, tuple[str, object]]:
         "worker_restarts": ("0", 0), "restart_backoff": ("1", 1.0), "step_timeout": ("10", 10.0),
         "step_target": ("0.1", 0.1), "worker_listen": ("tcp://127.0.0.1:5999",
                                                        "tcp://127.0.0.1:5999"),
-        "curve_dir": ("/k", "/k"), "driver_sample": ("0", False), "prefill_batch": ("0", False),
+        "curve_dir": ("/k", "/k"), "driver_sample": ("1", True), "prefill_batch": ("0", False),
         "step_stats": ("1", True), "kv_q4": ("0", False), "cpu_path": ("fp32", "fp32"),
         "compile": ("1", True), "async_poll_us": ("2000", 2000),
     }
