@@ -36,6 +36,7 @@ make-model PRESET OUT:
 
 # on a machine with a CUDA device: the correctness tests on cuda:0, then the decode benchmark
 gpu-check:
+    {{python}} bench/gpu_check.py
     {{python}} -m pytest -q -m gpu tests/unit/test_gpu.py
     {{python}} -m pytest -q tests/unit/test_engine_reference.py tests/unit/test_engine_batching.py
     {{python}} bench/decode.py --device cuda:0 --batches 1,8,32 --tokens 64 --quantize
