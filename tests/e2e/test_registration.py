@@ -182,3 +182,33 @@ def test_unset_sends_nothing():
     cfg = build_config({}, {"PANTHEON_REGISTRY_URL": "http://127.0.0.1:9/x/"})
     assert cfg.ops.registry_url == "http://127.0.0.1:9/x"
     assert cfg.ops.node_id == "node0" and cfg.ops.registry_transport == "local"
+
+
+def test_replicas_collapse_to_one_registration_with_summed_capacity(model_factory, tmp_path):
+    """Two replicas of one name (one per CPU die) are one model to the registry: one
+    registration, one instance id, and the capacity of both."""
+    tiny = model_factory("tiny")
+    reg = Registry()
+    s = Server(["--model", str(tiny), "--name", "tiny", "--cpu-dies", "2", "--dies", "cpu:0"],
+               tmp_path / "replicas.log", env={"PANTHEON_REGISTRY_HEARTBEAT": "0.2",
+                                              "PANTHEON_REGISTRY_URL": reg.url})
+    try:
+        s.wait_ready(("tiny",))
+        assert reg.wait_for("/register", "tiny")[0]["capacity"] == 8
+        r = httpx.post(s.url + "/admin/models/load", timeout=120,
+                       json={"path": str(tiny), "name": "tiny", "dies": ["cpu:1"]})
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if any(b["capacity"] == 16 for b in reg.of("/heartbeat", "tiny")):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"no heartbeat with capacity 16: {reg.of('/heartbeat', 'tiny')[-3:]}")
+        ids = {b["instance_id"] for p in ("/register", "/heartbeat") for b in reg.of(p, "tiny")}
+        assert ids == {f"127.0.0.1:{s.port}:tiny"}
+        assert not reg.of("/deregister", "tiny")  # the second replica replaced nothing
+        assert all(b["capacity"] in (8, 16) for b in reg.of("/register", "tiny"))
+    finally:
+        s.stop()
+        reg.close()
