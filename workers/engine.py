@@ -210,7 +210,7 @@ class Engine:
             if self.on_logits is not None:
                 self.on_logits(seqs, logits)
             states = [self._samplers[s.request_id] for s in seqs]
-            recents = [s.tokens[-st.params.repetition_window :] for s, st in zip(seqs, states)]
+            recents = [_window(s.tokens, st.params.repetition_window) for s, st in zip(seqs, states)]
             picks = sample(logits, states, recents, [s.num_output for s in seqs])
             for s, pick in zip(seqs, picks):
                 reason = self.scheduler.append_token(s, pick.token)
@@ -266,3 +266,9 @@ def _weight_bytes(model: torch.nn.Module) -> int:
         for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
             total += t.numel() * t.element_size()
     return total
+
+
+def _window(tokens: list[int], n: int) -> list[int]:
+    """The last ``n`` tokens the repetition penalty looks at: -1 all of them, 0 none (a bare
+    ``tokens[-0:]`` would be all)."""
+    return tokens if n < 0 else tokens[-n:] if n else []

@@ -320,3 +320,26 @@ def test_config_sizes_dies_and_models():
     assert c.fingerprint.startswith("fp_")
     assert c.fingerprint == build_config({"cpu_dies": 2, "cpu_die_budget": "1GiB", "models": [
         {"path": "/x/tiny"}, {"path": "/y", "name": "b", "dies": "cpu:1"}]}, {}).fingerprint
+
+
+def test_repetition_window_is_a_request_field():
+    def window(**kw):
+        r = parse_chat_request(body(repetition_penalty=1.3, **kw))
+        return r.repetition_window, r.sampling(max_tokens=4, stop_token_ids=[]).repetition_window
+
+    assert window() == (64, 64)  # llama.cpp's repeat_last_n default
+    assert window(repetition_window=256) == (256, 256)
+    assert window(repeat_last_n=-1) == (-1, -1)  # llama.cpp's name; -1: the whole sequence
+    assert window(repeat_last_n=0, repetition_window=8) == (8, 8)  # ours wins
+    for bad in ({"repetition_window": -2}, {"repeat_last_n": "all"}, {"repetition_window": 1.5}):
+        with pytest.raises(ApiError) as e:
+            parse_chat_request(body(**bad))
+        assert e.value.status == 400 and e.value.param == next(iter(bad))
+
+
+def test_the_engine_penalizes_the_window_it_is_given():
+    from workers.engine import _window
+
+    toks = list(range(10))
+    assert _window(toks, 3) == [7, 8, 9] and _window(toks, -1) == toks
+    assert _window(toks, 0) == [] and _window(toks, 64) == toks

@@ -52,6 +52,9 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # the tokens the repetition penalty looks at: the last N of prompt and output (llama.cpp's
+    # repeat_last_n, same default), -1 all of them, 0 none
+    repetition_window: int = 64
     min_tokens: int = 0
     ignore_eos: bool = False
     session_id: str | None = None
@@ -71,6 +74,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
             top_k=self.top_k,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
+            repetition_window=self.repetition_window,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed if seed is None else seed,
@@ -310,6 +314,8 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
                         ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
         kw[key] = _num(body, key, lo, hi)
     kw["repetition_penalty"] = _num(body, "repetition_penalty", 0.0, 10.0, lo_open=True)
+    window = _int(body, "repetition_window", -1)
+    kw["repetition_window"] = window if window is not None else _int(body, "repeat_last_n", -1)
     kw["seed"] = _int(body, "seed", -(1 << 63), (1 << 63) - 1)
     kw["n"] = _int(body, "n", 1, MAX_N)
     top_k = _int(body, "top_k", -1)
