@@ -9,6 +9,10 @@ the shape Hugging Face templates expect (see :func:`normalize_messages`).
 A folder without a template falls back to the spec's ChatML prompt (:func:`render_chatml`).
 
 This module is pure Python (jinja2 only): the router imports it, and the router never imports torch.
+
+Why one module of ~500 lines: it mirrors one thing, transformers' template environment (the
+sandbox, its globals and filters, the ``{% generation %}`` tag, the message normalisation and the
+ChatML fallback), and those parts change together when transformers changes.
 """
 
 from __future__ import annotations

@@ -8,6 +8,11 @@ from a memory map with ``struct``: ``gguf.GGUFReader`` builds a numpy view per a
 takes seconds on a 49k-token vocabulary, which a load pays twice in the router and twice in the
 worker. The ``gguf`` package is imported lazily, only to name a tensor type we do not read.
 
+Why one module of ~550 lines: the header reader and the translation of its metadata into a
+Hugging Face folder's files (config, tokenizer, template) share ``GGUFFile`` and its field
+helpers, and the worker imports exactly this one module of the router's (tests/unit/
+test_import_contract.py); about half is the tokenizer translation, which is one function.
+
 Tensor shapes here are in torch order (GGUF lists ``ne[0]``, the contiguous dimension, first).
 Every error is a ``GGUFError(kind, reason)``, kind not_found | unsupported | invalid, and the
 reason names the file and the field or tensor.
