@@ -2,7 +2,8 @@
 
 Routes (spec: serve-architecture.md): ``GET /``, ``GET /health``, ``OPTIONS`` anywhere (CORS
 preflight; every response carries the CORS headers), the OpenAI API
-(``pantheon.api.openai.routes``: ``/v1/models``, ``/v1/chat/completions``), the admin API
+(``pantheon.api.openai.routes``: ``/v1/models``, ``/v1/chat/completions``; ``tokenize``:
+``/tokenize``, ``/detokenize``), the admin API
 (``pantheon.api.admin.routes``) and ``/metrics`` (``pantheon.api.middleware``). Every error is
 an OpenAI error object. Cheap routes never wait on a generation.
 
@@ -23,6 +24,7 @@ from pantheon import errors
 from pantheon.api import middleware as ops
 from pantheon.api.admin.routes import bp as admin_bp
 from pantheon.api.openai.routes import bp as openai_bp
+from pantheon.api.openai.tokenize import bp as tokenize_bp
 from pantheon.api.responses import error_response, json_response
 from pantheon.api.state import AppState, app_state, install_state
 from pantheon.config.settings import ServeConfig
@@ -99,6 +101,7 @@ def create_app(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Qua
     state = build_state(config, pool, registry)
     install_state(app, state)
     app.register_blueprint(openai_bp)
+    app.register_blueprint(tokenize_bp)
     app.register_blueprint(admin_bp)
 
     @app.before_serving
