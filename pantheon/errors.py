@@ -29,23 +29,23 @@ chat_template_refused     400     invalid_request_error  (param messages)
 max_tokens_too_large      400     invalid_request_error  context_length_exceeded (param max_tokens)
 context_length_exceeded   400     invalid_request_error  context_length_exceeded (param messages)
 request_rejected          400     invalid_request_error  the worker's kind
-context_denied            503     server_error           context_denied
+context_denied            503     server_error           context_denied              Retry-After: 1
 **routing** (``pantheon.control.registry``, the OpenAI routes)
 model_not_found           404     invalid_request_error  model_not_found (param model)
 no_model_loaded           503     server_error           model_not_ready             Retry-After: 1
 model_loading             503     server_error           model_not_ready             Retry-After: 1
 model_gone                503     server_error           model_not_ready             Retry-After: 1
-no_instance               503     server_error           model_not_ready
+no_instance               503     server_error           model_not_ready             Retry-After: 2
 model_recovering          503     server_error           model_not_ready             Retry-After: 2
 **slots and backpressure** (``pantheon.control.registry``)
-server_busy               429     rate_limit_error       server_busy
+server_busy               429     rate_limit_error       server_busy                 Retry-After: 1
 queue_full                429     rate_limit_error       queue_full                  Retry-After: 5
 queue_timeout             429     rate_limit_error       queue_timeout               Retry-After: 2
-memory_pressure           503     server_error           memory_pressure
-shutting_down             503     server_error           shutting_down
+memory_pressure           503     server_error           memory_pressure             Retry-After: 1
+shutting_down             503     server_error           shutting_down               Retry-After: 5
 **a running generation** (``pantheon.api.openai.service``, unload)
 worker_died               503     server_error           worker_died                 Retry-After: 2
-model_unloaded            503     server_error           model_unloaded
+model_unloaded            503     server_error           model_unloaded              Retry-After: 2
 worker_no_finish          500     server_error           internal_error
 worker_aborted            500     server_error           aborted
 generation_failed         500     server_error           internal_error
@@ -71,9 +71,9 @@ unload_conflict           409     invalid_request_error  conflict (param name)
 no_ready_instance         404     invalid_request_error  model_not_found (param name)
 ========================  ======  =====================  ==========================  ===========
 
-Not every 503 and 429 carries ``Retry-After`` yet: ``server_busy``, ``memory_pressure``,
-``shutting_down``, ``context_denied``, ``no_instance`` and ``model_unloaded`` do not (issue 16;
-tests/test_errors.py lists them).
+Every 503 and 429 carries ``Retry-After`` in whole seconds (what vLLM and TGI clients expect):
+1 s for a busy slot or memory pressure, 2 s while a worker or model recovers, 5 s while the
+server shuts down (tests/unit/test_errors.py checks each).
 
 Plain Python: no Quart, no torch. ``pantheon.api.responses.error_response`` turns an
 ``ApiError`` into a response; the ASGI middleware sends ``body()`` itself.
@@ -226,7 +226,8 @@ def context_denied(limit: int, tokens: int, room: int) -> ApiError:
     return ApiError(503, f"context admission denied: this model's context limit is {limit} "
                          f"tokens, and even with every older turn and message text dropped the "
                          f"prompt takes {tokens} tokens, leaving less than the {room} the "
-                         f"completion needs", type=SERVER, code="context_denied")
+                         f"completion needs", type=SERVER, code="context_denied",
+                    headers=_retry_after(1))
 
 
 # ---------------------------------------------------------------- routing
@@ -258,7 +259,7 @@ def model_gone(name: str) -> ApiError:
 
 def no_instance(reason: str) -> ApiError:
     """503: the worker does not have the instance the request was sent to."""
-    return ApiError(503, reason, type=SERVER, code="model_not_ready")
+    return ApiError(503, reason, type=SERVER, code="model_not_ready", headers=_retry_after(2))
 
 
 def model_recovering(name: str | None, seconds: float) -> ApiError:
@@ -274,7 +275,7 @@ def model_recovering(name: str | None, seconds: float) -> ApiError:
 def server_busy() -> ApiError:
     """429: a single-user instance (one slot) is busy; no queue."""
     return ApiError(429, "a generation is already in progress on this model; retry shortly",
-                    type=RATE_LIMIT, code="server_busy")
+                    type=RATE_LIMIT, code="server_busy", headers=_retry_after(1))
 
 
 def queue_full() -> ApiError:
@@ -292,13 +293,14 @@ def queue_timeout(seconds: float) -> ApiError:
 def memory_pressure() -> ApiError:
     """503: memory pressure is CRITICAL and the request cannot queue."""
     return ApiError(503, "memory pressure is critical and the queue is full; retry later",
-                    type=SERVER, code="memory_pressure")
+                    type=SERVER, code="memory_pressure", headers=_retry_after(1))
 
 
 def shutting_down() -> ApiError:
     """503: the server is draining (new and queued requests, and generations past the drain
     deadline)."""
-    return ApiError(503, "the server is shutting down", type=SERVER, code="shutting_down")
+    return ApiError(503, "the server is shutting down", type=SERVER, code="shutting_down",
+                    headers=_retry_after(5))
 
 
 # ---------------------------------------------------------------- a running generation
@@ -313,7 +315,7 @@ def worker_died(detail: object) -> ApiError:
 def model_unloaded(name: str) -> ApiError:
     """503: an unload passed its drain deadline while this request ran."""
     return ApiError(503, f"model {name!r} was unloaded while this request ran", type=SERVER,
-                    code="model_unloaded")
+                    code="model_unloaded", headers=_retry_after(2))
 
 
 def worker_no_finish() -> ApiError:

@@ -104,7 +104,8 @@ class OpsMiddleware:
         if drain.closing and path != "/metrics":
             err = errors.shutting_down()
             if path == "/health":
-                return await _send_json(send, err.status, {"status": "shutting_down"})
+                return await _send_json(send, err.status, {"status": "shutting_down"},
+                                        err.headers)
             self.state.metrics.rejected.labels("", str(err.status)).inc()
             return await _send_json(send, err.status, err.body(), err.headers)
         trace = logs.RequestTrace(method, path, (scope.get("client") or (None,))[0])

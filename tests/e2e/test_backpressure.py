@@ -162,6 +162,7 @@ def test_critical_pressure_gives_503_then_drains(bp):
         assert not held.done()  # both slots are free: only the pressure holds it
         r = httpx.post(bp.url + "/v1/chat/completions", json=SHORT, timeout=30)
         check_error(r, 503, code="memory_pressure")
+        assert r.headers["retry-after"] == "1"
     finally:
         force(bp, None)
     assert held.result(timeout=10).status_code == 200  # the pressure dropped: it ran

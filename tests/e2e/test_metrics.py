@@ -130,6 +130,7 @@ def test_gauges_during_a_stream_and_429(srv):
         busy = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
                           json={"model": "tiny", "messages": MSG, "max_tokens": 2})
         check_error(busy, 429, code="server_busy")  # single-user mode: busy at once
+        assert busy.headers["retry-after"] == "1"
     finally:
         leave.set()
         t.join(60)

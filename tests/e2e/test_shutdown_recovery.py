@@ -183,10 +183,13 @@ def test_sigterm_drains_in_flight_requests(servers):
     s.proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     # draining: no new requests, /health says so, /metrics still answers
-    check_error(httpx.post(s.url + "/v1/chat/completions", timeout=10,
-                           json={"model": "tiny", "messages": MSG}), 503, code="shutting_down")
+    late = httpx.post(s.url + "/v1/chat/completions", timeout=10,
+                      json={"model": "tiny", "messages": MSG})
+    check_error(late, 503, code="shutting_down")
+    assert late.headers["retry-after"] == "5"
     h = httpx.get(s.url + "/health", timeout=5)
     assert h.status_code == 503 and h.json()["status"] == "shutting_down"
+    assert h.headers["retry-after"] == "5"
     assert httpx.get(s.url + "/metrics", timeout=5).status_code == 200
     for t in threads + [pt]:
         t.join(60)

@@ -2,8 +2,7 @@
 
 - every factory gives the OpenAI error object ``{"error": {"message", "type", "param", "code"}}``
   with the status, ``type``, ``param`` and ``code`` its table row says;
-- every 503 and 429 carries ``Retry-After``, except the ones listed in ``NO_RETRY_AFTER_YET``
-  (issue 16 adds it to them; this test then loses the list);
+- every 503 and 429 carries ``Retry-After`` (integer seconds);
 - no module outside ``pantheon/errors.py`` constructs ``ApiError(...)`` itself (checked on the
   syntax tree: calls, not mentions in docstrings);
 - the module stays light: importing it loads no quart, torch or msgspec.
@@ -86,12 +85,6 @@ CASES = {
     "no_ready_instance": (("m",), 404, INVALID, "name", "model_not_found"),
 }
 
-# 503s and 429s without Retry-After today. Issue 16 gives them one; until then this list is the
-# record (and a new 503/429 must not join it silently).
-NO_RETRY_AFTER_YET = {"server_busy", "memory_pressure", "shutting_down", "context_denied",
-                      "no_instance", "model_unloaded"}
-
-
 def factories() -> dict:
     """The module's public functions that return an ``ApiError``."""
     return {name: f for name, f in vars(errors).items()
@@ -121,10 +114,7 @@ def test_factory_shape(name):
 def test_429_and_503_carry_retry_after(name):
     args = CASES[name][0]
     e = factories()[name](*args)
-    if name in NO_RETRY_AFTER_YET:
-        assert "Retry-After" not in e.headers  # issue 16: then drop it from the list
-    else:
-        assert int(e.headers["Retry-After"]) > 0
+    assert int(e.headers["Retry-After"]) > 0
 
 
 def test_retry_after_values():
@@ -134,6 +124,12 @@ def test_retry_after_values():
     assert errors.model_recovering("m", 30).headers == {"Retry-After": "2"}
     for e in (errors.no_model_loaded(), errors.model_loading("m"), errors.model_gone("m")):
         assert e.headers == {"Retry-After": "1"}
+    assert errors.server_busy().headers == {"Retry-After": "1"}
+    assert errors.memory_pressure().headers == {"Retry-After": "1"}
+    assert errors.context_denied(64, 80, 16).headers == {"Retry-After": "1"}
+    assert errors.no_instance("x").headers == {"Retry-After": "2"}
+    assert errors.model_unloaded("m").headers == {"Retry-After": "2"}
+    assert errors.shutting_down().headers == {"Retry-After": "5"}
     assert errors.unauthorized(False).headers == {"WWW-Authenticate": "Bearer"}
 
 
