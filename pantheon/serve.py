@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from pantheon.config import cli as config_cli
 from pantheon.config import ops as opsconfig
@@ -192,7 +193,7 @@ async def serve(cfg: ServeConfig) -> int:
                             feed=state.feed)
     state.supervisor = supervisor  # requests wait for a model that restarts
     pool.on_worker_dead = supervisor.worker_dead
-    status = {"rc": 0}
+    status: dict[str, Any] = {"rc": 0}
     registration = register_from_config(cfg, registry, host, port)
     if registration is not None:
         registration.start()

@@ -86,7 +86,9 @@ class BlockManager:
             b = self._free.popleft()
         else:
             b, _ = self._lru.popitem(last=False)  # evict the least recently used cached block
-            del self._by_hash[self._hash[b]]
+            h = self._hash[b]
+            assert h is not None  # a cached block has its hash
+            del self._by_hash[h]
             self._hash[b] = None
         self._ref[b] = 1
         return b

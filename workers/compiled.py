@@ -53,7 +53,9 @@ class CompiledDecode:
         maps positions [B] to the step's rotary tables. True when compiled."""
         # Without duck sizing a context length that happens to equal another size (a stride,
         # the batch) is not fused with it into a guard that the next step breaks.
-        torch.fx.experimental._config.use_duck_shape = False
+        from torch.fx.experimental import _config as fx_config
+
+        fx_config.use_duck_shape = False
         try:
             with torch.inference_mode():
                 for bsz, t in ((1, 19), (3, 23)):
@@ -72,6 +74,7 @@ class CompiledDecode:
         return True
 
     def _call(self, input_ids: torch.Tensor, b: AttnBatch) -> torch.Tensor:
+        assert b.decode_gather is not None  # a decode batch has its gather
         bias = b.decode_bias
         if input_ids.shape[0] > 1 and bias is None:  # one graph for every batch >= 2
             bias = torch.zeros(b.decode_gather.shape[0], 1, 1, b.decode_gather.shape[1],

@@ -16,6 +16,9 @@ from torch import nn
 class PackedLinear(nn.Module):
     """y = x @ W^T + b with W held as an opaque oneDNN tensor. x: [M, K] -> [M, N]."""
 
+    weight: torch.Tensor  # buffers, declared for the type checker
+    bias: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape

@@ -23,6 +23,7 @@ import functools
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,9 @@ from torch import nn
 
 from pantheon.models.sizing import CPU_PATHS, cpu_path_names
 from workers.cpu_pack import PackedLinear
+
+if TYPE_CHECKING:
+    from workers.model import CausalLM
 from workers.errors import LoadError
 from workers.quant import Int8Linear
 
@@ -182,7 +186,8 @@ def choose(cfg, names: list[str], rounds: int = 5, margin: float = 0.1) -> Choic
     with torch.inference_mode():
         benches = {n: _Bench(n, shapes) for n in names}
         for b in benches.values():  # warm up: first calls pick kernels and allocate
-            b.once(1), b.once(8)
+            b.once(1)
+            b.once(8)
         for _ in range(rounds):
             for n, b in benches.items():
                 best[n][0] = min(best[n][0], b.once(1))
@@ -209,7 +214,7 @@ def replace_linears(module: nn.Module, make) -> None:
                 setattr(child, attr, make(sub.weight, sub.bias))
 
 
-def apply(model: nn.Module, name: str) -> None:
+def apply(model: CausalLM, name: str) -> None:
     """Lay a loaded model (in the path's dtype) out for path ``name``, in place.
 
     packed / int8: every decoder linear laid out so, and the LM head too: a tied head gets its

@@ -95,7 +95,7 @@ class Engine:
         # Prefill per step: at most prefill_chunk, fewer when measured steps would outgrow the
         # target (a slow CPU, a big model), so decoding streams keep flowing past long prompts.
         self.budget = StepBudget(target_s=step_target_s, ceiling=prefill_chunk)
-        self.runner = ModelRunner(self.model, cfg, self.blocks, dt)
+        self.runner: ModelRunner = ModelRunner(self.model, cfg, self.blocks, dt)
         # Opt-in (PANTHEON_COMPILE=1): minutes of compile at load for faster decode steps
         self.compile_error: str | None = None
         if compile_decode if compile_decode is not None else compiled_wanted():
@@ -249,9 +249,10 @@ class Engine:
         )
 
     def close(self) -> None:
-        """Drop the weights and the cache (the worker calls this on unload)."""
-        self.runner = None
-        self.model = None
+        """Drop the weights and the cache (the worker calls this on unload); the engine is not
+        used after."""
+        self.runner = None  # pyright: ignore[reportAttributeAccessIssue]  # dropped for good
+        self.model = None  # pyright: ignore[reportAttributeAccessIssue]
         if any(d.type == "cuda" for d in self.devices):
             torch.cuda.empty_cache()
 

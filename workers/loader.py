@@ -14,6 +14,7 @@ import json
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -96,7 +97,7 @@ def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor,
         "model.norm.weight": (model.norm.weight, 0, cfg.hidden_size),
     }
     if model.lm_head is not None:
-        t["lm_head.weight"] = (model.lm_head.weight, 0, cfg.vocab_size)
+        t["lm_head.weight"] = (cast(torch.Tensor, model.lm_head.weight), 0, cfg.vocab_size)
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
@@ -109,6 +110,7 @@ def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor,
         if cfg.o_bias:
             t[f"{p}self_attn.o_proj.bias"] = (a.o_proj.bias, 0, cfg.hidden_size)
         if cfg.qk_norm:
+            assert a.q_norm is not None and a.k_norm is not None  # made when cfg.qk_norm
             t[f"{p}self_attn.q_norm.weight"] = (a.q_norm.weight, 0, cfg.head_dim)
             t[f"{p}self_attn.k_norm.weight"] = (a.k_norm.weight, 0, cfg.head_dim)
         t[f"{p}mlp.gate_proj.weight"] = (m.gate_up_proj.weight, 0, inter)

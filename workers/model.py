@@ -10,6 +10,7 @@ q/k/v and gate/up are fused into one matrix each: fewer, larger matrix products 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +90,7 @@ class Attention(nn.Module):
         # x: [N, hidden]; k_cache, v_cache: [rows, KV, D]
         n, h, kvh, d = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         qkv = self.qkv_proj(x)  # [N, Q + 2 KV]
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither
             q = self.q_norm(qkv[:, : self.q_size].view(n, h, d))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(n, kvh, d))
             qk = torch.cat((q, k), dim=1)
@@ -166,8 +167,11 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        # an nn.ModuleList (registered as submodules), typed as what it holds
+        self.layers = cast("list[DecoderLayer]", nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers)))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # None: tied to the embedding table; a CPU path may swap in its own linear layout
+        self.lm_head: nn.Module | None
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -178,7 +182,7 @@ class CausalLM(nn.Module):
         # a laid-out copy (workers/cpu_paths.py), so any module mapping [M, hidden] -> [M, vocab].
 
     def head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.embed_tokens.weight if self.lm_head is None else cast(torch.Tensor, self.lm_head.weight)
 
     def forward(
         self,

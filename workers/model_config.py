@@ -13,8 +13,10 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from pantheon.models.gguf import GGUFError, GGUFFile, find_gguf, hf_config, read_gguf
+from pantheon.protocol import LoadFailKind
 from workers.errors import LoadError
 
 SUPPORTED_ARCHITECTURES = {
@@ -138,7 +140,7 @@ def gguf_errors():
     try:
         yield
     except GGUFError as e:
-        raise LoadError(e.kind, e.reason) from None
+        raise LoadError(cast(LoadFailKind, e.kind), e.reason) from None  # a subset of the kinds
 
 
 def gguf_config(g: GGUFFile) -> ModelConfig:

@@ -8,12 +8,19 @@ weight is widened per call, which keeps the memory saving if not the speed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class Int8Linear(nn.Module):
+    weight: torch.Tensor  # buffers, declared for the type checker (nn.Module's getattr is untyped)
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         w = weight.detach().float()  # [N, K]
@@ -26,7 +33,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, K] -> [M, N]
         if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-            y = torch._weight_int8pack_mm(x, self.weight, self.scale)
+            y = torch._weight_int8pack_mm(x, self.weight, self.scale)  # pyright: ignore[reportPrivateImportUsage]  # the int8 CPU kernel
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scale
         return y if self.bias is None else y + self.bias
@@ -40,5 +47,5 @@ def quantize_int8(model: nn.Module) -> None:
     """
     from workers.cpu_paths import replace_linears
 
-    for layer in model.layers:
+    for layer in cast("Iterable[nn.Module]", model.layers):
         replace_linears(layer, Int8Linear)  # in the weights' own dtype

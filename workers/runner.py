@@ -157,10 +157,13 @@ class ModelRunner:
 def _to(b: AttnBatch, dev: torch.device) -> AttnBatch:
     """The same batch description on another device (layers split across dies)."""
 
-    def mv(t):
-        return None if t is None else t.to(dev, non_blocking=True)
+    def to(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dev, non_blocking=True)
+
+    def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else to(t)
 
     return AttnBatch(
-        mv(b.rot_cos), mv(b.rot_sin), mv(b.slot_mapping), b.n_decode, mv(b.decode_gather), mv(b.decode_bias),
-        [PrefillChunk(c.start, c.end, mv(c.gather), mv(c.mask)) for c in b.prefills],
+        to(b.rot_cos), to(b.rot_sin), to(b.slot_mapping), b.n_decode, mv(b.decode_gather), mv(b.decode_bias),
+        [PrefillChunk(c.start, c.end, to(c.gather), mv(c.mask)) for c in b.prefills],
     )

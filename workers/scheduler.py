@@ -203,6 +203,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_registered = 0
         seq.preemptions += 1
+        assert seq.slot is not None  # only a running sequence is preempted
         self.slots[seq.slot] = None
         seq.slot = None
         self.waiting.appendleft(seq)

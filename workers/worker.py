@@ -47,7 +47,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -178,8 +178,8 @@ class Worker:
         self.window_steps = 0
         self.window_ms = 0.0
         self.exit_code: int | None = None
-        self.ctx: zmq.Context | None = None
-        self.sock: zmq.Socket | None = None
+        self.ctx: zmq.Context  # both made by _connect(), before anything else runs
+        self.sock: zmq.Socket
         self.loading_poll_s, self.step_stats = _knobs()
 
     # ------------------------------------------------------------------ plumbing
@@ -366,7 +366,8 @@ class Worker:
                 use_cache=msg.use_cache,
             )
         except RequestRejected as e:
-            self.send(p.Rejected(request_id=msg.request_id, kind=e.kind, reason=e.reason))
+            self.send(p.Rejected(request_id=msg.request_id, kind=cast(p.RejectKind, e.kind),
+                                 reason=e.reason))
         else:
             self.owner[msg.request_id] = msg.instance
 
@@ -413,7 +414,8 @@ class Worker:
                     progress=self._on_progress,
                 )
             except LoadError as e:
-                result = p.LoadFailed(instance=msg.instance, kind=e.kind, reason=e.reason)
+                result = p.LoadFailed(instance=msg.instance, kind=cast(p.LoadFailKind, e.kind),
+                                      reason=e.reason)
         except MemoryError as e:
             result = p.LoadFailed(instance=msg.instance, kind="out_of_memory", reason=str(e) or "out of memory")
         except Exception as e:

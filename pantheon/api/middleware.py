@@ -159,7 +159,8 @@ def install(app: Quart) -> None:
         client = (request.scope.get("client") or (None,))[0]
         guard.check(request.method, request.path, request.headers.get("Authorization"), client)
         if request.method == "POST" and guard.roots and request.path.startswith("/admin/"):
-            guard.check_admin_body(request.path, await request.get_data(cache=True))
+            raw = await request.get_data(cache=True)
+            guard.check_admin_body(request.path, raw if isinstance(raw, bytes) else raw.encode())
 
     @app.get("/metrics", provide_automatic_options=False)
     async def metrics_route():

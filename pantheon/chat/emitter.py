@@ -318,6 +318,7 @@ def join_deltas(deltas: Iterable[Delta]) -> dict[str, Any]:
         elif d.kind == CONTENT:
             content.append(d.text)
         elif d.kind == TOOL_CALL:
+            assert d.index is not None  # the emitter numbers every tool-call delta
             call = calls.setdefault(d.index, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
             if d.id is not None:
                 call["id"] = d.id

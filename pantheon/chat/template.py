@@ -128,7 +128,7 @@ class _GenerationTag(jinja2.ext.Extension):
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno
-        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
 
     def _render_body(self, caller):

@@ -110,7 +110,7 @@ def only(value: Any, why: str) -> Callable[[Any, str], Any]:
 
 
 def one_of(*choices: str, quote: bool = True) -> Callable[[Any, str], Any]:
-    words = ", ".join(choices[:-1]) + f" or {choices[-1]}" if len(choices) > 1 else choices[0]
+    words = ", ".join(choices[:-1]) + f" or {choices[-1]}" if len(choices) > 1 else "".join(choices)
 
     def check(v: Any, what: str) -> Any:
         if v not in choices:

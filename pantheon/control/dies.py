@@ -50,7 +50,7 @@ def default_cpu_budget(cpu_dies: int, total_bytes: int | None = None) -> int:
     if total_bytes is None:
         import psutil
 
-        total_bytes = psutil.virtual_memory().total
+        total_bytes = int(psutil.virtual_memory().total)
     headroom = max(2 * GiB, total_bytes // 8)
     return max(GiB // 4, (total_bytes - headroom) // max(1, cpu_dies))
 

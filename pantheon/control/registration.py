@@ -165,6 +165,8 @@ class Registration:
 
     async def _post(self, what: str, body: dict) -> int | None:
         """POST; the status (2xx or 404), or None after a failure (which starts a backoff)."""
+        if self._client is None:  # stopped
+            return None
         try:
             r = await self._client.post(f"{self.url}/{what}", json=body)
             if r.status_code == 404 and what == "heartbeat":

@@ -239,7 +239,9 @@ class Registry:
     def route(self, name: str | None, session_id: str | None = None) -> Instance:
         """The instance a request naming ``name`` would take now; raises ``ApiError``."""
         _, cands = self.candidates(name)
-        return self._pick(cands, session_id, free_only=False)
+        inst = self._pick(cands, session_id, free_only=False)
+        assert inst is not None  # candidates() is never empty, and any replica will do
+        return inst
 
     def acquire(self, name: str | None, session_id: str | None = None) -> Instance:
         """Route and take a reference (no slot); pair with ``release``."""

@@ -281,7 +281,7 @@ def _parse(buf, path: Path, size: int) -> GGUFFile:
 # ---------------------------------------------------------------- config.json
 
 
-def _field(g: GGUFFile, key: str, kind=int, default=...):
+def _field(g: GGUFFile, key: str, kind: type = int, default: Any = ...) -> Any:
     if key not in g.meta:
         if default is not ...:
             return default
@@ -296,7 +296,7 @@ def _field(g: GGUFFile, key: str, kind=int, default=...):
     return v
 
 
-def _per_layer(g: GGUFFile, key: str, default=...) -> int:
+def _per_layer(g: GGUFFile, key: str, default: Any = ...) -> int:
     """A count that a file may also give per layer (a list): ours must all be the same."""
     v = g.meta.get(key)
     if not isinstance(v, list):

@@ -143,7 +143,7 @@ def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     o_bias = arch != "qwen2" and bool(config.get("attention_bias"))
     mlp_bias = bool(config.get("mlp_bias"))
 
-    specs = [("model.embed_tokens.weight", (config["vocab_size"], h), "embed")]
+    specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (config["vocab_size"], h), "embed")]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         layer = [
@@ -345,7 +345,7 @@ def _override(text: str) -> tuple[str, object]:
 
 def cli(argv: list[str]) -> int:
     """``pantheon make-model --preset NAME --out DIR [--seed N] [--dtype D]``; ``--list``."""
-    parser = argparse.ArgumentParser(prog="pantheon make-model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="pantheon make-model", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--list", action="store_true", help="print the presets and exit")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="which preset to write")
     parser.add_argument("--out", type=Path, help="output folder (created if missing)")

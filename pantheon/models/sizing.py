@@ -209,6 +209,7 @@ def estimate(shape: ModelShape, *, dtype: str = "auto", quantize: bool = False,
         return max(ests, key=lambda e: (e.weights, e.kv_per_token))
     layout = "int8" if quantize else "dense"
     if cpu:
+        assert cpu_path is not None  # chosen above
         dtype, layout, _ = CPU_PATHS[cpu_path]
     b = dtype_bytes(dtype, shape)
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim

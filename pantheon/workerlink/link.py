@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+from typing import cast
 
 import msgspec
 import zmq
@@ -65,8 +66,9 @@ class Link:
 
     def send(self, die: str, msg: msgspec.Struct) -> None:
         """Queue ``msg`` for ``die``'s worker (never blocks: SNDHWM is 0). A failed send is logged."""
+        assert self._sock is not None, "bind() first"
         fut = self._sock.send_multipart([die.encode(), p.encode(msg)])
-        fut.add_done_callback(_log_send_error)
+        cast("asyncio.Future", fut).add_done_callback(_log_send_error)  # zmq.asyncio: a Future
 
     async def receive(self) -> tuple[str, bytes]:
         """The next well-formed message: ``(die of the sender, its bytes)``, heart or main socket
@@ -77,6 +79,7 @@ class Link:
                 # A recv that finds a message ready completes without yielding; under a burst,
                 # let the request streams' consumers run now and then.
                 await asyncio.sleep(0)
+            assert self._sock is not None, "bind() first"
             try:
                 frames = await self._sock.recv_multipart()
             except zmq.ZMQError as e:
@@ -108,7 +111,7 @@ def _log_send_error(fut: asyncio.Future) -> None:
 # ---------------------------------------------------------------- liveness
 
 
-def verdict(*, silent_s: float, beat: p.Beat | None, pid: int, dead_after: float,
+def verdict(*, silent_s: float, beat: p.Beat | None, pid: int | None, dead_after: float,
             step_timeout: float) -> str | None:
     """Why a ready worker is dead by now, or None while it is alive.
 

@@ -60,7 +60,8 @@ class WorkerPeer:
         for stream in self.streams.values():
             stream.end_with(WorkerDied(self.die, reason))
         self.streams.clear()
-        futs = [f for f, _ in self.loads.values()] + [f for fs in self.unloads.values() for f in fs]
+        futs: list[asyncio.Future | None] = [f for f, _ in self.loads.values()]
+        futs += [f for fs in self.unloads.values() for f in fs]
         futs.append(self.hello_fut)
         for fut in futs:
             if fut is not None and not fut.done():

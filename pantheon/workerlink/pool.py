@@ -160,11 +160,13 @@ class WorkerPool:
         if old is not None and old.process.proc is not None:
             await old.process.wait()  # it was killed when declared dead; let it release the die
 
+        assert self.endpoint is not None  # bound by start()
         argv = worker_argv(self.worker_command, die, endpoint=self.endpoint,
                            router_timeout=self.worker_router_timeout, budget_bytes=budget_bytes,
                            threads=self.worker_threads)
+        hello_fut = asyncio.get_running_loop().create_future()
         w = WorkerPeer(die=die, process=WorkerProcess(die, argv), link=self._link,
-                       hello_fut=asyncio.get_running_loop().create_future())
+                       hello_fut=hello_fut)
         self._workers[die] = w
         self._starts[die] += 1
         try:
@@ -172,9 +174,10 @@ class WorkerPool:
         except OSError as e:
             w.state, w.error = "dead", f"could not spawn: {e}"
             raise WorkerStartError(w.process.start_help(f"could not be spawned ({e})", self.endpoint)) from e
-        w.tasks = [w.process.output_task, asyncio.create_task(self._watch_exit(w), name=f"worker-exit-{die}")]
+        exit_watch = asyncio.create_task(self._watch_exit(w), name=f"worker-exit-{die}")
+        w.tasks = [t for t in (w.process.output_task, exit_watch) if t is not None]
         try:
-            await asyncio.wait_for(w.hello_fut, self.hello_timeout)
+            await asyncio.wait_for(hello_fut, self.hello_timeout)
         except TimeoutError:
             what = f"it sent no Hello within {self.hello_timeout:g} s"
             if w.process.running:
@@ -377,7 +380,7 @@ class WorkerPool:
             return
         w.hello, w.state = msg, "ready"
         w.ping()  # starts its silence clock fresh
-        if not w.hello_fut.done():
+        if w.hello_fut is not None and not w.hello_fut.done():
             w.hello_fut.set_result(msg)
 
     async def _heartbeat_loop(self) -> None:
@@ -393,7 +396,8 @@ class WorkerPool:
             for w in [w for w in self._workers.values() if w.state == "ready"]:
                 try:
                     why = None if stalled else verdict(
-                        silent_s=now - w.last_seen, beat=w.beat, pid=w.hello.pid,
+                        silent_s=now - w.last_seen, beat=w.beat,
+                        pid=w.hello.pid if w.hello is not None else None,
                         dead_after=self.dead_after, step_timeout=self.step_timeout)
                     if why is not None:
                         self._declare_dead(w, why)

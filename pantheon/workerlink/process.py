@@ -103,7 +103,7 @@ class WorkerProcess:
 
     def kill(self) -> None:
         """SIGKILL it if it still runs. A wedged worker (inside a CUDA call, say) must let go of its die."""
-        if self.running:
+        if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
 
@@ -167,7 +167,7 @@ class WorkerProcess:
 async def reap(processes: list[WorkerProcess], grace: float) -> None:
     """Wait up to ``grace`` seconds for ``processes`` to exit (they were told to), then SIGKILL
     the rest and wait for those too."""
-    procs = [w.proc for w in processes if w.running]
+    procs = [w.proc for w in processes if w.proc is not None and w.proc.returncode is None]
     if not procs:
         return
     _, pending = await asyncio.wait([asyncio.create_task(pr.wait()) for pr in procs], timeout=grace)

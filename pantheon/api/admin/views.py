@@ -53,8 +53,8 @@ def die_view(f: DieFacts) -> dict:
         "restarts": wk.restarts if wk is not None else 0,
         "last_death": ({"reason": wk.last_death, "at": wk.last_death_at}
                        if wk is not None and wk.last_death else None),
-        "step_running_s": (round(wk.beat.turn_s, 3) if f.alive and wk.beat is not None
-                           else None),
+        "step_running_s": (round(wk.beat.turn_s, 3) if wk is not None and wk.alive and
+                           wk.beat is not None else None),
         "steps": wk.beat.steps if wk is not None and wk.beat is not None else None,
         "total_bytes": d.total_bytes, "reserve_bytes": d.reserve_bytes,
         "budget_bytes": d.budget_bytes, "used_bytes": d.used_bytes,

@@ -14,6 +14,7 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -432,7 +433,7 @@ def chunk_choice(index: int, delta: dict, finish_reason: str | None = None,
 
 
 def token_logprob(token: str, logprob: float, raw: bytes | None,
-                  top: list[tuple[str, float, bytes | None]] = ()) -> dict:
+                  top: Sequence[tuple[str, float, bytes | None]] = ()) -> dict:
     def fin(x: float) -> float:
         return x if math.isfinite(x) else -9999.0
 

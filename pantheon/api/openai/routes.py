@@ -57,9 +57,9 @@ async def get_model(model_id: str):
 async def _fit_context(inst: Instance, req: ChatRequest, big: bool) -> Prepared:
     """Render and tokenize for ``inst``, and fit the context to its limit (pass / cap / 400)."""
     if big:  # long prompts tokenize off the event loop
-        return await asyncio.to_thread(fit_context, inst.assets, req, inst.max_model_len,
+        return await asyncio.to_thread(fit_context, inst.assets, req, limit_of(inst),
                                        limit_of(inst))
-    return fit_context(inst.assets, req, inst.max_model_len, limit_of(inst))
+    return fit_context(inst.assets, req, limit_of(inst), limit_of(inst))
 
 
 async def _place(s: AppState, req: ChatRequest, big: bool) -> tuple[Instance, Prepared]:

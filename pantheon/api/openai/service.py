@@ -20,7 +20,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +95,8 @@ class ForcedCall:
             body = self._buf[:end].rstrip()
             self._buf = ""
             return self._args(body[:-1].rstrip() if body.endswith("}") else body)
-        cut = self._TAIL.search(self._buf).start()  # hold what may be the wrapper's end
+        tail = self._TAIL.search(self._buf)  # hold what may be the wrapper's end
+        cut = tail.start() if tail is not None else len(self._buf)
         out, self._buf = self._buf[:cut], self._buf[cut:]
         return self._args(out)
 
@@ -182,7 +183,7 @@ class Generation:
         return Emitter(reasoning=assets.reasoning, stop=req.stop,
                        tools_enabled=req.tools_enabled, think_open=prep.think_open)
 
-    async def _pieces(self, run: ChoiceRun) -> AsyncIterator[Piece]:
+    async def _pieces(self, run: ChoiceRun) -> AsyncGenerator[Piece, None]:
         """The choice's output, one ``Piece`` per batch of tokens that arrived together."""
         req, prep, assets = self.req, self.prep, self.inst.assets
         emitter = self._emitter()
@@ -199,7 +200,7 @@ class Generation:
         stream = None
         try:
             if self.closing:
-                raise self.ending
+                raise self.ending or errors.shutting_down()
             stream = self.pool.submit(self.inst.die, sub)
             self._streams.append(stream)
             while True:
@@ -209,7 +210,7 @@ class Generation:
                 if toks:
                     self._count(toks)
                 if not toks and self.closing:
-                    raise self.ending
+                    raise self.ending or errors.shutting_down()
                 if not toks:
                     raise errors.worker_no_finish()
                 deltas, lps, finish = pending, [] if req.logprobs else None, None
@@ -275,11 +276,11 @@ class Generation:
         lp = tok.logprob if tok.logprob is not None else 0.0
         return oa.token_logprob(text, lp, raw, top)
 
-    def _all_pieces(self) -> AsyncIterator[Piece]:
+    def _all_pieces(self) -> AsyncGenerator[Piece, None]:
         """Every choice's pieces, interleaved as they come."""
         return self._pieces(self.runs[0]) if len(self.runs) == 1 else self._merged()
 
-    async def _merged(self) -> AsyncIterator[Piece]:
+    async def _merged(self) -> AsyncGenerator[Piece, None]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(run: ChoiceRun) -> None:
