@@ -150,8 +150,7 @@ def cpu_info() -> dict:
     except OSError:
         pass
     avx512 = sorted(f for f in flags if f.startswith("avx512"))
-    return {"model_name": name, "cpus": os.cpu_count(), "avx512": "avx512f" in flags,
-            "avx512_flags": avx512}
+    return {"model_name": name, "cpus": os.cpu_count(), "avx512": "avx512f" in flags, "avx512_flags": avx512}
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -165,8 +164,15 @@ async def stream_chat(client, url: str, tokens: int, t0: float, model: str = "be
     """One streaming chat completion (OpenAI SSE; the same request to pantheon and llama-server):
     MESSAGES, greedy, ``tokens`` tokens with ``ignore_eos``. Returns completion tokens (from the
     usage chunk, else the content chunks), content-chunk timestamps and the prompt tokens."""
-    body = {"model": model, "messages": MESSAGES, "max_tokens": tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": MESSAGES,
+        "max_tokens": tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     stamps: list[float] = []
     usage = None
     buf = b""
@@ -192,9 +198,12 @@ async def stream_chat(client, url: str, tokens: int, t0: float, model: str = "be
                 for ch in obj.get("choices") or ():
                     if (ch.get("delta") or {}).get("content"):
                         stamps.append(now)
-    return {"start": t0, "stamps": stamps,
-            "tokens": usage["completion_tokens"] if usage else len(stamps),
-            "prompt_tokens": usage.get("prompt_tokens") if usage else None}
+    return {
+        "start": t0,
+        "stamps": stamps,
+        "tokens": usage["completion_tokens"] if usage else len(stamps),
+        "prompt_tokens": usage.get("prompt_tokens") if usage else None,
+    }
 
 
 async def _streams(url: str, n: int, tokens: int, rounds: int) -> dict:
@@ -219,12 +228,20 @@ async def _streams(url: str, n: int, tokens: int, rounds: int) -> dict:
     if any(r["tokens"] != tokens for r in res):
         print(f"  warning: {url} streamed {[r['tokens'] for r in res]} tokens, not {tokens} each")
     ttft = [r["stamps"][0] - r["start"] for r in res if r["stamps"]]
-    decode = [(r["tokens"] - 1) / (r["stamps"][-1] - r["stamps"][0]) for r in res
-              if len(r["stamps"]) > 1 and r["stamps"][-1] > r["stamps"][0]]
-    return {"streams": n, "tokens": total, "wall_s": wall, "tok_s": total / wall,
-            "ttft_p50_ms": 1e3 * _pct(ttft, 50),
-            "stream_decode_tok_s_p50": _pct(decode, 50),
-            "prompt_tokens": res[0]["prompt_tokens"]}
+    decode = [
+        (r["tokens"] - 1) / (r["stamps"][-1] - r["stamps"][0])
+        for r in res
+        if len(r["stamps"]) > 1 and r["stamps"][-1] > r["stamps"][0]
+    ]
+    return {
+        "streams": n,
+        "tokens": total,
+        "wall_s": wall,
+        "tok_s": total / wall,
+        "ttft_p50_ms": 1e3 * _pct(ttft, 50),
+        "stream_decode_tok_s_p50": _pct(decode, 50),
+        "prompt_tokens": res[0]["prompt_tokens"],
+    }
 
 
 def run_streams(url: str, n: int, tokens: int, rounds: int = 2) -> dict:
@@ -241,13 +258,38 @@ def pantheon_server(model: Path, threads: int, slots: int, dtype: str) -> Iterat
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     log = Path(os.environ.get("TMPDIR", "/tmp")) / "bench-decode-pantheon.log"
-    cmd = [sys.executable, "-m", "pantheon", "serve", "--model", str(model), "--name", "bench",
-           "--cpu-dies", "1", "--dies", "cpu:0", "--host", "127.0.0.1", "--port", str(port),
-           "--slots", str(slots), "--queue-depth", str(slots), "--kv-budget", str(256 << 20),
-           "--worker-threads", str(threads), "--dtype", dtype]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pantheon",
+        "serve",
+        "--model",
+        str(model),
+        "--name",
+        "bench",
+        "--cpu-dies",
+        "1",
+        "--dies",
+        "cpu:0",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--slots",
+        str(slots),
+        "--queue-depth",
+        str(slots),
+        "--kv-budget",
+        str(256 << 20),
+        "--worker-threads",
+        str(threads),
+        "--dtype",
+        dtype,
+    ]
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT))
+        )
         try:
             deadline = time.monotonic() + 300
             while True:
@@ -255,7 +297,8 @@ def pantheon_server(model: Path, threads: int, slots: int, dtype: str) -> Iterat
                     raise RuntimeError(f"pantheon serve exited {proc.returncode}; see {log}")
                 try:
                     if httpx.get(url + "/health", timeout=2).status_code == 200 and any(
-                            m["id"] == "bench" for m in httpx.get(url + "/v1/models", timeout=2).json()["data"]):
+                        m["id"] == "bench" for m in httpx.get(url + "/v1/models", timeout=2).json()["data"]
+                    ):
                         break
                 except (httpx.HTTPError, ValueError, KeyError):
                     pass
@@ -284,13 +327,18 @@ def cpu_path_table(cfg) -> dict:
     print("| path | dtype | 1 row ms | 8 rows ms |\n|---|---|---:|---:|")
     for n, (a, b) in choice.timings.items():
         mark = " (kept)" if n == choice.name else ""
-        print(f"| {n}{mark} | {cpu_paths.DTYPE_NAMES[cpu_paths.PATHS[n].dtype]} | {a * 1e3:.2f} | {b * 1e3:.2f} |")
+        print(
+            f"| {n}{mark} | {cpu_paths.DTYPE_NAMES[cpu_paths.PATHS[n].dtype]} | {a * 1e3:.2f} | {b * 1e3:.2f} |"
+        )
     for n, why in cpu_paths.probe_all().items():
         if why:
             print(f"| {n} | does not work here: {why} | | |")
     print(flush=True)
-    return {"isa": cpu_paths.isa(), "chosen": choice.name,
-            "timings_ms": {n: [a * 1e3, b * 1e3] for n, (a, b) in choice.timings.items()}}
+    return {
+        "isa": cpu_paths.isa(),
+        "chosen": choice.name,
+        "timings_ms": {n: [a * 1e3, b * 1e3] for n, (a, b) in choice.timings.items()},
+    }
 
 
 def run_gguf(args) -> int:
@@ -304,11 +352,21 @@ def run_gguf(args) -> int:
     dtype = args.dtype or "auto"
     torch.set_num_threads(threads)
     cpu = cpu_info()
-    out: dict = {"gguf": str(gguf), "ours_model": str(ours), "threads": threads, "tokens": tokens,
-                 "streams": n, "cpu": cpu, "rows": []}
-    print(f"file {gguf}\nours {ours} (dtype {dtype})\nCPU {cpu['model_name']}, {cpu['cpus']} CPUs, "
-          f"AVX-512 {'yes' if cpu['avx512'] else 'no'}; {threads} threads, {tokens} tokens/stream, "
-          f"greedy", flush=True)
+    out: dict = {
+        "gguf": str(gguf),
+        "ours_model": str(ours),
+        "threads": threads,
+        "tokens": tokens,
+        "streams": n,
+        "cpu": cpu,
+        "rows": [],
+    }
+    print(
+        f"file {gguf}\nours {ours} (dtype {dtype})\nCPU {cpu['model_name']}, {cpu['cpus']} CPUs, "
+        f"AVX-512 {'yes' if cpu['avx512'] else 'no'}; {threads} threads, {tokens} tokens/stream, "
+        f"greedy",
+        flush=True,
+    )
 
     def row(system: str, how: str, streams: int, tok_s: float, **extra) -> None:
         r = {"system": system, "how": how, "streams": streams, "tok_s": tok_s, "load": _load(), **extra}
@@ -320,23 +378,28 @@ def run_gguf(args) -> int:
     rounds = max(1, args.rounds)
     if args.cpu_path:
         os.environ["PANTHEON_CPU_PATH"] = args.cpu_path
-    eng = Engine(str(ours), devices=["cpu"], dtype=dtype, num_slots=max(8, n),
-                 kv_budget_bytes=256 << 20)
+    eng = Engine(str(ours), devices=["cpu"], dtype=dtype, num_slots=max(8, n), kv_budget_bytes=256 << 20)
     # The server gets what "auto" resolved to here: the same dtype and CPU path (the engine
     # times the paths at load, and on a busy host two loads can pick differently).
     dtype = str(eng.dtype).removeprefix("torch.")
     cpu_path = getattr(eng, "cpu_path", None)
     if cpu_path:
         os.environ["PANTHEON_CPU_PATH"] = cpu_path
-    out["ours_weights"] = (f"{dtype}{', CPU path ' + cpu_path if cpu_path else ''} "
-                           f"({eng.step_read_bytes / 1e6:.0f} MB read per step)")
+    out["ours_weights"] = (
+        f"{dtype}{', CPU path ' + cpu_path if cpu_path else ''} "
+        f"({eng.step_read_bytes / 1e6:.0f} MB read per step)"
+    )
     print(f"ours: {out['ours_weights']}", flush=True)
     out["cpu_paths"] = cpu_path_table(eng.cfg)
     bench_engine(eng, 1, 4, "cpu")  # warm up both shapes
     bench_engine(eng, n, 4, "cpu")
     for b in (1, n):
-        row("pantheon", "engine in-process, decode only", b,
-            max(bench_engine(eng, b, tokens, "cpu") for _ in range(rounds)))
+        row(
+            "pantheon",
+            "engine in-process, decode only",
+            b,
+            max(bench_engine(eng, b, tokens, "cpu") for _ in range(rounds)),
+        )
     eng.close()
     del eng
 
@@ -346,13 +409,18 @@ def run_gguf(args) -> int:
 
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            ).eval()
         except Exception as e:  # noqa: BLE001 (e.g. accelerate or gguf missing)
             print(f"  transformers skipped: {type(e).__name__}: {e}")
         else:
             bench_hf(model, 1, 4, "cpu")
-            row("transformers", "generate, fp32 from GGUF, decode", 1,
-                max(bench_hf(model, 1, tokens, "cpu") for _ in range(min(rounds, 2))))
+            row(
+                "transformers",
+                "generate, fp32 from GGUF, decode",
+                1,
+                max(bench_hf(model, 1, tokens, "cpu") for _ in range(min(rounds, 2))),
+            )
             del model
 
     # 2. our HTTP path
@@ -368,17 +436,39 @@ def run_gguf(args) -> int:
         print("  llama.cpp skipped: not built (python bench/peer.py build)")
     if bins:
         rec = peer.llama_bench(gguf, threads, tokens)
-        out["llama_bench"] = {k: rec.get(k) for k in ("build_commit", "cpu_info", "model_type", "model_size",
-                                                      "n_threads", "avg_ts", "stddev_ts", "samples_ts")}
+        out["llama_bench"] = {
+            k: rec.get(k)
+            for k in (
+                "build_commit",
+                "cpu_info",
+                "model_type",
+                "model_size",
+                "n_threads",
+                "avg_ts",
+                "stddev_ts",
+                "samples_ts",
+            )
+        }
         samples = rec.get("samples_ts") or [rec["avg_ts"]]
-        row("llama.cpp", f"llama-bench tg{tokens}, decode only", 1, float(max(samples)),
-            mean=float(rec["avg_ts"]), stddev=float(rec["stddev_ts"]))
+        row(
+            "llama.cpp",
+            f"llama-bench tg{tokens}, decode only",
+            1,
+            float(max(samples)),
+            mean=float(rec["avg_ts"]),
+            stddev=float(rec["stddev_ts"]),
+        )
         if not args.no_http:
             with peer.llama_server(gguf, threads, max(8, n)) as url:
                 for k in (1, n):
                     r = run_streams(url, k, tokens, args.rounds)
-                    row("llama.cpp", "llama-server, HTTP streaming (wall)", r.pop("streams"),
-                        r.pop("tok_s"), **r)
+                    row(
+                        "llama.cpp",
+                        "llama-server, HTTP streaming (wall)",
+                        r.pop("streams"),
+                        r.pop("tok_s"),
+                        **r,
+                    )
 
     print()
     print(markdown_table(out))
@@ -403,45 +493,62 @@ def markdown_table(out: dict) -> str:
     cpu = out["cpu"]
     flags = [f.removeprefix("avx512").lstrip("_") for f in cpu["avx512_flags"]]
     ours = out["ours_model"]
-    lines = [f"CPU: {cpu['model_name']} ({cpu['cpus']} CPUs), AVX-512: "
-             f"{'yes (' + ' '.join(flags) + ')' if cpu['avx512'] else 'no'}; "
-             f"{out['threads']} threads; {out['tokens']} tokens per stream, greedy",
-             f"file: {Path(out['gguf']).name}; ours loads "
-             f"{'the same file' if ours == out['gguf'] else ours}: {out.get('ours_weights', '?')}",
-             "",
-             "| system | how | streams | tok/s | vs llama-server | vs llama-bench | vs transformers | TTFT p50 ms | load avg |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"CPU: {cpu['model_name']} ({cpu['cpus']} CPUs), AVX-512: "
+        f"{'yes (' + ' '.join(flags) + ')' if cpu['avx512'] else 'no'}; "
+        f"{out['threads']} threads; {out['tokens']} tokens per stream, greedy",
+        f"file: {Path(out['gguf']).name}; ours loads "
+        f"{'the same file' if ours == out['gguf'] else ours}: {out.get('ours_weights', '?')}",
+        "",
+        "| system | how | streams | tok/s | vs llama-server | vs llama-bench | vs transformers | TTFT p50 ms | load avg |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     hf = find("transformers", "generate", 1)
     lb = find("llama.cpp", "llama-bench", 1)
     for r in rows:
         k, t = r["streams"], r["tok_s"]
         ls = find("llama.cpp", "llama-server", k)
         ttft = r.get("ttft_p50_ms")
-        lines.append(f"| {r['system']} | {r['how']} | {k} | {t:.1f} | {ratio(t, ls)} | "
-                     f"{ratio(t, lb) if k == 1 else '-'} | {ratio(t, hf) if k == 1 else '-'} | "
-                     f"{f'{ttft:.0f}' if ttft is not None else '-'} | {r['load']} |")
+        lines.append(
+            f"| {r['system']} | {r['how']} | {k} | {t:.1f} | {ratio(t, ls)} | "
+            f"{ratio(t, lb) if k == 1 else '-'} | {ratio(t, hf) if k == 1 else '-'} | "
+            f"{f'{ttft:.0f}' if ttft is not None else '-'} | {r['load']} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="model folder (default: the --preset, written on first use), "
-                    "or a .gguf file for the llama.cpp comparison")
+    ap.add_argument(
+        "--model",
+        help="model folder (default: the --preset, written on first use), "
+        "or a .gguf file for the llama.cpp comparison",
+    )
     ap.add_argument("--preset", default="qwen3-0.6b")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 (GGUF mode: auto)")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--tokens", type=int, default=None,
-                    help="decode steps timed per run (default 32; GGUF mode: 64 per stream)")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="decode steps timed per run (default 32; GGUF mode: 64 per stream)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="default: torch's (GGUF mode: 2)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--quantize", action="store_true", help="also run int8 weight-only")
     g = ap.add_argument_group("GGUF mode (against llama.cpp)")
-    g.add_argument("--peer", action="store_true",
-                   help="GGUF mode on the SmolLM2-135M-Instruct Q4_1 file when --model is not given")
+    g.add_argument(
+        "--peer",
+        action="store_true",
+        help="GGUF mode on the SmolLM2-135M-Instruct Q4_1 file when --model is not given",
+    )
     g.add_argument("--hf-dir", help="our side loads this folder instead of the GGUF file")
-    g.add_argument("--cpu-path", help="our CPU path (PANTHEON_CPU_PATH, e.g. bf16-packed) for the "
-                   "engine and the server alike (default: the engine's timed choice, reused)")
+    g.add_argument(
+        "--cpu-path",
+        help="our CPU path (PANTHEON_CPU_PATH, e.g. bf16-packed) for the "
+        "engine and the server alike (default: the engine's timed choice, reused)",
+    )
     g.add_argument("--streams", type=int, default=8, help="concurrent streams (default 8)")
     g.add_argument("--rounds", type=int, default=3, help="measured HTTP rounds, best kept (3)")
     g.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
@@ -470,7 +577,9 @@ def main() -> int:
     ours: dict[tuple[str, int], float] = {}
     weight_bytes: dict[str, int] = {}
     for label, quant in variants:
-        eng = Engine(str(path), devices=[args.device], dtype=args.dtype, kv_budget_bytes=256 << 20, quantize=quant)
+        eng = Engine(
+            str(path), devices=[args.device], dtype=args.dtype, kv_budget_bytes=256 << 20, quantize=quant
+        )
         weight_bytes[label] = eng.step_read_bytes
         bench_engine(eng, 1, 4, args.device)  # warm up
         for b in batches:
@@ -481,24 +590,32 @@ def main() -> int:
     if not args.no_hf:
         import transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=getattr(torch, args.dtype)
-        ).to(args.device).eval()
+        model = (
+            transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype))
+            .to(args.device)
+            .eval()
+        )
         for b in batches:
             hf[b] = bench_hf(model, b, args.tokens, args.device)
         del model
 
     print()
-    print(f"{'variant':<8}{'batch':>6}{'ours tok/s':>12}{'hf tok/s':>10}{'ratio':>8}{'ms/step':>9}{'of bw limit':>13}")
+    print(
+        f"{'variant':<8}{'batch':>6}{'ours tok/s':>12}{'hf tok/s':>10}{'ratio':>8}{'ms/step':>9}{'of bw limit':>13}"
+    )
     for (label, b), tps in ours.items():
         step_s = b / tps
         limit_step_s = weight_bytes[label] / bw  # every streamed weight byte read once per step
         h = hf.get(b) if label in ("bf16", args.dtype) else None
         ratio = f"{tps / h:.2f}x" if h else "-"
         h_s = f"{h:.1f}" if h else "-"
-        print(f"{label:<8}{b:>6}{tps:>12.1f}{h_s:>10}{ratio:>8}{step_s * 1000:>9.1f}{limit_step_s / step_s:>12.0%}")
-    print(f"\nweights read per step: {weight_bytes[variants[0][0]] / 1e9:.2f} GB; "
-          f"bandwidth limit at batch 1: {bw / weight_bytes[variants[0][0]]:.1f} tok/s")
+        print(
+            f"{label:<8}{b:>6}{tps:>12.1f}{h_s:>10}{ratio:>8}{step_s * 1000:>9.1f}{limit_step_s / step_s:>12.0%}"
+        )
+    print(
+        f"\nweights read per step: {weight_bytes[variants[0][0]] / 1e9:.2f} GB; "
+        f"bandwidth limit at batch 1: {bw / weight_bytes[variants[0][0]]:.1f} tok/s"
+    )
     return 0
 
 

@@ -51,11 +51,29 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         extra = ["--cpu-dies", "1"] if dies.startswith("cpu") else []
-        cmd = [sys.executable, "-m", "pantheon", "serve", "--model", str(model), "--name", "m",
-               "--dies", dies, "--port", str(self.port), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pantheon",
+            "serve",
+            "--model",
+            str(model),
+            "--name",
+            "m",
+            "--dies",
+            dies,
+            "--port",
+            str(self.port),
+            *extra,
+        ]
         self.log = open(log, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -69,20 +87,28 @@ class Server:
         raise SystemExit(f"server not ready in 300 s; see {log}")
 
     def chat(self, **kw) -> dict:
-        body = {"model": "m", "messages": [{"role": "user", "content": "Count to five."}],
-                "max_tokens": 16, **kw}
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "Count to five."}],
+            "max_tokens": 16,
+            **kw,
+        }
         r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120)
         r.raise_for_status()
         return r.json()
 
     def stream_text(self, **kw) -> str:
-        body = {"model": "m", "messages": [{"role": "user", "content": "Hello"}],
-                "max_tokens": 16, "stream": True, **kw}
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 16,
+            "stream": True,
+            **kw,
+        }
         import json
 
         text = []
-        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body,
-                          timeout=120) as r:
+        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     for c in json.loads(line[6:]).get("choices", []):
@@ -111,27 +137,36 @@ def serve_checks(srv: Server, die: str) -> list[int]:
     a = srv.chat(temperature=0.9, top_p=0.9, seed=7, logprobs=True, top_logprobs=3)
     b = srv.chat(temperature=0.9, top_p=0.9, seed=7, logprobs=True, top_logprobs=3)
     lp = (a["choices"][0].get("logprobs") or {}).get("content") or []
-    check("sampled on the device, seeded", a["choices"][0]["message"]["content"] ==
-          b["choices"][0]["message"]["content"] and bool(lp) and len(lp[0]["top_logprobs"]) == 3,
-          f"same text twice, {len(lp)} logprobs, top-3 each")
+    check(
+        "sampled on the device, seeded",
+        a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+        and bool(lp)
+        and len(lp[0]["top_logprobs"]) == 3,
+        f"same text twice, {len(lp)} logprobs, top-3 each",
+    )
     text = srv.stream_text(temperature=0.7, seed=1)
     check("streamed", isinstance(text, str), f"{len(text)} characters")
     d = srv.die(die)
-    check("die memory booked", d["weights_bytes"] > 0 and d["kv_bytes"] > 0,
-          f"weights {d['weights_bytes'] >> 20} MiB, kv {d['kv_bytes'] >> 20} MiB, "
-          f"budget {d['budget_bytes'] >> 20} MiB")
+    check(
+        "die memory booked",
+        d["weights_bytes"] > 0 and d["kv_bytes"] > 0,
+        f"weights {d['weights_bytes'] >> 20} MiB, kv {d['kv_bytes'] >> 20} MiB, "
+        f"budget {d['budget_bytes'] >> 20} MiB",
+    )
     if die.startswith("cuda"):
         import torch
 
         free, total = torch.cuda.mem_get_info(int(die.split(":")[1]))
         measured = d["measured_free_bytes"]
-        check("memory figures from the CUDA allocator",
-              d["total_bytes"] == total and measured is not None and
-              abs(measured - free) < max(2 << 30, total // 20),
-              f"total {d['total_bytes'] >> 20} MiB (torch {total >> 20}), worker free "
-              f"{(measured or 0) >> 20} MiB (here {free >> 20})")
-    check("pressure with a model loaded", d["pressure"] == 0,
-          f"level {d['pressure']} ({d['pressure_name']})")
+        check(
+            "memory figures from the CUDA allocator",
+            d["total_bytes"] == total
+            and measured is not None
+            and abs(measured - free) < max(2 << 30, total // 20),
+            f"total {d['total_bytes'] >> 20} MiB (torch {total >> 20}), worker free "
+            f"{(measured or 0) >> 20} MiB (here {free >> 20})",
+        )
+    check("pressure with a model loaded", d["pressure"] == 0, f"level {d['pressure']} ({d['pressure_name']})")
     return [greedy["choices"][0]["message"]["content"]]
 
 
@@ -141,16 +176,33 @@ def main() -> int:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="pantheon-gpu-check-"))
     model = tmp / "tiny-llama"
-    subprocess.run([sys.executable, "-m", "pantheon", "make-model", "--preset", "tiny-llama",
-                    "--dtype", "float32", "--out", str(model)], check=True, cwd=ROOT,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pantheon",
+            "make-model",
+            "--preset",
+            "tiny-llama",
+            "--dtype",
+            "float32",
+            "--out",
+            str(model),
+        ],
+        check=True,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+    )
     two = False
     if args.die.startswith("cuda"):
         import torch
 
         n = torch.cuda.device_count()
-        print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {n} device(s): "
-              + ", ".join(torch.cuda.get_device_name(i) for i in range(n)), flush=True)
+        print(
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}, {n} device(s): "
+            + ", ".join(torch.cuda.get_device_name(i) for i in range(n)),
+            flush=True,
+        )
         two = n >= 2
     srv = Server(model, args.die, tmp / "serve.log")
     try:

@@ -70,8 +70,20 @@ def _source(cache: Path) -> Path:
         return src
     sdist = cache / "sdist" / f"{name}.tar.gz"
     if not sdist.exists():
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-              f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(sdist.parent)])
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                "-d",
+                str(sdist.parent),
+            ]
+        )
     prefix = f"{name}/vendor/llama.cpp/"
     print(f"unpacking {prefix} from {sdist} ...", flush=True)
     with tarfile.open(sdist) as tf:
@@ -124,9 +136,23 @@ def _build(cache: Path, jobs: int) -> Path:
         if bdir.exists():
             shutil.rmtree(bdir)
         src = _source(cache)
-        _run(["cmake", "-S", str(src), "-B", str(bdir), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-              "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-              "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"])
+        _run(
+            [
+                "cmake",
+                "-S",
+                str(src),
+                "-B",
+                str(bdir),
+                "-G",
+                "Ninja",
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DLLAMA_CURL=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DLLAMA_OPENSSL=OFF",
+                "-DGGML_NATIVE=ON",
+            ]
+        )
     t = time.monotonic()
     _run(["cmake", "--build", str(bdir), f"-j{jobs}", "--target", *BINARIES])
     print(f"built in {time.monotonic() - t:.0f} s: {bdir / 'bin'}")
@@ -139,17 +165,36 @@ def _build(cache: Path, jobs: int) -> Path:
 def _bins() -> Path:
     d = find_bins()
     if d is None:
-        raise FileNotFoundError(f"no llama.cpp binaries in {cache_dir() / 'build' / 'bin'}; "
-                                "run `python bench/peer.py build` or set LLAMA_CPP_DIR")
+        raise FileNotFoundError(
+            f"no llama.cpp binaries in {cache_dir() / 'build' / 'bin'}; "
+            "run `python bench/peer.py build` or set LLAMA_CPP_DIR"
+        )
     return d
 
 
 def llama_bench(gguf: str | Path, threads: int = 2, tokens: int = 64, reps: int = 5) -> dict:
     """``llama-bench -m FILE -t THREADS -n TOKENS -p 0`` (text generation at batch 1, no
     prompt): its JSON record of the tg test (``avg_ts``, ``stddev_ts``, ``cpu_info``, ...)."""
-    out = subprocess.run([str(_bins() / "llama-bench"), "-m", str(gguf), "-t", str(threads),
-                          "-n", str(tokens), "-p", "0", "-r", str(reps), "-o", "json"],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [
+            str(_bins() / "llama-bench"),
+            "-m",
+            str(gguf),
+            "-t",
+            str(threads),
+            "-n",
+            str(tokens),
+            "-p",
+            "0",
+            "-r",
+            str(reps),
+            "-o",
+            "json",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     for rec in json.loads(out):
         if rec.get("n_gen") == tokens and rec.get("n_prompt") == 0:
             return rec
@@ -172,18 +217,39 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def llama_server(gguf: str | Path, threads: int = 2, slots: int = 8, ctx_per_slot: int = 1024,
-                 port: int | None = None, log: str | Path | None = None,
-                 timeout: float = 300.0) -> Iterator[str]:
+def llama_server(
+    gguf: str | Path,
+    threads: int = 2,
+    slots: int = 8,
+    ctx_per_slot: int = 1024,
+    port: int | None = None,
+    log: str | Path | None = None,
+    timeout: float = 300.0,
+) -> Iterator[str]:
     """``llama-server -m FILE -np SLOTS -c SLOTS*CTX -t THREADS`` on 127.0.0.1; yields its base URL
     once ``/health`` answers 200, stops it on exit. Output goes to ``log`` (default: a file in
     $TMPDIR)."""
     port = port or _free_port()
     url = f"http://127.0.0.1:{port}"
     log = Path(log or Path(os.environ.get("TMPDIR", "/tmp")) / "bench-llama-server.log")
-    cmd = [str(_bins() / "llama-server"), "-m", str(gguf), "-np", str(slots),
-           "-c", str(slots * ctx_per_slot), "-t", str(threads), "--host", "127.0.0.1",
-           "--port", str(port), "--alias", "bench", "--no-webui"]
+    cmd = [
+        str(_bins() / "llama-server"),
+        "-m",
+        str(gguf),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * ctx_per_slot),
+        "-t",
+        str(threads),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--alias",
+        "bench",
+        "--no-webui",
+    ]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
@@ -219,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     d = find_bins()
     if d is None:
-        print(f"not built: run `python bench/peer.py build` ({cache_dir() / 'build' / 'bin'})",
-              file=sys.stderr)
+        print(
+            f"not built: run `python bench/peer.py build` ({cache_dir() / 'build' / 'bin'})", file=sys.stderr
+        )
         return 1
     print(d)
     return 0
@@ -238,4 +305,3 @@ def stop(proc: subprocess.Popen, wait_s: float) -> None:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

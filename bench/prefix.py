@@ -31,7 +31,9 @@ def tokens(seed: int, n: int, vocab: int = 3900) -> list[int]:
     return [(seed * 7919 + i * 104729) % vocab + 10 for i in range(n)]
 
 
-def first_token_time(eng: Engine, rid: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int], int]:
+def first_token_time(
+    eng: Engine, rid: str, prompt: list[int], max_tokens: int
+) -> tuple[float, list[int], int]:
     """Submit, step until the first token: (seconds, all generated tokens, cached tokens)."""
     t = time.perf_counter()
     eng.submit(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
@@ -45,7 +47,9 @@ def first_token_time(eng: Engine, rid: str, prompt: list[int], max_tokens: int) 
     return ttft, out, cached
 
 
-def conversation(path: str, cache: bool, turns: int, user_len: int, reply: int) -> list[tuple[int, float, int]]:
+def conversation(
+    path: str, cache: bool, turns: int, user_len: int, reply: int
+) -> list[tuple[int, float, int]]:
     eng = Engine(path, dtype="bfloat16", kv_budget_bytes=512 << 20, prefix_cache=cache, max_model_len=8192)
     first_token_time(eng, "warm", tokens(999, 32), 2)
     if cache:
@@ -74,7 +78,11 @@ def shared_prompt(path: str, cache: bool, n: int, system_len: int, question: int
     eng.scheduler.commit = counting
     t = time.perf_counter()
     for i in range(n):
-        eng.submit(f"q{i}", system + tokens(i, question), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        eng.submit(
+            f"q{i}",
+            system + tokens(i, question),
+            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        )
     while eng.has_work():
         eng.step()
     return n / (time.perf_counter() - t), computed
@@ -100,8 +108,10 @@ def main() -> int:
         rps_on, comp_on = shared_prompt(path, True, args.requests, args.system_len, 48)
         rps_off, comp_off = shared_prompt(path, False, args.requests, args.system_len, 48)
         print(f"shared {args.system_len}-token system prompt, {args.requests} requests, 8 slots:")
-        print(f"  prefill tokens computed: {comp_on} with cache, {comp_off} without "
-              f"({comp_off - comp_on} saved, {1 - comp_on / comp_off:.0%})")
+        print(
+            f"  prefill tokens computed: {comp_on} with cache, {comp_off} without "
+            f"({comp_off - comp_on} saved, {1 - comp_on / comp_off:.0%})"
+        )
         print(f"  requests/s: {rps_on:.2f} with cache, {rps_off:.2f} without ({rps_on / rps_off:.1f}x)")
     return 0
 

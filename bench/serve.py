@@ -49,13 +49,24 @@ def model_dir(args) -> Path:
         return Path(args.model)
     sets = list(getattr(args, "set", None) or [])
     name = args.preset + "".join("-" + x.replace("=", "") for x in sets)
-    out = Path(os.environ.get("PANTHEON_CACHE_DIR", Path.home() / ".cache" / "pantheon")) / \
-        "models" / name
+    out = Path(os.environ.get("PANTHEON_CACHE_DIR", Path.home() / ".cache" / "pantheon")) / "models" / name
     if not (out / "config.json").exists():
         print(f"writing the {args.preset} preset to {out} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "pantheon", "make-model", "--preset", args.preset,
-                        "--out", str(out), *[a for x in sets for a in ("--set", x)]],
-                       check=True, cwd=ROOT)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pantheon",
+                "make-model",
+                "--preset",
+                args.preset,
+                "--out",
+                str(out),
+                *[a for x in sets for a in ("--set", x)],
+            ],
+            check=True,
+            cwd=ROOT,
+        )
     return out
 
 
@@ -68,9 +79,16 @@ def prompt_ids(path: Path) -> list[int]:
 
 
 def summary(name: str, tokens: int, wall: float, ttft: list[float], itl: list[float]) -> dict:
-    return {"name": name, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
-            "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99)}
+    return {
+        "name": name,
+        "tokens": tokens,
+        "wall_s": wall,
+        "tok_s": tokens / wall,
+        "ttft_p50_ms": 1e3 * pct(ttft, 50),
+        "ttft_p99_ms": 1e3 * pct(ttft, 99),
+        "itl_p50_ms": 1e3 * pct(itl, 50),
+        "itl_p99_ms": 1e3 * pct(itl, 99),
+    }
 
 
 # ---------------------------------------------------------------- 1. the engine alone
@@ -85,16 +103,18 @@ def bench_engine(path: Path, args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    eng = Engine(str(path), devices=[args.device], num_slots=max(args.clients, 8),
-                 kv_budget_bytes=args.kv_budget)
+    eng = Engine(
+        str(path), devices=[args.device], num_slots=max(args.clients, 8), kv_budget_bytes=args.kv_budget
+    )
     ids = prompt_ids(path)
     best = None
     for rnd in range(args.rounds + 1):  # round 0 warms up every batch shape
         n_tok = 8 if rnd == 0 else args.tokens
         t0 = time.perf_counter()
         for i in range(args.clients):
-            eng.submit(f"r{rnd}-{i}", ids, SamplingParams(temperature=1.0, seed=i,
-                                                          max_tokens=n_tok, ignore_eos=True))
+            eng.submit(
+                f"r{rnd}-{i}", ids, SamplingParams(temperature=1.0, seed=i, max_tokens=n_tok, ignore_eos=True)
+            )
         times: dict[str, list[float]] = {f"r{rnd}-{i}": [] for i in range(args.clients)}
         while eng.has_work():
             outs = eng.step()
@@ -124,16 +144,36 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        die = ["--cpu-dies", "1", "--dies", "cpu:0"] if args.device == "cpu" else \
-            ["--dies", args.device]
-        cmd = [sys.executable, "-m", "pantheon", "serve", "--model", str(path), "--name", "bench",
-               *die, "--port", str(self.port), "--slots", str(slots),
-               "--queue-depth", str(slots), "--kv-budget", str(args.kv_budget)]
+        die = ["--cpu-dies", "1", "--dies", "cpu:0"] if args.device == "cpu" else ["--dies", args.device]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pantheon",
+            "serve",
+            "--model",
+            str(path),
+            "--name",
+            "bench",
+            *die,
+            "--port",
+            str(self.port),
+            "--slots",
+            str(slots),
+            "--queue-depth",
+            str(slots),
+            "--kv-budget",
+            str(args.kv_budget),
+        ]
         if args.threads:
             cmd += ["--worker-threads", str(args.threads)]
         self.log = open(log, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -161,10 +201,16 @@ class Server:
         self.log.close()
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, tokens: int, t0: float,
-                     seed: int = 0) -> dict:
-    body = {"model": "bench", "messages": MESSAGES, "max_tokens": tokens, "seed": seed,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def one_stream(client: httpx.AsyncClient, url: str, tokens: int, t0: float, seed: int = 0) -> dict:
+    body = {
+        "model": "bench",
+        "messages": MESSAGES,
+        "max_tokens": tokens,
+        "seed": seed,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     stamps: list[float] = []
     usage = None
     buf = b""
@@ -179,15 +225,18 @@ async def one_stream(client: httpx.AsyncClient, url: str, tokens: int, t0: float
                     raise RuntimeError(ev.decode())
                 if b'"choices":[]' in ev:
                     usage = json.loads(ev[6:])["usage"]
-                elif (b'"delta":{"content":"' in ev and b'"content":""' not in ev) or \
-                        b'"reasoning_content"' in ev or b'"tool_calls"' in ev:
+                elif (
+                    (b'"delta":{"content":"' in ev and b'"content":""' not in ev)
+                    or b'"reasoning_content"' in ev
+                    or b'"tool_calls"' in ev
+                ):
                     stamps.append(now)
-    return {"stamps": stamps, "tokens": usage["completion_tokens"] if usage else len(stamps),
-            "start": t0}
+    return {"stamps": stamps, "tokens": usage["completion_tokens"] if usage else len(stamps), "start": t0}
 
 
-async def run_clients(url: str, n: int, tokens: int, rounds: int = 1, warm: bool = True
-                      ) -> tuple[list[dict], float]:
+async def run_clients(
+    url: str, n: int, tokens: int, rounds: int = 1, warm: bool = True
+) -> tuple[list[dict], float]:
     """``rounds`` measured rounds of ``n`` concurrent streams (after a short warm-up round
     unless ``warm`` is False); returns the fastest round."""
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
@@ -196,8 +245,7 @@ async def run_clients(url: str, n: int, tokens: int, rounds: int = 1, warm: bool
         for rnd in range(0 if warm else 1, rounds + 1):
             n_tok = 8 if rnd == 0 else tokens
             t0 = time.perf_counter()
-            res = await asyncio.gather(*(one_stream(client, url, n_tok, t0, i)
-                                         for i in range(n)))
+            res = await asyncio.gather(*(one_stream(client, url, n_tok, t0, i) for i in range(n)))
             wall = time.perf_counter() - t0
             if rnd and (best is None or wall < best[1]):
                 best = (res, wall)
@@ -220,16 +268,24 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", help="model folder (default: the --preset, written once)")
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--set", action="append", metavar="KEY=VALUE",
-                    help="make-model override for the preset, e.g. vocab_size=4032 so that a "
-                         "big preset's random tokens all decode to text (repeatable)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="make-model override for the preset, e.g. vocab_size=4032 so that a "
+        "big preset's random tokens all decode to text (repeatable)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda:N")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64, help="tokens per stream")
     ap.add_argument("--streams", type=int, default=64, help="streams for the router CPU figure")
     ap.add_argument("--stream-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads, for the in-process engine and the worker alike")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads, for the in-process engine and the worker alike",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="measured rounds (best one kept)")
     ap.add_argument("--kv-budget", type=int, default=256 << 20)
     ap.add_argument("--skip-engine", action="store_true")
@@ -238,8 +294,7 @@ def main() -> int:
     args = ap.parse_args()
     path = model_dir(args)
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
-    out: dict = {"model": str(path), "device": args.device, "clients": args.clients,
-                 "tokens": args.tokens}
+    out: dict = {"model": str(path), "device": args.device, "clients": args.clients, "tokens": args.tokens}
 
     if not args.skip_engine:
         out["engine"] = bench_engine(path, args)
@@ -257,37 +312,47 @@ def main() -> int:
         print(f"http / engine tokens/s: {out['ratio']:.3f} (target >= 0.9)")
 
     if not args.skip_cpu:
-        tiny_args = argparse.Namespace(**{**vars(args), "model": None, "preset": "tiny",
-                                          "device": "cpu", "set": None})
+        tiny_args = argparse.Namespace(
+            **{**vars(args), "model": None, "preset": "tiny", "device": "cpu", "set": None}
+        )
         tiny = model_dir(tiny_args)
         srv = Server(tiny, tiny_args, args.streams, logs / "bench-serve-cpu.log")
         try:
             asyncio.run(run_clients(srv.url, args.streams, 4))
             c0 = srv.cpu()
-            res, wall = asyncio.run(run_clients(srv.url, args.streams, args.stream_tokens,
-                                                warm=False))
+            res, wall = asyncio.run(run_clients(srv.url, args.streams, args.stream_tokens, warm=False))
             c1 = srv.cpu()
         finally:
             srv.stop()
         tokens = sum(r["tokens"] for r in res)
         chunks = sum(len(r["stamps"]) for r in res)
-        out["router_cpu"] = {"streams": args.streams, "tokens": tokens, "chunks": chunks,
-                             "cpu_s": c1 - c0, "wall_s": wall,
-                             "us_per_token": 1e6 * (c1 - c0) / max(tokens, 1),
-                             "tok_s": tokens / wall}
+        out["router_cpu"] = {
+            "streams": args.streams,
+            "tokens": tokens,
+            "chunks": chunks,
+            "cpu_s": c1 - c0,
+            "wall_s": wall,
+            "us_per_token": 1e6 * (c1 - c0) / max(tokens, 1),
+            "tok_s": tokens / wall,
+        }
         rc = out["router_cpu"]
-        print(f"router CPU at {rc['streams']} streams (tiny, cpu): {rc['us_per_token']:.0f} us "
-              f"per streamed token ({rc['cpu_s']:.2f} s CPU for {tokens} tokens in {chunks} "
-              f"chunks, {rc['tok_s']:.0f} tok/s)")
+        print(
+            f"router CPU at {rc['streams']} streams (tiny, cpu): {rc['us_per_token']:.0f} us "
+            f"per streamed token ({rc['cpu_s']:.2f} s CPU for {tokens} tokens in {chunks} "
+            f"chunks, {rc['tok_s']:.0f} tok/s)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 
 
 def print_row(s: dict) -> None:
-    print(f"{s['name']:>6}: {s['tok_s']:8.1f} tok/s ({s['tokens']} tokens in {s['wall_s']:.2f} s)"
-          f"  TTFT p50 {s['ttft_p50_ms']:.1f} ms p99 {s['ttft_p99_ms']:.1f} ms"
-          f"  ITL p50 {s['itl_p50_ms']:.2f} ms p99 {s['itl_p99_ms']:.2f} ms", flush=True)
+    print(
+        f"{s['name']:>6}: {s['tok_s']:8.1f} tok/s ({s['tokens']} tokens in {s['wall_s']:.2f} s)"
+        f"  TTFT p50 {s['ttft_p50_ms']:.1f} ms p99 {s['ttft_p99_ms']:.1f} ms"
+        f"  ITL p50 {s['itl_p50_ms']:.2f} ms p99 {s['itl_p99_ms']:.2f} ms",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

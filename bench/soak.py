@@ -44,8 +44,10 @@ import httpx  # noqa: E402
 
 from bench.serve import pct  # noqa: E402
 
-WORDS = ("the lighthouse keeper watched the grey sea roll in under a low sky while gulls "
-         "circled the rocks and the lamp turned slowly above the harbour").split()
+WORDS = (
+    "the lighthouse keeper watched the grey sea roll in under a low sky while gulls "
+    "circled the rocks and the lamp turned slowly above the harbour"
+).split()
 KINDS = (("stream", 0.55), ("cancel", 0.15), ("long", 0.15), ("plain", 0.15))
 
 
@@ -67,10 +69,17 @@ class Soak:
             text = " ".join(rnd.choice(WORDS) for _ in range(self.args.long_tokens))
             msgs = [{"role": "user", "content": f"Summarise this in one line: {text}"}]
             return {"model": "main", "messages": msgs, "max_tokens": 16, "stream": True}
-        msgs = [{"role": "user", "content": f"Tell me about {rnd.choice(WORDS)} number "
-                                            f"{rnd.randrange(1000)}."}]
-        return {"model": "main", "messages": msgs, "max_tokens": 64, "stream": kind != "plain",
-                "temperature": 0.8, "seed": rnd.randrange(1 << 30)}
+        msgs = [
+            {"role": "user", "content": f"Tell me about {rnd.choice(WORDS)} number {rnd.randrange(1000)}."}
+        ]
+        return {
+            "model": "main",
+            "messages": msgs,
+            "max_tokens": 64,
+            "stream": kind != "plain",
+            "temperature": 0.8,
+            "seed": rnd.randrange(1 << 30),
+        }
 
     async def one(self, client: httpx.AsyncClient, url: str, kind: str, rnd: random.Random) -> str:
         body = self.body(kind, rnd)
@@ -92,16 +101,16 @@ class Soak:
                     if "error" in ev:
                         return "stream:" + (ev["error"].get("code") or "?")
                     delta = ev["choices"][0].get("delta", {}) if ev.get("choices") else {}
-                    if not (delta.get("content") or delta.get("reasoning_content")
-                            or delta.get("tool_calls")):
+                    if not (
+                        delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+                    ):
                         continue  # the role chunk, the finish chunk: no token in them
                     now = time.perf_counter()
                     if kind == "long" and not stamps:
                         self.prefilling -= 1
                         self.prefill_spans.append((sent, now))
                     if stamps:
-                        (self.gaps_prefill if self.prefilling else self.gaps_quiet).append(
-                            now - stamps[-1])
+                        (self.gaps_prefill if self.prefilling else self.gaps_quiet).append(now - stamps[-1])
                     stamps.append(now)
                     if kind == "cancel" and len(stamps) >= 3:
                         return "cancelled"  # leaving the block closes the connection
@@ -127,13 +136,19 @@ class Soak:
         async with httpx.AsyncClient(timeout=300) as client:
             while time.monotonic() + self.args.reload_every < self.stop_at:
                 await asyncio.sleep(self.args.reload_every / 2)
-                r = await client.post(url + "/admin/models/load",
-                                      json={"path": str(second), "name": "second"})
+                r = await client.post(
+                    url + "/admin/models/load", json={"path": str(second), "name": "second"}
+                )
                 out = str(r.status_code) if r.status_code == 200 else _code(r.status_code, r.text)
                 if r.status_code == 200:
-                    q = await client.post(url + "/v1/chat/completions", json={
-                        "model": "second", "messages": [{"role": "user", "content": "hi"}],
-                        "max_tokens": 8})
+                    q = await client.post(
+                        url + "/v1/chat/completions",
+                        json={
+                            "model": "second",
+                            "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 8,
+                        },
+                    )
                     self.outcomes[("second", str(q.status_code))] += 1
                     await asyncio.sleep(self.args.reload_every / 2)
                     u = await client.post(url + "/admin/models/unload", json={"name": "second"})
@@ -163,10 +178,28 @@ def start_server(model: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "pantheon", "serve", "--model", str(model), "--name", "main",
-           "--cpu-dies", "1", "--port", str(port), *args.serve_args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "pantheon",
+        "serve",
+        "--model",
+        str(model),
+        "--name",
+        "main",
+        "--cpu-dies",
+        "1",
+        "--port",
+        str(port),
+        *args.serve_args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -194,10 +227,14 @@ def audit(url: str) -> dict:
             break
         time.sleep(0.5)
     dies = httpx.get(url + "/admin/dies", timeout=10).json()["data"]
-    return {"busy_slots": busy, "kv_blocks_held": held, "queued": queued,
-            "worker_restarts": sum(d.get("restarts", 0) for d in dies),
-            "worker_deaths": sum(d.get("deaths", 0) for d in dies),
-            "step_budget": [i.get("prefill_budget") for i in st["instances"]]}
+    return {
+        "busy_slots": busy,
+        "kv_blocks_held": held,
+        "queued": queued,
+        "worker_restarts": sum(d.get("restarts", 0) for d in dies),
+        "worker_deaths": sum(d.get("deaths", 0) for d in dies),
+        "step_budget": [i.get("prefill_budget") for i in st["instances"]],
+    }
 
 
 def second_model(name: str) -> Path:
@@ -205,8 +242,11 @@ def second_model(name: str) -> Path:
 
     out = cache_dir() / "models" / name
     if not (out / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "pantheon", "make-model", "--preset", name,
-                        "--out", str(out)], check=True, cwd=ROOT)
+        subprocess.run(
+            [sys.executable, "-m", "pantheon", "make-model", "--preset", name, "--out", str(out)],
+            check=True,
+            cwd=ROOT,
+        )
     return out
 
 
@@ -241,35 +281,51 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     served = sum(n for (k, o), n in soak.outcomes.items() if o in ("200", "cancelled"))
-    result.update({
-        "model": str(model), "minutes": round(wall / 60, 2), "clients": args.clients,
-        "requests": sum(soak.outcomes.values()), "served": served, "reloads": soak.reloads,
-        "outcomes": {f"{k} {o}": n for (k, o), n in sorted(soak.outcomes.items())},
-        "itl_quiet_p50_ms": 1e3 * pct(soak.gaps_quiet, 50),
-        "itl_quiet_p99_ms": 1e3 * pct(soak.gaps_quiet, 99),
-        "itl_prefill_p50_ms": 1e3 * pct(soak.gaps_prefill, 50),
-        "itl_prefill_p99_ms": 1e3 * pct(soak.gaps_prefill, 99),
-        "long_ttft_p50_s": pct([b - a for a, b in soak.prefill_spans], 50),
-        "gaps": [len(soak.gaps_quiet), len(soak.gaps_prefill)],
-    })
+    result.update(
+        {
+            "model": str(model),
+            "minutes": round(wall / 60, 2),
+            "clients": args.clients,
+            "requests": sum(soak.outcomes.values()),
+            "served": served,
+            "reloads": soak.reloads,
+            "outcomes": {f"{k} {o}": n for (k, o), n in sorted(soak.outcomes.items())},
+            "itl_quiet_p50_ms": 1e3 * pct(soak.gaps_quiet, 50),
+            "itl_quiet_p99_ms": 1e3 * pct(soak.gaps_quiet, 99),
+            "itl_prefill_p50_ms": 1e3 * pct(soak.gaps_prefill, 50),
+            "itl_prefill_p99_ms": 1e3 * pct(soak.gaps_prefill, 99),
+            "long_ttft_p50_s": pct([b - a for a, b in soak.prefill_spans], 50),
+            "gaps": [len(soak.gaps_quiet), len(soak.gaps_prefill)],
+        }
+    )
     print(f"soak: {result['minutes']} min, {args.clients} clients on {model.name}")
     print(f"  requests {result['requests']}, served {served}, load/unload cycles {soak.reloads}")
     for key, n in result["outcomes"].items():
         print(f"    {key:<28} {n}")
-    print(f"  inter-token p50/p99: {result['itl_quiet_p50_ms']:.0f} / "
-          f"{result['itl_quiet_p99_ms']:.0f} ms without a long prefill, "
-          f"{result['itl_prefill_p50_ms']:.0f} / {result['itl_prefill_p99_ms']:.0f} ms during one "
-          f"({result['gaps'][0]} / {result['gaps'][1]} gaps)")
-    print(f"  long prompt TTFT p50: {result['long_ttft_p50_s']:.2f} s; "
-          f"step prefill budget now {result['step_budget']}")
-    print(f"  leaks: busy slots {result['busy_slots']}, KV blocks held {result['kv_blocks_held']}, "
-          f"queued {result['queued']} (all must be 0)")
-    print(f"  worker deaths {result['worker_deaths']}, restarts {result['worker_restarts']} "
-          "(must be 0)")
+    print(
+        f"  inter-token p50/p99: {result['itl_quiet_p50_ms']:.0f} / "
+        f"{result['itl_quiet_p99_ms']:.0f} ms without a long prefill, "
+        f"{result['itl_prefill_p50_ms']:.0f} / {result['itl_prefill_p99_ms']:.0f} ms during one "
+        f"({result['gaps'][0]} / {result['gaps'][1]} gaps)"
+    )
+    print(
+        f"  long prompt TTFT p50: {result['long_ttft_p50_s']:.2f} s; "
+        f"step prefill budget now {result['step_budget']}"
+    )
+    print(
+        f"  leaks: busy slots {result['busy_slots']}, KV blocks held {result['kv_blocks_held']}, "
+        f"queued {result['queued']} (all must be 0)"
+    )
+    print(f"  worker deaths {result['worker_deaths']}, restarts {result['worker_restarts']} (must be 0)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    bad = result["busy_slots"] or result["kv_blocks_held"] or result["queued"] or \
-        result["worker_restarts"] or result["worker_deaths"]
+    bad = (
+        result["busy_slots"]
+        or result["kv_blocks_held"]
+        or result["queued"]
+        or result["worker_restarts"]
+        or result["worker_deaths"]
+    )
     return 1 if bad else 0
 
 

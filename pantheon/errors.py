@@ -87,8 +87,7 @@ RATE_LIMIT = "rate_limit_error"
 PERMISSION = "permission_error"
 
 # The worker's LoadFailed kinds -> HTTP status (the load issue's table; the rest is 500).
-LOAD_STATUS = {"not_found": 404, "unsupported": 400, "invalid": 400, "out_of_memory": 507,
-               "cancelled": 409}
+LOAD_STATUS = {"not_found": 404, "unsupported": 400, "invalid": 400, "out_of_memory": 507, "cancelled": 409}
 # A model folder the router cannot size (GGUFError / SizingError kinds) -> HTTP status.
 MODEL_FOLDER_STATUS = {"not_found": 404, "unsupported": 400, "invalid": 400}
 
@@ -97,12 +96,18 @@ class ApiError(Exception):
     """An error the client sees as ``{"error": {...}}`` with an HTTP status. Made only by the
     factories of this module."""
 
-    def __init__(self, status: int, message: str, *, type: str = INVALID,
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (status, message, type,
-                                                                       param, code)
+        self.status, self.message, self.type, self.param, self.code = (status, message, type, param, code)
         self.headers = headers or {}
 
     def body(self) -> dict:
@@ -110,8 +115,7 @@ class ApiError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = INVALID, param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(message: str, type: str = INVALID, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -124,8 +128,11 @@ def _retry_after(seconds: int) -> dict[str, str]:
 
 def unauthorized(missing: bool) -> ApiError:
     """401: no API key (``missing``) or a wrong one; names nothing about the server."""
-    msg = ("You didn't provide an API key. Send it as 'Authorization: Bearer KEY'."
-           if missing else "Incorrect API key provided.")
+    msg = (
+        "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'."
+        if missing
+        else "Incorrect API key provided."
+    )
     return ApiError(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -140,8 +147,7 @@ def admin_loopback_only() -> ApiError:
 
 def path_not_allowed(path: str) -> ApiError:
     """403: a load path outside every ``--models-dir`` root."""
-    return _forbidden(f"{path!r} is not under an allowed models directory (--models-dir)",
-                      param="path")
+    return _forbidden(f"{path!r} is not under an allowed models directory (--models-dir)", param="path")
 
 
 # ---------------------------------------------------------------- the HTTP layer
@@ -154,8 +160,11 @@ def route_not_found(method: str, path: str) -> ApiError:
 
 def body_too_large(limit_bytes: int) -> ApiError:
     """413: the body is over ``--max-body``."""
-    return ApiError(413, f"the request body is larger than {limit_bytes} bytes "
-                         f"(the --max-body limit)", code="request_too_large")
+    return ApiError(
+        413,
+        f"the request body is larger than {limit_bytes} bytes (the --max-body limit)",
+        code="request_too_large",
+    )
 
 
 def http_error(status: int, message: str) -> ApiError:
@@ -165,8 +174,7 @@ def http_error(status: int, message: str) -> ApiError:
 
 def internal_error(exc: BaseException) -> ApiError:
     """500: an unhandled exception in a route (its type only: no internals in the message)."""
-    return ApiError(500, f"internal error: {type(exc).__name__}", type=SERVER,
-                    code="internal_error")
+    return ApiError(500, f"internal error: {type(exc).__name__}", type=SERVER, code="internal_error")
 
 
 # ---------------------------------------------------------------- request validation
@@ -191,8 +199,12 @@ def not_an_object() -> ApiError:
 
 def limit_exceeded(param: str, what: str, got: int, limit: int, flag: str) -> ApiError:
     """400: a per-request ceiling (``opsconfig.Limits``), naming the limit and its flag."""
-    return ApiError(400, f"{what}: {got} given, this server's limit is {limit} ({flag})",
-                    param=param, code="limit_exceeded")
+    return ApiError(
+        400,
+        f"{what}: {got} given, this server's limit is {limit} ({flag})",
+        param=param,
+        code="limit_exceeded",
+    )
 
 
 def chat_template_refused(detail: str) -> ApiError:
@@ -205,10 +217,14 @@ def chat_template_refused(detail: str) -> ApiError:
 
 def max_tokens_too_large(limit: int, max_tokens: int) -> ApiError:
     """400: a ``max_tokens`` no context of this model can ever hold."""
-    return ApiError(400, f"This model's maximum context length is {limit} tokens. "
-                         f"However, you requested at least {max_tokens + 1} tokens "
-                         f"({max_tokens} in the completion).", param="max_tokens",
-                    code="context_length_exceeded")
+    return ApiError(
+        400,
+        f"This model's maximum context length is {limit} tokens. "
+        f"However, you requested at least {max_tokens + 1} tokens "
+        f"({max_tokens} in the completion).",
+        param="max_tokens",
+        code="context_length_exceeded",
+    )
 
 
 def context_length_exceeded(reason: str) -> ApiError:
@@ -223,11 +239,16 @@ def request_rejected(reason: str, kind: str) -> ApiError:
 
 def context_denied(limit: int, tokens: int, room: int) -> ApiError:
     """503: even with every older turn and message text dropped the prompt leaves no room."""
-    return ApiError(503, f"context admission denied: this model's context limit is {limit} "
-                         f"tokens, and even with every older turn and message text dropped the "
-                         f"prompt takes {tokens} tokens, leaving less than the {room} the "
-                         f"completion needs", type=SERVER, code="context_denied",
-                    headers=_retry_after(1))
+    return ApiError(
+        503,
+        f"context admission denied: this model's context limit is {limit} "
+        f"tokens, and even with every older turn and message text dropped the "
+        f"prompt takes {tokens} tokens, leaving less than the {room} the "
+        f"completion needs",
+        type=SERVER,
+        code="context_denied",
+        headers=_retry_after(1),
+    )
 
 
 # ---------------------------------------------------------------- routing
@@ -235,26 +256,40 @@ def context_denied(limit: int, tokens: int, room: int) -> ApiError:
 
 def model_not_found(name: str | None) -> ApiError:
     """404: no resident model has that name."""
-    return ApiError(404, f"The model '{name}' does not exist", param="model",
-                    code="model_not_found")
+    return ApiError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
 
 
 def no_model_loaded() -> ApiError:
     """503: no model is ready at all."""
-    return ApiError(503, "no model is loaded yet; retry shortly", type=SERVER,
-                    code="model_not_ready", headers=_retry_after(1))
+    return ApiError(
+        503,
+        "no model is loaded yet; retry shortly",
+        type=SERVER,
+        code="model_not_ready",
+        headers=_retry_after(1),
+    )
 
 
 def model_loading(name: str) -> ApiError:
     """503: the named model is only loading or unloading."""
-    return ApiError(503, f"model '{name}' is loading or unloading; retry shortly", type=SERVER,
-                    code="model_not_ready", headers=_retry_after(1))
+    return ApiError(
+        503,
+        f"model '{name}' is loading or unloading; retry shortly",
+        type=SERVER,
+        code="model_not_ready",
+        headers=_retry_after(1),
+    )
 
 
 def model_gone(name: str) -> ApiError:
     """503: the last replica of a queued request's model went away."""
-    return ApiError(503, f"model {name!r} was unloaded while the request waited; retry",
-                    type=SERVER, code="model_not_ready", headers=_retry_after(1))
+    return ApiError(
+        503,
+        f"model {name!r} was unloaded while the request waited; retry",
+        type=SERVER,
+        code="model_not_ready",
+        headers=_retry_after(1),
+    )
 
 
 def no_instance(reason: str) -> ApiError:
@@ -264,9 +299,14 @@ def no_instance(reason: str) -> ApiError:
 
 def model_recovering(name: str | None, seconds: float) -> ApiError:
     """503: the model's worker died and the model was not back within the queue timeout."""
-    return ApiError(503, f"model {name or ''!r} is restarting after its worker died and was not "
-                         f"back within {seconds:g} s; retry shortly", type=SERVER,
-                    code="model_not_ready", headers=_retry_after(2))
+    return ApiError(
+        503,
+        f"model {name or ''!r} is restarting after its worker died and was not "
+        f"back within {seconds:g} s; retry shortly",
+        type=SERVER,
+        code="model_not_ready",
+        headers=_retry_after(2),
+    )
 
 
 # ---------------------------------------------------------------- slots and backpressure
@@ -274,33 +314,54 @@ def model_recovering(name: str | None, seconds: float) -> ApiError:
 
 def server_busy() -> ApiError:
     """429: a single-user instance (one slot) is busy; no queue."""
-    return ApiError(429, "a generation is already in progress on this model; retry shortly",
-                    type=RATE_LIMIT, code="server_busy", headers=_retry_after(1))
+    return ApiError(
+        429,
+        "a generation is already in progress on this model; retry shortly",
+        type=RATE_LIMIT,
+        code="server_busy",
+        headers=_retry_after(1),
+    )
 
 
 def queue_full() -> ApiError:
     """429: every slot is busy and the model's queue is full."""
-    return ApiError(429, "all slots are busy and the queue is full; retry shortly",
-                    type=RATE_LIMIT, code="queue_full", headers=_retry_after(5))
+    return ApiError(
+        429,
+        "all slots are busy and the queue is full; retry shortly",
+        type=RATE_LIMIT,
+        code="queue_full",
+        headers=_retry_after(5),
+    )
 
 
 def queue_timeout(seconds: float) -> ApiError:
     """429: no slot became free within the queue timeout."""
-    return ApiError(429, f"no slot became free within {seconds:g} s; retry", type=RATE_LIMIT,
-                    code="queue_timeout", headers=_retry_after(2))
+    return ApiError(
+        429,
+        f"no slot became free within {seconds:g} s; retry",
+        type=RATE_LIMIT,
+        code="queue_timeout",
+        headers=_retry_after(2),
+    )
 
 
 def memory_pressure() -> ApiError:
     """503: memory pressure is CRITICAL and the request cannot queue."""
-    return ApiError(503, "memory pressure is critical and the queue is full; retry later",
-                    type=SERVER, code="memory_pressure", headers=_retry_after(1))
+    return ApiError(
+        503,
+        "memory pressure is critical and the queue is full; retry later",
+        type=SERVER,
+        code="memory_pressure",
+        headers=_retry_after(1),
+    )
 
 
 def shutting_down() -> ApiError:
     """503: the server is draining (new and queued requests, and generations past the drain
     deadline)."""
-    return ApiError(503, "the server is shutting down", type=SERVER, code="shutting_down",
-                    headers=_retry_after(5))
+    return ApiError(
+        503, "the server is shutting down", type=SERVER, code="shutting_down", headers=_retry_after(5)
+    )
 
 
 # ---------------------------------------------------------------- a running generation
@@ -308,20 +369,29 @@ def shutting_down() -> ApiError:
 
 def worker_died(detail: object) -> ApiError:
     """503: the worker serving the request died; the supervisor has it back within seconds."""
-    return ApiError(503, f"the worker serving this model died: {detail}", type=SERVER,
-                    code="worker_died", headers=_retry_after(2))
+    return ApiError(
+        503,
+        f"the worker serving this model died: {detail}",
+        type=SERVER,
+        code="worker_died",
+        headers=_retry_after(2),
+    )
 
 
 def model_unloaded(name: str) -> ApiError:
     """503: an unload passed its drain deadline while this request ran."""
-    return ApiError(503, f"model {name!r} was unloaded while this request ran", type=SERVER,
-                    code="model_unloaded", headers=_retry_after(2))
+    return ApiError(
+        503,
+        f"model {name!r} was unloaded while this request ran",
+        type=SERVER,
+        code="model_unloaded",
+        headers=_retry_after(2),
+    )
 
 
 def worker_no_finish() -> ApiError:
     """500: the worker's stream ended without a finish reason."""
-    return ApiError(500, "the worker ended the request without a finish", type=SERVER,
-                    code="internal_error")
+    return ApiError(500, "the worker ended the request without a finish", type=SERVER, code="internal_error")
 
 
 def worker_aborted() -> ApiError:
@@ -331,8 +401,7 @@ def worker_aborted() -> ApiError:
 
 def generation_failed(exc: BaseException) -> ApiError:
     """500: anything else that ended a generation."""
-    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type=SERVER,
-                    code="internal_error")
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type=SERVER, code="internal_error")
 
 
 # ---------------------------------------------------------------- loads and unloads
@@ -364,32 +433,43 @@ def no_model_folder(path: str, why: str) -> ApiError:
 
 def unreadable_assets(exc: BaseException) -> ApiError:
     """400: the model's tokenizer or chat template cannot be read."""
-    return ApiError(400, f"cannot read the model's tokenizer or template: {exc}", param="path",
-                    code="invalid")
+    return ApiError(
+        400, f"cannot read the model's tokenizer or template: {exc}", param="path", code="invalid"
+    )
 
 
 def load_in_progress(name: str, instance_id: str) -> ApiError:
     """409: a load of that name is already running."""
-    return ApiError(409, f"model {name!r} is already being loaded ({instance_id})",
-                    param="name", code="conflict")
+    return ApiError(
+        409, f"model {name!r} is already being loaded ({instance_id})", param="name", code="conflict"
+    )
 
 
 def unload_in_progress(name: str, instance_id: str) -> ApiError:
     """409: that name is being unloaded."""
-    return ApiError(409, f"model {name!r} is being unloaded ({instance_id}); retry when it is "
-                         "gone", param="name", code="conflict")
+    return ApiError(
+        409,
+        f"model {name!r} is being unloaded ({instance_id}); retry when it is gone",
+        param="name",
+        code="conflict",
+    )
 
 
 def duplicate_replica(instance_id: str, name: str, dies: tuple[str, ...]) -> ApiError:
     """409: a ready replica already serves that name on those dies."""
-    return ApiError(409, f"{instance_id} already serves {name!r} on {','.join(dies)}",
-                    param="dies", code="duplicate")
+    return ApiError(
+        409, f"{instance_id} already serves {name!r} on {','.join(dies)}", param="dies", code="duplicate"
+    )
 
 
 def table_full(max_instances: int) -> ApiError:
     """507: the instance table is full."""
-    return ApiError(507, f"the model table is full ({max_instances} instances); unload one "
-                         "first", type=SERVER, code="table_full")
+    return ApiError(
+        507,
+        f"the model table is full ({max_instances} instances); unload one first",
+        type=SERVER,
+        code="table_full",
+    )
 
 
 def insufficient_memory(message: str) -> ApiError:
@@ -399,8 +479,12 @@ def insufficient_memory(message: str) -> ApiError:
 
 def no_die_available() -> ApiError:
     """507: there is no die to place a model on."""
-    return ApiError(507, "no die is available to place the model on (start the server with "
-                         "--cpu-dies N, or give 'dies')", type=SERVER, code="no_die")
+    return ApiError(
+        507,
+        "no die is available to place the model on (start the server with --cpu-dies N, or give 'dies')",
+        type=SERVER,
+        code="no_die",
+    )
 
 
 def worker_start_failed(detail: object) -> ApiError:
@@ -411,8 +495,7 @@ def worker_start_failed(detail: object) -> ApiError:
 def load_failed(kind: str, reason: str) -> ApiError:
     """The worker's ``LoadFailed``: status by kind (``LOAD_STATUS``, else 500)."""
     status = LOAD_STATUS.get(kind, 500)
-    return ApiError(status, f"load failed: {reason}", code=kind,
-                    type=SERVER if status >= 500 else INVALID)
+    return ApiError(status, f"load failed: {reason}", code=kind, type=SERVER if status >= 500 else INVALID)
 
 
 def load_worker_died(detail: object) -> ApiError:
@@ -422,29 +505,24 @@ def load_worker_died(detail: object) -> ApiError:
 
 def load_cancelled() -> ApiError:
     """500: the load was cancelled because the server is stopping."""
-    return ApiError(500, "load cancelled (the server is stopping)", type=SERVER,
-                    code="cancelled")
+    return ApiError(500, "load cancelled (the server is stopping)", type=SERVER, code="cancelled")
 
 
 def load_internal_error(exc: BaseException) -> ApiError:
     """500: anything else that failed a load."""
-    return ApiError(500, f"load failed: {type(exc).__name__}: {exc}", type=SERVER,
-                    code="internal_error")
+    return ApiError(500, f"load failed: {type(exc).__name__}: {exc}", type=SERVER, code="internal_error")
 
 
 def no_such_instance(target: str) -> ApiError:
     """404: an unload naming no model or instance."""
-    return ApiError(404, f"no model or instance named {target!r}", param="name",
-                    code="model_not_found")
+    return ApiError(404, f"no model or instance named {target!r}", param="name", code="model_not_found")
 
 
 def unload_conflict(target: str) -> ApiError:
     """409: every instance of ``target`` is loading or already unloading."""
-    return ApiError(409, f"{target!r} is loading or already unloading", param="name",
-                    code="conflict")
+    return ApiError(409, f"{target!r} is loading or already unloading", param="name", code="conflict")
 
 
 def no_ready_instance(name: str) -> ApiError:
     """404: a cache reset naming no ready model or instance."""
-    return ApiError(404, f"no ready model or instance named {name!r}", param="name",
-                    code="model_not_found")
+    return ApiError(404, f"no ready model or instance named {name!r}", param="name", code="model_not_found")

@@ -160,16 +160,26 @@ def log_request(trace: RequestTrace, duration_s: float) -> None:
     level = logging.INFO if chat or failed else logging.DEBUG
     if not ACCESS.isEnabledFor(level):
         return
-    fields = {"method": trace.method, "path": trace.path, "status": trace.status,
-              "duration_ms": _ms(duration_s), "client": trace.client}
+    fields = {
+        "method": trace.method,
+        "path": trace.path,
+        "status": trace.status,
+        "duration_ms": _ms(duration_s),
+        "client": trace.client,
+    }
     if trace.gen is not None or trace.model is not None:
-        fields.update({
-            "id": trace.request_id, "model": trace.model, "instance": trace.instance,
-            "prompt_tokens": trace.prompt_tokens,
-            "completion_tokens": trace.completion_tokens(),
-            "ttft_ms": _ms(trace.ttft_s), "queue_ms": _ms(trace.queue_wait_s),
-            "finish": ",".join(trace.finish_reasons()) or None,
-        })
+        fields.update(
+            {
+                "id": trace.request_id,
+                "model": trace.model,
+                "instance": trace.instance,
+                "prompt_tokens": trace.prompt_tokens,
+                "completion_tokens": trace.completion_tokens(),
+                "ttft_ms": _ms(trace.ttft_s),
+                "queue_ms": _ms(trace.queue_wait_s),
+                "finish": ",".join(trace.finish_reasons()) or None,
+            }
+        )
     if trace.error is not None:
         fields["error"] = getattr(trace.error, "code", None) or type(trace.error).__name__
     ACCESS.log(level, "request", extra={"fields": fields})
@@ -177,8 +187,12 @@ def log_request(trace: RequestTrace, duration_s: float) -> None:
 
 def log_admin(trace: RequestTrace, duration_s: float) -> None:
     """One line per admin action (a POST under /admin/)."""
-    fields = {"action": trace.path.removeprefix("/admin/"), "status": trace.status,
-              "duration_ms": _ms(duration_s), "client": trace.client}
+    fields = {
+        "action": trace.path.removeprefix("/admin/"),
+        "status": trace.status,
+        "duration_ms": _ms(duration_s),
+        "client": trace.client,
+    }
     for k, v in (trace.admin or {}).items():
         if k in ("path", "name", "instance", "dies", "quantize") and v is not None:
             fields[k] = v if isinstance(v, (str, int, float, bool)) else json.dumps(v)

@@ -91,7 +91,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     top_k: int = 0  # 0 means off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    repetition_window: int = 64  # the penalty looks at this many recent tokens (prompt included); -1 all, 0 none
+    repetition_window: int = (
+        64  # the penalty looks at this many recent tokens (prompt included); -1 all, 0 none
+    )
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None  # a seeded request draws the same tokens whatever shares its batch

@@ -74,9 +74,12 @@ def default_model() -> tuple[Path, str]:
     if path is not None:
         return path, DEFAULT_MODEL_NAME
     # logging is not set up yet (the config decides its format): straight to stderr
-    print(f"pantheon: warning: the default model (SmolLM2-135M-Instruct) is not installed; "
-          f"`{DEFAULT_MODEL_INSTALL}` installs it. Serving the built-in {DEFAULT_PRESET!r} "
-          "preset instead: its weights are random, so its answers are noise", file=sys.stderr)
+    print(
+        f"pantheon: warning: the default model (SmolLM2-135M-Instruct) is not installed; "
+        f"`{DEFAULT_MODEL_INSTALL}` installs it. Serving the built-in {DEFAULT_PRESET!r} "
+        "preset instead: its weights are random, so its answers are noise",
+        file=sys.stderr,
+    )
     return tiny_model(), DEFAULT_PRESET
 
 
@@ -87,8 +90,7 @@ def tiny_model() -> Path:
         return out
     print(f"pantheon: writing the built-in model to {out} (first run only)", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pantheon", "make-model", "--preset", DEFAULT_PRESET,
-           "--out", str(out)]
+    cmd = [sys.executable, "-m", "pantheon", "make-model", "--preset", DEFAULT_PRESET, "--out", str(out)]
     rc = subprocess.run(cmd).returncode
     if rc != 0 or not (out / "config.json").is_file():
         raise ConfigError(f"could not write the built-in model ({' '.join(cmd)} exited {rc})")
@@ -117,8 +119,7 @@ def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
         return cfg
     if cfg.cpu_dies == 0 and _gpu_count() == 0:
         cfg = msgspec.structs.replace(cfg, cpu_dies=1)
-    pool = [f"cpu:{i}" for i in range(cfg.cpu_dies)] or [f"cuda:{i}" for i in
-                                                         range(_gpu_count())]
+    pool = [f"cpu:{i}" for i in range(cfg.cpu_dies)] or [f"cuda:{i}" for i in range(_gpu_count())]
     models, k = [], 0
     for m in cfg.models:
         if not m.dies:
@@ -139,16 +140,14 @@ def _check_worker_listen(cfg: ServeConfig) -> None:
 
 def _worker_env(cfg: ServeConfig) -> None:
     """The workers inherit our environment: put the resolved engine knobs in it."""
-    for name in ("PANTHEON_STEP_STATS", "PANTHEON_ASYNC_POLL_US", "PANTHEON_CPU_PATH",
-                 "PANTHEON_COMPILE"):
+    for name in ("PANTHEON_STEP_STATS", "PANTHEON_ASYNC_POLL_US", "PANTHEON_CPU_PATH", "PANTHEON_COMPILE"):
         os.environ.pop(name, None)
     os.environ.update(opsconfig.worker_env(cfg.ops))
 
 
 def _warn_spec_knobs(cfg: ServeConfig) -> None:
     if not cfg.ops.api_keys and cfg.host not in ("127.0.0.1", "::1", "localhost"):
-        log.warning("listening on %s without --api-key: /v1/* is open to anyone who can "
-                    "reach it", cfg.host)
+        log.warning("listening on %s without --api-key: /v1/* is open to anyone who can reach it", cfg.host)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -179,18 +178,27 @@ async def serve(cfg: ServeConfig) -> int:
     _worker_env(cfg)
     sock = _bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
-    registry = Registry(slots=cfg.slots, queue_depth=cfg.queue_depth,
-                        queue_timeout_s=cfg.queue_timeout_s)
+    registry = Registry(slots=cfg.slots, queue_depth=cfg.queue_depth, queue_timeout_s=cfg.queue_timeout_s)
     # several CPU dies share the cores: each worker gets its share unless told otherwise
     threads = default_worker_threads(cfg.cpu_dies, cfg.worker_threads)
-    pool = WorkerPool(hello_timeout=cfg.hello_timeout_s, heartbeat_interval=cfg.heartbeat_s,
-                      step_timeout=cfg.ops.step_timeout_s, worker_threads=threads)
+    pool = WorkerPool(
+        hello_timeout=cfg.hello_timeout_s,
+        heartbeat_interval=cfg.heartbeat_s,
+        step_timeout=cfg.ops.step_timeout_s,
+        worker_threads=threads,
+    )
     await pool.start()
     app = create_app(cfg, pool, registry)
     state = app_state(app)
-    supervisor = Supervisor(state.models, registry, pool, max_restarts=cfg.ops.worker_restarts,
-                            backoff_s=cfg.ops.restart_backoff_s, metrics=state.metrics,
-                            feed=state.feed)
+    supervisor = Supervisor(
+        state.models,
+        registry,
+        pool,
+        max_restarts=cfg.ops.worker_restarts,
+        backoff_s=cfg.ops.restart_backoff_s,
+        metrics=state.metrics,
+        feed=state.feed,
+    )
     state.supervisor = supervisor  # requests wait for a model that restarts
     pool.on_worker_dead = supervisor.worker_dead
     status: dict[str, Any] = {"rc": 0}
@@ -217,9 +225,12 @@ async def serve(cfg: ServeConfig) -> int:
                         os.kill(d.pid, signal.SIGKILL)
             os._exit(128 + signum)
         status["stopping"] = True
-        print(f"pantheon: {signal.Signals(signum).name}: draining (up to "
-              f"{cfg.ops.drain_timeout_s:g} s; a second signal exits at once)",
-              file=sys.stderr, flush=True)
+        print(
+            f"pantheon: {signal.Signals(signum).name}: draining (up to "
+            f"{cfg.ops.drain_timeout_s:g} s; a second signal exits at once)",
+            file=sys.stderr,
+            flush=True,
+        )
         status["drain"] = loop.create_task(drain_and_stop())
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -234,8 +245,11 @@ async def serve(cfg: ServeConfig) -> int:
             await asyncio.gather(*(state.models.ensure_worker(d) for d in dies))
             for m in cfg.models:
                 inst = await state.models.load(m.path, m.name, m.dies)
-                print(f"pantheon: model {inst.name} ready on {','.join(inst.dies)} "
-                      f"({inst.instance_id})", file=sys.stderr, flush=True)
+                print(
+                    f"pantheon: model {inst.name} ready on {','.join(inst.dies)} ({inst.instance_id})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             print("pantheon: all models ready", file=sys.stderr, flush=True)
         except asyncio.CancelledError:
             raise
@@ -253,8 +267,7 @@ async def serve(cfg: ServeConfig) -> int:
     hc.graceful_timeout = 2.0
     hc.keep_alive_timeout = 30.0
     hc.h2_max_inbound_frame_size = 1 << 20
-    print(f"pantheon: serving on http://{host}:{port} (pid {os.getpid()})",
-          file=sys.stderr, flush=True)
+    print(f"pantheon: serving on http://{host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
     loader = asyncio.create_task(bring_up())
     try:
         await hc_serve(app, hc, shutdown_trigger=stop.wait)

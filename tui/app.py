@@ -43,14 +43,15 @@ from tui.widgets.slots import SlotGrid
 # ids make each key rebindable through Textual's keymap.
 KEYS = [
     Binding("l", "load", "Load", id="load", tooltip="Load a model (path, name, dies, quantize)"),
-    Binding("u", "unload", "Unload", id="unload",
-            tooltip="Unload the selected instance (asks first; it drains)"),
+    Binding(
+        "u", "unload", "Unload", id="unload", tooltip="Unload the selected instance (asks first; it drains)"
+    ),
     Binding("space", "pause", "Pause", id="pause", tooltip="Freeze or resume the display"),
-    Binding("slash", "filter", "Filter", id="filter", key_display="/",
-            tooltip="Filter the instances by name"),
+    Binding(
+        "slash", "filter", "Filter", id="filter", key_display="/", tooltip="Filter the instances by name"
+    ),
     Binding("s", "sort", "Sort", id="sort", tooltip="Sort the instances by the next column"),
-    Binding("question_mark", "help", "Help", id="help", key_display="?",
-            tooltip="Show every key"),
+    Binding("question_mark", "help", "Help", id="help", key_display="?", tooltip="Show every key"),
     Binding("q", "quit", "Quit", id="quit", tooltip="Leave the dashboard"),
 ]
 WRITE_ACTIONS = {"load", "unload"}  # what --readonly turns off
@@ -75,10 +76,17 @@ class PantheonApp(App[int]):
     paused: reactive[bool] = reactive(False)
     filter_text: reactive[str] = reactive("")
 
-    def __init__(self, source: Source, *, readonly: bool = False,
-                 clock: Callable[[], float] = time.monotonic, tz: tzinfo | None = None,
-                 sample_every: float | None = 1.0, history: History | None = None,
-                 blink: bool = True):
+    def __init__(
+        self,
+        source: Source,
+        *,
+        readonly: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        tz: tzinfo | None = None,
+        sample_every: float | None = 1.0,
+        history: History | None = None,
+        blink: bool = True,
+    ):
         super().__init__()
         self.source = source
         self.readonly = readonly
@@ -103,15 +111,20 @@ class PantheonApp(App[int]):
                 yield QueuePanel(id="queue", classes="panel")
                 yield Throughput(id="throughput", classes="panel")
                 yield EventLog(self.tz, id="events", classes="panel")
-        bar = FilterBar(placeholder="filter instances by name (Enter keeps, Escape clears)",
-                        id="filter")
+        bar = FilterBar(placeholder="filter instances by name (Enter keeps, Escape clears)", id="filter")
         bar.cursor_blink = self.blink
         yield bar
         yield Footer()
 
     def on_mount(self) -> None:
-        titles = {"dies": "Dies", "instances": "Instances", "slots": "Slots", "queue": "Queues",
-                  "throughput": "Throughput", "events": "Events"}
+        titles = {
+            "dies": "Dies",
+            "instances": "Instances",
+            "slots": "Slots",
+            "queue": "Queues",
+            "throughput": "Throughput",
+            "events": "Events",
+        }
         for wid, title in titles.items():
             self.query_one(f"#{wid}").border_title = title
         self.query_one(FilterBar).display = False
@@ -238,8 +251,7 @@ class PantheonApp(App[int]):
         """Whether a dashboard action may run now: None greys it out (footer, palette)."""
         if action in WRITE_ACTIONS and self.readonly:
             return None  # shown greyed out
-        if action == "unload" and (self.selected_instance() is None
-                                   or self.selected in self.draining):
+        if action == "unload" and (self.selected_instance() is None or self.selected in self.draining):
             return None
         return True
 
@@ -252,15 +264,16 @@ class PantheonApp(App[int]):
     def _loaded(self, result: dict | None) -> None:
         if result:
             where = ",".join(result.get("dies") or [])
-            self.notify(f"loaded {result.get('instance') or result.get('name')}"
-                        + (f" on {where}" if where else ""), title="Load")
+            self.notify(
+                f"loaded {result.get('instance') or result.get('name')}" + (f" on {where}" if where else ""),
+                title="Load",
+            )
 
     def action_unload(self) -> None:
         inst = self.selected_instance()
         if inst is None:
             return
-        question = (f"Unload {inst.id} ({inst.name})?\n"
-                    f"Its {inst.in_flight} in-flight requests finish first.")
+        question = f"Unload {inst.id} ({inst.name})?\nIts {inst.in_flight} in-flight requests finish first."
         self.push_screen(ConfirmScreen(question), partial(self._confirmed_unload, inst.id))
 
     def _confirmed_unload(self, instance_id: str, yes: bool | None) -> None:
@@ -273,8 +286,9 @@ class PantheonApp(App[int]):
             await self.source.unload(instance_id)
         except RouterError as e:
             self.draining = self.draining - {instance_id}
-            self.notify(f"unload {instance_id} failed: {e.message}", title="Unload",
-                        severity="error", timeout=10)
+            self.notify(
+                f"unload {instance_id} failed: {e.message}", title="Unload", severity="error", timeout=10
+            )
 
     def action_pause(self) -> None:
         self.paused = not self.paused
@@ -290,8 +304,15 @@ class PantheonApp(App[int]):
     def key_rows(self) -> list[tuple[str, str, str, bool]]:
         """(key, description, help, enabled) per binding, for the help screen; "enabled" is
         False only for what ``--readonly`` turns off (not for "nothing selected yet")."""
-        return [(self.get_key_display(b), b.description, b.tooltip,
-                 not (self.readonly and b.action in WRITE_ACTIONS)) for b in KEYS]
+        return [
+            (
+                self.get_key_display(b),
+                b.description,
+                b.tooltip,
+                not (self.readonly and b.action in WRITE_ACTIONS),
+            )
+            for b in KEYS
+        ]
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.key_rows()))
@@ -301,23 +322,29 @@ class PantheonApp(App[int]):
         if screen is self.screen_stack[0]:
             for b in KEYS:
                 if self._allowed(b.action) is True:
-                    yield SystemCommand(b.description, b.tooltip,
-                                        partial(self.run_action, b.action))
+                    yield SystemCommand(b.description, b.tooltip, partial(self.run_action, b.action))
         yield from super().get_system_commands(screen)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pantheon tui",
-                                 description="The live dashboard of a Pantheon router.")
-    ap.add_argument("--url", default=os.environ.get("PANTHEON_URL", "http://127.0.0.1:8000"),
-                    help="the router's base URL (default http://127.0.0.1:8000, or $PANTHEON_URL)")
-    ap.add_argument("--admin-key", default=os.environ.get("PANTHEON_ADMIN_KEY"),
-                    help="sent as 'Authorization: Bearer KEY' (default $PANTHEON_ADMIN_KEY)")
+    ap = argparse.ArgumentParser(prog="pantheon tui", description="The live dashboard of a Pantheon router.")
+    ap.add_argument(
+        "--url",
+        default=os.environ.get("PANTHEON_URL", "http://127.0.0.1:8000"),
+        help="the router's base URL (default http://127.0.0.1:8000, or $PANTHEON_URL)",
+    )
+    ap.add_argument(
+        "--admin-key",
+        default=os.environ.get("PANTHEON_ADMIN_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default $PANTHEON_ADMIN_KEY)",
+    )
     ap.add_argument("--readonly", action="store_true", help="turn off load and unload")
-    ap.add_argument("--interval", type=float, default=1.0, metavar="S",
-                    help="seconds between refreshes (default 1)")
-    ap.add_argument("--sse", action="store_true",
-                    help="follow /admin/events instead of polling (falls back when absent)")
+    ap.add_argument(
+        "--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes (default 1)"
+    )
+    ap.add_argument(
+        "--sse", action="store_true", help="follow /admin/events instead of polling (falls back when absent)"
+    )
     return ap
 
 

@@ -106,9 +106,16 @@ def decode_sse(event: str, data: str) -> Update | None:
 class RouterClient:
     """The dashboard's real ``Source``: the router at ``url`` over HTTP (see the module doc)."""
 
-    def __init__(self, url: str, admin_key: str | None = None, *, interval: float = 1.0,
-                 sse: bool = False, backoff: Backoff | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(
+        self,
+        url: str,
+        admin_key: str | None = None,
+        *,
+        interval: float = 1.0,
+        sse: bool = False,
+        backoff: Backoff | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
         self.url = url.rstrip("/")
         self.interval = max(0.05, interval)
         self.sse = sse
@@ -116,15 +123,18 @@ class RouterClient:
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         # A poll that takes longer than a few intervals counts as a lost router.
         poll = max(2.0, 3 * self.interval)
-        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, transport=transport,
-                                       timeout=httpx.Timeout(poll, connect=min(poll, 3.0)))
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            headers=headers,
+            transport=transport,
+            timeout=httpx.Timeout(poll, connect=min(poll, 3.0)),
+        )
 
     async def fetch_state(self) -> Snapshot:
         """One ``GET /admin/state``; raises ``RouterError`` (HTTP error) or an httpx error."""
         resp = await self._http.get("/admin/state")
         if resp.status_code != 200:
-            raise RouterError(f"/admin/state: {resp.status_code} {error_text(resp)}",
-                              resp.status_code)
+            raise RouterError(f"/admin/state: {resp.status_code} {error_text(resp)}", resp.status_code)
         try:
             return decode_snapshot(resp.content)
         except msgspec.MsgspecError as e:
@@ -166,16 +176,19 @@ class RouterClient:
     async def _follow_events(self) -> AsyncIterator[Update]:
         timeout = httpx.Timeout(max(30.0, 5 * self.interval), connect=3.0)
         # The router sends a snapshot every ``interval`` seconds, events as they happen.
-        async with self._http.stream("GET", "/admin/events", timeout=timeout,
-                                     params={"interval": f"{self.interval:g}"},
-                                     headers={"Accept": "text/event-stream"}) as resp:
+        async with self._http.stream(
+            "GET",
+            "/admin/events",
+            timeout=timeout,
+            params={"interval": f"{self.interval:g}"},
+            headers={"Accept": "text/event-stream"},
+        ) as resp:
             if resp.status_code == 404:
                 self.sse = False
                 return
             if resp.status_code != 200:
                 await resp.aread()
-                raise RouterError(f"/admin/events: {resp.status_code} {error_text(resp)}",
-                                  resp.status_code)
+                raise RouterError(f"/admin/events: {resp.status_code} {error_text(resp)}", resp.status_code)
             async for event, data in parse_sse(resp.aiter_lines()):
                 item = decode_sse(event, data)
                 if item is not None:
@@ -194,8 +207,7 @@ class RouterClient:
             out = None
         return out if isinstance(out, dict) else {}
 
-    async def load(self, path: str, name: str | None, dies: list[str],
-                   quantize: bool) -> dict[str, Any]:
+    async def load(self, path: str, name: str | None, dies: list[str], quantize: bool) -> dict[str, Any]:
         body: dict[str, Any] = {"path": path, "dies": dies, "quantize": quantize}
         if name:
             body["name"] = name

@@ -24,15 +24,19 @@ def parse_dies(text: str) -> list[str]:
     dies = [d.strip() for d in text.split(",")] if text.strip() else []
     for d in dies:
         if not DIE_RE.match(d):
-            raise ValueError(f"bad die {d!r}: use cpu:N, cuda:N or N, comma separated"
-                             if d else "empty die in the list (a stray comma?)")
+            raise ValueError(
+                f"bad die {d!r}: use cpu:N, cuda:N or N, comma separated"
+                if d
+                else "empty die in the list (a stray comma?)"
+            )
     if len(set(dies)) != len(dies):
         raise ValueError("a die is listed twice")
     return dies
 
 
-def validate_load(path: str, name: str, dies: str, quantize: bool) -> tuple[
-        LoadRequest | None, dict[str, str]]:
+def validate_load(
+    path: str, name: str, dies: str, quantize: bool
+) -> tuple[LoadRequest | None, dict[str, str]]:
     """The request, or ``None`` and an error message per field (``path``, ``name``, ``dies``).
 
     The path is not checked for existence here: it names a folder on the router's host.

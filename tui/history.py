@@ -16,8 +16,7 @@ from pantheon.snapshot import Snapshot
 class History:
     """The last ``size`` samples of tokens/s and total queue depth."""
 
-    def __init__(self, size: int = 240, tokens: Iterable[float] = (),
-                 queue: Iterable[float] = ()):
+    def __init__(self, size: int = 240, tokens: Iterable[float] = (), queue: Iterable[float] = ()):
         self.tokens: deque[float] = deque(tokens, maxlen=size)
         self.queue: deque[float] = deque(queue, maxlen=size)
 

@@ -113,8 +113,10 @@ class LoadScreen(ModalScreen[dict | None]):
 class ConfirmScreen(ModalScreen[bool]):
     """A yes/no question; ``y`` / ``n`` / Escape answer it from the keyboard."""
 
-    BINDINGS = [Binding("y", "answer(True)", "Yes", id="confirm.yes"),
-                Binding("n,escape", "answer(False)", "No", id="confirm.no")]
+    BINDINGS = [
+        Binding("y", "answer(True)", "Yes", id="confirm.yes"),
+        Binding("n,escape", "answer(False)", "No", id="confirm.no"),
+    ]
 
     def __init__(self, question: str):
         super().__init__()
@@ -151,8 +153,7 @@ class HelpScreen(ModalScreen[None]):
         with Vertical(id="help-dialog", classes="dialog"):
             yield Label("Keys", classes="dialog-title")
             yield DataTable(id="help-keys", cursor_type="none", show_cursor=False)
-            yield Label("Click a column title to sort; ctrl+p opens the command palette.",
-                        classes="dim")
+            yield Label("Click a column title to sort; ctrl+p opens the command palette.", classes="dim")
             yield Label("Escape or ? closes this help.", classes="dim")
 
     def on_mount(self) -> None:
@@ -160,9 +161,11 @@ class HelpScreen(ModalScreen[None]):
         table.add_columns("key", "action", "")
         for key, desc, help_text, enabled in self.rows:
             style = "" if enabled else "dim strike"
-            table.add_row(Text(key, "bold " + style if enabled else style), Text(desc, style),
-                          Text(help_text if enabled else f"{help_text} (off: read-only)",
-                               "dim"))
+            table.add_row(
+                Text(key, "bold " + style if enabled else style),
+                Text(desc, style),
+                Text(help_text if enabled else f"{help_text} (off: read-only)", "dim"),
+            )
 
     def action_close(self) -> None:
         self.dismiss(None)

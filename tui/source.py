@@ -48,8 +48,7 @@ class Source(Protocol):
         """Yield updates until cancelled (the real source never ends on its own)."""
         ...
 
-    async def load(self, path: str, name: str | None, dies: list[str],
-                   quantize: bool) -> dict[str, Any]:
+    async def load(self, path: str, name: str | None, dies: list[str], quantize: bool) -> dict[str, Any]:
         """Load a model; returns the router's instance JSON, raises ``RouterError``."""
         ...
 
@@ -57,8 +56,7 @@ class Source(Protocol):
         """Unload by instance id or name; returns when the router has drained it."""
         ...
 
-    async def aclose(self) -> None:
-        ...
+    async def aclose(self) -> None: ...
 
 
 class StaticSource:
@@ -69,9 +67,15 @@ class StaticSource:
     Calls are recorded in ``calls``.
     """
 
-    def __init__(self, items: Iterable[Update] = (), *, url: str = "http://router.test:8000",
-                 load_error: str | None = None, unload_error: str | None = None,
-                 hold: asyncio.Event | None = None):
+    def __init__(
+        self,
+        items: Iterable[Update] = (),
+        *,
+        url: str = "http://router.test:8000",
+        load_error: str | None = None,
+        unload_error: str | None = None,
+        hold: asyncio.Event | None = None,
+    ):
         self.url = url
         self.items = list(items)
         self.load_error = load_error
@@ -84,16 +88,18 @@ class StaticSource:
         for item in self.items:
             yield item
 
-    async def load(self, path: str, name: str | None, dies: list[str],
-                   quantize: bool) -> dict[str, Any]:
-        self.calls.append(("load", {"path": path, "name": name, "dies": dies,
-                                    "quantize": quantize}))
+    async def load(self, path: str, name: str | None, dies: list[str], quantize: bool) -> dict[str, Any]:
+        self.calls.append(("load", {"path": path, "name": name, "dies": dies, "quantize": quantize}))
         if self.hold is not None:
             await self.hold.wait()
         if self.load_error:
             raise RouterError(self.load_error, 404)
-        return {"status": "loaded", "name": name or path.rstrip("/").rsplit("/", 1)[-1],
-                "instance": f"{name}#9", "dies": dies}
+        return {
+            "status": "loaded",
+            "name": name or path.rstrip("/").rsplit("/", 1)[-1],
+            "instance": f"{name}#9",
+            "dies": dies,
+        }
 
     async def unload(self, target: str) -> dict[str, Any]:
         self.calls.append(("unload", target))

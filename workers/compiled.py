@@ -64,8 +64,10 @@ class CompiledDecode:
                     # fresh tensors with standard strides, as the runner builds them
                     gather = torch.arange(bsz * t, device=self.device).view(bsz, t) % free_rows
                     slots = torch.tensor(gather[:, -1].tolist(), device=self.device)
-                    self._call(torch.zeros(bsz, dtype=torch.long, device=self.device), AttnBatch(
-                        cos, sin, slots, bsz, gather, None, []))
+                    self._call(
+                        torch.zeros(bsz, dtype=torch.long, device=self.device),
+                        AttnBatch(cos, sin, slots, bsz, gather, None, []),
+                    )
         except Exception as e:  # noqa: BLE001 - any compile failure means: stay eager
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             log.warning("torch.compile of the decode step failed, staying eager: %s", self.error)
@@ -77,8 +79,14 @@ class CompiledDecode:
         assert b.decode_gather is not None  # a decode batch has its gather
         bias = b.decode_bias
         if input_ids.shape[0] > 1 and bias is None:  # one graph for every batch >= 2
-            bias = torch.zeros(b.decode_gather.shape[0], 1, 1, b.decode_gather.shape[1],
-                               dtype=torch.float32, device=self.device)
+            bias = torch.zeros(
+                b.decode_gather.shape[0],
+                1,
+                1,
+                b.decode_gather.shape[1],
+                dtype=torch.float32,
+                device=self.device,
+            )
         # Standard strides: the runner's gather is a slice whose row stride changes with the
         # context (and .contiguous() keeps it when there is one row, which is "contiguous")
         g = b.decode_gather
@@ -96,6 +104,9 @@ class CompiledDecode:
         except Exception as e:  # noqa: BLE001 - a recompile refused (or any compiled failure)
             self.fallbacks += 1
             if self.fallbacks in (1, 10, 100, 1000):
-                log.warning("compiled decode step refused these inputs (%d so far), ran eager: "
-                            "%s", self.fallbacks, str(e).splitlines()[0][:200] if str(e) else e)
+                log.warning(
+                    "compiled decode step refused these inputs (%d so far), ran eager: %s",
+                    self.fallbacks,
+                    str(e).splitlines()[0][:200] if str(e) else e,
+                )
             return None

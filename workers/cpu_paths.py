@@ -116,22 +116,26 @@ def probe_all() -> dict[str, str | None]:
     return {name: probe(name) for name in PATHS}
 
 
-def candidates(*, quantize: bool, dtype: str = AUTO, forced: str | None = None,
-               quantized_source: bool = False) -> list[str]:
+def candidates(
+    *, quantize: bool, dtype: str = AUTO, forced: str | None = None, quantized_source: bool = False
+) -> list[str]:
     """The paths a load may use: the forced one alone, or every path that probes well and fits
     the load's ``quantize`` and ``dtype`` asks. Raises ``LoadError`` when none is left."""
     if forced:
         why = probe(forced)
         if why:
-            raise LoadError("unsupported", f"CPU path {forced!r} (PANTHEON_CPU_PATH) does not work "
-                                           f"on this host ({isa()}): {why}")
+            raise LoadError(
+                "unsupported",
+                f"CPU path {forced!r} (PANTHEON_CPU_PATH) does not work on this host ({isa()}): {why}",
+            )
         return [forced]
     if dtype == "float16":
         dtype = "bfloat16"  # fp16 matmuls are slow on CPUs; bf16 has the same size and more range
     names = cpu_path_names(quantize, dtype, {n: probe(n) or "" for n in PATHS}, quantized_source)
     if not names:
-        raise LoadError("unsupported", f"no CPU path works on this host ({isa()}) for "
-                                       f"quantize={quantize}, dtype={dtype}")
+        raise LoadError(
+            "unsupported", f"no CPU path works on this host ({isa()}) for quantize={quantize}, dtype={dtype}"
+        )
     return names
 
 
@@ -139,8 +143,13 @@ def linear_shapes(cfg) -> list[tuple[int, int, int]]:
     """(N, K, how many) of the model's linear layers, the LM head last."""
     h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
     n = cfg.num_layers
-    return [(q + 2 * kv, h, n), (h, q, n), (2 * cfg.intermediate_size, h, n),
-            (h, cfg.intermediate_size, n), (cfg.vocab_size, h, 1)]
+    return [
+        (q + 2 * kv, h, n),
+        (h, q, n),
+        (2 * cfg.intermediate_size, h, n),
+        (h, cfg.intermediate_size, n),
+        (cfg.vocab_size, h, 1),
+    ]
 
 
 class _Bench:

@@ -61,8 +61,9 @@ class Engine:
         self.cpu_timings: dict[str, tuple[float, float]] = {}
         if torch.device(devices[0]).type == "cpu":
             forced = cpu_path if cpu_path not in (None, cpu_paths.AUTO) else cpu_paths.forced_path()
-            names = cpu_paths.candidates(quantize=quantize, dtype=dtype, forced=forced,
-                                         quantized_source=cfg.quantized_source)
+            names = cpu_paths.candidates(
+                quantize=quantize, dtype=dtype, forced=forced, quantized_source=cfg.quantized_source
+            )
             choice = cpu_paths.choose(cfg, names)
             self.cpu_path, self.cpu_timings = choice.name, choice.timings
             dtype = cpu_paths.DTYPE_NAMES[cpu_paths.PATHS[choice.name].dtype]
@@ -71,8 +72,9 @@ class Engine:
         num_blocks = kv_budget_bytes // block_bytes
         if num_blocks < 2:
             raise LoadError(
-                "out_of_memory", f"KV budget of {kv_budget_bytes} bytes holds fewer than 2 blocks "
-                f"of {block_size} tokens ({block_bytes} bytes each)"
+                "out_of_memory",
+                f"KV budget of {kv_budget_bytes} bytes holds fewer than 2 blocks "
+                f"of {block_size} tokens ({block_bytes} bytes each)",
             )
         self.model, self.cfg = load_model(model_path, devices, dtype, progress)
         if self.cpu_path is not None:
@@ -141,13 +143,15 @@ class Engine:
             raise RequestRejected("invalid", "max_tokens must be at least 1")
         if len(prompt) >= self.max_model_len:
             raise RequestRejected(
-                "context_length", f"the prompt has {len(prompt)} tokens; this model takes at most "
-                f"{self.max_model_len - 1} plus one generated token"
+                "context_length",
+                f"the prompt has {len(prompt)} tokens; this model takes at most "
+                f"{self.max_model_len - 1} plus one generated token",
             )
         if self.blocks.blocks_for(len(prompt) + 1) > self.blocks.num_blocks:
             raise RequestRejected(
-                "context_length", f"the prompt has {len(prompt)} tokens but the KV pool holds "
-                f"{self.blocks.num_blocks * self.blocks.block_size}"
+                "context_length",
+                f"the prompt has {len(prompt)} tokens but the KV pool holds "
+                f"{self.blocks.num_blocks * self.blocks.block_size}",
             )
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -232,7 +236,14 @@ class Engine:
             else:
                 state = "decode" if s.num_output > 0 and s.decoding else "prefill"
                 slots.append(
-                    SlotInfo(state, s.request_id, s.prompt_len, min(s.num_computed, s.prompt_len), s.num_output, s.session_id)
+                    SlotInfo(
+                        state,
+                        s.request_id,
+                        s.prompt_len,
+                        min(s.num_computed, s.prompt_len),
+                        s.num_output,
+                        s.session_id,
+                    )
                 )
         return InstanceStats(
             instance=instance,

@@ -49,7 +49,7 @@ _SHIFT_1 = torch.arange(8, dtype=torch.uint8)
 
 def _halves(b: torch.Tensor, at: int, count: int = 1) -> torch.Tensor:
     """``count`` consecutive fp16 values at byte ``at`` of every block, as float32 [n, count]."""
-    return b[:, at:at + 2 * count].contiguous().view(torch.float16).float()
+    return b[:, at : at + 2 * count].contiguous().view(torch.float16).float()
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -78,8 +78,8 @@ def _q4_1(b, out):
 def _q5(b, at_qh: int):
     """Q5_0/Q5_1's 5-bit values [n, 32]: nibbles, plus bit i of the little-endian uint32 for x[i]."""
     n = b.shape[0]
-    low = _nibbles(b[:, at_qh + 4:at_qh + 20])
-    high = _bits(b[:, at_qh:at_qh + 4], 8).transpose(1, 2).reshape(n, 32)  # bit 8 j + s: byte j
+    low = _nibbles(b[:, at_qh + 4 : at_qh + 20])
+    high = _bits(b[:, at_qh : at_qh + 4], 8).transpose(1, 2).reshape(n, 32)  # bit 8 j + s: byte j
     return low | (high << 4)
 
 
@@ -165,15 +165,26 @@ def _q6_k(b, out):
 # values, ~8000 for a 135M-parameter model.
 CHUNK_VALUES = 1 << 14
 
-_BLOCKS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
-           "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_BLOCKS = {
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q8_0": _q8_0,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+}
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _LAYOUT = {name: (block, nbytes) for name, block, nbytes in TENSOR_TYPES.values()}
 assert set(_BLOCKS) | set(_FLOATS) == set(_LAYOUT)
 
 
-def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...],
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    raw: torch.Tensor, type_name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """A tensor's bytes (uint8, as in the file) -> ``shape`` in ``dtype``. Float types are views
     of ``raw`` when ``dtype`` is theirs; quantized ones are computed in float32 (then cast: the
     loader leaves that to its copy into the parameter)."""
@@ -184,14 +195,17 @@ def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...],
     out = torch.empty(blocks.shape[0], block, dtype=torch.float32)
     fill, step = _BLOCKS[type_name], max(1, CHUNK_VALUES // block)
     for i in range(0, blocks.shape[0], step):
-        fill(blocks[i:i + step], out[i:i + step])
+        fill(blocks[i : i + step], out[i : i + step])
     return out.view(shape).to(dtype)
 
 
 # ---------------------------------------------------------------- names and layout
 
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
+_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -240,7 +254,7 @@ def open_data(g: GGUFFile) -> np.memmap:
 def raw_bytes(data: np.ndarray, t: GGUFTensor, heads: int | None = None) -> torch.Tensor:
     """The tensor's bytes as a uint8 torch tensor sharing the map's memory; with ``heads``, its
     rows reordered by ``unpermute`` (a copy)."""
-    arr = data[t.offset:t.offset + t.nbytes]
+    arr = data[t.offset : t.offset + t.nbytes]
     if heads and t.shape:
         arr = unpermute(arr.reshape(t.shape[0], -1), heads).reshape(-1)
     elif t.type_name in _FLOATS and t.offset % 4:
@@ -248,8 +262,9 @@ def raw_bytes(data: np.ndarray, t: GGUFTensor, heads: int | None = None) -> torc
     return torch.from_numpy(arr)
 
 
-def iter_tensors(g: GGUFFile, cfg: ModelConfig,
-                 wanted: set[str] | dict) -> Iterator[tuple[Path, str, str, torch.Tensor]]:
+def iter_tensors(
+    g: GGUFFile, cfg: ModelConfig, wanted: set[str] | dict
+) -> Iterator[tuple[Path, str, str, torch.Tensor]]:
     """``(file, label, hf_name, tensor)`` for every tensor of the file our model uses
     (``wanted``), dequantized (float32, or the file's own float type) and in Hugging Face row
     order; ``label`` names it for errors. The loader's filling takes these as it takes
@@ -259,8 +274,9 @@ def iter_tensors(g: GGUFFile, cfg: ModelConfig,
     for t in g.tensors.values():
         name = hf_name(t.name)
         if name is None:
-            raise LoadError("unsupported", f"{g.path}: tensor {t.name!r} is not part of a "
-                                           f"{g.arch} model this engine runs")
+            raise LoadError(
+                "unsupported", f"{g.path}: tensor {t.name!r} is not part of a {g.arch} model this engine runs"
+            )
         if name not in wanted:
             continue
         heads = None

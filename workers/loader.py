@@ -28,7 +28,18 @@ from workers.model_config import ModelConfig, gguf_config, gguf_errors, load_con
 
 _COPY_VALUES = 1 << 14  # values per copy into a parameter (see _fill)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_ST_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_ST_DTYPE_BYTES = {
+    "BF16": 2,
+    "F16": 2,
+    "F32": 4,
+    "F64": 8,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -46,7 +57,9 @@ def weight_files(model_dir: Path) -> list[Path]:
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        found = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt*"))
+        found = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
+            p.name for p in model_dir.glob("*.pt*")
+        )
         hint = f" (found {', '.join(found)}: pickle checkpoints are never loaded)" if found else ""
         raise LoadError("not_found", f"{model_dir}: no *.safetensors weights{hint}")
     return files
@@ -82,11 +95,14 @@ def check_safetensors(path: Path) -> dict:
             raise LoadError("invalid", f"{path}: corrupt safetensors entry for tensor {name!r}") from None
         if end > data_len:
             raise LoadError(
-                "invalid", f"{path}: truncated safetensors file: tensor {name!r} ends at byte "
-                f"{end} but the data section has {data_len}"
+                "invalid",
+                f"{path}: truncated safetensors file: tensor {name!r} ends at byte "
+                f"{end} but the data section has {data_len}",
             )
         if nbytes and end - start != numel * nbytes:
-            raise LoadError("invalid", f"{path}: corrupt safetensors entry for tensor {name!r} (size mismatch)")
+            raise LoadError(
+                "invalid", f"{path}: corrupt safetensors entry for tensor {name!r} (size mismatch)"
+            )
     return header
 
 
@@ -158,8 +174,7 @@ def load_model(
     dt = resolve_dtype(dtype, cfg, devs[0])
     model = _empty_model(cfg, devs, dt)
     targets = _targets(model, cfg)
-    tensors = (iter_tensors(g, cfg, targets) if g is not None
-               else _safetensors_tensors(headers, targets))
+    tensors = iter_tensors(g, cfg, targets) if g is not None else _safetensors_tensors(headers, targets)
     filled = _fill(targets, tensors, source, progress)
 
     missing = [n for n in targets if n not in filled]
@@ -218,8 +233,9 @@ def _safetensors_tensors(headers: dict[Path, dict], wanted: dict) -> Tensors:
             raise LoadError("invalid", f"{f}: cannot read safetensors ({e})") from None
 
 
-def _fill(targets: dict, tensors: Tensors, source: str,
-          progress: Callable[[int, int], None] | None) -> set[str]:
+def _fill(
+    targets: dict, tensors: Tensors, source: str, progress: Callable[[int, int], None] | None
+) -> set[str]:
     """Copy every checkpoint tensor into its parameter rows; returns the names filled."""
     filled: set[str] = set()
     total, done = len(targets), 0
@@ -228,8 +244,8 @@ def _fill(targets: dict, tensors: Tensors, source: str,
         want = (rows,) + tuple(param.shape[1:])
         if tuple(src.shape) != want:
             raise LoadError(
-                "invalid", f"{f}: tensor {label} has shape {list(src.shape)}, "
-                f"expected {list(want)} from {source}"
+                "invalid",
+                f"{f}: tensor {label} has shape {list(src.shape)}, expected {list(want)} from {source}",
             )
         with torch.no_grad():
             # in runs of rows under torch's parallel grain: a copy is memory-bound, and a

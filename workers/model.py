@@ -168,7 +168,9 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # an nn.ModuleList (registered as submodules), typed as what it holds
-        self.layers = cast("list[DecoderLayer]", nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers)))
+        self.layers = cast(
+            "list[DecoderLayer]", nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # None: tied to the embedding table; a CPU path may swap in its own linear layout
         self.lm_head: nn.Module | None

@@ -88,8 +88,9 @@ def _rope_from(raw: dict, where: str) -> RopeConfig:
     src.pop("rope_theta", None)
     if rope_type not in ROPE_TYPES:
         raise LoadError(
-            "unsupported", f"{where}: rope_scaling type {rope_type!r} is not supported "
-            f"(supported: {', '.join(sorted(ROPE_TYPES))})"
+            "unsupported",
+            f"{where}: rope_scaling type {rope_type!r} is not supported "
+            f"(supported: {', '.join(sorted(ROPE_TYPES))})",
         )
     if rope_type != "default" and "factor" not in src:
         raise LoadError("invalid", f"{where}: rope_scaling type {rope_type!r} needs 'factor'")
@@ -160,8 +161,7 @@ def config_from_dict(raw: dict, gen: dict, where: str) -> ModelConfig:
     if arch is None:
         raise LoadError(
             "unsupported",
-            f"{where}: field 'architectures' is {archs!r}; supported: "
-            + ", ".join(SUPPORTED_ARCHITECTURES),
+            f"{where}: field 'architectures' is {archs!r}; supported: " + ", ".join(SUPPORTED_ARCHITECTURES),
         )
 
     def need(key: str, kind=int):
@@ -178,8 +178,8 @@ def config_from_dict(raw: dict, gen: dict, where: str) -> ModelConfig:
     head_dim = raw.get("head_dim") or hidden // heads
     if heads % kv_heads:
         raise LoadError(
-            "invalid", f"{where}: num_attention_heads {heads} is not a multiple of "
-            f"num_key_value_heads {kv_heads}"
+            "invalid",
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}",
         )
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
     if dtype not in ("bfloat16", "float16", "float32"):

@@ -39,7 +39,6 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-
 def quantize_int8(model: nn.Module) -> None:
     """Replace every ``nn.Linear`` inside the decoder layers in place (the LM head stays).
 

@@ -16,7 +16,9 @@ from workers.model_config import ModelConfig
 
 def _base_inv_freq(base: float, dim: int, device=None) -> torch.Tensor:
     # inv_freq: [dim / 2]
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+    return 1.0 / (
+        base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim)
+    )
 
 
 def _llama3(cfg: ModelConfig, s: dict, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -164,6 +164,11 @@ def _to(b: AttnBatch, dev: torch.device) -> AttnBatch:
         return None if t is None else to(t)
 
     return AttnBatch(
-        to(b.rot_cos), to(b.rot_sin), to(b.slot_mapping), b.n_decode, mv(b.decode_gather), mv(b.decode_bias),
+        to(b.rot_cos),
+        to(b.rot_sin),
+        to(b.slot_mapping),
+        b.n_decode,
+        mv(b.decode_gather),
+        mv(b.decode_bias),
         [PrefillChunk(c.start, c.end, to(c.gather), mv(c.mask)) for c in b.prefills],
     )

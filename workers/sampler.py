@@ -96,8 +96,9 @@ def sample(
     logits: torch.Tensor, states: list[SamplerState], recents: list[list[int]], n_outputs: list[int]
 ) -> list[Sampled]:
     """logits: [B, V] fp32, one row per sequence -> one token per row."""
-    picks = torch.stack([_pick(_penalize(logits[i].clone(), st, recents[i], n_outputs[i]), st)
-                         for i, st in enumerate(states)])  # [B] token ids, on the device
+    picks = torch.stack(
+        [_pick(_penalize(logits[i].clone(), st, recents[i], n_outputs[i]), st) for i, st in enumerate(states)]
+    )  # [B] token ids, on the device
     out = [Sampled(t) for t in picks.tolist()]  # the one copy of the tokens
     asked = [i for i, st in enumerate(states) if st.params.logprobs]
     if asked:

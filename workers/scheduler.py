@@ -78,7 +78,9 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, num_slots: int = 8, prefill_chunk: int = 128, max_model_len: int = 4096):
+    def __init__(
+        self, blocks: BlockManager, num_slots: int = 8, prefill_chunk: int = 128, max_model_len: int = 4096
+    ):
         self.blocks = blocks
         self.slots: list[Sequence | None] = [None] * num_slots
         self.prefill_chunk = prefill_chunk

@@ -205,8 +205,12 @@ class Worker:
 
             isa = cpu_paths.isa()
             paths = {name: why or "" for name, why in cpu_paths.probe_all().items()}
-            log.info("%s: isa %s; CPU paths that work: %s", self.die.id, isa,
-                     ", ".join(n for n, why in paths.items() if not why) or "none")
+            log.info(
+                "%s: isa %s; CPU paths that work: %s",
+                self.die.id,
+                isa,
+                ", ".join(n for n, why in paths.items() if not why) or "none",
+            )
             for name, why in paths.items():
                 if why:
                     log.info("%s: CPU path %s is not used here: %s", self.die.id, name, why)
@@ -326,8 +330,9 @@ class Worker:
             self.window_steps += 1
             self.window_ms += ms
             if self.step_stats:
-                print(f"step {self.steps} {name} {ms:.2f} ms {len(tokens)} tokens",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"step {self.steps} {name} {ms:.2f} ms {len(tokens)} tokens", file=sys.stderr, flush=True
+                )
             if tokens:  # a prefill chunk that completes no prompt yields nothing to send
                 self.send(p.StepOutput(instance=name, tokens=tokens, step_ms=ms))
                 for t in tokens:
@@ -366,8 +371,7 @@ class Worker:
                 use_cache=msg.use_cache,
             )
         except RequestRejected as e:
-            self.send(p.Rejected(request_id=msg.request_id, kind=cast(p.RejectKind, e.kind),
-                                 reason=e.reason))
+            self.send(p.Rejected(request_id=msg.request_id, kind=cast(p.RejectKind, e.kind), reason=e.reason))
         else:
             self.owner[msg.request_id] = msg.instance
 
@@ -414,10 +418,13 @@ class Worker:
                     progress=self._on_progress,
                 )
             except LoadError as e:
-                result = p.LoadFailed(instance=msg.instance, kind=cast(p.LoadFailKind, e.kind),
-                                      reason=e.reason)
+                result = p.LoadFailed(
+                    instance=msg.instance, kind=cast(p.LoadFailKind, e.kind), reason=e.reason
+                )
         except MemoryError as e:
-            result = p.LoadFailed(instance=msg.instance, kind="out_of_memory", reason=str(e) or "out of memory")
+            result = p.LoadFailed(
+                instance=msg.instance, kind="out_of_memory", reason=str(e) or "out of memory"
+            )
         except Exception as e:
             # torch.cuda.OutOfMemoryError is a RuntimeError; name it so the router can place elsewhere
             kind = "out_of_memory" if type(e).__name__ == "OutOfMemoryError" else "internal"
@@ -486,15 +493,27 @@ class Worker:
                 cpu_path=engine.cpu_path or "",
             )
         )
-        log.info("loaded %s (%d bytes booked on %s%s)", name, need, self.die.id,
-                 f", CPU path {engine.cpu_path}" if engine.cpu_path else "")
+        log.info(
+            "loaded %s (%d bytes booked on %s%s)",
+            name,
+            need,
+            self.die.id,
+            f", CPU path {engine.cpu_path}" if engine.cpu_path else "",
+        )
         if engine.compiled or engine.compile_error:
-            log.info("%s: decode step %s", name, "compiled (torch.compile)" if engine.compiled
-                     else f"left eager, the compile failed: {engine.compile_error}")
+            log.info(
+                "%s: decode step %s",
+                name,
+                "compiled (torch.compile)"
+                if engine.compiled
+                else f"left eager, the compile failed: {engine.compile_error}",
+            )
         if engine.cpu_timings:  # what the choice was made on: ms of one step's linears
-            log.info("%s: CPU paths timed on its shapes (ms per step at 1 / 8 rows): %s", name,
-                     ", ".join(f"{n} {a * 1e3:.2f} / {b * 1e3:.2f}"
-                               for n, (a, b) in engine.cpu_timings.items()))
+            log.info(
+                "%s: CPU paths timed on its shapes (ms per step at 1 / 8 rows): %s",
+                name,
+                ", ".join(f"{n} {a * 1e3:.2f} / {b * 1e3:.2f}" for n, (a, b) in engine.cpu_timings.items()),
+            )
 
     def _unload(self, name: str) -> None:
         if self.loading is not None and self.loading.msg.instance == name:
@@ -530,7 +549,9 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pantheon worker", description="Run one worker process for one die.")
     ap.add_argument("--die", required=True, help="cpu:N or cuda:N")
     ap.add_argument("--endpoint", required=True, help="the router's socket, ipc:///path or tcp://host:port")
-    ap.add_argument("--budget-bytes", type=int, default=None, help="memory budget of a cpu die (default: all RAM)")
+    ap.add_argument(
+        "--budget-bytes", type=int, default=None, help="memory budget of a cpu die (default: all RAM)"
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     ap.add_argument(
         "--router-timeout",

@@ -43,7 +43,7 @@ CORS_HEADERS = {
     "Access-Control-Allow-Origin": "*",
     "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
     "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Session-Id, "
-                                    "OpenAI-Organization, OpenAI-Project, X-Stainless-*",
+    "OpenAI-Organization, OpenAI-Project, X-Stainless-*",
     "Access-Control-Max-Age": "86400",
 }
 
@@ -54,9 +54,12 @@ def build_state(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Ap
     """The app's state around ``pool`` and ``registry``: dies, pressure, feed, loads."""
     measured: dict[str, tuple[int, int]] = {}  # die -> (total, free) as its worker last measured
     pressure = PressureSource(config.pressure_thresholds, die_probe=measured.get)
-    dies = DieManager(cpu_dies=config.cpu_dies, cpu_budget=config.cpu_die_budget,
-                      reserve=config.die_reserve,
-                      host_available=lambda: pressure.host_memory()[1])
+    dies = DieManager(
+        cpu_dies=config.cpu_dies,
+        cpu_budget=config.cpu_die_budget,
+        reserve=config.die_reserve,
+        host_available=lambda: pressure.host_memory()[1],
+    )
     pressure.booked_probe = lambda die: getattr(dies.get(die), "used_bytes", 0)
     registry.pressure = pressure.level
     feed = Feed()
@@ -68,13 +71,21 @@ def build_state(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Ap
         """A change of the overall pressure level becomes an event (the tick, the test seam)."""
         level = pressure.level(d.id for d in dies.dies())
         if level != level_seen[0]:
-            feed.event("pressure", f"memory pressure {LEVEL_NAMES[level_seen[0]]} -> "
-                                   f"{LEVEL_NAMES[level]}")
+            feed.event("pressure", f"memory pressure {LEVEL_NAMES[level_seen[0]]} -> {LEVEL_NAMES[level]}")
             level_seen[0] = level
 
-    state = AppState(config=config, pool=pool, registry=registry, dies=dies, pressure=pressure,
-                     feed=feed, models=models, live=live, note_pressure=note_pressure,
-                     measured=measured)
+    state = AppState(
+        config=config,
+        pool=pool,
+        registry=registry,
+        dies=dies,
+        pressure=pressure,
+        feed=feed,
+        models=models,
+        live=live,
+        note_pressure=note_pressure,
+        measured=measured,
+    )
     return state
 
 
@@ -140,8 +151,7 @@ def create_app(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Qua
     async def health():
         reg = app_state().registry
         ok = reg.has_ready
-        return json_response({"status": "ok" if ok else "loading",
-                              "models": reg.names()}, 200 if ok else 503)
+        return json_response({"status": "ok" if ok else "loading", "models": reg.names()}, 200 if ok else 503)
 
     return app
 

@@ -71,8 +71,7 @@ class Guard:
         self.roots = ops.models_dirs
         self.limits = ops.limits
 
-    def check(self, method: str, path: str, authorization: str | None,
-              remote: str | None) -> None:
+    def check(self, method: str, path: str, authorization: str | None, remote: str | None) -> None:
         """Raise ``ApiError`` (401/403) unless this request may go on."""
         if method == "OPTIONS" or path in OPEN_PATHS:
             return
@@ -127,18 +126,23 @@ def check_limits(req: ChatRequest, limits: Limits) -> None:
     """400 naming the limit when ``req`` goes over one of ``limits``."""
     too_many = errors.limit_exceeded
     if len(req.messages) > limits.max_messages:
-        raise too_many("messages", "too many messages", len(req.messages),
-                       limits.max_messages, "--max-messages")
+        raise too_many(
+            "messages", "too many messages", len(req.messages), limits.max_messages, "--max-messages"
+        )
     if req.n > limits.max_n:
         raise too_many("n", "'n' is too large", req.n, limits.max_n, "--max-n")
-    if limits.max_tokens is not None and req.max_tokens is not None \
-            and req.max_tokens > limits.max_tokens:
-        raise too_many("max_tokens", "'max_tokens' is too large", req.max_tokens,
-                       limits.max_tokens, "--max-tokens-limit")
+    if limits.max_tokens is not None and req.max_tokens is not None and req.max_tokens > limits.max_tokens:
+        raise too_many(
+            "max_tokens", "'max_tokens' is too large", req.max_tokens, limits.max_tokens, "--max-tokens-limit"
+        )
     if len(req.stop) > limits.max_stop:
-        raise too_many("stop", "too many stop strings", len(req.stop), limits.max_stop,
-                       "--max-stop")
+        raise too_many("stop", "too many stop strings", len(req.stop), limits.max_stop, "--max-stop")
     for s in req.stop:
         if len(s) > limits.max_stop_len:
-            raise too_many("stop", "a stop string is too long (characters)", len(s),
-                           limits.max_stop_len, "--max-stop-len")
+            raise too_many(
+                "stop",
+                "a stop string is too long (characters)",
+                len(s),
+                limits.max_stop_len,
+                "--max-stop-len",
+            )

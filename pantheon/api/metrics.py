@@ -37,12 +37,74 @@ if TYPE_CHECKING:
     from pantheon.control.live import Projection
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so percentiles line up across servers.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -58,24 +120,37 @@ class _Live:
 
     def collect(self):
         live = self.state.project()
-        running = GaugeMetricFamily("vllm:num_requests_running",
-                                    "Requests running on a slot.", labels=["model_name"])
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting",
-                                    "Requests waiting for a slot.", labels=["model_name"])
-        kv = GaugeMetricFamily("vllm:kv_cache_usage_perc",
-                               "KV cache usage, 1 means 100 percent.", labels=["model_name"])
-        depth = GaugeMetricFamily("pantheon_queue_depth", "Requests waiting in the model's "
-                                  "queue.", labels=["model_name"])
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running", "Requests running on a slot.", labels=["model_name"]
+        )
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Requests waiting for a slot.", labels=["model_name"]
+        )
+        kv = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.", labels=["model_name"]
+        )
+        depth = GaugeMetricFamily(
+            "pantheon_queue_depth", "Requests waiting in the model's queue.", labels=["model_name"]
+        )
         per_model: dict[str, list[int]] = {}
-        i_flight = GaugeMetricFamily("pantheon_instance_in_flight", "Requests holding the "
-                                     "instance.", labels=["model_name", "instance"])
-        i_run = GaugeMetricFamily("pantheon_instance_running", "Requests on the instance's "
-                                  "slots.", labels=["model_name", "instance"])
-        i_ready = GaugeMetricFamily("pantheon_instance_ready", "1 when the instance serves.",
-                                    labels=["model_name", "instance", "state"])
-        i_restarts = GaugeMetricFamily("pantheon_instance_restarts", "Times the instance was "
-                                       "reloaded after its worker died.",
-                                       labels=["model_name", "instance"])
+        i_flight = GaugeMetricFamily(
+            "pantheon_instance_in_flight", "Requests holding the instance.", labels=["model_name", "instance"]
+        )
+        i_run = GaugeMetricFamily(
+            "pantheon_instance_running",
+            "Requests on the instance's slots.",
+            labels=["model_name", "instance"],
+        )
+        i_ready = GaugeMetricFamily(
+            "pantheon_instance_ready",
+            "1 when the instance serves.",
+            labels=["model_name", "instance", "state"],
+        )
+        i_restarts = GaugeMetricFamily(
+            "pantheon_instance_restarts",
+            "Times the instance was reloaded after its worker died.",
+            labels=["model_name", "instance"],
+        )
         for f in live.instances:
             inst, es = f.inst, f.engine
             info = inst.info()
@@ -103,24 +178,34 @@ class _Live:
         yield from self._dies(live)
 
     def _dies(self, live: Projection):
-        total = GaugeMetricFamily("pantheon_die_memory_total_bytes", "Die memory.",
-                                  labels=["die"])
-        free = GaugeMetricFamily("pantheon_die_memory_free_bytes", "Die memory free, as the "
-                                 "worker measures it.", labels=["die"])
-        booked = GaugeMetricFamily("pantheon_die_memory_booked_bytes", "Die memory booked by "
-                                   "instances (weights and KV cache).", labels=["die"])
-        pressure = GaugeMetricFamily("pantheon_die_pressure_level", "Memory pressure, 0 normal "
-                                     "to 3 critical.", labels=["die"])
-        alive = GaugeMetricFamily("pantheon_die_alive", "1 when the die's worker is up.",
-                                  labels=["die"])
-        restarts = GaugeMetricFamily("pantheon_worker_restarts", "Times the die's worker was "
-                                     "started again after it died.", labels=["die"])
-        died_at = GaugeMetricFamily("pantheon_worker_last_death_timestamp_seconds", "Unix time "
-                                    "of the die's latest worker death (the reason is in "
-                                    "/admin/dies).", labels=["die"])
-        turn = GaugeMetricFamily("pantheon_worker_step_running_seconds", "How long the "
-                                 "worker's current step has run (0 when idle), from its "
-                                 "heartbeat.", labels=["die"])
+        total = GaugeMetricFamily("pantheon_die_memory_total_bytes", "Die memory.", labels=["die"])
+        free = GaugeMetricFamily(
+            "pantheon_die_memory_free_bytes", "Die memory free, as the worker measures it.", labels=["die"]
+        )
+        booked = GaugeMetricFamily(
+            "pantheon_die_memory_booked_bytes",
+            "Die memory booked by instances (weights and KV cache).",
+            labels=["die"],
+        )
+        pressure = GaugeMetricFamily(
+            "pantheon_die_pressure_level", "Memory pressure, 0 normal to 3 critical.", labels=["die"]
+        )
+        alive = GaugeMetricFamily("pantheon_die_alive", "1 when the die's worker is up.", labels=["die"])
+        restarts = GaugeMetricFamily(
+            "pantheon_worker_restarts",
+            "Times the die's worker was started again after it died.",
+            labels=["die"],
+        )
+        died_at = GaugeMetricFamily(
+            "pantheon_worker_last_death_timestamp_seconds",
+            "Unix time of the die's latest worker death (the reason is in /admin/dies).",
+            labels=["die"],
+        )
+        turn = GaugeMetricFamily(
+            "pantheon_worker_step_running_seconds",
+            "How long the worker's current step has run (0 when idle), from its heartbeat.",
+            labels=["die"],
+        )
         facts = {f.die.id: f for f in live.dies}
         for d in live.workers:
             total.add_metric([d.die], d.total_bytes)
@@ -132,8 +217,9 @@ class _Live:
             beat = getattr(d, "beat", None)
             turn.add_metric([d.die], beat.turn_s if beat is not None and d.alive else 0.0)
             f = facts.get(d.die)  # a worker's die the die manager does not know: measured only
-            booked.add_metric([d.die], f.die.used_bytes if f is not None
-                              else max(0, d.total_bytes - d.free_bytes))
+            booked.add_metric(
+                [d.die], f.die.used_bytes if f is not None else max(0, d.total_bytes - d.free_bytes)
+            )
             if f is not None:
                 pressure.add_metric([d.die], f.pressure)
         yield from (total, free, booked, pressure, alive, restarts, died_at, turn)
@@ -146,35 +232,43 @@ class Metrics:
         self.state = state
         r = self.registry = CollectorRegistry(auto_describe=True)
         m = ["model_name"]
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", m,
-                                     registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens sent.", m,
-                                         registry=r)
-        self.success = Counter("vllm:request_success", "Finished requests.",
-                               m + ["finished_reason"], registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", m,
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens.", m,
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, end to "
-                             "end.", m, buckets=E2E_BUCKETS, registry=r)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time waiting for a "
-                                    "slot.", m, buckets=E2E_BUCKETS, registry=r)
-        self.queue_wait = Histogram("pantheon_queue_wait_seconds", "Time waiting for a slot.",
-                                    m, buckets=TTFT_BUCKETS, registry=r)
-        self.rejected = Counter("pantheon_requests_rejected", "Requests refused with 429 or "
-                                "503.", m + ["status"], registry=r)
-        self.errors = Counter("pantheon_request_errors", "Requests that ended with an error.",
-                              m + ["code"], registry=r)
-        self.loads = Counter("pantheon_model_loads", "Instances that became ready.", m,
-                             registry=r)
-        self.load_failures = Counter("pantheon_model_load_failures", "Loads that failed.", m,
-                                     registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens sent.", m, registry=r)
+        self.success = Counter(
+            "vllm:request_success", "Finished requests.", m + ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", m, buckets=TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between tokens.", m, buckets=ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Request latency, end to end.",
+            m,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time waiting for a slot.", m, buckets=E2E_BUCKETS, registry=r
+        )
+        self.queue_wait = Histogram(
+            "pantheon_queue_wait_seconds", "Time waiting for a slot.", m, buckets=TTFT_BUCKETS, registry=r
+        )
+        self.rejected = Counter(
+            "pantheon_requests_rejected", "Requests refused with 429 or 503.", m + ["status"], registry=r
+        )
+        self.errors = Counter(
+            "pantheon_request_errors", "Requests that ended with an error.", m + ["code"], registry=r
+        )
+        self.loads = Counter("pantheon_model_loads", "Instances that became ready.", m, registry=r)
+        self.load_failures = Counter("pantheon_model_load_failures", "Loads that failed.", m, registry=r)
         self.unloads = Counter("pantheon_model_unloads", "Instances unloaded.", m, registry=r)
-        self.worker_deaths = Counter("pantheon_worker_deaths", "Workers that died.", ["die"],
-                                     registry=r)
-        self.admin_actions = Counter("pantheon_admin_actions", "Admin API calls.",
-                                     ["action", "status"], registry=r)
+        self.worker_deaths = Counter("pantheon_worker_deaths", "Workers that died.", ["die"], registry=r)
+        self.admin_actions = Counter(
+            "pantheon_admin_actions", "Admin API calls.", ["action", "status"], registry=r
+        )
         r.register(_Live(state, self))
 
     def render(self) -> bytes:

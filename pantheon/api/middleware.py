@@ -68,14 +68,12 @@ class Drain:
         """Stop admitting, let in-flight requests finish up to ``deadline_s``, end the rest."""
         self.closing = True
         t0 = time.monotonic()
-        log.info("shutting down: %d request(s) in flight, waiting up to %g s", self.active,
-                 deadline_s)
+        log.info("shutting down: %d request(s) in flight, waiting up to %g s", self.active, deadline_s)
         if await self._wait_idle(deadline_s):
             log.info("all requests finished in %.1f s", time.monotonic() - t0)
             return
         self.ended = True
-        log.warning("drain deadline (%g s) passed: ending %d generation(s)", deadline_s,
-                    len(live))
+        log.warning("drain deadline (%g s) passed: ending %d generation(s)", deadline_s, len(live))
         for gen in list(live):
             gen.shutdown()
         await self._wait_idle(_END_GRACE_S)
@@ -83,8 +81,12 @@ class Drain:
 
 async def _send_json(send, status: int, obj: dict, headers: dict | None = None) -> None:
     body = json.dumps(obj).encode()
-    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"access-control-allow-origin", b"*"), (b"connection", b"close")]
+    hdrs = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"access-control-allow-origin", b"*"),
+        (b"connection", b"close"),
+    ]
     hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": hdrs})
     await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -104,8 +106,7 @@ class OpsMiddleware:
         if drain.closing and path != "/metrics":
             err = errors.shutting_down()
             if path == "/health":
-                return await _send_json(send, err.status, {"status": "shutting_down"},
-                                        err.headers)
+                return await _send_json(send, err.status, {"status": "shutting_down"}, err.headers)
             self.state.metrics.rejected.labels("", str(err.status)).inc()
             return await _send_json(send, err.status, err.body(), err.headers)
         trace = logs.RequestTrace(method, path, (scope.get("client") or (None,))[0])

@@ -11,8 +11,7 @@ from pantheon.errors import ApiError
 
 
 def json_response(obj: Any, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(oa.dumps(obj), status=status, headers=headers or {},
-                    content_type="application/json")
+    return Response(oa.dumps(obj), status=status, headers=headers or {}, content_type="application/json")
 
 
 def error_response(e: ApiError) -> Response:

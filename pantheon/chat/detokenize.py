@@ -92,7 +92,11 @@ class IncrementalDetokenizer:
             return ""
         self._ids.append(token_id)
         text = self._decode(self._ids)
-        if text.endswith(_REPLACEMENT) or len(text) <= len(self._prefix_text) or self._is_byte_piece(token_id):
+        if (
+            text.endswith(_REPLACEMENT)
+            or len(text) <= len(self._prefix_text)
+            or self._is_byte_piece(token_id)
+        ):
             # An incomplete UTF-8 sequence at the end (or nothing new yet, or a byte run that may
             # still grow): wait for more tokens.
             return ""

@@ -286,7 +286,11 @@ class Emitter:
             index = len(self.tool_calls)
             call_id = new_call_id()
             self.tool_calls.append(
-                {"id": call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
             )
             self._out.append(Delta(TOOL_CALL, index=index, id=call_id, name=call.name, arguments=""))
             self._out.append(Delta(TOOL_CALL, index=index, arguments=call.arguments))
@@ -319,7 +323,9 @@ def join_deltas(deltas: Iterable[Delta]) -> dict[str, Any]:
             content.append(d.text)
         elif d.kind == TOOL_CALL:
             assert d.index is not None  # the emitter numbers every tool-call delta
-            call = calls.setdefault(d.index, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+            call = calls.setdefault(
+                d.index, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}}
+            )
             if d.id is not None:
                 call["id"] = d.id
             if d.name is not None:

@@ -172,7 +172,11 @@ def _text_of(content: Any, where: str) -> Any:
     for part in content:
         if isinstance(part, str):
             texts.append(part)
-        elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+        elif (
+            isinstance(part, Mapping)
+            and part.get("type", "text") == "text"
+            and isinstance(part.get("text"), str)
+        ):
             texts.append(part["text"])
         else:
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
@@ -235,7 +239,9 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             if not isinstance(calls, list):
                 raise TemplateError(f"{where}: tool_calls must be a list")
             if calls:
-                msg["tool_calls"] = [_normalize_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+                msg["tool_calls"] = [
+                    _normalize_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
+                ]
             else:
                 del msg["tool_calls"]
         reasoning = next((msg[f] for f in _REASONING_FIELDS if msg.get(f) is not None), None)
@@ -302,7 +308,9 @@ def render_chatml(
                 fn = call.get("function", call)
                 args = fn.get("arguments", {})
                 args = args if isinstance(args, str) else _tojson(args)
-                blocks.append(f'<tool_call>\n{{"name": "{fn.get("name", "")}", "arguments": {args}}}\n</tool_call>')
+                blocks.append(
+                    f'<tool_call>\n{{"name": "{fn.get("name", "")}", "arguments": {args}}}\n</tool_call>'
+                )
             content = "\n".join([content] + blocks) if content else "\n".join(blocks)
         parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
     if add_generation_prompt:
@@ -463,7 +471,9 @@ class ChatTemplate:
         if documents is not None and not all(isinstance(d, Mapping) for d in documents):
             raise TemplateError("documents must be a list of objects")
 
-        compiled = self._compiled_tool_use if (tools is not None and self._compiled_tool_use) else self._compiled
+        compiled = (
+            self._compiled_tool_use if (tools is not None and self._compiled_tool_use) else self._compiled
+        )
         if compiled is None:
             compiled = self._compiled_tool_use
         if compiled is None:

@@ -178,9 +178,15 @@ def resolve_tool_choice(tools: Sequence[Mapping[str, Any]] | None, tool_choice: 
         return ToolPolicy(template_tools=[dict(t) for t in tools], parse=True, choice=tool_choice)
     if isinstance(tool_choice, Mapping):
         fn = tool_choice.get("function")
-        if tool_choice.get("type") != "function" or not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        if (
+            tool_choice.get("type") != "function"
+            or not isinstance(fn, Mapping)
+            or not isinstance(fn.get("name"), str)
+        ):
             raise ToolChoiceError('tool_choice must be {"type": "function", "function": {"name": ...}}')
         if fn["name"] not in names:
             raise ToolChoiceError(f"tool_choice names function {fn['name']!r}, which is not in 'tools'")
-        return ToolPolicy(template_tools=[dict(t) for t in tools], parse=True, choice="function", function=fn["name"])
+        return ToolPolicy(
+            template_tools=[dict(t) for t in tools], parse=True, choice="function", function=fn["name"]
+        )
     raise ToolChoiceError("tool_choice must be a string or an object")

@@ -79,8 +79,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         if row.flag is None:
             continue
         # argparse %-formats help strings (for %(default)s): a literal % must be doubled
-        kw: dict = {"dest": row.name, "default": None,
-                    "help": help_text(row).replace("%", "%%")}
+        kw: dict = {"dest": row.name, "default": None, "help": help_text(row).replace("%", "%%")}
         if row.kind == "model":
             kw.update(action=ModelAction, dest="models", metavar=row.metavar)
         elif row.kind in ("bool", "switch"):
@@ -94,9 +93,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def epilog() -> str:
     """The variables-only knobs, the refused variables, the precedence and the signals."""
+
     def para(text: str, indent: str) -> list[str]:
-        return textwrap.wrap(text, 78, initial_indent=indent, subsequent_indent=indent,
-                             break_on_hyphens=False)
+        return textwrap.wrap(
+            text, 78, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+        )
 
     lines = ["environment variables without a flag (the spec's engine knobs):"]
     for row in SETTINGS:
@@ -105,21 +106,29 @@ def epilog() -> str:
             dt = default_text(row)
             lines += para(row.help + (f" ({dt})" if dt else ""), "      ")
     lines.append(f"  {' / '.join(REFUSED_ENV)}")
-    lines += para("refused at startup (a debug knob that copies the full logits every step)",
-                  "      ")
-    lines += [""] + para("precedence: flag > environment variable > --config file > default. "
-                         "Spec names (QWEN35_*, BS_*, PN_*) are aliases of the PANTHEON_* ones.",
-                         "")
-    lines += para("SIGTERM/SIGINT: stop admitting (503), let requests finish up to "
-                  "--drain-timeout, then exit 0; a second signal exits at once.", "")
+    lines += para("refused at startup (a debug knob that copies the full logits every step)", "      ")
+    lines += [""] + para(
+        "precedence: flag > environment variable > --config file > default. "
+        "Spec names (QWEN35_*, BS_*, PN_*) are aliases of the PANTHEON_* ones.",
+        "",
+    )
+    lines += para(
+        "SIGTERM/SIGINT: stop admitting (503), let requests finish up to "
+        "--drain-timeout, then exit 0; a second signal exits at once.",
+        "",
+    )
     return "\n".join(lines)
 
 
-def build_parser(prog: str = "pantheon serve",
-                 description: str = "Serve models over an OpenAI-compatible HTTP API."
-                 ) -> argparse.ArgumentParser:
+def build_parser(
+    prog: str = "pantheon serve", description: str = "Serve models over an OpenAI-compatible HTTP API."
+) -> argparse.ArgumentParser:
     """The ``pantheon serve`` parser: every flag of the table, the epilog, no other source."""
-    ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog(),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(ap)
     return ap

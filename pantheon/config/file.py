@@ -49,18 +49,21 @@ def _models(path: str, value: Any) -> list[dict[str, Any]]:
             raise ConfigError(f"--config {path}: every [[models]] needs a path")
         extra = set(m) - {"path", "name", "dies"}
         if extra:
-            raise ConfigError(f"--config {path}: [[models]] has unknown keys "
-                              f"{sorted(extra)} (path, name, dies)")
+            raise ConfigError(
+                f"--config {path}: [[models]] has unknown keys {sorted(extra)} (path, name, dies)"
+            )
         dies = m.get("dies")
         if isinstance(dies, list):
             dies = ",".join(str(d) for d in dies)
-        models.append({k: v for k, v in (("path", m["path"]), ("name", m.get("name")),
-                                         ("dies", dies)) if v is not None})
+        models.append(
+            {k: v for k, v in (("path", m["path"]), ("name", m.get("name")), ("dies", dies)) if v is not None}
+        )
     return models
 
 
-def merge_config_file(args: dict[str, Any], env: Mapping[str, str] | None = None,
-                      parser: Any = None) -> dict[str, Any]:
+def merge_config_file(
+    args: dict[str, Any], env: Mapping[str, str] | None = None, parser: Any = None
+) -> dict[str, Any]:
     """``args`` (flags given, None dropped) with ``args['config']``'s file added: its
     ``[[models]]`` as ``models`` when no ``--model`` was given, its settings under
     ``FILE_VALUES`` for ``build_config``, which ranks them below flags and variables.

@@ -59,8 +59,9 @@ def convert(row: Setting, raw: Any, what: str, from_env: bool) -> Any:
     return v.parse_str(raw, what)
 
 
-def _candidates(row: Setting, args: Mapping[str, Any], env: Mapping[str, str],
-                file: Mapping[str, tuple[Any, str]]):
+def _candidates(
+    row: Setting, args: Mapping[str, Any], env: Mapping[str, str], file: Mapping[str, tuple[Any, str]]
+):
     """(raw value, what, from_env, variable name) of each source that sets the row, in
     precedence order."""
     if args.get(row.name) is not None:
@@ -74,8 +75,9 @@ def _candidates(row: Setting, args: Mapping[str, Any], env: Mapping[str, str],
         yield raw, what, False, None
 
 
-def resolve_row(row: Setting, args: Mapping[str, Any], env: Mapping[str, str],
-                file: Mapping[str, tuple[Any, str]]) -> tuple[Any, str | None]:
+def resolve_row(
+    row: Setting, args: Mapping[str, Any], env: Mapping[str, str], file: Mapping[str, tuple[Any, str]]
+) -> tuple[Any, str | None]:
     """The row's checked value and its source (None: the default)."""
     for raw, what, from_env, var in _candidates(row, args, env, file):
         if row.empty == "next" and raw == "":
@@ -97,7 +99,8 @@ def refuse_env(env: Mapping[str, str]) -> None:
         if env.get(name, "") != "":
             raise ConfigError(
                 f"{name} is set: this debug knob copies the full vocabulary's logits off the "
-                "device every step and is refused at serve startup; unset it")
+                "device every step and is refused at serve startup; unset it"
+            )
 
 
 def resolve(args: Mapping[str, Any], env: Mapping[str, str]) -> Resolved:

@@ -68,8 +68,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.slots <= 1
 
 
-def build_config(args: Mapping[str, Any] | None = None,
-                 env: Mapping[str, str] | None = None) -> ServeConfig:
+def build_config(args: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> ServeConfig:
     """Merge flags (``args``: argparse dests, None means not given; ``merge_config_file``
     adds the config file's values) over environment (``env``, default ``os.environ``) over
     config file over defaults; validate. Raises ``ConfigError`` naming the bad value's source."""
@@ -77,8 +76,9 @@ def build_config(args: Mapping[str, Any] | None = None,
     env = os.environ if env is None else env
     refuse_env(env)
     got = resolve(args, env)
-    kw: dict[str, Any] = {row.field: got.values[row.name] for row in SETTINGS
-                          if row.field and "." not in row.field}
+    kw: dict[str, Any] = {
+        row.field: got.values[row.name] for row in SETTINGS if row.field and "." not in row.field
+    }
     ops = build_ops(got.values)
     if not ops.prefill_batch and "prefill_chunk" not in got.sources:  # QWEN35_BS_PREFILL_BATCH=0
         kw["prefill_chunk"] = 1
@@ -98,12 +98,12 @@ def _models(raw: Any, cpu_dies: int) -> tuple[ModelSpec, ...]:
             path = str(item["path"])
             name = item.get("name") or _default_name(path)
             dies = item.get("dies")
-            spec = ModelSpec(path=path, name=name,
-                             dies=parse_dies(dies) if isinstance(dies, str) else tuple(dies or ()))
+            spec = ModelSpec(
+                path=path, name=name, dies=parse_dies(dies) if isinstance(dies, str) else tuple(dies or ())
+            )
         for die in spec.dies:
             if die.startswith("cpu:") and int(die[4:]) >= cpu_dies:
-                raise ConfigError(
-                    f"model {spec.name}: die {die} does not exist (--cpu-dies {cpu_dies})")
+                raise ConfigError(f"model {spec.name}: die {die} does not exist (--cpu-dies {cpu_dies})")
         out.append(spec)
     return tuple(out)
 

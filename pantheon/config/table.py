@@ -80,6 +80,7 @@ def at_least(lo: float, note: str = "") -> Callable[[Any, str], Any]:
         if v < lo:
             raise ConfigError(f"{what} {v}: must be >= {_num(lo)}{note}")
         return v
+
     return check
 
 
@@ -88,6 +89,7 @@ def between(lo: float, hi: float, note: str = "", sep: str = " ") -> Callable[[A
         if not lo <= v <= hi:
             raise ConfigError(f"{what}{sep}{v}: must be between {_num(lo)} and {_num(hi)}{note}")
         return v
+
     return check
 
 
@@ -96,16 +98,19 @@ def above(lo: float, note: str) -> Callable[[Any, str], Any]:
         if v <= lo:
             raise ConfigError(f"{what} {v}: must be > {_num(lo)}{note}")
         return v
+
     return check
 
 
 def only(value: Any, why: str) -> Callable[[Any, str], Any]:
     """A knob of the spec that this server accepts with one value only: any other is refused at
     start, saying why (rather than parsed and silently ignored)."""
+
     def check(v: Any, what: str) -> Any:
         if v != value:
             raise ConfigError(f"{what} {v}: {why}")
         return v
+
     return check
 
 
@@ -116,6 +121,7 @@ def one_of(*choices: str, quote: bool = True) -> Callable[[Any, str], Any]:
         if v not in choices:
             raise ConfigError(f"{what} {repr(v) if quote else v}: use {words}")
         return v
+
     return check
 
 
@@ -168,175 +174,528 @@ def _seconds(lo: float) -> Callable[[Any, str], Any]:
 
 SETTINGS: tuple[Setting, ...] = (
     # the models to load at start; the file has [[models]] tables instead
-    Setting("model", "model", None, "a model folder or .gguf file (repeatable)",
-            toml=None, field=None, metavar="PATH"),
-    Setting("name", "model", None, "the served name of the preceding --model",
-            toml=None, field=None, metavar="NAME", default_doc="its folder name"),
-    Setting("dies", "model", None, "dies for the preceding --model: 0,1 (cuda) or cpu:0",
-            toml=None, field=None, metavar="LIST", default_doc="placed by the server"),
+    Setting(
+        "model",
+        "model",
+        None,
+        "a model folder or .gguf file (repeatable)",
+        toml=None,
+        field=None,
+        metavar="PATH",
+    ),
+    Setting(
+        "name",
+        "model",
+        None,
+        "the served name of the preceding --model",
+        toml=None,
+        field=None,
+        metavar="NAME",
+        default_doc="its folder name",
+    ),
+    Setting(
+        "dies",
+        "model",
+        None,
+        "dies for the preceding --model: 0,1 (cuda) or cpu:0",
+        toml=None,
+        field=None,
+        metavar="LIST",
+        default_doc="placed by the server",
+    ),
     # the server
     Setting("host", "str", "127.0.0.1", "bind address", ("PANTHEON_HOST",), empty="next"),
-    Setting("port", "int", 8000, "port; 0 picks one", ("PANTHEON_PORT",),
-            check=between(0, 65535)),
-    Setting("slots", "int", 8, "batch slots per model; 1 is single-user mode",
-            ("PANTHEON_BATCH_SLOTS", "QWEN35_BATCH_SLOTS"),
-            check=at_least(1, " (1 is single-user mode)"), env_value=_slots_env),
-    Setting("queue_depth", "int", 32, "requests that may wait for a slot",
-            ("PANTHEON_QUEUE_DEPTH", "BS_QUEUE_DEPTH"), check=at_least(0)),
-    Setting("queue_timeout", "float", 30.0, "seconds a request waits for a slot",
-            ("PANTHEON_QUEUE_TIMEOUT",), unit="s", field="queue_timeout_s",
-            check=above(0, " seconds")),
+    Setting("port", "int", 8000, "port; 0 picks one", ("PANTHEON_PORT",), check=between(0, 65535)),
+    Setting(
+        "slots",
+        "int",
+        8,
+        "batch slots per model; 1 is single-user mode",
+        ("PANTHEON_BATCH_SLOTS", "QWEN35_BATCH_SLOTS"),
+        check=at_least(1, " (1 is single-user mode)"),
+        env_value=_slots_env,
+    ),
+    Setting(
+        "queue_depth",
+        "int",
+        32,
+        "requests that may wait for a slot",
+        ("PANTHEON_QUEUE_DEPTH", "BS_QUEUE_DEPTH"),
+        check=at_least(0),
+    ),
+    Setting(
+        "queue_timeout",
+        "float",
+        30.0,
+        "seconds a request waits for a slot",
+        ("PANTHEON_QUEUE_TIMEOUT",),
+        unit="s",
+        field="queue_timeout_s",
+        check=above(0, " seconds"),
+    ),
     # a ceiling: the step budget takes fewer on a slow die
-    Setting("prefill_chunk", "int", 512, "most prompt tokens one step prefills; steps take fewer "
-            "where they would outgrow --step-target",
-            ("PANTHEON_PREFILL_CHUNK", "QWEN35_BS_PREFILL_CHUNK"), unit="tokens",
-            check=at_least(1, " token")),
-    Setting("cpu_dies", "int", 0, "virtual CPU dies to create", ("PANTHEON_CPU_DIES",),
-            check=between(0, 64)),
-    Setting("cpu_die_budget", "size", None, 'memory budget of each CPU die (bytes or "2GiB")',
-            ("PANTHEON_CPU_DIE_BUDGET",), metavar="BYTES",
-            default_doc="the machine's RAM less an eighth (at least 2 GiB), shared by the CPU "
-                        "dies"),
-    Setting("kv_budget", "size", None, "KV cache bytes per loaded model",
-            ("PANTHEON_KV_BUDGET",), metavar="BYTES", default_doc="enough for --admit-ctx tokens"),
+    Setting(
+        "prefill_chunk",
+        "int",
+        512,
+        "most prompt tokens one step prefills; steps take fewer where they would outgrow --step-target",
+        ("PANTHEON_PREFILL_CHUNK", "QWEN35_BS_PREFILL_CHUNK"),
+        unit="tokens",
+        check=at_least(1, " token"),
+    ),
+    Setting("cpu_dies", "int", 0, "virtual CPU dies to create", ("PANTHEON_CPU_DIES",), check=between(0, 64)),
+    Setting(
+        "cpu_die_budget",
+        "size",
+        None,
+        'memory budget of each CPU die (bytes or "2GiB")',
+        ("PANTHEON_CPU_DIE_BUDGET",),
+        metavar="BYTES",
+        default_doc="the machine's RAM less an eighth (at least 2 GiB), shared by the CPU dies",
+    ),
+    Setting(
+        "kv_budget",
+        "size",
+        None,
+        "KV cache bytes per loaded model",
+        ("PANTHEON_KV_BUDGET",),
+        metavar="BYTES",
+        default_doc="enough for --admit-ctx tokens",
+    ),
     # the spec's MR_ADMIT_CTX_GUESS
-    Setting("admit_ctx", "int", 8192, "context a load is admitted and its KV cache sized for",
-            ("PANTHEON_ADMIT_CTX",), unit="tokens", metavar="TOKENS",
-            check=at_least(16, " tokens")),
-    Setting("die_reserve", "size0", None, "memory kept free on each die",
-            ("PANTHEON_DIE_RESERVE",), metavar="BYTES",
-            default_doc="1GiB on CUDA dies, 0 on CPU"),
-    Setting("pressure_thresholds", "thresholds", (0.85, 0.92, 0.97),
-            "fractions of memory in use for pressure levels 1, 2, 3",
-            ("PANTHEON_PRESSURE_THRESHOLDS",), metavar="F,F,F"),
-    Setting("max_model_len", "int", None, "longest context (tokens) a model is served with",
-            ("PANTHEON_MAX_MODEL_LEN",), default_doc="the model's own",
-            check=at_least(16)),
-    Setting("dtype", "str", "auto", "weights' dtype: auto | bfloat16 | float16 | float32",
-            ("PANTHEON_DTYPE",), empty="next",
-            check=one_of("auto", "bfloat16", "float16", "float32", quote=False)),
-    Setting("max_body", "size", 8 << 20, "largest request body accepted", ("PANTHEON_MAX_BODY",),
-            metavar="BYTES", field="max_body_bytes"),
-    Setting("hello_timeout", "float", 60.0, "seconds a worker may take to say Hello",
-            ("PANTHEON_HELLO_TIMEOUT",), unit="s", field="hello_timeout_s",
-            check=above(0, " seconds")),
-    Setting("worker_threads", "int", None, "torch threads in each worker",
-            ("PANTHEON_WORKER_THREADS",), default_doc="the worker decides", check=at_least(1)),
-    Setting("log_level", "str", "info", "log level: debug, info, warning or error",
-            ("PANTHEON_LOG_LEVEL",), empty="next", check=_lower),
-    Setting("test_hooks", "switch", False,
-            "1: the admin test seams (forced pressure levels) are on",
-            ("PANTHEON_TEST_HOOKS",), flag=None, toml=None),
+    Setting(
+        "admit_ctx",
+        "int",
+        8192,
+        "context a load is admitted and its KV cache sized for",
+        ("PANTHEON_ADMIT_CTX",),
+        unit="tokens",
+        metavar="TOKENS",
+        check=at_least(16, " tokens"),
+    ),
+    Setting(
+        "die_reserve",
+        "size0",
+        None,
+        "memory kept free on each die",
+        ("PANTHEON_DIE_RESERVE",),
+        metavar="BYTES",
+        default_doc="1GiB on CUDA dies, 0 on CPU",
+    ),
+    Setting(
+        "pressure_thresholds",
+        "thresholds",
+        (0.85, 0.92, 0.97),
+        "fractions of memory in use for pressure levels 1, 2, 3",
+        ("PANTHEON_PRESSURE_THRESHOLDS",),
+        metavar="F,F,F",
+    ),
+    Setting(
+        "max_model_len",
+        "int",
+        None,
+        "longest context (tokens) a model is served with",
+        ("PANTHEON_MAX_MODEL_LEN",),
+        default_doc="the model's own",
+        check=at_least(16),
+    ),
+    Setting(
+        "dtype",
+        "str",
+        "auto",
+        "weights' dtype: auto | bfloat16 | float16 | float32",
+        ("PANTHEON_DTYPE",),
+        empty="next",
+        check=one_of("auto", "bfloat16", "float16", "float32", quote=False),
+    ),
+    Setting(
+        "max_body",
+        "size",
+        8 << 20,
+        "largest request body accepted",
+        ("PANTHEON_MAX_BODY",),
+        metavar="BYTES",
+        field="max_body_bytes",
+    ),
+    Setting(
+        "hello_timeout",
+        "float",
+        60.0,
+        "seconds a worker may take to say Hello",
+        ("PANTHEON_HELLO_TIMEOUT",),
+        unit="s",
+        field="hello_timeout_s",
+        check=above(0, " seconds"),
+    ),
+    Setting(
+        "worker_threads",
+        "int",
+        None,
+        "torch threads in each worker",
+        ("PANTHEON_WORKER_THREADS",),
+        default_doc="the worker decides",
+        check=at_least(1),
+    ),
+    Setting(
+        "log_level",
+        "str",
+        "info",
+        "log level: debug, info, warning or error",
+        ("PANTHEON_LOG_LEVEL",),
+        empty="next",
+        check=_lower,
+    ),
+    Setting(
+        "test_hooks",
+        "switch",
+        False,
+        "1: the admin test seams (forced pressure levels) are on",
+        ("PANTHEON_TEST_HOOKS",),
+        flag=None,
+        toml=None,
+    ),
     # flags that are not settings
-    Setting("config", "meta", None, "a TOML file with any of these settings (keys: the long flag "
-            "names) and [[models]] tables; flags and variables beat it",
-            toml=None, field=None, metavar="FILE"),
-    Setting("curve_keygen", "meta", None, "write CURVE keypairs into DIR and exit; they are for "
-            "remote workers (--worker-listen), which are not built yet", toml=None, field=None,
-            metavar="DIR"),
+    Setting(
+        "config",
+        "meta",
+        None,
+        "a TOML file with any of these settings (keys: the long flag "
+        "names) and [[models]] tables; flags and variables beat it",
+        toml=None,
+        field=None,
+        metavar="FILE",
+    ),
+    Setting(
+        "curve_keygen",
+        "meta",
+        None,
+        "write CURVE keypairs into DIR and exit; they are for "
+        "remote workers (--worker-listen), which are not built yet",
+        toml=None,
+        field=None,
+        metavar="DIR",
+    ),
     # security, limits, logs, registration, shutdown, recovery
-    Setting("api_key", "keys", (), "an API key that /v1/* accepts as 'Authorization: Bearer KEY' "
-            "(repeatable; the variable takes several, comma-separated). Unset: /v1/* is open",
-            ("PANTHEON_API_KEY",), metavar="KEY", toml_aliases=("api_keys",),
-            field="ops.api_keys", check=_unique),
-    Setting("admin_key", "str", None, "the key /admin/* requires. Unset: the admin API answers "
-            "only on loopback", ("PANTHEON_ADMIN_KEY",), metavar="KEY", field="ops.admin_key",
-            empty="unset"),
-    Setting("models_dir", "list", (), "admin loads may only name folders under these roots, "
-            "links resolved (repeatable; the variable is ':'-separated). Unset: any folder",
-            ("PANTHEON_MODELS_DIR",), metavar="DIR", toml_aliases=("models_dirs",),
-            field="ops.models_dirs", check=_folders),
-    Setting("max_messages", "int", 1024, "most messages in one chat request",
-            ("PANTHEON_MAX_MESSAGES",), metavar="N", field="limits.max_messages",
-            check=at_least(1)),
-    Setting("max_n", "int", 16, "largest 'n' (choices per request)", ("PANTHEON_MAX_N",),
-            metavar="N", field="limits.max_n", check=between(1, 128)),
-    Setting("max_tokens_limit", "int", None, "largest 'max_tokens' a request may ask for",
-            ("PANTHEON_MAX_TOKENS",), metavar="N", toml_aliases=("max_tokens",),
-            field="limits.max_tokens", default_doc="the model's context", check=at_least(1)),
+    Setting(
+        "api_key",
+        "keys",
+        (),
+        "an API key that /v1/* accepts as 'Authorization: Bearer KEY' "
+        "(repeatable; the variable takes several, comma-separated). Unset: /v1/* is open",
+        ("PANTHEON_API_KEY",),
+        metavar="KEY",
+        toml_aliases=("api_keys",),
+        field="ops.api_keys",
+        check=_unique,
+    ),
+    Setting(
+        "admin_key",
+        "str",
+        None,
+        "the key /admin/* requires. Unset: the admin API answers only on loopback",
+        ("PANTHEON_ADMIN_KEY",),
+        metavar="KEY",
+        field="ops.admin_key",
+        empty="unset",
+    ),
+    Setting(
+        "models_dir",
+        "list",
+        (),
+        "admin loads may only name folders under these roots, "
+        "links resolved (repeatable; the variable is ':'-separated). Unset: any folder",
+        ("PANTHEON_MODELS_DIR",),
+        metavar="DIR",
+        toml_aliases=("models_dirs",),
+        field="ops.models_dirs",
+        check=_folders,
+    ),
+    Setting(
+        "max_messages",
+        "int",
+        1024,
+        "most messages in one chat request",
+        ("PANTHEON_MAX_MESSAGES",),
+        metavar="N",
+        field="limits.max_messages",
+        check=at_least(1),
+    ),
+    Setting(
+        "max_n",
+        "int",
+        16,
+        "largest 'n' (choices per request)",
+        ("PANTHEON_MAX_N",),
+        metavar="N",
+        field="limits.max_n",
+        check=between(1, 128),
+    ),
+    Setting(
+        "max_tokens_limit",
+        "int",
+        None,
+        "largest 'max_tokens' a request may ask for",
+        ("PANTHEON_MAX_TOKENS",),
+        metavar="N",
+        toml_aliases=("max_tokens",),
+        field="limits.max_tokens",
+        default_doc="the model's context",
+        check=at_least(1),
+    ),
     # at most 4: the OpenAI API's own ceiling
-    Setting("max_stop", "int", 4, "most stop strings per request (at most 4)",
-            ("PANTHEON_MAX_STOP",), metavar="N", field="limits.max_stop", check=between(0, 4)),
-    Setting("max_stop_len", "int", 256, "longest stop string", ("PANTHEON_MAX_STOP_LEN",),
-            unit="characters", metavar="N", field="limits.max_stop_len", check=at_least(1)),
-    Setting("log_format", "str", "text", "text or json: one JSON object per log line",
-            ("PANTHEON_LOG_FORMAT",), metavar="FMT", field="ops.log_format",
-            check=one_of("text", "json")),
-    Setting("drain_timeout", "float", 30.0, "on SIGTERM/SIGINT, seconds in-flight requests may "
-            "take to finish before they are ended", ("PANTHEON_DRAIN_TIMEOUT",), unit="s",
-            metavar="S", field="ops.drain_timeout_s", check=_seconds(0.0)),
-    Setting("registry_url", "str", None, "register with this router registry (POST URL/register, "
-            "/heartbeat, /deregister). Unset: nothing is sent", ("PANTHEON_REGISTRY_URL",),
-            metavar="URL", field="ops.registry_url", empty="unset", check=_http_url),
-    Setting("registry_heartbeat", "float", 5.0, "seconds between registry heartbeats",
-            ("PANTHEON_REGISTRY_HEARTBEAT",), unit="s", metavar="S",
-            field="ops.registry_heartbeat_s", check=_seconds(0.05)),
-    Setting("node_id", "str", "node0", "node identifier sent on registration",
-            ("PANTHEON_NODE_ID",), metavar="ID", field="ops.node_id", empty="unset"),
-    Setting("registry_transport", "str", "local", "transport hint sent on registration",
-            ("PANTHEON_REGISTRY_TRANSPORT",), metavar="NAME", field="ops.registry_transport",
-            empty="unset"),
-    Setting("advertise_host", "str", None, "host name put in the registered endpoint",
-            ("PANTHEON_ADVERTISE_HOST",), metavar="HOST", field="ops.advertise_host",
-            default_doc="the bind address", empty="unset"),
-    Setting("worker_restarts", "int", 10, "times a dead worker is restarted (its models "
-            "reloaded) before its die stays failed; 0 never restarts",
-            ("PANTHEON_WORKER_RESTARTS",), metavar="N", field="ops.worker_restarts",
-            check=at_least(0)),
-    Setting("restart_backoff", "float", 0.5, "seconds before the first restart of a dead "
-            "worker; doubles each time, at most 30", ("PANTHEON_RESTART_BACKOFF",), unit="s",
-            metavar="S", field="ops.restart_backoff_s", check=_seconds(0.0)),
+    Setting(
+        "max_stop",
+        "int",
+        4,
+        "most stop strings per request (at most 4)",
+        ("PANTHEON_MAX_STOP",),
+        metavar="N",
+        field="limits.max_stop",
+        check=between(0, 4),
+    ),
+    Setting(
+        "max_stop_len",
+        "int",
+        256,
+        "longest stop string",
+        ("PANTHEON_MAX_STOP_LEN",),
+        unit="characters",
+        metavar="N",
+        field="limits.max_stop_len",
+        check=at_least(1),
+    ),
+    Setting(
+        "log_format",
+        "str",
+        "text",
+        "text or json: one JSON object per log line",
+        ("PANTHEON_LOG_FORMAT",),
+        metavar="FMT",
+        field="ops.log_format",
+        check=one_of("text", "json"),
+    ),
+    Setting(
+        "drain_timeout",
+        "float",
+        30.0,
+        "on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are ended",
+        ("PANTHEON_DRAIN_TIMEOUT",),
+        unit="s",
+        metavar="S",
+        field="ops.drain_timeout_s",
+        check=_seconds(0.0),
+    ),
+    Setting(
+        "registry_url",
+        "str",
+        None,
+        "register with this router registry (POST URL/register, "
+        "/heartbeat, /deregister). Unset: nothing is sent",
+        ("PANTHEON_REGISTRY_URL",),
+        metavar="URL",
+        field="ops.registry_url",
+        empty="unset",
+        check=_http_url,
+    ),
+    Setting(
+        "registry_heartbeat",
+        "float",
+        5.0,
+        "seconds between registry heartbeats",
+        ("PANTHEON_REGISTRY_HEARTBEAT",),
+        unit="s",
+        metavar="S",
+        field="ops.registry_heartbeat_s",
+        check=_seconds(0.05),
+    ),
+    Setting(
+        "node_id",
+        "str",
+        "node0",
+        "node identifier sent on registration",
+        ("PANTHEON_NODE_ID",),
+        metavar="ID",
+        field="ops.node_id",
+        empty="unset",
+    ),
+    Setting(
+        "registry_transport",
+        "str",
+        "local",
+        "transport hint sent on registration",
+        ("PANTHEON_REGISTRY_TRANSPORT",),
+        metavar="NAME",
+        field="ops.registry_transport",
+        empty="unset",
+    ),
+    Setting(
+        "advertise_host",
+        "str",
+        None,
+        "host name put in the registered endpoint",
+        ("PANTHEON_ADVERTISE_HOST",),
+        metavar="HOST",
+        field="ops.advertise_host",
+        default_doc="the bind address",
+        empty="unset",
+    ),
+    Setting(
+        "worker_restarts",
+        "int",
+        10,
+        "times a dead worker is restarted (its models "
+        "reloaded) before its die stays failed; 0 never restarts",
+        ("PANTHEON_WORKER_RESTARTS",),
+        metavar="N",
+        field="ops.worker_restarts",
+        check=at_least(0),
+    ),
+    Setting(
+        "restart_backoff",
+        "float",
+        0.5,
+        "seconds before the first restart of a dead worker; doubles each time, at most 30",
+        ("PANTHEON_RESTART_BACKOFF",),
+        unit="s",
+        metavar="S",
+        field="ops.restart_backoff_s",
+        check=_seconds(0.0),
+    ),
     # a worker turn (a step) running longer is a hung worker
-    Setting("step_timeout", "float", 300.0, "seconds one worker step may run before the worker "
-            "counts as hung and is restarted; its heartbeat thread reports progress meanwhile",
-            ("PANTHEON_STEP_TIMEOUT",), unit="s", metavar="S", field="ops.step_timeout_s",
-            check=_seconds(1.0)),
-    Setting("step_target", "float", 0.5, "seconds one engine step should take: each step "
-            "prefills as many prompt tokens as fit, measured as it runs, so streams keep flowing "
-            "past long prompts", ("PANTHEON_STEP_TARGET",), unit="s", metavar="S",
-            field="ops.step_target_s", check=_seconds(0.01)),
-    Setting("worker_listen", "str", None, "workers on other hosts over tcp://HOST:PORT: not "
-            "built yet, so any value is refused at start (after the CURVE keys in --curve-dir "
-            "are checked); local workers need no flag", ("PANTHEON_WORKER_LISTEN",), metavar="URL",
-            field="ops.worker_listen", empty="unset"),
-    Setting("curve_dir", "str", None, "folder with the router's CURVE keypair (server.key, "
-            "server.key_secret) for --worker-listen (not built yet); 'pantheon serve "
-            "--curve-keygen DIR' writes one",
-            ("PANTHEON_CURVE_DIR",), metavar="DIR", field="ops.curve_dir", empty="unset"),
+    Setting(
+        "step_timeout",
+        "float",
+        300.0,
+        "seconds one worker step may run before the worker "
+        "counts as hung and is restarted; its heartbeat thread reports progress meanwhile",
+        ("PANTHEON_STEP_TIMEOUT",),
+        unit="s",
+        metavar="S",
+        field="ops.step_timeout_s",
+        check=_seconds(1.0),
+    ),
+    Setting(
+        "step_target",
+        "float",
+        0.5,
+        "seconds one engine step should take: each step "
+        "prefills as many prompt tokens as fit, measured as it runs, so streams keep flowing "
+        "past long prompts",
+        ("PANTHEON_STEP_TARGET",),
+        unit="s",
+        metavar="S",
+        field="ops.step_target_s",
+        check=_seconds(0.01),
+    ),
+    Setting(
+        "worker_listen",
+        "str",
+        None,
+        "workers on other hosts over tcp://HOST:PORT: not "
+        "built yet, so any value is refused at start (after the CURVE keys in --curve-dir "
+        "are checked); local workers need no flag",
+        ("PANTHEON_WORKER_LISTEN",),
+        metavar="URL",
+        field="ops.worker_listen",
+        empty="unset",
+    ),
+    Setting(
+        "curve_dir",
+        "str",
+        None,
+        "folder with the router's CURVE keypair (server.key, "
+        "server.key_secret) for --worker-listen (not built yet); 'pantheon serve "
+        "--curve-keygen DIR' writes one",
+        ("PANTHEON_CURVE_DIR",),
+        metavar="DIR",
+        field="ops.curve_dir",
+        empty="unset",
+    ),
     # the spec's engine knobs
-    Setting("driver_sample", "bool", True, "1: sampling runs inside the worker, the only way "
-            "this server samples; 0 (the spec's owner-side lockstep sampling) is not built and "
-            "is refused", ("PANTHEON_DRIVER_SAMPLE", "QWEN35_BS_DRIVER_SAMPLE"),
-            flag=None, field="ops.driver_sample",
-            check=only(True, "owner-side lockstep sampling is not built: this server always "
-                             "samples inside the worker (unset it, or set 1)")),
-    Setting("prefill_batch", "bool", True, "0 disables batched chunk prefill: prompts are "
-            "prefilled token by token (chunk 1)",
-            ("PANTHEON_PREFILL_BATCH", "QWEN35_BS_PREFILL_BATCH"), flag=None,
-            field="ops.prefill_batch"),
-    Setting("step_stats", "bool", False, "workers log every engine step's timing to stderr",
-            ("PANTHEON_STEP_STATS", "QWEN35_BS_STATS"), field="ops.step_stats"),
-    Setting("kv_q4", "bool", False, "Q4 KV cache: not built, so 1 is refused; the engine keeps "
-            "the KV cache at full width and sizes and admits by that",
-            ("PANTHEON_KV_Q4", "QWEN35_KV_Q4"), flag=None, field="ops.kv_q4",
-            check=only(False, "a Q4 KV cache is not built: the engine keeps KV at full width "
-                              "(unset it, or set 0)")),
+    Setting(
+        "driver_sample",
+        "bool",
+        True,
+        "1: sampling runs inside the worker, the only way "
+        "this server samples; 0 (the spec's owner-side lockstep sampling) is not built and "
+        "is refused",
+        ("PANTHEON_DRIVER_SAMPLE", "QWEN35_BS_DRIVER_SAMPLE"),
+        flag=None,
+        field="ops.driver_sample",
+        check=only(
+            True,
+            "owner-side lockstep sampling is not built: this server always "
+            "samples inside the worker (unset it, or set 1)",
+        ),
+    ),
+    Setting(
+        "prefill_batch",
+        "bool",
+        True,
+        "0 disables batched chunk prefill: prompts are prefilled token by token (chunk 1)",
+        ("PANTHEON_PREFILL_BATCH", "QWEN35_BS_PREFILL_BATCH"),
+        flag=None,
+        field="ops.prefill_batch",
+    ),
+    Setting(
+        "step_stats",
+        "bool",
+        False,
+        "workers log every engine step's timing to stderr",
+        ("PANTHEON_STEP_STATS", "QWEN35_BS_STATS"),
+        field="ops.step_stats",
+    ),
+    Setting(
+        "kv_q4",
+        "bool",
+        False,
+        "Q4 KV cache: not built, so 1 is refused; the engine keeps "
+        "the KV cache at full width and sizes and admits by that",
+        ("PANTHEON_KV_Q4", "QWEN35_KV_Q4"),
+        flag=None,
+        field="ops.kv_q4",
+        check=only(
+            False, "a Q4 KV cache is not built: the engine keeps KV at full width (unset it, or set 0)"
+        ),
+    ),
     # CPU dies' linear-layer path (workers/cpu_paths.py)
-    Setting("cpu_path", "str", "auto", "how CPU dies run the linear layers: auto (the fastest of "
-            "those that work on this CPU, timed on each model's shapes at load) or one of "
-            "bf16-packed, bf16, fp32-packed, fp32 (int8 is what quantize=true loads use); a "
-            "forced path that fails on this CPU fails loads", ("PANTHEON_CPU_PATH",),
-            metavar="PATH", field="ops.cpu_path", check=_cpu_path),
+    Setting(
+        "cpu_path",
+        "str",
+        "auto",
+        "how CPU dies run the linear layers: auto (the fastest of "
+        "those that work on this CPU, timed on each model's shapes at load) or one of "
+        "bf16-packed, bf16, fp32-packed, fp32 (int8 is what quantize=true loads use); a "
+        "forced path that fails on this CPU fails loads",
+        ("PANTHEON_CPU_PATH",),
+        metavar="PATH",
+        field="ops.cpu_path",
+        check=_cpu_path,
+    ),
     # torch.compile the decode step at load (workers/compiled.py)
-    Setting("compile", "bool", False, "compile each model's decode step with torch.compile at "
-            "load (inductor; needs a C++ compiler): ~20-45% faster decode on CPU for ~40-120 s "
-            "more load time; a failed compile stays eager", ("PANTHEON_COMPILE",),
-            field="ops.compile"),
-    Setting("async_poll_us", "int", None, "longest sleep, in microseconds, of a worker's loop "
-            "between polls while it waits on a load (at least 1000: zmq polls in milliseconds)",
-            ("PANTHEON_ASYNC_POLL_US", "PN_ASYNC_POLL_US"), flag=None, unit="µs",
-            field="ops.async_poll_us", default_doc="50000, the worker's own 50 ms",
-            check=between(1, 1_000_000, " µs", sep="=")),
+    Setting(
+        "compile",
+        "bool",
+        False,
+        "compile each model's decode step with torch.compile at "
+        "load (inductor; needs a C++ compiler): ~20-45% faster decode on CPU for ~40-120 s "
+        "more load time; a failed compile stays eager",
+        ("PANTHEON_COMPILE",),
+        field="ops.compile",
+    ),
+    Setting(
+        "async_poll_us",
+        "int",
+        None,
+        "longest sleep, in microseconds, of a worker's loop "
+        "between polls while it waits on a load (at least 1000: zmq polls in milliseconds)",
+        ("PANTHEON_ASYNC_POLL_US", "PN_ASYNC_POLL_US"),
+        flag=None,
+        unit="µs",
+        field="ops.async_poll_us",
+        default_doc="50000, the worker's own 50 ms",
+        check=between(1, 1_000_000, " µs", sep="="),
+    ),
 )
 
 # Variables refused at startup: a debug knob that copies the full logits every step.

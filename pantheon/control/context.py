@@ -45,15 +45,15 @@ class Prepared:
     dropped_tokens: int = 0
 
 
-def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], str, bool,
-                                                                      str | None]:
+def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], str, bool, str | None]:
     """The prompt token ids of ``messages`` under ``req``'s tools and options, and the forced
     tool call's prefix (see ``ForcedCall``), whether the template opened a reasoning block, and
     the forced function's name."""
     tools = req.tools if req.tools_enabled else None
     try:
-        prompt = assets.template.render(messages, tools=tools, add_generation_prompt=True,
-                                        **req.chat_template_kwargs)
+        prompt = assets.template.render(
+            messages, tools=tools, add_generation_prompt=True, **req.chat_template_kwargs
+        )
     except TemplateError as e:
         raise errors.chat_template_refused(e.message) from None
     opened = assets.reasoning and think_open(prompt)
@@ -81,8 +81,7 @@ def limit_of(inst) -> int:
     return limit
 
 
-def fit_context(assets, req: ChatRequest, max_model_len: int,
-                limit: int | None = None) -> Prepared:
+def fit_context(assets, req: ChatRequest, max_model_len: int, limit: int | None = None) -> Prepared:
     """Render and tokenize ``req``, and fit its context to ``limit`` (pass / cap / deny);
     raises ``ApiError``."""
     limit = min(limit or max_model_len, max_model_len)
@@ -155,6 +154,5 @@ def _cap(assets, req: ChatRequest, limit: int, room: int, full_len: int) -> Prep
                 break
         if n <= budget:
             ids, prefix, opened, forced = out
-            return Prepared(ids, prefix, opened, room, forced, True, dropped,
-                            full_len - len(ids))
+            return Prepared(ids, prefix, opened, room, forced, True, dropped, full_len - len(ids))
     raise errors.context_denied(limit, n, room)

@@ -99,9 +99,15 @@ class Die:
 class DieManager:
     """Dies, budgets, bookings and placement (see the module doc)."""
 
-    def __init__(self, *, cpu_dies: int = 0, cpu_budget: int | None = None,
-                 reserve: int | None = None, cuda_count: int | None = None,
-                 host_available: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        *,
+        cpu_dies: int = 0,
+        cpu_budget: int | None = None,
+        reserve: int | None = None,
+        cuda_count: int | None = None,
+        host_available: Callable[[], int] | None = None,
+    ):
         # None: from the machine; dies created later (cpu:N named in a load) get the same share
         self.cpu_budget = cpu_budget or default_cpu_budget(cpu_dies)
         self.reserve = reserve
@@ -115,10 +121,10 @@ class DieManager:
 
     def _add(self, die_id: str) -> Die:
         kind = die_kind(die_id)
-        reserve = self.reserve if self.reserve is not None else (
-            DEFAULT_CUDA_RESERVE if kind == "cuda" else 0)
-        d = Die(die_id, kind, reserve_bytes=reserve,
-                total_bytes=self.cpu_budget if kind == "cpu" else 0)
+        reserve = (
+            self.reserve if self.reserve is not None else (DEFAULT_CUDA_RESERVE if kind == "cuda" else 0)
+        )
+        d = Die(die_id, kind, reserve_bytes=reserve, total_bytes=self.cpu_budget if kind == "cpu" else 0)
         self._dies[die_id] = d
         return d
 
@@ -141,8 +147,7 @@ class DieManager:
     def cpu_count(self) -> int:
         return sum(1 for d in self._dies.values() if d.kind == "cpu")
 
-    def on_worker(self, die_id: str, total_bytes: int, free_bytes: int,
-                  device_name: str = "") -> None:
+    def on_worker(self, die_id: str, total_bytes: int, free_bytes: int, device_name: str = "") -> None:
         """What a worker said in Hello or Stats: the real size of a CUDA die."""
         d = self._dies.get(die_id) or self._add(die_id)
         if device_name:
@@ -155,8 +160,7 @@ class DieManager:
         return self._dies.get(die_id)
 
     def dies(self) -> list[Die]:
-        return sorted(self._dies.values(),
-                      key=lambda d: (d.kind, parse_die(d.id)[1]))
+        return sorted(self._dies.values(), key=lambda d: (d.kind, parse_die(d.id)[1]))
 
     # ------------------------------------------------------------ room
 
@@ -170,8 +174,12 @@ class DieManager:
             room = min(room, self._host_available())
         return max(0, room)
 
-    def place(self, need: Callable[[tuple[str, ...]], dict[str, tuple[int, int]]],
-              dies: tuple[str, ...] = (), candidates: list[str] | None = None) -> tuple[str, ...]:
+    def place(
+        self,
+        need: Callable[[tuple[str, ...]], dict[str, tuple[int, int]]],
+        dies: tuple[str, ...] = (),
+        candidates: list[str] | None = None,
+    ) -> tuple[str, ...]:
         """Dies for a new instance; ``need(dies)`` gives its ``{die: (w, kv)}`` split there.
 
         Explicit ``dies``: each must have room for its share. Automatic: the single die with
@@ -185,10 +193,12 @@ class DieManager:
                     continue  # a CUDA die learns its size from its worker's Hello
                 room = self.free(d)
                 if w + kv > room:
-                    lacks.append(f"{die_id} lacks {fmt_bytes(w + kv - room)} (needs "
-                                 f"{fmt_bytes(w + kv)}: weights {fmt_bytes(w)} + KV cache "
-                                 f"{fmt_bytes(kv)}; {fmt_bytes(room)} of its "
-                                 f"{fmt_bytes(d.budget_bytes)} budget free)")
+                    lacks.append(
+                        f"{die_id} lacks {fmt_bytes(w + kv - room)} (needs "
+                        f"{fmt_bytes(w + kv)}: weights {fmt_bytes(w)} + KV cache "
+                        f"{fmt_bytes(kv)}; {fmt_bytes(room)} of its "
+                        f"{fmt_bytes(d.budget_bytes)} budget free)"
+                    )
             if lacks:
                 raise errors.insufficient_memory("the model does not fit: " + "; ".join(lacks))
             return tuple(dies)
@@ -203,13 +213,13 @@ class DieManager:
             if w + kv <= room:
                 fits.append((room, d))
             else:
-                short.append(f"{d.id} lacks {fmt_bytes(w + kv - room)} ({fmt_bytes(room)} "
-                             f"free)")
+                short.append(f"{d.id} lacks {fmt_bytes(w + kv - room)} ({fmt_bytes(room)} free)")
         if not fits:
             w, kv = need((pool[0].id,))[pool[0].id]
-            raise errors.insufficient_memory(f"no die has room for the model (weights "
-                                             f"{fmt_bytes(w)} + KV cache {fmt_bytes(kv)}): "
-                                             + "; ".join(short))
+            raise errors.insufficient_memory(
+                f"no die has room for the model (weights "
+                f"{fmt_bytes(w)} + KV cache {fmt_bytes(kv)}): " + "; ".join(short)
+            )
         best = max(fits, key=lambda t: t[0])  # max() keeps the first of equals: lowest id
         return (best[1].id,)
 

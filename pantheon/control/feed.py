@@ -48,10 +48,10 @@ class Feed:
 
     # ------------------------------------------------------------ events
 
-    def event(self, kind: str, message: str, *, model: str | None = None,
-              instance: str | None = None) -> st.Event:
-        ev = st.Event(ts=time.time(), kind=kind, message=message, model=model,
-                      instance=instance)
+    def event(
+        self, kind: str, message: str, *, model: str | None = None, instance: str | None = None
+    ) -> st.Event:
+        ev = st.Event(ts=time.time(), kind=kind, message=message, model=model, instance=instance)
         self.events.append(ev)
         for q in list(self._subs):
             if q.qsize() < _SUBSCRIBER_BACKLOG:
@@ -119,9 +119,12 @@ class Feed:
             self._done.popleft()
         span = min(WINDOW_S, max(1e-3, time.time() - self.started_at))
         ttft = list(self._ttft)
-        return st.Throughput(tokens_per_s=sum(n for _, n in self._tokens) / span,
-                             requests_per_s=len(self._done) / span,
-                             ttft_p50_s=_pct(ttft, 0.50), ttft_p99_s=_pct(ttft, 0.99))
+        return st.Throughput(
+            tokens_per_s=sum(n for _, n in self._tokens) / span,
+            requests_per_s=len(self._done) / span,
+            ttft_p50_s=_pct(ttft, 0.50),
+            ttft_p99_s=_pct(ttft, 0.99),
+        )
 
 
 # ---------------------------------------------------------------- the snapshot
@@ -129,33 +132,60 @@ class Feed:
 
 def instance_state(f: InstanceFacts) -> st.InstanceState:
     inst, es = f.inst, f.engine
-    slots = [st.SlotState(state=s.state, request_id=s.request_id, prompt_tokens=s.prompt_tokens,
-                          prefilled=s.prefilled, generated=s.generated, session_id=s.session_id)
-             for s in (es.slots if es is not None else [])]
+    slots = [
+        st.SlotState(
+            state=s.state,
+            request_id=s.request_id,
+            prompt_tokens=s.prompt_tokens,
+            prefilled=s.prefilled,
+            generated=s.generated,
+            session_id=s.session_id,
+        )
+        for s in (es.slots if es is not None else [])
+    ]
     return st.InstanceState(
-        id=inst.instance_id, name=inst.name, path=inst.path, dies=list(inst.dies),
-        state=inst.state, error=inst.error, load_progress=inst.load_progress,
-        weights_bytes=f.weights_bytes, kv_bytes=f.kv_bytes, quantized=bool(inst.quantize),
-        max_model_len=int(inst.max_model_len or 0), slots=slots, in_flight=inst.refs,
-        queued=f.queued, restarts=int(inst.restarts or 0), cache_hit_rate=f.hit_rate,
+        id=inst.instance_id,
+        name=inst.name,
+        path=inst.path,
+        dies=list(inst.dies),
+        state=inst.state,
+        error=inst.error,
+        load_progress=inst.load_progress,
+        weights_bytes=f.weights_bytes,
+        kv_bytes=f.kv_bytes,
+        quantized=bool(inst.quantize),
+        max_model_len=int(inst.max_model_len or 0),
+        slots=slots,
+        in_flight=inst.refs,
+        queued=f.queued,
+        restarts=int(inst.restarts or 0),
+        cache_hit_rate=f.hit_rate,
         kv_blocks_used=int(es.kv_blocks_used) if es is not None else 0,
         kv_blocks_total=int(es.kv_blocks_total) if es is not None else 0,
-        prefill_budget=int(es.prefill_budget) if es is not None else 0)
+        prefill_budget=int(es.prefill_budget) if es is not None else 0,
+    )
 
 
 def die_state(f: DieFacts) -> st.DieState:
     d, w = f.die, f.worker
     return st.DieState(
-        id=d.id, device_name=d.device_name or (w.device_name if w is not None else ""),
-        total_bytes=d.total_bytes, budget_bytes=d.budget_bytes, weights_bytes=d.weights_bytes,
-        kv_bytes=d.kv_bytes, free_bytes=max(0, d.budget_bytes - d.used_bytes),
+        id=d.id,
+        device_name=d.device_name or (w.device_name if w is not None else ""),
+        total_bytes=d.total_bytes,
+        budget_bytes=d.budget_bytes,
+        weights_bytes=d.weights_bytes,
+        kv_bytes=d.kv_bytes,
+        free_bytes=max(0, d.budget_bytes - d.used_bytes),
         pressure=f.pressure,
         # a CPU die without a worker yet is usable (its worker starts on the first load)
         alive=w.alive if w is not None else d.kind == "cpu",
         error=w.error if w is not None and not w.alive else None,
-        instances=f.hosted, isa=w.cpu_isa if w is not None else "", cpu_path=f.cpu_path,
+        instances=f.hosted,
+        isa=w.cpu_isa if w is not None else "",
+        cpu_path=f.cpu_path,
         restarts=int(w.restarts) if w is not None else 0,
-        last_death=w.last_death if w is not None else None)
+        last_death=w.last_death if w is not None else None,
+    )
 
 
 def snapshot(live: Projection, feed: Feed, pressure: Any, queue_depth: int) -> st.Snapshot:
@@ -164,14 +194,26 @@ def snapshot(live: Projection, feed: Feed, pressure: Any, queue_depth: int) -> s
     die_list = [die_state(f) for f in live.dies]
     names = list(dict.fromkeys(f.inst.name for f in live.instances))
     queues = live.queues
-    qs = [st.QueueState(model=n, depth=len(queues[n]) if n in queues else 0,
-                        max_depth=queue_depth,
-                        oldest_wait_s=queues[n].oldest_wait_s() if n in queues else 0.0)
-          for n in names]
+    qs = [
+        st.QueueState(
+            model=n,
+            depth=len(queues[n]) if n in queues else 0,
+            max_depth=queue_depth,
+            oldest_wait_s=queues[n].oldest_wait_s() if n in queues else 0.0,
+        )
+        for n in names
+    ]
     level = max([pressure.host_level(), *(d.pressure for d in die_list)])
-    return st.Snapshot(ts=time.time(), started_at=feed.started_at, pressure=level,
-                       host_total_bytes=total, host_available_bytes=avail, dies=die_list,
-                       instances=[instance_state(f) for f in live.instances], queues=qs,
-                       throughput=feed.throughput(),
-                       counters=msgspec.structs.replace(feed.counters),
-                       events=list(feed.events))
+    return st.Snapshot(
+        ts=time.time(),
+        started_at=feed.started_at,
+        pressure=level,
+        host_total_bytes=total,
+        host_available_bytes=avail,
+        dies=die_list,
+        instances=[instance_state(f) for f in live.instances],
+        queues=qs,
+        throughput=feed.throughput(),
+        counters=msgspec.structs.replace(feed.counters),
+        events=list(feed.events),
+    )

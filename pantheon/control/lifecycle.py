@@ -56,8 +56,7 @@ FAILURE_SHOWN_S = 600.0  # a failed load stays visible in GET /admin/models this
 class Models:
     """Loads, unloads, cache resets and worker deaths (see the module doc)."""
 
-    def __init__(self, config: Any, pool: Any, registry: Registry, dies: Any, feed: Any,
-                 live: set):
+    def __init__(self, config: Any, pool: Any, registry: Registry, dies: Any, feed: Any, live: set):
         self.config, self.pool, self.registry = config, pool, registry
         self.dies, self.feed, self.live = dies, feed, live
         self.failures: collections.deque[dict] = collections.deque(maxlen=FAILURES_KEPT)
@@ -103,10 +102,17 @@ class Models:
             if dies and inst.dies == dies and inst.state == READY:
                 raise errors.duplicate_replica(inst.instance_id, name, dies)
 
-    async def start_load(self, path: str, name: str | None = None, dies: tuple[str, ...] = (),
-                         quantize: bool = False, *, slots: int | None = None,
-                         max_context: int | None = None,
-                         background: bool = False) -> tuple[Instance, asyncio.Task]:
+    async def start_load(
+        self,
+        path: str,
+        name: str | None = None,
+        dies: tuple[str, ...] = (),
+        quantize: bool = False,
+        *,
+        slots: int | None = None,
+        max_context: int | None = None,
+        background: bool = False,
+    ) -> tuple[Instance, asyncio.Task]:
         """Phases 1 and 2 (raise ``ApiError`` at once); phase 3 and 4 run in the returned task,
         which ends with the instance published or raises the load's ``ApiError``.
 
@@ -117,12 +123,16 @@ class Models:
             gguf_file = find_gguf(path)
         except GGUFError as e:  # a folder with several .gguf files
             raise errors.unreadable_model(e.kind, e.reason) from None
-        if gguf_file is None and (not os.path.isdir(path)
-                                  or not os.path.isfile(os.path.join(path, "config.json"))):
-            why = ("it is a file but not a .gguf file" if os.path.isfile(path) else
-                   "it needs a config.json or a .gguf file" if os.path.isdir(path) else
-                   "nothing there; give a folder with a config.json, a .gguf file or a "
-                   "folder with one")
+        if gguf_file is None and (
+            not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json"))
+        ):
+            why = (
+                "it is a file but not a .gguf file"
+                if os.path.isfile(path)
+                else "it needs a config.json or a .gguf file"
+                if os.path.isdir(path)
+                else "nothing there; give a folder with a config.json, a .gguf file or a folder with one"
+            )
             raise errors.no_model_folder(path, why)
         try:
             shape = read_shape(path)
@@ -148,8 +158,13 @@ class Models:
         def sized(first: str):
             # On a CPU die the worker picks the path at load: book the largest it may pick
             # (phase 4 sizes with the real one)
-            return estimate(shape, dtype=cfg.dtype, quantize=quantize, cpu=die_kind(first) == "cpu",
-                            cpu_works=works.get(first))
+            return estimate(
+                shape,
+                dtype=cfg.dtype,
+                quantize=quantize,
+                cpu=die_kind(first) == "cpu",
+                cpu_works=works.get(first),
+            )
 
         def need(ds: tuple[str, ...]) -> dict[str, tuple[int, int]]:
             est = sized(ds[0])
@@ -160,8 +175,7 @@ class Models:
         try:
             # phase 2: place and book, synchronously: no other load can take the same bytes
             alive = {d.die for d in self.pool.dies() if d.alive}
-            cands = [d.id for d in self.dies.dies() if d.known and (d.kind == "cpu"
-                                                                    or d.id in alive)]
+            cands = [d.id for d in self.dies.dies() if d.known and (d.kind == "cpu" or d.id in alive)]
             inst.dies = self.dies.place(need, dies, cands)
             self.dies.book(inst.instance_id, need(inst.dies))
         except BaseException:
@@ -171,14 +185,26 @@ class Models:
         inst.estimate, inst.shape = sized(inst.die), shape
         kv_bytes = sum(kv for _, kv in need(inst.dies).values())
         inst.load_msg = LoadModel(
-            instance=inst.instance_id, path=os.path.abspath(path), dtype=cfg.dtype,
-            devices=list(inst.dies), kv_budget_bytes=kv_bytes, num_slots=inst.gate.slots,
-            prefill_chunk=cfg.prefill_chunk, step_target_s=cfg.ops.step_target_s,
-            max_model_len=mml, quantize=quantize)
-        self.feed.event("load", f"loading {path} as {inst.instance_id} on "
-                                f"{','.join(inst.dies)}", model=name, instance=inst.instance_id)
-        task = asyncio.create_task(self._finish_load(inst, assets, background),
-                                   name=f"load-{inst.instance_id}")
+            instance=inst.instance_id,
+            path=os.path.abspath(path),
+            dtype=cfg.dtype,
+            devices=list(inst.dies),
+            kv_budget_bytes=kv_bytes,
+            num_slots=inst.gate.slots,
+            prefill_chunk=cfg.prefill_chunk,
+            step_target_s=cfg.ops.step_target_s,
+            max_model_len=mml,
+            quantize=quantize,
+        )
+        self.feed.event(
+            "load",
+            f"loading {path} as {inst.instance_id} on {','.join(inst.dies)}",
+            model=name,
+            instance=inst.instance_id,
+        )
+        task = asyncio.create_task(
+            self._finish_load(inst, assets, background), name=f"load-{inst.instance_id}"
+        )
         self._tasks.add(task)
         task.add_done_callback(self._load_done)
         return inst, task
@@ -194,15 +220,15 @@ class Models:
         except PoolError as e:
             raise errors.worker_start_failed(e) from None
 
-    async def load(self, path: str, name: str | None = None, dies: tuple[str, ...] = (),
-                   quantize: bool = False, **kw) -> Instance:
+    async def load(
+        self, path: str, name: str | None = None, dies: tuple[str, ...] = (), quantize: bool = False, **kw
+    ) -> Instance:
         """Load and wait until the instance is ready; raises ``ApiError``."""
         _, task = await self.start_load(path, name, dies, quantize, **kw)
         # shielded: a client that goes away does not stop the load (it shows in /admin/models)
         return await asyncio.shield(task)
 
-    async def _finish_load(self, inst: Instance, assets: ModelAssets,
-                           background: bool) -> Instance:
+    async def _finish_load(self, inst: Instance, assets: ModelAssets, background: bool) -> Instance:
         msg = inst.load_msg
 
         def progress(p) -> None:
@@ -217,12 +243,25 @@ class Models:
             self.registry.discard(inst)
             self.dies.release(inst.instance_id)
             if background:
-                self.failures.append({
-                    "name": inst.name, "instance": inst.instance_id, "path": inst.path,
-                    "dies": list(inst.dies), "state": FAILED, "error": err.message,
-                    "status": err.status, "code": err.code, "failed_at": time.time()})
-            self.feed.event("load_failed", f"{inst.instance_id}: {err.message}",
-                            model=inst.name, instance=inst.instance_id)
+                self.failures.append(
+                    {
+                        "name": inst.name,
+                        "instance": inst.instance_id,
+                        "path": inst.path,
+                        "dies": list(inst.dies),
+                        "state": FAILED,
+                        "error": err.message,
+                        "status": err.status,
+                        "code": err.code,
+                        "failed_at": time.time(),
+                    }
+                )
+            self.feed.event(
+                "load_failed",
+                f"{inst.instance_id}: {err.message}",
+                model=inst.name,
+                instance=inst.instance_id,
+            )
             log.warning("load of %s failed: %s", inst.instance_id, err.message)
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -231,18 +270,27 @@ class Models:
         if loaded.cpu_path:  # the path is known now: size with it, not the upper bound
             inst.cpu_path = loaded.cpu_path
             inst.estimate = estimate(inst.shape, quantize=inst.quantize, cpu_path=loaded.cpu_path)
-        self.dies.book(inst.instance_id, inst.estimate.split(
-            inst.dies, weights=loaded.weight_bytes, kv=loaded.kv_bytes))
+        self.dies.book(
+            inst.instance_id, inst.estimate.split(inst.dies, weights=loaded.weight_bytes, kv=loaded.kv_bytes)
+        )
         if inst.estimate.kv_per_token:
             inst.kv_pool_tokens = loaded.kv_bytes // inst.estimate.kv_per_token
         assets.add_eos(loaded.eos_token_ids)
-        self.registry.publish(inst, assets=assets, loaded=loaded,
-                              max_model_len=loaded.max_model_len)
-        self.feed.event("loaded", f"{inst.instance_id} is ready on {','.join(inst.dies)} "
-                                  f"(weights {loaded.weight_bytes} B, KV {loaded.kv_bytes} B)",
-                        model=inst.name, instance=inst.instance_id)
-        log.info("loaded %s as %s on %s (max_model_len %d)", inst.name, inst.instance_id,
-                 ",".join(inst.dies), loaded.max_model_len)
+        self.registry.publish(inst, assets=assets, loaded=loaded, max_model_len=loaded.max_model_len)
+        self.feed.event(
+            "loaded",
+            f"{inst.instance_id} is ready on {','.join(inst.dies)} "
+            f"(weights {loaded.weight_bytes} B, KV {loaded.kv_bytes} B)",
+            model=inst.name,
+            instance=inst.instance_id,
+        )
+        log.info(
+            "loaded %s as %s on %s (max_model_len %d)",
+            inst.name,
+            inst.instance_id,
+            ",".join(inst.dies),
+            loaded.max_model_len,
+        )
         return inst
 
     @staticmethod
@@ -277,9 +325,12 @@ class Models:
 
     async def _unload_one(self, inst: Instance, timeout: float) -> dict:
         t0 = time.monotonic()
-        self.feed.event("unload", f"unloading {inst.instance_id} (drain up to {timeout:g} s, "
-                                  f"{inst.refs} in flight)", model=inst.name,
-                        instance=inst.instance_id)
+        self.feed.event(
+            "unload",
+            f"unloading {inst.instance_id} (drain up to {timeout:g} s, {inst.refs} in flight)",
+            model=inst.name,
+            instance=inst.instance_id,
+        )
         drained = await self.registry.drain(inst, timeout)
         ended = 0
         if not drained:  # past the deadline: end the rest with a clean error
@@ -293,12 +344,20 @@ class Models:
         with contextlib.suppress(PoolError, KeyError):
             await self.pool.unload(inst.die, inst.instance_id)
         took = time.monotonic() - t0
-        self.feed.event("unloaded", f"{inst.instance_id} unloaded after {took:.1f} s"
-                                    + (f" ({ended} request(s) ended at the deadline)"
-                                       if ended else ""),
-                        model=inst.name, instance=inst.instance_id)
-        return {"instance": inst.instance_id, "name": inst.name, "drained": drained,
-                "ended": ended, "seconds": round(took, 3)}
+        self.feed.event(
+            "unloaded",
+            f"{inst.instance_id} unloaded after {took:.1f} s"
+            + (f" ({ended} request(s) ended at the deadline)" if ended else ""),
+            model=inst.name,
+            instance=inst.instance_id,
+        )
+        return {
+            "instance": inst.instance_id,
+            "name": inst.name,
+            "drained": drained,
+            "ended": ended,
+            "seconds": round(took, 3),
+        }
 
     # ------------------------------------------------------------ the prefix cache
 

@@ -103,8 +103,7 @@ def die_cpu_paths(registry: Registry) -> dict[str, str]:
     return {d: ",".join(sorted(v)) for d, v in chosen.items()}
 
 
-def project(registry: Registry, pool: Any, dies: DieManager,
-            pressure: PressureSource) -> Projection:
+def project(registry: Registry, pool: Any, dies: DieManager, pressure: PressureSource) -> Projection:
     """Read the registry, the pool's workers, the die manager and the pressure source once."""
     workers = list(pool.dies()) if pool is not None else []
     by_die = {w.die: w for w in workers}
@@ -114,14 +113,28 @@ def project(registry: Registry, pool: Any, dies: DieManager,
     for inst in registry.instances():
         q = queues.get(inst.name)
         w, kv = booked(dies, inst.instance_id)
-        insts.append(InstanceFacts(inst=inst, engine=engine.get(inst.instance_id),
-                                   queued=len(q) if q is not None else 0,
-                                   weights_bytes=int(w), kv_bytes=int(kv)))
+        insts.append(
+            InstanceFacts(
+                inst=inst,
+                engine=engine.get(inst.instance_id),
+                queued=len(q) if q is not None else 0,
+                weights_bytes=int(w),
+                kv_bytes=int(kv),
+            )
+        )
     paths = die_cpu_paths(registry)
     die_facts = []
     for d in dies.dies():
         on_it = [f for f in insts if d.id in f.inst.dies]
         hosted = sorted({f.inst.instance_id for f in on_it} | set(d.bookings))
-        die_facts.append(DieFacts(die=d, worker=by_die.get(d.id), pressure=pressure.die_level(d.id),
-                                  hosted=hosted, cpu_path=paths.get(d.id, ""), instances=on_it))
+        die_facts.append(
+            DieFacts(
+                die=d,
+                worker=by_die.get(d.id),
+                pressure=pressure.die_level(d.id),
+                hosted=hosted,
+                cpu_path=paths.get(d.id, ""),
+                instances=on_it,
+            )
+        )
     return Projection(dies=die_facts, instances=insts, queues=queues, workers=workers)

@@ -57,10 +57,14 @@ def headroom_used(total: int, free: int, booked: int) -> float:
 class PressureSource:
     """Levels for the host and the dies; see the module doc."""
 
-    def __init__(self, thresholds: tuple[float, float, float] = DEFAULT_THRESHOLDS, *,
-                 host_probe: Callable[[], tuple[int, int]] | None = None,
-                 die_probe: Callable[[str], tuple[int, int] | None] | None = None,
-                 booked_probe: Callable[[str], int] | None = None):
+    def __init__(
+        self,
+        thresholds: tuple[float, float, float] = DEFAULT_THRESHOLDS,
+        *,
+        host_probe: Callable[[], tuple[int, int]] | None = None,
+        die_probe: Callable[[str], tuple[int, int] | None] | None = None,
+        booked_probe: Callable[[str], int] | None = None,
+    ):
         """``host_probe() -> (total, available)``; ``die_probe(die) -> (total, free)`` for a
         CUDA die (None when unknown); ``booked_probe(die) -> bytes`` the instances booked on
         it (0 when not given)."""

@@ -43,8 +43,18 @@ SHUTDOWN_TIMEOUT_S = 2.0
 
 
 class Registration:
-    def __init__(self, *, url: str, registry: Any, host: str, port: int, node_id: str = "node0",
-                 transport: str = "local", heartbeat_s: float = 5.0, slots: int = 8):
+    def __init__(
+        self,
+        *,
+        url: str,
+        registry: Any,
+        host: str,
+        port: int,
+        node_id: str = "node0",
+        transport: str = "local",
+        heartbeat_s: float = 5.0,
+        slots: int = 8,
+    ):
         self.url = url.rstrip("/")
         self.registry = registry
         self.host, self.port = host, port
@@ -84,9 +94,12 @@ class Registration:
         self._registered.clear()
         if models:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(
-                    *(self._post("deregister", self._ident(m)) for m in models),
-                    return_exceptions=True), SHUTDOWN_TIMEOUT_S)
+                await asyncio.wait_for(
+                    asyncio.gather(
+                        *(self._post("deregister", self._ident(m)) for m in models), return_exceptions=True
+                    ),
+                    SHUTDOWN_TIMEOUT_S,
+                )
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -102,16 +115,16 @@ class Registration:
                 continue
             info = inst.info()
             gate = getattr(inst, "gate", None)
-            m = out.setdefault(inst.name, {"capacity": 0, "busy": 0, "queued": 0,
-                                           "max_model_len": inst.max_model_len})
+            m = out.setdefault(
+                inst.name, {"capacity": 0, "busy": 0, "queued": 0, "max_model_len": inst.max_model_len}
+            )
             m["capacity"] += getattr(gate, "slots", None) or self.slots
             m["busy"] += int(info.get("running", 0))
             m["queued"] = len(queues[inst.name]) if inst.name in queues else 0
         return out
 
     def _ident(self, model: str) -> dict:
-        return {"model_id": model, "instance_id": self.instance_id(model),
-                "node_id": self.node_id}
+        return {"model_id": model, "instance_id": self.instance_id(model), "node_id": self.node_id}
 
     async def _run(self) -> None:
         while True:
@@ -141,12 +154,18 @@ class Registration:
     def _spawn(self, name: str, coro) -> None:
         task = asyncio.create_task(coro, name=f"registration-{name}")
         self._pending[name] = task
-        task.add_done_callback(lambda t, n=name: self._pending.pop(n, None)
-                               if self._pending.get(n) is t else None)
+        task.add_done_callback(
+            lambda t, n=name: self._pending.pop(n, None) if self._pending.get(n) is t else None
+        )
 
     async def _register(self, name: str, m: dict) -> None:
-        body = {**self._ident(name), "endpoint": self.endpoint, "capacity": m["capacity"],
-                "transport": self.transport, "max_model_len": m["max_model_len"]}
+        body = {
+            **self._ident(name),
+            "endpoint": self.endpoint,
+            "capacity": m["capacity"],
+            "transport": self.transport,
+            "max_model_len": m["max_model_len"],
+        }
         if await self._post("register", body) is not None:
             self._registered[name] = body
             log.info("registered %s as %s", name, body["instance_id"])
@@ -157,8 +176,13 @@ class Registration:
             log.info("deregistered %s", name)
 
     async def _heartbeat(self, name: str, m: dict) -> None:
-        body = {**self._ident(name), "transport": self.transport, "capacity": m["capacity"],
-                "busy": m["busy"], "queued": m["queued"]}
+        body = {
+            **self._ident(name),
+            "transport": self.transport,
+            "capacity": m["capacity"],
+            "busy": m["busy"],
+            "queued": m["queued"],
+        }
         status = await self._post("heartbeat", body)
         if status == 404:  # the registry forgot us (it restarted): register again
             self._registered.pop(name, None)
@@ -176,8 +200,12 @@ class Registration:
             self._backoff = min(BACKOFF_MAX_S, max(1.0, self._backoff * 2))
             self._backoff_until = time.monotonic() + self._backoff
             if not self._down:
-                log.warning("router registry %s: %s failed (%s); retrying with backoff",
-                            self.url, what, type(e).__name__ if not str(e) else e)
+                log.warning(
+                    "router registry %s: %s failed (%s); retrying with backoff",
+                    self.url,
+                    what,
+                    type(e).__name__ if not str(e) else e,
+                )
             self._down = True
             return None
         if self._down:
@@ -207,7 +235,13 @@ def from_config(cfg: Any, registry: Any, host: str, port: int) -> Registration |
     ops = cfg.ops
     if not ops.registry_url:
         return None
-    return Registration(url=ops.registry_url, registry=registry,
-                        host=advertised_host(host, ops.advertise_host), port=port,
-                        node_id=ops.node_id, transport=ops.registry_transport,
-                        heartbeat_s=ops.registry_heartbeat_s, slots=cfg.slots)
+    return Registration(
+        url=ops.registry_url,
+        registry=registry,
+        host=advertised_host(host, ops.advertise_host),
+        port=port,
+        node_id=ops.node_id,
+        transport=ops.registry_transport,
+        heartbeat_s=ops.registry_heartbeat_s,
+        slots=cfg.slots,
+    )

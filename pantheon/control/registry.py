@@ -98,12 +98,23 @@ class Instance:
         return self.gate.active
 
     def info(self) -> dict:
-        return {"name": self.name, "instance": self.instance_id, "path": self.path,
-                "dies": list(self.dies), "state": self.state, "error": self.error,
-                "in_flight": self.refs, "running": self.gate.active, "slots": self.gate.slots,
-                "served": self.served, "max_model_len": self.max_model_len,
-                "quantize": self.quantize, "load_progress": self.load_progress,
-                "restarts": self.restarts, "cpu_path": self.cpu_path or None}
+        return {
+            "name": self.name,
+            "instance": self.instance_id,
+            "path": self.path,
+            "dies": list(self.dies),
+            "state": self.state,
+            "error": self.error,
+            "in_flight": self.refs,
+            "running": self.gate.active,
+            "slots": self.gate.slots,
+            "served": self.served,
+            "max_model_len": self.max_model_len,
+            "quantize": self.quantize,
+            "load_progress": self.load_progress,
+            "restarts": self.restarts,
+            "cpu_path": self.cpu_path or None,
+        }
 
 
 @dataclass(eq=False)
@@ -136,9 +147,15 @@ class Registry:
 
     ``pressure(dies) -> level`` is asked at every gate decision (default: always 0)."""
 
-    def __init__(self, *, slots: int = 8, queue_depth: int = 32, queue_timeout_s: float = 30.0,
-                 single_user: bool | None = None,
-                 pressure: Callable[[tuple[str, ...]], int] | None = None):
+    def __init__(
+        self,
+        *,
+        slots: int = 8,
+        queue_depth: int = 32,
+        queue_timeout_s: float = 30.0,
+        single_user: bool | None = None,
+        pressure: Callable[[tuple[str, ...]], int] | None = None,
+    ):
         self.slots = 1 if single_user else slots
         self.queue_depth = queue_depth
         self.queue_timeout_s = queue_timeout_s
@@ -152,20 +169,23 @@ class Registry:
 
     # ------------------------------------------------------------ table
 
-    def reserve(self, name: str, path: str, dies: tuple[str, ...] = (), *,
-                slots: int | None = None) -> Instance:
+    def reserve(
+        self, name: str, path: str, dies: tuple[str, ...] = (), *, slots: int | None = None
+    ) -> Instance:
         """Phase 1 of a load: take a table row in ``loading`` state (not routable). Pair with
         ``publish`` or ``discard``. Raises 507 when the table is full."""
         if len(self._instances) >= MAX_INSTANCES:
             raise errors.table_full(MAX_INSTANCES)
         iid = f"{name}#{next(self._ids)}"
-        inst = Instance(name=name, instance_id=iid, path=path, dies=tuple(dies),
-                        gate=Slots(max(1, slots or self.slots)))
+        inst = Instance(
+            name=name, instance_id=iid, path=path, dies=tuple(dies), gate=Slots(max(1, slots or self.slots))
+        )
         self._instances.append(inst)
         return inst
 
-    def publish(self, inst: Instance, *, assets: Any = None, loaded: Any = None,
-                max_model_len: int | None = None) -> None:
+    def publish(
+        self, inst: Instance, *, assets: Any = None, loaded: Any = None, max_model_len: int | None = None
+    ) -> None:
         """Phase 4 of a load: the instance takes requests."""
         inst.assets = assets
         inst.loaded = loaded
@@ -222,8 +242,7 @@ class Registry:
             raise errors.model_not_found(name)
         return target, [i for i in ready if i.name == target]
 
-    def _pick(self, cands: list[Instance], session_id: str | None,
-              free_only: bool) -> Instance | None:
+    def _pick(self, cands: list[Instance], session_id: str | None, free_only: bool) -> Instance | None:
         pool = [i for i in cands if i.gate.free] if free_only else cands
         if not pool:
             return None

@@ -43,8 +43,17 @@ HEALTHY_AFTER_S = 60.0  # a worker up this long starts its die's death count afr
 
 
 class Supervisor:
-    def __init__(self, models: Any, registry: Any, pool: Any, *, max_restarts: int = 10,
-                 backoff_s: float = 0.5, metrics: Any = None, feed: Any = None):
+    def __init__(
+        self,
+        models: Any,
+        registry: Any,
+        pool: Any,
+        *,
+        max_restarts: int = 10,
+        backoff_s: float = 0.5,
+        metrics: Any = None,
+        feed: Any = None,
+    ):
         self.models, self.registry, self.pool = models, registry, pool
         self.max_restarts, self.backoff_s = max_restarts, backoff_s
         self.metrics, self.feed = metrics, feed
@@ -63,24 +72,28 @@ class Supervisor:
         self.models.worker_dead(die, reason)
         if self.metrics is not None:
             self.metrics.worker_died(die)
-        failed = [i for i in self.registry.instances() if i.state == "failed"
-                  and i.die == die and (i.instance_id not in before
-                                        or i.instance_id in self._recovering)]
+        failed = [
+            i
+            for i in self.registry.instances()
+            if i.state == "failed"
+            and i.die == die
+            and (i.instance_id not in before or i.instance_id in self._recovering)
+        ]
         if self.closing or self.max_restarts <= 0:
             return
         if time.monotonic() - self.restarted_at.get(die, 0.0) > HEALTHY_AFTER_S:
             self.deaths[die] = 0
         self.deaths[die] = self.deaths.get(die, 0) + 1
         if self.deaths[die] > self.max_restarts:
-            log.error("the worker of %s died %d times in a row: it stays failed", die,
-                      self.deaths[die])
+            log.error("the worker of %s died %d times in a row: it stays failed", die, self.deaths[die])
             self._give_up(die)
             return
         for inst in failed:
             self._recovering[inst.instance_id] = inst
         if die not in self._tasks or self._tasks[die].done():
             self._tasks[die] = asyncio.get_running_loop().create_task(
-                self._recover(die), name=f"recover-{die}")
+                self._recover(die), name=f"recover-{die}"
+            )
 
     def _give_up(self, die: str) -> None:
         for iid, inst in list(self._recovering.items()):
@@ -98,8 +111,13 @@ class Supervisor:
         while not self.closing:
             n = self.deaths.get(die, 1)
             delay = min(BACKOFF_MAX_S, self.backoff_s * (2 ** (n - 1)))
-            log.warning("restarting the worker of %s in %.1f s (death %d of at most %d)", die,
-                        delay, n, self.max_restarts)
+            log.warning(
+                "restarting the worker of %s in %.1f s (death %d of at most %d)",
+                die,
+                delay,
+                n,
+                self.max_restarts,
+            )
             await asyncio.sleep(delay)
             try:
                 await self.models.ensure_worker(die)
@@ -139,8 +157,10 @@ class Supervisor:
             return
         dies = getattr(self.models, "dies", None)
         if dies is not None and inst.estimate is not None and loaded is not None:
-            dies.book(inst.instance_id, inst.estimate.split(
-                inst.dies, weights=loaded.weight_bytes, kv=loaded.kv_bytes))
+            dies.book(
+                inst.instance_id,
+                inst.estimate.split(inst.dies, weights=loaded.weight_bytes, kv=loaded.kv_bytes),
+            )
         inst.state, inst.load_progress = "loading", 0.0
 
         def progress(p) -> None:
@@ -164,14 +184,18 @@ class Supervisor:
             self._wake()
             return
         if dies is not None and inst.estimate is not None:
-            dies.book(inst.instance_id, inst.estimate.split(
-                inst.dies, weights=new.weight_bytes, kv=new.kv_bytes))
+            dies.book(
+                inst.instance_id, inst.estimate.split(inst.dies, weights=new.weight_bytes, kv=new.kv_bytes)
+            )
         inst.restarts += 1
-        self.registry.publish(inst, assets=inst.assets, loaded=new,
-                              max_model_len=new.max_model_len)
+        self.registry.publish(inst, assets=inst.assets, loaded=new, max_model_len=new.max_model_len)
         self._recovering.pop(inst.instance_id, None)
-        self._event("loaded", f"{inst.instance_id} reloaded on {','.join(inst.dies)} after its "
-                              f"worker died (restart {inst.restarts})", inst)
+        self._event(
+            "loaded",
+            f"{inst.instance_id} reloaded on {','.join(inst.dies)} after its "
+            f"worker died (restart {inst.restarts})",
+            inst,
+        )
         log.info("%s is back on %s (restart %d)", inst.instance_id, inst.die, inst.restarts)
         self._wake()
 
@@ -179,8 +203,9 @@ class Supervisor:
         if self.feed is None:
             return
         with contextlib.suppress(Exception):
-            self.feed.event(kind, message, model=getattr(inst, "name", None),
-                            instance=getattr(inst, "instance_id", None))
+            self.feed.event(
+                kind, message, model=getattr(inst, "name", None), instance=getattr(inst, "instance_id", None)
+            )
 
     # ------------------------------------------------------------ requests
 
@@ -196,8 +221,9 @@ class Supervisor:
             return not any(i.name == name for i in ready)
         return False
 
-    async def await_recovery(self, place: Callable[[], Awaitable[Any]], name: str | None,
-                             timeout_s: float) -> Any:
+    async def await_recovery(
+        self, place: Callable[[], Awaitable[Any]], name: str | None, timeout_s: float
+    ) -> Any:
         """``await place()``, but while the model it names is recovering, wait for it first
         (and again when a queued request is failed by the death), up to ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
@@ -212,8 +238,7 @@ class Supervisor:
             try:
                 return await place()
             except ApiError as e:
-                if e.code == "model_not_ready" and self.recovering(name) \
-                        and time.monotonic() < deadline:
+                if e.code == "model_not_ready" and self.recovering(name) and time.monotonic() < deadline:
                     continue  # its last replica died while it queued: wait for the restart
                 raise
 
@@ -225,4 +250,3 @@ class Supervisor:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._recovering.clear()
         self._wake()
-

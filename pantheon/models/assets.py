@@ -54,9 +54,11 @@ class ModelAssets:
             g = read_gguf(gguf_file)
             self.tokenizer = Tokenizer.from_str(tokenizer_json(g))
             self.template = ChatTemplate(
-                chat_template(g), tool_use_template=chat_template(g, "tool_use"),
+                chat_template(g),
+                tool_use_template=chat_template(g, "tool_use"),
                 special_tokens=special_tokens(g),
-                reasoning="<think>" in g.meta.get("tokenizer.ggml.tokens", ()))
+                reasoning="<think>" in g.meta.get("tokenizer.ggml.tokens", ()),
+            )
             eos = eos_token_ids(g)
             self._byte_level = True  # the only kind tokenizer_json builds
         else:

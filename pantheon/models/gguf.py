@@ -62,8 +62,19 @@ SUPPORTED_TYPES = ", ".join(name for name, _, _ in TENSOR_TYPES.values())
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = range(1, 7)
 
 # Metadata value types: id -> (struct format, size) for the fixed-size ones.
-_SCALARS = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4),
-            6: ("f", 4), 7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
+_SCALARS = {
+    0: ("B", 1),
+    1: ("b", 1),
+    2: ("H", 2),
+    3: ("h", 2),
+    4: ("I", 4),
+    5: ("i", 4),
+    6: ("f", 4),
+    7: ("?", 1),
+    10: ("Q", 8),
+    11: ("q", 8),
+    12: ("d", 8),
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -115,13 +126,13 @@ def find_gguf(path: str | Path) -> Path | None:
     found = sorted(f for f in p.iterdir() if f.suffix.lower() == ".gguf" and f.is_file())
     if len(found) > 1:
         names = ", ".join(f.name for f in found)
-        raise GGUFError("invalid", f"{p}: holds several .gguf files ({names}); give the path "
-                                   "of the one to load")
+        raise GGUFError(
+            "invalid", f"{p}: holds several .gguf files ({names}); give the path of the one to load"
+        )
     return found[0] if found else None
 
 
-_QUANT_TAG = re.compile(
-    r"[._-](?:i?q\d+(?:_[a-z0-9]+)*|bf16|f16|fp16|f32|fp32|f64)$", re.IGNORECASE)
+_QUANT_TAG = re.compile(r"[._-](?:i?q\d+(?:_[a-z0-9]+)*|bf16|f16|fp16|f32|fp32|f64)$", re.IGNORECASE)
 
 
 def served_name(path: str | Path) -> str:
@@ -149,8 +160,11 @@ class _Cursor:
 
     def need(self, n: int) -> None:
         if n < 0 or self.pos + n > self.size:
-            raise GGUFError("invalid", f"{self.path}: truncated GGUF file: {self.what} runs past "
-                                       f"the end of the file ({self.size} bytes)")
+            raise GGUFError(
+                "invalid",
+                f"{self.path}: truncated GGUF file: {self.what} runs past "
+                f"the end of the file ({self.size} bytes)",
+            )
 
     def unpack(self, fmt: str, size: int):
         self.need(size)
@@ -161,7 +175,7 @@ class _Cursor:
     def string(self) -> str:
         n = self.unpack("Q", 8)
         self.need(n)
-        raw = self.buf[self.pos:self.pos + n]
+        raw = self.buf[self.pos : self.pos + n]
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
@@ -185,8 +199,7 @@ class _Cursor:
             if itype == _ARRAY:
                 self.need(count * 12)
                 return [self.value(_ARRAY) for _ in range(count)]
-            raise GGUFError("invalid", f"{self.path}: {self.what} is an array of unknown value "
-                                       f"type {itype}")
+            raise GGUFError("invalid", f"{self.path}: {self.what} is an array of unknown value type {itype}")
         raise GGUFError("invalid", f"{self.path}: {self.what} has unknown value type {vtype}")
 
 
@@ -228,8 +241,7 @@ def _parse(buf, path: Path, size: int) -> GGUFFile:
     if version & 0xFFFF == 0 and version:
         raise GGUFError("unsupported", f"{path}: big-endian GGUF files are not supported")
     if version not in (2, 3):
-        raise GGUFError("unsupported", f"{path}: GGUF version {version} is not supported "
-                                       "(supported: 2, 3)")
+        raise GGUFError("unsupported", f"{path}: GGUF version {version} is not supported (supported: 2, 3)")
     n_tensors, n_kv = cur.unpack("Q", 8), cur.unpack("Q", 8)
     meta: dict[str, Any] = {}
     for i in range(n_kv):
@@ -249,31 +261,41 @@ def _parse(buf, path: Path, size: int) -> GGUFFile:
         infos.append((name, dims, cur.unpack("I", 4), cur.unpack("Q", 8)))
     align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(align, int) or align <= 0 or align & (align - 1):
-        raise GGUFError("invalid", f"{path}: metadata field 'general.alignment' must be a power "
-                                   f"of two, got {align!r}")
+        raise GGUFError(
+            "invalid", f"{path}: metadata field 'general.alignment' must be a power of two, got {align!r}"
+        )
     data_start = -(-cur.pos // align) * align
     tensors: dict[str, GGUFTensor] = {}
     for name, dims, type_id, offset in infos:
         if name in tensors:
             raise GGUFError("invalid", f"{path}: tensor {name!r} is listed twice")
         if type_id not in TENSOR_TYPES:
-            raise GGUFError("unsupported", f"{path}: tensor {name!r} has type "
-                                           f"{_type_name(type_id)}, which is not supported "
-                                           f"(supported: {SUPPORTED_TYPES})")
+            raise GGUFError(
+                "unsupported",
+                f"{path}: tensor {name!r} has type "
+                f"{_type_name(type_id)}, which is not supported "
+                f"(supported: {SUPPORTED_TYPES})",
+            )
         tname, block, block_bytes = TENSOR_TYPES[type_id]
         numel = 1
         for d in dims:
             numel *= d
         if dims and dims[0] % block:
-            raise GGUFError("invalid", f"{path}: tensor {name!r} ({tname}) has rows of "
-                                       f"{dims[0]} values, not a multiple of its block of {block}")
+            raise GGUFError(
+                "invalid",
+                f"{path}: tensor {name!r} ({tname}) has rows of "
+                f"{dims[0]} values, not a multiple of its block of {block}",
+            )
         nbytes = numel // block * block_bytes
         start = data_start + offset
         if offset % align:
             raise GGUFError("invalid", f"{path}: tensor {name!r} is not aligned to {align} bytes")
         if start + nbytes > size:
-            raise GGUFError("invalid", f"{path}: truncated GGUF file: tensor {name!r} ends at "
-                                       f"byte {start + nbytes} but the file has {size}")
+            raise GGUFError(
+                "invalid",
+                f"{path}: truncated GGUF file: tensor {name!r} ends at "
+                f"byte {start + nbytes} but the file has {size}",
+            )
         tensors[name] = GGUFTensor(name, type_id, tname, tuple(reversed(dims)), start, nbytes)
     return GGUFFile(path=path, version=version, meta=meta, tensors=tensors)
 
@@ -287,12 +309,14 @@ def _field(g: GGUFFile, key: str, kind: type = int, default: Any = ...) -> Any:
             return default
         raise GGUFError("invalid", f"{g.path}: missing metadata field {key!r}")
     v = g.meta[key]
-    ok = (isinstance(v, (int, float)) and not isinstance(v, bool)) if kind is float else (
-        isinstance(v, kind) and not (kind is int and isinstance(v, bool)))
+    ok = (
+        (isinstance(v, (int, float)) and not isinstance(v, bool))
+        if kind is float
+        else (isinstance(v, kind) and not (kind is int and isinstance(v, bool)))
+    )
     if not ok or (kind is int and v <= 0):
         want = {int: "a positive integer", float: "a number", str: "a string"}.get(kind, kind)
-        raise GGUFError("invalid", f"{g.path}: metadata field {key!r} must be {want}, "
-                                   f"got {v!r}")
+        raise GGUFError("invalid", f"{g.path}: metadata field {key!r} must be {want}, got {v!r}")
     return v
 
 
@@ -302,11 +326,13 @@ def _per_layer(g: GGUFFile, key: str, default: Any = ...) -> int:
     if not isinstance(v, list):
         return _field(g, key, default=default)
     if len(set(v)) != 1:
-        raise GGUFError("unsupported", f"{g.path}: metadata field {key!r} varies per layer "
-                                       f"({sorted(set(v))})")
+        raise GGUFError(
+            "unsupported", f"{g.path}: metadata field {key!r} varies per layer ({sorted(set(v))})"
+        )
     if not isinstance(v[0], int) or isinstance(v[0], bool) or v[0] <= 0:
-        raise GGUFError("invalid", f"{g.path}: metadata field {key!r} must be a positive "
-                                   f"integer, got {v[0]!r}")
+        raise GGUFError(
+            "invalid", f"{g.path}: metadata field {key!r} must be a positive integer, got {v[0]!r}"
+        )
     return v[0]
 
 
@@ -318,8 +344,10 @@ def _rope_scaling(g: GGUFFile, a: str) -> dict | None:
     if kind in (None, "none"):
         return None
     if kind not in ("linear", "yarn"):
-        raise GGUFError("unsupported", f"{g.path}: metadata field '{a}.rope.scaling.type' is "
-                                       f"{kind!r}; supported: none, linear, yarn")
+        raise GGUFError(
+            "unsupported",
+            f"{g.path}: metadata field '{a}.rope.scaling.type' is {kind!r}; supported: none, linear, yarn",
+        )
     if not isinstance(factor, (int, float)) or isinstance(factor, bool):
         raise GGUFError("invalid", f"{g.path}: missing metadata field '{a}.rope.scaling.factor'")
     out: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
@@ -349,30 +377,43 @@ def hf_config(g: GGUFFile) -> dict:
     code as a real one: ``workers.model_config.config_from_dict``, ``pantheon.models.sizing``)."""
     a = g.arch
     if a not in ARCHITECTURES:
-        raise GGUFError("unsupported", f"{g.path}: metadata field 'general.architecture' is "
-                                       f"{a!r}; supported: {', '.join(ARCHITECTURES)}")
+        raise GGUFError(
+            "unsupported",
+            f"{g.path}: metadata field 'general.architecture' is "
+            f"{a!r}; supported: {', '.join(ARCHITECTURES)}",
+        )
     split = g.meta.get("split.count")
     if isinstance(split, int) and split > 1:
-        raise GGUFError("unsupported", f"{g.path}: split GGUF files ({split} parts) are not "
-                                       "supported; merge them first")
+        raise GGUFError(
+            "unsupported", f"{g.path}: split GGUF files ({split} parts) are not supported; merge them first"
+        )
     if "rope_freqs.weight" in g.tensors:
-        raise GGUFError("unsupported", f"{g.path}: tensor 'rope_freqs.weight' (per-dimension RoPE "
-                                       "frequency factors, as Llama 3.1 files carry) is not "
-                                       "supported")
+        raise GGUFError(
+            "unsupported",
+            f"{g.path}: tensor 'rope_freqs.weight' (per-dimension RoPE "
+            "frequency factors, as Llama 3.1 files carry) is not "
+            "supported",
+        )
     hidden = _field(g, f"{a}.embedding_length")
     heads = _per_layer(g, f"{a}.attention.head_count")
     kv_heads = _per_layer(g, f"{a}.attention.head_count_kv", default=heads)
     head_dim = _field(g, f"{a}.attention.key_length", default=hidden // heads)
     value_dim = _field(g, f"{a}.attention.value_length", default=head_dim)
     if value_dim != head_dim:
-        raise GGUFError("unsupported", f"{g.path}: metadata field '{a}.attention.value_length' "
-                                       f"({value_dim}) differs from '{a}.attention.key_length' "
-                                       f"({head_dim})")
+        raise GGUFError(
+            "unsupported",
+            f"{g.path}: metadata field '{a}.attention.value_length' "
+            f"({value_dim}) differs from '{a}.attention.key_length' "
+            f"({head_dim})",
+        )
     rot = _field(g, f"{a}.rope.dimension_count", default=head_dim)
     if rot != head_dim:
-        raise GGUFError("unsupported", f"{g.path}: metadata field '{a}.rope.dimension_count' is "
-                                       f"{rot} but heads have {head_dim} dimensions (partial "
-                                       "rotary embeddings are not supported)")
+        raise GGUFError(
+            "unsupported",
+            f"{g.path}: metadata field '{a}.rope.dimension_count' is "
+            f"{rot} but heads have {head_dim} dimensions (partial "
+            "rotary embeddings are not supported)",
+        )
     emb = g.tensors.get("token_embd.weight")
     tokens = g.meta.get("tokenizer.ggml.tokens")
     if emb is not None and len(emb.shape) == 2:
@@ -382,8 +423,13 @@ def hf_config(g: GGUFFile) -> dict:
     else:
         vocab = _field(g, f"{a}.vocab_size")
     two_d = [t.type_name for t in g.tensors.values() if len(t.shape) == 2]
-    dtype = ("float32" if two_d and all(t == "F32" for t in two_d) else
-             "float16" if two_d and all(t == "F16" for t in two_d) else "bfloat16")
+    dtype = (
+        "float32"
+        if two_d and all(t == "F32" for t in two_d)
+        else "float16"
+        if two_d and all(t == "F16" for t in two_d)
+        else "bfloat16"
+    )
     # Stored quantized (no float 2-D weight): a CPU die may then keep its linears in int8,
     # which costs less accuracy than the file's own quantization already did (workers/cpu_paths).
     quantized = bool(two_d) and not any(t in ("F32", "F16", "BF16") for t in two_d)
@@ -418,8 +464,11 @@ def hf_config(g: GGUFFile) -> dict:
 
 def byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -432,38 +481,58 @@ def byte_alphabet() -> dict[int, str]:
 
 # llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) -> the split regex its merges were learned
 # with; None: GPT-2's own regex inside the ByteLevel pre-tokenizer.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZERS: dict[str, str | None] = {
-    "default": None, "gpt2": None, "gpt-2": None,
+    "default": None,
+    "gpt2": None,
+    "gpt-2": None,
     "smollm": "digits",  # GPT-2's regex after splitting every digit (as SmolLM's tokenizer.json)
-    "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "falcon3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "megrez": _QWEN2_SPLIT,
 }
 
 
 def _byte_level(use_regex: bool) -> dict:
-    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-            "use_regex": use_regex}
+    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
 
 
 def _pre_tokenizer(g: GGUFFile) -> dict:
     pre = g.meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
-        raise GGUFError("unsupported", f"{g.path}: metadata field 'tokenizer.ggml.pre' is "
-                                       f"{pre!r}; supported: {', '.join(PRE_TOKENIZERS)}")
+        raise GGUFError(
+            "unsupported",
+            f"{g.path}: metadata field 'tokenizer.ggml.pre' is "
+            f"{pre!r}; supported: {', '.join(PRE_TOKENIZERS)}",
+        )
     split = PRE_TOKENIZERS[pre]
     if split is None:
         return _byte_level(True)
     if split == "digits":
-        return {"type": "Sequence", "pretokenizers": [
-            {"type": "Digits", "individual_digits": True}, _byte_level(True)]}
-    return {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False},
-        _byte_level(False)]}
+        return {
+            "type": "Sequence",
+            "pretokenizers": [{"type": "Digits", "individual_digits": True}, _byte_level(True)],
+        }
+    return {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False},
+            _byte_level(False),
+        ],
+    }
 
 
 def _tokens(g: GGUFFile) -> list[str]:
@@ -480,16 +549,22 @@ def tokenizer_json(g: GGUFFile) -> str:
     USER_DEFINED ones as plain added tokens."""
     model = g.meta.get("tokenizer.ggml.model")
     if model != "gpt2":
-        raise GGUFError("unsupported", f"{g.path}: metadata field 'tokenizer.ggml.model' is "
-                                       f"{model!r}; only 'gpt2' (byte-level BPE) is supported")
+        raise GGUFError(
+            "unsupported",
+            f"{g.path}: metadata field 'tokenizer.ggml.model' is "
+            f"{model!r}; only 'gpt2' (byte-level BPE) is supported",
+        )
     tokens = _tokens(g)
     merges_raw = g.meta.get("tokenizer.ggml.merges")
     if not isinstance(merges_raw, list):
         raise GGUFError("invalid", f"{g.path}: missing metadata field 'tokenizer.ggml.merges'")
     types = g.meta.get("tokenizer.ggml.token_type")
     if types is not None and (not isinstance(types, list) or len(types) != len(tokens)):
-        raise GGUFError("invalid", f"{g.path}: metadata field 'tokenizer.ggml.token_type' does "
-                                   f"not have one entry per token ({len(tokens)})")
+        raise GGUFError(
+            "invalid",
+            f"{g.path}: metadata field 'tokenizer.ggml.token_type' does "
+            f"not have one entry per token ({len(tokens)})",
+        )
     spell = byte_alphabet()
     alphabet = set(spell.values())
     vocab: dict[str, int] = {}
@@ -500,21 +575,32 @@ def tokenizer_json(g: GGUFFile) -> str:
     for i, m in enumerate(merges_raw):
         parts = m.split(" ") if isinstance(m, str) else []
         if len(parts) != 2:
-            raise GGUFError("invalid", f"{g.path}: metadata field 'tokenizer.ggml.merges' entry "
-                                       f"#{i} is not two tokens: {m!r}")
+            raise GGUFError(
+                "invalid",
+                f"{g.path}: metadata field 'tokenizer.ggml.merges' entry #{i} is not two tokens: {m!r}",
+            )
         merges.append(parts)
     added = []
     for i, (t, kind) in enumerate(zip(tokens, types or ())):
-        if kind == TOKEN_CONTROL and set(t) <= alphabet or (
-                kind == TOKEN_USER_DEFINED and vocab.get(t) == i):
-            added.append({"id": i, "content": t, "single_word": False, "lstrip": False,
-                          "rstrip": False, "normalized": False, "special": kind == TOKEN_CONTROL})
+        if kind == TOKEN_CONTROL and set(t) <= alphabet or (kind == TOKEN_USER_DEFINED and vocab.get(t) == i):
+            added.append(
+                {
+                    "id": i,
+                    "content": t,
+                    "single_word": False,
+                    "lstrip": False,
+                    "rstrip": False,
+                    "normalized": False,
+                    "special": kind == TOKEN_CONTROL,
+                }
+            )
     single: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}}]
-    pair: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}},
-                        {"Sequence": {"id": "B", "type_id": 1}}]
+    pair: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}]
     specials: dict[str, dict] = {}
-    for flag, key, at_end in (("add_bos_token", "bos_token_id", False),
-                              ("add_eos_token", "eos_token_id", True)):
+    for flag, key, at_end in (
+        ("add_bos_token", "bos_token_id", False),
+        ("add_eos_token", "eos_token_id", True),
+    ):
         tid = _token_id(g, key)
         if g.meta.get(f"tokenizer.ggml.{flag}") is True and tid is not None and tid < len(tokens):
             tok = tokens[tid]
@@ -527,22 +613,41 @@ def tokenizer_json(g: GGUFFile) -> str:
                 single.insert(0, {"SpecialToken": {"id": tok, "type_id": 0}})
                 pair.insert(0, {"SpecialToken": {"id": tok, "type_id": 0}})
                 pair.insert(2, {"SpecialToken": {"id": tok, "type_id": 1}})
-    return json.dumps({
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": _pre_tokenizer(g),
-        "post_processor": {"type": "TemplateProcessing", "single": single, "pair": pair,
-                           "special_tokens": specials},
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
-                    "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None,
-                  "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": False,
-                  "byte_fallback": False, "ignore_merges": False, "vocab": vocab,
-                  "merges": merges},
-    }, ensure_ascii=False)
+    return json.dumps(
+        {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": added,
+            "normalizer": None,
+            "pre_tokenizer": _pre_tokenizer(g),
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": single,
+                "pair": pair,
+                "special_tokens": specials,
+            },
+            "decoder": {
+                "type": "ByteLevel",
+                "add_prefix_space": True,
+                "trim_offsets": True,
+                "use_regex": True,
+            },
+            "model": {
+                "type": "BPE",
+                "dropout": None,
+                "unk_token": None,
+                "continuing_subword_prefix": "",
+                "end_of_word_suffix": "",
+                "fuse_unk": False,
+                "byte_fallback": False,
+                "ignore_merges": False,
+                "vocab": vocab,
+                "merges": merges,
+            },
+        },
+        ensure_ascii=False,
+    )
 
 
 # ---------------------------------------------------------------- chat template
@@ -560,8 +665,12 @@ def special_tokens(g: GGUFFile) -> dict[str, str]:
     out: dict[str, str] = {}
     if not isinstance(tokens, list):
         return out
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
         tid = _token_id(g, key)
         if tid is not None and tid < len(tokens):
             out[name] = tokens[tid]

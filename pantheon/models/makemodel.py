@@ -143,7 +143,9 @@ def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     o_bias = arch != "qwen2" and bool(config.get("attention_bias"))
     mlp_bias = bool(config.get("mlp_bias"))
 
-    specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (config["vocab_size"], h), "embed")]
+    specs: list[tuple[str, tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", (config["vocab_size"], h), "embed")
+    ]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         layer = [
@@ -154,13 +156,14 @@ def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
             ("self_attn.o_proj.weight", (h, nq * hd), "normal"),
         ]
         if qkv_bias:
-            layer += [(f"self_attn.{x}_proj.bias", (n * hd,), "normal") for x, n in
-                      (("q", nq), ("k", nkv), ("v", nkv))]
+            layer += [
+                (f"self_attn.{x}_proj.bias", (n * hd,), "normal")
+                for x, n in (("q", nq), ("k", nkv), ("v", nkv))
+            ]
         if o_bias:
             layer.append(("self_attn.o_proj.bias", (h,), "normal"))
         if arch == "qwen3":
-            layer += [("self_attn.q_norm.weight", (hd,), "norm"),
-                      ("self_attn.k_norm.weight", (hd,), "norm")]
+            layer += [("self_attn.q_norm.weight", (hd,), "norm"), ("self_attn.k_norm.weight", (hd,), "norm")]
         layer += [
             ("post_attention_layernorm.weight", (h,), "norm"),
             ("mlp.gate_proj.weight", (inner, h), "normal"),
@@ -168,8 +171,10 @@ def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
             ("mlp.down_proj.weight", (h, inner), "normal"),
         ]
         if mlp_bias:
-            layer += [(f"mlp.{x}_proj.bias", (n,), "normal") for x, n in
-                      (("gate", inner), ("up", inner), ("down", h))]
+            layer += [
+                (f"mlp.{x}_proj.bias", (n,), "normal")
+                for x, n in (("gate", inner), ("up", inner), ("down", h))
+            ]
         specs += [(p + name, shape, kind) for name, shape, kind in layer]
     specs.append(("model.norm.weight", (h,), "norm"))
     if not config.get("tie_word_embeddings"):
@@ -207,7 +212,7 @@ def _tensor_chunks(name, shape, kind, *, seed, jitter, torch_dtype, chunk_elems=
             if kind == "embed" and start + n > tt.VOCAB_SIZE:
                 # Padding rows past the tokenizer are zero, like untrained rows of a real
                 # checkpoint: their logits sit at 0, so greedy decoding picks real tokens.
-                x.view(n, row)[max(0, tt.VOCAB_SIZE - start):] = 0
+                x.view(n, row)[max(0, tt.VOCAB_SIZE - start) :] = 0
         x = x.to(torch_dtype)
         yield x.view(torch.uint8).numpy()  # raw bytes; numpy has no bfloat16
 
@@ -247,8 +252,9 @@ def _shard(specs, itemsize: int, shard_bytes: int | None) -> list[list]:
     return shards
 
 
-def write_weights(out: Path, config: dict, *, seed: int, jitter: float,
-                  shard_bytes: int | None = None) -> list[Path]:
+def write_weights(
+    out: Path, config: dict, *, seed: int, jitter: float, shard_bytes: int | None = None
+) -> list[Path]:
     """Write the random weights for ``config`` into ``out``; return the safetensors paths."""
     import torch
 
@@ -283,8 +289,15 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def make_model(preset: str, out: Path | str, *, seed: int = 0, dtype: str | None = None,
-               shard_bytes: int | None = None, **config_overrides) -> Path:
+def make_model(
+    preset: str,
+    out: Path | str,
+    *,
+    seed: int = 0,
+    dtype: str | None = None,
+    shard_bytes: int | None = None,
+    **config_overrides,
+) -> Path:
     """Write the preset's folder into `out` (created if missing) and return it (as a Path).
 
     ``seed`` seeds the weights (same seed, same bytes). ``dtype`` (bfloat16 / float16 / float32)
@@ -328,9 +341,11 @@ def make_model(preset: str, out: Path | str, *, seed: int = 0, dtype: str | None
 def _describe(name: str, config: dict) -> str:
     params = sum(_numel(shape) for _, shape, _ in tensor_specs(config))
     size = params * _DTYPES[config["torch_dtype"]][2]
-    return (f"{name:<12} {config['architectures'][0]:<18} layers={config['num_hidden_layers']:<3} "
-            f"hidden={config['hidden_size']:<5} vocab={config['vocab_size']:<7} "
-            f"params={params / 1e6:.2f}M  {config['torch_dtype']} ~{size / 2**20:.1f} MiB")
+    return (
+        f"{name:<12} {config['architectures'][0]:<18} layers={config['num_hidden_layers']:<3} "
+        f"hidden={config['hidden_size']:<5} vocab={config['vocab_size']:<7} "
+        f"params={params / 1e6:.2f}M  {config['torch_dtype']} ~{size / 2**20:.1f} MiB"
+    )
 
 
 def _override(text: str) -> tuple[str, object]:
@@ -352,8 +367,15 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="weight dtype")
     parser.add_argument("--shard-bytes", type=int, help="split weights into shards of this size")
-    parser.add_argument("--set", dest="overrides", type=_override, action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key (JSON value), repeatable")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        type=_override,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (JSON value), repeatable",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for name, config in PRESETS.items():
@@ -363,8 +385,14 @@ def cli(argv: list[str]) -> int:
         parser.print_usage(sys.stderr)
         print("pantheon make-model: --preset and --out are required (or --list)", file=sys.stderr)
         return 2
-    out = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype,
-                     shard_bytes=args.shard_bytes, **dict(args.overrides))
+    out = make_model(
+        args.preset,
+        args.out,
+        seed=args.seed,
+        dtype=args.dtype,
+        shard_bytes=args.shard_bytes,
+        **dict(args.overrides),
+    )
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(f"wrote {args.preset} to {out} ({size / 2**20:.1f} MiB)")
     return 0

@@ -88,11 +88,12 @@ def shape_from_config(raw: dict, where: str) -> ModelShape:
     if not isinstance(raw, dict):
         raise SizingError("invalid", f"{where}: not a JSON object")
     archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) if isinstance(
-        archs, list) else None
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) if isinstance(archs, list) else None
     if arch is None:
-        raise SizingError("unsupported", f"architecture {archs!r} is not supported (supported: "
-                                         f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise SizingError(
+            "unsupported",
+            f"architecture {archs!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+        )
     hidden = _pos_int(raw, "hidden_size", where)
     heads = _pos_int(raw, "num_attention_heads", where)
     kv_heads = raw.get("num_key_value_heads") or heads
@@ -107,13 +108,22 @@ def shape_from_config(raw: dict, where: str) -> ModelShape:
     qwen2 = arch == "Qwen2ForCausalLM"
     bias = bool(raw.get("attention_bias", False))
     return ModelShape(
-        arch=arch, vocab=_pos_int(raw, "vocab_size", where), hidden=hidden,
+        arch=arch,
+        vocab=_pos_int(raw, "vocab_size", where),
+        hidden=hidden,
         inter=_pos_int(raw, "intermediate_size", where),
-        layers=_pos_int(raw, "num_hidden_layers", where), heads=heads, kv_heads=int(kv_heads),
-        head_dim=int(head_dim), tied=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=qwen2 or bias, o_bias=not qwen2 and bias, qk_norm=arch == "Qwen3ForCausalLM",
-        torch_dtype=dtype, context_limit=limit,
-        quantized_source=bool(raw.get("quantized_source", False)))
+        layers=_pos_int(raw, "num_hidden_layers", where),
+        heads=heads,
+        kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        tied=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=qwen2 or bias,
+        o_bias=not qwen2 and bias,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        torch_dtype=dtype,
+        context_limit=limit,
+        quantized_source=bool(raw.get("quantized_source", False)),
+    )
 
 
 @dataclass(frozen=True)
@@ -136,8 +146,9 @@ class Estimate:
         blocks = max(2, -(-max(1, tokens) // BLOCK_TOKENS))
         return blocks * BLOCK_TOKENS * self.kv_per_token
 
-    def split(self, dies: tuple[str, ...], weights: int | None = None,
-              kv: int = 0) -> dict[str, tuple[int, int]]:
+    def split(
+        self, dies: tuple[str, ...], weights: int | None = None, kv: int = 0
+    ) -> dict[str, tuple[int, int]]:
         """``{die: (weight bytes, kv bytes)}`` for a replica whose layers are split across
         ``dies`` the way the loader splits them (contiguous near-equal runs; the embeddings and
         heads on the first die). ``weights`` (the worker's real figure) scales the estimate."""
@@ -174,16 +185,20 @@ CPU_PATHS: dict[str, tuple[str, str, bool]] = {
 }
 
 
-def cpu_path_names(quantize: bool, dtype: str = "auto", works: dict[str, str] | None = None,
-                   quantized_source: bool = False) -> list[str]:
+def cpu_path_names(
+    quantize: bool, dtype: str = "auto", works: dict[str, str] | None = None, quantized_source: bool = False
+) -> list[str]:
     """The CPU paths a load may end up on: only lossy ones when it asks to quantize, lossy ones
     too when the file is stored quantized already (int8 rows lose less than its 4-bit blocks
     did), the load's ``dtype`` when one is asked for, and only those that probed well
     (``works``: a worker's Hello ``cpu_paths``; None: not known yet, so all of them)."""
-    return [n for n, (dt, _, lossy) in CPU_PATHS.items()
-            if (lossy if quantize else (not lossy or quantized_source))
-            and (dtype == "auto" or dt == dtype)
-            and (works is None or works.get(n) == "")]
+    return [
+        n
+        for n, (dt, _, lossy) in CPU_PATHS.items()
+        if (lossy if quantize else (not lossy or quantized_source))
+        and (dtype == "auto" or dt == dtype)
+        and (works is None or works.get(n) == "")
+    ]
 
 
 def dtype_bytes(dtype: str, shape: ModelShape) -> int:
@@ -193,16 +208,21 @@ def dtype_bytes(dtype: str, shape: ModelShape) -> int:
     return _DTYPE_BYTES.get(name, 2)
 
 
-def estimate(shape: ModelShape, *, dtype: str = "auto", quantize: bool = False,
-             cpu: bool = True, cpu_path: str | None = None,
-             cpu_works: dict[str, str] | None = None) -> Estimate:
+def estimate(
+    shape: ModelShape,
+    *,
+    dtype: str = "auto",
+    quantize: bool = False,
+    cpu: bool = True,
+    cpu_path: str | None = None,
+    cpu_works: dict[str, str] | None = None,
+) -> Estimate:
     """What the engine allocates for this model. On a CPU die that is the given ``cpu_path``'s
     layout; with none (the worker picks by timing at load) the largest of the paths it may pick
     (``cpu_path_names``), so the booking is an upper bound until ``Loaded`` gives the real one."""
     if cpu and cpu_path is None:
         q = shape.quantized_source
-        names = cpu_path_names(quantize, dtype, cpu_works, q) or cpu_path_names(quantize, dtype,
-                                                                               None, q)
+        names = cpu_path_names(quantize, dtype, cpu_works, q) or cpu_path_names(quantize, dtype, None, q)
         if not names:
             names = list(CPU_PATHS)
         ests = [estimate(shape, quantize=quantize, cpu_path=n) for n in names]
@@ -230,5 +250,10 @@ def estimate(shape: ModelShape, *, dtype: str = "auto", quantize: bool = False,
         base += head  # the LM head (laid out in place of the checkpoint's)
     elif head_layout != "dense":
         base += head  # the tied head's laid-out copy (the table stays for lookups)
-    return Estimate(base=base, per_layer=per_layer, layers=shape.layers,
-                    kv_per_token=2 * shape.layers * kv * b, context_limit=shape.context_limit)
+    return Estimate(
+        base=base,
+        per_layer=per_layer,
+        layers=shape.layers,
+        kv_per_token=2 * shape.layers * kv * b,
+        context_limit=shape.context_limit,
+    )

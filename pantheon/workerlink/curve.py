@@ -47,12 +47,13 @@ def load_server_keys(folder: str) -> tuple[bytes, bytes]:
 
     path = os.path.join(folder, "server.key_secret")
     if not os.path.isfile(path):
-        raise _error(f"--curve-dir {folder}: no server.key_secret (make one with "
-                     f"'pantheon serve --curve-keygen {folder}')")
+        raise _error(
+            f"--curve-dir {folder}: no server.key_secret (make one with "
+            f"'pantheon serve --curve-keygen {folder}')"
+        )
     mode = os.stat(path).st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise _error(f"--curve-dir {folder}: server.key_secret is readable by others "
-                     f"(chmod 600 it)")
+        raise _error(f"--curve-dir {folder}: server.key_secret is readable by others (chmod 600 it)")
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
@@ -67,9 +68,13 @@ def check_listen(endpoint: str, curve_dir: str | None) -> None:
     if not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", endpoint):
         raise _error(f"--worker-listen {endpoint!r}: expected tcp://HOST:PORT")
     if not curve_dir:
-        raise _error("--worker-listen needs CURVE keys: workers on other hosts must "
-                     "authenticate; give --curve-dir DIR (make keys with "
-                     "'pantheon serve --curve-keygen DIR')")
+        raise _error(
+            "--worker-listen needs CURVE keys: workers on other hosts must "
+            "authenticate; give --curve-dir DIR (make keys with "
+            "'pantheon serve --curve-keygen DIR')"
+        )
     load_server_keys(curve_dir)
-    raise _error("--worker-listen: remote workers over TCP are not supported by this version "
-                 "yet (the CURVE keys were found and are valid); local workers need no flag")
+    raise _error(
+        "--worker-listen: remote workers over TCP are not supported by this version "
+        "yet (the CURVE keys were found and are valid); local workers need no flag"
+    )

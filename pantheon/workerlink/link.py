@@ -111,8 +111,9 @@ def _log_send_error(fut: asyncio.Future) -> None:
 # ---------------------------------------------------------------- liveness
 
 
-def verdict(*, silent_s: float, beat: p.Beat | None, pid: int | None, dead_after: float,
-            step_timeout: float) -> str | None:
+def verdict(
+    *, silent_s: float, beat: p.Beat | None, pid: int | None, dead_after: float, step_timeout: float
+) -> str | None:
     """Why a ready worker is dead by now, or None while it is alive.
 
     ``silent_s``: since anything came from it, ``Beat`` included. Its heart beats from a thread
@@ -120,9 +121,10 @@ def verdict(*, silent_s: float, beat: p.Beat | None, pid: int | None, dead_after
     step is not silence, and is judged by how long the beats say it has run (``beat.turn_s``).
     """
     if silent_s > dead_after:
-        return (f"it sent nothing, not even a heartbeat, for {silent_s:.1f} s "
-                f"(pid {pid} is frozen or wedged)")
+        return f"it sent nothing, not even a heartbeat, for {silent_s:.1f} s (pid {pid} is frozen or wedged)"
     if beat is not None and beat.turn_s > step_timeout:
-        return (f"its step has run {beat.turn_s:.0f} s without finishing (the step timeout is "
-                f"{step_timeout:g} s; pid {pid}, after {beat.steps} steps)")
+        return (
+            f"its step has run {beat.turn_s:.0f} s without finishing (the step timeout is "
+            f"{step_timeout:g} s; pid {pid}, after {beat.steps} steps)"
+        )
     return None

@@ -51,8 +51,14 @@ from pantheon.workerlink.process import WorkerProcess, describe_exit, reap, work
 from pantheon.workerlink.streams import RequestStream
 
 __all__ = [
-    "DieInfo", "LoadFailedError", "PoolError", "RequestRejectedError", "RequestStream",
-    "WorkerDied", "WorkerPool", "WorkerStartError",
+    "DieInfo",
+    "LoadFailedError",
+    "PoolError",
+    "RequestRejectedError",
+    "RequestStream",
+    "WorkerDied",
+    "WorkerPool",
+    "WorkerStartError",
 ]
 
 log = logging.getLogger("pantheon.workerlink.pool")
@@ -161,12 +167,16 @@ class WorkerPool:
             await old.process.wait()  # it was killed when declared dead; let it release the die
 
         assert self.endpoint is not None  # bound by start()
-        argv = worker_argv(self.worker_command, die, endpoint=self.endpoint,
-                           router_timeout=self.worker_router_timeout, budget_bytes=budget_bytes,
-                           threads=self.worker_threads)
+        argv = worker_argv(
+            self.worker_command,
+            die,
+            endpoint=self.endpoint,
+            router_timeout=self.worker_router_timeout,
+            budget_bytes=budget_bytes,
+            threads=self.worker_threads,
+        )
         hello_fut = asyncio.get_running_loop().create_future()
-        w = WorkerPeer(die=die, process=WorkerProcess(die, argv), link=self._link,
-                       hello_fut=hello_fut)
+        w = WorkerPeer(die=die, process=WorkerProcess(die, argv), link=self._link, hello_fut=hello_fut)
         self._workers[die] = w
         self._starts[die] += 1
         try:
@@ -187,7 +197,9 @@ class WorkerPool:
             raise WorkerStartError(w.process.start_help(what, self.endpoint)) from None
         except PoolError as e:
             await w.process.settle()
-            raise WorkerStartError(w.process.start_help(getattr(e, "reason", str(e)), self.endpoint)) from None
+            raise WorkerStartError(
+                w.process.start_help(getattr(e, "reason", str(e)), self.endpoint)
+            ) from None
         except asyncio.CancelledError:
             self._declare_dead(w, "start cancelled")
             raise
@@ -212,7 +224,9 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ requests and models
 
-    async def load(self, die: str, msg: p.LoadModel, progress: Callable[[p.LoadProgress], None] | None = None) -> p.Loaded:
+    async def load(
+        self, die: str, msg: p.LoadModel, progress: Callable[[p.LoadProgress], None] | None = None
+    ) -> p.Loaded:
         """Load a model on ``die``'s worker. Raises ``LoadFailedError(kind, reason)`` or ``WorkerDied``.
 
         ``progress`` is called with each ``LoadProgress`` (a few times a second at most).
@@ -395,10 +409,17 @@ class WorkerPool:
             last = now
             for w in [w for w in self._workers.values() if w.state == "ready"]:
                 try:
-                    why = None if stalled else verdict(
-                        silent_s=now - w.last_seen, beat=w.beat,
-                        pid=w.hello.pid if w.hello is not None else None,
-                        dead_after=self.dead_after, step_timeout=self.step_timeout)
+                    why = (
+                        None
+                        if stalled
+                        else verdict(
+                            silent_s=now - w.last_seen,
+                            beat=w.beat,
+                            pid=w.hello.pid if w.hello is not None else None,
+                            dead_after=self.dead_after,
+                            step_timeout=self.step_timeout,
+                        )
+                    )
                     if why is not None:
                         self._declare_dead(w, why)
                     else:

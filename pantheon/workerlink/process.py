@@ -23,8 +23,15 @@ OUTPUT_LINES = 40  # the last lines of a worker's output kept for error messages
 _READ_LIMIT = 1 << 20  # the longest output line read whole (a longer one is skipped)
 
 
-def worker_argv(command: list[str], die: str, *, endpoint: str, router_timeout: float,
-                budget_bytes: int | None = None, threads: int | None = None) -> list[str]:
+def worker_argv(
+    command: list[str],
+    die: str,
+    *,
+    endpoint: str,
+    router_timeout: float,
+    budget_bytes: int | None = None,
+    threads: int | None = None,
+) -> list[str]:
     """The full argv of ``die``'s worker: ``command`` (the prefix that starts one) and the flags
     ``workers/worker.py`` reads. ``--parent-pid`` is ours, so a worker outlives no router."""
     argv = [*command, "--die", die, "--endpoint", endpoint, "--parent-pid", str(os.getpid())]

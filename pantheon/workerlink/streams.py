@@ -25,8 +25,7 @@ class RequestStream:
     pool's part of ``abort``: forget the stream and tell the worker.
     """
 
-    def __init__(self, die: str, request_id: str, instance: str,
-                 on_abort: Callable[[RequestStream], None]):
+    def __init__(self, die: str, request_id: str, instance: str, on_abort: Callable[[RequestStream], None]):
         self.die = die
         self.request_id = request_id
         self.instance = instance

@@ -31,10 +31,27 @@ DIE_BUDGET = 48 << 20
 @pytest.fixture(scope="module")
 def adm(model_factory, tmp_path_factory):
     tiny, llama = model_factory("tiny"), model_factory("tiny-llama")
-    s = Server(["--model", str(tiny), "--name", "tiny", "--dies", "cpu:0",
-                "--model", str(llama), "--name", "llama", "--dies", "cpu:1",
-                "--cpu-dies", "2", "--cpu-die-budget", str(DIE_BUDGET)],
-               tmp_path_factory.mktemp("admin-logs") / "admin.log")
+    s = Server(
+        [
+            "--model",
+            str(tiny),
+            "--name",
+            "tiny",
+            "--dies",
+            "cpu:0",
+            "--model",
+            str(llama),
+            "--name",
+            "llama",
+            "--dies",
+            "cpu:1",
+            "--cpu-dies",
+            "2",
+            "--cpu-die-budget",
+            str(DIE_BUDGET),
+        ],
+        tmp_path_factory.mktemp("admin-logs") / "admin.log",
+    )
     try:
         s.wait_ready(("tiny", "llama"))
         yield s
@@ -59,10 +76,12 @@ def tables(s: Server) -> tuple:
     """What a failed load must leave unchanged: the instance table, every die's bookings, the
     served names."""
     rows = httpx.get(s.url + "/admin/models", timeout=10).json()["data"]
-    insts = sorted((r["instance"], r["name"], r["state"], tuple(r["dies"])) for r in rows
-                   if r["state"] != "failed" or "failed_at" not in r)
-    dies = {d["die"]: d["bookings"] for d in httpx.get(s.url + "/admin/dies",
-                                                        timeout=10).json()["data"]}
+    insts = sorted(
+        (r["instance"], r["name"], r["state"], tuple(r["dies"]))
+        for r in rows
+        if r["state"] != "failed" or "failed_at" not in r
+    )
+    dies = {d["die"]: d["bookings"] for d in httpx.get(s.url + "/admin/dies", timeout=10).json()["data"]}
     names = [m["id"] for m in httpx.get(s.url + "/v1/models", timeout=10).json()["data"]]
     return insts, dies, names
 
@@ -136,17 +155,24 @@ def test_every_load_error_leaves_nothing_behind(adm, model_factory, tmp_path):
     # a wait: false load that fails shows in GET /admin/models as failed, with its reason
     r = load(adm, path=str(broken), name="bg", wait=False)
     assert r.status_code == 202
-    row = until(lambda: next((m for m in httpx.get(adm.url + "/admin/models").json()["data"]
-                              if m["name"] == "bg" and m["state"] == "failed"), None),
-                what="the failure to show")
+    row = until(
+        lambda: next(
+            (
+                m
+                for m in httpx.get(adm.url + "/admin/models").json()["data"]
+                if m["name"] == "bg" and m["state"] == "failed"
+            ),
+            None,
+        ),
+        what="the failure to show",
+    )
     assert row["status"] == 500 and row["error"]
     assert tables(adm) == before
 
 
 def _streamer(s: Server, model: str, stop: threading.Event, out: list) -> None:
     while not stop.is_set():
-        body = {"model": model, "messages": MSG, "max_tokens": 40, "ignore_eos": True,
-                "stream": True}
+        body = {"model": model, "messages": MSG, "max_tokens": 40, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
             lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         out.append((r.status_code, lines))
@@ -155,8 +181,7 @@ def _streamer(s: Server, model: str, stop: threading.Event, out: list) -> None:
 def test_loads_and_unloads_while_other_models_stream(adm, model_factory):
     qwen2 = model_factory("tiny-qwen2")
     stop, out = threading.Event(), []
-    threads = [threading.Thread(target=_streamer, args=(adm, m, stop, out))
-               for m in ("tiny", "llama")]
+    threads = [threading.Thread(target=_streamer, args=(adm, m, stop, out)) for m in ("tiny", "llama")]
     for t in threads:
         t.start()
     try:
@@ -194,8 +219,12 @@ async def test_16_instances_at_once(adm, model_factory):
             assert d.weights_bytes + d.kv_bytes + d.free_bytes == d.budget_bytes == DIE_BUDGET
         names = sorted({i.name for i in snap.instances})
         async with httpx.AsyncClient(base_url=adm.url, timeout=60) as client:
-            rs = await asyncio.gather(*(client.post("/v1/chat/completions", json={
-                "model": n, "messages": MSG, "max_tokens": 3}) for n in names + ["many"] * 6))
+            rs = await asyncio.gather(
+                *(
+                    client.post("/v1/chat/completions", json={"model": n, "messages": MSG, "max_tokens": 3})
+                    for n in names + ["many"] * 6
+                )
+            )
         assert [r.status_code for r in rs] == [200] * len(rs)
         assert len({r.headers["x-pantheon-instance"] for r in rs}) >= len(names) + 4
     finally:
@@ -209,17 +238,23 @@ def test_replicas_share_the_load_sessions_stick_and_cache_reset(adm, model_facto
     assert r.status_code == 200, r.text
     replica = r.json()["instance"]
     try:
+
         async def burst():
             async with httpx.AsyncClient(base_url=adm.url, timeout=60) as client:
-                return await asyncio.gather(*(client.post("/v1/chat/completions", json={
-                    "model": "tiny", "messages": MSG, "max_tokens": 24, "ignore_eos": True})
-                    for _ in range(8)))
+                return await asyncio.gather(
+                    *(
+                        client.post(
+                            "/v1/chat/completions",
+                            json={"model": "tiny", "messages": MSG, "max_tokens": 24, "ignore_eos": True},
+                        )
+                        for _ in range(8)
+                    )
+                )
 
         rs = asyncio.run(burst())
         by = [r.headers["x-pantheon-instance"] for r in rs]
         assert set(by) == {"tiny#1", replica} and min(by.count(x) for x in set(by)) >= 3, by
-        seq = [chat(adm, model="tiny", max_tokens=1).headers["x-pantheon-instance"]
-               for _ in range(4)]
+        seq = [chat(adm, model="tiny", max_tokens=1).headers["x-pantheon-instance"] for _ in range(4)]
         assert sorted(seq) == sorted(["tiny#1", replica] * 2), seq  # idle: they alternate
         # sessions: every turn of a session on the replica that holds its cache
         homes = {}
@@ -227,8 +262,10 @@ def test_replicas_share_the_load_sessions_stick_and_cache_reset(adm, model_facto
             for sid in ("s1", "s2", "s3"):
                 msgs = [{"role": "user", "content": f"session {sid} says hello there"}]
                 for k in range(turn):
-                    msgs += [{"role": "assistant", "content": f"reply {k}"},
-                             {"role": "user", "content": f"and then {k} more"}]
+                    msgs += [
+                        {"role": "assistant", "content": f"reply {k}"},
+                        {"role": "user", "content": f"and then {k} more"},
+                    ]
                 r = chat(adm, model="tiny", messages=msgs, max_tokens=2, session_id=sid)
                 assert r.status_code == 200
                 homes.setdefault(sid, set()).add(r.headers["x-pantheon-instance"])
@@ -237,18 +274,26 @@ def test_replicas_share_the_load_sessions_stick_and_cache_reset(adm, model_facto
         assert all(len(h) == 1 for h in homes.values()), homes
         assert len(set().union(*homes.values())) == 2  # the sessions spread over both
         # the cache and its hit rate show in /admin/models; a reset empties it
-        rows = until(lambda: [m for m in httpx.get(adm.url + "/admin/models").json()["data"]
-                              if m["name"] == "tiny" and (m.get("cache") or {}).get(
-                                  "hit_rate")], what="cache statistics")
+        rows = until(
+            lambda: [
+                m
+                for m in httpx.get(adm.url + "/admin/models").json()["data"]
+                if m["name"] == "tiny" and (m.get("cache") or {}).get("hit_rate")
+            ],
+            what="cache statistics",
+        )
         assert rows[0]["cache"]["blocks"] > 0 and rows[0]["cache"]["bytes"] > 0
         long_enough = "reset me now, a prompt of a few blocks of tokens " * 4
-        again = {"model": "tiny", "messages": [{"role": "user", "content": long_enough}],
-                 "max_tokens": 1, "session_id": "s9"}
+        again = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": long_enough}],
+            "max_tokens": 1,
+            "session_id": "s9",
+        }
         chat(adm, **again)
         assert chat(adm, **again).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         r = httpx.post(adm.url + "/admin/cache/reset", json={"name": "tiny"}, timeout=10)
-        assert r.status_code == 200 and sorted(r.json()["instances"]) == sorted(
-            ["tiny#1", replica])
+        assert r.status_code == 200 and sorted(r.json()["instances"]) == sorted(["tiny#1", replica])
         assert chat(adm, **again).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         check_error(httpx.post(adm.url + "/admin/cache/reset", json={"name": "nope"}), 404)
         assert httpx.post(adm.url + "/admin/cache/reset", json={}).status_code == 200  # all
@@ -258,8 +303,12 @@ def test_replicas_share_the_load_sessions_stick_and_cache_reset(adm, model_facto
 
 
 def test_cache_salt_separates_prefixes(adm):
-    prompt = [{"role": "user", "content": "a salted prompt that is long enough to fill a "
-                                          "block or two of the cache " * 2}]
+    prompt = [
+        {
+            "role": "user",
+            "content": "a salted prompt that is long enough to fill a block or two of the cache " * 2,
+        }
+    ]
 
     def cached(salt):
         r = chat(adm, model="llama", messages=prompt, max_tokens=1, cache_salt=salt)
@@ -278,8 +327,7 @@ def test_unload_drains_within_its_deadline(adm, model_factory):
     events = []
 
     def long_stream():
-        body = {"model": "dr", "messages": MSG, "max_tokens": 3000, "ignore_eos": True,
-                "stream": True}
+        body = {"model": "dr", "messages": MSG, "max_tokens": 3000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", adm.url + "/v1/chat/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -301,11 +349,14 @@ def test_unload_drains_within_its_deadline(adm, model_factory):
     # a request that ends before the deadline is waited for, and ends normally
     assert load(adm, path=tiny, name="dr", dies=["cpu:1"]).status_code == 200
     res = {}
-    th = threading.Thread(target=lambda: res.update(r=chat(adm, model="dr", max_tokens=150,
-                                                           ignore_eos=True)))
+    th = threading.Thread(target=lambda: res.update(r=chat(adm, model="dr", max_tokens=150, ignore_eos=True)))
     th.start()
-    until(lambda: any(i["in_flight"] for i in httpx.get(adm.url + "/admin/models").json()[
-        "data"] if i["name"] == "dr"), what="the request to run")
+    until(
+        lambda: any(
+            i["in_flight"] for i in httpx.get(adm.url + "/admin/models").json()["data"] if i["name"] == "dr"
+        ),
+        what="the request to run",
+    )
     r = unload(adm, name="dr", drain_timeout=20)
     th.join(30)
     assert r.json()["results"][0]["drained"] is True
@@ -313,13 +364,14 @@ def test_unload_drains_within_its_deadline(adm, model_factory):
 
 
 def test_context_capping_and_denial(adm, model_factory):
-    assert load(adm, path=str(model_factory("tiny")), name="short",
-                max_context=64).status_code == 200
+    assert load(adm, path=str(model_factory("tiny")), name="short", max_context=64).status_code == 200
     try:
         msgs = [{"role": "system", "content": "Be brief."}]
         for i in range(8):
-            msgs += [{"role": "user", "content": f"question {i} about the weather in town"},
-                     {"role": "assistant", "content": f"answer {i}: sunny and warm today"}]
+            msgs += [
+                {"role": "user", "content": f"question {i} about the weather in town"},
+                {"role": "assistant", "content": f"answer {i}: sunny and warm today"},
+            ]
         msgs.append({"role": "user", "content": "and tomorrow?"})
         for _ in range(2):
             r = chat(adm, model="short", messages=msgs, max_tokens=8)
@@ -329,19 +381,28 @@ def test_context_capping_and_denial(adm, model_factory):
             u = body["usage"]
             assert u["prompt_tokens"] + 8 <= 64
             assert u["prompt_tokens_details"]["cached_tokens"] == 0  # a capped turn skips it
-        with httpx.stream("POST", adm.url + "/v1/chat/completions", timeout=60, json={
-                "model": "short", "messages": msgs, "max_tokens": 4, "stream": True}) as r:
-            chunks = [json.loads(x[6:]) for x in r.iter_lines()
-                      if x.startswith("data: {")]
+        with httpx.stream(
+            "POST",
+            adm.url + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "short", "messages": msgs, "max_tokens": 4, "stream": True},
+        ) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
         assert chunks and all(c["context_capped"] is True for c in chunks)
         ok = chat(adm, model="short", max_tokens=8).json()
         assert "context_capped" not in ok  # a conversation that fits passes untouched
-        err = check_error(chat(adm, model="short", max_tokens=8, messages=[
-            {"role": "system", "content": "word " * 80}, {"role": "user", "content": "hi"}]),
-            503, code="context_denied")
+        err = check_error(
+            chat(
+                adm,
+                model="short",
+                max_tokens=8,
+                messages=[{"role": "system", "content": "word " * 80}, {"role": "user", "content": "hi"}],
+            ),
+            503,
+            code="context_denied",
+        )
         assert "64" in err["message"]
-        check_error(chat(adm, model="short", max_tokens=64), 400,
-                    code="context_length_exceeded")
+        check_error(chat(adm, model="short", max_tokens=64), 400, code="context_length_exceeded")
     finally:
         assert unload(adm, name="short").status_code == 200
 
@@ -352,8 +413,9 @@ def test_quantized_load_books_less_weight_memory(adm, model_factory):
     assert r.status_code == 200, r.text
     try:
         q8 = r.json()
-        plain = next(m for m in httpx.get(adm.url + "/admin/models").json()["data"]
-                     if m["instance"] == "tiny#1")
+        plain = next(
+            m for m in httpx.get(adm.url + "/admin/models").json()["data"] if m["instance"] == "tiny#1"
+        )
         assert q8["quantize"] is True and q8["weights_bytes"] < plain["weights_bytes"]
         # the int8 linears take half their bf16 bytes (plus a scale per row)
         assert chat(adm, model="q8", max_tokens=2).status_code == 200

@@ -23,8 +23,20 @@ from helpers.serve import MSG, Server, check_error
 pytestmark = pytest.mark.timeout(180)
 
 ADMIN = "adm-secret-7"
-LIMIT_FLAGS = ["--max-messages", "3", "--max-n", "2", "--max-tokens-limit", "8",
-               "--max-stop", "2", "--max-stop-len", "5", "--max-body", "4KiB"]
+LIMIT_FLAGS = [
+    "--max-messages",
+    "3",
+    "--max-n",
+    "2",
+    "--max-tokens-limit",
+    "8",
+    "--max-stop",
+    "2",
+    "--max-stop-len",
+    "5",
+    "--max-body",
+    "4KiB",
+]
 
 
 def _copy_model(src, dst) -> None:
@@ -55,11 +67,15 @@ def env(model_factory, tmp_path_factory):
         if f.suffix != ".safetensors":
             shutil.copy(f, pickled / f.name)
     (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
-    keyed = Server(["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1",
-                    "--admin-key", ADMIN], base / "keyed.log",
-                   env={"PANTHEON_API_KEY": "k-one, k-two"})
-    open_ = Server(["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1",
-                    "--models-dir", str(root), *LIMIT_FLAGS], base / "open.log")
+    keyed = Server(
+        ["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1", "--admin-key", ADMIN],
+        base / "keyed.log",
+        env={"PANTHEON_API_KEY": "k-one, k-two"},
+    )
+    open_ = Server(
+        ["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1", "--models-dir", str(root), *LIMIT_FLAGS],
+        base / "open.log",
+    )
     try:
         keyed.wait_ready(None)  # /v1/models needs a key here
         open_.wait_ready(("tiny",))
@@ -84,8 +100,7 @@ def test_api_keys(env):
     body = {"model": "tiny", "messages": MSG, "max_tokens": 2}
     _check_401(httpx.get(s.url + "/v1/models"))
     _check_401(httpx.post(url, json=body))
-    _check_401(httpx.post(url, json=body, headers={"Authorization": "Bearer wrong-guess"}),
-               "wrong-guess")
+    _check_401(httpx.post(url, json=body, headers={"Authorization": "Bearer wrong-guess"}), "wrong-guess")
     _check_401(httpx.post(url, json=body, headers={"Authorization": "k-one"}))  # no scheme
     _check_401(httpx.post(url, json=body, headers={"Authorization": f"Bearer {ADMIN}"}))
     _check_401(httpx.get(s.url + "/v1/no-such-route"))  # 401 before 404: no route map leaks
@@ -96,8 +111,7 @@ def test_api_keys(env):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0).models.list()
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="k-two", max_retries=0)
-    chunks = list(c.chat.completions.create(model="tiny", messages=MSG, max_tokens=2,
-                                            stream=True))
+    chunks = list(c.chat.completions.create(model="tiny", messages=MSG, max_tokens=2, stream=True))
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     # probes, scrapers and CORS preflights need no key
     assert httpx.get(s.url + "/health").status_code == 200
@@ -136,10 +150,18 @@ def test_admin_open_on_loopback_only(env, tiny_model):
         app = create_app(build_config({}, {}), _Pool(), Registry())
         client = app.test_client()
         out = {}
-        for addr in ("10.1.2.3", "192.168.0.7", "::ffff:10.0.0.1", "2001:db8::1", "127.0.0.1",
-                     "::1", "::ffff:127.0.0.1"):
-            r = await client.get("/admin/models", scope_base={"client": (addr, 5000)},
-                                 headers={"X-Forwarded-For": "127.0.0.1"})
+        for addr in (
+            "10.1.2.3",
+            "192.168.0.7",
+            "::ffff:10.0.0.1",
+            "2001:db8::1",
+            "127.0.0.1",
+            "::1",
+            "::ffff:127.0.0.1",
+        ):
+            r = await client.get(
+                "/admin/models", scope_base={"client": (addr, 5000)}, headers={"X-Forwarded-For": "127.0.0.1"}
+            )
             out[addr] = (r.status_code, await r.get_json())
         return out
 
@@ -158,11 +180,13 @@ def _load(s: Server, path, **kw) -> httpx.Response:
 
 def test_models_dir(env):
     s, root, outside = env["open"], env["root"], env["outside"]
-    for path in (outside / "elsewhere",  # plainly outside
-                 root / "link-out",  # a link inside the root to a folder outside
-                 root / "sneaky",  # a folder inside whose weights link outside
-                 root / ".." / "outside" / "elsewhere",  # dot-dot out of the root
-                 "/no/such/model"):  # outside and missing: 403, existence not revealed
+    for path in (
+        outside / "elsewhere",  # plainly outside
+        root / "link-out",  # a link inside the root to a folder outside
+        root / "sneaky",  # a folder inside whose weights link outside
+        root / ".." / "outside" / "elsewhere",  # dot-dot out of the root
+        "/no/such/model",
+    ):  # outside and missing: 403, existence not revealed
         r = _load(s, path, name="x")
         err = check_error(r, 403, param="path", code="forbidden")
         assert "--models-dir" in err["message"]
@@ -174,29 +198,35 @@ def test_models_dir(env):
     assert r.status_code == 200, r.text
     names = [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
     assert names == ["tiny", "inside"]
-    assert httpx.post(s.url + "/admin/models/unload", json={"name": "inside"},
-                      timeout=60).status_code == 200
+    assert httpx.post(s.url + "/admin/models/unload", json={"name": "inside"}, timeout=60).status_code == 200
 
 
-@pytest.mark.parametrize("body,param,flag", [
-    ({"messages": MSG * 4}, "messages", "--max-messages"),
-    ({"n": 3}, "n", "--max-n"),
-    ({"max_tokens": 9}, "max_tokens", "--max-tokens-limit"),
-    ({"stop": ["a", "b", "c"]}, "stop", "--max-stop"),
-    ({"stop": ["abcdef"]}, "stop", "--max-stop-len"),
-])
+@pytest.mark.parametrize(
+    "body,param,flag",
+    [
+        ({"messages": MSG * 4}, "messages", "--max-messages"),
+        ({"n": 3}, "n", "--max-n"),
+        ({"max_tokens": 9}, "max_tokens", "--max-tokens-limit"),
+        ({"stop": ["a", "b", "c"]}, "stop", "--max-stop"),
+        ({"stop": ["abcdef"]}, "stop", "--max-stop-len"),
+    ],
+)
 def test_limits(env, body, param, flag):
     s = env["open"]
-    r = httpx.post(s.url + "/v1/chat/completions", json={"model": "tiny", "messages": MSG,
-                                                          **body}, timeout=30)
+    r = httpx.post(
+        s.url + "/v1/chat/completions", json={"model": "tiny", "messages": MSG, **body}, timeout=30
+    )
     err = check_error(r, 400, param=param, code="limit_exceeded")
     assert flag in err["message"]
 
 
 def test_limits_allow_up_to_the_limit_and_body_413(env):
     s = env["open"]
-    r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
-        "model": "tiny", "messages": MSG * 3, "n": 2, "max_tokens": 8, "stop": ["abcde", "x"]})
+    r = httpx.post(
+        s.url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": "tiny", "messages": MSG * 3, "n": 2, "max_tokens": 8, "stop": ["abcde", "x"]},
+    )
     assert r.status_code == 200, r.text
     big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}
     err = check_error(httpx.post(s.url + "/v1/chat/completions", json=big), 413)
@@ -210,5 +240,5 @@ def test_runtime_dir_is_private(env):
     cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
     endpoint = cmd[cmd.index(b"--endpoint") + 1].decode()
     assert endpoint.startswith("ipc://")
-    folder = os.path.dirname(endpoint[len("ipc://"):])
+    folder = os.path.dirname(endpoint[len("ipc://") :])
     assert os.stat(folder).st_mode & 0o777 == 0o700

@@ -29,16 +29,32 @@ from helpers.serve import MSG, Server, check_error
 
 pytestmark = pytest.mark.timeout(120)
 SHORT = {"model": "tiny", "messages": MSG, "max_tokens": 2}
-LONG = {"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True,
-        "stream": True}
+LONG = {"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")
 def bp(model_factory, tmp_path_factory):
     tiny = model_factory("tiny")
-    s = Server(["--model", str(tiny), "--name", "tiny", "--dies", "cpu:0", "--cpu-dies", "1",
-                "--slots", "2", "--queue-depth", "1", "--queue-timeout", "1.5"],
-               tmp_path_factory.mktemp("bp-logs") / "bp.log", env={"PANTHEON_TEST_HOOKS": "1"})
+    s = Server(
+        [
+            "--model",
+            str(tiny),
+            "--name",
+            "tiny",
+            "--dies",
+            "cpu:0",
+            "--cpu-dies",
+            "1",
+            "--slots",
+            "2",
+            "--queue-depth",
+            "1",
+            "--queue-timeout",
+            "1.5",
+        ],
+        tmp_path_factory.mktemp("bp-logs") / "bp.log",
+        env={"PANTHEON_TEST_HOOKS": "1"},
+    )
     try:
         s.wait_ready(("tiny",))
         yield s
@@ -73,8 +89,9 @@ def holding(s: Server, n: int):
     lines = []  # kept: a line iterator that is let go closes its response
     with stack:
         for _ in range(n):
-            r = stack.enter_context(httpx.stream("POST", s.url + "/v1/chat/completions",
-                                                 json=LONG, timeout=60))
+            r = stack.enter_context(
+                httpx.stream("POST", s.url + "/v1/chat/completions", json=LONG, timeout=60)
+            )
             assert r.status_code == 200
             lines.append(r.iter_lines())
             next(line for line in lines[-1] if line.startswith("data: "))
@@ -93,11 +110,18 @@ def test_queue_full_429_retry_after_5_and_timeout_retry_after_2(bp):
         inst = next(i for i in snap.instances if i.name == "tiny")
         assert inst.in_flight == 2
         # the worker's Stats (every 250 ms while busy) show the slots decoding
-        until(lambda: sum(sl.state != "idle" for sl in next(
-            i for i in state(bp).instances if i.name == "tiny").slots) == 2, what="busy slots")
+        until(
+            lambda: (
+                sum(
+                    sl.state != "idle"
+                    for sl in next(i for i in state(bp).instances if i.name == "tiny").slots
+                )
+                == 2
+            ),
+            what="busy slots",
+        )
         t0 = time.monotonic()
-        queued = pool.submit(httpx.post, bp.url + "/v1/chat/completions", json=SHORT,
-                             timeout=30)
+        queued = pool.submit(httpx.post, bp.url + "/v1/chat/completions", json=SHORT, timeout=30)
         until(lambda: depth(bp) == 1, what="a queued request")
         full = httpx.post(bp.url + "/v1/chat/completions", json=SHORT, timeout=30)
         check_error(full, 429, code="queue_full")
@@ -110,12 +134,15 @@ def test_queue_full_429_retry_after_5_and_timeout_retry_after_2(bp):
     counters = state(bp).counters
     assert counters.rejected_429 >= 2
     # the slots are free again: the fast path serves
-    until(lambda: httpx.post(bp.url + "/v1/chat/completions", json=SHORT,
-                             timeout=30).status_code == 200, what="a free slot")
+    until(
+        lambda: httpx.post(bp.url + "/v1/chat/completions", json=SHORT, timeout=30).status_code == 200,
+        what="a free slot",
+    )
 
 
 def test_client_that_goes_away_leaves_the_queue(bp):
     with holding(bp, 2):
+
         def impatient():
             with contextlib.suppress(httpx.HTTPError):
                 httpx.post(bp.url + "/v1/chat/completions", json=SHORT, timeout=0.4)
@@ -156,8 +183,7 @@ def test_critical_pressure_gives_503_then_drains(bp):
     try:
         dies = httpx.get(bp.url + "/admin/dies", timeout=10).json()["data"]
         assert [d["pressure"] for d in dies] == [3]
-        held = pool.submit(httpx.post, bp.url + "/v1/chat/completions", json=SHORT,
-                           timeout=30)
+        held = pool.submit(httpx.post, bp.url + "/v1/chat/completions", json=SHORT, timeout=30)
         until(lambda: depth(bp) == 1, what="a request held at CRITICAL")
         assert not held.done()  # both slots are free: only the pressure holds it
         r = httpx.post(bp.url + "/v1/chat/completions", json=SHORT, timeout=30)

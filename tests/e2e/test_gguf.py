@@ -51,7 +51,7 @@ CORPUS = [
     "Ünïcödé: café, naïve, Straße, 東京, 한국어, русский, العربية, 🙂🚀👍🏽",
     "don't I'll we're they've she'd IT'S",
     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nhmm\n</think>\n",
-    "<|endoftext|>text<|endoftext|> <tool_call>{\"name\": \"f\"}</tool_call>",
+    '<|endoftext|>text<|endoftext|> <tool_call>{"name": "f"}</tool_call>',
     "",
     " ",
     "a\u00a0b\u2003c\u3000d",
@@ -60,18 +60,31 @@ CORPUS = [
 
 # ---------------------------------------------------------------- writing GGUF files
 
-_LAYER_NAMES = {v: k for k, v in {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight"}.items()}
-_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-              "lm_head.weight": "output.weight"}
+_LAYER_NAMES = {
+    v: k
+    for k, v in {
+        "attn_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_q.bias": "self_attn.q_proj.bias",
+        "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "attn_output.bias": "self_attn.o_proj.bias",
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight",
+        "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    }.items()
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def gguf_name(hf: str) -> str:
@@ -86,8 +99,9 @@ def converter_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tokenizer_fields(w: GGUFWriter, vocab_size: int, *, pre: str, add_bos: bool = False,
-                     model: str = "gpt2") -> None:
+def tokenizer_fields(
+    w: GGUFWriter, vocab_size: int, *, pre: str, add_bos: bool = False, model: str = "gpt2"
+) -> None:
     """The trained tokenizer as llama.cpp's converter writes it (padding ids as [PADn])."""
     tok = json.loads(tt.tokenizer_json())
     by_id = {i: t for t, i in tok["model"]["vocab"].items()}
@@ -112,10 +126,20 @@ def tokenizer_fields(w: GGUFWriter, vocab_size: int, *, pre: str, add_bos: bool 
     w.add_chat_template(tt.CHAT_TEMPLATE)
 
 
-def write_gguf(out: Path, hf_dir: Path, qtype: QT = QT.F32, *, arch: str | None = None,
-               pre: str = "qwen2", add_bos: bool = False, meta: dict | None = None,
-               drop_meta: tuple[str, ...] = (), drop: tuple[str, ...] = (),
-               extra: dict | None = None, tokenizer_model: str = "gpt2") -> Path:
+def write_gguf(
+    out: Path,
+    hf_dir: Path,
+    qtype: QT = QT.F32,
+    *,
+    arch: str | None = None,
+    pre: str = "qwen2",
+    add_bos: bool = False,
+    meta: dict | None = None,
+    drop_meta: tuple[str, ...] = (),
+    drop: tuple[str, ...] = (),
+    extra: dict | None = None,
+    tokenizer_model: str = "gpt2",
+) -> Path:
     """A GGUF file of the safetensors folder ``hf_dir``: 2-D weights in ``qtype`` (when their
     rows fit its blocks), the rest F32. ``meta`` adds or replaces metadata (arch-relative keys
     start with '.'), ``drop_meta`` leaves keys out, ``drop`` leaves tensors out, ``extra`` adds
@@ -182,8 +206,7 @@ def files(model_factory, tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     cache: dict[str, Path] = {}
 
-    def make(preset: str, qtype: QT = QT.Q8_0, name: str | None = None, hf_overrides=None,
-             **kw) -> Path:
+    def make(preset: str, qtype: QT = QT.Q8_0, name: str | None = None, hf_overrides=None, **kw) -> Path:
         key = json.dumps([preset, int(qtype), name, hf_overrides, repr(sorted(kw.items()))])
         if key not in cache:
             hf = model_factory(preset, dtype="float32", **(hf_overrides or {}))
@@ -198,8 +221,18 @@ def files(model_factory, tmp_path_factory):
 
 RNG = np.random.default_rng(0)
 # every quantized type: byte offsets of its fp16 scale fields (kept finite in random blocks)
-QUANTIZED = {QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,),
-             QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+QUANTIZED = {
+    QT.Q4_0: (0,),
+    QT.Q4_1: (0, 2),
+    QT.Q5_0: (0,),
+    QT.Q5_1: (0, 2),
+    QT.Q8_0: (0,),
+    QT.Q2_K: (80, 82),
+    QT.Q3_K: (108,),
+    QT.Q4_K: (0, 2),
+    QT.Q5_K: (0, 2),
+    QT.Q6_K: (208,),
+}
 
 
 def ours(raw: np.ndarray, qtype: QT, shape) -> torch.Tensor:
@@ -216,14 +249,19 @@ def test_every_supported_type_is_named_and_sized_like_the_package():
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16], ids=lambda t: t.name)
 def test_float_types_equal_the_reference_exactly(qtype):
     data = (RNG.standard_normal((48, 96)) * 3).astype(np.float32)
-    raw = {QT.F32: lambda: data.view(np.uint8), QT.F16: lambda: data.astype(np.float16).view(np.uint8),
-           QT.BF16: lambda: ref_quantize(data, QT.BF16)}[qtype]()
+    raw = {
+        QT.F32: lambda: data.view(np.uint8),
+        QT.F16: lambda: data.astype(np.float16).view(np.uint8),
+        QT.BF16: lambda: ref_quantize(data, QT.BF16),
+    }[qtype]()
     want = torch.from_numpy(np.ascontiguousarray(ref_dequantize(raw, qtype), dtype=np.float32)).view(48, 96)
     got = ours(raw, qtype, (48, 96))
     assert got.dtype == torch.float32 and torch.equal(got, want)
     # into another dtype: the same values, rounded once
-    assert torch.equal(dequantize(torch.from_numpy(raw.reshape(-1).copy()), qtype.name, (48, 96),
-                                  torch.bfloat16), want.to(torch.bfloat16))
+    assert torch.equal(
+        dequantize(torch.from_numpy(raw.reshape(-1).copy()), qtype.name, (48, 96), torch.bfloat16),
+        want.to(torch.bfloat16),
+    )
 
 
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1], ids=lambda t: t.name)
@@ -243,7 +281,9 @@ def test_random_blocks_equal_the_reference(qtype):
     rows, cols = 40, 2 * 256
     blocks = RNG.integers(0, 256, (rows * cols // block, nbytes), dtype=np.uint8)
     for at in QUANTIZED[qtype]:
-        blocks[:, at:at + 2] = (RNG.standard_normal((len(blocks), 1)) * 0.01).astype(np.float16).view(np.uint8)
+        blocks[:, at : at + 2] = (
+            (RNG.standard_normal((len(blocks), 1)) * 0.01).astype(np.float16).view(np.uint8)
+        )
     raw = blocks.reshape(rows, -1)
     want = torch.from_numpy(ref_dequantize(raw, qtype).astype(np.float32))
     got = ours(raw, qtype, (rows, cols))
@@ -277,9 +317,19 @@ def test_config_matches_the_source_folder(files, model_factory):
     for preset in ("tiny-llama", "tiny-qwen2", "tiny"):
         hf = json.loads((model_factory(preset, dtype="float32") / "config.json").read_text())
         got = pg.hf_config(pg.read_gguf(files(preset, QT.Q8_0)))
-        for key in ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-                    "max_position_embeddings", "tie_word_embeddings", "bos_token_id"):
+        for key in (
+            "architectures",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+            "tie_word_embeddings",
+            "bos_token_id",
+        ):
             assert got[key] == hf[key], (preset, key)
         assert got["rope_theta"] == pytest.approx(hf["rope_theta"])
         assert got["rms_norm_eps"] == pytest.approx(hf["rms_norm_eps"])
@@ -289,13 +339,22 @@ def test_config_matches_the_source_folder(files, model_factory):
 
 
 def test_rope_scaling_and_eot_from_metadata(files):
-    path = files("tiny-llama", QT.F32, meta={
-        ".rope.scaling.type": ("string", "yarn"), ".rope.scaling.factor": ("float32", 4.0),
-        ".rope.scaling.original_context_length": ("uint32", 1024),
-        "tokenizer.ggml.eot_token_id": ("uint32", tt.TOKEN_IDS["<|endoftext|>"])})
+    path = files(
+        "tiny-llama",
+        QT.F32,
+        meta={
+            ".rope.scaling.type": ("string", "yarn"),
+            ".rope.scaling.factor": ("float32", 4.0),
+            ".rope.scaling.original_context_length": ("uint32", 1024),
+            "tokenizer.ggml.eot_token_id": ("uint32", tt.TOKEN_IDS["<|endoftext|>"]),
+        },
+    )
     got = pg.hf_config(pg.read_gguf(path))
-    assert got["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0,
-                                   "original_max_position_embeddings": 1024}
+    assert got["rope_scaling"] == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 1024,
+    }
     assert got["eos_token_id"] == [tt.TOKEN_IDS[tt.EOS_TOKEN], tt.TOKEN_IDS["<|endoftext|>"]]
     cfg = load_config(path)
     assert cfg.rope.type == "yarn" and cfg.rope.scaling["factor"] == 4.0
@@ -320,7 +379,8 @@ def hf_gguf_model(path: Path):
         model.tie_weights()
         return model.eval()
     return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
 def greedy(eng: Engine, prompt: list[int], n: int) -> list[int]:
@@ -343,11 +403,15 @@ def test_engine_matches_transformers(files, preset, qtype):
     model = hf_gguf_model(path)
     with torch.no_grad():
         ref = model(torch.tensor([PROMPT])).logits[0].float()
-        gen = model.generate(torch.tensor([PROMPT]), generation_config=transformers.GenerationConfig(
-            do_sample=False, max_new_tokens=32, min_new_tokens=32, eos_token_id=None, pad_token_id=0))
+        gen = model.generate(
+            torch.tensor([PROMPT]),
+            generation_config=transformers.GenerationConfig(
+                do_sample=False, max_new_tokens=32, min_new_tokens=32, eos_token_id=None, pad_token_id=0
+            ),
+        )
     assert logits.shape == ref.shape
     assert (logits - ref).abs().max().item() < 1e-4
-    assert greedy(eng, PROMPT, 32) == gen[0, len(PROMPT):].tolist()
+    assert greedy(eng, PROMPT, 32) == gen[0, len(PROMPT) :].tolist()
 
 
 def test_f32_file_equals_its_source_folder(files, model_factory):
@@ -437,8 +501,13 @@ def test_unsupported_architecture(files):
 
 def test_unsupported_tensor_type(files):
     raw = RNG.integers(0, 256, (64, 64 // 32 * 18), dtype=np.uint8)  # IQ4_NL blocks
-    path = files("tiny", QT.F32, name="iq4.gguf", drop=("blk.1.ffn_up.weight",),
-                 extra={"blk.1.ffn_up.weight": (raw.repeat(2, axis=0), QT.IQ4_NL)})
+    path = files(
+        "tiny",
+        QT.F32,
+        name="iq4.gguf",
+        drop=("blk.1.ffn_up.weight",),
+        extra={"blk.1.ffn_up.weight": (raw.repeat(2, axis=0), QT.IQ4_NL)},
+    )
     err = load_error(path)
     assert err.kind == "unsupported" and "'blk.1.ffn_up.weight'" in err.reason
     assert "IQ4_NL" in err.reason and str(path) in err.reason
@@ -483,8 +552,9 @@ def test_missing_and_unknown_tensors(files):
     path = files("tiny", QT.Q8_0, name="missing.gguf", drop=("blk.1.attn_v.weight",))
     err = load_error(path)
     assert err.kind == "invalid" and "model.layers.1.self_attn.v_proj.weight" in err.reason
-    path = files("tiny", QT.Q8_0, name="extra.gguf",
-                 extra={"blk.0.ffn_up.bias": (np.zeros(128, np.float32), QT.F32)})
+    path = files(
+        "tiny", QT.Q8_0, name="extra.gguf", extra={"blk.0.ffn_up.bias": (np.zeros(128, np.float32), QT.F32)}
+    )
     err = load_error(path)
     assert err.kind == "unsupported" and "'blk.0.ffn_up.bias'" in err.reason
 
@@ -529,8 +599,7 @@ def test_router_reads_gguf_without_torch(files):
         "bad = [m for m in ('torch', 'workers') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
 
 
@@ -555,13 +624,14 @@ def test_admin_loads_gguf_and_failures_leave_nothing(model_factory, files, tmp_p
     shape = files("tiny", QT.Q8_0, name="shape.gguf", meta={".feed_forward_length": ("uint32", 256)})
     text = tmp_path / "notes.txt"
     text.write_text("not a model")
-    s = Server(["--model", str(tiny), "--name", "tiny", "--dies", "cpu:0", "--cpu-dies", "1"],
-               tmp_path / "serve.log")
+    s = Server(
+        ["--model", str(tiny), "--name", "tiny", "--dies", "cpu:0", "--cpu-dies", "1"], tmp_path / "serve.log"
+    )
     try:
         s.wait_ready(("tiny",))
         before = tables(s)
         for status, code, path, word in [
-            (400, "unsupported", mamba, "mamba"),   # the router reads the metadata
+            (400, "unsupported", mamba, "mamba"),  # the router reads the metadata
             (400, "invalid", cut, "truncated"),
             (400, "invalid", two, "a.gguf"),
             (404, "not_found", text, "not a .gguf"),
@@ -574,8 +644,11 @@ def test_admin_loads_gguf_and_failures_leave_nothing(model_factory, files, tmp_p
         r = load(s, path=str(good))  # the default name: the stem without its quantization
         assert r.status_code == 200, r.text
         assert r.json()["name"] == "tiny-qwen3"
-        chat = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
-            "model": "tiny-qwen3", "messages": MSG, "max_tokens": 4})
+        chat = httpx.post(
+            s.url + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "tiny-qwen3", "messages": MSG, "max_tokens": 4},
+        )
         assert chat.status_code == 200, chat.text
         assert unload(s, name="tiny-qwen3").status_code == 200
         r = load(s, path=str(good.parent), name="folder")  # a folder with one .gguf
@@ -605,8 +678,10 @@ def smollm2_file() -> Path:
 
 def test_smollm2_tokenizer_matches_transformers():
     path = smollm2_file()
-    corpus = CORPUS + ["<|im_start|>system\nYou are a helpful AI assistant named SmolLM<|im_end|>",
-                       "<repo_name>pantheon<file_sep>main.py<jupyter_code>print(42)"]
+    corpus = CORPUS + [
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM<|im_end|>",
+        "<repo_name>pantheon<file_sep>main.py<jupyter_code>print(42)",
+    ]
     assert_same_ids(path, corpus)
 
 
@@ -615,10 +690,19 @@ def test_smollm2_loads_and_answers_paris():
     t0 = time.perf_counter()
     model, cfg = load_model(path)
     took = time.perf_counter() - t0
-    print(f"\nSmolLM2-135M {path.name}: load_model took {took:.2f} s "
-          f"({cfg.num_layers} layers, {cfg.torch_dtype})")
-    assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-            cfg.vocab_size, cfg.tie_word_embeddings) == ("llama", 30, 576, 9, 3, 49152, True)
+    print(
+        f"\nSmolLM2-135M {path.name}: load_model took {took:.2f} s "
+        f"({cfg.num_layers} layers, {cfg.torch_dtype})"
+    )
+    assert (
+        cfg.arch,
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.vocab_size,
+        cfg.tie_word_embeddings,
+    ) == ("llama", 30, 576, 9, 3, 49152, True)
     del model
     eng = Engine(str(path), devices=["cpu"])
     assets = ModelAssets(path)

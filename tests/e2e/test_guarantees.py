@@ -30,8 +30,11 @@ def srv(model_factory, tmp_path_factory):
     tiny = model_factory("tiny")
     logs = tmp_path_factory.mktemp("guarantees")
     hook = logs / "step-hook"
-    s = Server(["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1"], logs / "serve.log",
-               env={"PANTHEON_TEST_STEP_HOOK": str(hook)})
+    s = Server(
+        ["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1"],
+        logs / "serve.log",
+        env={"PANTHEON_TEST_STEP_HOOK": str(hook)},
+    )
     s.hook = hook
     try:
         s.wait_ready(("tiny",))
@@ -44,8 +47,11 @@ def test_one_weight_upload_at_a_time_per_die(srv, model_factory):
     paths = [model_factory("tiny-qwen2"), model_factory("tiny-llama")]
 
     def load(i: int) -> httpx.Response:
-        return httpx.post(srv.url + "/admin/models/load", timeout=120,
-                          json={"path": str(paths[i]), "name": f"up{i}", "dies": ["cpu:0"]})
+        return httpx.post(
+            srv.url + "/admin/models/load",
+            timeout=120,
+            json={"path": str(paths[i]), "name": f"up{i}", "dies": ["cpu:0"]},
+        )
 
     with cf.ThreadPoolExecutor(2) as ex:
         done = list(ex.map(load, range(2)))
@@ -54,19 +60,30 @@ def test_one_weight_upload_at_a_time_per_die(srv, model_factory):
     marks = re.findall(r"(loading|load of) (up\d)#", srv.output())
     assert len(marks) == 4, marks
     (a0, i0), (a1, i1), (a2, i2), (a3, i3) = marks
-    assert (a0, a1, a2, a3) == ("loading", "load of", "loading", "load of") and \
-        i0 == i1 != i2 == i3, marks
+    assert (a0, a1, a2, a3) == ("loading", "load of", "loading", "load of") and i0 == i1 != i2 == i3, marks
     for i in range(2):
-        assert httpx.post(srv.url + "/admin/models/unload", json={"name": f"up{i}"},
-                          timeout=60).status_code == 200
+        assert (
+            httpx.post(srv.url + "/admin/models/unload", json={"name": f"up{i}"}, timeout=60).status_code
+            == 200
+        )
 
 
 def _fast_stream(url: str, n: int) -> tuple[int, float]:
     t0 = time.monotonic()
     got = 0
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
-            "model": "tiny", "messages": MSG, "max_tokens": n, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": "tiny",
+            "messages": MSG,
+            "max_tokens": n,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {") and '"usage"' in line:
@@ -87,11 +104,14 @@ def test_a_slow_reader_never_stalls_the_others(srv):
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
     sock.connect(("127.0.0.1", srv.port))
-    body = (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
-            b'"max_tokens": 4000, "ignore_eos": true, "stream": true}')
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                 b"application/json\r\nContent-Length: " + str(len(body)).encode() +
-                 b"\r\n\r\n" + body)
+    body = (
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+        b'"max_tokens": 4000, "ignore_eos": true, "stream": true}'
+    )
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     stop = threading.Event()
 
     def trickle() -> None:
@@ -136,8 +156,11 @@ def test_models_answers_within_100_ms_during_a_long_step(srv):
     done: list[int] = []
 
     def chat() -> None:
-        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": long_prompt, "max_tokens": 4})
+        r = httpx.post(
+            srv.url + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "tiny", "messages": long_prompt, "max_tokens": 4},
+        )
         done.append(r.status_code)
 
     t = threading.Thread(target=chat)

@@ -25,8 +25,10 @@ pytestmark = pytest.mark.timeout(180)
 def srv(model_factory, tmp_path_factory):
     tiny = model_factory("tiny")
     logs = tmp_path_factory.mktemp("metrics")
-    s = Server(["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1", "--slots", "1",
-                "--log-format", "json"], logs / "metrics.log")
+    s = Server(
+        ["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1", "--slots", "1", "--log-format", "json"],
+        logs / "metrics.log",
+    )
     try:
         s.wait_ready(("tiny",))
         yield s
@@ -50,8 +52,11 @@ def val(m: dict, name: str, **labels) -> float:
 
 
 def chat(s: Server, **kw) -> dict:
-    r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
-        "model": "tiny", "messages": MSG, "max_tokens": 4, "ignore_eos": True, **kw})
+    r = httpx.post(
+        s.url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": "tiny", "messages": MSG, "max_tokens": 4, "ignore_eos": True, **kw},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -60,11 +65,24 @@ def test_vllm_series_after_known_traffic(srv):
     before = scrape(srv)
     outs = [chat(srv, seed=i) for i in range(3)]
     # and one streamed request, with usage
-    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": MSG, "max_tokens": 5, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}) as r:
-        events = [json.loads(line[6:]) for line in r.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+    with httpx.stream(
+        "POST",
+        srv.url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": "tiny",
+            "messages": MSG,
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
+        events = [
+            json.loads(line[6:])
+            for line in r.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     usages = [o["usage"] for o in outs] + [events[-1]["usage"]]
     prompt = sum(u["prompt_tokens"] for u in usages)
     gen = sum(u["completion_tokens"] for u in usages)
@@ -103,9 +121,12 @@ def test_gauges_during_a_stream_and_429(srv):
     started, leave = threading.Event(), threading.Event()
 
     def long_stream():  # runs until the test is done with it, then the client goes away
-        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
-                "model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True,
-                "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            srv.url + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True, "stream": True},
+        ) as r:
             n = 0
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -122,35 +143,41 @@ def test_gauges_during_a_stream_and_429(srv):
         m = scrape(srv)
         assert val(m, "vllm:num_requests_running", model_name="tiny") == 1
         deadline = time.monotonic() + 5  # KV usage comes with the worker's Stats (4 a second)
-        while val(m, "vllm:kv_cache_usage_perc", model_name="tiny") == 0 and \
-                time.monotonic() < deadline:
+        while val(m, "vllm:kv_cache_usage_perc", model_name="tiny") == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
             m = scrape(srv)
         assert 0 < val(m, "vllm:kv_cache_usage_perc", model_name="tiny") <= 1
-        busy = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
-                          json={"model": "tiny", "messages": MSG, "max_tokens": 2})
+        busy = httpx.post(
+            srv.url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": "tiny", "messages": MSG, "max_tokens": 2},
+        )
         check_error(busy, 429, code="server_busy")  # single-user mode: busy at once
         assert busy.headers["retry-after"] == "1"
     finally:
         leave.set()
         t.join(60)
     m = scrape(srv)
-    assert val(m, "pantheon_requests_rejected_total", model_name="tiny", status="429") - val(
-        before, "pantheon_requests_rejected_total", model_name="tiny", status="429") == 1
+    assert (
+        val(m, "pantheon_requests_rejected_total", model_name="tiny", status="429")
+        - val(before, "pantheon_requests_rejected_total", model_name="tiny", status="429")
+        == 1
+    )
     deadline = time.monotonic() + 5  # the client left: the request ends, its slot comes back
-    while val(m, "vllm:num_requests_running", model_name="tiny") and \
-            time.monotonic() < deadline:
+    while val(m, "vllm:num_requests_running", model_name="tiny") and time.monotonic() < deadline:
         time.sleep(0.1)
         m = scrape(srv)
     assert val(m, "vllm:num_requests_running", model_name="tiny") == 0
-    assert val(m, "vllm:generation_tokens_total", model_name="tiny") - val(
-        before, "vllm:generation_tokens_total", model_name="tiny") >= 3
+    assert (
+        val(m, "vllm:generation_tokens_total", model_name="tiny")
+        - val(before, "vllm:generation_tokens_total", model_name="tiny")
+        >= 3
+    )
 
 
 def test_loads_unloads_and_admin_actions(srv, model_factory):
     q = model_factory("tiny-qwen2")
-    r = httpx.post(srv.url + "/admin/models/load", json={"path": str(q), "name": "q2"},
-                   timeout=120)
+    r = httpx.post(srv.url + "/admin/models/load", json={"path": str(q), "name": "q2"}, timeout=120)
     assert r.status_code == 200, r.text
     r = httpx.post(srv.url + "/admin/models/unload", json={"name": "q2"}, timeout=60)
     assert r.status_code == 200, r.text
@@ -168,8 +195,7 @@ def test_loads_unloads_and_admin_actions(srv, model_factory):
 def test_json_request_log(srv):
     out = chat(srv, seed=42)
     check_error(httpx.post(srv.url + "/v1/chat/completions", json={"messages": "x"}), 400)
-    check_error(httpx.post(srv.url + "/admin/models/load", json={"path": "/no/such/x",
-                                                                 "name": "x"}), 404)
+    check_error(httpx.post(srv.url + "/admin/models/load", json={"path": "/no/such/x", "name": "x"}), 404)
     time.sleep(0.3)
     records = [json.loads(line) for line in srv.output().splitlines() if line.startswith("{")]
     reqs = [r for r in records if r.get("logger") == "pantheon.access"]
@@ -184,5 +210,10 @@ def test_json_request_log(srv):
     assert 0 < rec["ttft_ms"] <= rec["duration_ms"]
     assert any(r["status"] == 400 and r["path"] == "/v1/chat/completions" for r in reqs)
     audit = [r for r in records if r.get("logger") == "pantheon.audit"]
-    assert any(r["action"] == "models/load" and r.get("path") == "/no/such/x"
-               and r.get("name") == "x" and r["status"] == 404 for r in audit), audit
+    assert any(
+        r["action"] == "models/load"
+        and r.get("path") == "/no/such/x"
+        and r.get("name") == "x"
+        and r["status"] == 404
+        for r in audit
+    ), audit

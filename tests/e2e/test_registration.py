@@ -48,8 +48,7 @@ class Registry:
         self.thread.start()
 
     def of(self, path: str, model: str | None = None) -> list[dict]:
-        return [b for _, p, b in self.calls if p == path and (model is None or
-                                                            b.get("model_id") == model)]
+        return [b for _, p, b in self.calls if p == path and (model is None or b.get("model_id") == model)]
 
     def wait_for(self, path: str, model: str, n: int = 1, timeout: float = 20.0) -> list[dict]:
         deadline = time.monotonic() + timeout
@@ -70,12 +69,21 @@ def setup(model_factory, tmp_path_factory):
     tiny = model_factory("tiny")
     logs = tmp_path_factory.mktemp("registration")
     good, slow = Registry(), Registry(delay=3.0)
-    env = {"PANTHEON_REGISTRY_HEARTBEAT": "0.3", "PANTHEON_NODE_ID": "node-7",
-           "PANTHEON_REGISTRY_TRANSPORT": "tcp"}
-    main = Server(["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1"], logs / "main.log",
-                  env={**env, "PANTHEON_REGISTRY_URL": good.url})
-    other = Server(["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1"],
-                   logs / "slow.log", env={**env, "PANTHEON_REGISTRY_URL": slow.url + "/"})
+    env = {
+        "PANTHEON_REGISTRY_HEARTBEAT": "0.3",
+        "PANTHEON_NODE_ID": "node-7",
+        "PANTHEON_REGISTRY_TRANSPORT": "tcp",
+    }
+    main = Server(
+        ["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1"],
+        logs / "main.log",
+        env={**env, "PANTHEON_REGISTRY_URL": good.url},
+    )
+    other = Server(
+        ["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1"],
+        logs / "slow.log",
+        env={**env, "PANTHEON_REGISTRY_URL": slow.url + "/"},
+    )
     try:
         main.wait_ready(("tiny",))
         other.wait_ready(("tiny",))
@@ -90,15 +98,26 @@ def setup(model_factory, tmp_path_factory):
 def test_register_at_startup_and_heartbeat(setup):
     s, reg = setup["main"], setup["good"]
     first = reg.wait_for("/register", "tiny")[0]
-    assert first == {"model_id": "tiny", "instance_id": f"127.0.0.1:{s.port}:tiny",
-                     "endpoint": f"http://127.0.0.1:{s.port}", "capacity": 8,
-                     "node_id": "node-7", "transport": "tcp",
-                     "max_model_len": first["max_model_len"]}
+    assert first == {
+        "model_id": "tiny",
+        "instance_id": f"127.0.0.1:{s.port}:tiny",
+        "endpoint": f"http://127.0.0.1:{s.port}",
+        "capacity": 8,
+        "node_id": "node-7",
+        "transport": "tcp",
+        "max_model_len": first["max_model_len"],
+    }
     assert first["max_model_len"] > 0
     beats = reg.wait_for("/heartbeat", "tiny", n=3)
-    assert beats[0] == {"model_id": "tiny", "instance_id": f"127.0.0.1:{s.port}:tiny",
-                        "node_id": "node-7", "transport": "tcp", "capacity": 8, "busy": 0,
-                        "queued": 0}
+    assert beats[0] == {
+        "model_id": "tiny",
+        "instance_id": f"127.0.0.1:{s.port}:tiny",
+        "node_id": "node-7",
+        "transport": "tcp",
+        "capacity": 8,
+        "busy": 0,
+        "queued": 0,
+    }
     times = [t for t, p, b in reg.calls if p == "/heartbeat"]
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert all(0.15 < g < 1.5 for g in gaps), gaps  # every ~0.3 s
@@ -106,9 +125,12 @@ def test_register_at_startup_and_heartbeat(setup):
 
 def test_heartbeat_carries_live_load(setup):
     s, reg = setup["main"], setup["good"]
-    with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True,
-            "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        s.url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True, "stream": True},
+    ) as r:
         it = r.iter_lines()
         next(line for line in it if line.startswith("data: "))
         n = len(reg.of("/heartbeat", "tiny"))
@@ -124,8 +146,7 @@ def test_heartbeat_carries_live_load(setup):
 def test_load_and_unload_register_and_deregister(setup, model_factory):
     s, reg = setup["main"], setup["good"]
     q = model_factory("tiny-qwen2")
-    r = httpx.post(s.url + "/admin/models/load", json={"path": str(q), "name": "q2"},
-                   timeout=120)
+    r = httpx.post(s.url + "/admin/models/load", json={"path": str(q), "name": "q2"}, timeout=120)
     assert r.status_code == 200, r.text
     got = reg.wait_for("/register", "q2")[0]
     assert got["instance_id"] == f"127.0.0.1:{s.port}:q2" and got["capacity"] == 8
@@ -133,7 +154,10 @@ def test_load_and_unload_register_and_deregister(setup, model_factory):
     r = httpx.post(s.url + "/admin/models/unload", json={"name": "q2"}, timeout=60)
     assert r.status_code == 200, r.text
     assert reg.wait_for("/deregister", "q2")[0] == {
-        "model_id": "q2", "instance_id": f"127.0.0.1:{s.port}:q2", "node_id": "node-7"}
+        "model_id": "q2",
+        "instance_id": f"127.0.0.1:{s.port}:q2",
+        "node_id": "node-7",
+    }
     assert not reg.of("/deregister", "tiny")
 
 
@@ -143,8 +167,11 @@ def test_slow_then_down_registry_never_slows_serving(setup):
 
     def timed_chat() -> float:
         t0 = time.monotonic()
-        r = httpx.post(s.url + "/v1/chat/completions", timeout=30,
-                       json={"model": "tiny", "messages": MSG, "max_tokens": 4})
+        r = httpx.post(
+            s.url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": "tiny", "messages": MSG, "max_tokens": 4},
+        )
         assert r.status_code == 200, r.text
         return time.monotonic() - t0
 
@@ -167,8 +194,7 @@ def test_deregister_at_shutdown(setup):
     s, reg = setup["main"], setup["good"]
     assert s.stop() == 0
     got = reg.of("/deregister", "tiny")
-    assert got == [{"model_id": "tiny", "instance_id": f"127.0.0.1:{s.port}:tiny",
-                    "node_id": "node-7"}]
+    assert got == [{"model_id": "tiny", "instance_id": f"127.0.0.1:{s.port}:tiny", "node_id": "node-7"}]
     last_beat = max(t for t, p, b in reg.calls if p == "/heartbeat" and b["model_id"] == "tiny")
     dereg = max(t for t, p, b in reg.calls if p == "/deregister" and b["model_id"] == "tiny")
     assert dereg >= last_beat  # nothing after the goodbye
@@ -189,14 +215,19 @@ def test_replicas_collapse_to_one_registration_with_summed_capacity(model_factor
     registration, one instance id, and the capacity of both."""
     tiny = model_factory("tiny")
     reg = Registry()
-    s = Server(["--model", str(tiny), "--name", "tiny", "--cpu-dies", "2", "--dies", "cpu:0"],
-               tmp_path / "replicas.log", env={"PANTHEON_REGISTRY_HEARTBEAT": "0.2",
-                                              "PANTHEON_REGISTRY_URL": reg.url})
+    s = Server(
+        ["--model", str(tiny), "--name", "tiny", "--cpu-dies", "2", "--dies", "cpu:0"],
+        tmp_path / "replicas.log",
+        env={"PANTHEON_REGISTRY_HEARTBEAT": "0.2", "PANTHEON_REGISTRY_URL": reg.url},
+    )
     try:
         s.wait_ready(("tiny",))
         assert reg.wait_for("/register", "tiny")[0]["capacity"] == 8
-        r = httpx.post(s.url + "/admin/models/load", timeout=120,
-                       json={"path": str(tiny), "name": "tiny", "dies": ["cpu:1"]})
+        r = httpx.post(
+            s.url + "/admin/models/load",
+            timeout=120,
+            json={"path": str(tiny), "name": "tiny", "dies": ["cpu:1"]},
+        )
         assert r.status_code == 200, r.text
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:

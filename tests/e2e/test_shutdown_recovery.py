@@ -30,12 +30,35 @@ pytestmark = pytest.mark.timeout(180)
 def servers(model_factory, tmp_path_factory):
     tiny, llama = model_factory("tiny"), model_factory("tiny-llama")
     logs = tmp_path_factory.mktemp("shutdown")
-    rec = Server(["--model", str(tiny), "--name", "tiny", "--dies", "cpu:0",
-                  "--model", str(llama), "--name", "llama", "--dies", "cpu:1",
-                  "--cpu-dies", "2", "--slots", "2", "--restart-backoff", "0.2",
-                  "--queue-timeout", "60"], logs / "recovery.log")
-    drain = Server(["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1",
-                    "--drain-timeout", "30"], logs / "drain.log")
+    rec = Server(
+        [
+            "--model",
+            str(tiny),
+            "--name",
+            "tiny",
+            "--dies",
+            "cpu:0",
+            "--model",
+            str(llama),
+            "--name",
+            "llama",
+            "--dies",
+            "cpu:1",
+            "--cpu-dies",
+            "2",
+            "--slots",
+            "2",
+            "--restart-backoff",
+            "0.2",
+            "--queue-timeout",
+            "60",
+        ],
+        logs / "recovery.log",
+    )
+    drain = Server(
+        ["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1", "--drain-timeout", "30"],
+        logs / "drain.log",
+    )
     try:
         rec.wait_ready(("tiny", "llama"))
         drain.wait_ready(("tiny",))
@@ -67,12 +90,12 @@ def dies(s: Server) -> dict:
 def test_worker_killed_mid_stream_comes_back(servers):
     s = servers["recovery"]
     pid = dies(s)["cpu:0"]["pid"]
-    long = {"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True,
-            "stream": True}
+    long = {"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True, "stream": True}
     streams = [[], []]
     started = [threading.Event(), threading.Event()]
-    threads = [threading.Thread(target=stream_events, args=(s.url, long, streams[i], started[i]))
-               for i in range(2)]
+    threads = [
+        threading.Thread(target=stream_events, args=(s.url, long, streams[i], started[i])) for i in range(2)
+    ]
     for t in threads:
         t.start()
     assert all(e.wait(30) for e in started)
@@ -80,15 +103,24 @@ def test_worker_killed_mid_stream_comes_back(servers):
     queued = [None, None]
 
     def post(i):
-        queued[i] = httpx.post(s.url + "/v1/chat/completions", timeout=90, json={
-            "model": "tiny", "messages": MSG, "max_tokens": 3, "seed": i})
+        queued[i] = httpx.post(
+            s.url + "/v1/chat/completions",
+            timeout=90,
+            json={"model": "tiny", "messages": MSG, "max_tokens": 3, "seed": i},
+        )
 
     waiters = [threading.Thread(target=post, args=(i,)) for i in range(2)]
     for t in waiters:
         t.start()
     deadline = time.monotonic() + 10
-    while sum(1 for m in httpx.get(s.url + "/admin/state").json()["queues"]
-              if m["model"] == "tiny" and m["depth"] == 2) == 0:
+    while (
+        sum(
+            1
+            for m in httpx.get(s.url + "/admin/state").json()["queues"]
+            if m["model"] == "tiny" and m["depth"] == 2
+        )
+        == 0
+    ):
         assert time.monotonic() < deadline, "the requests did not queue"
         time.sleep(0.05)
     m = httpx.get(s.url + "/metrics").text  # the vLLM gauges see the same
@@ -105,8 +137,9 @@ def test_worker_killed_mid_stream_comes_back(servers):
         for c in ev[1:-2]:
             check("CreateChatCompletionStreamResponse", c)
     # meanwhile the other die serves on
-    r = httpx.post(s.url + "/v1/chat/completions", timeout=30,
-                   json={"model": "llama", "messages": MSG, "max_tokens": 2})
+    r = httpx.post(
+        s.url + "/v1/chat/completions", timeout=30, json={"model": "llama", "messages": MSG, "max_tokens": 2}
+    )
     assert r.status_code == 200 and r.json()["model"] == "llama"
     for t in waiters:
         t.join(90)
@@ -116,8 +149,9 @@ def test_worker_killed_mid_stream_comes_back(servers):
         assert r.json()["model"] == "tiny"
     d = dies(s)["cpu:0"]
     assert d["alive"] and d["pid"] != pid
-    r = httpx.post(s.url + "/v1/chat/completions", timeout=30,
-                   json={"model": "tiny", "messages": MSG, "max_tokens": 2})
+    r = httpx.post(
+        s.url + "/v1/chat/completions", timeout=30, json={"model": "tiny", "messages": MSG, "max_tokens": 2}
+    )
     assert r.status_code == 200 and r.json()["model"] == "tiny"
     insts = {i["name"]: i for i in httpx.get(s.url + "/admin/models").json()["data"]}
     assert insts["tiny"]["state"] == "ready" and insts["tiny"]["restarts"] == 1
@@ -133,9 +167,15 @@ def test_second_signal_exits_at_once(servers):
     pids = [d["pid"] for d in dies(s).values()]
     events: list = []
     first = threading.Event()
-    t = threading.Thread(target=stream_events, args=(s.url, {
-        "model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True,
-        "stream": True}, events, first))
+    t = threading.Thread(
+        target=stream_events,
+        args=(
+            s.url,
+            {"model": "tiny", "messages": MSG, "max_tokens": 3000, "ignore_eos": True, "stream": True},
+            events,
+            first,
+        ),
+    )
     t.start()
     assert first.wait(30)
     s.proc.send_signal(signal.SIGTERM)
@@ -149,24 +189,36 @@ def test_second_signal_exits_at_once(servers):
     deadline = time.monotonic() + 5
     while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    alive = [p for p in pids if os.path.exists(f"/proc/{p}")
-             and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
+    alive = [
+        p
+        for p in pids
+        if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]
+    ]
     assert not alive, "workers outlived the router"
 
 
 def test_sigterm_drains_in_flight_requests(servers):
     s = servers["drain"]
-    body = {"model": "tiny", "messages": MSG, "max_tokens": 800, "ignore_eos": True,
-            "stream": True}  # a second or two each, long after the signal
+    body = {
+        "model": "tiny",
+        "messages": MSG,
+        "max_tokens": 800,
+        "ignore_eos": True,
+        "stream": True,
+    }  # a second or two each, long after the signal
     streams = [[], []]
     started = [threading.Event(), threading.Event()]
-    threads = [threading.Thread(target=stream_events, args=(s.url, body, streams[i], started[i]))
-               for i in range(2)]
+    threads = [
+        threading.Thread(target=stream_events, args=(s.url, body, streams[i], started[i])) for i in range(2)
+    ]
     plain = {}
 
     def post():
-        plain["r"] = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": MSG, "max_tokens": 500, "ignore_eos": True})
+        plain["r"] = httpx.post(
+            s.url + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "tiny", "messages": MSG, "max_tokens": 500, "ignore_eos": True},
+        )
 
     for t in threads:
         t.start()
@@ -183,8 +235,7 @@ def test_sigterm_drains_in_flight_requests(servers):
     s.proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     # draining: no new requests, /health says so, /metrics still answers
-    late = httpx.post(s.url + "/v1/chat/completions", timeout=10,
-                      json={"model": "tiny", "messages": MSG})
+    late = httpx.post(s.url + "/v1/chat/completions", timeout=10, json={"model": "tiny", "messages": MSG})
     check_error(late, 503, code="shutting_down")
     assert late.headers["retry-after"] == "5"
     h = httpx.get(s.url + "/health", timeout=5)

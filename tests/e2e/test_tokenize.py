@@ -15,8 +15,10 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def srv(model_factory, tmp_path_factory):
     tiny = model_factory("tiny")
-    s = Server(["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1"],
-               tmp_path_factory.mktemp("tokenize") / "serve.log")
+    s = Server(
+        ["--model", str(tiny), "--name", "tiny", "--cpu-dies", "1"],
+        tmp_path_factory.mktemp("tokenize") / "serve.log",
+    )
     s.tiny = tiny
     try:
         s.wait_ready(("tiny",))
@@ -46,25 +48,27 @@ def test_tokenize_messages_counts_what_a_chat_prompt_holds(srv):
     r = post(srv, "/tokenize", {"model": "tiny", "messages": MSG})
     assert r.status_code == 200, r.text
     n = r.json()["count"]
-    chat = post(srv, "/v1/chat/completions", {"model": "tiny", "messages": MSG,
-                                               "max_tokens": 1})
+    chat = post(srv, "/v1/chat/completions", {"model": "tiny", "messages": MSG, "max_tokens": 1})
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == n
-    without = post(srv, "/tokenize", {"model": "tiny", "messages": MSG,
-                                      "add_generation_prompt": False}).json()["count"]
+    without = post(
+        srv, "/tokenize", {"model": "tiny", "messages": MSG, "add_generation_prompt": False}
+    ).json()["count"]
     assert without < n
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/tokenize", {"model": "tiny"}, "prompt"),
-    ("/tokenize", {"model": "tiny", "prompt": 5}, "prompt"),
-    ("/tokenize", {"model": "tiny", "prompt": "a", "messages": MSG}, "prompt"),
-    ("/tokenize", {"model": "tiny", "messages": []}, "messages"),
-    ("/tokenize", {"model": "tiny", "prompt": "a", "add_special_tokens": "yes"},
-     "add_special_tokens"),
-    ("/detokenize", {"model": "tiny", "tokens": "abc"}, "tokens"),
-    ("/detokenize", {"model": "tiny", "tokens": [1, True]}, "tokens"),
-    ("/detokenize", {"model": "tiny", "tokens": [10**9]}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/tokenize", {"model": "tiny"}, "prompt"),
+        ("/tokenize", {"model": "tiny", "prompt": 5}, "prompt"),
+        ("/tokenize", {"model": "tiny", "prompt": "a", "messages": MSG}, "prompt"),
+        ("/tokenize", {"model": "tiny", "messages": []}, "messages"),
+        ("/tokenize", {"model": "tiny", "prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/detokenize", {"model": "tiny", "tokens": "abc"}, "tokens"),
+        ("/detokenize", {"model": "tiny", "tokens": [1, True]}, "tokens"),
+        ("/detokenize", {"model": "tiny", "tokens": [10**9]}, "tokens"),
+    ],
+)
 def test_bad_bodies_are_400s(srv, path, body, param):
     check_error(post(srv, path, body), 400, param=param)
 

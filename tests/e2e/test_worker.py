@@ -165,8 +165,9 @@ def test_the_heart_beats_through_a_long_step(router, tiny_model, tmp_path):
     and say how long that step has run; the main loop's own messages pause meanwhile."""
     hook = tmp_path / "hook"
     env = dict(os.environ, PANTHEON_TEST_STEP_HOOK=str(hook))
-    proc = router.spawn("cpu:5", "--budget-bytes", str(BUDGET), "--threads", "1",
-                        "--router-timeout", "300", env=env)
+    proc = router.spawn(
+        "cpu:5", "--budget-bytes", str(BUDGET), "--threads", "1", "--router-timeout", "300", env=env
+    )
     ident = b"cpu:5"
 
     def wait_for(until, timeout):  # this worker's messages (the module's cpu:0 talks too)
@@ -181,8 +182,15 @@ def test_the_heart_beats_through_a_long_step(router, tiny_model, tmp_path):
         router.send(ident, p.LoadModel(instance="m", path=str(tiny_model), kv_budget_bytes=KV))
         assert isinstance(wait_for(lambda m: isinstance(m, (p.Loaded, p.LoadFailed)), 60), p.Loaded)
         hook.write_text("3")
-        router.send(ident, p.Submit(request_id="r", instance="m", prompt=[5, 6, 7],
-                                    params=p.SamplingParams(max_tokens=2, ignore_eos=True)))
+        router.send(
+            ident,
+            p.Submit(
+                request_id="r",
+                instance="m",
+                prompt=[5, 6, 7],
+                params=p.SamplingParams(max_tokens=2, ignore_eos=True),
+            ),
+        )
         router.beats.clear()
         t0 = time.monotonic()
         wait_for(lambda m: isinstance(m, p.StepOutput) and any(t.finish for t in m.tokens), 30)
@@ -386,4 +394,3 @@ def test_cuda_die_needs_a_device():
     else:
         with pytest.raises(ValueError, match="CUDA"):
             devices.open_die("cuda:0")
-

@@ -77,7 +77,9 @@ async def wait_for_stats(pool: WorkerPool, die: str, pred, timeout: float = 5.0)
 
 
 def all_idle(st: p.Stats) -> bool:
-    return all(s.state == "idle" for i in st.instances for s in i.slots) and all(i.waiting == 0 for i in st.instances)
+    return all(s.state == "idle" for i in st.instances for s in i.slots) and all(
+        i.waiting == 0 for i in st.instances
+    )
 
 
 # ---------------------------------------------------------------------- start, load
@@ -242,7 +244,9 @@ async def test_sigkill_mid_request_raises_worker_died(pool, model, tiny_model):
 @pytest.mark.timeout(60)
 async def test_silent_worker_is_declared_dead():
     deaths = []
-    async with WorkerPool(heartbeat_interval=0.2, dead_after=1.0, on_worker_dead=lambda d, r: deaths.append(r)) as pool:
+    async with WorkerPool(
+        heartbeat_interval=0.2, dead_after=1.0, on_worker_dead=lambda d, r: deaths.append(r)
+    ) as pool:
         info = await pool.start_worker("cpu:3", budget_bytes=BUDGET)
         os.kill(info.pid, signal.SIGSTOP)  # alive but silent, as a wedged worker would be
         t0 = asyncio.get_running_loop().time()
@@ -264,8 +268,13 @@ async def test_a_long_step_is_not_a_dead_worker_but_a_hung_one_is(tiny_model, tm
     hook = tmp_path / "hook"
     monkeypatch.setenv("PANTHEON_TEST_STEP_HOOK", str(hook))  # the worker inherits our env
     deaths = []
-    async with WorkerPool(worker_threads=1, heartbeat_interval=0.2, dead_after=2.0,
-                          step_timeout=6.0, on_worker_dead=lambda d, r: deaths.append(r)) as pool:
+    async with WorkerPool(
+        worker_threads=1,
+        heartbeat_interval=0.2,
+        dead_after=2.0,
+        step_timeout=6.0,
+        on_worker_dead=lambda d, r: deaths.append(r),
+    ) as pool:
         info = await pool.start_worker("cpu:4", budget_bytes=BUDGET)
         await pool.load("cpu:4", load_msg("m", tiny_model))
         hook.write_text("4")

@@ -37,5 +37,4 @@ def schema_validator(name: str) -> jsonschema.Draft202012Validator:
 
 def check(name: str, obj) -> None:
     errors = sorted(schema_validator(name).iter_errors(obj), key=lambda e: list(e.path))
-    assert not errors, f"{name}: " + "; ".join(
-        f"{list(e.path)}: {e.message}" for e in errors[:5])
+    assert not errors, f"{name}: " + "; ".join(f"{list(e.path)}: {e.message}" for e in errors[:5])

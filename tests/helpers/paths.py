@@ -16,6 +16,7 @@ SPECS = REPO_ROOT.parent / "shared" / "specs"
 def need_specs() -> Path:
     """``SPECS``, or skip the calling test (or fixture) when the folder is not there."""
     if not SPECS.is_dir():
-        pytest.skip(f"the shared specs are missing: {SPECS} (they sit beside the checkout, "
-                    "in ../shared/specs)")
+        pytest.skip(
+            f"the shared specs are missing: {SPECS} (they sit beside the checkout, in ../shared/specs)"
+        )
     return SPECS

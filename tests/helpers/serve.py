@@ -40,7 +40,11 @@ class Server:
         self._fh = open(log, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pantheon", "serve", "--port", str(self.port), *args],
-            cwd=ROOT, env=env, stdout=self._fh, stderr=subprocess.STDOUT)
+            cwd=ROOT,
+            env=env,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_ready(self, models: tuple[str, ...] | None = (), timeout: float = 150.0) -> None:
         """Until /health is 200 and every name in ``models`` is listed (None: /health alone,
@@ -76,12 +80,23 @@ class Server:
         return self.proc.returncode
 
     def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
-                             timeout=60, _strict_response_validation=True, **kw)
+        return openai.OpenAI(
+            base_url=self.url + "/v1",
+            api_key="none",
+            max_retries=0,
+            timeout=60,
+            _strict_response_validation=True,
+            **kw,
+        )
 
     def aclient(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
-                                  timeout=60, _strict_response_validation=True)
+        return openai.AsyncOpenAI(
+            base_url=self.url + "/v1",
+            api_key="none",
+            max_retries=0,
+            timeout=60,
+            _strict_response_validation=True,
+        )
 
 
 def check_error(r: httpx.Response, status: int, param=..., code=...) -> dict:

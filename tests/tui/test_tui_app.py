@@ -46,14 +46,14 @@ class FakeClock:
         return self.t
 
 
-def make_app(items=None, *, source: StaticSource | None = None, history: History | None = None,
-             **kw) -> PantheonApp:
+def make_app(
+    items=None, *, source: StaticSource | None = None, history: History | None = None, **kw
+) -> PantheonApp:
     """The dashboard, deterministic: fixed clock, UTC, no sampling timer, no blink."""
     if source is None:
         source = StaticSource([Link("connected"), fixture("normal")] if items is None else items)
     kw.setdefault("clock", FakeClock())
-    app = PantheonApp(source, tz=datetime.UTC, sample_every=None, blink=False,
-                      history=history, **kw)
+    app = PantheonApp(source, tz=datetime.UTC, sample_every=None, blink=False, history=history, **kw)
     app.animation_level = "none"
     return app
 
@@ -123,7 +123,7 @@ async def test_sort_by_header_click_and_by_key():
         table = app.query_one(InstancesTable)
         # Click the WEIGHTS header: ascending, then again: descending.
         keys = list(table.columns)
-        x = sum(table.columns[k].get_render_width(table) for k in keys[:keys.index("weights")])
+        x = sum(table.columns[k].get_render_width(table) for k in keys[: keys.index("weights")])
         await pilot.click(InstancesTable, offset=(x + 3, 1))  # inside the border
         await pilot.pause()
         assert table.sort_column == "weights" and not table.sort_reverse
@@ -159,7 +159,7 @@ async def test_footer_and_palette_come_from_the_same_bindings():
         footer = {k.action: k for k in app.query("FooterKey")}
         assert {b.action for b in KEYS} <= set(footer)
         titles = [c.title for c in app.get_system_commands(app.screen)]
-        assert [b.description for b in KEYS] == titles[:len(KEYS)]
+        assert [b.description for b in KEYS] == titles[: len(KEYS)]
         assert all(b.id for b in KEYS) and len({b.id for b in KEYS}) == len(KEYS)
         # The palette runs the binding's action: ctrl+p, "Pause", Enter.
         await pilot.press("ctrl+p")
@@ -222,8 +222,10 @@ async def test_pause_freezes_the_display_and_resume_shows_the_latest():
 
 async def test_data_age_and_disconnected_state():
     clock = FakeClock(50.0)
-    app = make_app([Link("connected"), fixture("normal"),
-                    Link("disconnected", "ConnectError: refused", 4.0)], clock=clock)
+    app = make_app(
+        [Link("connected"), fixture("normal"), Link("disconnected", "ConnectError: refused", 4.0)],
+        clock=clock,
+    )
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
         clock.t += 75

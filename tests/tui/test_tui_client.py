@@ -26,8 +26,10 @@ STATE_LINE = json.dumps(json.loads(STATE))  # one line, as an SSE data field car
 
 
 def oa_error(status: int, message: str) -> httpx.Response:
-    return httpx.Response(status, json={"error": {"message": message, "param": None,
-                                                  "type": "invalid_request_error", "code": None}})
+    return httpx.Response(
+        status,
+        json={"error": {"message": message, "param": None, "type": "invalid_request_error", "code": None}},
+    )
 
 
 async def take(agen, n: int) -> list:
@@ -54,9 +56,21 @@ def test_error_text():
 
 async def test_sse_framing_and_decoding():
     async def lines():
-        for line in [": keep-alive", "event: snapshot", f"data: {STATE_LINE}", "",
-                     "event: event", 'data: {"ts": 5.0, "kind": "loaded",', 'data: "message": "m"}',
-                     "", "event: other", "data: {}", "", "data: not json", ""]:
+        for line in [
+            ": keep-alive",
+            "event: snapshot",
+            f"data: {STATE_LINE}",
+            "",
+            "event: event",
+            'data: {"ts": 5.0, "kind": "loaded",',
+            'data: "message": "m"}',
+            "",
+            "event: other",
+            "data: {}",
+            "",
+            "data: not json",
+            "",
+        ]:
             yield line
 
     got = [(e, d) async for e, d in parse_sse(lines())]
@@ -70,8 +84,14 @@ async def test_sse_framing_and_decoding():
 
 async def test_polls_with_the_admin_key_and_reconnects_after_errors():
     seen: list[httpx.Request] = []
-    answers = iter([httpx.Response(200, content=STATE), httpx.ConnectError("refused"),
-                    oa_error(404, "no route GET /admin/state"), httpx.Response(200, content=STATE)])
+    answers = iter(
+        [
+            httpx.Response(200, content=STATE),
+            httpx.ConnectError("refused"),
+            oa_error(404, "no route GET /admin/state"),
+            httpx.Response(200, content=STATE),
+        ]
+    )
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(request)
@@ -80,13 +100,27 @@ async def test_polls_with_the_admin_key_and_reconnects_after_errors():
             raise answer
         return answer
 
-    client = RouterClient("http://r.test:9/", "sekrit", interval=0.01,
-                          backoff=Backoff(0.01, 0.02), transport=httpx.MockTransport(handler))
+    client = RouterClient(
+        "http://r.test:9/",
+        "sekrit",
+        interval=0.01,
+        backoff=Backoff(0.01, 0.02),
+        transport=httpx.MockTransport(handler),
+    )
     items = await take(client.updates(), 9)
     await client.aclose()
     kinds = [i.state if isinstance(i, Link) else type(i).__name__ for i in items]
-    assert kinds == [CONNECTING, CONNECTED, "Snapshot", DISCONNECTED, CONNECTING, DISCONNECTED,
-                     CONNECTING, CONNECTED, "Snapshot"]
+    assert kinds == [
+        CONNECTING,
+        CONNECTED,
+        "Snapshot",
+        DISCONNECTED,
+        CONNECTING,
+        DISCONNECTED,
+        CONNECTING,
+        CONNECTED,
+        "Snapshot",
+    ]
     assert items[3].error == "ConnectError: refused" and items[3].retry_in == 0.01
     assert items[5].error == "/admin/state: 404 no route GET /admin/state"
     assert items[6].error == items[5].error  # kept on screen while reconnecting
@@ -95,8 +129,12 @@ async def test_polls_with_the_admin_key_and_reconnects_after_errors():
 
 
 async def test_bad_snapshot_is_a_disconnect_with_the_reason():
-    client = RouterClient("http://r.test", interval=0.01, backoff=Backoff(0.01, 0.01),
-                          transport=httpx.MockTransport(lambda r: httpx.Response(200, json=[1])))
+    client = RouterClient(
+        "http://r.test",
+        interval=0.01,
+        backoff=Backoff(0.01, 0.01),
+        transport=httpx.MockTransport(lambda r: httpx.Response(200, json=[1])),
+    )
     items = await take(client.updates(), 2)
     await client.aclose()
     assert items[1].state == DISCONNECTED and "bad snapshot" in items[1].error
@@ -110,8 +148,13 @@ async def test_sse_mode_follows_events_and_falls_back_to_polling():
             return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
         return httpx.Response(500)
 
-    client = RouterClient("http://r.test", interval=0.01, sse=True, backoff=Backoff(0.01, 0.01),
-                          transport=httpx.MockTransport(sse))
+    client = RouterClient(
+        "http://r.test",
+        interval=0.01,
+        sse=True,
+        backoff=Backoff(0.01, 0.01),
+        transport=httpx.MockTransport(sse),
+    )
     items = await take(client.updates(), 5)
     await client.aclose()
     assert [type(i).__name__ for i in items] == ["Link", "Link", "Snapshot", "Event", "Link"]
@@ -122,8 +165,7 @@ async def test_sse_mode_follows_events_and_falls_back_to_polling():
             return oa_error(404, "no route GET /admin/events")
         return httpx.Response(200, content=STATE)
 
-    client = RouterClient("http://r.test", interval=0.01, sse=True,
-                          transport=httpx.MockTransport(no_events))
+    client = RouterClient("http://r.test", interval=0.01, sse=True, transport=httpx.MockTransport(no_events))
     items = await take(client.updates(), 3)
     await client.aclose()
     assert [getattr(i, "state", "snap") for i in items] == [CONNECTING, CONNECTED, "snap"]
@@ -148,9 +190,10 @@ async def test_load_and_unload_bodies_and_errors():
     assert err.value.status == 404 and err.value.message.startswith("no model folder at")
     await client.unload("t#1")
     await client.aclose()
-    assert seen[:2] == [("/admin/models/load", {"path": "/m", "name": "t", "dies": ["cpu:0"],
-                                                "quantize": True}),
-                        ("/admin/models/load", {"path": "/m", "dies": [], "quantize": False})]
+    assert seen[:2] == [
+        ("/admin/models/load", {"path": "/m", "name": "t", "dies": ["cpu:0"], "quantize": True}),
+        ("/admin/models/load", {"path": "/m", "dies": [], "quantize": False}),
+    ]
     assert seen[-1] == ("/admin/models/unload", {"instance": "t#1"})
 
 
@@ -182,8 +225,7 @@ class TinyRouter:
         self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port,
-                                                  reuse_address=True)
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port, reuse_address=True)
 
     @property
     def serving(self) -> bool:
@@ -205,8 +247,11 @@ class TinyRouter:
                 ok = line.startswith("GET /admin/state ")
                 body = self.body if ok else b'{"error": {"message": "no route"}}'
                 status = "200 OK" if ok else "404 Not Found"
-                writer.write(f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
-                             f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                writer.write(
+                    f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -240,7 +285,7 @@ async def test_client_survives_a_router_restart():
             await router.stop()
     first_down = states.index(DISCONNECTED)
     assert states[:4] == [CONNECTING, CONNECTED, "snap", "snap"]
-    assert states[first_down:first_down + 2] == [DISCONNECTED, CONNECTING]
+    assert states[first_down : first_down + 2] == [DISCONNECTED, CONNECTING]
     assert states[-2:] == [CONNECTED, "snap"]
 
 

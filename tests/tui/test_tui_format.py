@@ -27,23 +27,31 @@ from tui.widgets.slots import CELL, slot_cell
 
 
 def test_sizes_counts_ages_and_times():
-    assert [human_bytes(n) for n in (0, 1023, 1536, 5 << 20, 137 << 30, 3 << 40)] == \
-        ["0B", "1023B", "1.5K", "5.0M", "137G", "3.0T"]
+    assert [human_bytes(n) for n in (0, 1023, 1536, 5 << 20, 137 << 30, 3 << 40)] == [
+        "0B",
+        "1023B",
+        "1.5K",
+        "5.0M",
+        "137G",
+        "3.0T",
+    ]
     assert [human_count(n) for n in (7, 1287, 40123554)] == ["7", "1.3k", "40.1M"]
-    assert [human_age(s) for s in (None, 0.4, 42, 185, 7800)] == ["-", "0s", "42s", "3m05s",
-                                                                    "2h10m"]
+    assert [human_age(s) for s in (None, 0.4, 42, 185, 7800)] == ["-", "0s", "42s", "3m05s", "2h10m"]
     assert clock_time(1767225600.0 + 3723, datetime.UTC) == "01:02:03"
     assert pressure_name(0) == "normal" and pressure_name(3) == "critical"
     assert pressure_name(9) == "critical"
 
 
-@pytest.mark.parametrize("w, k, f, width, want", [
-    (1, 1, 2, 8, (2, 2, 4)),
-    (0, 0, 0, 10, (0, 0, 10)),
-    (1000, 1, 0, 10, (9, 1, 0)),  # a small KV cache stays visible
-    (5, 5, 0, 9, (5, 4, 0)),  # nothing free: no free cell
-    (3, 0, 1, 0, (0, 0, 0)),
-])
+@pytest.mark.parametrize(
+    "w, k, f, width, want",
+    [
+        (1, 1, 2, 8, (2, 2, 4)),
+        (0, 0, 0, 10, (0, 0, 10)),
+        (1000, 1, 0, 10, (9, 1, 0)),  # a small KV cache stays visible
+        (5, 5, 0, 9, (5, 4, 0)),  # nothing free: no free cell
+        (3, 0, 1, 0, (0, 0, 0)),
+    ],
+)
 def test_split_bar(w, k, f, width, want):
     got = split_bar(w, k, f, width)
     assert got == want and sum(got) == width
@@ -59,27 +67,36 @@ def test_slot_kinds_and_cells():
     for n, s in enumerate((idle, warm, pre, dec)):
         assert slot_cell(n, s).cell_len == CELL - 1
     assert "25%" in slot_cell(2, pre).plain and "decode 37 tok" in slot_cell(3, dec).plain
-    inst = InstanceState(id="a#1", name="a", path="/a", dies=["cpu:0"], state="ready",
-                         slots=[idle, warm, pre, dec])
+    inst = InstanceState(
+        id="a#1", name="a", path="/a", dies=["cpu:0"], state="ready", slots=[idle, warm, pre, dec]
+    )
     assert busy_slots(inst) == 2
     assert instance_state(inst) == "ready" and instance_state(inst, draining=True) == "draining"
-    loading = InstanceState(id="b#2", name="b", path="/b", dies=[], state="loading",
-                            load_progress=0.42)
+    loading = InstanceState(id="b#2", name="b", path="/b", dies=[], state="loading", load_progress=0.42)
     assert instance_state(loading) == "loading 42%"
 
 
 def test_parse_dies():
     assert parse_dies("") == [] and parse_dies(" cpu:0, 1 ,cuda:2") == ["cpu:0", "1", "cuda:2"]
-    for bad, msg in (("gpu:0", "bad die 'gpu:0'"), ("cpu:0,", "stray comma"),
-                     ("cpu:a", "bad die"), ("0,0", "twice"), ("cuda", "bad die")):
+    for bad, msg in (
+        ("gpu:0", "bad die 'gpu:0'"),
+        ("cpu:0,", "stray comma"),
+        ("cpu:a", "bad die"),
+        ("0,0", "twice"),
+        ("cuda", "bad die"),
+    ):
         with pytest.raises(ValueError, match=msg):
             parse_dies(bad)
 
 
 def test_validate_load():
     req, errors = validate_load(" /models/x ", " x2 ", "cpu:0", True)
-    assert errors == {} and (req.path, req.name, req.dies, req.quantize) == \
-        ("/models/x", "x2", ["cpu:0"], True)
+    assert errors == {} and (req.path, req.name, req.dies, req.quantize) == (
+        "/models/x",
+        "x2",
+        ["cpu:0"],
+        True,
+    )
     req, errors = validate_load("/m", "", "", False)
     assert req.name is None and req.dies == []
     req, errors = validate_load("  ", "a b", "cpu:0;1", False)
@@ -97,9 +114,12 @@ def test_visible_filters_and_sorts_stably():
 
 def test_history_samples_on_its_own_timebase():
     h = History(size=3)
-    snap = Snapshot(ts=1.0, started_at=0.0, throughput=Throughput(tokens_per_s=5.0),
-                    queues=[QueueState(model="a", depth=2, max_depth=8),
-                            QueueState(model="b", depth=3, max_depth=8)])
+    snap = Snapshot(
+        ts=1.0,
+        started_at=0.0,
+        throughput=Throughput(tokens_per_s=5.0),
+        queues=[QueueState(model="a", depth=2, max_depth=8), QueueState(model="b", depth=3, max_depth=8)],
+    )
     for _ in range(4):
         h.sample(snap)
     h.sample(None)  # nothing yet: no sample
@@ -110,7 +130,15 @@ def test_die_line_shows_the_cpu_path_and_isa_when_wide():
     from pantheon.snapshot import DieState
     from tui.widgets.dies import die_line
 
-    die = DieState(id="cpu:0", device_name="cpu", total_bytes=8 << 30, budget_bytes=8 << 30,
-                   weights_bytes=1 << 30, free_bytes=7 << 30, isa="avx2", cpu_path="fp32-packed")
+    die = DieState(
+        id="cpu:0",
+        device_name="cpu",
+        total_bytes=8 << 30,
+        budget_bytes=8 << 30,
+        weights_bytes=1 << 30,
+        free_bytes=7 << 30,
+        isa="avx2",
+        cpu_path="fp32-packed",
+    )
     assert "fp32-packed (avx2)" in die_line(die, 160).plain
     assert "avx2" not in die_line(die, 40).plain  # narrow: the bar and numbers only

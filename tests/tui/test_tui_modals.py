@@ -61,16 +61,16 @@ async def test_load_shows_progress_then_closes():
         await settle(app, pilot)
         await pilot.press("l")
         await pilot.pause()
-        await fill(pilot, app, path="/models/tiny", name="tiny2", dies="cpu:0, 1",
-                   quantize=True)
+        await fill(pilot, app, path="/models/tiny", name="tiny2", dies="cpu:0, 1", quantize=True)
         await pilot.press("enter")  # Enter in a field submits too
         await pilot.pause()
         screen = app.screen
         assert isinstance(screen, LoadScreen) and screen.running
         assert screen.query_one("#load-progress").display
         assert screen.query_one("#path").disabled
-        assert source.calls == [("load", {"path": "/models/tiny", "name": "tiny2",
-                                          "dies": ["cpu:0", "1"], "quantize": True})]
+        assert source.calls == [
+            ("load", {"path": "/models/tiny", "name": "tiny2", "dies": ["cpu:0", "1"], "quantize": True})
+        ]
         hold.set()
         await pilot.pause()
         await app.workers.wait_for_complete()
@@ -124,8 +124,7 @@ async def test_unload_asks_then_drains_until_the_instance_is_gone():
         hold.set()
         await pilot.pause()
         snap = fixture("normal")
-        app.receive(msgspec.structs.replace(
-            snap, instances=[i for i in snap.instances if i.id != "tiny#1"]))
+        app.receive(msgspec.structs.replace(snap, instances=[i for i in snap.instances if i.id != "tiny#1"]))
         await pilot.pause()
         assert app.draining == frozenset() and "tiny#1" not in table_ids(app)
         for _ in range(20):  # the table's cursor event moves the selection a moment later
@@ -136,8 +135,9 @@ async def test_unload_asks_then_drains_until_the_instance_is_gone():
 
 
 async def test_failed_unload_clears_draining_and_says_why():
-    app = make_app(source=StaticSource([Link("connected"), fixture("normal")],
-                                       unload_error="model 'llama#2' is loading"))
+    app = make_app(
+        source=StaticSource([Link("connected"), fixture("normal")], unload_error="model 'llama#2' is loading")
+    )
     messages = []
     async with app.run_test(size=SIZE, message_hook=messages.append) as pilot:
         await settle(app, pilot)

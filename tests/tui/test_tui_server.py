@@ -30,8 +30,10 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def router(tiny_model, tmp_path_factory):
-    r = Server(["--model", str(tiny_model), "--name", "base", "--dies", "cpu:0",
-                "--cpu-dies", "1"], tmp_path_factory.mktemp("tui-serve") / "serve.log")
+    r = Server(
+        ["--model", str(tiny_model), "--name", "base", "--dies", "cpu:0", "--cpu-dies", "1"],
+        tmp_path_factory.mktemp("tui-serve") / "serve.log",
+    )
     try:
         r.wait_ready()
         yield r
@@ -76,8 +78,7 @@ async def test_failed_load_shows_the_router_error(router):
     app = dashboard(router)
     async with app.run_test(size=SIZE) as pilot:
         await open_load_form(app, pilot, "/nonexistent/model", "nope", "cpu:0")
-        error = await until(pilot, lambda: plain(app.screen.query_one("#load-error")),
-                            "the error text")
+        error = await until(pilot, lambda: plain(app.screen.query_one("#load-error")), "the error text")
         assert "no model folder at '/nonexistent/model'" in error
         assert isinstance(app.screen, LoadScreen) and not app.screen.running
 
@@ -97,8 +98,11 @@ async def test_load_through_the_modal_shows_the_instance_and_its_slots(router, t
         await open_load_form(app, pilot, str(tiny_model), NAME, "cpu:0")
         await until(pilot, lambda: app.screen is app.screen_stack[0], "the form to close", 90)
         # Slots come with the worker's next stats, a moment after the instance itself.
-        inst = await until(pilot, lambda: (i := instance_named(app, NAME)) and i.slots and i,
-                           "the new instance with its slots")
+        inst = await until(
+            pilot,
+            lambda: (i := instance_named(app, NAME)) and i.slots and i,
+            "the new instance with its slots",
+        )
         assert inst.state == "ready" and inst.dies == ["cpu:0"]
         assert inst.id in table_ids(app)
         grid = plain(app.query_one(SlotGrid))
@@ -110,8 +114,13 @@ async def _stream(url: str, stop: asyncio.Event | None = None) -> int:
     lines read; ends early when the router refuses a request (the model is draining)."""
     # ignore_eos and many tokens: a random tiny model may end at once, and a slot that is busy
     # for a few milliseconds can fall between two of the worker's Stats.
-    body = {"model": NAME, "stream": True, "max_tokens": 1000, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    body = {
+        "model": NAME,
+        "stream": True,
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+    }
     lines = 0
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         while True:
@@ -142,8 +151,7 @@ async def test_streams_make_the_slots_busy(router):
         streams = [asyncio.create_task(_stream(router.url, stop)) for _ in range(3)]
         try:
             await until(pilot, lambda: busy_slots(app, NAME) >= 2, "two busy slots")
-            await until(pilot, lambda: "decode" in plain(app.query_one(SlotGrid)),
-                        "decode in the slot grid")
+            await until(pilot, lambda: "decode" in plain(app.query_one(SlotGrid)), "decode in the slot grid")
             assert app.selected == inst.id
         finally:
             stop.set()

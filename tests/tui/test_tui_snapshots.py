@@ -23,9 +23,11 @@ from tui.source import Link
 from tui.widgets.header import StatusHeader
 
 pytestmark = [
-    pytest.mark.skipif(os.environ.get("PANTHEON_SNAPSHOTS") != "1",
-                       reason="screenshot tests run in their own invocation: "
-                              "PANTHEON_SNAPSHOTS=1 pytest tests/tui/test_tui_snapshots.py"),
+    pytest.mark.skipif(
+        os.environ.get("PANTHEON_SNAPSHOTS") != "1",
+        reason="screenshot tests run in their own invocation: "
+        "PANTHEON_SNAPSHOTS=1 pytest tests/tui/test_tui_snapshots.py",
+    ),
     pytest.mark.timeout(120),
 ]
 
@@ -35,15 +37,17 @@ STALE_S = 42  # how old the data is in the disconnected screenshot
 
 def history() -> History:
     """A fixed two-minute history, so the sparklines have a shape."""
-    return History(tokens=[(37 * k) % 200 + 20 for k in range(120)],
-                   queue=[(5 * k) % 33 for k in range(120)])
+    return History(tokens=[(37 * k) % 200 + 20 for k in range(120)], queue=[(5 * k) % 33 for k in range(120)])
 
 
 def app_for(state: str):
     clock = FakeClock(1000.0)
     if state == "disconnected":
-        items = [Link("connected"), fixture("normal"),
-                 Link("disconnected", "ConnectError: All connection attempts failed", 4.0)]
+        items = [
+            Link("connected"),
+            fixture("normal"),
+            Link("disconnected", "ConnectError: All connection attempts failed", 4.0),
+        ]
     else:
         items = [Link("connected"), fixture(state)]
     app = make_app(items, clock=clock, history=History() if state == "empty" else history())

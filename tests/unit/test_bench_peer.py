@@ -67,8 +67,10 @@ def test_llama_cpp_dir(peer, tmp_path, monkeypatch):
 
 
 def test_llama_bench_json(peer, tmp_path):
-    records = [{"n_prompt": 0, "n_gen": 64, "avg_ts": 123.5, "stddev_ts": 1.5, "cpu_info": "x"},
-               {"n_prompt": 512, "n_gen": 0, "avg_ts": 900.0, "stddev_ts": 3.0}]
+    records = [
+        {"n_prompt": 0, "n_gen": 64, "avg_ts": 123.5, "stddev_ts": 1.5, "cpu_info": "x"},
+        {"n_prompt": 512, "n_gen": 0, "avg_ts": 900.0, "stddev_ts": 3.0},
+    ]
     _fake_bins(tmp_path / "cache" / "build" / "bin", json.dumps(records))
     assert peer.llama_bench_tg(tmp_path / "m.gguf", threads=2, tokens=64) == 123.5
     assert peer.llama_bench(tmp_path / "m.gguf")["stddev_ts"] == 1.5

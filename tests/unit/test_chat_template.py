@@ -15,7 +15,9 @@ QWEN3 = SPECS / "qwen3-0.6B.chat_template.jinja"
 LLAMA33 = SPECS / "llama-3.3-70B-Instruct.chat_template.jinja"
 
 
-def hf_render(template: str, messages, *, tools=None, add_generation_prompt=True, bos="<s>", eos="</s>", **kw):
+def hf_render(
+    template: str, messages, *, tools=None, add_generation_prompt=True, bos="<s>", eos="</s>", **kw
+):
     """What transformers renders, through a real fast tokenizer object."""
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models
@@ -59,7 +61,9 @@ def openai_tool_turn(args_json: str, content=None, call_id="call_1", name="get_w
     return {
         "role": "assistant",
         "content": content,
-        "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": args_json}}],
+        "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": args_json}}
+        ],
     }
 
 
@@ -75,7 +79,7 @@ BASIC = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "Bonjour ! Ça va ? 你好 🙂"},
     {"role": "assistant", "content": "Très bien, merci."},
-    {"role": "user", "content": "Tell me a joke about <tags> & \"quotes\"."},
+    {"role": "user", "content": 'Tell me a joke about <tags> & "quotes".'},
 ]
 
 THINKING_HISTORY = [
@@ -98,10 +102,14 @@ def qwen3() -> ChatTemplate:
 
 @pytest.mark.parametrize("agp", [True, False])
 @pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": True}, {"enable_thinking": False}])
-@pytest.mark.parametrize("messages", [BASIC, THINKING_HISTORY, BASIC[1:2]], ids=["basic", "thinking", "single"])
+@pytest.mark.parametrize(
+    "messages", [BASIC, THINKING_HISTORY, BASIC[1:2]], ids=["basic", "thinking", "single"]
+)
 def test_qwen3_plain_matches_transformers(qwen3, messages, agp, kwargs):
     got = qwen3.render(messages, add_generation_prompt=agp, **kwargs)
-    want = hf_render(QWEN3.read_text(), messages, add_generation_prompt=agp, bos=None, eos="<|im_end|>", **kwargs)
+    want = hf_render(
+        QWEN3.read_text(), messages, add_generation_prompt=agp, bos=None, eos="<|im_end|>", **kwargs
+    )
     assert got == want
 
 
@@ -117,8 +125,16 @@ def test_qwen3_tools_and_tool_calls_match_transformers(qwen3, kwargs):
             "role": "assistant",
             "content": "Let me search too.",
             "tool_calls": [
-                {"id": "c2", "type": "function", "function": {"name": "search", "arguments": '{"q": "news"}'}},
-                {"id": "c3", "type": "function", "function": {"name": "search", "arguments": '{"q": "météo"}'}},
+                {
+                    "id": "c2",
+                    "type": "function",
+                    "function": {"name": "search", "arguments": '{"q": "news"}'},
+                },
+                {
+                    "id": "c3",
+                    "type": "function",
+                    "function": {"name": "search", "arguments": '{"q": "météo"}'},
+                },
             ],
         },
         {"role": "tool", "tool_call_id": "c2", "content": "nothing new"},
@@ -144,8 +160,14 @@ def test_qwen3_tools_and_tool_calls_match_transformers(qwen3, kwargs):
     want = hf_render(QWEN3.read_text(), theirs, tools=TOOLS, bos=None, eos="<|im_end|>", **kwargs)
     assert got == want
     # tojson as transformers has it: key order kept, no HTML escaping, no \u escapes.
-    assert '{"type": "function", "function": {"name": "get_weather", "description": "Météo d\'une ville <b>&</b> — 天气"' in got
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "c"}}\n</tool_call>' in got
+    assert (
+        '{"type": "function", "function": {"name": "get_weather", "description": "Météo d\'une ville <b>&</b> — 天气"'
+        in got
+    )
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "c"}}\n</tool_call>'
+        in got
+    )
     # The Qwen3 template would crash on content None; ours was normalised to "".
     assert "None" not in got
 
@@ -167,7 +189,9 @@ def test_qwen3_raw_transformers_crashes_on_null_content_but_we_do_not(qwen3):
     with pytest.raises(Exception):  # noqa: B017 - whatever jinja raises there
         hf_render(QWEN3.read_text(), msgs, bos=None)
     out = qwen3.render(msgs, add_generation_prompt=False)
-    assert out.endswith('<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n')
+    assert out.endswith(
+        '<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+    )
 
 
 def test_think_open_detection(qwen3):
@@ -183,7 +207,9 @@ def test_think_open_detection(qwen3):
 @pytest.fixture(scope="module")
 def llama() -> ChatTemplate:
     need_specs()
-    return ChatTemplate(LLAMA33.read_text(encoding="utf-8"), bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    return ChatTemplate(
+        LLAMA33.read_text(encoding="utf-8"), bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
+    )
 
 
 def llama_hf(messages, **kw):
@@ -301,8 +327,16 @@ def test_normalize_messages_does_not_touch_input():
     assert out[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert "name" not in out[1]
     # Arguments that are not JSON stay text; reasoning is aliased like transformers does.
-    out = normalize_messages([{"role": "assistant", "content": "a", "reasoning": "r",
-                               "tool_calls": [{"function": {"name": "f", "arguments": "not json"}}]}])
+    out = normalize_messages(
+        [
+            {
+                "role": "assistant",
+                "content": "a",
+                "reasoning": "r",
+                "tool_calls": [{"function": {"name": "f", "arguments": "not json"}}],
+            }
+        ]
+    )
     assert out[0]["tool_calls"][0]["function"]["arguments"] == "not json"
     assert out[0]["reasoning_content"] == out[0]["thinking"] == "r"
 
@@ -349,7 +383,10 @@ def test_from_model_dir_without_template_falls_back_to_chatml(tmp_path):
     _write_config(tmp_path, eos_token="<|im_end|>", added_tokens_decoder={"7": {"content": "<think>"}})
     t = ChatTemplate.from_model_dir(tmp_path)
     assert t.is_fallback and t.reasoning
-    assert t.render([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    assert (
+        t.render([{"role": "user", "content": "hi"}])
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
     assert not ChatTemplate.from_model_dir(empty).reasoning
@@ -409,8 +446,12 @@ def test_chatml_tools_listing_exact():
     )
     # Same as what the Qwen3 template writes for tools (it is the Hermes/Qwen form).
     need_specs()
-    assert out == hf_render(QWEN3.read_text(), [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}],
-                            tools=[tool], bos=None)
+    assert out == hf_render(
+        QWEN3.read_text(),
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}],
+        tools=[tool],
+        bos=None,
+    )
 
 
 # ------------------------------------------------------------------------------ the test model's folder
@@ -426,10 +467,16 @@ def test_tiny_model_folder_matches_transformers(tiny_model):
         (BASIC, BASIC, {}),
         (THINKING_HISTORY, THINKING_HISTORY, {"enable_thinking": False}),
         (
-            [{"role": "user", "content": "weather?"}, openai_tool_turn(json.dumps(args), content="Checking."),
-             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
-            [{"role": "user", "content": "weather?"}, hf_tool_turn(args, content="Checking."),
-             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+            [
+                {"role": "user", "content": "weather?"},
+                openai_tool_turn(json.dumps(args), content="Checking."),
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            ],
+            [
+                {"role": "user", "content": "weather?"},
+                hf_tool_turn(args, content="Checking."),
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            ],
             {"tools": TOOLS},
         ),
     ]

@@ -38,6 +38,7 @@ def test_a_failed_compile_stays_eager(model_factory, monkeypatch):
     def broken(fn, **kw):
         def call(*a, **k):
             raise RuntimeError("InductorError: no C++ compiler found")
+
         return call
 
     monkeypatch.setattr(compiled.torch, "compile", broken)

@@ -53,8 +53,10 @@ def test_a_path_that_raises_is_never_chosen(fresh_probes, monkeypatch, model_fac
 
     def avx2_host(spec, w, b):
         if spec.name == "bf16-packed":
-            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
-                               "avx_ne_convert or avx512bw, avx512vl and avx512dq")
+            raise RuntimeError(
+                "mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
+                "avx_ne_convert or avx512bw, avx512vl and avx512dq"
+            )
         return real(spec, w, b)
 
     monkeypatch.setattr(cpu_paths, "make_linear", avx2_host)
@@ -81,8 +83,11 @@ def test_a_path_with_wrong_numbers_is_never_chosen(fresh_probes, monkeypatch):
         def forward(self, x):
             return self.inner(x) * 1.5
 
-    monkeypatch.setattr(cpu_paths, "make_linear", lambda spec, w, b: Liar(real(spec, w, b))
-                        if spec.name == "fp32-packed" else real(spec, w, b))
+    monkeypatch.setattr(
+        cpu_paths,
+        "make_linear",
+        lambda spec, w, b: Liar(real(spec, w, b)) if spec.name == "fp32-packed" else real(spec, w, b),
+    )
     assert "wrong results" in cpu_paths.probe("fp32-packed")
     assert "fp32-packed" not in cpu_paths.candidates(quantize=False)
 
@@ -100,8 +105,7 @@ def test_forced_path_from_the_environment(monkeypatch, model_factory):
 
 def test_quantize_and_dtype_narrow_the_candidates():
     assert cpu_paths.candidates(quantize=True) == ["int8"] or cpu_paths.probe("int8")
-    assert all(CPU_PATHS[n][0] == "float32" for n in cpu_paths.candidates(quantize=False,
-                                                                           dtype="float32"))
+    assert all(CPU_PATHS[n][0] == "float32" for n in cpu_paths.candidates(quantize=False, dtype="float32"))
     assert set(cpu_path_names(False)) == {"bf16-packed", "bf16", "fp32-packed", "fp32"}
     assert cpu_path_names(False, works={"bf16": "", "fp32": "no", "bf16-packed": "x"}) == ["bf16"]
 
@@ -113,8 +117,9 @@ def test_every_working_path_matches_the_fp32_reference(name, model_factory):
     path = str(model_factory("tiny-llama", dtype="float32", num_hidden_layers=2))
     prompt = [3, 14, 15, 92, 65, 35, 89, 79]
     ref = Engine(path, devices=["cpu"], kv_budget_bytes=1 << 20, cpu_path="fp32")
-    eng = Engine(path, devices=["cpu"], kv_budget_bytes=1 << 20, cpu_path=name,
-                 quantize=cpu_paths.PATHS[name].lossy)
+    eng = Engine(
+        path, devices=["cpu"], kv_budget_bytes=1 << 20, cpu_path=name, quantize=cpu_paths.PATHS[name].lossy
+    )
     assert eng.cpu_path == name
     a, b = ref.prompt_logits(prompt), eng.prompt_logits(prompt)
     tol = {"fp32": 1e-4, "fp32-packed": 1e-4}.get(name, 0.05 if name != "int8" else 0.25)

@@ -27,7 +27,7 @@ TEXTS = [
     "你好，世界！今天天气很好。",
     "混合 text with 日本語 and émojis 🙂🎉👍🏽👩‍💻🇫🇷 at the end 🙂",
     "Unseen: Ωμέγα Ψ ж 한국어 ☃ 𝄞 🦄",
-    "<think>\nreasoning\n</think>\n\nanswer <tool_call>\n{\"a\": 1}\n</tool_call><|im_end|>",
+    '<think>\nreasoning\n</think>\n\nanswer <tool_call>\n{"a": 1}\n</tool_call><|im_end|>',
     "   leading spaces and\n\nnewlines\t tabs  ",
 ]
 
@@ -162,17 +162,17 @@ def test_prompt_context(tokenizer):
     prompt = "Voilà le résumé :"
     for cont in [" café naïve", " 你好 🙂", "\n<think>\nx</think>", " ok"]:
         p_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-        g_ids = tokenizer.encode(prompt + cont, add_special_tokens=False).ids[len(p_ids):]
+        g_ids = tokenizer.encode(prompt + cont, add_special_tokens=False).ids[len(p_ids) :]
         full = tokenizer.decode(p_ids + g_ids)
         head = tokenizer.decode(p_ids)
         assert full.startswith(head)
-        assert "".join(stream(tokenizer, g_ids, prompt_ids=p_ids)) == full[len(head):]
+        assert "".join(stream(tokenizer, g_ids, prompt_ids=p_ids)) == full[len(head) :]
 
 
 def test_metaspace_leading_space_needs_context():
     tok = metaspace_tokenizer()
     p_ids = tok.encode("Hello", add_special_tokens=False).ids
-    g_ids = tok.encode("Hello world", add_special_tokens=False).ids[len(p_ids):]
+    g_ids = tok.encode("Hello world", add_special_tokens=False).ids[len(p_ids) :]
     # Alone, the first output token would lose its leading space; after the prompt it keeps it.
     assert "".join(stream(tok, g_ids, prompt_ids=p_ids)) == " world"
 

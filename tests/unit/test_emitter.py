@@ -42,7 +42,11 @@ def whole(text, **kw):
 def chunkings(text, rng, n=30):
     yield list(text)  # char by char
     for _ in range(n):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(1, 8)))) if len(text) > 1 else []
+        cuts = (
+            sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(1, 8))))
+            if len(text) > 1
+            else []
+        )
         yield [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
 
 
@@ -65,11 +69,11 @@ CORPUS = [
     "Plain answer, no thinking at all. <thi <tool <tool_ca done",
     "  <think>x</think>y",
     "<think>\n\n</think>\n\nEmpty thoughts.",
-    "<think>a</think>Sure.\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\"}}\n</tool_call>",
-    "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"b\", \"arguments\": {\"x\": [1, 2]}}\n</tool_call>\n",
+    '<think>a</think>Sure.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>',
+    '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "b", "arguments": {"x": [1, 2]}}\n</tool_call>\n',
     "Text <tool_call>{not json}</tool_call> more text",
-    "Unclosed <tool_call>{\"name\": \"f\", \"arguments\": {\"k\": \"v\"}}",
-    "Unclosed bad <tool_call>{\"name\": ",
+    'Unclosed <tool_call>{"name": "f", "arguments": {"k": "v"}}',
+    'Unclosed bad <tool_call>{"name": ',
     "你好<think>not at start</think>世界 <<tool_call>>",
     "<think>reasoning with STOP inside</think>content END here",
     "ends with partial marker <tool_ca",
@@ -97,8 +101,27 @@ def test_any_split_gives_the_same_output(text, config):
 
 def test_random_texts_split_invariant():
     rng = random.Random(7)
-    atoms = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<", "</", "<t", "ST", "OP", "STOP", " ", "\n",
-             "a", "é", "🙂", '{"name": "f", "arguments": {"x": 1}}', "{", "}", "\n\n"]
+    atoms = [
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+        "<",
+        "</",
+        "<t",
+        "ST",
+        "OP",
+        "STOP",
+        " ",
+        "\n",
+        "a",
+        "é",
+        "🙂",
+        '{"name": "f", "arguments": {"x": 1}}',
+        "{",
+        "}",
+        "\n\n",
+    ]
     for _ in range(150):
         text = "".join(rng.choice(atoms) for _ in range(rng.randrange(1, 14)))
         config = rng.choice(CONFIGS + [{"stop": ["STOP", "OP<"]}])
@@ -168,7 +191,12 @@ def test_stop_string_at_every_position():
         for j in range(i + 1, min(len(text), i + 6) + 1):
             stop = text[i:j]
             want, stopped = reference_stop(text, [stop])
-            for chunks in ([text], list(text), [text[:i + 1], text[i + 1:]], [text[:j - 1], text[j - 1:]]):
+            for chunks in (
+                [text],
+                list(text),
+                [text[: i + 1], text[i + 1 :]],
+                [text[: j - 1], text[j - 1 :]],
+            ):
                 out, em, _ = run(chunks, reasoning=False, tools_enabled=False, stop=[stop])
                 assert (out["content"], em.stopped) == (want, stopped), (stop, chunks)
                 assert em.stop_string == stop
@@ -232,10 +260,16 @@ def test_one_tool_call():
     out, em, deltas = run([text], reasoning=False)
     assert out["content"] == "Let me check."
     assert out["tool_calls"] == [
-        {"id": "ID", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Zürich", "days": 2}'}}
+        {
+            "id": "ID",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Zürich", "days": 2}'},
+        }
     ]
     tool_deltas = [d for d in deltas if d.kind == "tool_call"]
-    assert tool_deltas[0].name == "get_weather" and tool_deltas[0].arguments == "" and tool_deltas[0].index == 0
+    assert (
+        tool_deltas[0].name == "get_weather" and tool_deltas[0].arguments == "" and tool_deltas[0].index == 0
+    )
     assert all(d.name is None and d.id is None for d in tool_deltas[1:])
     assert em.finish_reason("stop") == "tool_calls"
     assert em.tool_calls[0]["function"]["arguments"] == '{"city": "Zürich", "days": 2}'
@@ -265,7 +299,10 @@ def test_malformed_tool_json_is_content():
     out, em, _ = run([text], reasoning=False)
     assert out["content"] == text and out["tool_calls"] == []
     assert em.finish_reason("stop") == "stop"
-    assert whole('<tool_call>{"arguments": {}}</tool_call>')["content"] == '<tool_call>{"arguments": {}}</tool_call>'
+    assert (
+        whole('<tool_call>{"arguments": {}}</tool_call>')["content"]
+        == '<tool_call>{"arguments": {}}</tool_call>'
+    )
 
 
 def test_unclosed_tool_block_at_the_end():
@@ -281,7 +318,7 @@ def test_tools_disabled_keeps_blocks_as_content():
 
 
 def test_unicode_everywhere():
-    text = "<think>Réflexion 思考 🤔</think>Réponse : 答案 🙂 <tool_call>{\"name\": \"dire\", \"arguments\": {\"mot\": \"héhé 🙂\"}}</tool_call>"
+    text = '<think>Réflexion 思考 🤔</think>Réponse : 答案 🙂 <tool_call>{"name": "dire", "arguments": {"mot": "héhé 🙂"}}</tool_call>'
     out, _ = assert_split_invariant(text)
     assert out["reasoning"] == "Réflexion 思考 🤔"
     assert out["content"] == "Réponse : 答案 🙂"
@@ -307,9 +344,21 @@ def test_parse_tool_block_forms():
         ParsedToolCall("g", "{}"),
     ]
     assert parse_tool_block('[{"name": "f", "arguments": {}}]') == [ParsedToolCall("f", "{}")]
-    assert parse_tool_block('{"type": "function", "function": {"name": "f", "arguments": {}}}') == [ParsedToolCall("f", "{}")]
-    for bad in ["", "   ", "{", "[]", "42", '{"name": 3}', '{"name": ""}', '{"name": "f", "arguments": [1]}',
-                '{"name": "f", "arguments": "not json"}', '{"name": "f"} trailing']:
+    assert parse_tool_block('{"type": "function", "function": {"name": "f", "arguments": {}}}') == [
+        ParsedToolCall("f", "{}")
+    ]
+    for bad in [
+        "",
+        "   ",
+        "{",
+        "[]",
+        "42",
+        '{"name": 3}',
+        '{"name": ""}',
+        '{"name": "f", "arguments": [1]}',
+        '{"name": "f", "arguments": "not json"}',
+        '{"name": "f"} trailing',
+    ]:
         assert parse_tool_block(bad) is None, bad
 
 
@@ -370,5 +419,7 @@ def test_token_stream_through_detokenizer_and_emitter(tiny_model):
     out = join_deltas(deltas)
     assert out["reasoning"] == "Il faut chercher la météo à 東京 🌧."
     assert out["content"] == "Je regarde."
-    assert [c["function"] for c in out["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "東京"}'}]
+    assert [c["function"] for c in out["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "東京"}'}
+    ]
     assert em.finish_reason("stop") == "tool_calls"

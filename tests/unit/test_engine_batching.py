@@ -224,5 +224,7 @@ def test_sampling_controls(engine, alone):
     toks = drain(engine)["pp"]
     assert len(set(toks)) == len(toks)
     # min_p=1 keeps only the most likely token: greedy again.
-    engine.submit("mp", PROMPTS[1], SamplingParams(temperature=1.0, min_p=1.0, max_tokens=12, ignore_eos=True))
+    engine.submit(
+        "mp", PROMPTS[1], SamplingParams(temperature=1.0, min_p=1.0, max_tokens=12, ignore_eos=True)
+    )
     assert drain(engine)["mp"] == alone["p1"]

@@ -39,7 +39,7 @@ def hf_generate(path, prompt: list[int], n_tokens: int) -> tuple[list[int], list
         out = model.generate(
             torch.tensor([prompt]), generation_config=gen, output_logits=True, return_dict_in_generate=True
         )
-    return out.sequences[0, len(prompt):].tolist(), [row[0].float() for row in out.logits]
+    return out.sequences[0, len(prompt) :].tolist(), [row[0].float() for row in out.logits]
 
 
 def assert_matches(path, prompt=PROMPT, n_tokens=17, **kw):
@@ -81,8 +81,13 @@ def test_chunked_prefill_matches_transformers(model_factory):
     [
         {"rope_type": "linear", "factor": 2.0},
         {"rope_type": "dynamic", "factor": 2.0},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 16},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
     ],
     ids=lambda s: s["rope_type"],
@@ -100,8 +105,11 @@ def test_rope_scaling_matches_transformers(model_factory, scaling):
 def test_old_style_rope_config(model_factory, tmp_path):
     """``rope_scaling`` with ``type`` (the pre-5 style) reads the same as ``rope_type``."""
     path = model_factory(
-        "tiny-llama", dtype="float32", max_position_embeddings=32,
-        rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=10000.0,
+        "tiny-llama",
+        dtype="float32",
+        max_position_embeddings=32,
+        rope_scaling={"type": "linear", "factor": 2.0},
+        rope_theta=10000.0,
     )
     assert_matches(path, prompt=PROMPT[:10])
 
@@ -122,5 +130,5 @@ def test_bf16_close_to_transformers(model_factory):
         ours += [o.token for o in eng.step()]
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
     with torch.no_grad():
-        ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=4, do_sample=False)[0, len(PROMPT):]
+        ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=4, do_sample=False)[0, len(PROMPT) :]
     assert ours[:2] == ref.tolist()[:2]

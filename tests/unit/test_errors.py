@@ -25,8 +25,12 @@ from helpers.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
 
-INVALID, SERVER, RATE, PERM = ("invalid_request_error", "server_error", "rate_limit_error",
-                               "permission_error")
+INVALID, SERVER, RATE, PERM = (
+    "invalid_request_error",
+    "server_error",
+    "rate_limit_error",
+    "permission_error",
+)
 
 # factory -> (args, status, type, param, code)
 CASES = {
@@ -40,12 +44,10 @@ CASES = {
     "invalid_param": (("stop", "bad"), 400, INVALID, "stop", None),
     "invalid_json": (("Expecting value",), 400, INVALID, None, None),
     "not_an_object": ((), 400, INVALID, None, None),
-    "limit_exceeded": (("n", "'n' is too large", 9, 8, "--max-n"), 400, INVALID, "n",
-                       "limit_exceeded"),
+    "limit_exceeded": (("n", "'n' is too large", 9, 8, "--max-n"), 400, INVALID, "n", "limit_exceeded"),
     "chat_template_refused": (("no",), 400, INVALID, "messages", None),
     "max_tokens_too_large": ((64, 64), 400, INVALID, "max_tokens", "context_length_exceeded"),
-    "context_length_exceeded": (("too long",), 400, INVALID, "messages",
-                                "context_length_exceeded"),
+    "context_length_exceeded": (("too long",), 400, INVALID, "messages", "context_length_exceeded"),
     "request_rejected": (("bad", "duplicate"), 400, INVALID, None, "duplicate"),
     "context_denied": ((64, 80, 16), 503, SERVER, None, "context_denied"),
     "model_not_found": (("x",), 404, INVALID, "model", "model_not_found"),
@@ -85,11 +87,17 @@ CASES = {
     "no_ready_instance": (("m",), 404, INVALID, "name", "model_not_found"),
 }
 
+
 def factories() -> dict:
     """The module's public functions that return an ``ApiError``."""
-    return {name: f for name, f in vars(errors).items()
-            if inspect.isfunction(f) and not name.startswith("_")
-            and f.__module__ == errors.__name__ and name != "error_body"}
+    return {
+        name: f
+        for name, f in vars(errors).items()
+        if inspect.isfunction(f)
+        and not name.startswith("_")
+        and f.__module__ == errors.__name__
+        and name != "error_body"
+    }
 
 
 def test_every_factory_is_covered():
@@ -141,13 +149,18 @@ def test_messages_the_clients_see():
     assert errors.invalid_json("bad").message == "the request body is not valid JSON: bad"
     assert errors.route_not_found("GET", "/x").message == "no route GET /x"
     assert errors.http_error(400, "Bad Request").code == "http_error"
-    assert errors.no_such_die("cpu:3", "cpu", 2).message == \
-        "die cpu:3 does not exist (the server has 2 CPU dies: --cpu-dies)"
-    assert errors.no_such_die("cuda:3", "cuda", 1).message == \
-        "die cuda:3 does not exist (this machine has 1 CUDA devices)"
+    assert (
+        errors.no_such_die("cpu:3", "cpu", 2).message
+        == "die cpu:3 does not exist (the server has 2 CPU dies: --cpu-dies)"
+    )
+    assert (
+        errors.no_such_die("cuda:3", "cuda", 1).message
+        == "die cuda:3 does not exist (this machine has 1 CUDA devices)"
+    )
     assert errors.max_tokens_too_large(64, 64).message == (
         "This model's maximum context length is 64 tokens. However, you requested at least 65 "
-        "tokens (64 in the completion).")
+        "tokens (64 in the completion)."
+    )
 
 
 def test_load_failed_status_follows_the_kind():
@@ -166,8 +179,7 @@ def _constructions(path: Path) -> list[int]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             f = node.func
-            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) \
-                else None
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
             if name == "ApiError":
                 lines.append(node.lineno)
     return lines
@@ -186,7 +198,9 @@ def test_only_pantheon_errors_constructs_api_errors():
 
 
 def test_the_module_is_light():
-    code = ("import sys; import pantheon.errors; "
-            "bad = [m for m in ('quart', 'werkzeug', 'torch', 'msgspec') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys; import pantheon.errors; "
+        "bad = [m for m in ('quart', 'werkzeug', 'torch', 'msgspec') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -27,10 +27,14 @@ ROOT = REPO_ROOT
 
 RULES = {
     "pantheon": {"forbidden": {"torch", "workers", "textual"}, "pantheon_allowed": None},
-    "workers": {"forbidden": {"quart", "hypercorn", "textual", "httpx", "jinja2", "tokenizers", "tui"},
-                "pantheon_allowed": {"pantheon.protocol", "pantheon.models.sizing", "pantheon.models.gguf"}},
-    "tui": {"forbidden": {"torch", "zmq", "quart", "hypercorn", "workers", "msgspec.msgpack"},
-            "pantheon_allowed": {"pantheon.snapshot"}},
+    "workers": {
+        "forbidden": {"quart", "hypercorn", "textual", "httpx", "jinja2", "tokenizers", "tui"},
+        "pantheon_allowed": {"pantheon.protocol", "pantheon.models.sizing", "pantheon.models.gguf"},
+    },
+    "tui": {
+        "forbidden": {"torch", "zmq", "quart", "hypercorn", "workers", "msgspec.msgpack"},
+        "pantheon_allowed": {"pantheon.snapshot"},
+    },
 }
 # (module, imported top-level name): allowed, and only inside a function
 LAZY_EXCEPTIONS = {("pantheon/models/makemodel.py", "torch")}
@@ -68,8 +72,12 @@ def test_import_lines(package):
             if head in rule["forbidden"] or name in rule["forbidden"]:
                 broken.append(f"{rel} imports {name}")
             allowed = rule["pantheon_allowed"]
-            if head == "pantheon" and allowed is not None and package != "pantheon" and \
-                    not any(name == a or name.startswith(a + ".") for a in allowed):
+            if (
+                head == "pantheon"
+                and allowed is not None
+                and package != "pantheon"
+                and not any(name == a or name.startswith(a + ".") for a in allowed)
+            ):
                 broken.append(f"{rel} imports {name} (only {sorted(allowed)} from pantheon)")
     assert not broken, "\n".join(broken)
 
@@ -121,8 +129,7 @@ def test_the_router_packages_only_import_downwards():
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
                 continue
-            names = ([f"pantheon.{a.name}" for a in node.names] if node.module == "pantheon"
-                     else [node.module])
+            names = [f"pantheon.{a.name}" for a in node.names] if node.module == "pantheon" else [node.module]
             for name in names:
                 parts = name.split(".")
                 if parts[0] != "pantheon" or len(parts) < 2 or parts[1] not in LAYER_OF:

@@ -79,8 +79,13 @@ def test_tiny_preset_loads_and_runs(hf, model_factory, preset):
 
     folder = model_factory(preset)
     names = {p.name for p in folder.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= names
     model = _load(hf, folder)
     config = makemodel.PRESETS[preset]
     assert type(model).__name__ == config["architectures"][0]
@@ -93,7 +98,7 @@ def test_tiny_preset_loads_and_runs(hf, model_factory, preset):
     assert real.std() > 0.05
     assert not torch.allclose(real[0], real[1])
     # Padding rows past the tokenizer are zero, so their logits are exactly 0.
-    assert (logits[0, :, tt.VOCAB_SIZE:] == 0).all()
+    assert (logits[0, :, tt.VOCAB_SIZE :] == 0).all()
 
 
 @pytest.mark.parametrize("preset", TINY)
@@ -116,8 +121,15 @@ def test_large_preset_norms_are_ones(tmp_path):
     from safetensors import safe_open
 
     # The qwen3-0.6b preset shrunk through overrides: norms are plain ones there.
-    out = makemodel.make_model("qwen3-0.6b", tmp_path, num_hidden_layers=1, hidden_size=32,
-                               intermediate_size=64, head_dim=8, vocab_size=4096)
+    out = makemodel.make_model(
+        "qwen3-0.6b",
+        tmp_path,
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        head_dim=8,
+        vocab_size=4096,
+    )
     with safe_open(out / "model.safetensors", "pt") as f:
         assert (f.get_tensor("model.layers.0.self_attn.q_norm.weight") == 1).all()
         assert (f.get_tensor("model.norm.weight") == 1).all()
@@ -157,8 +169,16 @@ def test_config_overrides(hf, model_factory):
     [
         ("tiny", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
         ("tiny", {"rope_type": "linear", "factor": 2.0}),
-        ("tiny-llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                        "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}),
+        (
+            "tiny-llama",
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 1024,
+            },
+        ),
     ],
 )
 def test_rope_scaling_override_loads(hf, model_factory, preset, rope_scaling):
@@ -212,9 +232,15 @@ def test_generation_config(hf, tiny_model):
 def test_qwen3_06b_config_shapes():
     c = makemodel.PRESETS["qwen3-0.6b"]
     assert c["architectures"] == ["Qwen3ForCausalLM"] and c["model_type"] == "qwen3"
-    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
-            c["num_key_value_heads"], c["head_dim"], c["intermediate_size"], c["vocab_size"]) == (
-        1024, 28, 16, 8, 128, 3072, 151936)
+    assert (
+        c["hidden_size"],
+        c["num_hidden_layers"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+        c["intermediate_size"],
+        c["vocab_size"],
+    ) == (1024, 28, 16, 8, 128, 3072, 151936)
     assert c["tie_word_embeddings"] is True and c["rope_theta"] == 1000000
     assert c["rms_norm_eps"] == 1e-6 and c["max_position_embeddings"] == 40960
     assert c["torch_dtype"] == "bfloat16" and c["hidden_act"] == "silu"
@@ -277,8 +303,9 @@ def test_special_tokens_are_single_ids(hf, tiny_model, raw_tokenizer):
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     assert tok.eos_token_id == tt.TOKEN_IDS["<|im_end|>"]
     # As in Qwen3: ChatML markers are special (skipped), think/tool tags are not.
-    decoded = tok.decode(raw_tokenizer.encode("<|im_start|>hi<think>x</think><|im_end|>").ids,
-                         skip_special_tokens=True)
+    decoded = tok.decode(
+        raw_tokenizer.encode("<|im_start|>hi<think>x</think><|im_end|>").ids, skip_special_tokens=True
+    )
     assert decoded == "hi<think>x</think>"
 
 
@@ -294,15 +321,36 @@ def test_tokenizer_config_fields(tiny_model):
 
 # ------------------------------------------------------------------------------ chat template
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & later",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather <now> & later",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Zürich?"},
-    {"role": "assistant", "content": None, "reasoning_content": "Use the tool.", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}},
-        {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Bern"}}},
-    ]},
+    {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "Use the tool.",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'},
+            },
+            {
+                "id": "c2",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Bern"}},
+            },
+        ],
+    },
     {"role": "tool", "tool_call_id": "c1", "content": "12 °C"},
     {"role": "tool", "tool_call_id": "c2", "content": "10 °C"},
 ]
@@ -310,13 +358,19 @@ CONVERSATION = [
 
 def test_chat_template_plain(hf, tiny_model):
     tok = hf.AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!",
-                 "reasoning_content": "old thoughts are dropped"}, {"role": "user", "content": "Bye"}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "old thoughts are dropped"},
+        {"role": "user", "content": "Bye"},
+    ]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
-                    "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")
-    no_think = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                       enable_thinking=False)
+    assert text == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+        "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+    )
+    no_think = tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
     assert no_think == text + "<think>\n\n</think>\n\n"
     # Content given as a list of text parts.
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
@@ -331,11 +385,15 @@ def test_chat_template_tools(hf, tiny_model):
     text = tok.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
     assert "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) + "\n</tools>" in text
-    assert ("<|im_start|>assistant\n<think>\nUse the tool.\n</think>\n\n<tool_call>\n"
-            '{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>\n<tool_call>\n'
-            '{"name": "get_weather", "arguments": {"city": "Bern"}}\n</tool_call><|im_end|>\n') in text
-    assert text.endswith("<|im_start|>user\n<tool_response>\n12 °C\n</tool_response>\n<tool_response>\n"
-                         "10 °C\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert (
+        "<|im_start|>assistant\n<think>\nUse the tool.\n</think>\n\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "get_weather", "arguments": {"city": "Bern"}}\n</tool_call><|im_end|>\n'
+    ) in text
+    assert text.endswith(
+        "<|im_start|>user\n<tool_response>\n12 °C\n</tool_response>\n<tool_response>\n"
+        "10 °C\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_chat_template_renders_with_plain_jinja(hf, tiny_model):
@@ -344,11 +402,13 @@ def test_chat_template_renders_with_plain_jinja(hf, tiny_model):
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
-    ours = env.from_string(tt.CHAT_TEMPLATE).render(messages=CONVERSATION, tools=TOOLS,
-                                                   add_generation_prompt=True)
+    ours = env.from_string(tt.CHAT_TEMPLATE).render(
+        messages=CONVERSATION, tools=TOOLS, add_generation_prompt=True
+    )
     tok = hf.AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
-    assert ours == tok.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False,
-                                           add_generation_prompt=True)
+    assert ours == tok.apply_chat_template(
+        CONVERSATION, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
 
 
 # ---------------------------------------------------------------------------------------- CLI
@@ -364,14 +424,34 @@ def test_cli_list(capsys):
 def test_cli_writes_tiny(tmp_path, tiny_model, capsys):
     assert makemodel.cli(["--preset", "tiny", "--out", str(tmp_path / "m")]) == 0
     assert _files_digest(tmp_path / "m") == _files_digest(tiny_model)
-    assert makemodel.cli(["--preset", "tiny", "--out", str(tmp_path / "f"), "--seed", "3",
-                          "--dtype", "float16", "--set", "num_hidden_layers=1"]) == 0
+    assert (
+        makemodel.cli(
+            [
+                "--preset",
+                "tiny",
+                "--out",
+                str(tmp_path / "f"),
+                "--seed",
+                "3",
+                "--dtype",
+                "float16",
+                "--set",
+                "num_hidden_layers=1",
+            ]
+        )
+        == 0
+    )
     config = json.loads((tmp_path / "f" / "config.json").read_text())
     assert config["torch_dtype"] == "float16" and config["num_hidden_layers"] == 1
     assert makemodel.cli(["--preset", "tiny"]) == 2
 
 
 def test_pantheon_entry_point(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "pantheon", "make-model", "--list"], capture_output=True,
-                         text=True, check=True, cwd=REPO_ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "pantheon", "make-model", "--list"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO_ROOT,
+    )
     assert "qwen3-0.6b" in out.stdout

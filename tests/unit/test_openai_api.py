@@ -75,23 +75,59 @@ def test_minimal_request_defaults():
 
 
 def test_full_request():
-    r = parse_chat_request(body(
-        messages=[{"role": "developer", "content": "be brief"},
-                  {"role": "user", "content": [{"type": "text", "text": "a"},
-                                               {"type": "text", "text": "b"}]},
-                  {"role": "assistant", "content": None, "tool_calls": [
-                      {"id": "call_1", "type": "function",
-                       "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
-                  {"role": "tool", "tool_call_id": "call_1", "content": "42"}],
-        max_completion_tokens=7, max_tokens=99, temperature=0, top_p=0.5, stop="END", seed=3,
-        n=2, presence_penalty=0.5, frequency_penalty=-0.5, logprobs=True, top_logprobs=3,
-        stream=True, stream_options={"include_usage": True},
-        tools=[{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"x": {"type": "integer"}}}}}],
-        tool_choice={"type": "function", "function": {"name": "f"}},
-        response_format={"type": "json_object"}, user="u1", top_k=5, min_p=0.1,
-        repetition_penalty=1.1, min_tokens=2, ignore_eos=True, session_id="s1",
-        chat_template_kwargs={"enable_thinking": False}, some_unknown_field={"x": 1}))
+    r = parse_chat_request(
+        body(
+            messages=[
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": '{"x": 1}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+            ],
+            max_completion_tokens=7,
+            max_tokens=99,
+            temperature=0,
+            top_p=0.5,
+            stop="END",
+            seed=3,
+            n=2,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            logprobs=True,
+            top_logprobs=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            tools=[
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+                    },
+                }
+            ],
+            tool_choice={"type": "function", "function": {"name": "f"}},
+            response_format={"type": "json_object"},
+            user="u1",
+            top_k=5,
+            min_p=0.1,
+            repetition_penalty=1.1,
+            min_tokens=2,
+            ignore_eos=True,
+            session_id="s1",
+            chat_template_kwargs={"enable_thinking": False},
+            some_unknown_field={"x": 1},
+        )
+    )
     assert r.messages[0]["role"] == "system"
     assert r.messages[1]["content"] == "a\nb"
     assert r.messages[2]["content"] == ""
@@ -115,58 +151,66 @@ def test_header_session_id():
     assert parse_chat_request(body(session_id="b"), header_session="h").session_id == "b"
 
 
-@pytest.mark.parametrize("raw,param", [
-    (b"{not json", None),
-    (b"[1, 2]", None),
-    (json.dumps({"model": "m"}).encode(), "messages"),
-    (body(messages=[]), "messages"),
-    (body(messages="hi"), "messages"),
-    (body(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
-    (body(messages=[{"role": "user"}]), "messages[0].content"),
-    (body(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
-    (body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
-     "messages[0].content[0].type"),
-    (body(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id"),
-    (body(model=5), "model"),
-    (body(max_tokens="5"), "max_tokens"),
-    (body(max_tokens=0), "max_tokens"),
-    (body(max_completion_tokens=-1), "max_completion_tokens"),
-    (body(max_tokens=True), "max_tokens"),
-    (body(temperature="hot"), "temperature"),
-    (body(temperature=2.5), "temperature"),
-    (body(top_p=1.5), "top_p"),
-    (body(n=0), "n"),
-    (body(n=1.5), "n"),
-    (body(seed="x"), "seed"),
-    (body(stop=5), "stop"),
-    (body(stop=["a", "b", "c", "d", "e"]), "stop"),
-    (body(presence_penalty=3), "presence_penalty"),
-    (body(frequency_penalty=-3), "frequency_penalty"),
-    (body(logprobs="yes"), "logprobs"),
-    (body(top_logprobs=3), "top_logprobs"),
-    (body(logprobs=True, top_logprobs=21), "top_logprobs"),
-    (body(stream="yes"), "stream"),
-    (body(stream_options={"include_usage": True}), "stream_options"),
-    (body(stream=True, stream_options={"include_usage": 1}), "stream_options.include_usage"),
-    (body(tools={"type": "function"}), "tools"),
-    (body(tools=[{"type": "custom", "custom": {"name": "x"}}]), "tools[0].type"),
-    (body(tools=[{"type": "function", "function": {}}]), "tools[0].function.name"),
-    (body(tool_choice="sometimes"), "tool_choice"),
-    (body(tool_choice="required"), "tool_choice"),
-    (body(tools=[{"type": "function", "function": {"name": "f"}}],
-          tool_choice={"type": "function", "function": {"name": "g"}}),
-     "tool_choice.function.name"),
-    (body(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-     "response_format.type"),
-    (body(response_format="json"), "response_format"),
-    (body(top_k="3"), "top_k"),
-    (body(min_p=2), "min_p"),
-    (body(repetition_penalty=0), "repetition_penalty"),
-    (body(min_tokens=5, max_tokens=2), "min_tokens"),
-    (body(ignore_eos="no"), "ignore_eos"),
-    (body(user=5), "user"),
-    (body(session_id=5), "session_id"),
-])
+@pytest.mark.parametrize(
+    "raw,param",
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (json.dumps({"model": "m"}).encode(), "messages"),
+        (body(messages=[]), "messages"),
+        (body(messages="hi"), "messages"),
+        (body(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
+        (body(messages=[{"role": "user"}]), "messages[0].content"),
+        (body(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+        (
+            body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+            "messages[0].content[0].type",
+        ),
+        (body(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id"),
+        (body(model=5), "model"),
+        (body(max_tokens="5"), "max_tokens"),
+        (body(max_tokens=0), "max_tokens"),
+        (body(max_completion_tokens=-1), "max_completion_tokens"),
+        (body(max_tokens=True), "max_tokens"),
+        (body(temperature="hot"), "temperature"),
+        (body(temperature=2.5), "temperature"),
+        (body(top_p=1.5), "top_p"),
+        (body(n=0), "n"),
+        (body(n=1.5), "n"),
+        (body(seed="x"), "seed"),
+        (body(stop=5), "stop"),
+        (body(stop=["a", "b", "c", "d", "e"]), "stop"),
+        (body(presence_penalty=3), "presence_penalty"),
+        (body(frequency_penalty=-3), "frequency_penalty"),
+        (body(logprobs="yes"), "logprobs"),
+        (body(top_logprobs=3), "top_logprobs"),
+        (body(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (body(stream="yes"), "stream"),
+        (body(stream_options={"include_usage": True}), "stream_options"),
+        (body(stream=True, stream_options={"include_usage": 1}), "stream_options.include_usage"),
+        (body(tools={"type": "function"}), "tools"),
+        (body(tools=[{"type": "custom", "custom": {"name": "x"}}]), "tools[0].type"),
+        (body(tools=[{"type": "function", "function": {}}]), "tools[0].function.name"),
+        (body(tool_choice="sometimes"), "tool_choice"),
+        (body(tool_choice="required"), "tool_choice"),
+        (
+            body(
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": "g"}},
+            ),
+            "tool_choice.function.name",
+        ),
+        (body(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.type"),
+        (body(response_format="json"), "response_format"),
+        (body(top_k="3"), "top_k"),
+        (body(min_p=2), "min_p"),
+        (body(repetition_penalty=0), "repetition_penalty"),
+        (body(min_tokens=5, max_tokens=2), "min_tokens"),
+        (body(ignore_eos="no"), "ignore_eos"),
+        (body(user=5), "user"),
+        (body(session_id=5), "session_id"),
+    ],
+)
 def test_invalid_values_name_their_param(raw, param):
     bad(raw, param)
 
@@ -187,8 +231,11 @@ def test_tool_choice_none_disables_tools():
 
 def test_valid_requests_conform_to_request_schema():
     """What we accept as valid the OpenAI request schema accepts too (a sanity check of tests)."""
-    for raw in (body(), body(stop=["x"], n=2, seed=1, logprobs=True, top_logprobs=2),
-                body(stream=True, stream_options={"include_usage": True})):
+    for raw in (
+        body(),
+        body(stop=["x"], n=2, seed=1, logprobs=True, top_logprobs=2),
+        body(stream=True, stream_options={"include_usage": True}),
+    ):
         check("CreateChatCompletionRequest", json.loads(raw))
 
 
@@ -202,19 +249,23 @@ def test_completion_shape():
     lp = [oa.token_logprob("hi", -0.5, b"hi", [("hi", -0.5, b"hi"), ("ho", -1.0, b"ho")])]
     choices = [
         oa.choice(0, oa.message("hello", reasoning="hmm"), "stop", lp),
-        oa.choice(1, oa.message("", tool_calls=[oa.tool_call(oa.tool_call_id(), "f", "{}")]),
-                  "tool_calls"),
+        oa.choice(1, oa.message("", tool_calls=[oa.tool_call(oa.tool_call_id(), "f", "{}")]), "tool_calls"),
         oa.choice(2, oa.message("x"), "length"),
     ]
     out = oa.chat_completion(cid, oa.now(), "m", "fp_x", choices, oa.usage(5, 3))
     check("CreateChatCompletionResponse", out)
     assert out["choices"][1]["message"]["content"] is None
-    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
-                            "prompt_tokens_details": {"cached_tokens": 0},
-                            "completion_tokens_details": {"reasoning_tokens": 0}}
+    assert out["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
     check("CompletionUsage", out["usage"])
     # The OpenAI SDK parses it, strictly.
     from openai.types.chat import ChatCompletion
+
     parsed = ChatCompletion.model_validate(json.loads(oa.dumps(out)))
     assert parsed.choices[1].message.tool_calls[0].function.name == "f"
 
@@ -222,15 +273,45 @@ def test_completion_shape():
 def test_chunk_shapes():
     cid, t = oa.completion_id(), oa.now()
     chunks = [
-        oa.chunk(cid, t, "m", "fp", [oa.chunk_choice(0, {"role": "assistant", "content": ""})],
-                 include_usage=True),
-        oa.chunk(cid, t, "m", "fp", [oa.chunk_choice(0, {"content": "a"}, None, [
-            oa.token_logprob("a", -0.1, b"a")])], include_usage=True),
-        oa.chunk(cid, t, "m", "fp", [oa.chunk_choice(0, {"tool_calls": [
-            {"index": 0, "id": "call_x", "type": "function",
-             "function": {"name": "f", "arguments": ""}}]})]),
-        oa.chunk(cid, t, "m", "fp", [oa.chunk_choice(0, {"tool_calls": [
-            {"index": 0, "function": {"arguments": "{}"}}]})]),
+        oa.chunk(
+            cid, t, "m", "fp", [oa.chunk_choice(0, {"role": "assistant", "content": ""})], include_usage=True
+        ),
+        oa.chunk(
+            cid,
+            t,
+            "m",
+            "fp",
+            [oa.chunk_choice(0, {"content": "a"}, None, [oa.token_logprob("a", -0.1, b"a")])],
+            include_usage=True,
+        ),
+        oa.chunk(
+            cid,
+            t,
+            "m",
+            "fp",
+            [
+                oa.chunk_choice(
+                    0,
+                    {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_x",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": ""},
+                            }
+                        ]
+                    },
+                )
+            ],
+        ),
+        oa.chunk(
+            cid,
+            t,
+            "m",
+            "fp",
+            [oa.chunk_choice(0, {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]})],
+        ),
         oa.chunk(cid, t, "m", "fp", [oa.chunk_choice(0, {}, "stop")], include_usage=True),
         oa.chunk(cid, t, "m", "fp", [], include_usage=True, usage_=oa.usage(1, 2)),
     ]
@@ -241,6 +322,7 @@ def test_chunk_shapes():
     assert chunks[0]["usage"] is None and "usage" not in chunks[2]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 3
     from openai.types.chat import ChatCompletionChunk
+
     for c in chunks:
         ChatCompletionChunk.model_validate(json.loads(oa.dumps(c)))
     assert oa.SSE_DONE == b"data: [DONE]\n\n"
@@ -250,8 +332,7 @@ def test_models_and_errors_shapes():
     lst = oa.model_list([oa.model_object("a", 1, 4096), oa.model_object("b", 2, None)])
     check("ListModelsResponse", lst)
     assert lst["data"][0]["max_model_len"] == 4096
-    for e in (model_not_found("x"), no_model_loaded(), server_busy(),
-              invalid_param("stop", "bad")):
+    for e in (model_not_found("x"), no_model_loaded(), server_busy(), invalid_param("stop", "bad")):
         check("ErrorResponse", e.body())
         assert set(e.body()["error"]) == {"message", "type", "param", "code"}
     assert model_not_found("x").status == 404
@@ -272,9 +353,10 @@ def test_logprob_non_finite_and_bytes():
 def test_config_defaults_and_flags_beat_env():
     c = build_config({}, {})
     assert c.slots == 8 and c.queue_depth == 32 and c.prefill_chunk == 512 and not c.single_user
-    c = build_config({"slots": 4, "queue_depth": 2, "prefill_chunk": 64},
-                     {"PANTHEON_BATCH_SLOTS": "0", "PANTHEON_QUEUE_DEPTH": "9",
-                      "PANTHEON_PREFILL_CHUNK": "16"})
+    c = build_config(
+        {"slots": 4, "queue_depth": 2, "prefill_chunk": 64},
+        {"PANTHEON_BATCH_SLOTS": "0", "PANTHEON_QUEUE_DEPTH": "9", "PANTHEON_PREFILL_CHUNK": "16"},
+    )
     assert (c.slots, c.queue_depth, c.prefill_chunk) == (4, 2, 64)
 
 
@@ -312,14 +394,28 @@ def test_config_sizes_dies_and_models():
     assert parse_dies("cpu:0") == ("cpu:0",)
     with pytest.raises(ConfigError):
         parse_dies("gpu0")
-    c = build_config({"cpu_dies": 2, "cpu_die_budget": "1GiB",
-                      "models": [{"path": "/x/tiny"}, {"path": "/y", "name": "b",
-                                                        "dies": "cpu:1"}]}, {})
+    c = build_config(
+        {
+            "cpu_dies": 2,
+            "cpu_die_budget": "1GiB",
+            "models": [{"path": "/x/tiny"}, {"path": "/y", "name": "b", "dies": "cpu:1"}],
+        },
+        {},
+    )
     assert c.cpu_die_budget == 1 << 30
     assert [(m.name, m.dies) for m in c.models] == [("tiny", ()), ("b", ("cpu:1",))]
     assert c.fingerprint.startswith("fp_")
-    assert c.fingerprint == build_config({"cpu_dies": 2, "cpu_die_budget": "1GiB", "models": [
-        {"path": "/x/tiny"}, {"path": "/y", "name": "b", "dies": "cpu:1"}]}, {}).fingerprint
+    assert (
+        c.fingerprint
+        == build_config(
+            {
+                "cpu_dies": 2,
+                "cpu_die_budget": "1GiB",
+                "models": [{"path": "/x/tiny"}, {"path": "/y", "name": "b", "dies": "cpu:1"}],
+            },
+            {},
+        ).fingerprint
+    )
 
 
 def test_repetition_window_is_a_request_field():

@@ -24,8 +24,9 @@ def test_a_well_packed_h200_is_normal():
     assert level_for(1 - 4 * GiB / H200, DEFAULT_THRESHOLDS) == HIGH
     assert level_for(1 - 3 * GiB / H200, DEFAULT_THRESHOLDS) == CRITICAL
     assert headroom_used(H200, 4 * GiB, booked) < 0.2
-    src = PressureSource(die_probe=lambda d: (H200, 4 * GiB), booked_probe=lambda d: booked,
-                         host_probe=lambda: (100, 100))
+    src = PressureSource(
+        die_probe=lambda d: (H200, 4 * GiB), booked_probe=lambda d: booked, host_probe=lambda: (100, 100)
+    )
     assert src.die_level("cuda:0") == NORMAL
     assert src.level(["cuda:0"]) == NORMAL
 
@@ -33,8 +34,9 @@ def test_a_well_packed_h200_is_normal():
 def test_headroom_eaten_by_activations_is_critical():
     booked = 120 * GB  # 21 GB unbooked, of which 20.5 GB is in use beyond the pools
     free = int(0.5 * GB)
-    src = PressureSource(die_probe=lambda d: (H200, free), booked_probe=lambda d: booked,
-                         host_probe=lambda: (100, 100))
+    src = PressureSource(
+        die_probe=lambda d: (H200, free), booked_probe=lambda d: booked, host_probe=lambda: (100, 100)
+    )
     assert src.die_level("cuda:0") == CRITICAL
 
 

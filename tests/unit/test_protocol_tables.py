@@ -16,19 +16,41 @@ from pantheon.workerlink.process import describe_exit
 # ---------------------------------------------------------------------- die ids
 
 
-@pytest.mark.parametrize("raw, parsed", [
-    ("cpu:0", ("cpu", 0)), ("cuda:3", ("cuda", 3)), ("cpu:12", ("cpu", 12)),
-    ("2", ("cuda", 2)),  # a bare integer is a CUDA die
-    ("cuda:01", ("cuda", 1)),
-])
+@pytest.mark.parametrize(
+    "raw, parsed",
+    [
+        ("cpu:0", ("cpu", 0)),
+        ("cuda:3", ("cuda", 3)),
+        ("cpu:12", ("cpu", 12)),
+        ("2", ("cuda", 2)),  # a bare integer is a CUDA die
+        ("cuda:01", ("cuda", 1)),
+    ],
+)
 def test_parse_die(raw, parsed):
     assert p.parse_die(raw) == parsed
     assert p.die_kind(raw) == parsed[0]
     assert p.normalize_die(raw) == f"{parsed[0]}:{parsed[1]}"
 
 
-@pytest.mark.parametrize("bad", ["", "cpu", "cuda", "gpu:0", "cpu:", "cuda:-1", "cuda:1.5", "cpu:0:1",
-                                 "CPU:0", " cpu:0", "cpu:0\n", "cuda: 1", "-1", ":0"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "cpu",
+        "cuda",
+        "gpu:0",
+        "cpu:",
+        "cuda:-1",
+        "cuda:1.5",
+        "cpu:0:1",
+        "CPU:0",
+        " cpu:0",
+        "cpu:0\n",
+        "cuda: 1",
+        "-1",
+        ":0",
+    ],
+)
 def test_parse_die_refuses(bad):
     with pytest.raises(ValueError, match="expected cpu:N or cuda:N"):
         p.parse_die(bad)
@@ -75,11 +97,14 @@ def test_the_worker_uses_the_protocol_exit_codes():
 # ---------------------------------------------------------------------- code fields
 
 
-@pytest.mark.parametrize("make, alias", [
-    (lambda k: p.LoadFailed(instance="m", kind=k, reason="r"), p.LoadFailKind),
-    (lambda k: p.Rejected(request_id="r", kind=k, reason="r"), p.RejectKind),
-    (lambda k: p.StepOutput(instance="m", tokens=[p.TokenOut("r", 1, finish=k)]), p.FinishReason),
-])
+@pytest.mark.parametrize(
+    "make, alias",
+    [
+        (lambda k: p.LoadFailed(instance="m", kind=k, reason="r"), p.LoadFailKind),
+        (lambda k: p.Rejected(request_id="r", kind=k, reason="r"), p.RejectKind),
+        (lambda k: p.StepOutput(instance="m", tokens=[p.TokenOut("r", 1, finish=k)]), p.FinishReason),
+    ],
+)
 def test_code_fields_are_checked_on_decode(make, alias):
     for kind in typing.get_args(alias):
         msg = make(kind)
@@ -91,13 +116,28 @@ def test_code_fields_are_checked_on_decode(make, alias):
 def test_codes_stay_strings_on_the_wire():
     raw = msgspec.msgpack.decode(p.encode(p.LoadFailed(instance="m", kind="out_of_memory", reason="r")))
     assert raw["kind"] == "out_of_memory"
-    stats = p.Stats(free_bytes=1, total_bytes=2, instances=[p.InstanceStats(
-        instance="m", slots=[p.SlotInfo("decode")], waiting=0, kv_blocks_total=1, kv_blocks_used=0,
-        weight_bytes=0, kv_bytes=0)])
+    stats = p.Stats(
+        free_bytes=1,
+        total_bytes=2,
+        instances=[
+            p.InstanceStats(
+                instance="m",
+                slots=[p.SlotInfo("decode")],
+                waiting=0,
+                kv_blocks_total=1,
+                kv_blocks_used=0,
+                weight_bytes=0,
+                kv_bytes=0,
+            )
+        ],
+    )
     assert p.decode_worker_msg(p.encode(stats)) == stats
-    bad = msgspec.msgpack.encode({**msgspec.to_builtins(stats),
-                                  "instances": [{**msgspec.to_builtins(stats.instances[0]),
-                                                 "slots": [["sleeping"]]}]})
+    bad = msgspec.msgpack.encode(
+        {
+            **msgspec.to_builtins(stats),
+            "instances": [{**msgspec.to_builtins(stats.instances[0]), "slots": [["sleeping"]]}],
+        }
+    )
     with pytest.raises(msgspec.ValidationError):
         p.decode_worker_msg(bad)
 

@@ -11,7 +11,8 @@ def test_int8_halves_weights_and_stays_close(model_factory):
     full = Engine(path, dtype="bfloat16", kv_budget_bytes=1 << 20)
     quant = Engine(path, dtype="bfloat16", kv_budget_bytes=1 << 20, quantize=True)
     layer_bytes = lambda e: sum(  # noqa: E731
-        t.numel() * t.element_size() for t in list(e.model.layers.parameters()) + list(e.model.layers.buffers())
+        t.numel() * t.element_size()
+        for t in list(e.model.layers.parameters()) + list(e.model.layers.buffers())
     )
     assert layer_bytes(quant) < 0.55 * layer_bytes(full)
     rows = {}

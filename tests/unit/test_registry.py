@@ -125,8 +125,7 @@ async def test_queue_full_429_retry_after_5_then_timeout_retry_after_2():
     assert (ei.value.status, ei.value.headers["Retry-After"]) == (429, "5")
     with pytest.raises(ApiError) as ei:
         await waiter  # nobody left within 0.2 s
-    assert (ei.value.status, ei.value.code, ei.value.headers["Retry-After"]) == (
-        429, "queue_timeout", "2")
+    assert (ei.value.status, ei.value.code, ei.value.headers["Retry-After"]) == (429, "queue_timeout", "2")
     assert len(reg.queue("a")) == 0
     for i in held:
         reg.leave(i)
@@ -283,8 +282,7 @@ def test_die_budgets_reserve_and_bookings():
 def test_placement_auto_most_free_explicit_split_and_507_naming_the_die():
     from pantheon.models.sizing import Estimate
 
-    est = Estimate(base=4 << 20, per_layer=2 << 20, layers=4, kv_per_token=1024,
-                   context_limit=4096)
+    est = Estimate(base=4 << 20, per_layer=2 << 20, layers=4, kv_per_token=1024, context_limit=4096)
     dm = _dm(cpu_dies=3, cpu_budget=64 << 20)
     dm.book("busy#1", {"cpu:0": (48 << 20, 0)})
     dm.book("busy#2", {"cpu:2": (10 << 20, 0)})
@@ -320,11 +318,21 @@ def test_worker_threads_share_the_cores(monkeypatch):
 # ---------------------------------------------------------------- sizing
 
 
-@pytest.mark.parametrize("preset,quantize,path", [
-    ("tiny", False, "auto"), ("tiny-llama", False, "auto"), ("tiny-qwen2", False, "auto"),
-    ("tiny", True, "auto"), ("tiny", False, "bf16-packed"), ("tiny", False, "bf16"),
-    ("tiny-llama", False, "fp32-packed"), ("tiny-llama", False, "fp32"), ("tiny-llama", True, "int8"),
-    ("tiny-llama", False, "bf16-packed")])
+@pytest.mark.parametrize(
+    "preset,quantize,path",
+    [
+        ("tiny", False, "auto"),
+        ("tiny-llama", False, "auto"),
+        ("tiny-qwen2", False, "auto"),
+        ("tiny", True, "auto"),
+        ("tiny", False, "bf16-packed"),
+        ("tiny", False, "bf16"),
+        ("tiny-llama", False, "fp32-packed"),
+        ("tiny-llama", False, "fp32"),
+        ("tiny-llama", True, "int8"),
+        ("tiny-llama", False, "bf16-packed"),
+    ],
+)
 def test_estimate_matches_the_engine(model_factory, preset, quantize, path):
     """The router's estimate from config.json against what a real engine allocates, for every
     CPU path forced (skipped where the path does not work on this host) and for the auto choice
@@ -336,16 +344,21 @@ def test_estimate_matches_the_engine(model_factory, preset, quantize, path):
     if path != "auto" and cpu_paths.probe(path):
         pytest.skip(f"{path} does not work here: {cpu_paths.probe(path)}")
     shape = read_shape(model_factory(preset))
-    eng = Engine(str(model_factory(preset)), devices=["cpu"], kv_budget_bytes=1 << 20,
-                 quantize=quantize, cpu_path=path)
+    eng = Engine(
+        str(model_factory(preset)), devices=["cpu"], kv_budget_bytes=1 << 20, quantize=quantize, cpu_path=path
+    )
     assert eng.cpu_path == (path if path != "auto" else eng.cpu_path)
     est = estimate(shape, quantize=quantize, cpu_path=eng.cpu_path)
     kv = est.kv_pool(1000)
-    eng = Engine(str(model_factory(preset)), devices=["cpu"], kv_budget_bytes=kv,
-                 quantize=quantize, cpu_path=eng.cpu_path)
+    eng = Engine(
+        str(model_factory(preset)),
+        devices=["cpu"],
+        kv_budget_bytes=kv,
+        quantize=quantize,
+        cpu_path=eng.cpu_path,
+    )
     assert eng.kv_bytes == kv
-    assert abs(eng.weight_bytes - est.weights) <= 0.01 * est.weights, (eng.weight_bytes,
-                                                                        est.weights)
+    assert abs(eng.weight_bytes - est.weights) <= 0.01 * est.weights, (eng.weight_bytes, est.weights)
     bound = estimate(shape, quantize=quantize)  # before the choice: the largest it may be
     assert bound.weights >= est.weights and bound.kv_per_token >= est.kv_per_token
 
@@ -406,8 +419,10 @@ def _chat(messages, **kw):
 def _convo(turns: int) -> list[dict]:
     msgs = [{"role": "system", "content": "Be brief."}]
     for i in range(turns):
-        msgs += [{"role": "user", "content": f"question {i} about the weather in the town"},
-                 {"role": "assistant", "content": f"answer {i}: sunny and warm all day"}]
+        msgs += [
+            {"role": "user", "content": f"question {i} about the weather in the town"},
+            {"role": "assistant", "content": f"answer {i}: sunny and warm all day"},
+        ]
     return msgs + [{"role": "user", "content": "and tomorrow?"}]
 
 
@@ -434,8 +449,13 @@ def test_admission_pass_cap_deny(tiny_model):
     assert "w199" in assets.tokenizer.decode(cut.prompt_ids) and cut.dropped_tokens > 0
     # deny: the system prompt alone does not fit
     with pytest.raises(ApiError) as ei:
-        fit_context(assets, _chat([{"role": "system", "content": "word " * 80},
-                               {"role": "user", "content": "hi"}], max_tokens=8), 64)
+        fit_context(
+            assets,
+            _chat(
+                [{"role": "system", "content": "word " * 80}, {"role": "user", "content": "hi"}], max_tokens=8
+            ),
+            64,
+        )
     assert (ei.value.status, ei.value.code) == (503, "context_denied")
     # a max_tokens no context can hold stays the OpenAI 400
     with pytest.raises(ApiError) as ei:

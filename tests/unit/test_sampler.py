@@ -33,8 +33,9 @@ def _states(params):
 
 
 def test_a_sampled_batch_copies_back_token_ids_only():
-    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, max_tokens=8)
-              for i in range(6)] + [SamplingParams(temperature=0.0)] * 2
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, max_tokens=8) for i in range(6)
+    ] + [SamplingParams(temperature=0.0)] * 2
     logits = torch.randn(len(params), V)
     with HostCopies() as mode:
         out = sample(logits, _states(params), [[1, 2, 3]] * len(params), [0] * len(params))
@@ -43,9 +44,11 @@ def test_a_sampled_batch_copies_back_token_ids_only():
 
 
 def test_logprobs_come_back_for_the_rows_that_asked_only():
-    params = [SamplingParams(temperature=1.0, seed=1, logprobs=True, top_logprobs=3),
-              SamplingParams(temperature=1.0, seed=2),
-              SamplingParams(temperature=0.0, logprobs=True)]
+    params = [
+        SamplingParams(temperature=1.0, seed=1, logprobs=True, top_logprobs=3),
+        SamplingParams(temperature=1.0, seed=2),
+        SamplingParams(temperature=0.0, logprobs=True),
+    ]
     logits = torch.randn(3, V)
     with HostCopies() as mode:
         out = sample(logits, _states(params), [[], [], []], [0, 0, 0])

@@ -33,34 +33,65 @@ BAD = "not-a-value!"  # no row reads this as its sample value; most refuse it
 def samples(tmp: Path) -> dict[str, tuple[str, object]]:
     """A valid, non-default text value for each config row, and what it parses to."""
     return {
-        "host": ("0.0.0.0", "0.0.0.0"), "port": ("8123", 8123), "slots": ("4", 4),
-        "queue_depth": ("3", 3), "queue_timeout": ("2.5", 2.5), "prefill_chunk": ("64", 64),
-        "cpu_dies": ("2", 2), "cpu_die_budget": ("1GiB", 1 << 30),
-        "kv_budget": ("2MiB", 2 << 20), "admit_ctx": ("1024", 1024), "die_reserve": ("0", 0),
-        "pressure_thresholds": ("0.5,0.6,0.7", (0.5, 0.6, 0.7)), "max_model_len": ("256", 256),
-        "dtype": ("float32", "float32"), "max_body": ("1MiB", 1 << 20),
-        "hello_timeout": ("5", 5.0), "worker_threads": ("2", 2), "log_level": ("DEBUG", "debug"),
-        "test_hooks": ("1", True), "api_key": ("k1", ("k1",)), "admin_key": ("adm", "adm"),
-        "models_dir": (str(tmp), (os.path.realpath(tmp),)), "max_messages": ("10", 10),
-        "max_n": ("3", 3), "max_tokens_limit": ("100", 100), "max_stop": ("2", 2),
-        "max_stop_len": ("9", 9), "log_format": ("json", "json"),
-        "drain_timeout": ("3", 3.0), "registry_url": ("http://r:1/", "http://r:1"),
-        "registry_heartbeat": ("2", 2.0), "node_id": ("n1", "n1"),
-        "registry_transport": ("rdma", "rdma"), "advertise_host": ("h", "h"),
-        "worker_restarts": ("0", 0), "restart_backoff": ("1", 1.0), "step_timeout": ("10", 10.0),
-        "step_target": ("0.1", 0.1), "worker_listen": ("tcp://127.0.0.1:5999",
-                                                       "tcp://127.0.0.1:5999"),
-        "curve_dir": ("/k", "/k"), "driver_sample": ("1", True), "prefill_batch": ("0", False),
-        "step_stats": ("1", True), "kv_q4": ("0", False), "cpu_path": ("fp32", "fp32"),
-        "compile": ("1", True), "async_poll_us": ("2000", 2000),
+        "host": ("0.0.0.0", "0.0.0.0"),
+        "port": ("8123", 8123),
+        "slots": ("4", 4),
+        "queue_depth": ("3", 3),
+        "queue_timeout": ("2.5", 2.5),
+        "prefill_chunk": ("64", 64),
+        "cpu_dies": ("2", 2),
+        "cpu_die_budget": ("1GiB", 1 << 30),
+        "kv_budget": ("2MiB", 2 << 20),
+        "admit_ctx": ("1024", 1024),
+        "die_reserve": ("0", 0),
+        "pressure_thresholds": ("0.5,0.6,0.7", (0.5, 0.6, 0.7)),
+        "max_model_len": ("256", 256),
+        "dtype": ("float32", "float32"),
+        "max_body": ("1MiB", 1 << 20),
+        "hello_timeout": ("5", 5.0),
+        "worker_threads": ("2", 2),
+        "log_level": ("DEBUG", "debug"),
+        "test_hooks": ("1", True),
+        "api_key": ("k1", ("k1",)),
+        "admin_key": ("adm", "adm"),
+        "models_dir": (str(tmp), (os.path.realpath(tmp),)),
+        "max_messages": ("10", 10),
+        "max_n": ("3", 3),
+        "max_tokens_limit": ("100", 100),
+        "max_stop": ("2", 2),
+        "max_stop_len": ("9", 9),
+        "log_format": ("json", "json"),
+        "drain_timeout": ("3", 3.0),
+        "registry_url": ("http://r:1/", "http://r:1"),
+        "registry_heartbeat": ("2", 2.0),
+        "node_id": ("n1", "n1"),
+        "registry_transport": ("rdma", "rdma"),
+        "advertise_host": ("h", "h"),
+        "worker_restarts": ("0", 0),
+        "restart_backoff": ("1", 1.0),
+        "step_timeout": ("10", 10.0),
+        "step_target": ("0.1", 0.1),
+        "worker_listen": ("tcp://127.0.0.1:5999", "tcp://127.0.0.1:5999"),
+        "curve_dir": ("/k", "/k"),
+        "driver_sample": ("1", True),
+        "prefill_batch": ("0", False),
+        "step_stats": ("1", True),
+        "kv_q4": ("0", False),
+        "cpu_path": ("fp32", "fp32"),
+        "compile": ("1", True),
+        "async_poll_us": ("2000", 2000),
     }
 
 
 # a value each typed or checked row refuses (str rows without a check accept anything)
-BAD_VALUES = {"int": "x", "float": "x", "bool": "maybe", "size": "lots", "size0": "lots",
-              "thresholds": "1,2"}
-BAD_BY_NAME = {"dtype": "fp8", "log_format": "xml", "registry_url": "ftp://x",
-               "cpu_path": "nope", "models_dir": "/no/such/folder/at/all"}
+BAD_VALUES = {"int": "x", "float": "x", "bool": "maybe", "size": "lots", "size0": "lots", "thresholds": "1,2"}
+BAD_BY_NAME = {
+    "dtype": "fp8",
+    "log_format": "xml",
+    "registry_url": "ftp://x",
+    "cpu_path": "nope",
+    "models_dir": "/no/such/folder/at/all",
+}
 # the spec's aliases that mean something of their own
 ENV_EXPECT = {"QWEN35_BATCH_SLOTS": 8}  # 1 (here: any n > 0) turns on batching: 8 slots
 
@@ -115,8 +146,11 @@ def test_every_row_yields_its_flag_env_and_toml_key(tmp_path):
 
 
 def test_toml_native_types(tmp_path):
-    c = with_file(tmp_path, 'port = 9001\nqueue_timeout = 2\nstep_stats = true\n'
-                  'api_key = ["a", "b"]\nmax_body = 4096\nmax_tokens = 7\n')
+    c = with_file(
+        tmp_path,
+        "port = 9001\nqueue_timeout = 2\nstep_stats = true\n"
+        'api_key = ["a", "b"]\nmax_body = 4096\nmax_tokens = 7\n',
+    )
     assert (c.port, c.queue_timeout_s, c.ops.step_stats) == (9001, 2.0, True)
     assert c.ops.api_keys == ("a", "b") and c.max_body_bytes == 4096
     assert c.ops.limits.max_tokens == 7  # an alias key of max_tokens_limit
@@ -169,9 +203,12 @@ def test_bad_value_names_its_source(tmp_path):
                 build_config(merge_config_file({"config": str(f)}, {}), {})
     assert checked >= 30
     # range checks too, not only parsing
-    for args, env, what in (({"port": 70000}, {}, "--port"), ({}, {"PANTHEON_PORT": "70000"},
-                            "PANTHEON_PORT"), ({}, {"BS_QUEUE_DEPTH": "-1"}, "BS_QUEUE_DEPTH"),
-                            ({"max_n": 999}, {}, "--max-n")):
+    for args, env, what in (
+        ({"port": 70000}, {}, "--port"),
+        ({}, {"PANTHEON_PORT": "70000"}, "PANTHEON_PORT"),
+        ({}, {"BS_QUEUE_DEPTH": "-1"}, "BS_QUEUE_DEPTH"),
+        ({"max_n": 999}, {}, "--max-n"),
+    ):
         with pytest.raises(ConfigError, match=re.escape(what)):
             build_config(args, env)
     f.write_text("max_n = 999\n")
@@ -200,9 +237,12 @@ def test_config_never_imports_workerlink():
     for path in sorted((ROOT / "pantheon" / "config").glob("*.py")):
         bad = [n for n, _ in imports(path) if n.startswith("pantheon.workerlink")]
         assert not bad, f"{path.name} imports {bad}"
-    code = ("import sys; import pantheon.config.settings, pantheon.config.cli, "
-            "pantheon.config.file, pantheon.config.ops; "
-            "bad = [m for m in sys.modules if m.startswith('pantheon.workerlink')]; "
-            "assert not bad, bad; import pantheon.workerlink.curve")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
-                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    code = (
+        "import sys; import pantheon.config.settings, pantheon.config.cli, "
+        "pantheon.config.file, pantheon.config.ops; "
+        "bad = [m for m in sys.modules if m.startswith('pantheon.workerlink')]; "
+        "assert not bad, bad; import pantheon.workerlink.curve"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT))
+    )

@@ -10,7 +10,9 @@ def test_split_placement_gives_the_same_tokens(model_factory):
     two = Engine(path, devices=["cpu", "cpu"], dtype="float32", kv_budget_bytes=2 << 20)
     outs = []
     for eng in (one, two):
-        eng.submit("r", [4, 8, 15, 16, 23, 42], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        eng.submit(
+            "r", [4, 8, 15, 16, 23, 42], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        )
         toks = []
         while eng.has_work():
             toks += [o.token for o in eng.step()]

@@ -24,8 +24,10 @@ def die_line(die: DieState, width: int) -> Text:
     used = die.weights_bytes + die.kv_bytes
     nums = f" {human_bytes(used)}/{human_bytes(die.budget_bytes)}"
     level = f" {pressure_name(die.pressure)}{restarts}"
-    detail = (f"  w {human_bytes(die.weights_bytes)} kv {human_bytes(die.kv_bytes)}"
-              f" free {human_bytes(die.free_bytes)}")
+    detail = (
+        f"  w {human_bytes(die.weights_bytes)} kv {human_bytes(die.kv_bytes)}"
+        f" free {human_bytes(die.free_bytes)}"
+    )
     if die.cpu_path or die.isa:  # how a CPU die computes: its chosen path and the ISA
         detail += f"  {die.cpu_path or '-'}{f' ({die.isa})' if die.isa else ''}"
     if die.restarts and die.last_death:
@@ -42,7 +44,7 @@ def die_line(die: DieState, width: int) -> Text:
     t.append(KV * k, f"{colour} dim")
     t.append(FREE * f, "grey42")
     t.append(nums)
-    t.append(level[:len(level) - len(restarts)], f"bold {colour}")
+    t.append(level[: len(level) - len(restarts)], f"bold {colour}")
     t.append(restarts, "bold yellow")
     t.append(detail, "dim")
     return t
@@ -62,11 +64,15 @@ class DiesPanel(SnapshotPanel):
         width = max(20, self.size.width)
         lines = [die_line(d, width) for d in snap.dies] or [Text("no dies", "dim")]
         if snap.host_total_bytes:
-            lines.append(Text(f"host   {human_bytes(snap.host_available_bytes)} available of "
-                              f"{human_bytes(snap.host_total_bytes)}", "dim"))
+            lines.append(
+                Text(
+                    f"host   {human_bytes(snap.host_available_bytes)} available of "
+                    f"{human_bytes(snap.host_total_bytes)}",
+                    "dim",
+                )
+            )
         legend = Text(no_wrap=True)
-        for ch, label, style in ((WEIGHTS, "weights", ""), (KV, "KV cache", "dim"),
-                                 (FREE, "free", "grey42")):
+        for ch, label, style in ((WEIGHTS, "weights", ""), (KV, "KV cache", "dim"), (FREE, "free", "grey42")):
             legend.append(f"{ch}{ch} ", style)
             legend.append(f"{label}  ", "dim")
         lines.append(legend)

@@ -12,9 +12,16 @@ from textual.widget import Widget
 from pantheon.snapshot import Event
 from tui.format import clock_time, join_lines
 
-KIND_STYLES = {"load": "cyan", "loaded": "green", "load_failed": "bold red",
-               "unload": "cyan", "unloaded": "green", "worker_dead": "bold red",
-               "reject_429": "yellow", "reject_503": "red"}
+KIND_STYLES = {
+    "load": "cyan",
+    "loaded": "green",
+    "load_failed": "bold red",
+    "unload": "cyan",
+    "unloaded": "green",
+    "worker_dead": "bold red",
+    "reject_429": "yellow",
+    "reject_503": "red",
+}
 
 
 def event_key(e: Event) -> tuple[float, str, str]:

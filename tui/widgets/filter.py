@@ -11,8 +11,7 @@ class FilterBar(Input):
     """An Input docked at the bottom; Enter keeps the filter, Escape clears it. It reports with
     ``FilterBar.Done`` so the App can hide it and give the focus back to the table."""
 
-    BINDINGS = [Binding("escape", "clear_filter", "Clear filter", show=False,
-                        id="filter.clear")]
+    BINDINGS = [Binding("escape", "clear_filter", "Clear filter", show=False, id="filter.clear")]
 
     class Done(Message):
         """Editing ended; ``cleared`` when Escape dropped the filter."""

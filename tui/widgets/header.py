@@ -47,8 +47,7 @@ class StatusHeader(Widget):
         t.append(human_age(age), "bold" if age is None or age < 5 else "bold yellow")
         if self.pressure is not None:
             t.append("  pressure ", "dim")
-            t.append(f" {pressure_name(self.pressure)} ",
-                     f"bold black on {pressure_colour(self.pressure)}")
+            t.append(f" {pressure_name(self.pressure)} ", f"bold black on {pressure_colour(self.pressure)}")
         if self.paused:
             t.append("  PAUSED ", "bold reverse yellow")
         if self.filter_text:

@@ -47,7 +47,7 @@ SORT_KEYS = {key: fn for key, _, fn in COLUMNS}
 def instance_label(inst: InstanceState) -> Text:
     """``tiny#1``: the id, which names the model; an id that does not gets the name added."""
     if inst.id.startswith(inst.name):
-        return Text.assemble((inst.name, "bold"), (inst.id[len(inst.name):], "dim"))
+        return Text.assemble((inst.name, "bold"), (inst.id[len(inst.name) :], "dim"))
     return Text.assemble((inst.name, "bold"), (f" {inst.id}", "dim"))
 
 
@@ -55,16 +55,19 @@ def cells(inst: InstanceState, draining: bool) -> list[Text]:
     state = instance_state(inst, draining)
     hit = "-" if inst.cache_hit_rate is None else f"{100 * inst.cache_hit_rate:.0f}%"
     busy = busy_slots(inst)
-    return [instance_label(inst), Text(",".join(inst.dies)),
-            Text(state, state_style(state)),
-            Text(f"{busy}/{len(inst.slots)}", "bold cyan" if busy else ""),
-            Text(str(inst.queued), "bold yellow" if inst.queued else ""),
-            Text(human_bytes(inst.weights_bytes), justify="right"),
-            Text(human_bytes(inst.kv_bytes), justify="right"), Text(hit, justify="right")]
+    return [
+        instance_label(inst),
+        Text(",".join(inst.dies)),
+        Text(state, state_style(state)),
+        Text(f"{busy}/{len(inst.slots)}", "bold cyan" if busy else ""),
+        Text(str(inst.queued), "bold yellow" if inst.queued else ""),
+        Text(human_bytes(inst.weights_bytes), justify="right"),
+        Text(human_bytes(inst.kv_bytes), justify="right"),
+        Text(hit, justify="right"),
+    ]
 
 
-def visible(insts: list[InstanceState], filter_text: str, sort: str,
-            reverse: bool) -> list[InstanceState]:
+def visible(insts: list[InstanceState], filter_text: str, sort: str, reverse: bool) -> list[InstanceState]:
     """The rows to show: names (or ids) containing the filter, case-insensitive, sorted."""
     needle = filter_text.strip().lower()
     rows = [i for i in insts if needle in i.name.lower() or needle in i.id.lower()]
@@ -134,8 +137,7 @@ class InstancesTable(DataTable):
     def shown(self) -> list[InstanceState]:
         """The instances shown, in the table's order (the slot grid follows it)."""
         snap = self.snapshot
-        return visible(snap.instances if snap else [], self.filter_text, self.sort_column,
-                       self.sort_reverse)
+        return visible(snap.instances if snap else [], self.filter_text, self.sort_column, self.sort_reverse)
 
     def _update_rows(self, force: bool = False) -> None:
         if not self.columns:  # not mounted yet: on_mount's first refresh comes later

@@ -56,8 +56,7 @@ class QueuePanel(SnapshotPanel):
         counts.append("  ")
         counts.append(f"503 {c.rejected_503}", "bold red" if c.rejected_503 else "dim")
         counts.append(f"  loads {c.loads}  unloads {c.unloads}  ", "dim")
-        counts.append(f"load failures {c.load_failures}",
-                      "bold red" if c.load_failures else "dim")
+        counts.append(f"load failures {c.load_failures}", "bold red" if c.load_failures else "dim")
         lines.append(counts)
         return join_lines(lines)
 
@@ -77,9 +76,14 @@ class TailSparkline(Sparkline):
         _, base = self.background_colors
         low = base + self.get_component_styles("sparkline--min-color").color
         high = base + self.get_component_styles("sparkline--max-color").color
-        return SparklineRenderable(data, width=width, height=self.size.height,
-                                   min_color=low.rich_color, max_color=high.rich_color,
-                                   summary_function=self.summary_function)
+        return SparklineRenderable(
+            data,
+            width=width,
+            height=self.size.height,
+            min_color=low.rich_color,
+            max_color=high.rich_color,
+            summary_function=self.summary_function,
+        )
 
 
 class Throughput(Widget):
@@ -134,7 +138,8 @@ class Throughput(Widget):
         queued.append(str(sum(q.depth for q in snap.queues)) if snap else "-", "bold")
         if snap:
             c = snap.counters
-            queued.append(f"  served {human_count(c.requests)} requests, "
-                          f"{human_count(c.tokens)} tokens", "dim")
+            queued.append(
+                f"  served {human_count(c.requests)} requests, {human_count(c.tokens)} tokens", "dim"
+            )
         self.query_one("#tok-label", Static).update(tok)
         self.query_one("#queue-label", Static).update(queued)

@@ -10,8 +10,12 @@ from tui.format import busy_slots, instance_state, join_lines, slot_kind, state_
 from tui.widgets import AutoHeight
 
 CELL = 24  # characters per slot cell, separator included
-MARKS = {"idle": ("·", "grey50"), "warm": ("○", "blue"), "prefill": ("◐", "bold yellow"),
-         "decode": ("▶", "bold green")}
+MARKS = {
+    "idle": ("·", "grey50"),
+    "warm": ("○", "blue"),
+    "prefill": ("◐", "bold yellow"),
+    "decode": ("▶", "bold green"),
+}
 
 
 def slot_cell(index: int, slot: SlotState) -> Text:
@@ -73,8 +77,10 @@ class SlotGrid(AutoHeight):
         head.append("▶ " if marked else "  ", "bold cyan")
         head.append(inst.id, "bold reverse" if marked else "bold")
         head.append(f"  {state}", state_style(state))
-        head.append(f"  {busy_slots(inst)}/{len(inst.slots)} busy  in flight {inst.in_flight}"
-                    f"  queued {inst.queued}", "dim")
+        head.append(
+            f"  {busy_slots(inst)}/{len(inst.slots)} busy  in flight {inst.in_flight}  queued {inst.queued}",
+            "dim",
+        )
         if inst.quantized:
             head.append("  int8", "magenta")
         lines = [head]
@@ -85,7 +91,7 @@ class SlotGrid(AutoHeight):
         per_row = max(1, (width - 1) // CELL)
         for start in range(0, len(inst.slots), per_row):
             row = Text("  ", no_wrap=True, overflow="crop")
-            for n, slot in enumerate(inst.slots[start:start + per_row], start):
+            for n, slot in enumerate(inst.slots[start : start + per_row], start):
                 if n > start:
                     row.append(" ")
                 row.append_text(slot_cell(n, slot))
@@ -96,8 +102,9 @@ class SlotGrid(AutoHeight):
         chosen = [i for i in self.instances if i.id == self.selected]
         shown = list(self.instances) if self.show_all else chosen
         if not shown:
-            return [Text("no instance selected" if self.instances
-                         else "no instances (l loads a model)", "dim")]
+            return [
+                Text("no instance selected" if self.instances else "no instances (l loads a model)", "dim")
+            ]
         lines: list[Text] = []
         for inst in shown:
             lines += self._block(inst, width, marked=self.show_all and inst.id == self.selected)

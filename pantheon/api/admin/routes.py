@@ -107,8 +107,9 @@ async def load():
         raise errors.invalid_param("max_context", "'max_context' must be at least 16 tokens")
     wait = _typed(body, "wait", bool, "a boolean", True)
     s = app_state()
-    inst, task = await s.models.start_load(path, name, dies, quantize, slots=slots,
-                                           max_context=max_context, background=not wait)
+    inst, task = await s.models.start_load(
+        path, name, dies, quantize, slots=slots, max_context=max_context, background=not wait
+    )
     if not wait:
         return json_response({"status": "loading", **instance_view(facts_of(s.project(), inst, s.dies))}, 202)
     await asyncio.shield(task)  # a client that goes away does not stop the load
@@ -122,12 +123,12 @@ async def unload():
     if not isinstance(target, str) or not target:
         raise errors.invalid_param("name", "'name' must be a model name or instance id")
     timeout = body.get("drain_timeout")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(
-            timeout, bool) or not 0 <= timeout <= 3600):
+    if timeout is not None and (
+        not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 <= timeout <= 3600
+    ):
         raise errors.invalid_param("drain_timeout", "'drain_timeout' must be seconds between 0 and 3600")
     done = await app_state().models.unload(target, timeout)
-    return json_response({"status": "unloaded", "instances": [d["instance"] for d in done],
-                          "results": done})
+    return json_response({"status": "unloaded", "instances": [d["instance"] for d in done], "results": done})
 
 
 @bp.get("/admin/models", provide_automatic_options=False)
@@ -141,9 +142,13 @@ async def models():
 async def dies():
     s = app_state()
     total, avail = s.pressure.host_memory()
-    return json_response({"object": "list", "data": [die_view(f) for f in s.project().dies],
-                          "host": {"total_bytes": total, "available_bytes": avail,
-                                   "pressure": s.pressure.host_level()}})
+    return json_response(
+        {
+            "object": "list",
+            "data": [die_view(f) for f in s.project().dies],
+            "host": {"total_bytes": total, "available_bytes": avail, "pressure": s.pressure.host_level()},
+        }
+    )
 
 
 @bp.post("/admin/cache/reset", provide_automatic_options=False)
@@ -203,8 +208,11 @@ async def events():
         finally:
             feed.unsubscribe(queue)
 
-    resp = Response(stream(), content_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    resp = Response(
+        stream(),
+        content_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
     resp.timeout = None
     return resp
 
@@ -227,5 +235,4 @@ async def test_pressure():
         s.pressure.force(level, die)
     s.registry.poke()  # waiters held by the old level may go now
     s.note_pressure()
-    return json_response({"status": "ok", "forced": {str(k): v for k, v in
-                                                     s.pressure.forced.items()}})
+    return json_response({"status": "ok", "forced": {str(k): v for k, v in s.pressure.forced.items()}})

@@ -14,15 +14,27 @@ def instance_view(f: InstanceFacts) -> dict:
     """One row of GET /admin/models: the registry's, the worker's and the die manager's view."""
     inst, es = f.inst, f.engine
     out = inst.info()
-    out.update(weights_bytes=f.weights_bytes, kv_bytes=f.kv_bytes, queue_depth=f.queued,
-               kv_pool_tokens=inst.kv_pool_tokens, slots_busy=f.slots_busy)
+    out.update(
+        weights_bytes=f.weights_bytes,
+        kv_bytes=f.kv_bytes,
+        queue_depth=f.queued,
+        kv_pool_tokens=inst.kv_pool_tokens,
+        slots_busy=f.slots_busy,
+    )
     if es is not None:
         block = es.kv_bytes // es.kv_blocks_total if es.kv_blocks_total else 0
-        out.update(engine_waiting=es.waiting, kv_blocks_used=es.kv_blocks_used,
-                   kv_blocks_total=es.kv_blocks_total,
-                   cache={"blocks": es.kv_blocks_cached, "bytes": es.kv_blocks_cached * block,
-                          "hit_blocks": es.cache_hit_blocks,
-                          "query_blocks": es.cache_query_blocks, "hit_rate": f.hit_rate})
+        out.update(
+            engine_waiting=es.waiting,
+            kv_blocks_used=es.kv_blocks_used,
+            kv_blocks_total=es.kv_blocks_total,
+            cache={
+                "blocks": es.kv_blocks_cached,
+                "bytes": es.kv_blocks_cached * block,
+                "hit_blocks": es.cache_hit_blocks,
+                "query_blocks": es.cache_query_blocks,
+                "hit_rate": f.hit_rate,
+            },
+        )
     return out
 
 
@@ -41,32 +53,39 @@ def die_view(f: DieFacts) -> dict:
     d, wk = f.die, f.worker
     stats = wk.last_stats if wk is not None else None
     return {
-        "die": d.id, "kind": d.kind,
+        "die": d.id,
+        "kind": d.kind,
         "device_name": d.device_name or (wk.device_name if wk is not None else ""),
-        "alive": f.alive, "worker": "running" if f.alive else (
-            "dead" if wk is not None else "not started"),
+        "alive": f.alive,
+        "worker": "running" if f.alive else ("dead" if wk is not None else "not started"),
         "pid": wk.pid if wk is not None else None,
         "error": wk.error if wk is not None and not wk.alive else None,
         # liveness: deaths and restarts since start, the latest death's reason (kept after
         # the restart), and the heartbeat's view of the step running now
         "deaths": wk.deaths if wk is not None else 0,
         "restarts": wk.restarts if wk is not None else 0,
-        "last_death": ({"reason": wk.last_death, "at": wk.last_death_at}
-                       if wk is not None and wk.last_death else None),
-        "step_running_s": (round(wk.beat.turn_s, 3) if wk is not None and wk.alive and
-                           wk.beat is not None else None),
+        "last_death": (
+            {"reason": wk.last_death, "at": wk.last_death_at} if wk is not None and wk.last_death else None
+        ),
+        "step_running_s": (
+            round(wk.beat.turn_s, 3) if wk is not None and wk.alive and wk.beat is not None else None
+        ),
         "steps": wk.beat.steps if wk is not None and wk.beat is not None else None,
-        "total_bytes": d.total_bytes, "reserve_bytes": d.reserve_bytes,
-        "budget_bytes": d.budget_bytes, "used_bytes": d.used_bytes,
-        "weights_bytes": d.weights_bytes, "kv_bytes": d.kv_bytes,
+        "total_bytes": d.total_bytes,
+        "reserve_bytes": d.reserve_bytes,
+        "budget_bytes": d.budget_bytes,
+        "used_bytes": d.used_bytes,
+        "weights_bytes": d.weights_bytes,
+        "kv_bytes": d.kv_bytes,
         "free_bytes": max(0, d.budget_bytes - d.used_bytes),
         "measured_free_bytes": wk.free_bytes if wk is not None else None,
-        "pressure": f.pressure, "pressure_name": NAMES[f.pressure],
+        "pressure": f.pressure,
+        "pressure_name": NAMES[f.pressure],
         # CPU dies: the vector ISA, which CPU paths work here, and each instance's choice
         "isa": (wk.cpu_isa or None) if wk is not None else None,
         "cpu_paths": {n: (why or "ok") for n, why in wk.cpu_paths.items()} if wk else {},
         "cpu_path": f.cpu_path or None,
         "step_ms_avg": stats.step_ms_avg if stats is not None else None,
-        "bookings": {iid: {"weights_bytes": b[0], "kv_bytes": b[1]}
-                     for iid, b in sorted(d.bookings.items())},
-        "instances": [instance_view(i) for i in f.instances]}
+        "bookings": {iid: {"weights_bytes": b[0], "kv_bytes": b[1]} for iid, b in sorted(d.bookings.items())},
+        "instances": [instance_view(i) for i in f.instances],
+    }

@@ -66,8 +66,9 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     def tools_enabled(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
-    def sampling(self, *, max_tokens: int, stop_token_ids: list[int],
-                 seed: int | None = None) -> SamplingParams:
+    def sampling(
+        self, *, max_tokens: int, stop_token_ids: list[int], seed: int | None = None
+    ) -> SamplingParams:
         greedy = self.temperature == 0.0 or self.top_p == 0.0
         return SamplingParams(
             temperature=0.0 if greedy else self.temperature,
@@ -91,8 +92,9 @@ class ChatRequest(msgspec.Struct, kw_only=True):
 # ---------------------------------------------------------------- field checkers
 
 
-def _int(body: dict, key: str, lo: int | None = None, hi: int | None = None,
-         param: str | None = None) -> int | None:
+def _int(
+    body: dict, key: str, lo: int | None = None, hi: int | None = None, param: str | None = None
+) -> int | None:
     v = body.get(key)
     param = param or key
     if v is None:
@@ -107,8 +109,9 @@ def _int(body: dict, key: str, lo: int | None = None, hi: int | None = None,
     return v
 
 
-def _num(body: dict, key: str, lo: float | None = None, hi: float | None = None,
-         *, lo_open: bool = False) -> float | None:
+def _num(
+    body: dict, key: str, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False
+) -> float | None:
     v = body.get(key)
     if v is None:
         return None
@@ -116,8 +119,9 @@ def _num(body: dict, key: str, lo: float | None = None, hi: float | None = None,
         raise invalid_param(key, f"'{key}' must be a number, got {type(v).__name__}")
     v = float(v)
     if lo is not None and (v < lo or lo_open and v == lo) or hi is not None and v > hi:
-        rng = f"> {lo}" if lo_open and hi is None else (
-            f">= {lo}" if hi is None else f"between {lo} and {hi}")
+        rng = (
+            f"> {lo}" if lo_open and hi is None else (f">= {lo}" if hi is None else f"between {lo} and {hi}")
+        )
         raise invalid_param(key, f"'{key}' must be {rng}, got {v}")
     return v
 
@@ -163,8 +167,7 @@ def _text(content: Any, param: str, *, allow_null: bool = False) -> str | None:
         elif kind == "refusal":
             continue
         else:
-            raise invalid_param(f"{p}.type", f"content part type {kind!r} is not supported "
-                                             "(only 'text')")
+            raise invalid_param(f"{p}.type", f"content part type {kind!r} is not supported (only 'text')")
     return "\n".join(parts)
 
 
@@ -218,8 +221,9 @@ def _assistant_tool_calls(calls: Any, p: str) -> list[dict[str, Any]]:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
                 pass
-        out.append({"id": c.get("id") or "", "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
+        out.append(
+            {"id": c.get("id") or "", "type": "function", "function": {"name": fn["name"], "arguments": args}}
+        )
     return out
 
 
@@ -243,10 +247,8 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
             raise invalid_param(f"{p}.function.name", f"tool name {name!r} is given twice")
         params = _typed(fn, "parameters", dict, "an object", f"{p}.function.parameters")
         desc = _str(fn, "description", f"{p}.function.description")
-        clean: dict[str, Any] = {"name": name} if desc is None else {"name": name,
-                                                                     "description": desc}
-        clean["parameters"] = params if params is not None else {"type": "object",
-                                                                  "properties": {}}
+        clean: dict[str, Any] = {"name": name} if desc is None else {"name": name, "description": desc}
+        clean["parameters"] = params if params is not None else {"type": "object", "properties": {}}
         out.append({"type": "function", "function": clean})
     return out or None
 
@@ -257,21 +259,23 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[str, str | None]
         return "auto", None
     if isinstance(tc, str):
         if tc not in ("none", "auto", "required"):
-            raise invalid_param("tool_choice", "'tool_choice' must be none, auto, required or "
-                                               "a named function")
+            raise invalid_param(
+                "tool_choice", "'tool_choice' must be none, auto, required or a named function"
+            )
         if tc == "required" and not tools:
             raise invalid_param("tool_choice", "tool_choice 'required' needs 'tools'")
         return tc, None
-    if not isinstance(tc, dict) or tc.get("type") != "function" or not isinstance(
-            tc.get("function"), dict):
-        raise invalid_param("tool_choice", "'tool_choice' object must be "
-                                           "{'type': 'function', 'function': {'name': ...}}")
+    if not isinstance(tc, dict) or tc.get("type") != "function" or not isinstance(tc.get("function"), dict):
+        raise invalid_param(
+            "tool_choice", "'tool_choice' object must be {'type': 'function', 'function': {'name': ...}}"
+        )
     name = tc["function"].get("name")
     if not isinstance(name, str):
         raise invalid_param("tool_choice.function.name", "'tool_choice.function.name' must be a string")
     if not tools or name not in {t["function"]["name"] for t in tools}:
-        raise invalid_param("tool_choice.function.name", f"tool_choice names {name!r}, which is not in "
-                                                         "'tools'")
+        raise invalid_param(
+            "tool_choice.function.name", f"tool_choice names {name!r}, which is not in 'tools'"
+        )
     return "function", name
 
 
@@ -287,8 +291,7 @@ def _stop(v: Any) -> list[str]:
     return [s for s in v if s]
 
 
-def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = None
-                       ) -> ChatRequest:
+def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = None) -> ChatRequest:
     """Bytes (or an already decoded value) -> ``ChatRequest``; raises ``ApiError`` (400)."""
     if isinstance(raw, (bytes, bytearray, str)):
         try:
@@ -311,8 +314,13 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     kw: dict[str, Any] = {"model": model, "messages": messages}
     mct = _int(body, "max_completion_tokens", 1)
     kw["max_tokens"] = mct if mct is not None else _int(body, "max_tokens", 1)
-    for key, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
-                        ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+    for key, lo, hi in (
+        ("temperature", 0.0, 2.0),
+        ("top_p", 0.0, 1.0),
+        ("min_p", 0.0, 1.0),
+        ("presence_penalty", -2.0, 2.0),
+        ("frequency_penalty", -2.0, 2.0),
+    ):
         kw[key] = _num(body, key, lo, hi)
     kw["repetition_penalty"] = _num(body, "repetition_penalty", 0.0, 10.0, lo_open=True)
     window = _int(body, "repetition_window", -1)
@@ -337,8 +345,7 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
         if not isinstance(so, dict):
             raise invalid_param("stream_options", "'stream_options' must be an object")
         if not kw.get("stream"):
-            raise invalid_param("stream_options", "'stream_options' is only allowed when 'stream' "
-                                                  "is true")
+            raise invalid_param("stream_options", "'stream_options' is only allowed when 'stream' is true")
         kw["include_usage"] = bool(_bool(so, "include_usage", "stream_options.include_usage"))
 
     tools = _tools(body.get("tools"))
@@ -350,8 +357,10 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
         if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
             raise invalid_param("response_format", "'response_format' must be an object with a 'type'")
         if rf["type"] not in ("text", "json_object"):
-            raise invalid_param("response_format.type", f"response_format type {rf['type']!r} is not "
-                                                        "supported (text, json_object)")
+            raise invalid_param(
+                "response_format.type",
+                f"response_format type {rf['type']!r} is not supported (text, json_object)",
+            )
         kw["response_format"] = rf["type"]
 
     kw["user"] = _str(body, "user")
@@ -377,8 +386,9 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, *, cached_tokens: int = 0,
-          reasoning_tokens: int = 0) -> dict:
+def usage(
+    prompt_tokens: int, completion_tokens: int, *, cached_tokens: int = 0, reasoning_tokens: int = 0
+) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -388,8 +398,9 @@ def usage(prompt_tokens: int, completion_tokens: int, *, cached_tokens: int = 0,
     }
 
 
-def message(content: str | None, *, reasoning: str | None = None,
-            tool_calls: list[dict] | None = None) -> dict:
+def message(
+    content: str | None, *, reasoning: str | None = None, tool_calls: list[dict] | None = None
+) -> dict:
     msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if tool_calls:
         msg["tool_calls"] = tool_calls
@@ -404,47 +415,74 @@ def tool_call(id: str, name: str, arguments: str) -> dict:
     return {"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def choice(index: int, msg: dict, finish_reason: str, logprobs: list[dict] | None = None
-           ) -> dict:
+def choice(index: int, msg: dict, finish_reason: str, logprobs: list[dict] | None = None) -> dict:
     lp = None if logprobs is None else {"content": logprobs, "refusal": None}
     return {"index": index, "message": msg, "logprobs": lp, "finish_reason": finish_reason}
 
 
-def chat_completion(id: str, created: int, model: str, fingerprint: str, choices: list[dict],
-                    usage_: dict) -> dict:
-    return {"id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_, "system_fingerprint": fingerprint,
-            "service_tier": "default"}
+def chat_completion(
+    id: str, created: int, model: str, fingerprint: str, choices: list[dict], usage_: dict
+) -> dict:
+    return {
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+        "system_fingerprint": fingerprint,
+        "service_tier": "default",
+    }
 
 
-def chunk(id: str, created: int, model: str, fingerprint: str, choices: list[dict], *,
-          include_usage: bool = False, usage_: dict | None = None) -> dict:
-    out = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-           "system_fingerprint": fingerprint, "choices": choices}
+def chunk(
+    id: str,
+    created: int,
+    model: str,
+    fingerprint: str,
+    choices: list[dict],
+    *,
+    include_usage: bool = False,
+    usage_: dict | None = None,
+) -> dict:
+    out = {
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": choices,
+    }
     if include_usage:
         out["usage"] = usage_
     return out
 
 
-def chunk_choice(index: int, delta: dict, finish_reason: str | None = None,
-                 logprobs: list[dict] | None = None) -> dict:
+def chunk_choice(
+    index: int, delta: dict, finish_reason: str | None = None, logprobs: list[dict] | None = None
+) -> dict:
     lp = None if logprobs is None else {"content": logprobs, "refusal": None}
     return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
 
 
-def token_logprob(token: str, logprob: float, raw: bytes | None,
-                  top: Sequence[tuple[str, float, bytes | None]] = ()) -> dict:
+def token_logprob(
+    token: str, logprob: float, raw: bytes | None, top: Sequence[tuple[str, float, bytes | None]] = ()
+) -> dict:
     def fin(x: float) -> float:
         return x if math.isfinite(x) else -9999.0
 
-    return {"token": token, "logprob": fin(logprob), "bytes": None if raw is None else list(raw),
-            "top_logprobs": [{"token": t, "logprob": fin(lp),
-                              "bytes": None if b is None else list(b)} for t, lp, b in top]}
+    return {
+        "token": token,
+        "logprob": fin(logprob),
+        "bytes": None if raw is None else list(raw),
+        "top_logprobs": [
+            {"token": t, "logprob": fin(lp), "bytes": None if b is None else list(b)} for t, lp, b in top
+        ],
+    }
 
 
 def model_object(name: str, created: int, max_model_len: int | None) -> dict:
-    out: dict[str, Any] = {"id": name, "object": "model", "created": created,
-                           "owned_by": "pantheon"}
+    out: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "pantheon"}
     if max_model_len is not None:
         out["max_model_len"] = max_model_len
     return out

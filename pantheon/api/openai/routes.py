@@ -57,8 +57,7 @@ async def get_model(model_id: str):
 async def _fit_context(inst: Instance, req: ChatRequest, big: bool) -> Prepared:
     """Render and tokenize for ``inst``, and fit the context to its limit (pass / cap / 400)."""
     if big:  # long prompts tokenize off the event loop
-        return await asyncio.to_thread(fit_context, inst.assets, req, limit_of(inst),
-                                       limit_of(inst))
+        return await asyncio.to_thread(fit_context, inst.assets, req, limit_of(inst), limit_of(inst))
     return fit_context(inst.assets, req, limit_of(inst), limit_of(inst))
 
 
@@ -77,8 +76,9 @@ async def _place(s: AppState, req: ChatRequest, big: bool) -> tuple[Instance, Pr
     return inst, prep
 
 
-async def _through_recovery(s: AppState, place: Callable[[], Awaitable[tuple[Instance, Prepared]]],
-                            model: str | None) -> tuple[Instance, Prepared]:
+async def _through_recovery(
+    s: AppState, place: Callable[[], Awaitable[tuple[Instance, Prepared]]], model: str | None
+) -> tuple[Instance, Prepared]:
     """``place()``, waiting while the model restarts after a worker death when a supervisor
     runs (``pantheon.control.supervisor``)."""
     if s.supervisor is None:
@@ -94,14 +94,14 @@ async def chat():
     req = oa.parse_chat_request(raw, header_session=request.headers.get("X-Session-Id"))
     ops.check_request(req)  # the request limits (400), and the model for the trace
     try:
-        inst, prep = await _through_recovery(s, lambda: _place(s, req, len(raw) > BIG_BODY),
-                                             req.model)
+        inst, prep = await _through_recovery(s, lambda: _place(s, req, len(raw) > BIG_BODY), req.model)
     except ApiError as e:
         s.feed.reject(e.status, req.model, e.code, e.message)  # counts 429s and 503s
         raise
     try:
-        gen = Generation(s.pool, inst, req, prep, s.config.fingerprint, arrived=arrived,
-                         on_tokens=s.feed.tokens)
+        gen = Generation(
+            s.pool, inst, req, prep, s.config.fingerprint, arrived=arrived, on_tokens=s.feed.tokens
+        )
     except BaseException:
         s.registry.leave(inst)
         raise
@@ -123,8 +123,12 @@ async def chat():
             done()
         return json_response(out, headers=headers)
     body = _Body(gen.stream_chunks(), done)
-    resp = Response(body, status=200, content_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+    resp = Response(
+        body,
+        status=200,
+        content_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+    )
     resp.timeout = None
     return resp
 
@@ -155,6 +159,3 @@ class _Body:
 
     def __del__(self):
         self._release()
-
-
-

@@ -66,7 +66,9 @@ class ForcedCall:
     wrapper's closing ``}`` and ``</tool_call>``, is that call's arguments, streamed as it comes.
     Same interface as the emitter (``feed``, ``finish``, ``stopped``)."""
 
-    _TAIL = re.compile(r"(?:\}\s*)?\s*(?:<(?:/(?:t(?:o(?:o(?:l(?:_(?:c(?:a(?:l(?:l(?:>)?)?)?)?)?)?)?)?)?)?)?)?$")
+    _TAIL = re.compile(
+        r"(?:\}\s*)?\s*(?:<(?:/(?:t(?:o(?:o(?:l(?:_(?:c(?:a(?:l(?:l(?:>)?)?)?)?)?)?)?)?)?)?)?)?$"
+    )
 
     def __init__(self, name: str):
         self.name = name
@@ -102,8 +104,7 @@ class ForcedCall:
 
     def finish(self) -> list[Delta]:
         body, self._buf = self._buf.rstrip(), ""
-        if body.endswith("}") and not _is_json(self._sent + body) and _is_json(
-                self._sent + body[:-1]):
+        if body.endswith("}") and not _is_json(self._sent + body) and _is_json(self._sent + body[:-1]):
             body = body[:-1].rstrip()
         return self._args(body)
 
@@ -141,8 +142,17 @@ class ChoiceRun:
 class Generation:
     """One chat request on one instance: ``n`` choices, streamed or collected."""
 
-    def __init__(self, pool: Any, inst: Any, req: ChatRequest, prep: Prepared, fingerprint: str,
-                 *, arrived: float | None = None, on_tokens: Any = None):
+    def __init__(
+        self,
+        pool: Any,
+        inst: Any,
+        req: ChatRequest,
+        prep: Prepared,
+        fingerprint: str,
+        *,
+        arrived: float | None = None,
+        on_tokens: Any = None,
+    ):
         """``arrived``: the request's arrival (``time.monotonic()``), for the time to first
         token; ``on_tokens(n)``: called with each batch's count of generated tokens."""
         self.pool, self.inst, self.req, self.prep = pool, inst, req, prep
@@ -180,23 +190,33 @@ class Generation:
         req, prep, assets = self.req, self.prep, self.inst.assets
         if prep.forced is not None:
             return ForcedCall(prep.forced)
-        return Emitter(reasoning=assets.reasoning, stop=req.stop,
-                       tools_enabled=req.tools_enabled, think_open=prep.think_open)
+        return Emitter(
+            reasoning=assets.reasoning,
+            stop=req.stop,
+            tools_enabled=req.tools_enabled,
+            think_open=prep.think_open,
+        )
 
     async def _pieces(self, run: ChoiceRun) -> AsyncGenerator[Piece, None]:
         """The choice's output, one ``Piece`` per batch of tokens that arrived together."""
         req, prep, assets = self.req, self.prep, self.inst.assets
         emitter = self._emitter()
-        detok = IncrementalDetokenizer(assets.tokenizer, prompt_ids=prep.prompt_ids,
-                                       skip_special_tokens=True)
+        detok = IncrementalDetokenizer(assets.tokenizer, prompt_ids=prep.prompt_ids, skip_special_tokens=True)
         pending = emitter.feed(prep.prefix) if prep.prefix and prep.forced is None else []
         seed = None if req.seed is None else req.seed + run.index
-        params = req.sampling(max_tokens=prep.max_tokens, seed=seed,
-                              stop_token_ids=[] if req.ignore_eos else assets.eos_ids)
+        params = req.sampling(
+            max_tokens=prep.max_tokens, seed=seed, stop_token_ids=[] if req.ignore_eos else assets.eos_ids
+        )
         rid = f"{self.id}-{run.index}-{uuid.uuid4().hex[:6]}"
-        sub = Submit(request_id=rid, instance=self.inst.instance_id, prompt=prep.prompt_ids,
-                     params=params, session_id=req.session_id, cache_salt=req.cache_salt,
-                     use_cache=not prep.capped)
+        sub = Submit(
+            request_id=rid,
+            instance=self.inst.instance_id,
+            prompt=prep.prompt_ids,
+            params=params,
+            session_id=req.session_id,
+            cache_salt=req.cache_salt,
+            use_cache=not prep.capped,
+        )
         stream = None
         try:
             if self.closing:
@@ -310,10 +330,12 @@ class Generation:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def usage(self) -> dict:
-        return oa.usage(len(self.prep.prompt_ids),
-                        sum(r.completion_tokens for r in self.runs),
-                        reasoning_tokens=sum(r.reasoning_tokens for r in self.runs),
-                        cached_tokens=max(r.cached_tokens for r in self.runs))
+        return oa.usage(
+            len(self.prep.prompt_ids),
+            sum(r.completion_tokens for r in self.runs),
+            reasoning_tokens=sum(r.reasoning_tokens for r in self.runs),
+            cached_tokens=max(r.cached_tokens for r in self.runs),
+        )
 
     # ------------------------------------------------------------ streamed
 
@@ -325,13 +347,32 @@ class Generation:
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
         if usage is not None:
-            return oa.sse(self._capped(oa.chunk(self.id, self.created, self.model,
-                                                self.fingerprint, choices, include_usage=True,
-                                                usage_=usage)))
+            return oa.sse(
+                self._capped(
+                    oa.chunk(
+                        self.id,
+                        self.created,
+                        self.model,
+                        self.fingerprint,
+                        choices,
+                        include_usage=True,
+                        usage_=usage,
+                    )
+                )
+            )
         if self._envelope is None:  # the chunk's fixed part, encoded once per request
-            empty = oa.sse(self._capped(oa.chunk(self.id, self.created, self.model,
-                                                 self.fingerprint, [],
-                                                 include_usage=self.req.include_usage)))
+            empty = oa.sse(
+                self._capped(
+                    oa.chunk(
+                        self.id,
+                        self.created,
+                        self.model,
+                        self.fingerprint,
+                        [],
+                        include_usage=self.req.include_usage,
+                    )
+                )
+            )
             head, _, tail = empty.partition(b'"choices":[]')
             self._envelope = (head + b'"choices":[', b"]" + tail)
         head, tail = self._envelope
@@ -375,8 +416,13 @@ class Generation:
                     lp = pending_lp.pop(p.index, []) + (p.logprobs or [])
                     dicts = self._delta_dicts(self.runs[p.index], p.deltas)
                     for j, delta in enumerate(dicts):
-                        yield self._chunk([oa.chunk_choice(
-                            p.index, delta, None, lp if j == 0 and self.req.logprobs else None)])
+                        yield self._chunk(
+                            [
+                                oa.chunk_choice(
+                                    p.index, delta, None, lp if j == 0 and self.req.logprobs else None
+                                )
+                            ]
+                        )
                     if not dicts and lp:
                         pending_lp[p.index] = lp
                     if p.finish is not None:
@@ -400,8 +446,9 @@ class Generation:
                 o = out[p.index]
                 for d in p.deltas:
                     if d.kind == "tool_call":
-                        c = o["calls"].setdefault(d.index, {"id": d.id or oa.tool_call_id(),
-                                                            "name": d.name or "", "args": []})
+                        c = o["calls"].setdefault(
+                            d.index, {"id": d.id or oa.tool_call_id(), "name": d.name or "", "args": []}
+                        )
                         c["name"] = c["name"] or d.name or ""
                         c["args"].append(d.arguments or "")
                     elif d.kind in ("content", "reasoning"):
@@ -409,11 +456,17 @@ class Generation:
                 o["lps"] += p.logprobs or []
         choices = []
         for run, o in zip(self.runs, out):
-            tcs = [oa.tool_call(c["id"], c["name"], "".join(c["args"]))
-                   for _, c in sorted(o["calls"].items())]
-            msg = oa.message("".join(o["content"]), reasoning="".join(o["reasoning"]) or None,
-                             tool_calls=tcs or None)
-            choices.append(oa.choice(run.index, msg, run.finish_reason or "stop",
-                                     o["lps"] if self.req.logprobs else None))
-        return self._capped(oa.chat_completion(self.id, self.created, self.model,
-                                               self.fingerprint, choices, self.usage()))
+            tcs = [
+                oa.tool_call(c["id"], c["name"], "".join(c["args"])) for _, c in sorted(o["calls"].items())
+            ]
+            msg = oa.message(
+                "".join(o["content"]), reasoning="".join(o["reasoning"]) or None, tool_calls=tcs or None
+            )
+            choices.append(
+                oa.choice(
+                    run.index, msg, run.finish_reason or "stop", o["lps"] if self.req.logprobs else None
+                )
+            )
+        return self._capped(
+            oa.chat_completion(self.id, self.created, self.model, self.fingerprint, choices, self.usage())
+        )

@@ -56,14 +56,21 @@ def _tokenize(assets: Any, body: dict) -> list[int]:
     if "messages" in body:
         if "prompt" in body:
             raise errors.invalid_param("prompt", "give 'prompt' or 'messages', not both")
-        req = oa.parse_chat_request({"model": body.get("model"), "messages": body["messages"],
-                                     **{k: body[k] for k in ("tools", "chat_template_kwargs")
-                                        if k in body}})
+        req = oa.parse_chat_request(
+            {
+                "model": body.get("model"),
+                "messages": body["messages"],
+                **{k: body[k] for k in ("tools", "chat_template_kwargs") if k in body},
+            }
+        )
         add_gen = _flag(body, "add_generation_prompt", True)
         try:
-            text = assets.template.render(req.messages, tools=req.tools or None,
-                                          add_generation_prompt=add_gen,
-                                          **req.chat_template_kwargs)
+            text = assets.template.render(
+                req.messages,
+                tools=req.tools or None,
+                add_generation_prompt=add_gen,
+                **req.chat_template_kwargs,
+            )
         except TemplateError as e:
             raise errors.chat_template_refused(e.message) from None
         special = _flag(body, "add_special_tokens", False)
@@ -83,10 +90,14 @@ async def tokenize():
         raise errors.invalid_param("model", "'model' must be a string")
     inst = app_state().registry.route(model, None)  # 404 / 503 as the chat route
     ids = await asyncio.to_thread(_tokenize, inst.assets, body)
-    strs = ([inst.assets.tokenizer.id_to_token(i) for i in ids]
-            if _flag(body, "return_token_strs", False) else None)
-    return json_response({"count": len(ids), "max_model_len": limit_of(inst), "tokens": ids,
-                          "token_strs": strs})
+    strs = (
+        [inst.assets.tokenizer.id_to_token(i) for i in ids]
+        if _flag(body, "return_token_strs", False)
+        else None
+    )
+    return json_response(
+        {"count": len(ids), "max_model_len": limit_of(inst), "tokens": ids, "token_strs": strs}
+    )
 
 
 @bp.post("/detokenize", provide_automatic_options=False)
@@ -98,12 +109,10 @@ async def detokenize():
     inst = app_state().registry.route(model, None)
     ids = body.get("tokens")
     vocab = inst.assets.tokenizer.get_vocab_size(with_added_tokens=True)
-    if not isinstance(ids, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise errors.invalid_param("tokens", "'tokens' must be an array of token ids")
     bad = next((i for i in ids if not 0 <= i < vocab), None)
     if bad is not None:
-        raise errors.invalid_param("tokens", f"token id {bad} is outside the vocabulary "
-                                             f"(0..{vocab - 1})")
+        raise errors.invalid_param("tokens", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
     text = await asyncio.to_thread(inst.assets.tokenizer.decode, ids, skip_special_tokens=False)
     return json_response({"prompt": text})
