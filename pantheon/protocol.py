@@ -94,6 +94,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_window: int = (
         64  # the penalty looks at this many recent tokens (prompt included); -1 all, 0 none
     )
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit, before any penalty
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None  # a seeded request draws the same tokens whatever shares its batch

@@ -141,6 +141,11 @@ class Engine:
             raise RequestRejected("invalid", f"prompt token ids must be in [0, {self.vocab_size})")
         if params.max_tokens < 1:
             raise RequestRejected("invalid", "max_tokens must be at least 1")
+        bad = next((t for t in params.logit_bias if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(
+                "invalid", f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
         if len(prompt) >= self.max_model_len:
             raise RequestRejected(
                 "context_length",

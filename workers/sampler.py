@@ -50,6 +50,9 @@ class Sampled:
 
 def _penalize(row: torch.Tensor, st: SamplerState, recent: list[int], n_output: int) -> torch.Tensor:
     p = st.params
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=row.device)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device, dtype=row.dtype)
     if p.repetition_penalty != 1.0 and recent:
         ids = torch.tensor(sorted(set(recent)), device=row.device)
         vals = row[ids]

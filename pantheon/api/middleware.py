@@ -137,7 +137,7 @@ class OpsMiddleware:
             dur = time.monotonic() - trace.t0
             try:
                 if admin:
-                    with contextlib.suppress(ValueError):
+                    with contextlib.suppress(ValueError, RecursionError):
                         body = json.loads(b"".join(chunks) or b"{}")
                         trace.admin = body if isinstance(body, dict) else None
                     logs.log_admin(trace, dur)

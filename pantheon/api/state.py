@@ -64,7 +64,8 @@ class AppState:
 
     def project(self) -> Projection:
         """The live state read once: what the admin views, the snapshot and metrics show."""
-        return project(self.registry, self.pool, self.dies, self.pressure)
+        failed = self.supervisor.failed_dies if self.supervisor is not None else frozenset()
+        return project(self.registry, self.pool, self.dies, self.pressure, failed)
 
     def snapshot(self) -> st.Snapshot:
         return snapshot(self.project(), self.feed, self.pressure, self.registry.queue_depth)

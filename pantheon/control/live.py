@@ -58,6 +58,7 @@ class DieFacts:
     hosted: list[str]  # ids of instances with memory on it (the registry's and the bookings')
     cpu_path: str  # CPU dies: the linear-layer paths its instances run, comma-joined; else ""
     instances: list[InstanceFacts]  # the registry's instances placed on it
+    failed: bool = False  # the supervisor gave up on it (more deaths than --worker-restarts)
 
     @property
     def alive(self) -> bool:
@@ -103,8 +104,15 @@ def die_cpu_paths(registry: Registry) -> dict[str, str]:
     return {d: ",".join(sorted(v)) for d, v in chosen.items()}
 
 
-def project(registry: Registry, pool: Any, dies: DieManager, pressure: PressureSource) -> Projection:
-    """Read the registry, the pool's workers, the die manager and the pressure source once."""
+def project(
+    registry: Registry,
+    pool: Any,
+    dies: DieManager,
+    pressure: PressureSource,
+    failed_dies: frozenset[str] | set[str] = frozenset(),
+) -> Projection:
+    """Read the registry, the pool's workers, the die manager and the pressure source once
+    (``failed_dies``: the dies the supervisor gave up on)."""
     workers = list(pool.dies()) if pool is not None else []
     by_die = {w.die: w for w in workers}
     engine = engine_stats(pool)
@@ -135,6 +143,7 @@ def project(registry: Registry, pool: Any, dies: DieManager, pressure: PressureS
                 hosted=hosted,
                 cpu_path=paths.get(d.id, ""),
                 instances=on_it,
+                failed=d.id in failed_dies,
             )
         )
     return Projection(dies=die_facts, instances=insts, queues=queues, workers=workers)

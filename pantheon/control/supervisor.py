@@ -5,8 +5,8 @@ death means (``Models.worker_dead``: the die's instances become ``failed`` with 
 bookings are returned; requests running on them end with a clean 503 ``worker_died`` error), then
 starts a recovery task for the die:
 
-1. wait ``restart_backoff * 2**k`` seconds (at most 30; ``k`` counts the die's consecutive
-   deaths, forgotten after a minute of good health);
+1. wait ``restart_backoff * 2**k`` seconds (at most 30; ``k`` counts the die's deaths in the
+   last ``RESTART_WINDOW_S``, ten minutes);
 2. start the die's worker again (``Models.ensure_worker``); a worker that does not come up counts
    as another death;
 3. reload every failed instance of that die in place, with the ``LoadModel`` it was loaded with:
@@ -14,7 +14,10 @@ starts a recovery task for the die:
    published; its ``restarts`` goes up by one and its ``error`` keeps the last failure, so
    ``GET /admin/models`` shows both.
 
-After ``--worker-restarts`` consecutive deaths the die stays failed (its instances too).
+A die whose worker died more than ``--worker-restarts`` times within the window stays failed:
+no more restarts, its instances stay ``failed``, a ``worker_failed`` event says why. (Counting
+in a window, not "in a row": a death count reset by a clock that never ran let the limit
+never trip.)
 
 Requests and recovery: while an instance recovers and no ready replica serves its name, requests
 for that name (queued ones, which the registry fails with ``model_not_ready`` when the last ready
@@ -27,6 +30,7 @@ there.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -39,7 +43,7 @@ from pantheon.errors import ApiError
 log = logging.getLogger("pantheon.control.supervisor")
 
 BACKOFF_MAX_S = 30.0
-HEALTHY_AFTER_S = 60.0  # a worker up this long starts its die's death count afresh
+RESTART_WINDOW_S = 600.0  # --worker-restarts counts the deaths within this many seconds
 
 
 class Supervisor:
@@ -57,8 +61,9 @@ class Supervisor:
         self.models, self.registry, self.pool = models, registry, pool
         self.max_restarts, self.backoff_s = max_restarts, backoff_s
         self.metrics, self.feed = metrics, feed
-        self.deaths: dict[str, int] = {}  # die -> consecutive deaths
-        self.restarted_at: dict[str, float] = {}
+        self.deaths: dict[str, int] = {}  # die -> its deaths within the window
+        self._death_times: dict[str, collections.deque[float]] = {}
+        self.failed_dies: set[str] = set()  # given up on: more deaths than --worker-restarts
         self._recovering: dict[str, Any] = {}  # instance id -> Instance, until it is back
         self._tasks: dict[str, asyncio.Task] = {}
         self._changed = asyncio.Event()  # set whenever a recovery ends (back or given up)
@@ -81,11 +86,7 @@ class Supervisor:
         ]
         if self.closing or self.max_restarts <= 0:
             return
-        if time.monotonic() - self.restarted_at.get(die, 0.0) > HEALTHY_AFTER_S:
-            self.deaths[die] = 0
-        self.deaths[die] = self.deaths.get(die, 0) + 1
-        if self.deaths[die] > self.max_restarts:
-            log.error("the worker of %s died %d times in a row: it stays failed", die, self.deaths[die])
+        if self._count_death(die) > self.max_restarts:
             self._give_up(die)
             return
         for inst in failed:
@@ -95,7 +96,30 @@ class Supervisor:
                 self._recover(die), name=f"recover-{die}"
             )
 
+    def _count_death(self, die: str) -> int:
+        """Note a death of ``die``'s worker now; its deaths within the window."""
+        now = time.monotonic()
+        times = self._death_times.setdefault(die, collections.deque())
+        times.append(now)
+        while times and now - times[0] > RESTART_WINDOW_S:
+            times.popleft()
+        self.deaths[die] = len(times)
+        return len(times)
+
     def _give_up(self, die: str) -> None:
+        n = self.deaths.get(die, 0)
+        log.error(
+            "the worker of %s died %d times in %.0f min (--worker-restarts %d): the die stays failed",
+            die,
+            n,
+            RESTART_WINDOW_S / 60,
+            self.max_restarts,
+        )
+        self.failed_dies.add(die)
+        self._event(
+            "worker_failed",
+            f"the worker of {die} died {n} times in {RESTART_WINDOW_S / 60:.0f} min: no more restarts",
+        )
         for iid, inst in list(self._recovering.items()):
             if inst.die == die:
                 del self._recovering[iid]
@@ -123,14 +147,12 @@ class Supervisor:
                 await self.models.ensure_worker(die)
             except Exception as e:  # noqa: BLE001 - a worker that does not start is a death
                 log.error("the worker of %s did not restart: %s", die, e)
-                self.deaths[die] = n + 1
                 if self.metrics is not None:
                     self.metrics.worker_died(die)
-                if self.deaths[die] > self.max_restarts:
+                if self._count_death(die) > self.max_restarts:
                     self._give_up(die)
                     return
                 continue
-            self.restarted_at[die] = time.monotonic()
             self._event("worker_restarted", f"the worker of {die} was restarted (attempt {n})")
             todo = [i for i in self._recovering.values() if i.die == die]
             for inst in todo:
@@ -140,7 +162,7 @@ class Supervisor:
             # a reload failed: a new death of the worker was counted by worker_dead; a load
             # that failed on a live worker counts here
             if any(d.die == die and d.alive for d in self.pool.dies()):
-                self.deaths[die] = self.deaths.get(die, n) + 1
+                self._count_death(die)
             if self.deaths.get(die, 0) > self.max_restarts:
                 self._give_up(die)
                 return

@@ -361,3 +361,55 @@ def test_kill_9_during_8_requests_then_again_during_the_restart(fault):
         json={"model": "tiny", "messages": MSG, "max_tokens": 3},
     )
     assert r.status_code == 200, r.text
+
+
+def test_the_restart_limit_trips_within_its_window(model_factory, tmp_path):
+    """``--worker-restarts 1``: the first death is restarted, the second (in the window) is not:
+    the die is failed, its model too, and requests get a 503 that says to retry later."""
+    s = Server(
+        [
+            "--model",
+            str(model_factory("tiny")),
+            "--name",
+            "tiny",
+            "--cpu-dies",
+            "1",
+            "--worker-restarts",
+            "1",
+            "--restart-backoff",
+            "0.2",
+            "--queue-timeout",
+            "5",
+        ],
+        tmp_path / "limit.log",
+    )
+    try:
+        s.wait_ready(("tiny",))
+        first = die0(s)["pid"]
+        os.kill(first, signal.SIGKILL)
+        until(
+            lambda: (
+                die0(s)["alive"]
+                and die0(s)["pid"] != first
+                and httpx.get(s.url + "/health", timeout=5).status_code == 200
+            ),
+            60,
+            "the restart",
+        )
+        assert "death 1 of at most 1" in s.output()
+        os.kill(die0(s)["pid"], signal.SIGKILL)
+        until(lambda: die0(s)["failed"], 30, "the die to be failed")
+        time.sleep(1.0)  # no restart comes
+        d = die0(s)
+        assert not d["alive"] and d["restarts"] == 1 and d["deaths"] == 2, d
+        rows = httpx.get(s.url + "/admin/models", timeout=10).json()["data"]
+        assert [r["state"] for r in rows if r["name"] == "tiny"] == ["failed"]
+        r = httpx.post(
+            s.url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": "tiny", "messages": MSG, "max_tokens": 2},
+        )
+        assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text)
+        assert "died 2 times in 10 min (--worker-restarts 1): the die stays failed" in s.output()
+    finally:
+        s.stop()

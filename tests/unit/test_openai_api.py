@@ -439,3 +439,35 @@ def test_the_engine_penalizes_the_window_it_is_given():
     toks = list(range(10))
     assert _window(toks, 3) == [7, 8, 9] and _window(toks, -1) == toks
     assert _window(toks, 0) == [] and _window(toks, 64) == toks
+
+
+def test_deep_nesting_and_lone_surrogates_are_400s_not_500s():
+    deep = b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with pytest.raises(ApiError) as e:
+        parse_chat_request(deep)
+    assert e.value.status == 400 and "nested deeper than 64" in e.value.message
+    nested = {"x": 1}
+    for _ in range(70):
+        nested = {"x": nested}
+    with pytest.raises(ApiError) as e:
+        parse_chat_request(body(chat_template_kwargs=nested))
+    assert e.value.status == 400 and "deeper than 64" in e.value.message
+    lone = b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    with pytest.raises(ApiError) as e:
+        parse_chat_request(lone)
+    assert e.value.status == 400 and e.value.param == "messages[0].content"
+    assert "surrogate" in e.value.message
+    # a pair is one character (an emoji), and fine
+    ok = b'{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'
+    assert parse_chat_request(ok).messages[0]["content"] == "\U0001f600"
+
+
+def test_logit_bias_is_checked_and_carried():
+    r = parse_chat_request(body(logit_bias={"5": 10, "7": -100}))
+    assert r.sampling(max_tokens=2, stop_token_ids=[]).logit_bias == {5: 10.0, 7: -100.0}
+    for bad in ({"abc": 5}, {"-1": 5}, {"5": 101}, {"5": "x"}, {"5": True}, [1, 2]):
+        with pytest.raises(ApiError) as e:
+            parse_chat_request(body(logit_bias=bad))
+        assert e.value.status == 400 and e.value.param == "logit_bias"
+    with pytest.raises(ApiError, match="'abc' is not a token id"):
+        parse_chat_request(body(logit_bias={"abc": 5}))

@@ -73,3 +73,12 @@ def test_a_seed_draws_the_same_tokens_whatever_shares_the_batch():
     other = SamplingParams(temperature=1.0, seed=7)
     mixed = sample(torch.cat([torch.randn(1, V), row]), _states([other, p]), [[], []], [0, 0])
     assert mixed[1].token == alone[0]
+
+
+def test_logit_bias_moves_the_pick():
+    logits = torch.zeros(1, V)
+    logits[0, 10] = 5.0
+    p = SamplingParams(temperature=0.0, logit_bias={20: 100.0, 10: -100.0})
+    assert sample(logits, _states([p]), [[]], [0])[0].token == 20
+    banned = SamplingParams(temperature=1.0, seed=1, logit_bias={i: -100.0 for i in range(V - 1)})
+    assert sample(torch.zeros(1, V), _states([banned]), [[]], [0])[0].token == V - 1

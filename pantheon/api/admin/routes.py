@@ -28,7 +28,6 @@ POST     /admin/test/pressure    ``{level, die?}`` forces a pressure level (``le
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any
 
@@ -52,10 +51,7 @@ def json_response(obj: Any, status: int = 200) -> Response:
 
 async def _json_object() -> dict:
     raw = await request.get_data(cache=True)  # cached: the access rules may have read it
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError:
-        raise errors.invalid_json() from None
+    body = oa.load_json(raw or b"{}")
     if not isinstance(body, dict):
         raise errors.not_an_object()
     return body

@@ -58,6 +58,7 @@ def die_view(f: DieFacts) -> dict:
         "device_name": d.device_name or (wk.device_name if wk is not None else ""),
         "alive": f.alive,
         "worker": "running" if f.alive else ("dead" if wk is not None else "not started"),
+        "failed": f.failed,  # its worker died more than --worker-restarts times: not restarted
         "pid": wk.pid if wk is not None else None,
         "error": wk.error if wk is not None and not wk.alive else None,
         # liveness: deaths and restarts since start, the latest death's reason (kept after

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -56,6 +57,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     # the tokens the repetition penalty looks at: the last N of prompt and output (llama.cpp's
     # repeat_last_n, same default), -1 all of them, 0 none
     repetition_window: int = 64
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit (OpenAI's, [-100, 100])
     min_tokens: int = 0
     ignore_eos: bool = False
     session_id: str | None = None
@@ -77,6 +79,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
             repetition_window=self.repetition_window,
+            logit_bias=dict(self.logit_bias),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed if seed is None else seed,
@@ -291,13 +294,77 @@ def _stop(v: Any) -> list[str]:
     return [s for s in v if s]
 
 
+MAX_DEPTH = 64  # JSON nesting a body may have (a tool's parameter schema fits many times over)
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a lone one: what a bare "\ud800" escape decodes to
+
+
+def load_json(raw: bytes | bytearray | str) -> Any:
+    """Parse a request body: 400 ``invalid_json`` for bad JSON or nesting past ``MAX_DEPTH``,
+    400 naming the place for text that is not valid Unicode (a lone surrogate, which no
+    tokenizer takes). Every JSON body of the API comes through here."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise invalid_json(str(e)) from None
+    except RecursionError:
+        raise invalid_json(f"the body is nested deeper than {MAX_DEPTH} levels") from None
+    check_body(body)
+    return body
+
+
+def check_body(body: Any) -> None:
+    """The depth and text checks of ``load_json``, without recursion (see there)."""
+    stack: list[tuple[Any, int, tuple]] = [(body, 1, ())]
+    while stack:
+        v, depth, where = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                p = _path(where)
+                raise invalid_param(
+                    p, f"'{p}' holds a lone surrogate (\\ud800-\\udfff): not valid Unicode text"
+                )
+            continue
+        if not isinstance(v, (dict, list)):
+            continue
+        if depth > MAX_DEPTH:
+            raise invalid_json(f"the body is nested deeper than {MAX_DEPTH} levels")
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        for k, x in items:
+            if isinstance(k, str) and _SURROGATE.search(k):
+                raise invalid_param(
+                    _path(where) or None, "a key holds a lone surrogate: not valid Unicode text"
+                )
+            stack.append((x, depth + 1, (*where, k)))
+
+
+def _path(where: tuple) -> str:
+    """``("messages", 0, "content")`` -> ``messages[0].content``."""
+    out = ""
+    for k in where:
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
+    return out
+
+
+def _logit_bias(v: Any) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token id (a string of digits) -> a bias in [-100, 100]."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise invalid_param("logit_bias", "'logit_bias' must be an object of token id -> bias")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit()):
+            raise invalid_param("logit_bias", f"'logit_bias' key {k!r} is not a token id")
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100:
+            raise invalid_param("logit_bias", f"'logit_bias' value for {k} must be a number in [-100, 100]")
+        out[int(k)] = float(b)
+    return out
+
+
 def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = None) -> ChatRequest:
     """Bytes (or an already decoded value) -> ``ChatRequest``; raises ``ApiError`` (400)."""
     if isinstance(raw, (bytes, bytearray, str)):
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise invalid_json(str(e)) from None
+        body = load_json(raw)
     else:
         body = raw
     if not isinstance(body, dict):
@@ -332,6 +399,7 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     kw["min_tokens"] = _int(body, "min_tokens", 0)
     if kw["min_tokens"] and kw["max_tokens"] is not None and kw["min_tokens"] > kw["max_tokens"]:
         raise invalid_param("min_tokens", "'min_tokens' must not exceed 'max_tokens'")
+    kw["logit_bias"] = _logit_bias(body.get("logit_bias")) or None
     for key in ("logprobs", "stream", "ignore_eos"):
         kw[key] = _bool(body, key)
     _bool(body, "parallel_tool_calls")  # accepted; calls are parsed however many come

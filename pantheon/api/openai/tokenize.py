@@ -18,7 +18,6 @@ instance's real per-request limit.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from quart import Blueprint, request
@@ -35,10 +34,7 @@ bp = Blueprint("tokenize", __name__)
 
 async def _body() -> dict:
     raw = await request.get_data(cache=False)
-    try:
-        body = json.loads(raw or b"{}")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise errors.invalid_json(str(e)) from None
+    body = oa.load_json(raw or b"{}")
     if not isinstance(body, dict):
         raise errors.not_an_object()
     return body
