@@ -367,11 +367,12 @@ def shutting_down() -> ApiError:
 # ---------------------------------------------------------------- a running generation
 
 
-def worker_died(detail: object) -> ApiError:
-    """503: the worker serving the request died; the supervisor has it back within seconds."""
+def worker_died(request_id: str) -> ApiError:
+    """503: the worker serving the request died; the supervisor has it back within seconds.
+    The client gets the request id, not the worker's details (those are logged under it)."""
     return ApiError(
         503,
-        f"the worker serving this model died: {detail}",
+        f"the model's worker stopped while serving this request; retry shortly (request id {request_id})",
         type=SERVER,
         code="worker_died",
         headers=_retry_after(2),
@@ -399,9 +400,9 @@ def worker_aborted() -> ApiError:
     return ApiError(500, "the worker aborted this request", type=SERVER, code="aborted")
 
 
-def generation_failed(exc: BaseException) -> ApiError:
-    """500: anything else that ended a generation."""
-    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type=SERVER, code="internal_error")
+def generation_failed(request_id: str) -> ApiError:
+    """500: anything else that ended a generation (the traceback is logged under the id)."""
+    return ApiError(500, f"internal error (request id {request_id})", type=SERVER, code="internal_error")
 
 
 # ---------------------------------------------------------------- loads and unloads

@@ -335,6 +335,10 @@ def test_kill_9_during_8_requests_then_again_during_the_restart(fault):
     r = plain[0]
     assert r.status_code == 503 and r.headers["retry-after"], (r.status_code, r.text)
     assert r.json()["error"]["code"] == "worker_died"
+    # the client is told the request id, not the worker's pid or output (those are logged)
+    for e in [ev[-2] for ev in outs] + [r.json()]:
+        msg = e["error"]["message"]
+        assert "request id chatcmpl-" in msg and str(pid) not in msg and "SIG" not in msg, msg
 
     # the second kill, while the die restarts (a new pid up, its model not yet back)
     second = until(lambda: (p := die0(fault)["pid"]) not in (None, pid) and p, 30, "the restarted worker")

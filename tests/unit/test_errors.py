@@ -61,11 +61,11 @@ CASES = {
     "queue_timeout": ((30.0,), 429, RATE, None, "queue_timeout"),
     "memory_pressure": ((), 503, SERVER, None, "memory_pressure"),
     "shutting_down": ((), 503, SERVER, None, "shutting_down"),
-    "worker_died": (("gone",), 503, SERVER, None, "worker_died"),
+    "worker_died": (("chatcmpl-1",), 503, SERVER, None, "worker_died"),
     "model_unloaded": (("x",), 503, SERVER, None, "model_unloaded"),
     "worker_no_finish": ((), 500, SERVER, None, "internal_error"),
     "worker_aborted": ((), 500, SERVER, None, "aborted"),
-    "generation_failed": ((RuntimeError("x"),), 500, SERVER, None, "internal_error"),
+    "generation_failed": (("chatcmpl-1",), 500, SERVER, None, "internal_error"),
     "not_a_die": (("gpu7",), 400, INVALID, "dies", None),
     "no_such_die": (("cuda:9", "cuda", 1), 400, INVALID, "dies", "no_such_die"),
     "unreadable_model": (("not_found", "no config"), 404, INVALID, "path", "not_found"),
@@ -128,7 +128,7 @@ def test_429_and_503_carry_retry_after(name):
 def test_retry_after_values():
     assert errors.queue_full().headers == {"Retry-After": "5"}
     assert errors.queue_timeout(30).headers == {"Retry-After": "2"}
-    assert errors.worker_died("x").headers == {"Retry-After": "2"}
+    assert errors.worker_died("chatcmpl-x").headers == {"Retry-After": "2"}
     assert errors.model_recovering("m", 30).headers == {"Retry-After": "2"}
     for e in (errors.no_model_loaded(), errors.model_loading("m"), errors.model_gone("m")):
         assert e.headers == {"Retry-After": "1"}
@@ -204,3 +204,19 @@ def test_the_module_is_light():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_clients_get_a_request_id_not_the_workers_internals():
+    from pantheon.api.openai.service import _pool_error
+    from pantheon.workerlink.errors import WorkerDied
+
+    died = WorkerDied(
+        "cpu:0",
+        "the worker process (pid 4242) killed by signal SIGKILL; last "
+        "output: loading /srv/models/secret from /srv/models/secret",
+    )
+    for e, status in ((died, 503), (RuntimeError("/srv/models/secret: bad tensor"), 500)):
+        err = _pool_error(e, "chatcmpl-abc")
+        msg = err.body()["error"]["message"]
+        assert err.status == status and "chatcmpl-abc" in msg
+        assert "4242" not in msg and "/srv" not in msg and "SIGKILL" not in msg, msg

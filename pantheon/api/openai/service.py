@@ -43,7 +43,10 @@ log = logging.getLogger("pantheon.api.openai.service")
 # in pantheon.control.context (``fit_context``, which makes the ``Prepared``).
 
 
-def _pool_error(e: BaseException) -> ApiError:
+def _pool_error(e: BaseException, request_id: str) -> ApiError:
+    """What the client is told of a failure: a short message with the request id. The detail
+    (a worker's pid, exit signal, last output, model paths) goes to the server log, under the
+    same id, and to the admin API (``/admin/dies``: ``last_death``), never to the client."""
     if isinstance(e, ApiError):
         return e
     if isinstance(e, RequestRejectedError):
@@ -55,9 +58,10 @@ def _pool_error(e: BaseException) -> ApiError:
         return errors.request_rejected(reason, kind)
     if isinstance(e, WorkerDied):
         # Retry-After: the supervisor has the model back within a few seconds
-        return errors.worker_died(e)
-    log.exception("generation failed", exc_info=e)
-    return errors.generation_failed(e)
+        log.warning("request %s: %s", request_id, e)
+        return errors.worker_died(request_id)
+    log.exception("request %s: generation failed", request_id, exc_info=e)
+    return errors.generation_failed(request_id)
 
 
 class ForcedCall:
@@ -274,7 +278,7 @@ class Generation:
         except (GeneratorExit, asyncio.CancelledError):
             raise
         except BaseException as e:
-            err = _pool_error(e)
+            err = _pool_error(e, self.id)
             if self.trace is not None:
                 self.trace.failed(err)
             raise err from None
@@ -433,7 +437,7 @@ class Generation:
         except ApiError as e:
             yield oa.sse(e.body())
         except Exception as e:  # noqa: BLE001 - the stream must still end cleanly
-            yield oa.sse(_pool_error(e).body())
+            yield oa.sse(_pool_error(e, self.id).body())
         yield oa.SSE_DONE
 
     # ------------------------------------------------------------ collected
