@@ -28,7 +28,9 @@ class InstanceState(msgspec.Struct, kw_only=True):
     path: str
     dies: list[str]
     state: str  # loading | ready | draining | failed
-    error: str | None = None  # why it failed
+    error: str | None = None  # why it failed, while it is failed
+    last_error: str | None = None  # the latest failure, kept after it is ready again
+    last_error_at: float | None = None  # unix time of it
     load_progress: float | None = None  # 0..1 while loading
     weights_bytes: int = 0
     kv_bytes: int = 0

@@ -150,6 +150,8 @@ def instance_state(f: InstanceFacts) -> st.InstanceState:
         dies=list(inst.dies),
         state=inst.state,
         error=inst.error,
+        last_error=inst.last_error,
+        last_error_at=inst.last_error_at,
         load_progress=inst.load_progress,
         weights_bytes=f.weights_bytes,
         kv_bytes=f.kv_bytes,

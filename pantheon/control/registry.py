@@ -77,12 +77,21 @@ class Instance:
     shape: Any = None  # sizing.ModelShape the estimate came from
     cpu_path: str = ""  # the CPU path its worker chose (workers/cpu_paths.py); "" on CUDA
     kv_pool_tokens: int | None = None  # tokens the worker's KV pool holds
-    error: str | None = None  # why it failed
+    error: str | None = None  # why it failed: only while it is failed
+    last_error: str | None = None  # the latest failure, kept after it is ready again
+    last_error_at: float | None = None  # unix time of that failure
     load_progress: float | None = None  # 0..1 while loading
     load_msg: Any = None  # the protocol.LoadModel it was loaded with (a restart reuses it)
     restarts: int = 0  # times it was reloaded after its worker died
     created: int = field(default_factory=lambda: int(time.time()))
     _drained: asyncio.Event | None = None
+
+    def failed(self, reason: str) -> None:
+        """It failed (its worker died, a reload failed): ``error`` until it is ready again,
+        ``last_error`` and its time after that too."""
+        self.state, self.load_progress = FAILED, None
+        self.error = self.last_error = reason
+        self.last_error_at = time.time()
 
     @property
     def die(self) -> str:
@@ -105,6 +114,8 @@ class Instance:
             "dies": list(self.dies),
             "state": self.state,
             "error": self.error,
+            "last_error": self.last_error,
+            "last_error_at": self.last_error_at,
             "in_flight": self.refs,
             "running": self.gate.active,
             "slots": self.gate.slots,
@@ -190,7 +201,7 @@ class Registry:
         inst.assets = assets
         inst.loaded = loaded
         inst.max_model_len = max_model_len
-        inst.state, inst.load_progress = READY, None
+        inst.state, inst.load_progress, inst.error = READY, None, None
         self._dispatch(inst.name)
 
     def discard(self, inst: Instance) -> None:
@@ -202,7 +213,7 @@ class Registry:
 
     def fail(self, inst: Instance, reason: str) -> None:
         """Its worker died: nothing routes to it any more (the row stays, shown as failed)."""
-        inst.state, inst.error = FAILED, reason
+        inst.failed(reason)
         self._dispatch(inst.name)
 
     def instances(self) -> list[Instance]:

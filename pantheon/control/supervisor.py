@@ -11,8 +11,8 @@ starts a recovery task for the die:
    as another death;
 3. reload every failed instance of that die in place, with the ``LoadModel`` it was loaded with:
    the same row and instance id (``loading`` while it uploads), its bookings taken again, then
-   published; its ``restarts`` goes up by one and its ``error`` keeps the last failure, so
-   ``GET /admin/models`` shows both.
+   published; its ``restarts`` goes up by one, its ``error`` is cleared (it is ``ready``) and
+   ``last_error`` / ``last_error_at`` keep the failure, so ``GET /admin/models`` shows both.
 
 A die whose worker died more than ``--worker-restarts`` times within the window stays failed:
 no more restarts, its instances stay ``failed``, a ``worker_failed`` event says why. (Counting
@@ -193,8 +193,7 @@ class Supervisor:
             async with upload:  # one upload at a time, as for admin loads
                 new = await self.pool.load(inst.die, msg, progress)
         except Exception as e:  # noqa: BLE001 - reported on the instance, retried by _recover
-            inst.state, inst.load_progress = "failed", None
-            inst.error = f"reload after a worker death failed: {e}"
+            inst.failed(f"reload after a worker death failed: {e}")
             if dies is not None:
                 dies.release(inst.instance_id)
             log.error("reloading %s failed: %s", inst.instance_id, e)

@@ -155,7 +155,12 @@ def test_worker_killed_mid_stream_comes_back(servers):
     assert r.status_code == 200 and r.json()["model"] == "tiny"
     insts = {i["name"]: i for i in httpx.get(s.url + "/admin/models").json()["data"]}
     assert insts["tiny"]["state"] == "ready" and insts["tiny"]["restarts"] == 1
-    assert "died" in insts["tiny"]["error"] and "SIGKILL" in insts["tiny"]["error"]
+    # ready again: no error now; the death is its last_error, with its time (issue 16)
+    tiny = insts["tiny"]
+    assert tiny["error"] is None and "died" in tiny["last_error"] and "SIGKILL" in tiny["last_error"]
+    assert abs(tiny["last_error_at"] - time.time()) < 120
+    snap = {i["name"]: i for i in httpx.get(s.url + "/admin/state").json()["instances"]}
+    assert snap["tiny"]["error"] is None and snap["tiny"]["last_error"] == tiny["last_error"]
     assert insts["llama"]["restarts"] == 0
     metrics = httpx.get(s.url + "/metrics").text
     assert 'pantheon_worker_deaths_total{die="cpu:0"} 1.0' in metrics

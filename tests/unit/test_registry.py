@@ -490,3 +490,21 @@ def test_feed_counts_coalesces_rejects_and_measures_throughput():
     while q.qsize() > 1:
         q.get_nowait()
     assert q.get_nowait() is None
+
+
+def test_a_failure_is_error_while_failed_and_last_error_after():
+    import time as _time
+
+    reg, (inst,) = _registry("m")
+    reg.fail(inst, "the worker died (SIGKILL)")
+    assert (inst.state, inst.error, inst.last_error) == (
+        "failed",
+        "the worker died (SIGKILL)",
+        "the worker died (SIGKILL)",
+    )
+    assert abs(inst.last_error_at - _time.time()) < 5
+    info = inst.info()
+    assert info["error"] == info["last_error"] == "the worker died (SIGKILL)"
+    reg.publish(inst)  # back after a reload
+    assert inst.state == "ready" and inst.error is None
+    assert inst.info()["last_error"] == "the worker died (SIGKILL)" and inst.last_error_at
