@@ -21,10 +21,12 @@ Loading runs in a background thread, one model at a time, so a model that takes 
 never stalls heartbeats, pongs or the other instances' decoding; the main loop forwards the
 loader's progress as ``LoadProgress``.
 
-The worker exits by itself when the router is gone: no message from it for ``--router-timeout``
-seconds (the router pings every second), or, when spawned with ``--parent-pid``, its parent
-process is no longer its parent (the heart checks that too, so a worker stuck in a step does
-not outlive its router).
+The worker exits by itself when the router is gone: when spawned with ``--parent-pid`` (as the
+pool spawns every worker), when its parent process is no longer its parent (the heart checks
+that too, so a worker stuck in a step does not outlive its router); and, when
+``--router-timeout`` is above 0 (a worker started by hand), after that many seconds without a
+message from the router. The pool passes 0: a router whose event loop was busy for a while
+(a huge request body, a slow tokenizer) must not lose its workers for it.
 
 Test seam: with ``PANTHEON_TEST_STEP_HOOK=FILE`` in its environment, the worker looks for FILE
 before each step; when it is there, the worker deletes it and sleeps inside that step for the
@@ -269,7 +271,9 @@ class Worker:
         return self.exit_code
 
     def _check_alive(self, router_silent_s: float) -> None:
-        if router_silent_s > self.router_timeout:
+        # router_timeout 0: silence alone never ends us (the pool's workers follow the router's
+        # pid instead: a router busy for a few seconds is not a router that is gone)
+        if self.router_timeout > 0 and router_silent_s > self.router_timeout:
             log.error("no message from the router for %.1f s: exiting", router_silent_s)
             self.exit_code = p.EXIT_ROUTER_SILENT
         elif self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -557,7 +561,8 @@ def _parser() -> argparse.ArgumentParser:
         "--router-timeout",
         type=float,
         default=10.0,
-        help="exit when the router has sent nothing for this many seconds (it pings every second)",
+        help="exit when the router has sent nothing for this many seconds (it pings every "
+        "second); 0: never for silence alone (with --parent-pid, the router's pid decides)",
     )
     ap.add_argument(
         "--parent-pid",

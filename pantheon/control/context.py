@@ -24,6 +24,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from pantheon import errors
 from pantheon.chat.template import TemplateError, think_open
 
@@ -87,11 +89,30 @@ def fit_context(assets, req: ChatRequest, max_model_len: int, limit: int | None 
     limit = min(limit or max_model_len, max_model_len)
     if req.max_tokens is not None and req.max_tokens >= limit:
         raise errors.max_tokens_too_large(limit, req.max_tokens)
+    req = _trim_the_provably_long(assets, req, limit)
     ids, prefix, opened, forced = render(assets, req, req.messages)
     if len(ids) + (req.max_tokens or 1) <= limit:
         return Prepared(ids, prefix, opened, req.max_tokens or limit - len(ids), forced)
     room = req.max_tokens or min(limit // 4, CAPPED_ROOM)
     return _cap(assets, req, limit, room, len(ids))
+
+
+def _trim_the_provably_long(assets, req: ChatRequest, limit: int) -> ChatRequest:
+    """A message whose length alone proves it cannot fit (more characters than ``limit + 64``
+    tokens can cover: no token of the vocabulary is longer than ``max_token_chars``) would only
+    be capped to its newest tokens: keep just its tail of that many characters before
+    tokenizing, so a megabyte prompt costs what a fitting one does. (System messages are never
+    cut; the capping that follows decides what the rest becomes, as before.)"""
+    most = (limit + 64) * max(1, getattr(assets, "max_token_chars", 0) or 1)
+    if not any(len(m.get("content") or "") > most for m in req.messages if m["role"] != "system"):
+        return req
+    msgs = [
+        dict(m, content=m["content"][-most:])
+        if m["role"] != "system" and isinstance(m.get("content"), str) and len(m["content"]) > most
+        else m
+        for m in req.messages
+    ]
+    return msgspec.structs.replace(req, messages=msgs)
 
 
 def _turns(messages: list[dict]) -> tuple[list[int], list[list[int]]]:

@@ -5,6 +5,7 @@ The worker reads the weights; the router never does.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from pantheon.models.gguf import (
     special_tokens,
     tokenizer_json,
 )
+
+LONG_TEXT = 65536  # characters: a text this long is encoded without holding the GIL
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -84,7 +87,17 @@ class ModelAssets:
     def add_eos(self, ids: list[int]) -> None:
         self.eos_ids = list(dict.fromkeys(self.eos_ids + list(ids)))
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token of the vocabulary spells (a bound: a text of ``c``
+        characters is at least ``c / max_token_chars`` tokens)."""
+        return max((len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str) -> list[int]:
+        if len(text) > LONG_TEXT:
+            # encode_batch lets go of the GIL while it works (encode does not): a long prompt
+            # tokenized on a thread then leaves the event loop free
+            return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def piece(self, token_id: int) -> tuple[str, bytes]:

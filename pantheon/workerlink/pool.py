@@ -117,8 +117,9 @@ class WorkerPool:
         self.worker_threads = worker_threads
         self.on_worker_dead = on_worker_dead
         self.worker_command = list(worker_command or [sys.executable, "-m", "workers.worker"])
-        # A worker leaves when the router is silent this long; pings come every heartbeat_interval.
-        self.worker_router_timeout = max(10.0, 10 * heartbeat_interval)
+        # 0: our workers leave when our pid is gone (--parent-pid), never for our silence, which
+        # a busy event loop can cause without anything being wrong
+        self.worker_router_timeout = 0.0
         self._link = Link(runtime_dir)
         self._workers: dict[str, WorkerPeer] = {}
         self._tasks: list[asyncio.Task] = []

@@ -181,3 +181,54 @@ def test_models_answers_within_100_ms_during_a_long_step(srv):
     # every answer within 100 ms (the median is a few ms: nothing on the router waits on the
     # worker's step)
     assert max(took) < 0.1, (max(took), statistics.median(took))
+
+
+def test_an_8_mb_body_never_stalls_the_router(srv):
+    """A near-limit body (8 MB, under --max-body) is parsed, trimmed and tokenized off the event
+    loop: /health keeps answering within 100 ms, the stream beside it runs on, and no worker
+    exits (the workers follow the router's pid, not its silence)."""
+    pid = httpx.get(srv.url + "/admin/dies", timeout=5).json()["data"][0]["pid"]
+    stream_done: list[int] = []
+
+    def stream() -> None:
+        stream_done.append(_fast_stream(srv.url, 300)[0])
+
+    side = threading.Thread(target=stream)
+    side.start()
+    big = {
+        "model": "tiny",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "lorem ipsum dolor " * 444_000}],
+    }
+    payload = json.dumps(big).encode()
+    assert 7_900_000 < len(payload) < 8 << 20
+    answer: list[httpx.Response] = []
+
+    def post_big() -> None:
+        answer.append(
+            httpx.post(
+                srv.url + "/v1/chat/completions",
+                content=payload,
+                timeout=120,
+                headers={"Content-Type": "application/json"},
+            )
+        )
+
+    t = threading.Thread(target=post_big)
+    t.start()
+    took = []
+    with httpx.Client(timeout=5) as c:
+        c.get(srv.url + "/health")
+        while t.is_alive():
+            t0 = time.monotonic()
+            assert c.get(srv.url + "/health").status_code == 200
+            took.append(time.monotonic() - t0)
+            time.sleep(0.02)
+    t.join()
+    side.join(60)
+    assert answer[0].status_code == 200, answer[0].text[:300]
+    assert answer[0].headers.get("x-context-capped") == "true"  # capped to the context, as ever
+    assert stream_done == [300]
+    assert max(took) < 0.1, (max(took), statistics.median(took), len(took))
+    d = httpx.get(srv.url + "/admin/dies", timeout=5).json()["data"][0]
+    assert d["pid"] == pid and d["deaths"] == 0

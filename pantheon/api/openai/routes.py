@@ -91,7 +91,11 @@ async def chat():
     s = app_state()
     arrived = time.monotonic()
     raw = await request.get_data(cache=False)
-    req = oa.parse_chat_request(raw, header_session=request.headers.get("X-Session-Id"))
+    session = request.headers.get("X-Session-Id")
+    if len(raw) > BIG_BODY:  # parsing and checking megabytes is work for a thread, not the loop
+        req = await asyncio.to_thread(oa.parse_chat_request, raw, header_session=session)
+    else:
+        req = oa.parse_chat_request(raw, header_session=session)
     ops.check_request(req)  # the request limits (400), and the model for the trace
     try:
         inst, prep = await _through_recovery(s, lambda: _place(s, req, len(raw) > BIG_BODY), req.model)
