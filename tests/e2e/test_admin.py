@@ -197,7 +197,8 @@ def test_loads_and_unloads_while_other_models_stream(adm, model_factory):
     assert len(out) >= 4
     for status, lines in out:
         assert status == 200 and lines[-1] == "[DONE]"
-        assert not any('"error"' in line for line in lines), lines[-3:]
+        errors = [line for line in lines if '"error"' in line]
+        assert not errors, errors[:2]  # the error events themselves, to read what went wrong
         assert sum('"content"' in line for line in lines) >= 2
 
 
