@@ -77,6 +77,9 @@ server shuts down (tests/unit/test_errors.py checks each).
 
 Plain Python: no Quart, no torch. ``pantheon.api.responses.error_response`` turns an
 ``ApiError`` into a response; the ASGI middleware sends ``body()`` itself.
+
+Why one module of ~530 lines: it is a table by design, every error the server can return
+in one place, one small documented factory each.
 """
 
 from __future__ import annotations

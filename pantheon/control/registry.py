@@ -25,6 +25,10 @@ Acquiring a slot (``acquire_slot``), per model name, after the spec's D1/D3 gate
   cancelled). Single-user instances (one slot) keep the spec's immediate 429 ``server_busy``.
 
 Plain asyncio state on the router's one event loop: no locks; it never talks to workers.
+
+Why one module of ~400 lines: the instance table, routing and the per-model slot queues
+change together (every grant, release, failure and publish re-runs the same dispatch), and
+splitting them would put one invariant in two files.
 """
 
 from __future__ import annotations

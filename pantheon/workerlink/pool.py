@@ -23,6 +23,10 @@ Three kinds of asyncio task run here, all on the router's event loop:
 
 A dead worker fails everything that waits on it with ``WorkerDied``; the pool itself stays up and
 the die can be started again with ``start_worker``. This package never imports torch.
+
+Why ~430 lines: it is the facade's public methods (start, load, unload, submit, abort,
+reset, dies) and the reader and heartbeat tasks that serve them; everything else is split out
+already (``link``, ``peer``, ``process``, ``streams``, ``errors``).
 """
 
 from __future__ import annotations

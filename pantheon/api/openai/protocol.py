@@ -5,7 +5,11 @@ their OpenAI error object, are ``pantheon.errors``.
 Validation is hand-written so that every invalid value is a 400 ``invalid_request_error`` whose
 ``param`` names the exact field (``messages[2].content``, ``stop``, ``tool_choice.function.name``).
 Unknown fields are ignored, as OpenAI-compatible servers do. The builders emit exactly the shapes of
-the OpenAI OpenAPI schema (checked by tests/test_openai_api.py against ../shared/specs).
+the OpenAI OpenAPI schema (checked by tests/unit/test_openai_api.py against ../shared/specs).
+
+Why one module of ~580 lines: the request validation and the response builders are the two
+halves of one schema (the OpenAI chat API), checked together against it; a split into
+``request`` and ``response`` modules is the natural next step when ``/v1/completions`` lands.
 """
 
 from __future__ import annotations

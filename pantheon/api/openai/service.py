@@ -9,6 +9,10 @@ turned into SSE chunks (``stream_chunks``) or one completion body (``complete``)
 - ``usage.completion_tokens`` counts the tokens the client received (up to and including the one
   that ended the choice), not what the worker may have generated past a stop string.
 - ``n > 1`` runs n worker requests; a seeded request gives choice i the seed ``seed + i``.
+
+Why one module of ~480 lines: it is one ``Generation`` and the small types it is made of
+(``ForcedCall``, ``Piece``, ``ChoiceRun``); the streamed and the collected output share its
+choice loop, which splitting would copy.
 """
 
 from __future__ import annotations
