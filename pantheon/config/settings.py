@@ -48,8 +48,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_chunk: int = _d("prefill_chunk")  # a ceiling: the step budget takes fewer
     cpu_dies: int = _d("cpu_dies")
     cpu_die_budget: int | None = _d("cpu_die_budget")  # None: dies.default_cpu_budget
-    kv_budget: int | None = _d("kv_budget")  # KV bytes per instance (None: admit_ctx's worth)
-    admit_ctx: int = _d("admit_ctx")  # context guess (tokens) a load is admitted and sized for
+    kv_budget: int | None = _d("kv_budget")  # KV bytes per instance (None: sized from the die)
+    kv_fraction: float = _d("kv_fraction")  # of a die's free memory one KV pool may take
+    admit_ctx: int = _d("admit_ctx")  # the least context (tokens) a load is admitted with
     die_reserve: int | None = _d("die_reserve")  # bytes kept free (None: 1 GiB CUDA, 0 CPU)
     pressure_thresholds: tuple[float, float, float] = _d("pressure_thresholds")
     test_hooks: bool = _d("test_hooks")  # the admin test seams (forced pressure)

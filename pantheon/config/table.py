@@ -260,17 +260,29 @@ SETTINGS: tuple[Setting, ...] = (
         "kv_budget",
         "size",
         None,
-        "KV cache bytes per loaded model",
+        "KV cache bytes per loaded model, fixed",
         ("PANTHEON_KV_BUDGET",),
         metavar="BYTES",
-        default_doc="enough for --admit-ctx tokens",
+        default_doc="sized from the die's free memory (--kv-fraction), between --admit-ctx "
+        "tokens and the model's full context",
+    ),
+    Setting(
+        "kv_fraction",
+        "float",
+        0.9,
+        "share of a die's free memory (after the model's weights) one load's KV cache may take "
+        "when the model's full context needs that much",
+        ("PANTHEON_KV_FRACTION",),
+        metavar="F",
+        check=between(0.05, 1.0),
     ),
     # the spec's MR_ADMIT_CTX_GUESS
     Setting(
         "admit_ctx",
         "int",
         8192,
-        "context a load is admitted and its KV cache sized for",
+        "the least context (tokens of KV cache) a load is admitted with: a die that cannot "
+        "hold that much refuses the load (507); with room, a load gets its full context",
         ("PANTHEON_ADMIT_CTX",),
         unit="tokens",
         metavar="TOKENS",

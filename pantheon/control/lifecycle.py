@@ -5,9 +5,11 @@ the bookings returned, the name free again):
 
 1. reserve: a table row in ``loading`` state; the name is taken but nothing routes to it;
 2. place and book: the router sizes the model from its ``config.json`` or GGUF metadata
-   (``sizing``: weights, and KV for a context guess of ``admit_ctx`` = 8192 tokens,
-   ``PANTHEON_ADMIT_CTX``), picks the die(s) (``dies.DieManager.place``) and books the estimate
-   there, in one synchronous step;
+   (``sizing``: its weights, and a KV pool of its full context when the die's free memory
+   times ``--kv-fraction`` holds it, else what that holds but never less than ``--admit-ctx``
+   tokens, 8192; ``--kv-budget`` fixes it instead), picks the die(s)
+   (``dies.DieManager.place``) and books that there, in one synchronous step. The pool is
+   the per-request limit: ``/v1/models`` advertises ``min(max_model_len, pool tokens)``;
 3. upload: the worker of the first die loads the weights; one upload at a time (``_upload``
    lock) while every other model keeps serving; the worker's real weight and KV figures replace
    the estimate;
@@ -166,9 +168,29 @@ class Models:
                 cpu_works=works.get(first),
             )
 
+        needs: dict[tuple[str, ...], dict[str, tuple[int, int]]] = {}
+
         def need(ds: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-            est = sized(ds[0])
-            return est.split(ds, kv=cfg.kv_budget or est.kv_pool(ctx))
+            """What a load books on ``ds``, decided once per die set (booking it must not
+            shrink the next answer)."""
+            if ds not in needs:
+                est = sized(ds[0])
+                kv = cfg.kv_budget or est.kv_for(context=mml, floor=ctx, room_tokens=room_tokens(est, ds))
+                needs[ds] = est.split(ds, kv=kv)
+            return needs[ds]
+
+        def room_tokens(est, ds: tuple[str, ...]) -> int:
+            """KV tokens the dies can give this load: each die's free memory less its share of
+            the weights, times the KV fraction, over its share of the pool."""
+            full = est.split(ds, kv=est.kv_pool(mml))
+            tokens = mml
+            for die_id, (w, kv) in full.items():
+                d = self.dies.get(die_id)
+                if d is None or not d.known or not kv:
+                    continue  # a CUDA die learns its size from its worker's Hello
+                room = max(0, int((self.dies.free(d) - w) * cfg.kv_fraction))
+                tokens = min(tokens, room * mml // kv)
+            return tokens
 
         # phase 1: the name is taken (507 when the table is full)
         inst = self.registry.reserve(name, path, dies, slots=slots or cfg.slots)

@@ -146,6 +146,17 @@ class Estimate:
         blocks = max(2, -(-max(1, tokens) // BLOCK_TOKENS))
         return blocks * BLOCK_TOKENS * self.kv_per_token
 
+    def kv_for(self, *, context: int, floor: int, room_tokens: int) -> int:
+        """The KV pool bytes of a load: a full ``context`` when ``room_tokens`` (what the dies
+        can give, already times the KV fraction) holds it, else what they hold in whole blocks,
+        never less than ``floor`` tokens (a die without that much room then refuses the load).
+
+        So the pool, and with it the per-request limit, is the model's context, unless memory
+        says less; the admission floor (``--admit-ctx``) no longer caps a model that fits."""
+        least = min(floor, context)
+        tokens = max(least, min(context, room_tokens))
+        return self.kv_pool(tokens)
+
     def split(
         self, dies: tuple[str, ...], weights: int | None = None, kv: int = 0
     ) -> dict[str, tuple[int, int]]:

@@ -52,3 +52,19 @@ def test_edges_stay_in_range():
     assert headroom_used(H200, GB, H200 + GB) == 0.0  # bookings over-estimate: clamp
     assert headroom_used(H200, H200, 10 * GB) == 0.0  # more free than unbooked: nothing beyond
     assert 0.0 <= headroom_used(H200, 3 * GB, 100 * GB) <= 1.0
+
+
+def test_the_kv_pool_is_the_full_context_unless_memory_says_less():
+    from pantheon.models.sizing import BLOCK_TOKENS, Estimate
+
+    est = Estimate(base=0, per_layer=0, layers=1, kv_per_token=1000, context_limit=40960)
+    tok = lambda b: b // est.kv_per_token  # noqa: E731
+    # room for everything: one full context (not the 8192 floor, which used to cap it)
+    assert tok(est.kv_for(context=40960, floor=8192, room_tokens=10**9)) == 40960
+    # room for 20000 tokens: that, in whole blocks
+    got = tok(est.kv_for(context=40960, floor=8192, room_tokens=20000))
+    assert got == 20000 // BLOCK_TOKENS * BLOCK_TOKENS + (BLOCK_TOKENS if 20000 % BLOCK_TOKENS else 0)
+    # less room than the floor: the floor (the die then refuses the load: 507)
+    assert tok(est.kv_for(context=40960, floor=8192, room_tokens=100)) == 8192
+    # a model shorter than the floor: its context
+    assert tok(est.kv_for(context=2048, floor=8192, room_tokens=10**9)) == 2048

@@ -43,6 +43,7 @@ def samples(tmp: Path) -> dict[str, tuple[str, object]]:
         "cpu_die_budget": ("1GiB", 1 << 30),
         "kv_budget": ("2MiB", 2 << 20),
         "admit_ctx": ("1024", 1024),
+        "kv_fraction": ("0.5", 0.5),
         "die_reserve": ("0", 0),
         "pressure_thresholds": ("0.5,0.6,0.7", (0.5, 0.6, 0.7)),
         "max_model_len": ("256", 256),

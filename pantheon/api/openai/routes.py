@@ -37,7 +37,8 @@ def _model_objects(s: AppState) -> list[dict]:
     for inst in s.registry.ready():
         if inst.name not in seen:
             seen.add(inst.name)
-            out.append(oa.model_object(inst.name, inst.created, inst.max_model_len))
+            # what a request can really get: the context, within what its KV pool holds
+            out.append(oa.model_object(inst.name, inst.created, limit_of(inst)))
     return out
 
 
