@@ -230,6 +230,18 @@ def max_tokens_too_large(limit: int, max_tokens: int) -> ApiError:
     )
 
 
+def prompt_too_long(limit: int, prompt_tokens: int, max_tokens: int) -> ApiError:
+    """400: a ``/v1/completions`` prompt and ``max_tokens`` past the context (never capped)."""
+    return ApiError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in "
+        f"the completion).",
+        param="prompt",
+        code="context_length_exceeded",
+    )
+
+
 def context_length_exceeded(reason: str) -> ApiError:
     """400: the worker rejected the prompt as longer than its context."""
     return ApiError(400, reason, param="messages", code="context_length_exceeded")

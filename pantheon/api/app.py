@@ -23,6 +23,7 @@ from werkzeug.exceptions import HTTPException
 from pantheon import errors
 from pantheon.api import middleware as ops
 from pantheon.api.admin.routes import bp as admin_bp
+from pantheon.api.openai.completions import bp as completions_bp
 from pantheon.api.openai.routes import bp as openai_bp
 from pantheon.api.openai.tokenize import bp as tokenize_bp
 from pantheon.api.responses import error_response, json_response
@@ -113,6 +114,7 @@ def create_app(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Qua
     install_state(app, state)
     app.register_blueprint(openai_bp)
     app.register_blueprint(tokenize_bp)
+    app.register_blueprint(completions_bp)
     app.register_blueprint(admin_bp)
 
     @app.before_serving

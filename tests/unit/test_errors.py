@@ -48,6 +48,7 @@ CASES = {
     "chat_template_refused": (("no",), 400, INVALID, "messages", None),
     "max_tokens_too_large": ((64, 64), 400, INVALID, "max_tokens", "context_length_exceeded"),
     "context_length_exceeded": (("too long",), 400, INVALID, "messages", "context_length_exceeded"),
+    "prompt_too_long": ((4096, 4000, 100), 400, INVALID, "prompt", "context_length_exceeded"),
     "request_rejected": (("bad", "duplicate"), 400, INVALID, None, "duplicate"),
     "context_denied": ((64, 80, 16), 503, SERVER, None, "context_denied"),
     "model_not_found": (("x",), 404, INVALID, "model", "model_not_found"),

@@ -1,0 +1,311 @@
+"""``POST /v1/completions``: the legacy text completion API (lm-eval-harness, aiperf and many
+benchmarks speak it), on the same slots, sampler and stop handling as the chat route.
+
+The request is the chat route's sampling fields (validated by the same parser: ``temperature``,
+``top_p``, ``n``, ``stop``, ``seed``, ``max_tokens`` (default 16, as OpenAI's), the penalties,
+``logit_bias``, ``stream``, ``stream_options``, the extensions) plus:
+
+- ``prompt``: a string, token ids, or a list holding one of those. Several prompts in one
+  request are refused with a 400 naming ``prompt`` (send one request per prompt; each gets its
+  own slot and queue place);
+- ``echo``: the prompt's text comes first in each choice's ``text`` (with ``logprobs`` the
+  prompt's own logprobs are not computed: that combination is a 400);
+- ``logprobs``: an integer 0..5, the completion API's ``{tokens, token_logprobs, top_logprobs,
+  text_offset}``;
+- ``suffix`` (insertion) is a 400; ``best_of`` only as ``n``.
+
+No chat template: the prompt is tokenized as is (with the tokenizer's special tokens, as vLLM
+does for text). A prompt that does not fit the context is the OpenAI 400, never capped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from quart import Blueprint, Response, request
+
+from pantheon import errors
+from pantheon.api import middleware as ops
+from pantheon.api.openai import protocol as oa
+from pantheon.api.openai.protocol import ChatRequest
+from pantheon.api.openai.routes import BIG_BODY, _Body, _through_recovery
+from pantheon.api.openai.service import Generation, _pool_error
+from pantheon.api.responses import json_response
+from pantheon.api.state import AppState, app_state
+from pantheon.chat.emitter import Emitter
+from pantheon.control.context import Prepared, limit_of
+from pantheon.control.registry import Instance
+from pantheon.errors import ApiError
+
+bp = Blueprint("completions", __name__)
+
+MAX_LOGPROBS = 5  # the completion API's own ceiling
+# the body fields the chat parser validates for us (the rest are ours, or refused)
+_SHARED = (
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stream",
+    "stream_options",
+    "user",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "repetition_window",
+    "repeat_last_n",
+    "min_tokens",
+    "ignore_eos",
+    "session_id",
+    "cache_salt",
+)
+
+
+class CompletionRequest:
+    """A parsed ``/v1/completions`` body: the chat-shaped sampling request, and the prompt."""
+
+    def __init__(self, chat: ChatRequest, prompt: str | list[int], echo: bool, logprobs: int):
+        self.chat, self.prompt, self.echo, self.logprobs = chat, prompt, echo, logprobs
+
+
+def parse_completion_request(raw: bytes | str) -> CompletionRequest:
+    """Bytes -> ``CompletionRequest``; raises ``ApiError`` (400)."""
+    body = oa.load_json(raw)
+    if not isinstance(body, dict):
+        raise errors.not_an_object()
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) != 1:
+            raise errors.invalid_param(
+                "prompt", f"one prompt per request here (got {len(prompt)}); send one request per prompt"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            raise errors.invalid_param(
+                "prompt", "'prompt' must be a string, token ids, or a list holding one of those"
+            )
+    elif not isinstance(prompt, str):
+        raise errors.invalid_param(
+            "prompt", "'prompt' must be a string, token ids, or a list holding one of those"
+        )
+    if body.get("suffix") not in (None, ""):
+        raise errors.invalid_param("suffix", "'suffix' (insertion) is not supported")
+    n = body.get("n", 1)
+    if body.get("best_of") not in (None, n):
+        raise errors.invalid_param("best_of", "'best_of' is supported only equal to 'n'")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise errors.invalid_param("echo", "'echo' must be a boolean")
+    lp = body.get("logprobs")
+    if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
+        raise errors.invalid_param("logprobs", f"'logprobs' must be an integer 0..{MAX_LOGPROBS}")
+    if echo and lp is not None:
+        raise errors.invalid_param(
+            "logprobs", "'logprobs' with 'echo' (the prompt's logprobs) is not supported"
+        )
+    shared = {k: body[k] for k in _SHARED if k in body}
+    shared.setdefault("max_tokens", 16)  # the completion API's default
+    shared["messages"] = [{"role": "user", "content": "-"}]  # not used: there is no template
+    if lp is not None:
+        shared["logprobs"] = True
+        shared["top_logprobs"] = lp
+    chat = oa.parse_chat_request(shared)
+    return CompletionRequest(chat, prompt, echo, -1 if lp is None else lp)
+
+
+def _prepare(inst: Instance, creq: CompletionRequest) -> Prepared:
+    """Tokenize the prompt and check it fits; a completion prompt is never capped."""
+    assets = inst.assets
+    if isinstance(creq.prompt, str):
+        ids = assets.tokenizer.encode(creq.prompt, add_special_tokens=True).ids
+    else:
+        ids = list(creq.prompt)
+    if not ids:
+        raise errors.invalid_param("prompt", "'prompt' is empty")
+    limit = limit_of(inst)
+    max_tokens = creq.chat.max_tokens or 16
+    if len(ids) + max_tokens > limit:
+        raise errors.prompt_too_long(limit, len(ids), max_tokens)
+    return Prepared(ids, "", False, max_tokens)
+
+
+class TextGeneration(Generation):
+    """A ``Generation`` whose output is ``text_completion`` objects: plain text, no template,
+    reasoning or tool-call parsing, the completion API's logprobs."""
+
+    def __init__(self, *a: Any, creq: CompletionRequest, prompt_text: str, **kw: Any):
+        super().__init__(*a, **kw)
+        self.id = "cmpl-" + self.id.removeprefix("chatcmpl-")
+        self.creq, self.prompt_text = creq, prompt_text
+
+    def _emitter(self):
+        return Emitter(reasoning=False, stop=self.req.stop, tools_enabled=False, think_open=False)
+
+    def _lp(self, lps: list[dict], start: int) -> dict:
+        """Chat-style token logprobs -> the completion API's, offsets from ``start``."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        at = start
+        for d in lps:
+            out["tokens"].append(d["token"])
+            out["token_logprobs"].append(d["logprob"])
+            out["top_logprobs"].append({t["token"]: t["logprob"] for t in d["top_logprobs"]})
+            out["text_offset"].append(at)
+            at += len(d["token"])
+        return out
+
+    def _body(self, choices: list[dict], usage: dict | None) -> dict:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return self._capped(body)
+
+    async def complete(self) -> dict:
+        texts = {r.index: [self.prompt_text] if self.creq.echo else [] for r in self.runs}
+        lps: dict[int, list[dict]] = {r.index: [] for r in self.runs}
+        async with contextlib.aclosing(self._all_pieces()) as pieces:
+            async for p in pieces:
+                texts[p.index] += [d.text or "" for d in p.deltas if d.kind == "content"]
+                lps[p.index] += p.logprobs or []
+        start = len(self.prompt_text) if self.creq.echo else 0
+        choices = [
+            {
+                "index": r.index,
+                "text": "".join(texts[r.index]),
+                "logprobs": self._lp(lps[r.index], start) if self.creq.logprobs >= 0 else None,
+                "finish_reason": r.finish_reason or "stop",
+            }
+            for r in self.runs
+        ]
+        return self._body(choices, self.usage())
+
+    async def stream_chunks(self) -> AsyncIterator[bytes]:
+        offsets = {r.index: len(self.prompt_text) if self.creq.echo else 0 for r in self.runs}
+        if self.creq.echo:
+            for r in self.runs:
+                yield oa.sse(
+                    self._body(
+                        [
+                            {
+                                "index": r.index,
+                                "text": self.prompt_text,
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                        None,
+                    )
+                )
+        try:
+            async with contextlib.aclosing(self._all_pieces()) as pieces:
+                async for p in pieces:
+                    text = "".join(d.text or "" for d in p.deltas if d.kind == "content")
+                    lp = None
+                    if self.creq.logprobs >= 0 and p.logprobs:
+                        lp = self._lp(p.logprobs, offsets[p.index])
+                    offsets[p.index] += len(text)
+                    if text or lp is not None or p.finish is not None:
+                        yield oa.sse(
+                            self._body(
+                                [{"index": p.index, "text": text, "logprobs": lp, "finish_reason": p.finish}],
+                                None,
+                            )
+                        )
+            if self.req.include_usage:
+                yield oa.sse(self._body([], self.usage()))
+        except ApiError as e:
+            yield oa.sse(e.body())
+        except Exception as e:  # noqa: BLE001 - the stream must still end cleanly
+            yield oa.sse(_pool_error(e, self.id).body())
+        yield oa.SSE_DONE
+
+
+async def _place(s: AppState, creq: CompletionRequest, big: bool) -> tuple[Instance, Prepared]:
+    """Route, tokenize and check the prompt, then acquire a slot (as the chat route does)."""
+    req = creq.chat
+    likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
+    prep = await asyncio.to_thread(_prepare, likely, creq) if big else _prepare(likely, creq)
+    inst = await s.registry.acquire_slot(req.model, req.session_id)
+    try:
+        if inst.path != likely.path or limit_of(inst) != limit_of(likely):
+            prep = _prepare(inst, creq)  # another replica, another context
+    except BaseException:
+        s.registry.leave(inst)
+        raise
+    return inst, prep
+
+
+@bp.post("/v1/completions", provide_automatic_options=False)
+async def completions():
+    s = app_state()
+    arrived = time.monotonic()
+    raw = await request.get_data(cache=False)
+    big = len(raw) > BIG_BODY
+    creq = await asyncio.to_thread(parse_completion_request, raw) if big else parse_completion_request(raw)
+    req = creq.chat
+    ops.check_request(req)  # the request limits (400), and the model for the trace
+    try:
+        inst, prep = await _through_recovery(s, lambda: _place(s, creq, big), req.model)
+    except ApiError as e:
+        s.feed.reject(e.status, req.model, e.code, e.message)
+        raise
+    try:
+        text = (
+            creq.prompt
+            if isinstance(creq.prompt, str)
+            else inst.assets.tokenizer.decode(list(creq.prompt), skip_special_tokens=False)
+        )
+        gen = TextGeneration(
+            s.pool,
+            inst,
+            req,
+            prep,
+            s.config.fingerprint,
+            arrived=arrived,
+            on_tokens=s.feed.tokens,
+            creq=creq,
+            prompt_text=text,
+        )
+    except BaseException:
+        s.registry.leave(inst)
+        raise
+    s.live.add(gen)
+    ops.attach(gen)
+
+    def done() -> None:
+        s.live.discard(gen)
+        s.registry.leave(inst)
+        s.feed.request_done(gen.ttft_s)
+
+    headers = {"X-Pantheon-Instance": inst.instance_id}
+    if not req.stream:
+        try:
+            out = await gen.complete()
+        finally:
+            done()
+        return json_response(out, headers=headers)
+    resp = Response(
+        _Body(gen.stream_chunks(), done),
+        status=200,
+        content_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+    )
+    resp.timeout = None
+    return resp
