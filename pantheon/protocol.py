@@ -104,6 +104,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20
+    # an llguidance grammar (its JSON form) the output must match; the router compiled it once
+    grammar: str | None = None
+    grammar_after: list[int] = []  # the grammar starts once the output ends with these ids
 
 
 # ---------------------------------------------------------------- router -> worker

@@ -22,6 +22,7 @@ from workers import cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
 from workers.compiled import wanted as compiled_wanted
 from workers.errors import LoadError, RequestRejected
+from workers.grammar import Constraint, Grammars, apply_masks
 from workers.loader import load_model, resolve_dtype
 from workers.model_config import load_config
 from workers.runner import ModelRunner, kv_block_bytes
@@ -111,6 +112,8 @@ class Engine:
         self.step_read_bytes = self.weight_bytes - (0 if head_is_table else emb.numel() * emb.element_size())
         self.kv_bytes = self.runner.kv_bytes
         self._samplers: dict[str, SamplerState] = {}
+        self._constraints: dict[str, Constraint] = {}  # request id -> its grammar, if any
+        self.grammars = Grammars(model_path, cfg.vocab_size, self.eos_token_ids)
         # Test and debug hook: called with (sequences, fp32 logits [B, V]) before sampling.
         self.on_logits: Callable[[list[Sequence], torch.Tensor], None] | None = None
         self.steps = 0
@@ -161,6 +164,10 @@ class Engine:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.eos_token_ids)
+        if params.grammar is not None:  # compiled (or found in the cache) before the slot is taken
+            self._constraints[request_id] = self.grammars.constraint(
+                params.grammar, sorted(stop), params.grammar_after
+            )
         self._samplers[request_id] = SamplerState.create(params, sorted(stop), self.devices[0])
         self.scheduler.add(
             Sequence(
@@ -179,7 +186,11 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its slot and blocks. Unknown ids are ignored."""
         self.scheduler.abort(request_id)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
         self._samplers.pop(request_id, None)
+        self._constraints.pop(request_id, None)
 
     def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
         """Logits at every position of ``prompt``: [T, vocab] fp32, computed in one pass.
@@ -209,24 +220,33 @@ class Engine:
         plan = self.scheduler.schedule(self.budget.tokens(decoding))
         outs = [TokenOut(s.request_id, -1, finish="length") for s in plan.truncated]
         for s in plan.truncated:
-            self._samplers.pop(s.request_id, None)
+            self._forget(s.request_id)
         if plan.empty:
             return outs
         seqs = plan.sampled()
+        # The grammar masks of the rows about to be sampled are computed while the model runs.
+        guided = [
+            (i, c) for i, s in enumerate(seqs) if (c := self._constraints.get(s.request_id)) is not None and c.active
+        ]
+        masks = self.grammars.start_masks([c for _i, c in guided]) if guided else None
         logits = self.runner.run(plan)
         self.scheduler.commit(plan)
         if seqs:
             if self.on_logits is not None:
                 self.on_logits(seqs, logits)
+            if masks is not None:
+                apply_masks(logits, [i for i, _c in guided], masks.result())
             states = [self._samplers[s.request_id] for s in seqs]
             recents = [_window(s.tokens, st.params.repetition_window) for s, st in zip(seqs, states)]
             picks = sample(logits, states, recents, [s.num_output for s in seqs])
             for s, pick in zip(seqs, picks):
-                reason = self.scheduler.append_token(s, pick.token)
+                c = self._constraints.get(s.request_id)
+                complete = c is not None and c.advance(pick.token)
+                reason = self.scheduler.append_token(s, pick.token, complete=complete)
                 cached = s.cached_tokens if s.num_output == 1 else None
                 outs.append(TokenOut(s.request_id, pick.token, pick.logprob, pick.top, reason, cached))
                 if reason:
-                    self._samplers.pop(s.request_id, None)
+                    self._forget(s.request_id)
         took = time.perf_counter() - t0
         self.budget.observe(len(plan.decode), sum(n for _s, n in plan.prefill), took)
         self.steps += 1
@@ -267,6 +287,7 @@ class Engine:
     def close(self) -> None:
         """Drop the weights and the cache (the worker calls this on unload); the engine is not
         used after."""
+        self.grammars.close()
         self.runner = None  # pyright: ignore[reportAttributeAccessIssue]  # dropped for good
         self.model = None  # pyright: ignore[reportAttributeAccessIssue]
         if any(d.type == "cuda" for d in self.devices):

@@ -222,11 +222,13 @@ class Scheduler:
             seq.num_computed += n
             self._publish(seq)
 
-    def append_token(self, seq: Sequence, token: int) -> FinishReason | None:
-        """Add a sampled token; return the finish reason if the sequence is done (and free it)."""
+    def append_token(self, seq: Sequence, token: int, *, complete: bool = False) -> FinishReason | None:
+        """Add a sampled token; return the finish reason if the sequence is done (and free it).
+
+        ``complete``: the request's grammar is complete with this token, so it stops here."""
         seq.tokens.append(token)
         reason: FinishReason | None = None
-        if token in seq.stop_ids and seq.num_output >= max(seq.min_tokens, 1):
+        if complete or token in seq.stop_ids and seq.num_output >= max(seq.min_tokens, 1):
             reason = "stop"
         elif seq.num_output >= seq.max_tokens or len(seq.tokens) >= self.max_model_len:
             reason = "length"

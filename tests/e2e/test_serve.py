@@ -662,7 +662,7 @@ def test_bad_json_and_wrong_types(srv):
             {
                 "model": "tiny",
                 "messages": MSG,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "x"}},
+                "response_format": {"type": "xml"},
             },
         ),
         400,

@@ -200,7 +200,7 @@ def test_header_session_id():
             ),
             "tool_choice.function.name",
         ),
-        (body(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.type"),
+        (body(response_format={"type": "xml"}), "response_format.type"),
         (body(response_format="json"), "response_format"),
         (body(top_k="3"), "top_k"),
         (body(min_p=2), "min_p"),

@@ -68,6 +68,13 @@ _SHARED = (
     "ignore_eos",
     "session_id",
     "cache_salt",
+    # output constraints (pantheon.api.openai.structured), vLLM's names
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 )
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from pantheon.api.openai import structured
 from pantheon.errors import invalid_json, invalid_param, not_an_object
 from pantheon.protocol import SamplingParams
 
@@ -51,7 +52,8 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str = "auto"  # none | auto | required | function
     tool_choice_name: str | None = None
-    response_format: str = "text"  # text | json_object
+    response_format: str = "text"  # the constraint's kind: text | json_object | json_schema | regex | ...
+    grammar: str | None = None  # its llguidance grammar (pantheon.api.openai.structured), checked
     user: str | None = None
     # extensions
     top_k: int = 0
@@ -72,8 +74,16 @@ class ChatRequest(msgspec.Struct, kw_only=True):
         return bool(self.tools) and self.tool_choice != "none"
 
     def sampling(
-        self, *, max_tokens: int, stop_token_ids: list[int], seed: int | None = None
+        self,
+        *,
+        max_tokens: int,
+        stop_token_ids: list[int],
+        seed: int | None = None,
+        grammar: str | None = None,
+        grammar_after: list[int] | None = None,
     ) -> SamplingParams:
+        """The worker's parameters; ``grammar`` (else the request's own) constrains the output,
+        from when the output ends with ``grammar_after``."""
         greedy = self.temperature == 0.0 or self.top_p == 0.0
         return SamplingParams(
             temperature=0.0 if greedy else self.temperature,
@@ -92,6 +102,8 @@ class ChatRequest(msgspec.Struct, kw_only=True):
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs if self.logprobs else 0,
+            grammar=grammar or self.grammar,
+            grammar_after=list(grammar_after or []),
         )
 
 
@@ -432,16 +444,9 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     kw["tools"] = tools
     kw["tool_choice"], kw["tool_choice_name"] = _tool_choice(body, tools)
 
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-            raise invalid_param("response_format", "'response_format' must be an object with a 'type'")
-        if rf["type"] not in ("text", "json_object"):
-            raise invalid_param(
-                "response_format.type",
-                f"response_format type {rf['type']!r} is not supported (text, json_object)",
-            )
-        kw["response_format"] = rf["type"]
+    kw["response_format"], kw["grammar"] = structured.request_grammar(body)
+    if tools and kw["tool_choice"] in ("required", "function"):
+        structured.check_tool_schemas(tools, None if kw["tool_choice"] == "required" else [kw["tool_choice_name"]])
 
     kw["user"] = _str(body, "user")
     sid = _str(body, "session_id")

@@ -30,6 +30,7 @@ from typing import Any
 
 from pantheon import errors
 from pantheon.api.openai import protocol as oa
+from pantheon.api.openai import structured
 from pantheon.api.openai.protocol import ChatRequest
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Delta, Emitter
@@ -205,6 +206,20 @@ class Generation:
             think_open=prep.think_open,
         )
 
+    def _constraint(self) -> tuple[str | None, list[int]]:
+        """The grammar the output must match (a demanded tool call's, else the request's), and
+        the ids after which it starts: the end of a reasoning block the template opened."""
+        req, prep = self.req, self.prep
+        grammar = req.grammar
+        if req.tools and req.tools_enabled and req.tool_choice in ("required", "function"):
+            tools = req.tools
+            if req.tool_choice_name is not None:
+                tools = [t for t in tools if t["function"]["name"] == req.tool_choice_name]
+            grammar = structured.tool_grammar(tools, prep.forced, prep.prefix)
+        if grammar is None or not prep.think_open:
+            return grammar, []
+        return grammar, self.inst.assets.encode("</think>")
+
     async def _pieces(self, run: ChoiceRun) -> AsyncGenerator[Piece, None]:
         """The choice's output, one ``Piece`` per batch of tokens that arrived together."""
         req, prep, assets = self.req, self.prep, self.inst.assets
@@ -212,8 +227,13 @@ class Generation:
         detok = IncrementalDetokenizer(assets.tokenizer, prompt_ids=prep.prompt_ids, skip_special_tokens=True)
         pending = emitter.feed(prep.prefix) if prep.prefix and prep.forced is None else []
         seed = None if req.seed is None else req.seed + run.index
+        grammar, after = self._constraint()
         params = req.sampling(
-            max_tokens=prep.max_tokens, seed=seed, stop_token_ids=[] if req.ignore_eos else assets.eos_ids
+            max_tokens=prep.max_tokens,
+            seed=seed,
+            stop_token_ids=[] if req.ignore_eos else assets.eos_ids,
+            grammar=grammar,
+            grammar_after=after,
         )
         rid = f"{self.id}-{run.index}-{uuid.uuid4().hex[:6]}"
         sub = Submit(

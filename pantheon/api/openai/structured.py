@@ -1,0 +1,229 @@
+"""Structured outputs: a request's constraint turned into an llguidance grammar, checked here.
+
+What a request may constrain its output with (at most one of them):
+
+- ``response_format``: ``{"type": "json_object"}`` (any JSON object) or ``{"type": "json_schema",
+  "json_schema": {"name", "schema", "strict"}}``. With ``strict: false`` keywords the engine does
+  not implement are ignored; otherwise they are a 400.
+- vLLM's extras: ``guided_json`` (a schema, object or string), ``guided_regex``, ``guided_choice``
+  (a list of strings), ``guided_grammar`` (Lark, or GBNF/EBNF as llama.cpp writes it), and the
+  same under ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``).
+- tools: ``tool_choice`` ``"required"`` or a named function constrain the output to a call of
+  the tools' parameter schemas in the model's ``<tool_call>`` format (:func:`tool_grammar`).
+
+JSON is written compactly, with ``", "`` and ``": "`` as separators and no other whitespace: a
+small model given free whitespace can spend its whole budget on newlines.
+
+The JSON Schema subset is llguidance's (https://github.com/guidance-ai/llguidance/blob/main/docs/json_schema.md):
+types, ``properties`` / ``required`` / ``additionalProperties``, ``enum`` / ``const``, ``anyOf`` /
+``oneOf`` / ``allOf``, ``$ref`` / ``$defs``, ``items`` / ``prefixItems`` / ``minItems`` /
+``maxItems``, string ``minLength`` / ``maxLength`` / ``pattern`` / ``format``, number ranges.
+
+Every grammar is compiled once here, before any slot is taken (a bad one is a 400 naming the
+parameter), and the verdict is cached by the grammar's hash. Size is bounded (``MAX_GRAMMAR_BYTES``)
+and so is compile work (llguidance's parser limits), so no request can stall the router.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance as llg
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from pantheon.errors import invalid_param
+
+MAX_GRAMMAR_BYTES = 65536  # a schema / regex / grammar longer than this is a 400
+MAX_CHOICES = 256
+JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+_verdicts: OrderedDict[str, str] = OrderedDict()  # grammar hash -> "" (valid) or the error
+_lock = threading.Lock()  # big bodies are parsed on threads
+
+
+def check(grammar: str, param: str) -> str:
+    """``grammar`` if it compiles, else a 400 naming ``param``."""
+    if len(grammar) > 4 * MAX_GRAMMAR_BYTES:
+        raise invalid_param(param, f"'{param}' is too large to compile")
+    key = hashlib.sha256(grammar.encode()).hexdigest()
+    with _lock:
+        verdict = _verdicts.get(key)
+    if verdict is None:
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+        verdict = messages[0] if is_error else ""
+        with _lock:
+            _verdicts[key] = verdict
+            while len(_verdicts) > 1024:
+                _verdicts.popitem(last=False)
+    if verdict:
+        raise invalid_param(param, f"'{param}' cannot be enforced: {verdict.strip()}")
+    return grammar
+
+
+def _sized(text: str, param: str) -> str:
+    if len(text.encode()) > MAX_GRAMMAR_BYTES:
+        raise invalid_param(param, f"'{param}' is longer than {MAX_GRAMMAR_BYTES} bytes")
+    return text
+
+
+def json_schema_grammar(schema: Any, param: str, *, strict: bool = True) -> str:
+    """The grammar of one JSON Schema (an object, or its JSON text)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(_sized(schema, param))
+        except ValueError:
+            raise invalid_param(param, f"'{param}' is not valid JSON") from None
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise invalid_param(param, f"'{param}' must be a JSON Schema object")
+    _sized(json.dumps(schema), param)
+    style = dict(JSON_STYLE, lenient=not strict)
+    try:
+        grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=style)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise invalid_param(param, f"'{param}' is not a valid schema: {e}") from None
+    return check(grammar, param)
+
+
+def regex_grammar(regex: Any, param: str) -> str:
+    if not isinstance(regex, str) or not regex:
+        raise invalid_param(param, f"'{param}' must be a non-empty string")
+    return check(llg.LLMatcher.grammar_from_regex(_sized(regex, param)), param)
+
+
+def choice_grammar(choices: Any, param: str) -> str:
+    if (
+        not isinstance(choices, list)
+        or not choices
+        or len(choices) > MAX_CHOICES
+        or not all(isinstance(c, str) and c for c in choices)
+    ):
+        raise invalid_param(param, f"'{param}' must be a list of 1 to {MAX_CHOICES} non-empty strings")
+    alts = " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
+    return check(llg.LLMatcher.grammar_from_lark(_sized(f"start: {alts}\n", param)), param)
+
+
+def lark_grammar(text: Any, param: str) -> str:
+    """A Lark grammar, or a GBNF one (``root ::= ...``) converted to Lark."""
+    if not isinstance(text, str) or not text.strip():
+        raise invalid_param(param, f"'{param}' must be a non-empty grammar string")
+    _sized(text, param)
+    if "::=" in text:
+        try:
+            text = gbnf_to_lark(text)
+        except Exception as e:  # the converter raises what its parser raises
+            raise invalid_param(param, f"'{param}' is not a valid GBNF grammar: {e}") from None
+    return check(llg.LLMatcher.grammar_from_lark(text), param)
+
+
+def _response_format(rf: Any) -> tuple[str, str | None]:
+    """(the format's type, its grammar or None for text)."""
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise invalid_param("response_format", "'response_format' must be an object with a 'type'")
+    kind = rf["type"]
+    if kind == "text":
+        return kind, None
+    if kind == "json_object":
+        return kind, json_schema_grammar({"type": "object"}, "response_format")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise invalid_param("response_format.json_schema", "'response_format.json_schema' must be an object")
+        name = js.get("name")
+        if not isinstance(name, str) or not name:
+            raise invalid_param("response_format.json_schema.name", "'response_format.json_schema.name' is required")
+        strict = js.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise invalid_param("response_format.json_schema.strict", "'strict' must be a boolean")
+        if "schema" not in js:  # OpenAI: no schema means any JSON
+            return kind, json_schema_grammar({}, "response_format.json_schema.schema")
+        return kind, json_schema_grammar(js["schema"], "response_format.json_schema.schema", strict=strict is not False)
+    raise invalid_param(
+        "response_format.type",
+        f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+    )
+
+
+_GUIDED = {  # vLLM's request extras, and their names under ``structured_outputs``
+    "guided_json": ("json", lambda v, p: json_schema_grammar(v, p)),
+    "guided_regex": ("regex", regex_grammar),
+    "guided_choice": ("choice", choice_grammar),
+    "guided_grammar": ("grammar", lark_grammar),
+}
+
+
+def request_grammar(body: dict) -> tuple[str, str | None]:
+    """The constraint of a chat / completion request body: (what it is, its grammar or None).
+
+    Raises a 400 for a malformed or unenforceable constraint, or for more than one of them."""
+    found: list[tuple[str, str, str | None]] = []  # (param, kind, grammar)
+    if body.get("response_format") is not None:
+        kind, grammar = _response_format(body["response_format"])
+        if grammar is not None:
+            found.append(("response_format", kind, grammar))
+    for key, (short, build) in _GUIDED.items():
+        if body.get(key) is not None:
+            found.append((key, short, build(body[key], key)))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise invalid_param("structured_outputs", "'structured_outputs' must be an object")
+        for _key, (short, build) in _GUIDED.items():
+            if so.get(short) is not None:
+                found.append((f"structured_outputs.{short}", short, build(so[short], f"structured_outputs.{short}")))
+        if so.get("json_object"):
+            found.append(("structured_outputs.json_object", "json_object", json_schema_grammar({"type": "object"}, "structured_outputs")))
+    if len(found) > 1:
+        names = ", ".join(f"'{p}'" for p, _k, _g in found)
+        raise invalid_param(found[1][0], f"only one output constraint is allowed per request, got {names}")
+    if not found:
+        return "text", None
+    return found[0][1], found[0][2]
+
+
+# ---------------------------------------------------------------- tool calls
+
+
+def _parameters(tool: dict) -> dict:
+    params = tool.get("function", {}).get("parameters")
+    return params if isinstance(params, dict) else {"type": "object"}
+
+
+def check_tool_schemas(tools: Sequence[dict], names: Sequence[str] | None = None) -> None:
+    """400 if a tool a call may be forced to has parameters that cannot be enforced."""
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", {})
+        if names is None or fn.get("name") in names:
+            json_schema_grammar(_parameters(tool), f"tools[{i}].function.parameters", strict=fn.get("strict") is not False)
+
+
+def tool_grammar(tools: Sequence[dict], forced: str | None, prefix: str) -> str:
+    """The grammar of what the model writes after ``prefix`` (already in the prompt) when a
+    call is demanded: ``forced`` named, only its arguments and the block's end; else one call
+    of any of ``tools``, ``<tool_call>`` markers included where the prompt has none."""
+    if forced is not None:
+        tool = next(t for t in tools if t["function"]["name"] == forced)
+        schema = json.dumps(dict(_parameters(tool), **{"x-guidance": JSON_STYLE}))
+        lark = f'start: args "}}" "\\n</tool_call>"\nargs: %json {schema}\n'
+    else:
+        calls = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for t in tools
+            ],
+            "x-guidance": JSON_STYLE,
+        }
+        opening = "" if prefix.endswith("<tool_call>\n") else '"<tool_call>\\n" '
+        lark = f'start: {opening}call "\\n</tool_call>"\ncall: %json {json.dumps(calls)}\n'
+    return check(llg.LLMatcher.grammar_from_lark(lark), "tools")

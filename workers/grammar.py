@@ -1,0 +1,163 @@
+"""Grammar-constrained decoding in the worker: one llguidance matcher per constrained request.
+
+The router turns a request's constraint (``response_format``, ``guided_*``, a required tool
+call) into an llguidance grammar, checks that it compiles, and sends it in
+``SamplingParams.grammar``. Here, per step:
+
+1. before the forward pass, :meth:`Grammars.start_masks` computes the allowed-token bitmask of
+   every constrained row on a thread (llguidance releases the GIL and fans out over its own
+   threads), so the mask is ready when the logits are;
+2. after it, :func:`apply_masks` sets every disallowed logit to ``-inf`` (on the logits' device),
+   before penalties and sampling, so greedy, temperature, top-k/p, seeds and ``n`` all still work;
+3. :meth:`Constraint.advance` feeds the chosen token to the matcher. When the grammar is complete
+   (``is_stopped``) the request finishes with ``stop`` at once.
+
+Compiled grammars are cached by the grammar text's hash (a matcher is compiled once, then
+``deep_copy``-ed per request, which costs microseconds). With ``grammar_after`` (a reasoning
+model's ``</think>`` ids), the constraint starts only once those tokens came out.
+
+The tokenizer llguidance needs is read from the model's own files (``tokenizer.json``, or the
+GGUF's vocabulary) on the first constrained request, never from the router's process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import llguidance as llg
+import torch
+
+from pantheon.models.gguf import find_gguf, read_gguf, tokenizer_json
+from workers.errors import RequestRejected
+
+log = logging.getLogger("pantheon.worker.grammar")
+
+CACHE_SIZE = 64  # compiled grammars kept per model
+
+
+def model_tokenizer_json(model_path: str) -> str:
+    """The Hugging Face ``tokenizer.json`` text of a model folder or GGUF file."""
+    gguf = find_gguf(Path(model_path))
+    if gguf is not None:
+        return tokenizer_json(read_gguf(gguf))
+    return (Path(model_path) / "tokenizer.json").read_text(encoding="utf-8")
+
+
+@dataclass
+class Constraint:
+    """One request's grammar state."""
+
+    matcher: llg.LLMatcher
+    stop_ids: frozenset[int]  # the request's stop tokens: allowed wherever the grammar may end
+    after: tuple[int, ...] = ()  # start only once the output ends with these ids
+    active: bool = True
+    _tail: tuple[int, ...] = ()
+
+    def advance(self, token: int) -> bool:
+        """Feed the sampled token; True when the grammar is complete (the request is done)."""
+        if not self.active:
+            self._tail = (self._tail + (token,))[-len(self.after) :]
+            self.active = self._tail == self.after
+            return False
+        if token in self.stop_ids and self.matcher.is_accepting():
+            return True  # the model ended where the grammar may end
+        if not self.matcher.consume_token(token):
+            # cannot happen with the mask applied; a matcher in error would mask everything
+            log.warning("grammar refused token %d: %s", token, self.matcher.get_error())
+            return True
+        return self.matcher.is_stopped()
+
+
+class Grammars:
+    """The compiled-grammar cache and the mask thread of one engine."""
+
+    def __init__(self, model_path: str, vocab_size: int, eos_ids: Sequence[int]):
+        self.model_path = model_path
+        self.vocab_size = vocab_size
+        self.eos_ids = list(eos_ids)
+        self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
+        self._tokenizer: llg.LLTokenizer | None = None
+        self._compiled: OrderedDict[str, llg.LLMatcher] = OrderedDict()
+        self._executor: llg.LLExecutor | None = None
+        self._thread: ThreadPoolExecutor | None = None
+        self.compiled = 0  # grammars compiled (cache misses)
+        self.hits = 0
+
+    @property
+    def tokenizer(self) -> llg.LLTokenizer:
+        if self._tokenizer is None:  # ~0.3 s for a 50k vocabulary, once per model
+            self._tokenizer = llg.LLTokenizer(
+                model_tokenizer_json(self.model_path), n_vocab=self.vocab_size, eos_token=self.eos_ids
+            )
+        return self._tokenizer
+
+    def constraint(self, grammar: str, stop_ids: Sequence[int], after: Sequence[int] = ()) -> Constraint:
+        """A fresh matcher for ``grammar``; raises ``RequestRejected`` if it does not compile."""
+        key = hashlib.sha256(grammar.encode()).hexdigest()
+        base = self._compiled.get(key)
+        if base is None:
+            base = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+            if base.is_error():
+                raise RequestRejected("invalid", f"the grammar does not compile: {base.get_error()}")
+            self._compiled[key] = base
+            self.compiled += 1
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+            self.hits += 1
+        return Constraint(base.deep_copy(), frozenset(stop_ids), tuple(after), active=not after)
+
+    def start_masks(self, constraints: Sequence[Constraint]) -> Future[torch.Tensor]:
+        """Begin the bitmasks of ``constraints`` (all active): a future of ``[C, words]`` int32
+        on the CPU, bit ``t % 32`` of word ``t // 32`` set where token ``t`` is allowed."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            self._executor = llg.LLExecutor()
+        return self._thread.submit(self._masks, list(constraints))
+
+    def _masks(self, constraints: list[Constraint]) -> torch.Tensor:
+        mask = torch.zeros(len(constraints), self.words, dtype=torch.int32)  # [C, words]
+        assert self._executor is not None
+        self._executor.unsafe_compute_mask_ptr(
+            [(c.matcher, i) for i, c in enumerate(constraints)], mask.data_ptr(), self.words * 4, len(constraints)
+        )
+        for i, c in enumerate(constraints):
+            if c.matcher.is_accepting():  # where the grammar may end, so may the request
+                for t in c.stop_ids:
+                    if 0 <= t < self.vocab_size:
+                        mask[i, t // 32] |= _bit(t % 32)
+        return mask
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+
+
+def _bit(k: int) -> int:
+    """Bit ``k`` of an int32 word, as a signed value (bit 31 is the sign)."""
+    return (1 << k) - (1 << 32 if k == 31 else 0)
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+@torch.inference_mode()  # the runner's logits are inference tensors
+def apply_masks(logits: torch.Tensor, rows: Sequence[int], mask: torch.Tensor) -> None:
+    """logits: [B, V] fp32, in place; mask: [len(rows), words] int32 for those rows."""
+    dev = logits.device
+    shifts = _SHIFTS.get(dev)
+    if shifts is None:
+        shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+    m = mask.to(dev, non_blocking=True)
+    allowed = ((m[:, :, None] >> shifts) & 1).reshape(m.shape[0], -1)[:, : logits.shape[1]]  # [R, V]
+    idx = torch.tensor(list(rows), device=dev)
+    sub = logits.index_select(0, idx).masked_fill_(allowed == 0, float("-inf"))
+    logits.index_copy_(0, idx, sub)
