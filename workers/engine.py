@@ -226,7 +226,9 @@ class Engine:
         seqs = plan.sampled()
         # The grammar masks of the rows about to be sampled are computed while the model runs.
         guided = [
-            (i, c) for i, s in enumerate(seqs) if (c := self._constraints.get(s.request_id)) is not None and c.active
+            (i, c)
+            for i, s in enumerate(seqs)
+            if (c := self._constraints.get(s.request_id)) is not None and c.active
         ]
         masks = self.grammars.start_masks([c for _i, c in guided]) if guided else None
         logits = self.runner.run(plan)

@@ -126,7 +126,10 @@ class Grammars:
         mask = torch.zeros(len(constraints), self.words, dtype=torch.int32)  # [C, words]
         assert self._executor is not None
         self._executor.unsafe_compute_mask_ptr(
-            [(c.matcher, i) for i, c in enumerate(constraints)], mask.data_ptr(), self.words * 4, len(constraints)
+            [(c.matcher, i) for i, c in enumerate(constraints)],
+            mask.data_ptr(),
+            self.words * 4,
+            len(constraints),
         )
         for i, c in enumerate(constraints):
             if c.matcher.is_accepting():  # where the grammar may end, so may the request

@@ -45,7 +45,10 @@ SCHEMAS = {
         "properties": {
             "customer": {
                 "type": "object",
-                "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99999}, "vip": {"type": "boolean"}},
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 99999},
+                    "vip": {"type": "boolean"},
+                },
                 "required": ["id", "vip"],
                 "additionalProperties": False,
             },
@@ -82,7 +85,12 @@ SCHEMAS = {
         "type": "object",
         "properties": {
             "title": {"type": "string", "maxLength": 40},
-            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 4},
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 12},
+                "minItems": 1,
+                "maxItems": 4,
+            },
         },
         "required": ["title", "tags"],
         "additionalProperties": False,
@@ -147,7 +155,9 @@ def test_fifty_prompts_over_five_schemas_all_validate(srv, stream):
     async def run():
         sem = asyncio.Semaphore(8)
         async with srv.aclient() as client:
-            return await asyncio.gather(*(_one(client, sem, n, p, i, stream) for i, (n, p) in enumerate(PROMPTS)))
+            return await asyncio.gather(
+                *(_one(client, sem, n, p, i, stream) for i, (n, p) in enumerate(PROMPTS))
+            )
 
     results = asyncio.run(run())
     assert len(results) == 50

@@ -445,8 +445,9 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     kw["tool_choice"], kw["tool_choice_name"] = _tool_choice(body, tools)
 
     kw["response_format"], kw["grammar"] = structured.request_grammar(body)
-    if tools and kw["tool_choice"] in ("required", "function"):
-        structured.check_tool_schemas(tools, None if kw["tool_choice"] == "required" else [kw["tool_choice_name"]])
+    if tools and kw["tool_choice"] in ("required", "function"):  # the call will be enforced
+        forced = kw["tool_choice_name"]
+        structured.check_tool_schemas(tools, None if forced is None else [forced])
 
     kw["user"] = _str(body, "user")
     sid = _str(body, "session_id")

@@ -134,16 +134,22 @@ def _response_format(rf: Any) -> tuple[str, str | None]:
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict):
-            raise invalid_param("response_format.json_schema", "'response_format.json_schema' must be an object")
+            raise invalid_param(
+                "response_format.json_schema", "'response_format.json_schema' must be an object"
+            )
         name = js.get("name")
         if not isinstance(name, str) or not name:
-            raise invalid_param("response_format.json_schema.name", "'response_format.json_schema.name' is required")
+            raise invalid_param(
+                "response_format.json_schema.name", "'response_format.json_schema.name' is required"
+            )
         strict = js.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise invalid_param("response_format.json_schema.strict", "'strict' must be a boolean")
         if "schema" not in js:  # OpenAI: no schema means any JSON
             return kind, json_schema_grammar({}, "response_format.json_schema.schema")
-        return kind, json_schema_grammar(js["schema"], "response_format.json_schema.schema", strict=strict is not False)
+        return kind, json_schema_grammar(
+            js["schema"], "response_format.json_schema.schema", strict=strict is not False
+        )
     raise invalid_param(
         "response_format.type",
         f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
@@ -176,9 +182,17 @@ def request_grammar(body: dict) -> tuple[str, str | None]:
             raise invalid_param("structured_outputs", "'structured_outputs' must be an object")
         for _key, (short, build) in _GUIDED.items():
             if so.get(short) is not None:
-                found.append((f"structured_outputs.{short}", short, build(so[short], f"structured_outputs.{short}")))
+                found.append(
+                    (f"structured_outputs.{short}", short, build(so[short], f"structured_outputs.{short}"))
+                )
         if so.get("json_object"):
-            found.append(("structured_outputs.json_object", "json_object", json_schema_grammar({"type": "object"}, "structured_outputs")))
+            found.append(
+                (
+                    "structured_outputs.json_object",
+                    "json_object",
+                    json_schema_grammar({"type": "object"}, "structured_outputs"),
+                )
+            )
     if len(found) > 1:
         names = ", ".join(f"'{p}'" for p, _k, _g in found)
         raise invalid_param(found[1][0], f"only one output constraint is allowed per request, got {names}")
@@ -200,7 +214,9 @@ def check_tool_schemas(tools: Sequence[dict], names: Sequence[str] | None = None
     for i, tool in enumerate(tools):
         fn = tool.get("function", {})
         if names is None or fn.get("name") in names:
-            json_schema_grammar(_parameters(tool), f"tools[{i}].function.parameters", strict=fn.get("strict") is not False)
+            json_schema_grammar(
+                _parameters(tool), f"tools[{i}].function.parameters", strict=fn.get("strict") is not False
+            )
 
 
 def tool_grammar(tools: Sequence[dict], forced: str | None, prefix: str) -> str:
