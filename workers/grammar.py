@@ -155,12 +155,15 @@ _SHIFTS: dict[torch.device, torch.Tensor] = {}
 @torch.inference_mode()  # the runner's logits are inference tensors
 def apply_masks(logits: torch.Tensor, rows: Sequence[int], mask: torch.Tensor) -> None:
     """logits: [B, V] fp32, in place; mask: [len(rows), words] int32 for those rows."""
-    dev = logits.device
+    dev, vocab = logits.device, logits.shape[1]
     shifts = _SHIFTS.get(dev)
     if shifts is None:
         shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
     m = mask.to(dev, non_blocking=True)
-    allowed = ((m[:, :, None] >> shifts) & 1).reshape(m.shape[0], -1)[:, : logits.shape[1]]  # [R, V]
-    idx = torch.tensor(list(rows), device=dev)
-    sub = logits.index_select(0, idx).masked_fill_(allowed == 0, float("-inf"))
-    logits.index_copy_(0, idx, sub)
+    keep = ((m[:, :, None] >> shifts) & 1).reshape(m.shape[0], -1)[:, :vocab].bool()  # [R, V]
+    ninf = torch.tensor(float("-inf"), device=dev)
+    if list(rows) == list(range(logits.shape[0])):  # every row constrained: one pass
+        torch.where(keep, logits, ninf, out=logits)
+        return
+    for j, r in enumerate(rows):  # a row of a contiguous [B, V] is contiguous: masked in place
+        torch.where(keep[j], logits[r], ninf, out=logits[r])

@@ -64,3 +64,24 @@ def test_layers_split_across_two_dies(model_factory):
     assert {d.index for d in two.model.layer_devices} == {0, 1}
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert run(one, greedy) == run(two, greedy)
+
+
+def test_grammar_masks_on_cuda_match_cpu(model_factory):
+    """The bitmask is computed on the host and applied on the device: the same constrained
+    greedy tokens on cuda:0 as on the CPU, and they match the regex."""
+    import re
+
+    from tokenizers import Tokenizer
+
+    from pantheon.api.openai import structured
+
+    path = str(model_factory("tiny-llama", dtype="float32"))
+    grammar = structured.regex_grammar("[0-9]{3}-[a-z]{2,4}", "r")
+    params = SamplingParams(temperature=0.0, max_tokens=30, grammar=grammar)
+    got = {}
+    for dev in ("cpu", "cuda:0"):
+        got[dev] = run(Engine(path, devices=[dev], dtype="float32", kv_budget_bytes=4 << 20), params)
+    tok = Tokenizer.from_file(f"{path}/tokenizer.json")
+    for ids in got["cuda:0"].values():
+        assert re.fullmatch("[0-9]{3}-[a-z]{2,4}", tok.decode(ids, skip_special_tokens=True))
+    assert got["cpu"] == got["cuda:0"]
