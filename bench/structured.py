@@ -96,7 +96,9 @@ def main() -> None:
         free = max(free, decode_rate(eng, ids, args.streams, args.tokens, None))
         guided = max(guided, decode_rate(eng, ids, args.streams, args.tokens, grammar))
     masks = min(mask_seconds(eng, grammar, args.streams) for _ in range(args.rounds))
-    print(f"host: {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"host: {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print(f"model: {path} (cpu path {eng.cpu_path})")
     print(f"{args.streams} streams x {args.tokens} decode steps, greedy, best of {args.rounds}")
     print(f"  free:        {free:8.1f} tok/s")

@@ -107,6 +107,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # an llguidance grammar (its JSON form) the output must match; the router compiled it once
     grammar: str | None = None
     grammar_after: list[int] = []  # the grammar starts once the output ends with these ids
+    grammar_opening: int = -1  # >= 0: the output may open its reasoning with this id first
 
 
 # ---------------------------------------------------------------- router -> worker

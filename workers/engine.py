@@ -166,7 +166,10 @@ class Engine:
             stop.update(self.eos_token_ids)
         if params.grammar is not None:  # compiled (or found in the cache) before the slot is taken
             self._constraints[request_id] = self.grammars.constraint(
-                params.grammar, sorted(stop), params.grammar_after
+                params.grammar,
+                sorted(stop),
+                params.grammar_after,
+                params.grammar_opening if params.grammar_opening >= 0 else None,
             )
         self._samplers[request_id] = SamplerState.create(params, sorted(stop), self.devices[0])
         self.scheduler.add(
@@ -228,7 +231,7 @@ class Engine:
         guided = [
             (i, c)
             for i, s in enumerate(seqs)
-            if (c := self._constraints.get(s.request_id)) is not None and c.active
+            if (c := self._constraints.get(s.request_id)) is not None and c.masking
         ]
         masks = self.grammars.start_masks([c for _i, c in guided]) if guided else None
         logits = self.runner.run(plan)

@@ -51,19 +51,36 @@ def model_tokenizer_json(model_path: str) -> str:
 
 @dataclass
 class Constraint:
-    """One request's grammar state."""
+    """One request's grammar state.
+
+    With ``after`` (a reasoning block's closing ids) the output is free until it ends with
+    them. With ``opening`` too, the reasoning is the model's choice: its first token may be
+    ``opening`` (then it is free until ``after``), and anything else starts the grammar at once.
+    """
 
     matcher: llg.LLMatcher
     stop_ids: frozenset[int]  # the request's stop tokens: allowed wherever the grammar may end
-    after: tuple[int, ...] = ()  # start only once the output ends with these ids
-    active: bool = True
+    after: tuple[int, ...] = ()
+    opening: int | None = None
+    state: str = "active"  # "undecided" (first token) | "reasoning" | "active"
     _tail: tuple[int, ...] = ()
+
+    @property
+    def masking(self) -> bool:
+        """Whether the next token is masked."""
+        return self.state != "reasoning"
 
     def advance(self, token: int) -> bool:
         """Feed the sampled token; True when the grammar is complete (the request is done)."""
-        if not self.active:
+        if self.state == "undecided":
+            if token == self.opening:
+                self.state = "reasoning"
+                return False
+            self.state = "active"
+        if self.state == "reasoning":
             self._tail = (self._tail + (token,))[-len(self.after) :]
-            self.active = self._tail == self.after
+            if self._tail == self.after:
+                self.state = "active"
             return False
         if token in self.stop_ids and self.matcher.is_accepting():
             return True  # the model ended where the grammar may end
@@ -97,7 +114,9 @@ class Grammars:
             )
         return self._tokenizer
 
-    def constraint(self, grammar: str, stop_ids: Sequence[int], after: Sequence[int] = ()) -> Constraint:
+    def constraint(
+        self, grammar: str, stop_ids: Sequence[int], after: Sequence[int] = (), opening: int | None = None
+    ) -> Constraint:
         """A fresh matcher for ``grammar``; raises ``RequestRejected`` if it does not compile."""
         key = hashlib.sha256(grammar.encode()).hexdigest()
         base = self._compiled.get(key)
@@ -112,10 +131,11 @@ class Grammars:
         else:
             self._compiled.move_to_end(key)
             self.hits += 1
-        return Constraint(base.deep_copy(), frozenset(stop_ids), tuple(after), active=not after)
+        state = "active" if not after else "reasoning" if opening is None else "undecided"
+        return Constraint(base.deep_copy(), frozenset(stop_ids), tuple(after), opening, state)
 
     def start_masks(self, constraints: Sequence[Constraint]) -> Future[torch.Tensor]:
-        """Begin the bitmasks of ``constraints`` (all active): a future of ``[C, words]`` int32
+        """Begin the bitmasks of ``constraints`` (all ``masking``): a future of ``[C, words]`` int32
         on the CPU, bit ``t % 32`` of word ``t // 32`` set where token ``t`` is allowed."""
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
@@ -132,10 +152,12 @@ class Grammars:
             len(constraints),
         )
         for i, c in enumerate(constraints):
-            if c.matcher.is_accepting():  # where the grammar may end, so may the request
-                for t in c.stop_ids:
-                    if 0 <= t < self.vocab_size:
-                        mask[i, t // 32] |= _bit(t % 32)
+            allow = list(c.stop_ids) if c.matcher.is_accepting() else []  # where the grammar may end
+            if c.state == "undecided" and c.opening is not None:
+                allow.append(c.opening)  # or the model opens its reasoning first
+            for t in allow:
+                if 0 <= t < self.vocab_size:
+                    mask[i, t // 32] |= _bit(t % 32)
         return mask
 
     def close(self) -> None:

@@ -339,6 +339,30 @@ async def test_app_passes_sampling_extensions_and_template_kwargs(scripted):
     assert p.max_tokens == 4096 - len(pool.submits[-1].prompt)
 
 
+async def test_app_constraints_start_after_the_reasoning(scripted):
+    """On a reasoning model (the tiny preset has ``<think>``), a grammar waits for ``</think>``:
+    the model may open its reasoning with its first token; with thinking disabled the grammar
+    holds from the first token; a forced tool call (already open in the prompt) has no reasoning."""
+    client, pool, reg, publish = scripted
+    publish()
+    enc = pool.assets.encode
+    body = {"model": "tiny", "messages": MSG, "guided_regex": "[0-9]+", "max_tokens": 5}
+    await client.post("/v1/chat/completions", json=body)
+    p = pool.submits[-1].params
+    assert p.grammar and p.grammar_after == enc("</think>") and [p.grammar_opening] == enc("<think>")
+    off = dict(body, chat_template_kwargs={"enable_thinking": False})
+    await client.post("/v1/chat/completions", json=off)
+    p = pool.submits[-1].params
+    assert p.grammar and (p.grammar_after, p.grammar_opening) == ([], -1)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    forced = {"model": "tiny", "messages": MSG, "tools": tools, "tool_choice": "required", "max_tokens": 5}
+    await client.post("/v1/chat/completions", json=forced)
+    p = pool.submits[-1].params
+    assert p.grammar and "</tool_call>" in p.grammar and (p.grammar_after, p.grammar_opening) == ([], -1)
+    await client.post("/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 5})
+    assert pool.submits[-1].params.grammar is None
+
+
 async def test_app_truncated_finish_without_token(scripted):
     client, pool, reg, publish = scripted
     publish()

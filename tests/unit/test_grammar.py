@@ -159,9 +159,39 @@ def test_constraint_waits_for_its_marker():
         def __getattr__(self, name):
             raise AssertionError(name)
 
-    c = Constraint(Never(), frozenset({0}), after=(5, 6), active=False)  # type: ignore[arg-type]
-    assert [c.advance(t) for t in (6, 5, 9, 5)] == [False] * 4 and not c.active
-    assert c.advance(6) is False and c.active
+    c = Constraint(Never(), frozenset({0}), after=(5, 6), state="reasoning")  # type: ignore[arg-type]
+    assert [c.advance(t) for t in (6, 5, 9, 5)] == [False] * 4 and not c.masking
+    assert c.advance(6) is False and c.state == "active" and c.masking
+    opened = Constraint(Never(), frozenset(), after=(6,), opening=4, state="undecided")  # type: ignore[arg-type]
+    assert opened.masking and opened.advance(4) is False and opened.state == "reasoning"
+    assert opened.advance(6) is False and opened.state == "active"
+
+
+def test_the_model_may_open_its_reasoning_or_answer_at_once(engine, tok):
+    """``grammar_opening``: the first token may open the reasoning (forced here by a bias),
+    then the output is free until ``grammar_after``; without it the grammar holds from the
+    first token, and the opening id is allowed only there."""
+    rx = structured.regex_grammar("[0-9]{4}", "r")
+    # A biased token opens the reasoning and, written again, closes it.
+    open_id = tok.encode("Hello", add_special_tokens=False).ids[0]
+    close, bias = [open_id], {open_id: 100.0}
+    got = run(
+        engine,
+        {
+            "opened": SamplingParams(
+                temperature=0.0, max_tokens=40, grammar=rx, grammar_after=close, grammar_opening=open_id,
+                logit_bias=bias,
+            ),
+            "direct": SamplingParams(temperature=0.0, max_tokens=40, grammar=rx, grammar_after=close,
+                                     grammar_opening=open_id),
+        },
+    )  # fmt: skip
+    ids, finish = got["opened"]
+    assert ids[:2] == [open_id, open_id] and finish == "stop"
+    assert re.fullmatch("[0-9]{4}", text(tok, ids[2:])), text(tok, ids)
+    ids, finish = got["direct"]
+    if ids[0] != open_id:  # the model did not open a reasoning: digits at once
+        assert re.fullmatch("[0-9]{4}", text(tok, ids)), text(tok, ids)
 
 
 def test_apply_masks_unpacks_every_bit_including_the_sign_bit():

@@ -81,9 +81,10 @@ class ChatRequest(msgspec.Struct, kw_only=True):
         seed: int | None = None,
         grammar: str | None = None,
         grammar_after: list[int] | None = None,
+        grammar_opening: int = -1,
     ) -> SamplingParams:
         """The worker's parameters; ``grammar`` (else the request's own) constrains the output,
-        from when the output ends with ``grammar_after``."""
+        from when the output ends with ``grammar_after`` (see ``SamplingParams``)."""
         greedy = self.temperature == 0.0 or self.top_p == 0.0
         return SamplingParams(
             temperature=0.0 if greedy else self.temperature,
@@ -104,6 +105,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
             top_logprobs=self.top_logprobs if self.logprobs else 0,
             grammar=grammar or self.grammar,
             grammar_after=list(grammar_after or []),
+            grammar_opening=grammar_opening,
         )
 
 

@@ -206,19 +206,28 @@ class Generation:
             think_open=prep.think_open,
         )
 
-    def _constraint(self) -> tuple[str | None, list[int]]:
+    def _constraint(self) -> tuple[str | None, list[int], int]:
         """The grammar the output must match (a demanded tool call's, else the request's), and
-        the ids after which it starts: the end of a reasoning block the template opened."""
-        req, prep = self.req, self.prep
+        where it starts on a reasoning model: after ``</think>`` when the template opened the
+        block; when the model may open one itself, its ``<think>`` id (else -1)."""
+        req, prep, assets = self.req, self.prep, self.inst.assets
         grammar = req.grammar
         if req.tools and req.tools_enabled and req.tool_choice in ("required", "function"):
             tools = req.tools
             if req.tool_choice_name is not None:
                 tools = [t for t in tools if t["function"]["name"] == req.tool_choice_name]
             grammar = structured.tool_grammar(tools, prep.forced, prep.prefix)
-        if grammar is None or not prep.think_open:
-            return grammar, []
-        return grammar, self.inst.assets.encode("</think>")
+            if prep.prefix:  # the call is already open in the prompt: no reasoning first
+                return grammar, [], -1
+        if grammar is None or not assets.reasoning:
+            return grammar, [], -1
+        close = assets.encode("</think>")
+        if prep.think_open:
+            return grammar, close, -1
+        opening = assets.encode("<think>")
+        if len(opening) == 1 and req.chat_template_kwargs.get("enable_thinking", True) is not False:
+            return grammar, close, opening[0]
+        return grammar, [], -1
 
     async def _pieces(self, run: ChoiceRun) -> AsyncGenerator[Piece, None]:
         """The choice's output, one ``Piece`` per batch of tokens that arrived together."""
@@ -227,13 +236,14 @@ class Generation:
         detok = IncrementalDetokenizer(assets.tokenizer, prompt_ids=prep.prompt_ids, skip_special_tokens=True)
         pending = emitter.feed(prep.prefix) if prep.prefix and prep.forced is None else []
         seed = None if req.seed is None else req.seed + run.index
-        grammar, after = self._constraint()
+        grammar, after, opening = self._constraint()
         params = req.sampling(
             max_tokens=prep.max_tokens,
             seed=seed,
             stop_token_ids=[] if req.ignore_eos else assets.eos_ids,
             grammar=grammar,
             grammar_after=after,
+            grammar_opening=opening,
         )
         rid = f"{self.id}-{run.index}-{uuid.uuid4().hex[:6]}"
         sub = Submit(
