@@ -114,6 +114,7 @@ class Engine:
         self._samplers: dict[str, SamplerState] = {}
         self._constraints: dict[str, Constraint] = {}  # request id -> its grammar, if any
         self.grammars = Grammars(model_path, cfg.vocab_size, self.eos_token_ids)
+        self.grammars.warm()  # on a thread, while the first requests arrive
         # Test and debug hook: called with (sequences, fp32 logits [B, V]) before sampling.
         self.on_logits: Callable[[list[Sequence], torch.Tensor], None] | None = None
         self.steps = 0

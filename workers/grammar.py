@@ -99,20 +99,33 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
-        self._tokenizer: llg.LLTokenizer | None = None
+        self._tokenizer: Future[llg.LLTokenizer] | None = None
         self._compiled: OrderedDict[str, llg.LLMatcher] = OrderedDict()
         self._executor: llg.LLExecutor | None = None
         self._thread: ThreadPoolExecutor | None = None
         self.compiled = 0  # grammars compiled (cache misses)
         self.hits = 0
 
+    def warm(self) -> None:
+        """Start building llguidance's tokenizer on the mask thread (~0.3 s for a 50k
+        vocabulary), so the first constrained request does not stall the step loop for it."""
+        if self._tokenizer is None:
+            self._tokenizer = self._pool().submit(
+                lambda: llg.LLTokenizer(
+                    model_tokenizer_json(self.model_path), n_vocab=self.vocab_size, eos_token=self.eos_ids
+                )
+            )
+
     @property
     def tokenizer(self) -> llg.LLTokenizer:
-        if self._tokenizer is None:  # ~0.3 s for a 50k vocabulary, once per model
-            self._tokenizer = llg.LLTokenizer(
-                model_tokenizer_json(self.model_path), n_vocab=self.vocab_size, eos_token=self.eos_ids
-            )
-        return self._tokenizer
+        self.warm()
+        assert self._tokenizer is not None
+        return self._tokenizer.result()
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._thread
 
     def constraint(
         self, grammar: str, stop_ids: Sequence[int], after: Sequence[int] = (), opening: int | None = None
@@ -121,7 +134,11 @@ class Grammars:
         key = hashlib.sha256(grammar.encode()).hexdigest()
         base = self._compiled.get(key)
         if base is None:
-            base = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+            try:
+                tokenizer = self.tokenizer
+            except Exception as e:  # no tokenizer.json, or one llguidance cannot read
+                raise RequestRejected("invalid", f"this model cannot enforce grammars: {e}") from None
+            base = llg.LLMatcher(tokenizer, grammar, log_level=0)
             if base.is_error():
                 raise RequestRejected("invalid", f"the grammar does not compile: {base.get_error()}")
             self._compiled[key] = base
@@ -137,10 +154,9 @@ class Grammars:
     def start_masks(self, constraints: Sequence[Constraint]) -> Future[torch.Tensor]:
         """Begin the bitmasks of ``constraints`` (all ``masking``): a future of ``[C, words]`` int32
         on the CPU, bit ``t % 32`` of word ``t // 32`` set where token ``t`` is allowed."""
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        if self._executor is None:
             self._executor = llg.LLExecutor()
-        return self._thread.submit(self._masks, list(constraints))
+        return self._pool().submit(self._masks, list(constraints))
 
     def _masks(self, constraints: list[Constraint]) -> torch.Tensor:
         mask = torch.zeros(len(constraints), self.words, dtype=torch.int32)  # [C, words]
