@@ -3,7 +3,7 @@ a real trained tokenizer: whatever the weights want, the output matches the gram
 options still work under a mask; an unconstrained request is untouched by a constrained one
 beside it; a bad grammar is refused before it takes a slot.
 
-The router's half (what a request body becomes, and its 400s) is tests/unit/test_structured.py;
+The router's half (what a request body becomes, and its 400s) is tests/unit/test_structured_router.py;
 the same on SmolLM2 through HTTP is tests/e2e/test_structured.py.
 """
 
