@@ -25,7 +25,7 @@ import pytest
 
 from pantheon.snapshot import decode_snapshot
 
-from helpers.serve import MSG, Server, check_error
+from helpers.serve import MSG, Server, check_error, until
 
 pytestmark = pytest.mark.timeout(120)
 SHORT = {"model": "tiny", "messages": MSG, "max_tokens": 2}
@@ -70,16 +70,6 @@ def state(s: Server):
 
 def depth(s: Server) -> int:
     return sum(q.depth for q in state(s).queues if q.model == "tiny")
-
-
-def until(cond, timeout: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 @contextlib.contextmanager

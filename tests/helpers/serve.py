@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from helpers.openapi import check
 from helpers.paths import REPO_ROOT
@@ -108,3 +109,14 @@ def check_error(r: httpx.Response, status: int, param=..., code=...) -> dict:
     if code is not ...:
         assert body["error"]["code"] == code, body
     return body["error"]
+
+
+def until(cond, timeout: float = 10.0, what: str = "condition"):
+    """Poll ``cond()`` until it is truthy (returns it) or fail the test after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
