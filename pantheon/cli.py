@@ -10,7 +10,11 @@ import sys
 
 _COMMANDS = {
     "serve": ("pantheon.serve", "start the router (HTTP API) and its workers"),
-    "worker": ("workers.worker", "run one worker process (spawned by serve)"),
+    "worker": (
+        "workers.worker",
+        "run one worker process (spawned by serve, or joining one from another host)",
+    ),
+    "keys": ("pantheon.workerlink.curve", "CURVE keys for workers on other hosts ('keys new DIR')"),
     "make-model": ("pantheon.models.makemodel", "write a random-weight model folder from a preset"),
     "tui": ("tui.app", "the live dashboard"),
 }

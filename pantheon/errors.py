@@ -52,6 +52,7 @@ generation_failed         500     server_error           internal_error
 **loads and unloads** (``pantheon.control.lifecycle``, ``dies``, ``registry``; admin API)
 not_a_die                 400     invalid_request_error  (param dies)
 no_such_die               400     invalid_request_error  no_such_die (param dies)
+remote_die_not_joined     400     invalid_request_error  no_such_die (param dies)
 unreadable_model          404/400 invalid_request_error  the kind (param path)
 no_model_folder           404     invalid_request_error  not_found (param path)
 unreadable_assets         400     invalid_request_error  invalid (param path)
@@ -424,8 +425,10 @@ def generation_failed(request_id: str) -> ApiError:
 
 
 def not_a_die(die_id: str) -> ApiError:
-    """400: a die id that is not ``N``, ``cuda:N`` or ``cpu:N``."""
-    return ApiError(400, f"{die_id!r} is not a die (use N, cuda:N or cpu:N)", param="dies")
+    """400: a die id that is not ``N``, ``cuda:N`` or ``cpu:N`` (``@NAME`` on another host)."""
+    return ApiError(
+        400, f"{die_id!r} is not a die (use N, cuda:N or cpu:N; cpu:N@NAME on another host)", param="dies"
+    )
 
 
 def no_such_die(die_id: str, kind: str, count: int) -> ApiError:
@@ -435,6 +438,18 @@ def no_such_die(die_id: str, kind: str, count: int) -> ApiError:
     else:
         why = f"this machine has {count} CUDA devices"
     return ApiError(400, f"die {die_id} does not exist ({why})", param="dies", code="no_such_die")
+
+
+def remote_die_not_joined(die_id: str) -> ApiError:
+    """400: a remote die (``cpu:N@NAME``) whose worker has never joined this router."""
+    return ApiError(
+        400,
+        f"die {die_id} does not exist: no worker joined as {die_id} (start 'pantheon worker "
+        f"--router tcp://... --die {die_id.partition('@')[0]} --name {die_id.partition('@')[2]}' "
+        "on its host; GET /admin/dies lists the dies)",
+        param="dies",
+        code="no_such_die",
+    )
 
 
 def unreadable_model(kind: str, reason: str) -> ApiError:

@@ -16,7 +16,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # ---------------------------------------------------------------- codes
 # A value outside its Literal makes the whole message fail to decode, so a new code must be added
@@ -44,11 +44,13 @@ EXIT_OK = 0
 EXIT_BAD_ARGS = 2
 EXIT_ROUTER_SILENT = 3
 EXIT_PARENT_GONE = 4
+EXIT_REFUSED = 5
 
 EXIT_MEANINGS: dict[int, str] = {
     EXIT_BAD_ARGS: "bad arguments or a die this machine does not have",
     EXIT_ROUTER_SILENT: "it heard nothing from the router for too long",
     EXIT_PARENT_GONE: "its parent process went away",
+    EXIT_REFUSED: "the router refused its CURVE key",
 }
 """What a worker's exit code means, for the codes that say more than "it exited"."""
 
@@ -58,24 +60,42 @@ EXIT_MEANINGS: dict[int, str] = {
 
 def parse_die(die: str) -> tuple[DieKind, int]:
     """``"cuda:1"`` -> ``("cuda", 1)``, ``"cpu:0"`` -> ``("cpu", 0)``; a bare integer means a CUDA
-    die (``"2"`` -> ``("cuda", 2)``). Raises ``ValueError`` for anything else.
+    die (``"2"`` -> ``("cuda", 2)``). A die of a worker on another host carries that worker's
+    name after an ``@`` (``"cuda:0@gpu-box-2"`` -> ``("cuda", 0)``: on its own host it is cuda:0).
+    Raises ``ValueError`` for anything else.
 
     The one parser of die ids: the router (pool, die manager) and the worker use it.
     """
     # Written without re so that this module keeps to msgspec; isdecimal is what \d matches.
-    if die.isdecimal():
-        return "cuda", int(die)
-    kind, sep, index = die.partition(":")
+    local, _, host = die.partition("@")
+    if _ and not _good_host(host):
+        raise ValueError(
+            f"bad die {die!r}: the worker name after '@' must be letters, digits, '.', '_' or '-'"
+        )
+    if local.isdecimal():
+        return "cuda", int(local)
+    kind, sep, index = local.partition(":")
     if not sep or kind not in ("cpu", "cuda") or not index.isdecimal():
-        raise ValueError(f"bad die {die!r}: expected cpu:N or cuda:N")
+        raise ValueError(f"bad die {die!r}: expected cpu:N or cuda:N (cpu:N@WORKER on another host)")
     return kind, int(index)  # type: ignore[return-value]  # kind is one of DieKind here
 
 
+def _good_host(name: str) -> bool:
+    return 0 < len(name) <= 64 and all(c.isascii() and (c.isalnum() or c in "._-") for c in name)
+
+
+def die_host(die: str) -> str:
+    """The worker name of a die on another host (``"cpu:0@w1"`` -> ``"w1"``); ``""`` for a die
+    of a worker the router spawned itself."""
+    return die.partition("@")[2]
+
+
 def normalize_die(die: str) -> str:
-    """The canonical spelling of a die id (``"3"`` -> ``"cuda:3"``, ``"cpu:01"`` -> ``"cpu:1"``).
+    """The canonical spelling of a die id (``"3"`` -> ``"cuda:3"``, ``"cpu:01@w1"`` -> ``"cpu:1@w1"``).
     Raises ``ValueError`` like ``parse_die``."""
     kind, index = parse_die(die)
-    return f"{kind}:{index}"
+    host = die_host(die)
+    return f"{kind}:{index}" + (f"@{host}" if host else "")
 
 
 def die_kind(die: str) -> DieKind:
@@ -173,6 +193,7 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     # run at worker start (path name -> "" when it works, else why not; workers/cpu_paths.py).
     cpu_isa: str = ""
     cpu_paths: dict[str, str] = {}
+    hostname: str = ""  # the worker's machine (a remote worker's die id carries its own name)
 
 
 class Beat(msgspec.Struct, tag=True, kw_only=True):

@@ -135,7 +135,7 @@ def _check_worker_listen(cfg: ServeConfig) -> None:
     if cfg.ops.worker_listen is not None:
         from pantheon.workerlink.curve import check_listen
 
-        check_listen(cfg.ops.worker_listen, cfg.ops.curve_dir)
+        check_listen(cfg.ops.worker_listen, cfg.ops.curve_dir, cfg.ops.worker_insecure)
 
 
 def _worker_env(cfg: ServeConfig) -> None:
@@ -170,7 +170,7 @@ async def serve(cfg: ServeConfig) -> int:
     from pantheon.control.registration import from_config as register_from_config
     from pantheon.control.registry import Registry
     from pantheon.control.supervisor import Supervisor
-    from pantheon.workerlink.pool import WorkerPool
+    from pantheon.workerlink.pool import PoolError, WorkerPool
 
     stop = asyncio.Event()  # hypercorn's shutdown trigger
     loop = asyncio.get_running_loop()
@@ -184,10 +184,19 @@ async def serve(cfg: ServeConfig) -> int:
     pool = WorkerPool(
         hello_timeout=cfg.hello_timeout_s,
         heartbeat_interval=cfg.heartbeat_s,
+        dead_after=cfg.ops.worker_dead_after_s,
         step_timeout=cfg.ops.step_timeout_s,
         worker_threads=threads,
+        remote_listen=cfg.ops.worker_listen,
+        curve_dir=None if cfg.ops.worker_insecure else cfg.ops.curve_dir,
     )
-    await pool.start()
+    try:
+        await pool.start()
+    except PoolError as e:  # --worker-listen's address is taken or cannot be bound
+        print(f"pantheon serve: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    if pool.remote_endpoint:
+        print(f"pantheon: remote workers join on {pool.remote_endpoint}", file=sys.stderr, flush=True)
     app = create_app(cfg, pool, registry)
     state = app_state(app)
     supervisor = Supervisor(
@@ -201,6 +210,7 @@ async def serve(cfg: ServeConfig) -> int:
     )
     state.supervisor = supervisor  # requests wait for a model that restarts
     pool.on_worker_dead = supervisor.worker_dead
+    pool.on_worker_joined = state.models.worker_joined
     status: dict[str, Any] = {"rc": 0}
     registration = register_from_config(cfg, registry, host, port)
     if registration is not None:
@@ -220,7 +230,7 @@ async def serve(cfg: ServeConfig) -> int:
     def on_signal(signum: int) -> None:
         if status.get("stopping"):  # a second signal: leave now, workers too
             for d in pool.dies():
-                if d.pid:
+                if d.pid and not d.host:  # a remote worker's pid is not a process of this host
                     with contextlib.suppress(OSError):
                         os.kill(d.pid, signal.SIGKILL)
             os._exit(128 + signum)

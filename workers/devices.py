@@ -82,17 +82,21 @@ def _cpu_name() -> str:
     return f"CPU ({name})" if name else "CPU"
 
 
-def open_die(die: str, *, budget_bytes: int | None = None) -> Die:
+def open_die(die: str, *, budget_bytes: int | None = None, name: str = "") -> Die:
     """Describe a die; raises ValueError for a bad id or a CUDA die this machine does not have.
 
-    A CPU die without a budget gets the machine's total RAM as its budget.
+    A CPU die without a budget gets the machine's total RAM as its budget. ``name``: a worker
+    on another host, whose die id the router knows as ``cpu:N@name``.
     """
     kind, index = parse_die(die)
+    suffix = f"@{name}" if name else ""
+    if name:
+        parse_die(f"{kind}:{index}{suffix}")  # ValueError: a name a die id cannot carry
     if kind == "cpu":
         budget = int(budget_bytes) if budget_bytes is not None else psutil.virtual_memory().total
         if budget <= 0:
             raise ValueError(f"cpu die budget must be positive, got {budget}")
-        return Die(f"cpu:{index}", "cpu", index, _cpu_name(), budget_bytes=budget)
+        return Die(f"cpu:{index}{suffix}", "cpu", index, _cpu_name(), budget_bytes=budget)
     import torch
 
     if not torch.cuda.is_available():
@@ -100,5 +104,4 @@ def open_die(die: str, *, budget_bytes: int | None = None) -> Die:
     count = torch.cuda.device_count()
     if index >= count:
         raise ValueError(f"die cuda:{index}: this machine has {count} CUDA device(s)")
-    name = torch.cuda.get_device_properties(index).name
-    return Die(f"cuda:{index}", "cuda", index, name)
+    return Die(f"cuda:{index}{suffix}", "cuda", index, torch.cuda.get_device_properties(index).name)

@@ -32,6 +32,15 @@ Test seam: with ``PANTHEON_TEST_STEP_HOOK=FILE`` in its environment, the worker 
 before each step; when it is there, the worker deletes it and sleeps inside that step for the
 seconds FILE holds, or forever if it holds ``hang``.
 
+A worker on another host (``pantheon worker --router tcp://ROUTER:PORT --die cuda:0
+--curve-dir DIR``; see ``pantheon.workerlink.remote``) is the same loop with three differences:
+its die id carries its name (``cuda:0@NAME``); its sockets are CURVE clients that trust only the
+router key in ``DIR/server.key`` (a router that refuses our key ends us with
+``EXIT_REFUSED``, saying so); and silence from the router never ends it: after
+``--router-timeout`` seconds without a message (the router pings every second) it drops its
+models and says ``Hello`` again, with backoff, so a restarted router finds it and nothing is
+ever loaded twice.
+
 This module never imports quart, textual or tokenizers: prompts arrive as token ids.
 """
 
@@ -44,6 +53,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -65,6 +75,7 @@ log = logging.getLogger("pantheon.worker")
 BUSY_STATS_S = 0.25
 IDLE_STATS_S = 1.0
 LOADING_POLL_S = 0.05  # how often the main loop looks at the loader thread's progress
+REJOIN_MAX_S = 30.0  # a remote worker's longest wait between two Hellos to a silent router
 PROGRESS_EVERY_S = 0.1  # LoadProgress at most this often (it is called per tensor)
 
 
@@ -77,6 +88,24 @@ def _knobs() -> tuple[float, bool]:
     if raw.isdigit():
         poll = max(0.001, int(raw) / 1e6)
     return poll, os.environ.get("PANTHEON_STEP_STATS", "") == "1"
+
+
+@dataclass(frozen=True)
+class Remote:
+    """How a worker on another host reaches its router: CURVE keys (Z85), or None for plain
+    TCP on loopback (``--insecure``)."""
+
+    public: bytes | None = None
+    secret: bytes | None = None
+    server_public: bytes | None = None
+
+    def secure(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` a CURVE client of the router (when we have keys), reconnecting with backoff."""
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # a router that is gone: try ever less often
+        if self.secret is not None:
+            sock.curve_publickey, sock.curve_secretkey = self.public, self.secret
+            sock.curve_serverkey = self.server_public
 
 
 class Heart(threading.Thread):
@@ -102,6 +131,8 @@ class Heart(threading.Thread):
         sock.setsockopt(zmq.IDENTITY, f"{w.die.id}/hb".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
+        if w.remote is not None:
+            w.remote.secure(sock)
         sock.connect(w.endpoint)
         try:
             while True:
@@ -147,6 +178,7 @@ class _Instance:
 class _LoadJob:
     msg: p.LoadModel
     cancelled: bool = False
+    session: int = 0  # the worker's session it was asked in (a remote worker's Hello count)
 
 
 class Worker:
@@ -159,8 +191,12 @@ class Worker:
         *,
         router_timeout: float = 10.0,
         parent_pid: int | None = None,
+        remote: Remote | None = None,
     ):
         self.die = die
+        self.remote = remote
+        self.session = 0  # Hellos said since start, less one: a remote worker's rejoins
+        self.rejoin_after = router_timeout  # a remote worker: silence before the next Hello
         self.endpoint = endpoint
         self.router_timeout = router_timeout
         self.parent_pid = parent_pid
@@ -197,7 +233,80 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.monitor: zmq.Socket | None = None
+        if self.remote is not None:
+            self.remote.secure(self.sock)
+            self.monitor = self.sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            )
         self.sock.connect(self.endpoint)
+
+    def _handshakes(self, wait_s: float = 0.0) -> bool | None:
+        """A remote worker's CURVE handshakes since the last call: True when one succeeded,
+        None when none ended; a refusal by the router ends the worker (``EXIT_REFUSED``)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert self.monitor is not None
+        ok = None
+        while self.monitor.poll(int(wait_s * 1000)):
+            wait_s = 0
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                ok = True
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                log.error(
+                    "the router at %s refused our CURVE key: put this worker's public key (%s) in "
+                    "the router's --curve-dir authorized/ folder",
+                    self.endpoint,
+                    (self.remote.public or b"").decode() if self.remote else "",
+                )
+                self.exit_code = p.EXIT_REFUSED
+                return False
+            else:
+                log.error(
+                    "the CURVE handshake with %s failed: is %s the router, and its server.key the "
+                    "one in our --curve-dir?",
+                    self.endpoint,
+                    self.endpoint,
+                )
+        return ok
+
+    def _await_router(self) -> None:
+        """A remote worker, before its first Hello: wait until the CURVE handshake succeeds
+        (the router may not run yet); return with ``exit_code`` set if it refuses us."""
+        if self.monitor is None or self.remote is None or self.remote.secret is None:
+            return
+        log.info("connecting to the router at %s", self.endpoint)
+        waited = 0.0
+        while self.exit_code is None:
+            if self._handshakes(1.0):
+                return
+            waited += 1.0
+            if waited in (10.0, 60.0) or waited % 300 == 0:
+                log.warning("no router at %s after %.0f s: still trying", self.endpoint, waited)
+
+    def _rejoin(self, silent_s: float) -> None:
+        """A remote worker whose router went silent: drop everything (a router that restarted
+        knows none of it, one that declared us dead has given it up) and say Hello again."""
+        log.warning(
+            "no word from the router for %.0f s: dropping %d model(s) and saying Hello again",
+            silent_s,
+            len(self.instances) + len(self.load_queue) + (self.loading is not None),
+        )
+        self.session += 1
+        self.load_queue.clear()
+        if self.loading is not None:
+            self.loading.cancelled = True  # its engine is closed when the loader thread ends
+        for name in list(self.instances):
+            inst = self.instances.pop(name)
+            self._close_engine(inst.engine)
+            self.die.release(inst.booked_bytes)
+        self.owner.clear()
+        self.send(self._hello())
+        self.rejoin_after = min(REJOIN_MAX_S, self.rejoin_after * 2)
 
     def _hello(self) -> p.Hello:
         free, total = self.die.memory()
@@ -224,6 +333,7 @@ class Worker:
             pid=os.getpid(),
             cpu_isa=isa,
             cpu_paths=paths,
+            hostname=socket.gethostname(),
         )
 
     # ------------------------------------------------------------------ main loop
@@ -237,6 +347,10 @@ class Worker:
             self.engine_import_error = traceback.format_exc(limit=3).strip()
             log.error("workers.engine failed to import:\n%s", self.engine_import_error)
         self._connect()
+        self._await_router()
+        if self.exit_code is not None:
+            self._close()
+            return self.exit_code
         self.send(self._hello())
         log.info("worker for %s (%s) connected to %s", self.die.id, self.die.device_name, self.endpoint)
         self.heart = Heart(self)
@@ -249,6 +363,7 @@ class Worker:
                 self.turn_began = time.monotonic()
                 if self._drain():
                     last_router = time.monotonic()
+                    self.rejoin_after = self.router_timeout
                 self._finish_loads()
                 busy = self._step_all()
                 now = time.monotonic()
@@ -256,7 +371,14 @@ class Worker:
                 if now >= next_stats:
                     self.send(self._stats())
                     next_stats = now + (BUSY_STATS_S if busy or loading else IDLE_STATS_S)
-                self._check_alive(now - last_router)
+                if self.remote is None:
+                    self._check_alive(now - last_router)
+                else:
+                    if self.monitor is not None:
+                        self._handshakes()  # a refusal (the router dropped our key) ends us
+                    if self.router_timeout > 0 and now - last_router > self.rejoin_after:
+                        self._rejoin(now - last_router)
+                        last_router = time.monotonic()
                 if not busy and self.exit_code is None:
                     wait = next_stats - time.monotonic()
                     if loading:
@@ -266,9 +388,15 @@ class Worker:
         finally:
             self.heart.stopped.set()
             self.heart.join(2.0)
-            self.sock.close(0)
-            self.ctx.term()
+            self._close()
         return self.exit_code
+
+    def _close(self) -> None:
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(0)
+        self.sock.close(0)
+        self.ctx.term()
 
     def _check_alive(self, router_silent_s: float) -> None:
         # router_timeout 0: silence alone never ends us (the pool's workers follow the router's
@@ -385,11 +513,12 @@ class Worker:
         busy = {j.msg.instance for j in self.load_queue}
         if self.loading is not None:
             busy.add(self.loading.msg.instance)
+        busy -= {j.msg.instance for j in (self.loading,) if j is not None and j.session != self.session}
         if msg.instance in self.instances or msg.instance in busy:
             reason = f"instance {msg.instance!r} is already loaded or loading on {self.die.id}"
             self.send(p.LoadFailed(instance=msg.instance, kind="invalid", reason=reason))
             return
-        self.load_queue.append(_LoadJob(msg))
+        self.load_queue.append(_LoadJob(msg, session=self.session))
         self._start_next_load()
 
     def _start_next_load(self) -> None:
@@ -451,7 +580,10 @@ class Worker:
         self._send_progress(force=True)  # the router sees the final count before Loaded
         self.loading = None
         name = job.msg.instance
-        if isinstance(result, p.LoadFailed):
+        if job.session != self.session:  # asked by a router we have since left: say nothing
+            if not isinstance(result, p.LoadFailed):
+                self._close_engine(result)
+        elif isinstance(result, p.LoadFailed):
             self.send(result)
         elif job.cancelled:
             self._close_engine(result)
@@ -550,9 +682,36 @@ class Worker:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pantheon worker", description="Run one worker process for one die.")
+    ap = argparse.ArgumentParser(
+        prog="pantheon worker",
+        description="Run one worker process for one die: spawned by 'pantheon serve' (--endpoint), "
+        "or started by hand on another host to join a router (--router).",
+    )
     ap.add_argument("--die", required=True, help="cpu:N or cuda:N")
-    ap.add_argument("--endpoint", required=True, help="the router's socket, ipc:///path or tcp://host:port")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--endpoint", help="the router's local socket, ipc:///path (the router passes it)")
+    where.add_argument(
+        "--router",
+        metavar="tcp://HOST:PORT",
+        help="join the router listening there for remote workers (its --worker-listen)",
+    )
+    ap.add_argument(
+        "--name",
+        default=None,
+        help="with --router: this worker's name; the router knows its die as DIE@NAME (default: the host name)",
+    )
+    ap.add_argument(
+        "--curve-dir",
+        default=None,
+        help="with --router: the folder with our keypair (KEY.key_secret) and the router's public key "
+        "(server.key), from 'pantheon keys new DIR'",
+    )
+    ap.add_argument("--key", default="worker", help="with --curve-dir: our keypair's name (default: worker)")
+    ap.add_argument(
+        "--insecure",
+        action="store_true",
+        help="with --router: plain TCP without CURVE (a loopback router started with --worker-insecure)",
+    )
     ap.add_argument(
         "--budget-bytes", type=int, default=None, help="memory budget of a cpu die (default: all RAM)"
     )
@@ -562,7 +721,8 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="exit when the router has sent nothing for this many seconds (it pings every "
-        "second); 0: never for silence alone (with --parent-pid, the router's pid decides)",
+        "second); 0: never for silence alone (with --parent-pid, the router's pid decides). "
+        "With --router: drop the models and say Hello again instead, with backoff",
     )
     ap.add_argument(
         "--parent-pid",
@@ -573,18 +733,52 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _name(args: argparse.Namespace) -> str:
+    return args.name or socket.gethostname().split(".")[0]
+
+
+def _remote(args: argparse.Namespace) -> Remote:
+    """``--router`` and its keys -> ``Remote``; ValueError says what is wrong."""
+    from pantheon.workerlink.curve import check_listen, load_worker_keys
+
+    if args.parent_pid is not None:
+        raise ValueError(
+            "--router and --parent-pid: a worker that joins a router by hand has no parent to follow"
+        )
+    try:
+        check_listen(args.router, args.curve_dir, args.insecure)  # the same rules as the router's
+        if args.insecure:
+            return Remote()
+        public, secret, server = load_worker_keys(args.curve_dir, args.key)
+    except Exception as e:  # ConfigError: the message says what to fix
+        raise ValueError(
+            str(e).replace("--worker-listen", "--router").replace("--worker-insecure", "--insecure")
+        ) from None
+    return Remote(public=public, secret=secret, server_public=server)
+
+
 def cli(argv: list[str] | None = None) -> int:
     """Entry point of ``pantheon worker``; returns the exit code."""
     args = _parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {args.die} %(levelname)s %(message)s"
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s {args.die}{'@' + _name(args) if args.router else ''} %(levelname)s %(message)s",
     )
     if args.parent_pid is not None:
         # Ctrl-C in the router's terminal reaches the whole process group; the router then
         # shuts its workers down in order, so the worker must not die first on its own.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    remote, endpoint = None, args.endpoint
+    if args.router is not None:
+        try:
+            remote = _remote(args)
+        except ValueError as e:
+            log.error("%s", e)
+            return p.EXIT_BAD_ARGS
+        endpoint = args.router
     try:
-        die = open_die(args.die, budget_bytes=args.budget_bytes)
+        die = open_die(args.die, budget_bytes=args.budget_bytes, name=_name(args) if remote else "")
     except ValueError as e:
         log.error("%s", e)
         return p.EXIT_BAD_ARGS
@@ -592,7 +786,9 @@ def cli(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    worker = Worker(die, args.endpoint, router_timeout=args.router_timeout, parent_pid=args.parent_pid)
+    worker = Worker(
+        die, endpoint, router_timeout=args.router_timeout, parent_pid=args.parent_pid, remote=remote
+    )
     code = worker.run()
     if worker.loading is not None:
         # A daemon loader thread inside torch can make interpreter shutdown hang: leave now.

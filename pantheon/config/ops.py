@@ -47,6 +47,8 @@ class OpsConfig(msgspec.Struct, frozen=True, kw_only=True):
     step_target_s: float = _d("ops.step_target_s")  # the engines size prefill to about this
     worker_listen: str | None = _d("ops.worker_listen")  # tcp://host:port (needs CURVE keys)
     curve_dir: str | None = _d("ops.curve_dir")
+    worker_insecure: bool = _d("ops.worker_insecure")  # plain TCP for --worker-listen (loopback only)
+    worker_dead_after_s: float = _d("ops.worker_dead_after_s")  # a silent worker is dead after this
     # the spec's engine knobs
     driver_sample: bool = _d("ops.driver_sample")
     prefill_batch: bool = _d("ops.prefill_batch")

@@ -103,7 +103,7 @@ def _models(raw: Any, cpu_dies: int) -> tuple[ModelSpec, ...]:
                 path=path, name=name, dies=parse_dies(dies) if isinstance(dies, str) else tuple(dies or ())
             )
         for die in spec.dies:
-            if die.startswith("cpu:") and int(die[4:]) >= cpu_dies:
+            if die.startswith("cpu:") and "@" not in die and int(die[4:]) >= cpu_dies:
                 raise ConfigError(f"model {spec.name}: die {die} does not exist (--cpu-dies {cpu_dies})")
         out.append(spec)
     return tuple(out)

@@ -384,8 +384,8 @@ SETTINGS: tuple[Setting, ...] = (
         "curve_keygen",
         "meta",
         None,
-        "write CURVE keypairs into DIR and exit; they are for "
-        "remote workers (--worker-listen), which are not built yet",
+        "write CURVE keypairs into DIR and exit (as 'pantheon keys new DIR'); they are for "
+        "workers on other hosts (--worker-listen)",
         toml=None,
         field=None,
         metavar="DIR",
@@ -606,9 +606,9 @@ SETTINGS: tuple[Setting, ...] = (
         "worker_listen",
         "str",
         None,
-        "workers on other hosts over tcp://HOST:PORT: not "
-        "built yet, so any value is refused at start (after the CURVE keys in --curve-dir "
-        "are checked); local workers need no flag",
+        "also take workers on other hosts, on tcp://HOST:PORT "
+        "('pantheon worker --router tcp://ROUTER:PORT --die cuda:0 --curve-dir DIR' joins as "
+        "cuda:0@NAME); needs --curve-dir, or --worker-insecure on loopback; local workers need no flag",
         ("PANTHEON_WORKER_LISTEN",),
         metavar="URL",
         field="ops.worker_listen",
@@ -619,12 +619,33 @@ SETTINGS: tuple[Setting, ...] = (
         "str",
         None,
         "folder with the router's CURVE keypair (server.key, "
-        "server.key_secret) for --worker-listen (not built yet); 'pantheon serve "
-        "--curve-keygen DIR' writes one",
+        "server.key_secret) and authorized/ (the public keys of the workers it accepts) for "
+        "--worker-listen; 'pantheon keys new DIR' writes one",
         ("PANTHEON_CURVE_DIR",),
         metavar="DIR",
         field="ops.curve_dir",
         empty="unset",
+    ),
+    Setting(
+        "worker_insecure",
+        "bool",
+        False,
+        "--worker-listen on plain TCP, without CURVE: "
+        "refused unless its address is loopback (tests, one host)",
+        ("PANTHEON_WORKER_INSECURE",),
+        field="ops.worker_insecure",
+    ),
+    Setting(
+        "worker_dead_after",
+        "float",
+        30.0,
+        "seconds without a word from a worker (its heartbeat "
+        "included) before it counts as dead: a frozen process, or a remote host or link that is gone",
+        ("PANTHEON_WORKER_DEAD_AFTER",),
+        unit="s",
+        metavar="S",
+        field="ops.worker_dead_after_s",
+        check=_seconds(1.0),
     ),
     # the spec's engine knobs
     Setting(

@@ -2,7 +2,9 @@
 where a new instance goes.
 
 A die is ``cpu:N`` (a virtual die whose total is the configured CPU die budget) or ``cuda:N``
-(its total is what its worker reports in ``Hello``/``Stats``). Its budget is the total minus a
+(its total is what its worker reports in ``Hello``/``Stats``). A die of a worker on another
+host, ``cpu:N@NAME`` or ``cuda:N@NAME``, exists once that worker joined, and both kinds take
+their total and free memory from its reports (its host's RAM is not ours). Its budget is the total minus a
 reserve (``--die-reserve``; by default 1 GiB on CUDA dies for the context and transients, nothing
 on CPU dies). Every instance books ``(weights, kv)`` bytes on each die it uses: an estimate while
 it loads (``sizing.estimate``), the worker's real figures once ``Loaded`` arrives; a failed load or
@@ -23,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pantheon import errors
-from pantheon.protocol import die_kind, parse_die
+from pantheon.protocol import die_host, die_kind, parse_die
 
 GiB = 1 << 30
 DEFAULT_CUDA_RESERVE = 1 * GiB
@@ -76,6 +78,16 @@ class Die:
     bookings: dict[str, tuple[int, int]] = field(default_factory=dict)  # instance -> (w, kv)
 
     @property
+    def remote(self) -> bool:
+        """A die of a worker on another host (``cpu:0@NAME``)."""
+        return bool(die_host(self.id))
+
+    @property
+    def measured(self) -> bool:
+        """Its size comes from its worker's reports (CUDA, or any die on another host)."""
+        return self.kind == "cuda" or self.remote
+
+    @property
     def known(self) -> bool:
         return self.total_bytes > 0
 
@@ -124,7 +136,8 @@ class DieManager:
         reserve = (
             self.reserve if self.reserve is not None else (DEFAULT_CUDA_RESERVE if kind == "cuda" else 0)
         )
-        d = Die(die_id, kind, reserve_bytes=reserve, total_bytes=self.cpu_budget if kind == "cpu" else 0)
+        local_cpu = kind == "cpu" and not die_host(die_id)
+        d = Die(die_id, kind, reserve_bytes=reserve, total_bytes=self.cpu_budget if local_cpu else 0)
         self._dies[die_id] = d
         return d
 
@@ -134,7 +147,10 @@ class DieManager:
             kind, n = parse_die(die_id)
         except ValueError:
             raise errors.not_a_die(die_id) from None
-        die_id = f"{kind}:{n}"
+        host = die_host(die_id)
+        die_id = f"{kind}:{n}" + (f"@{host}" if host else "")
+        if host and die_id not in self._dies:
+            raise errors.remote_die_not_joined(die_id)
         if die_id not in self._dies:
             if kind == "cpu":
                 raise errors.no_such_die(die_id, "cpu", self.cpu_count)
@@ -145,14 +161,14 @@ class DieManager:
 
     @property
     def cpu_count(self) -> int:
-        return sum(1 for d in self._dies.values() if d.kind == "cpu")
+        return sum(1 for d in self._dies.values() if d.kind == "cpu" and not d.remote)
 
     def on_worker(self, die_id: str, total_bytes: int, free_bytes: int, device_name: str = "") -> None:
         """What a worker said in Hello or Stats: the real size of a CUDA die."""
         d = self._dies.get(die_id) or self._add(die_id)
         if device_name:
             d.device_name = device_name
-        if d.kind == "cuda" and total_bytes > 0:
+        if d.measured and total_bytes > 0:
             d.total_bytes = total_bytes
             d.measured_free = free_bytes
 
@@ -160,16 +176,18 @@ class DieManager:
         return self._dies.get(die_id)
 
     def dies(self) -> list[Die]:
-        return sorted(self._dies.values(), key=lambda d: (d.kind, parse_die(d.id)[1]))
+        return sorted(
+            self._dies.values(), key=lambda d: (d.remote, die_host(d.id), d.kind, parse_die(d.id)[1])
+        )
 
     # ------------------------------------------------------------ room
 
     def free(self, die: Die) -> int:
         """Bytes an instance may still book on ``die``."""
         room = die.budget_bytes - die.used_bytes
-        if die.kind == "cuda" and die.measured_free is not None:
+        if die.measured and die.measured_free is not None:
             room = min(room, die.measured_free - die.reserve_bytes)
-        if die.kind == "cpu" and self._host_available is not None:
+        if die.kind == "cpu" and not die.remote and self._host_available is not None:
             # CPU dies share the host's RAM: their budgets may add up to more than it has
             room = min(room, self._host_available())
         return max(0, room)

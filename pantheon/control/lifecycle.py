@@ -44,7 +44,7 @@ from pantheon.errors import ApiError
 from pantheon.models.assets import ModelAssets
 from pantheon.models.gguf import GGUFError, find_gguf, served_name
 from pantheon.models.sizing import SizingError, estimate, read_shape
-from pantheon.protocol import LoadModel, die_kind
+from pantheon.protocol import LoadModel, die_host, die_kind
 from pantheon.workerlink.pool import LoadFailedError, PoolError
 
 log = logging.getLogger("pantheon.control.lifecycle")
@@ -72,7 +72,8 @@ class Models:
         known = {d.die: d for d in self.pool.dies()}
         if die in known and known[die].alive:
             return
-        budget = self.dies.cpu_budget if die_kind(die) == "cpu" else None
+        # a remote die is not spawned: start_worker waits for its worker to join
+        budget = self.dies.cpu_budget if die_kind(die) == "cpu" and not die_host(die) else None
         info = await self.pool.start_worker(die, budget_bytes=budget)
         self.dies.on_worker(die, info.total_bytes, info.free_bytes, info.device_name)
 
@@ -81,6 +82,14 @@ class Models:
         for d in self.pool.dies():
             if d.alive:
                 self.dies.on_worker(d.die, d.total_bytes, d.free_bytes, d.device_name)
+
+    def worker_joined(self, die: str) -> None:
+        """A worker on another host joined (the pool's ``on_worker_joined``): its die exists now."""
+        for d in self.pool.dies():
+            if d.die == die:
+                self.dies.on_worker(die, d.total_bytes, d.free_bytes, d.device_name)
+                where = f" on {d.hostname}" if d.hostname else ""
+                self.feed.event("worker_joined", f"a worker joined as {die}{where} ({d.device_name})")
 
     def worker_dead(self, die: str, reason: str) -> None:
         """A worker died: its instances fail (their memory went with the process)."""
@@ -148,7 +157,7 @@ class Models:
             raise errors.unreadable_assets(e) from None
         self._check_new(name, dies)  # again: another load may have started meanwhile
         for die in dies:
-            if die_kind(die) == "cuda":  # its worker's Hello tells the die's size
+            if die_kind(die) == "cuda" or die_host(die):  # its worker's Hello tells the die's size
                 await self._start(die)
         cfg = self.config
         limit = shape.context_limit
@@ -197,7 +206,11 @@ class Models:
         try:
             # phase 2: place and book, synchronously: no other load can take the same bytes
             alive = {d.die for d in self.pool.dies() if d.alive}
-            cands = [d.id for d in self.dies.dies() if d.known and (d.kind == "cpu" or d.id in alive)]
+            cands = [
+                d.id
+                for d in self.dies.dies()
+                if d.known and ((d.kind == "cpu" and not d.remote) or d.id in alive)
+            ]
             inst.dies = self.dies.place(need, dies, cands)
             self.dies.book(inst.instance_id, need(inst.dies))
         except BaseException:

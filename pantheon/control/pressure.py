@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 import psutil
 
 from pantheon.config.values import parse_thresholds  # noqa: F401 - re-exported; it lives with the other settings parsers
-from pantheon.protocol import die_kind
+from pantheon.protocol import die_host, die_kind
 
 NORMAL, ELEVATED, HIGH, CRITICAL = 0, 1, 2, 3
 NAMES = ("normal", "elevated", "high", "critical")
@@ -111,14 +111,14 @@ class PressureSource:
             return max(self._forced[die], self._forced.get(None, NORMAL))
         if None in self._forced:
             return self._forced[None]
-        if die_kind(die) == "cuda":
+        if die_kind(die) == "cuda" or die_host(die):  # measured by its worker (CUDA, another host)
             got = self.die_probe(die) if self.die_probe is not None else None
             if got is None or got[0] <= 0:
                 return NORMAL
             total, free = got
             booked = self.booked_probe(die) if self.booked_probe is not None else 0
             return level_for(headroom_used(total, free, booked), self.thresholds)
-        return self.host_level()  # a CPU die lives in host RAM
+        return self.host_level()  # a local CPU die lives in host RAM
 
     def level(self, dies: Iterable[str] = ()) -> int:
         """The worst of the host and ``dies``: what the gate of an instance on them sees."""

@@ -39,6 +39,7 @@ from typing import Any
 
 from pantheon import errors
 from pantheon.errors import ApiError
+from pantheon.protocol import die_host
 
 log = logging.getLogger("pantheon.control.supervisor")
 
@@ -86,7 +87,9 @@ class Supervisor:
         ]
         if self.closing or self.max_restarts <= 0:
             return
-        if self._count_death(die) > self.max_restarts:
+        # a worker on another host is not ours to restart: it joins again by itself (after a
+        # reboot, a network fault), and however often that happens we wait for it
+        if self._count_death(die) > self.max_restarts and not die_host(die):
             self._give_up(die)
             return
         for inst in failed:
@@ -135,17 +138,24 @@ class Supervisor:
         while not self.closing:
             n = self.deaths.get(die, 1)
             delay = min(BACKOFF_MAX_S, self.backoff_s * (2 ** (n - 1)))
-            log.warning(
-                "restarting the worker of %s in %.1f s (death %d of at most %d)",
-                die,
-                delay,
-                n,
-                self.max_restarts,
-            )
+            if die_host(die):
+                delay = min(delay, self.backoff_s)  # we only wait for it: no reason to wait long
+                log.warning("waiting for the remote worker of %s to join again", die)
+            else:
+                log.warning(
+                    "restarting the worker of %s in %.1f s (death %d of at most %d)",
+                    die,
+                    delay,
+                    n,
+                    self.max_restarts,
+                )
             await asyncio.sleep(delay)
             try:
                 await self.models.ensure_worker(die)
             except Exception as e:  # noqa: BLE001 - a worker that does not start is a death
+                if die_host(die):  # not joined again yet: wait on, counting nothing
+                    log.warning("the remote worker of %s has not joined again yet", die)
+                    continue
                 log.error("the worker of %s did not restart: %s", die, e)
                 if self.metrics is not None:
                     self.metrics.worker_died(die)
@@ -153,7 +163,12 @@ class Supervisor:
                     self._give_up(die)
                     return
                 continue
-            self._event("worker_restarted", f"the worker of {die} was restarted (attempt {n})")
+            self._event(
+                "worker_restarted",
+                f"the worker of {die} joined again"
+                if die_host(die)
+                else f"the worker of {die} was restarted (attempt {n})",
+            )
             todo = [i for i in self._recovering.values() if i.die == die]
             for inst in todo:
                 await self._reload(inst)
@@ -163,7 +178,7 @@ class Supervisor:
             # that failed on a live worker counts here
             if any(d.die == die and d.alive for d in self.pool.dies()):
                 self._count_death(die)
-            if self.deaths.get(die, 0) > self.max_restarts:
+            if self.deaths.get(die, 0) > self.max_restarts and not die_host(die):
                 self._give_up(die)
                 return
 

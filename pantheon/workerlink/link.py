@@ -34,6 +34,8 @@ class Link:
     """The bound ROUTER socket. ``open`` binds it; ``receive`` and ``send`` talk to the workers by
     die id; ``close`` unbinds it and removes the runtime directory."""
 
+    remote = False  # remote.RemoteLink: the TCP socket of workers on other hosts
+
     def __init__(self, runtime_parent: str | None = None):
         self._runtime_parent = runtime_parent
         self.runtime_dir: str | None = None
@@ -112,7 +114,13 @@ def _log_send_error(fut: asyncio.Future) -> None:
 
 
 def verdict(
-    *, silent_s: float, beat: p.Beat | None, pid: int | None, dead_after: float, step_timeout: float
+    *,
+    silent_s: float,
+    beat: p.Beat | None,
+    pid: int | None,
+    dead_after: float,
+    step_timeout: float,
+    remote: bool = False,
 ) -> str | None:
     """Why a ready worker is dead by now, or None while it is alive.
 
@@ -121,7 +129,12 @@ def verdict(
     step is not silence, and is judged by how long the beats say it has run (``beat.turn_s``).
     """
     if silent_s > dead_after:
-        return f"it sent nothing, not even a heartbeat, for {silent_s:.1f} s (pid {pid} is frozen or wedged)"
+        why = (
+            f"pid {pid} is frozen or wedged"
+            if not remote
+            else f"its host, its link or pid {pid} there is gone"
+        )
+        return f"it sent nothing, not even a heartbeat, for {silent_s:.1f} s ({why})"
     if beat is not None and beat.turn_s > step_timeout:
         return (
             f"its step has run {beat.turn_s:.0f} s without finishing (the step timeout is "

@@ -21,6 +21,7 @@ from pantheon import protocol as p
 from pantheon.workerlink.errors import LoadFailedError, RequestRejectedError, WorkerDied
 from pantheon.workerlink.link import Link
 from pantheon.workerlink.process import WorkerProcess
+from pantheon.workerlink.remote import RemoteProcess
 from pantheon.workerlink.streams import RequestStream
 
 log = logging.getLogger("pantheon.workerlink.pool")  # one logger for the whole link, as before
@@ -31,7 +32,7 @@ class WorkerPeer:
     """The pool's state for one die's worker."""
 
     die: str
-    process: WorkerProcess
+    process: WorkerProcess | RemoteProcess  # RemoteProcess: a worker on another host
     link: Link
     state: str = "starting"  # starting | ready | dead
     hello: p.Hello | None = None

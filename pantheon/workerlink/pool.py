@@ -24,6 +24,10 @@ Three kinds of asyncio task run here, all on the router's event loop:
 A dead worker fails everything that waits on it with ``WorkerDied``; the pool itself stays up and
 the die can be started again with ``start_worker``. This package never imports torch.
 
+With ``remote_listen`` the pool also binds a TCP socket for workers on other hosts
+(``remote.py``): one reader per socket, and a worker that joins there by saying ``Hello`` as
+``cpu:N@NAME`` / ``cuda:N@NAME`` becomes a die like the others (``_on_join``).
+
 Why ~430 lines: it is the facade's public methods (start, load, unload, submit, abort,
 reset, dies) and the reader and heartbeat tasks that serve them; everything else is split out
 already (``link``, ``peer``, ``process``, ``streams``, ``errors``).
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import sys
 import time
@@ -52,6 +57,7 @@ from pantheon.workerlink.errors import (
 from pantheon.workerlink.link import Link, verdict
 from pantheon.workerlink.peer import WorkerPeer
 from pantheon.workerlink.process import WorkerProcess, describe_exit, reap, worker_argv
+from pantheon.workerlink.remote import RemoteLink, RemoteProcess
 from pantheon.workerlink.streams import RequestStream
 
 __all__ = [
@@ -89,6 +95,8 @@ class DieInfo:
     last_death: str | None = None  # the reason of the latest death (kept after a restart)
     last_death_at: float | None = None  # unix time of it
     beat: p.Beat | None = None  # the latest heartbeat
+    host: str = ""  # a remote worker's name (the die id's "@NAME"); "" for one we spawned
+    hostname: str = ""  # the machine it runs on, as it said in Hello
 
 
 class WorkerPool:
@@ -110,6 +118,8 @@ class WorkerPool:
         worker_threads: int | None = None,
         on_worker_dead: Callable[[str, str], None] | None = None,
         worker_command: list[str] | None = None,
+        remote_listen: str | None = None,
+        curve_dir: str | None = None,
     ):
         self.hello_timeout = hello_timeout
         self.heartbeat_interval = heartbeat_interval
@@ -125,6 +135,10 @@ class WorkerPool:
         # a busy event loop can cause without anything being wrong
         self.worker_router_timeout = 0.0
         self._link = Link(runtime_dir)
+        # workers on other hosts: tcp://, CURVE with curve_dir (checked by curve.check_listen)
+        self._remote = RemoteLink(remote_listen, curve_dir) if remote_listen else None
+        self.on_worker_joined: Callable[[str], None] | None = None
+        self._joined = asyncio.Event()  # set (and replaced) whenever a remote worker joins
         self._workers: dict[str, WorkerPeer] = {}
         self._tasks: list[asyncio.Task] = []
         self._closing = False
@@ -139,6 +153,11 @@ class WorkerPool:
         """The ``ipc://`` endpoint the workers connect to; None before ``start``."""
         return self._link.endpoint
 
+    @property
+    def remote_endpoint(self) -> str | None:
+        """The ``tcp://`` endpoint remote workers connect to; None without ``remote_listen``."""
+        return self._remote.endpoint if self._remote is not None else None
+
     async def __aenter__(self) -> WorkerPool:
         await self.start()
         return self
@@ -152,19 +171,30 @@ class WorkerPool:
         """Bind the ROUTER socket in a fresh private directory and start the reader and heartbeat."""
         self._link.open()
         self._tasks = [
-            asyncio.create_task(self._read_loop(), name="workerpool-reader"),
+            asyncio.create_task(self._read_loop(self._link), name="workerpool-reader"),
             asyncio.create_task(self._heartbeat_loop(), name="workerpool-heartbeat"),
         ]
+        if self._remote is not None:
+            try:
+                self._remote.open()
+            except PoolError:
+                await self.close()
+                raise
+            self._tasks.append(asyncio.create_task(self._read_loop(self._remote), name="workerpool-remote"))
 
     async def start_worker(self, die: str, *, budget_bytes: int | None = None) -> DieInfo:
         """Spawn the worker for ``die`` and wait for its Hello (up to ``hello_timeout``).
 
         A die whose worker died may be started again. Raises ``WorkerStartError`` with what to
         check, ``ValueError`` for a bad die id or one whose worker is not dead.
+
+        A die on another host (``cpu:0@NAME``) is not spawned: this waits for its worker to join.
         """
         if not self._link.is_open or self._closing:
             raise PoolError("the worker pool is not running (call start() first)")
         die = p.normalize_die(die)  # ValueError: bad die ...
+        if p.die_host(die):
+            return await self.wait_joined(die, self.hello_timeout)
         old = self._workers.get(die)
         if old is not None and old.state != "dead":
             raise ValueError(f"a worker for {die} is already {old.state}")
@@ -181,44 +211,72 @@ class WorkerPool:
             threads=self.worker_threads,
         )
         hello_fut = asyncio.get_running_loop().create_future()
-        w = WorkerPeer(die=die, process=WorkerProcess(die, argv), link=self._link, hello_fut=hello_fut)
+        proc = WorkerProcess(die, argv)
+        w = WorkerPeer(die=die, process=proc, link=self._link, hello_fut=hello_fut)
         self._workers[die] = w
         self._starts[die] += 1
         try:
-            await w.process.spawn()
+            await proc.spawn()
         except OSError as e:
             w.state, w.error = "dead", f"could not spawn: {e}"
-            raise WorkerStartError(w.process.start_help(f"could not be spawned ({e})", self.endpoint)) from e
-        exit_watch = asyncio.create_task(self._watch_exit(w), name=f"worker-exit-{die}")
-        w.tasks = [t for t in (w.process.output_task, exit_watch) if t is not None]
+            raise WorkerStartError(proc.start_help(f"could not be spawned ({e})", self.endpoint)) from e
+        exit_watch = asyncio.create_task(self._watch_exit(w, proc), name=f"worker-exit-{die}")
+        w.tasks = [t for t in (proc.output_task, exit_watch) if t is not None]
         try:
             await asyncio.wait_for(hello_fut, self.hello_timeout)
         except TimeoutError:
             what = f"it sent no Hello within {self.hello_timeout:g} s"
-            if w.process.running:
-                what += f" (pid {w.process.pid} was still running; it has been killed)"
+            if proc.running:
+                what += f" (pid {proc.pid} was still running; it has been killed)"
             self._declare_dead(w, what)
-            await w.process.settle()
-            raise WorkerStartError(w.process.start_help(what, self.endpoint)) from None
+            await proc.settle()
+            raise WorkerStartError(proc.start_help(what, self.endpoint)) from None
         except PoolError as e:
-            await w.process.settle()
-            raise WorkerStartError(
-                w.process.start_help(getattr(e, "reason", str(e)), self.endpoint)
-            ) from None
+            await proc.settle()
+            raise WorkerStartError(proc.start_help(getattr(e, "reason", str(e)), self.endpoint)) from None
         except asyncio.CancelledError:
             self._declare_dead(w, "start cancelled")
             raise
         return self._info(w)
 
+    async def wait_joined(self, die: str, timeout: float | None) -> DieInfo:
+        """Wait until the remote worker of ``die`` has joined (said Hello); ``WorkerStartError``
+        after ``timeout`` seconds (None: no limit)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            w = self._workers.get(die)
+            if w is not None and w.state == "ready":
+                return self._info(w)
+            if self._remote is None:
+                raise WorkerStartError(
+                    f"{die} is the die of a worker on another host, and this router takes none "
+                    "(start it with --worker-listen tcp://HOST:PORT)"
+                )
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                raise WorkerStartError(
+                    f"no worker joined as {die} within {timeout:g} s (start it on its host with "
+                    f"'pantheon worker --router {self.remote_endpoint} --die {die.partition('@')[0]} "
+                    f"--name {p.die_host(die)} ...')"
+                )
+            joined = self._joined
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(joined.wait(), left)
+
     async def close(self) -> None:
-        """Shut every worker down (Shutdown, ~3 s grace, then SIGKILL) and remove the runtime dir."""
+        """Shut every worker down (Shutdown, ~3 s grace, then SIGKILL) and remove the runtime dir.
+        Remote workers are told nothing: they wait for the next router."""
         if self._closing:
             return
         self._closing = True
         for w in self._workers.values():
-            if w.state == "ready":
+            if w.state == "ready" and not w.link.remote:
                 w.send(p.Shutdown())
-        await reap([w.process for w in self._workers.values()], _SHUTDOWN_GRACE_S)
+        await reap(
+            [w.process for w in self._workers.values() if isinstance(w.process, WorkerProcess)],
+            _SHUTDOWN_GRACE_S,
+        )
         for w in self._workers.values():
             self._declare_dead(w, "the worker pool was closed")
         tasks = self._tasks + [t for w in self._workers.values() for t in w.tasks]
@@ -226,6 +284,8 @@ class WorkerPool:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._link.close()
+        if self._remote is not None:
+            self._remote.close()
 
     # ------------------------------------------------------------------ requests and models
 
@@ -322,6 +382,8 @@ class WorkerPool:
             last_death=self._last_death.get(w.die, (None, None))[0],
             last_death_at=self._last_death.get(w.die, (None, None))[1],
             beat=w.beat,
+            host=p.die_host(w.die),
+            hostname=h.hostname if h else "",
         )
 
     def _send_abort(self, die: str, request_ids: list[str]) -> None:
@@ -354,29 +416,33 @@ class WorkerPool:
             except Exception:
                 log.exception("on_worker_dead(%r) failed", w.die)
 
-    async def _watch_exit(self, w: WorkerPeer) -> None:
-        rc = await w.process.wait()
+    async def _watch_exit(self, w: WorkerPeer, proc: WorkerProcess) -> None:
+        rc = await proc.wait()
         if w.state == "dead":
             return
-        await w.process.output_done()  # let the last lines (a traceback) arrive
+        await proc.output_done()  # let the last lines (a traceback) arrive
         # A worker that never said Hello gets its whole output in start_worker's message instead.
         tail = ""
-        if w.state == "ready" and w.process.output:
-            tail = "; last output: " + " | ".join(list(w.process.output)[-5:])
-        self._declare_dead(w, f"the worker process (pid {w.process.pid}) {describe_exit(rc)}{tail}")
+        if w.state == "ready" and proc.output:
+            tail = "; last output: " + " | ".join(list(proc.output)[-5:])
+        self._declare_dead(w, f"the worker process (pid {proc.pid}) {describe_exit(rc)}{tail}")
 
-    async def _read_loop(self) -> None:
-        """The one task that receives from the link; it must never stop on a bad message."""
+    async def _read_loop(self, link: Link) -> None:
+        """The task that receives from one link; it must never stop on a bad message."""
         while True:
-            die, data = await self._link.receive()
-            w = self._workers.get(die)
-            if w is None or w.state == "dead":
-                continue  # an unknown peer, or late words of a worker already declared dead
+            die, data = await link.receive()
             try:
                 msg = p.decode_worker_msg(data)
             except msgspec.DecodeError as e:  # a kind outside its Literal fails here too
-                log.error("dropped a message from %s that does not decode: %s", w.die, e)
+                log.error("dropped a message from %s that does not decode: %s", die, e)
                 continue
+            w = self._workers.get(die)
+            if w is not None and w.link is not link:
+                continue  # a die id of the other link's (a remote name never is a local one)
+            if link.remote and isinstance(msg, p.Hello):
+                w = self._remote_peer(die, msg, w)  # a worker joins (or joins again) by Hello
+            if w is None or w.state == "dead":
+                continue  # an unknown peer, or late words of a worker already declared dead
             w.last_seen = time.monotonic()
             try:
                 if isinstance(msg, p.Hello):
@@ -385,6 +451,48 @@ class WorkerPool:
                     w.handle(msg)
             except Exception:
                 log.exception("handling %s from %s failed", type(msg).__name__, w.die)
+
+    def _remote_peer(self, die: str, msg: p.Hello, w: WorkerPeer | None) -> WorkerPeer | None:
+        """A ``Hello`` on the remote link from ``die`` (unknown, dead or ready): a fresh peer
+        that ``_on_hello`` will make ready, or None for a die id a remote worker may not have."""
+        try:
+            ok = p.die_host(die) != "" and p.normalize_die(die) == die
+        except ValueError:
+            ok = False
+        if not ok:
+            log.error(
+                "refused a remote worker that calls itself %r: a remote die is cpu:N@NAME or cuda:N@NAME",
+                die,
+            )
+            return None
+        if w is not None and w.state != "dead":
+            # it said Hello again: it restarted, or it heard no Ping from us for its
+            # --router-timeout and dropped its models; what ran there is gone
+            self._declare_dead(w, "it registered again (it restarted, or lost touch with the router)")
+        self._starts[die] += 1
+        assert self._remote is not None  # only its reader calls this
+        fut = asyncio.get_running_loop().create_future()
+        peer = WorkerPeer(die=die, process=RemoteProcess(die, msg.pid), link=self._remote, hello_fut=fut)
+        self._workers[die] = peer
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception() or self._on_join(die))
+        return peer
+
+    def _on_join(self, die: str) -> None:
+        w = self._workers[die]
+        log.info(
+            "remote worker %s joined from %s (%s, pid %s)",
+            die,
+            w.hello.hostname if w.hello else "?",
+            w.hello.device_name if w.hello else "?",
+            w.process.pid,
+        )
+        self._joined.set()
+        self._joined = asyncio.Event()
+        if self.on_worker_joined is not None:
+            try:
+                self.on_worker_joined(die)
+            except Exception:
+                log.exception("on_worker_joined(%r) failed", die)
 
     def _on_hello(self, w: WorkerPeer, msg: p.Hello) -> None:
         if w.state != "starting":
@@ -423,6 +531,7 @@ class WorkerPool:
                             pid=w.hello.pid if w.hello is not None else None,
                             dead_after=self.dead_after,
                             step_timeout=self.step_timeout,
+                            remote=w.link.remote,
                         )
                     )
                     if why is not None:
