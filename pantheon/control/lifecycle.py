@@ -123,12 +123,15 @@ class Models:
         slots: int | None = None,
         max_context: int | None = None,
         background: bool = False,
+        worker_path: str | None = None,
     ) -> tuple[Instance, asyncio.Task]:
         """Phases 1 and 2 (raise ``ApiError`` at once); phase 3 and 4 run in the returned task,
         which ends with the instance published or raises the load's ``ApiError``.
 
         ``background``: nobody waits for the outcome (``wait: false``), so a failure is kept
-        for ``GET /admin/models`` to show; a waiting caller gets the error itself."""
+        for ``GET /admin/models`` to show; a waiting caller gets the error itself.
+        ``worker_path``: where the worker finds the weights when its host keeps them elsewhere
+        (a remote die); the router reads ``path``."""
         name = name or served_name(path)
         try:
             gguf_file = find_gguf(path)
@@ -221,7 +224,7 @@ class Models:
         kv_bytes = sum(kv for _, kv in need(inst.dies).values())
         inst.load_msg = LoadModel(
             instance=inst.instance_id,
-            path=os.path.abspath(path),
+            path=worker_path or os.path.abspath(path),  # worker_path: the worker's host's copy
             dtype=cfg.dtype,
             devices=list(inst.dies),
             kv_budget_bytes=kv_bytes,

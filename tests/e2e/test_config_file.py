@@ -204,8 +204,13 @@ def test_worker_listen_needs_curve_keys(tmp_path):
 
     pub, sec = load_server_keys(str(keys))
     assert len(pub) == 40 and len(sec) == 40  # Z85 text of 32-byte keys
-    r = _cli(["--model", "/nowhere", "--worker-listen", "tcp://127.0.0.1:5999", "--curve-dir", str(keys)])
-    assert r.returncode == 2 and "not supported" in r.stderr  # keys found; remote workers: todo
+    # plain TCP only on loopback, and never beside keys
+    r = _cli(["--model", "/nowhere", "--worker-listen", "tcp://0.0.0.0:5999", "--worker-insecure"])
+    assert r.returncode == 2 and "loopback" in r.stderr
+    r = _cli(["--worker-listen", "tcp://127.0.0.1:5999", "--worker-insecure", "--curve-dir", str(keys)])
+    assert r.returncode == 2 and "choose one" in r.stderr
+    r = _cli(["--model", "/nowhere", "--worker-listen", "udp://127.0.0.1:5999", "--curve-dir", str(keys)])
+    assert r.returncode == 2 and "tcp://HOST:PORT" in r.stderr
     (keys / "server.key_secret").chmod(0o644)
     r = _cli(["--model", "/nowhere", "--worker-listen", "tcp://127.0.0.1:5999", "--curve-dir", str(keys)])
     assert r.returncode == 2 and "readable by others" in r.stderr

@@ -12,6 +12,7 @@ the next one expects). Timings are short on purpose: ``--worker-dead-after 3`` a
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -131,14 +132,18 @@ def test_two_remote_workers_join_and_serve(site):
         assert row["pid"] == site[w].proc.pid
         assert row["total_bytes"] == 2 * GiB  # its own budget, not the router's
     assert got["cpu:0"]["remote"] is False
-    for w in ("w1", "w2"):
+    # w2's host keeps the weights elsewhere: the load names that path for the worker
+    copy = site["tmp"] / "w2-models" / "tiny"
+    shutil.copytree(site["tiny"], copy)
+    for w, extra in (("w1", {}), ("w2", {"worker_path": str(copy)})):
         r = httpx.post(
             s.url + "/admin/models/load",
-            json={"path": str(site["tiny"]), "name": f"r-{w}", "dies": [f"cpu:0@{w}"]},
+            json={"path": str(site["tiny"]), "name": f"r-{w}", "dies": [f"cpu:0@{w}"], **extra},
             timeout=120,
         )
         assert r.status_code == 200, r.text
         assert r.json()["dies"] == [f"cpu:0@{w}"]
+    assert f"from {copy}" in site["w2"].output()
     for w in ("w1", "w2"):
         r = chat(s, f"r-{w}")
         assert r.status_code == 200, r.text
@@ -166,7 +171,10 @@ def test_a_worker_with_an_unknown_key_is_refused_on_both_sides(site, tmp_path):
     finally:
         w.stop()
     assert "refused our CURVE key" in w.output()
-    until(lambda: "refused a worker: its CURVE public key" in site["router"].output(), what="the router's log line")
+    until(
+        lambda: "refused a worker: its CURVE public key" in site["router"].output(),
+        what="the router's log line",
+    )
     assert "cpu:0@w9" not in dies(site["router"])
 
 

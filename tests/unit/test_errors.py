@@ -69,6 +69,7 @@ CASES = {
     "generation_failed": (("chatcmpl-1",), 500, SERVER, None, "internal_error"),
     "not_a_die": (("gpu7",), 400, INVALID, "dies", None),
     "no_such_die": (("cuda:9", "cuda", 1), 400, INVALID, "dies", "no_such_die"),
+    "remote_die_not_joined": (("cpu:0@w1",), 400, INVALID, "dies", "no_such_die"),
     "unreadable_model": (("not_found", "no config"), 404, INVALID, "path", "not_found"),
     "no_model_folder": (("/x", "nothing there"), 404, INVALID, "path", "not_found"),
     "unreadable_assets": ((OSError("x"),), 400, INVALID, "path", "invalid"),

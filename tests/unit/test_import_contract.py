@@ -29,7 +29,14 @@ RULES = {
     "pantheon": {"forbidden": {"torch", "workers", "textual"}, "pantheon_allowed": None},
     "workers": {
         "forbidden": {"quart", "hypercorn", "textual", "httpx", "jinja2", "tokenizers", "tui"},
-        "pantheon_allowed": {"pantheon.protocol", "pantheon.models.sizing", "pantheon.models.gguf"},
+        # curve: the CURVE key files a remote worker reads as the router does (zmq.auth and
+        # config.values' ConfigError only)
+        "pantheon_allowed": {
+            "pantheon.protocol",
+            "pantheon.models.sizing",
+            "pantheon.models.gguf",
+            "pantheon.workerlink.curve",
+        },
     },
     "tui": {
         "forbidden": {"torch", "zmq", "quart", "hypercorn", "workers", "msgspec.msgpack"},

@@ -72,9 +72,9 @@ def test_the_worker_and_the_router_share_the_parser():
 
 
 def test_exit_codes_are_distinct_and_described():
-    codes = [p.EXIT_OK, p.EXIT_BAD_ARGS, p.EXIT_ROUTER_SILENT, p.EXIT_PARENT_GONE]
-    assert codes == [0, 2, 3, 4]  # the worker's tests (test_worker) expect these numbers
-    assert set(p.EXIT_MEANINGS) == {p.EXIT_BAD_ARGS, p.EXIT_ROUTER_SILENT, p.EXIT_PARENT_GONE}
+    codes = [p.EXIT_OK, p.EXIT_BAD_ARGS, p.EXIT_ROUTER_SILENT, p.EXIT_PARENT_GONE, p.EXIT_REFUSED]
+    assert codes == [0, 2, 3, 4, 5]  # the worker's tests (test_worker, test_remote_workers) expect these
+    assert set(p.EXIT_MEANINGS) == {p.EXIT_BAD_ARGS, p.EXIT_ROUTER_SILENT, p.EXIT_PARENT_GONE, p.EXIT_REFUSED}
     assert all(p.EXIT_MEANINGS.values())
 
 

@@ -74,6 +74,8 @@ def samples(tmp: Path) -> dict[str, tuple[str, object]]:
         "step_target": ("0.1", 0.1),
         "worker_listen": ("tcp://127.0.0.1:5999", "tcp://127.0.0.1:5999"),
         "curve_dir": ("/k", "/k"),
+        "worker_insecure": ("1", True),
+        "worker_dead_after": ("5", 5.0),
         "driver_sample": ("1", True),
         "prefill_batch": ("0", False),
         "step_stats": ("1", True),

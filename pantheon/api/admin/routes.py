@@ -102,9 +102,19 @@ async def load():
     if max_context is not None and max_context < 16:
         raise errors.invalid_param("max_context", "'max_context' must be at least 16 tokens")
     wait = _typed(body, "wait", bool, "a boolean", True)
+    # a die on another host may hold the weights at another path than the router's copy (which
+    # gives the tokenizer, the template and the size)
+    worker_path = _typed(body, "worker_path", str, "a path on the worker's host")
     s = app_state()
     inst, task = await s.models.start_load(
-        path, name, dies, quantize, slots=slots, max_context=max_context, background=not wait
+        path,
+        name,
+        dies,
+        quantize,
+        slots=slots,
+        max_context=max_context,
+        background=not wait,
+        worker_path=worker_path or None,
     )
     if not wait:
         return json_response({"status": "loading", **instance_view(facts_of(s.project(), inst, s.dies))}, 202)
