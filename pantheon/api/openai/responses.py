@@ -110,11 +110,12 @@ def _parts_text(content: Any, p: str, *, media_word: str = "inputs") -> str:
         elif kind in _MEDIA_PARTS:
             raise invalid_param(
                 f"{q}.type",
-                f"content part type {kind!r} is not supported: this server takes text {media_word} only",
+                f"'{q}.type': content part type {kind!r} is not supported: this server takes text {media_word} only",
             )
         else:
             raise invalid_param(
-                f"{q}.type", f"content part type {kind!r} is not supported (input_text, output_text)"
+                f"{q}.type",
+                f"'{q}.type': content part type {kind!r} is not supported (input_text, output_text)",
             )
     return "\n".join(texts)
 
@@ -208,12 +209,12 @@ def input_messages(input_: Any, instructions: Any = None) -> tuple[list[dict], l
         elif kind == "item_reference":
             raise invalid_param(
                 f"{p}.type",
-                "'item_reference' needs stored items; this server stores none: send the item itself",
+                f"'{p}.type': 'item_reference' needs stored items; this server stores none: send the item itself",
             )
         else:
             raise invalid_param(
                 f"{p}.type",
-                f"input item type {kind!r} is not supported "
+                f"'{p}.type': input item type {kind!r} is not supported "
                 "(message, function_call, function_call_output, reasoning)",
             )
     if not msgs:
@@ -234,7 +235,7 @@ def chat_tools(tools: Any) -> list[dict] | None:
             raise invalid_param(p, f"'{p}' must be an object")
         if t.get("type") != "function":
             raise invalid_param(
-                f"{p}.type", f"tool type {t.get('type')!r} is not supported: only function tools"
+                f"{p}.type", f"'{p}.type': tool type {t.get('type')!r} is not supported: only function tools"
             )
         fn: dict[str, Any] = {"name": t.get("name")}
         for key in ("description", "parameters", "strict"):
