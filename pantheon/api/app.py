@@ -2,7 +2,8 @@
 
 Routes (spec: serve-architecture.md): ``GET /``, ``GET /health``, ``OPTIONS`` anywhere (CORS
 preflight; every response carries the CORS headers), the OpenAI API
-(``pantheon.api.openai.routes``: ``/v1/models``, ``/v1/chat/completions``; ``tokenize``:
+(``pantheon.api.openai.routes``: ``/v1/models``, ``/v1/chat/completions``; ``completions``:
+``/v1/completions``; ``responses``: ``/v1/responses``; ``tokenize``:
 ``/tokenize``, ``/detokenize``), the admin API
 (``pantheon.api.admin.routes``) and ``/metrics`` (``pantheon.api.middleware``). Every error is
 an OpenAI error object. Cheap routes never wait on a generation.
@@ -24,6 +25,7 @@ from pantheon import errors
 from pantheon.api import middleware as ops
 from pantheon.api.admin.routes import bp as admin_bp
 from pantheon.api.openai.completions import bp as completions_bp
+from pantheon.api.openai.responses import bp as responses_bp
 from pantheon.api.openai.routes import bp as openai_bp
 from pantheon.api.openai.tokenize import bp as tokenize_bp
 from pantheon.api.responses import error_response, json_response
@@ -115,6 +117,7 @@ def create_app(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Qua
     app.register_blueprint(openai_bp)
     app.register_blueprint(tokenize_bp)
     app.register_blueprint(completions_bp)
+    app.register_blueprint(responses_bp)
     app.register_blueprint(admin_bp)
 
     @app.before_serving

@@ -6,13 +6,17 @@ or deny, 400) -> acquire a slot (``Registry.acquire_slot``: fast path, FIFO queu
 pressure: 429 / 503; while its model restarts after a worker death ``Supervisor.await_recovery``
 holds it) -> submit a ``Generation`` to the instance's worker -> emit one JSON body or an SSE
 stream -> release the slot, even when the client went away first.
+
+``admit`` (limits, placement through recovery, the live generation and its ``done()``) and
+``sse_response`` are shared with the other generating routes (``responses.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import NamedTuple
 
 from quart import Blueprint, Response, request
 
@@ -87,26 +91,33 @@ async def _through_recovery(
     return await s.supervisor.await_recovery(place, model, s.registry.queue_timeout_s)
 
 
-@bp.post("/v1/chat/completions", provide_automatic_options=False)
-async def chat():
-    s = app_state()
-    arrived = time.monotonic()
-    raw = await request.get_data(cache=False)
-    session = request.headers.get("X-Session-Id")
-    if len(raw) > BIG_BODY:  # parsing and checking megabytes is work for a thread, not the loop
-        req = await asyncio.to_thread(oa.parse_chat_request, raw, header_session=session)
-    else:
-        req = oa.parse_chat_request(raw, header_session=session)
+class Admitted(NamedTuple):
+    """A request that holds a slot: its generation, instance, context, and ``done()``, which
+    releases the slot (call it exactly once: ``_Body`` does for a stream)."""
+
+    gen: Generation
+    inst: Instance
+    prep: Prepared
+    done: Callable[[], None]
+
+
+async def admit(
+    s: AppState,
+    req: ChatRequest,
+    place: Callable[[], Awaitable[tuple[Instance, Prepared]]],
+    make: Callable[[Instance, Prepared], Generation],
+) -> Admitted:
+    """The request limits (400), ``place()`` through a model's recovery (429 / 503 counted),
+    then ``make(inst, prep)`` the generation and register it live. The slot is released if
+    any of it fails; after it, by the caller's ``done()``."""
     ops.check_request(req)  # the request limits (400), and the model for the trace
     try:
-        inst, prep = await _through_recovery(s, lambda: _place(s, req, len(raw) > BIG_BODY), req.model)
+        inst, prep = await _through_recovery(s, place, req.model)
     except ApiError as e:
         s.feed.reject(e.status, req.model, e.code, e.message)  # counts 429s and 503s
         raise
     try:
-        gen = Generation(
-            s.pool, inst, req, prep, s.config.fingerprint, arrived=arrived, on_tokens=s.feed.tokens
-        )
+        gen = make(inst, prep)
     except BaseException:
         s.registry.leave(inst)
         raise
@@ -118,6 +129,41 @@ async def chat():
         s.registry.leave(inst)
         s.feed.request_done(gen.ttft_s)
 
+    return Admitted(gen, inst, prep, done)
+
+
+def sse_response(body: AsyncIterator[bytes], done: Callable[[], None], headers: dict[str, str]) -> Response:
+    """A 200 ``text/event-stream`` of ``body`` that calls ``done()`` when it is closed (the
+    client went away, or the stream ended) or never started."""
+    resp = Response(
+        _Body(body, done),
+        status=200,
+        content_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+    )
+    resp.timeout = None
+    return resp
+
+
+@bp.post("/v1/chat/completions", provide_automatic_options=False)
+async def chat():
+    s = app_state()
+    arrived = time.monotonic()
+    raw = await request.get_data(cache=False)
+    session = request.headers.get("X-Session-Id")
+    big = len(raw) > BIG_BODY
+    if big:  # parsing and checking megabytes is work for a thread, not the loop
+        req = await asyncio.to_thread(oa.parse_chat_request, raw, header_session=session)
+    else:
+        req = oa.parse_chat_request(raw, header_session=session)
+    gen, inst, prep, done = await admit(
+        s,
+        req,
+        lambda: _place(s, req, big),
+        lambda inst, prep: Generation(
+            s.pool, inst, req, prep, s.config.fingerprint, arrived=arrived, on_tokens=s.feed.tokens
+        ),
+    )
     headers = {"X-Pantheon-Instance": inst.instance_id}
     if prep.capped:
         headers["X-Context-Capped"] = "true"
@@ -127,15 +173,7 @@ async def chat():
         finally:
             done()
         return json_response(out, headers=headers)
-    body = _Body(gen.stream_chunks(), done)
-    resp = Response(
-        body,
-        status=200,
-        content_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
-    )
-    resp.timeout = None
-    return resp
+    return sse_response(gen.stream_chunks(), done, headers)
 
 
 class _Body:

@@ -1,0 +1,737 @@
+"""``POST /v1/responses``: OpenAI's Responses API, stateless, on the chat route's machinery.
+
+A Responses body is mapped to a chat body (:func:`chat_body`) and checked by the chat parser
+(``protocol.parse_chat_request``), so every sampling check, tool schema check and output
+constraint (``text.format`` -> ``response_format`` -> the same llguidance grammar) is the chat
+route's; an error the chat parser raises is renamed to the Responses parameter
+(``max_tokens`` -> ``max_output_tokens``, ``messages[3]`` -> ``input[2]``, ...). Admission is the
+chat route's ``admit``. The output (``ResponseGeneration``) is built by one state machine
+(:class:`OutputBuilder`) for the collected and the streamed answer, so both end in the same
+``response`` object.
+
+Mapping:
+
+- ``instructions`` is a system message first; ``input`` a string (one user message) or a list
+  of items: messages (``role`` user / system / developer / assistant; ``content`` a string or
+  ``input_text`` / ``output_text`` parts), ``function_call`` (an assistant message's tool call;
+  calls right after an assistant message join it) and ``function_call_output`` (a tool message),
+  ``reasoning`` (its text becomes the next assistant message's ``reasoning_content``).
+- ``tools``: function tools, flat (``{"type": "function", "name", "parameters", ...}``);
+  ``tool_choice``: none / auto / required / ``{"type": "function", "name"}``.
+- ``max_output_tokens`` -> ``max_tokens``; ``temperature``, ``top_p``, ``user``, ``stream``,
+  ``parallel_tool_calls`` as in chat; ``prompt_cache_key`` is the session id (prefix cache).
+- Accepted and echoed, no effect: ``store`` (always echoed ``false``: nothing is stored),
+  ``metadata``, ``reasoning``, ``truncation``, ``include``, ``service_tier``,
+  ``safety_identifier``, ``text.verbosity``, ``stream_options``.
+- Refused (400 naming the parameter): ``previous_response_id``, ``conversation``, ``prompt``,
+  ``background: true``, ``n`` other than 1, ``max_tool_calls``, logprobs (``top_logprobs``,
+  ``include: ["message.output_text.logprobs"]``), non-function tools, image / file / audio
+  inputs, ``item_reference`` and the built-in tools' items.
+
+Extensions passed to the chat parser as they are: ``seed``, ``stop``, the penalties,
+``logit_bias``, ``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_*``,
+``session_id``, ``cache_salt``, ``chat_template_kwargs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from quart import Blueprint, request
+
+from pantheon import errors
+from pantheon.api.openai import protocol as oa
+from pantheon.api.openai.protocol import ChatRequest
+from pantheon.api.openai.routes import BIG_BODY, _place, admit, sse_response
+from pantheon.api.openai.service import Generation, _pool_error
+from pantheon.api.responses import json_response
+from pantheon.api.state import app_state
+from pantheon.errors import ApiError, invalid_param
+
+bp = Blueprint("responses", __name__)
+
+# extensions the chat parser checks, passed on as they are
+_EXTRAS = (
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "ignore_eos",
+    "repetition_penalty",
+    "repetition_window",
+    "repeat_last_n",
+    "session_id",
+    "cache_salt",
+    "chat_template_kwargs",
+)
+_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------- request: the mapping
+
+
+def _parts_text(content: Any, p: str, *, media_word: str = "inputs") -> str:
+    """A string, or a list of text parts joined by newlines; media parts are a 400."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid_param(p, f"'{p}' must be a string or an array of content parts")
+    if not content:
+        raise invalid_param(p, f"'{p}' must not be an empty array")
+    texts = []
+    for j, part in enumerate(content):
+        q = f"{p}[{j}]"
+        if not isinstance(part, dict):
+            raise invalid_param(q, f"'{q}' must be an object")
+        kind = part.get("type")
+        if kind in _TEXT_PARTS:
+            if not isinstance(part.get("text"), str):
+                raise invalid_param(f"{q}.text", f"'{q}.text' must be a string")
+            texts.append(part["text"])
+        elif kind == "refusal":
+            continue
+        elif kind in _MEDIA_PARTS:
+            raise invalid_param(
+                f"{q}.type",
+                f"'{q}.type': content part type {kind!r} is not supported: this server takes text {media_word} only",
+            )
+        else:
+            raise invalid_param(
+                f"{q}.type",
+                f"'{q}.type': content part type {kind!r} is not supported (input_text, output_text)",
+            )
+    return "\n".join(texts)
+
+
+def _req_str(item: dict, key: str, p: str) -> str:
+    v = item.get(key)
+    if not isinstance(v, str):
+        raise invalid_param(f"{p}.{key}", f"'{p}.{key}' must be a string")
+    return v
+
+
+def _reasoning_text(item: dict, p: str) -> str:
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        raise invalid_param(f"{p}.content", f"'{p}.content' must be an array")
+    return "\n".join(x["text"] for x in parts if isinstance(x, dict) and isinstance(x.get("text"), str))
+
+
+def input_messages(input_: Any, instructions: Any = None) -> tuple[list[dict], list[str]]:
+    """``instructions`` and ``input`` -> (chat messages, the Responses path each came from).
+
+    Raises a 400 naming the item for what is not supported."""
+    msgs: list[dict] = []
+    where: list[str] = []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise invalid_param("instructions", "'instructions' must be a string")
+        if instructions:
+            msgs.append({"role": "system", "content": instructions})
+            where.append("instructions")
+    if input_ is None:
+        raise invalid_param("input", "'input' is required")
+    if isinstance(input_, str):
+        msgs.append({"role": "user", "content": input_})
+        where.append("input")
+        return msgs, where
+    if not isinstance(input_, list) or not input_:
+        raise invalid_param("input", "'input' must be a string or a non-empty array of items")
+    names: dict[str, str] = {}  # call_id -> function name, for the tool messages
+    reasoning: str | None = None  # a reasoning item's text, for the next assistant message
+    joinable = False  # the last message is an assistant one a function_call may join
+    for i, item in enumerate(input_):
+        p = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise invalid_param(p, f"'{p}' must be an object")
+        kind = item.get("type")
+        if kind is None and "role" in item:
+            kind = "message"
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise invalid_param(
+                    f"{p}.role", f"'{p}.role' must be one of {', '.join(_ROLES)}; got {role!r}"
+                )
+            if item.get("content") is None:
+                raise invalid_param(f"{p}.content", f"'{p}.content' is required")
+            msg: dict[str, Any] = {"role": role, "content": _parts_text(item["content"], f"{p}.content")}
+            if role == "assistant" and reasoning:
+                msg["reasoning_content"], reasoning = reasoning, None
+            msgs.append(msg)
+            where.append(p)
+            joinable = role == "assistant"
+        elif kind == "function_call":
+            call_id = _req_str(item, "call_id", p)
+            name = _req_str(item, "name", p)
+            args = _req_str(item, "arguments", p)
+            names[call_id] = name
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            if joinable and reasoning is None:
+                msgs[-1].setdefault("tool_calls", []).append(call)
+            else:
+                msg = {"role": "assistant", "content": "", "tool_calls": [call]}
+                if reasoning:
+                    msg["reasoning_content"], reasoning = reasoning, None
+                msgs.append(msg)
+                where.append(p)
+                joinable = True
+        elif kind == "function_call_output":
+            call_id = _req_str(item, "call_id", p)
+            if item.get("output") is None:
+                raise invalid_param(f"{p}.output", f"'{p}.output' is required")
+            out = _parts_text(item["output"], f"{p}.output", media_word="tool outputs")
+            msg = {"role": "tool", "tool_call_id": call_id, "content": out}
+            if call_id in names:
+                msg["name"] = names[call_id]
+            msgs.append(msg)
+            where.append(p)
+            joinable = False
+        elif kind == "reasoning":
+            reasoning = "\n".join(x for x in (reasoning, _reasoning_text(item, p)) if x) or None
+        elif kind == "item_reference":
+            raise invalid_param(
+                f"{p}.type",
+                f"'{p}.type': 'item_reference' needs stored items; this server stores none: send the item itself",
+            )
+        else:
+            raise invalid_param(
+                f"{p}.type",
+                f"'{p}.type': input item type {kind!r} is not supported "
+                "(message, function_call, function_call_output, reasoning)",
+            )
+    if not msgs:
+        raise invalid_param("input", "'input' holds no message")
+    return msgs, where
+
+
+def chat_tools(tools: Any) -> list[dict] | None:
+    """Responses function tools (flat) -> chat tools; any other tool type is a 400."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise invalid_param("tools", "'tools' must be an array")
+    out = []
+    for i, t in enumerate(tools):
+        p = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise invalid_param(p, f"'{p}' must be an object")
+        if t.get("type") != "function":
+            raise invalid_param(
+                f"{p}.type", f"'{p}.type': tool type {t.get('type')!r} is not supported: only function tools"
+            )
+        fn: dict[str, Any] = {"name": t.get("name")}
+        for key in ("description", "parameters", "strict"):
+            if t.get(key) is not None:
+                fn[key] = t[key]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(tc: Any) -> Any:
+    """Responses ``tool_choice`` -> chat's."""
+    if tc is None or isinstance(tc, str):
+        return tc
+    if isinstance(tc, dict) and tc.get("type") == "function":
+        if not isinstance(tc.get("name"), str):
+            raise invalid_param("tool_choice.name", "'tool_choice.name' must be a string")
+        return {"type": "function", "function": {"name": tc["name"]}}
+    kind = tc.get("type") if isinstance(tc, dict) else None
+    raise invalid_param(
+        "tool_choice",
+        f"'tool_choice' must be none, auto, required or {{'type': 'function', 'name': ...}}; got type {kind!r}",
+    )
+
+
+def chat_format(text: Any) -> dict | None:
+    """Responses ``text`` (its ``format``) -> chat's ``response_format``."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise invalid_param("text", "'text' must be an object")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise invalid_param("text.format", "'text.format' must be an object with a 'type'")
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    js = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+    return {"type": "json_schema", "json_schema": js}
+
+
+def _refuse(body: dict) -> None:
+    """The fields a stateless server without these features refuses, naming each."""
+    for key in ("previous_response_id", "conversation"):
+        if body.get(key) is not None:
+            raise invalid_param(
+                key,
+                f"'{key}' needs stored state; this server stores nothing: send the whole conversation in 'input'",
+            )
+    if body.get("prompt") is not None:
+        raise invalid_param("prompt", "stored prompt templates ('prompt') are not supported")
+    if body.get("background") not in (None, False):
+        raise invalid_param("background", "'background' mode is not supported")
+    if body.get("n") not in (None, 1):
+        raise invalid_param("n", "'n' is not supported: one response per request")
+    if body.get("max_tool_calls") is not None:
+        raise invalid_param("max_tool_calls", "'max_tool_calls' is not supported")
+    if body.get("top_logprobs") not in (None, 0):
+        raise invalid_param("top_logprobs", "logprobs are not supported on /v1/responses")
+    inc = body.get("include")
+    if inc is not None:
+        if not isinstance(inc, list) or not all(isinstance(x, str) for x in inc):
+            raise invalid_param("include", "'include' must be an array of strings")
+        if "message.output_text.logprobs" in inc:
+            raise invalid_param("include", "logprobs are not supported on /v1/responses")
+
+
+def _rename(param: str, where: list[str]) -> str:
+    """A chat parameter's name -> the Responses one it came from."""
+    m = re.match(r"messages\[(\d+)\](.*)", param)
+    if m:
+        i = int(m.group(1))
+        return (where[i] if i < len(where) else "input") + m.group(2)
+    for old, new in (
+        ("max_completion_tokens", "max_output_tokens"),
+        ("max_tokens", "max_output_tokens"),
+        ("response_format.json_schema", "text.format"),
+        ("response_format", "text.format"),
+        ("tool_choice.function.name", "tool_choice.name"),
+    ):
+        if param == old or param.startswith(old + "."):
+            return new + param[len(old) :]
+    m = re.match(r"(tools\[\d+\])\.function(.*)", param)
+    if m:
+        return m.group(1) + m.group(2)
+    return param
+
+
+def renamed(e: ApiError, where: list[str]) -> ApiError:
+    """``e`` with its parameter (and the name in its message) in the Responses API's terms."""
+    if e.param is None:
+        return e
+    new = _rename(e.param, where)
+    if new != e.param:
+        e.message = e.message.replace(f"'{e.param}'", f"'{new}'")
+        e.param = new
+        e.args = (e.message,)
+    return e
+
+
+class ResponsesRequest:
+    """A parsed ``/v1/responses`` body: the chat request it maps to, and the fields the
+    response object echoes."""
+
+    def __init__(self, chat: ChatRequest, echo: dict[str, Any], where: list[str]):
+        self.chat, self.echo, self.where = chat, echo, where
+
+
+def chat_body(body: dict) -> tuple[dict, list[str]]:
+    """A Responses body -> (the chat body it maps to, where each message came from)."""
+    _refuse(body)
+    msgs, where = input_messages(body.get("input"), body.get("instructions"))
+    out: dict[str, Any] = {"messages": msgs}
+    for key in ("model", "temperature", "top_p", "stream", "user", "parallel_tool_calls", *_EXTRAS):
+        if body.get(key) is not None:
+            out[key] = body[key]
+    if body.get("max_output_tokens") is not None:
+        out["max_tokens"] = body["max_output_tokens"]
+    if body.get("session_id") is None and isinstance(body.get("prompt_cache_key"), str):
+        out["session_id"] = body["prompt_cache_key"]
+    tools = chat_tools(body.get("tools"))
+    if tools is not None:
+        out["tools"] = tools
+    tc = chat_tool_choice(body.get("tool_choice"))
+    if tc is not None:
+        out["tool_choice"] = tc
+    rf = chat_format(body.get("text"))
+    if rf is not None:
+        out["response_format"] = rf
+    return out, where
+
+
+def _echo(body: dict, chat: ChatRequest) -> dict[str, Any]:
+    """The request fields every response object carries."""
+    tools = [
+        {
+            "type": "function",
+            "name": t["name"],
+            "description": t.get("description"),
+            "parameters": t.get("parameters"),
+            "strict": t.get("strict", True),
+        }
+        for t in body.get("tools") or []
+    ]
+    text = dict(body.get("text") or {})
+    text["format"] = text.get("format") or {"type": "text"}
+    meta = body.get("metadata")
+    if meta is not None and (
+        not isinstance(meta, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
+    ):
+        raise invalid_param("metadata", "'metadata' must be an object of strings")
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise invalid_param("reasoning", "'reasoning' must be an object")
+    truncation = body.get("truncation")
+    if truncation not in (None, "auto", "disabled"):
+        raise invalid_param("truncation", "'truncation' must be 'auto' or 'disabled'")
+    return {
+        "background": False,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": chat.max_tokens,
+        "metadata": meta or {},
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": None,
+        "reasoning": reasoning,
+        "service_tier": "default",
+        "store": False,
+        "temperature": chat.temperature,
+        "text": text,
+        "tool_choice": body.get("tool_choice") or "auto",
+        "tools": tools,
+        "top_p": chat.top_p,
+        "truncation": truncation or "disabled",
+        "user": chat.user,
+    }
+
+
+def parse_responses_request(raw: bytes | str | Any, *, header_session: str | None = None) -> ResponsesRequest:
+    """Bytes (or a decoded body) -> ``ResponsesRequest``; raises ``ApiError`` (400)."""
+    body = oa.load_json(raw) if isinstance(raw, (bytes, bytearray, str)) else raw
+    if not isinstance(body, dict):
+        raise errors.not_an_object()
+    out, where = chat_body(body)
+    try:
+        chat = oa.parse_chat_request(out, header_session=header_session)
+    except ApiError as e:
+        raise renamed(e, where) from None
+    return ResponsesRequest(chat, _echo(body, chat), where)
+
+
+# ---------------------------------------------------------------- response: the output items
+
+
+class OutputBuilder:
+    """The emitter's deltas -> the response's ``output`` items, and the stream's events (dicts
+    without ``sequence_number``) that build them. One item is open at a time: a ``reasoning``
+    item, a ``message`` (opened by the first text that is not only whitespace: whitespace
+    between items is dropped), or a ``function_call``."""
+
+    def __init__(self) -> None:
+        self.output: list[dict] = []
+        self._open: dict | None = None
+        self._text: list[str] = []
+        self._call: int | None = None
+        self._ws = {"content": "", "reasoning": ""}  # whitespace waiting for an item to open
+
+    # -- opening and closing
+
+    def _add(self, item: dict) -> list[dict]:
+        self.output.append(item)
+        self._open, self._text = item, []
+        ev = [
+            {
+                "type": "response.output_item.added",
+                "output_index": len(self.output) - 1,
+                "item": copy.deepcopy(item),
+            }
+        ]
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": []}
+            ev.append(self._part_event("response.content_part.added", part))
+        elif item["type"] == "reasoning":
+            ev.append(self._part_event("response.content_part.added", {"type": "reasoning_text", "text": ""}))
+        return ev
+
+    def _part_event(self, kind: str, part: dict) -> dict:
+        assert self._open is not None
+        return {
+            "type": kind,
+            "item_id": self._open["id"],
+            "output_index": len(self.output) - 1,
+            "content_index": 0,
+            "part": part,
+        }
+
+    def _where(self) -> dict:
+        assert self._open is not None
+        return {"item_id": self._open["id"], "output_index": len(self.output) - 1}
+
+    def _close(self, status: str = "completed") -> list[dict]:
+        item = self._open
+        if item is None:
+            return []
+        text = "".join(self._text)
+        ev: list[dict] = []
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": []}
+            item["content"] = [part]
+            ev.append(
+                {
+                    "type": "response.output_text.done",
+                    **self._where(),
+                    "content_index": 0,
+                    "text": text,
+                    "logprobs": [],
+                }
+            )
+            ev.append(self._part_event("response.content_part.done", dict(part)))
+        elif item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": text}
+            item["content"] = [part]
+            ev.append(
+                {"type": "response.reasoning_text.done", **self._where(), "content_index": 0, "text": text}
+            )
+            ev.append(self._part_event("response.content_part.done", dict(part)))
+        else:
+            item["arguments"] = text
+            ev.append({"type": "response.function_call_arguments.done", **self._where(), "arguments": text})
+        item["status"] = status
+        ev.append(
+            {
+                "type": "response.output_item.done",
+                "output_index": len(self.output) - 1,
+                "item": copy.deepcopy(item),
+            }
+        )
+        self._open = None
+        return ev
+
+    # -- feeding
+
+    def _text_delta(self, kind: str, text: str) -> list[dict]:
+        want = "message" if kind == "content" else "reasoning"
+        ev: list[dict] = []
+        if self._open is None or self._open["type"] != want:
+            if not text.strip():
+                self._ws[kind] += text
+                return []
+            ev += self._close()
+            if want == "message":
+                item = {
+                    "id": _new_id("msg_"),
+                    "type": "message",
+                    "role": "assistant",
+                    "status": "in_progress",
+                    "content": [],
+                }
+            else:
+                item = {
+                    "id": _new_id("rs_"),
+                    "type": "reasoning",
+                    "summary": [],
+                    "content": [],
+                    "status": "in_progress",
+                }
+            ev += self._add(item)
+            text, self._ws[kind] = self._ws[kind] + text, ""
+        self._text.append(text)
+        kind_ev = "response.output_text.delta" if want == "message" else "response.reasoning_text.delta"
+        delta = {"type": kind_ev, **self._where(), "content_index": 0, "delta": text}
+        if want == "message":
+            delta["logprobs"] = []
+        return [*ev, delta]
+
+    def feed(self, deltas: list) -> list[dict]:
+        ev: list[dict] = []
+        for d in deltas:
+            if d.kind in ("content", "reasoning"):
+                if d.text:
+                    ev += self._text_delta(d.kind, d.text)
+            elif d.kind == "tool_call":
+                o = self._open
+                if o is None or o["type"] != "function_call" or self._call != d.index:
+                    ev += self._close()
+                    item = {
+                        "id": _new_id("fc_"),
+                        "type": "function_call",
+                        "call_id": d.id or oa.tool_call_id(),
+                        "name": d.name or "",
+                        "arguments": "",
+                        "status": "in_progress",
+                    }
+                    ev += self._add(item)
+                    self._call = d.index  # which of the emitter's calls is open
+                if d.arguments:
+                    self._text.append(d.arguments)
+                    ev.append(
+                        {
+                            "type": "response.function_call_arguments.delta",
+                            **self._where(),
+                            "delta": d.arguments,
+                        }
+                    )
+        return ev
+
+    def finish(self, status: str = "completed") -> list[dict]:
+        """Close the open item with ``status``; an answer with no item at all gets an (empty) message."""
+        ev = self._close(status)
+        if not self.output:
+            ev += self._add(
+                {
+                    "id": _new_id("msg_"),
+                    "type": "message",
+                    "role": "assistant",
+                    "status": "in_progress",
+                    "content": [],
+                }
+            )
+            if self._ws["content"]:
+                self._text.append(self._ws["content"])
+                ev.append(
+                    {
+                        "type": "response.output_text.delta",
+                        **self._where(),
+                        "content_index": 0,
+                        "delta": self._ws["content"],
+                        "logprobs": [],
+                    }
+                )
+            ev += self._close(status)
+        return ev
+
+
+def response_usage(u: dict) -> dict:
+    """Chat usage -> the Responses API's."""
+    return {
+        "input_tokens": u["prompt_tokens"],
+        # cache_write_tokens (the SDK requires it): not counted here, 0
+        "input_tokens_details": {
+            "cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+            "cache_write_tokens": 0,
+        },
+        "output_tokens": u["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"]},
+        "total_tokens": u["total_tokens"],
+    }
+
+
+def _sse(seq: int, event: dict) -> bytes:
+    event["sequence_number"] = seq
+    return b"event: " + event["type"].encode() + b"\ndata: " + oa.dumps(event) + b"\n\n"
+
+
+class ResponseGeneration(Generation):
+    """A ``Generation`` whose output is a ``response`` object (one choice)."""
+
+    def __init__(self, *a: Any, rreq: ResponsesRequest, **kw: Any):
+        super().__init__(*a, **kw)
+        self.id = "resp_" + self.id.removeprefix("chatcmpl-")
+        self.rreq = rreq
+        self.builder = OutputBuilder()
+
+    def response(self, status: str, *, error: dict | None = None) -> dict:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        done = status in ("completed", "incomplete", "failed")
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "model": self.model,
+            "output": copy.deepcopy(self.builder.output) if done else [],
+            "usage": response_usage(self.usage()) if done and error is None else None,
+            **self.rreq.echo,
+        }
+
+    def _final_status(self) -> str:
+        return "incomplete" if self.runs[0].finish_reason == "length" else "completed"
+
+    async def complete(self) -> dict:
+        async with contextlib.aclosing(self._all_pieces()) as pieces:
+            async for p in pieces:
+                self.builder.feed(p.deltas)
+        status = self._final_status()
+        self.builder.finish(status)
+        return self.response(status)
+
+    async def stream_chunks(self) -> AsyncIterator[bytes]:
+        seq = 0
+        for kind in ("response.created", "response.in_progress"):
+            yield _sse(seq, {"type": kind, "response": self.response("in_progress")})
+            seq += 1
+        try:
+            async with contextlib.aclosing(self._all_pieces()) as pieces:
+                async for p in pieces:
+                    for ev in self.builder.feed(p.deltas):
+                        yield _sse(seq, ev)
+                        seq += 1
+            status = self._final_status()
+            for ev in self.builder.finish(status):
+                yield _sse(seq, ev)
+                seq += 1
+            kind = "response.completed" if status == "completed" else "response.incomplete"
+            yield _sse(seq, {"type": kind, "response": self.response(status)})
+        except Exception as e:  # noqa: BLE001 - the stream must still end cleanly
+            err = e if isinstance(e, ApiError) else _pool_error(e, self.id)
+            yield _sse(seq, {"type": "error", "code": err.code, "message": err.message, "param": err.param})
+            failed = {
+                "code": "rate_limit_exceeded" if err.status == 429 else "server_error",
+                "message": err.message,
+            }
+            yield _sse(
+                seq + 1, {"type": "response.failed", "response": self.response("failed", error=failed)}
+            )
+
+
+@bp.post("/v1/responses", provide_automatic_options=False)
+async def responses():
+    s = app_state()
+    arrived = time.monotonic()
+    raw = await request.get_data(cache=False)
+    session = request.headers.get("X-Session-Id")
+    big = len(raw) > BIG_BODY
+    if big:
+        rreq = await asyncio.to_thread(parse_responses_request, raw, header_session=session)
+    else:
+        rreq = parse_responses_request(raw, header_session=session)
+    req = rreq.chat
+    try:
+        gen, inst, prep, done = await admit(
+            s,
+            req,
+            lambda: _place(s, req, big),
+            lambda inst, prep: ResponseGeneration(
+                s.pool,
+                inst,
+                req,
+                prep,
+                s.config.fingerprint,
+                arrived=arrived,
+                on_tokens=s.feed.tokens,
+                rreq=rreq,
+            ),
+        )
+    except ApiError as e:
+        raise renamed(e, rreq.where) from None
+    headers = {"X-Pantheon-Instance": inst.instance_id}
+    if prep.capped:
+        headers["X-Context-Capped"] = "true"
+    if not req.stream:
+        try:
+            out = await gen.complete()
+        finally:
+            done()
+        return json_response(out, headers=headers)
+    return sse_response(gen.stream_chunks(), done, headers)
