@@ -11,6 +11,7 @@ caught. Whether the EPP's metric names are what a live router exports is checked
 from __future__ import annotations
 
 import copy
+import re
 
 import jsonschema
 import kubernetes_validate
@@ -137,3 +138,8 @@ def test_litellm_config_is_one_model_group_over_two_routers():
         assert e["litellm_params"]["model"] == "hosted_vllm/" + e["model_name"]
     assert cfg["router_settings"]["routing_strategy"] == "least-busy"
     assert cfg["router_settings"]["num_retries"] >= 1  # a draining router's 503 is retried elsewhere
+    # the proxy that runs it is pinned to one release, never a range
+    (req,) = [
+        x for x in (DEPLOY / "litellm" / "requirements.txt").read_text().splitlines() if x[:1].isalpha()
+    ]
+    assert re.fullmatch(r"litellm\[proxy\]==[0-9]+(\.[0-9]+)+", req), req
