@@ -62,6 +62,7 @@ class DieState(msgspec.Struct, kw_only=True):
     cpu_path: str = ""  # CPU dies: the linear-layer path(s) its instances run (workers/cpu_paths.py)
     restarts: int = 0  # times its worker was started again after dying
     last_death: str | None = None  # why its worker last died (kept after the restart)
+    host: str | None = None  # a remote die's machine (its worker joined over TCP); None when local
 
 
 class QueueState(msgspec.Struct, kw_only=True):

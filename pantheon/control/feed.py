@@ -187,6 +187,7 @@ def die_state(f: DieFacts) -> st.DieState:
         cpu_path=f.cpu_path,
         restarts=int(w.restarts) if w is not None else 0,
         last_death=w.last_death if w is not None else None,
+        host=f.host,
     )
 
 

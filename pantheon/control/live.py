@@ -64,6 +64,12 @@ class DieFacts:
     def alive(self) -> bool:
         return bool(self.worker is not None and self.worker.alive)
 
+    @property
+    def host(self) -> str | None:
+        """A remote die's machine, as its worker named it in its Hello; None for a local die."""
+        w = self.worker
+        return (w.hostname or None) if self.die.remote and w is not None else None
+
 
 @dataclass(frozen=True)
 class Projection:

@@ -132,6 +132,10 @@ def test_two_remote_workers_join_and_serve(site):
         assert row["pid"] == site[w].proc.pid
         assert row["total_bytes"] == 2 * GiB  # its own budget, not the router's
     assert got["cpu:0"]["remote"] is False
+    # the dashboard's snapshot names each remote die's machine too
+    dies = {d["id"]: d for d in httpx.get(s.url + "/admin/state").json()["dies"]}
+    assert dies["cpu:0@w1"]["host"] == dies["cpu:0@w2"]["host"] == socket.gethostname()
+    assert dies["cpu:0"]["host"] is None
     # w2's host keeps the weights elsewhere: the load names that path for the worker
     copy = site["tmp"] / "w2-models" / "tiny"
     shutil.copytree(site["tiny"], copy)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 
+import msgspec
 import pytest
 from test_tui_app import fixture
 
@@ -142,3 +143,21 @@ def test_die_line_shows_the_cpu_path_and_isa_when_wide():
     )
     assert "fp32-packed (avx2)" in die_line(die, 160).plain
     assert "avx2" not in die_line(die, 40).plain  # narrow: the bar and numbers only
+
+
+def test_die_line_names_a_remote_dies_machine():
+    from pantheon.snapshot import DieState
+    from tui.widgets.dies import die_line
+
+    die = DieState(
+        id="cuda:0@gpu2",
+        device_name="NVIDIA H200",
+        total_bytes=141 << 30,
+        budget_bytes=140 << 30,
+        weights_bytes=2 << 30,
+        free_bytes=138 << 30,
+        host="gpu-host-2",
+    )
+    assert "on gpu-host-2" in die_line(die, 160).plain
+    local = msgspec.structs.replace(die, id="cuda:0", host=None)
+    assert " on " not in die_line(local, 160).plain

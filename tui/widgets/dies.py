@@ -28,6 +28,8 @@ def die_line(die: DieState, width: int) -> Text:
         f"  w {human_bytes(die.weights_bytes)} kv {human_bytes(die.kv_bytes)}"
         f" free {human_bytes(die.free_bytes)}"
     )
+    if die.host:  # a worker on another machine
+        detail += f"  on {die.host}"
     if die.cpu_path or die.isa:  # how a CPU die computes: its chosen path and the ISA
         detail += f"  {die.cpu_path or '-'}{f' ({die.isa})' if die.isa else ''}"
     if die.restarts and die.last_death:

@@ -59,7 +59,7 @@ def die_view(f: DieFacts) -> dict:
         "alive": f.alive,
         # a worker on another host: its name (the die id's @NAME) and its machine's host name
         "remote": d.remote,
-        "host": (wk.hostname if wk is not None and wk.hostname else None) if d.remote else None,
+        "host": f.host,
         "worker": "running" if f.alive else ("dead" if wk is not None else "not started"),
         "failed": f.failed,  # its worker died more than --worker-restarts times: not restarted
         "pid": wk.pid if wk is not None else None,
