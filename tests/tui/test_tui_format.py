@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 
-import msgspec
 import pytest
 from test_tui_app import fixture
 
@@ -127,37 +126,31 @@ def test_history_samples_on_its_own_timebase():
     assert list(h.tokens) == [5.0, 5.0, 5.0] and list(h.queue) == [5.0, 5.0, 5.0]
 
 
-def test_die_line_shows_the_cpu_path_and_isa_when_wide():
+def _die(**kw):
+    """A live 8 GiB die with 1 GiB of weights, as the router's snapshot has one."""
     from pantheon.snapshot import DieState
-    from tui.widgets.dies import die_line
 
-    die = DieState(
+    base = dict(
         id="cpu:0",
         device_name="cpu",
         total_bytes=8 << 30,
         budget_bytes=8 << 30,
         weights_bytes=1 << 30,
         free_bytes=7 << 30,
-        isa="avx2",
-        cpu_path="fp32-packed",
     )
+    return DieState(**(base | kw))
+
+
+def test_die_line_shows_the_cpu_path_and_isa_when_wide():
+    from tui.widgets.dies import die_line
+
+    die = _die(isa="avx2", cpu_path="fp32-packed")
     assert "fp32-packed (avx2)" in die_line(die, 160).plain
     assert "avx2" not in die_line(die, 40).plain  # narrow: the bar and numbers only
 
 
 def test_die_line_names_a_remote_dies_machine():
-    from pantheon.snapshot import DieState
     from tui.widgets.dies import die_line
 
-    die = DieState(
-        id="cuda:0@gpu2",
-        device_name="NVIDIA H200",
-        total_bytes=141 << 30,
-        budget_bytes=140 << 30,
-        weights_bytes=2 << 30,
-        free_bytes=138 << 30,
-        host="gpu-host-2",
-    )
-    assert "on gpu-host-2" in die_line(die, 160).plain
-    local = msgspec.structs.replace(die, id="cuda:0", host=None)
-    assert " on " not in die_line(local, 160).plain
+    assert "on gpu-host-2" in die_line(_die(id="cuda:0@gpu2", host="gpu-host-2"), 160).plain
+    assert " on " not in die_line(_die(id="cuda:0"), 160).plain
