@@ -282,6 +282,7 @@ class InstanceStats(msgspec.Struct, kw_only=True):
     cache_hit_blocks: int = 0  # since load: prefix blocks reused ...
     cache_query_blocks: int = 0  # ... of those looked up
     prefill_budget: int = 0  # prompt tokens the next step may prefill (the step budget)
+    block_size: int = 16  # token positions per KV block
 
 
 class Stats(msgspec.Struct, tag=True, kw_only=True):

@@ -288,6 +288,7 @@ class Engine:
             cache_hit_blocks=self.blocks.hits,
             cache_query_blocks=self.blocks.queries,
             prefill_budget=self.budget.tokens(),
+            block_size=self.blocks.block_size,
         )
 
     def close(self) -> None:

@@ -5,7 +5,10 @@ The series vLLM exports, with vLLM's names, types and buckets, labelled by ``mod
 dashboards and gateways made for vLLM work unchanged:
 
 - gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
-  (0..1, KV blocks in use over the pool, from the workers' Stats);
+  (0..1, KV blocks in use over the pool, from the workers' Stats), and the info gauge
+  ``vllm:cache_config_info`` (``block_size``, ``num_gpu_blocks``);
+- counters ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total`` (prompt tokens
+  looked up in and found in the prefix cache, from the workers' Stats);
 - counters ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total`` (tokens the clients
   received), ``vllm:request_success_total`` (with ``finished_reason``);
 - histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
@@ -24,10 +27,11 @@ unloads) and by the supervisor (worker deaths).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pantheon.logs import RequestTrace
@@ -109,6 +113,19 @@ E2E_BUCKETS = (
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+@dataclass
+class _ModelSums:
+    """One model's figures over its instances, for vLLM's per-model series."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_used: int = 0  # KV blocks
+    kv_total: int = 0
+    block_size: int = 0
+    hit_tokens: int = 0  # prefix cache, since each instance's load
+    query_tokens: int = 0
+
+
 class _Live:
     """The collector of the gauges, read from the app's state at scrape time."""
 
@@ -129,10 +146,24 @@ class _Live:
         kv = GaugeMetricFamily(
             "vllm:kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.", labels=["model_name"]
         )
+        # vLLM's info series of its KV cache (the endpoint picker reads block_size from it), and its
+        # prefix-cache counters, in tokens; per model here (vLLM has one model per server). The
+        # counters restart when an instance is reloaded, as a counter may.
+        cache_info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "The KV cache's configuration.",
+            labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+        queries = CounterMetricFamily(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=["model_name"]
+        )
+        hits = CounterMetricFamily(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=["model_name"]
+        )
         depth = GaugeMetricFamily(
             "pantheon_queue_depth", "Requests waiting in the model's queue.", labels=["model_name"]
         )
-        per_model: dict[str, list[int]] = {}
+        per_model: dict[str, _ModelSums] = {}
         i_flight = GaugeMetricFamily(
             "pantheon_instance_in_flight", "Requests holding the instance.", labels=["model_name", "instance"]
         )
@@ -155,11 +186,14 @@ class _Live:
             inst, es = f.inst, f.engine
             info = inst.info()
             run = int(info.get("running", 0))
-            acc = per_model.setdefault(inst.name, [0, 0, 0, 0])
-            acc[0] += run
+            acc = per_model.setdefault(inst.name, _ModelSums())
+            acc.running += run
             if es is not None and es.kv_blocks_total:
-                acc[2] += es.kv_blocks_used
-                acc[3] += es.kv_blocks_total
+                acc.kv_used += es.kv_blocks_used
+                acc.kv_total += es.kv_blocks_total
+                acc.block_size = es.block_size
+                acc.hit_tokens += es.cache_hit_blocks * es.block_size
+                acc.query_tokens += es.cache_query_blocks * es.block_size
             labels = [inst.name, inst.instance_id]
             i_flight.add_metric(labels, info.get("in_flight", 0))
             i_run.add_metric(labels, run)
@@ -168,13 +202,18 @@ class _Live:
             i_restarts.add_metric(labels, info.get("restarts", 0) or 0)
         for name, q in live.queues.items():  # requests wait per model, for any of its replicas
             if name in per_model:
-                per_model[name][1] = len(q)
-        for name, (run, wait, used, total) in per_model.items():
-            running.add_metric([name], run)
-            waiting.add_metric([name], wait)
-            depth.add_metric([name], wait)
-            kv.add_metric([name], used / total if total else 0.0)
-        yield from (running, waiting, kv, depth, i_flight, i_run, i_ready, i_restarts)
+                per_model[name].waiting = len(q)
+        for name, m in per_model.items():
+            running.add_metric([name], m.running)
+            waiting.add_metric([name], m.waiting)
+            depth.add_metric([name], m.waiting)
+            kv.add_metric([name], m.kv_used / m.kv_total if m.kv_total else 0.0)
+            if m.kv_total:  # known once a worker reported the instance
+                cache_info.add_metric([name, str(m.block_size), str(m.kv_total), "True"], 1.0)
+            queries.add_metric([name], m.query_tokens)
+            hits.add_metric([name], m.hit_tokens)
+        yield from (running, waiting, kv, cache_info, queries, hits)
+        yield from (depth, i_flight, i_run, i_ready, i_restarts)
         yield from self._dies(live)
 
     def _dies(self, live: Projection):

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers.serve import MSG, Server, check_error
+from helpers.serve import MSG, Server, check_error, until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -114,6 +114,38 @@ def test_vllm_series_after_known_traffic(srv):
     assert ("pantheon_die_memory_booked_bytes", (("die", "cpu:0"),)) in m
     iid = [k for k in m if k[0] == "pantheon_instance_ready"][0]
     assert dict(iid[1])["state"] == "ready" and m[iid] == 1
+
+
+def test_prefix_cache_counters_and_cache_info(srv):
+    """vLLM's prefix-cache counters count prompt tokens in whole KV blocks: the second of two
+    identical long prompts finds the first one's full blocks; the info series names the block
+    size and the pool's blocks."""
+    # known once the worker's Stats have reported the instance (a few times a second)
+    info = until(lambda: [k for k in scrape(srv) if k[0] == "vllm:cache_config_info"], 10, "the info series")
+    assert len(info) == 1, info
+    labels = dict(info[0][1])
+    block, blocks = int(labels["block_size"]), int(labels["num_gpu_blocks"])
+    assert labels["model_name"] == "tiny" and block > 0 and blocks > 0
+    assert labels["enable_prefix_caching"] == "True"
+    tiny = {"model_name": "tiny"}
+    before = scrape(srv)
+    long = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 12}]
+    for _ in range(2):
+        chat(srv, messages=long, max_tokens=1)
+
+    def grew():  # the worker's Stats come a few times a second
+        m = scrape(srv)
+        q = val(m, "vllm:prefix_cache_queries_total", **tiny) - val(
+            before, "vllm:prefix_cache_queries_total", **tiny
+        )
+        h = val(m, "vllm:prefix_cache_hits_total", **tiny) - val(
+            before, "vllm:prefix_cache_hits_total", **tiny
+        )
+        return (q, h) if h > 0 else None
+
+    queries, hits = until(grew, timeout=10, what="the prefix cache counters")
+    assert queries % block == 0 and hits % block == 0  # whole blocks, counted in tokens
+    assert hits >= 2 * block and queries >= 2 * hits  # both prompts looked up; the second hit
 
 
 def test_gauges_during_a_stream_and_429(srv):

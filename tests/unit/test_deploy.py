@@ -119,13 +119,16 @@ def test_the_route_sends_the_gateway_to_the_pool():
     ]
 
 
-def test_the_endpoint_picker_reads_the_three_series_it_needs():
+def test_the_endpoint_picker_reads_the_series_it_needs():
     specs = epp_metric_specs()
     assert {k: v[0] for k, v in specs.items()} == {
         "total-queued-requests-metric": "vllm:num_requests_waiting",
         "total-running-requests-metric": "vllm:num_requests_running",
         "kv-cache-usage-percentage-metric": "vllm:kv_cache_usage_perc",
+        "cache-info-metric": "vllm:cache_config_info",
     }
+    # each pinned to the model the pods serve (a router may serve several)
+    assert {tuple(v[1].items()) for v in specs.values()} == {(("model_name", "smollm2-135m-instruct"),)}
 
 
 def test_litellm_config_is_one_model_group_over_two_routers():
