@@ -146,9 +146,9 @@ class _Live:
         kv = GaugeMetricFamily(
             "vllm:kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.", labels=["model_name"]
         )
-        # vLLM's info series of its KV cache (what the endpoint picker's --cache-info-metric names), and its
-        # prefix-cache counters, in tokens; per model here (vLLM has one model per server). The
-        # counters restart when an instance is reloaded, as a counter may.
+        # vLLM's info series of its KV cache (what the endpoint picker's --cache-info-metric
+        # names) and its prefix-cache counters, in tokens; per model here (vLLM has one model per
+        # server). The counters restart when an instance is reloaded, as a counter may.
         cache_info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "The KV cache's configuration.",
