@@ -78,6 +78,33 @@ def test_llama_bench_json(peer, tmp_path):
         peer.llama_bench(tmp_path / "m.gguf", tokens=32)
 
 
+# A llama-server stand-in: it answers /health on --port, or dies of SIGSEGV at start unless it
+# was given --no-repack (what the real one did on an AMX host).
+CRASHY_SERVER = """#!PYTHON
+import http.server, os, signal, sys
+if "--no-repack" not in sys.argv:
+    os.kill(os.getpid(), signal.SIGSEGV)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b'{"status":"ok"}')
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_a_server_that_crashes_at_start_runs_without_repacking(peer, tmp_path, capsys):
+    bins = _fake_bins(tmp_path / "cache" / "build" / "bin")
+    (bins / "llama-server").write_text(CRASHY_SERVER.replace("PYTHON", sys.executable))
+    with peer.llama_server(tmp_path / "m.gguf", timeout=30) as url:
+        import urllib.request
+
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            assert r.status == 200
+    assert "--no-repack" in capsys.readouterr().err
+
+
 def test_configured_source(peer, tmp_path):
     build = tmp_path / "b"
     assert peer._configured_source(build) is None
