@@ -253,9 +253,9 @@ def llama_server(
     try:
         proc = _start_server(cmd, url, log, timeout)
     except _StartCrashed as e:
-        # Seen on a 2-core Intel Xeon VM with AMX: llama-server dies of SIGSEGV right after
-        # its thread pool starts, in the CPU backend's weight repacking; llama-bench on the same
-        # file runs. Without repacking it serves (slower kernels: say so beside its figures).
+        # Seen on a 2-core Intel Xeon VM with AMX: llama-server dies of SIGSEGV or SIGILL right
+        # after its thread pool starts, in the CPU backend's weight repacking; llama-bench on the
+        # same file runs. Without repacking it serves (other kernels: say so beside its figures).
         print(
             f"llama-server crashed at start (exit {e.returncode}); running it with --no-repack (see {log})",
             file=sys.stderr,
@@ -268,7 +268,7 @@ def llama_server(
 
 
 class _StartCrashed(RuntimeError):
-    """llama-server was killed by a signal before it answered /health."""
+    """llama-server was killed by a signal (a crash) before it answered /health."""
 
     def __init__(self, returncode: int, log: Path):
         super().__init__(f"llama-server exited {returncode}; see {log}")
