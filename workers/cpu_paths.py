@@ -35,7 +35,7 @@ from workers.cpu_pack import PackedLinear
 if TYPE_CHECKING:
     from workers.model import CausalLM
 from workers.errors import LoadError
-from workers.quant import Int8Linear
+from workers.quant import Int4Linear, Int8Linear, int4_fits
 
 AUTO = "auto"
 
@@ -44,7 +44,7 @@ AUTO = "auto"
 class PathSpec:
     name: str
     dtype: torch.dtype  # of the activations, the norms and the KV cache
-    layout: str  # dense (F.linear) | packed (oneDNN prepacked) | int8 (weight-only)
+    layout: str  # dense (F.linear) | packed (oneDNN prepacked) | int8 | int4 (weight-only)
     lossy: bool = False  # changes the weights: used only when a load asks to quantize
 
 
@@ -81,6 +81,8 @@ def make_linear(spec: PathSpec, weight: torch.Tensor, bias: torch.Tensor | None)
         return PackedLinear(w, b)
     if spec.layout == "int8":
         return Int8Linear(w, b)
+    if spec.layout == "int4":  # a shape the int4 kernel does not take stays in int8 rows
+        return Int4Linear(w, b) if int4_fits(*w.shape) else Int8Linear(w, b)
     lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
     lin.weight = nn.Parameter(w, requires_grad=False)
     if b is not None:
@@ -117,7 +119,12 @@ def probe_all() -> dict[str, str | None]:
 
 
 def candidates(
-    *, quantize: bool, dtype: str = AUTO, forced: str | None = None, quantized_source: bool = False
+    *,
+    quantize: bool,
+    dtype: str = AUTO,
+    forced: str | None = None,
+    quantized_source: bool = False,
+    int4_source: bool = False,
 ) -> list[str]:
     """The paths a load may use: the forced one alone, or every path that probes well and fits
     the load's ``quantize`` and ``dtype`` asks. Raises ``LoadError`` when none is left."""
@@ -131,7 +138,8 @@ def candidates(
         return [forced]
     if dtype == "float16":
         dtype = "bfloat16"  # fp16 matmuls are slow on CPUs; bf16 has the same size and more range
-    names = cpu_path_names(quantize, dtype, {n: probe(n) or "" for n in PATHS}, quantized_source)
+    works = {n: probe(n) or "" for n in PATHS}
+    names = cpu_path_names(quantize, dtype, works, quantized_source, int4_source)
     if not names:
         raise LoadError(
             "unsupported", f"no CPU path works on this host ({isa()}) for quantize={quantize}, dtype={dtype}"
@@ -159,9 +167,10 @@ class _Bench:
         spec = PATHS[name]
         g = torch.Generator().manual_seed(1)
         self.parts = []
-        for n, k, count in shapes:
+        for i, (n, k, count) in enumerate(shapes):
             part = min(n, 8192)  # a very tall matrix (a large vocabulary's head): a slice, scaled
-            lin = make_linear(spec, torch.randn(part, k, generator=g) * 0.02, None)
+            s = head_spec(spec) if i == len(shapes) - 1 else spec  # the head is last
+            lin = make_linear(s, torch.randn(part, k, generator=g) * 0.02, None)
             xs = {m: torch.randn(m, k, generator=g).to(spec.dtype) for m in (1, 8)}
             self.parts.append((lin, xs, count * n / part))
 
@@ -223,12 +232,18 @@ def replace_linears(module: nn.Module, make) -> None:
                 setattr(child, attr, make(sub.weight, sub.bias))
 
 
+def head_spec(spec: PathSpec) -> PathSpec:
+    """How the path lays out the LM head: as its linears, but int4's head in int8 rows (a file's
+    head or tied table is seldom stored in 4 bits: SmolLM2's Q4_1 file keeps it in Q8_0)."""
+    return PATHS["int8"] if spec.layout == "int4" else spec
+
+
 def apply(model: CausalLM, name: str) -> None:
     """Lay a loaded model (in the path's dtype) out for path ``name``, in place.
 
-    packed / int8: every decoder linear laid out so, and the LM head too: a tied head gets its
-    own copy (the embedding table stays plain for lookups), an untied one is replaced.
-    dense: nothing to do.
+    packed / int8 / int4: every decoder linear laid out so, and the LM head too (``head_spec``):
+    a tied head gets its own copy (the embedding table stays plain for lookups), an untied one
+    is replaced. dense: nothing to do.
     """
     spec = PATHS[name]
     if spec.layout == "dense":
@@ -237,4 +252,4 @@ def apply(model: CausalLM, name: str) -> None:
         if dev.type == "cpu":
             replace_linears(layer, lambda w, b: make_linear(spec, w, b))
     if model.embed_tokens.weight.device.type == "cpu":
-        model.lm_head = make_linear(spec, model.head_weight(), None)
+        model.lm_head = make_linear(head_spec(spec), model.head_weight(), None)

@@ -63,7 +63,11 @@ class Engine:
         if torch.device(devices[0]).type == "cpu":
             forced = cpu_path if cpu_path not in (None, cpu_paths.AUTO) else cpu_paths.forced_path()
             names = cpu_paths.candidates(
-                quantize=quantize, dtype=dtype, forced=forced, quantized_source=cfg.quantized_source
+                quantize=quantize,
+                dtype=dtype,
+                forced=forced,
+                quantized_source=cfg.quantized_source,
+                int4_source=cfg.int4_source,
             )
             choice = cpu_paths.choose(cfg, names)
             self.cpu_path, self.cpu_timings = choice.name, choice.timings

@@ -57,6 +57,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     quantized_source: bool = False  # a GGUF file whose weights are all stored quantized
+    int4_source: bool = False  # ... and its decoder linears in 4-bit groups of 32 (Q4_0/Q4_1/Q4_K)
 
     @property
     def q_size(self) -> int:
@@ -202,6 +203,7 @@ def config_from_dict(raw: dict, gen: dict, where: str) -> ModelConfig:
         qk_norm=arch == "qwen3",
         torch_dtype=dtype,
         quantized_source=bool(raw.get("quantized_source", False)),
+        int4_source=bool(raw.get("int4_source", False)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(raw, gen),
     )

@@ -433,6 +433,10 @@ def hf_config(g: GGUFFile) -> dict:
     # Stored quantized (no float 2-D weight): a CPU die may then keep its linears in int8,
     # which costs less accuracy than the file's own quantization already did (workers/cpu_paths).
     quantized = bool(two_d) and not any(t in ("F32", "F16", "BF16") for t in two_d)
+    # The decoder's linears in 4-bit affine groups of 32 (what Q4_0, Q4_1 and Q4_K blocks are): the
+    # CPU's int4 layout then holds their own levels (workers/quant.py, Int4Linear).
+    blk = [t.type_name for name, t in g.tensors.items() if name.startswith("blk.") and len(t.shape) == 2]
+    int4 = bool(blk) and all(t in ("Q4_0", "Q4_1", "Q4_K") for t in blk)
     bias = "blk.0.attn_q.bias" in g.tensors
     eos = eos_token_ids(g)
     arch_name, model_type = ARCHITECTURES[a]
@@ -454,6 +458,7 @@ def hf_config(g: GGUFFile) -> dict:
         "attention_bias": bias and a != "qwen2",
         "torch_dtype": dtype,
         "quantized_source": quantized,  # ours, not transformers': see above
+        "int4_source": int4,  # likewise
         "bos_token_id": _token_id(g, "bos_token_id"),
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
     }

@@ -54,6 +54,7 @@ class ModelShape:
     torch_dtype: str
     context_limit: int  # max_position_embeddings (stretched by dynamic RoPE)
     quantized_source: bool = False  # a GGUF file whose weights are all stored quantized
+    int4_source: bool = False  # ... and its decoder linears in 4-bit groups of 32 (Q4_0/Q4_1/Q4_K)
 
 
 def _pos_int(raw: dict, key: str, where: str) -> int:
@@ -123,6 +124,7 @@ def shape_from_config(raw: dict, where: str) -> ModelShape:
         torch_dtype=dtype,
         context_limit=limit,
         quantized_source=bool(raw.get("quantized_source", False)),
+        int4_source=bool(raw.get("int4_source", False)),
     )
 
 
@@ -186,27 +188,43 @@ class Estimate:
 # their torch-free description): name -> (compute dtype, layout, lossy). dense: plain weights;
 # packed: oneDNN-prepacked, the same bytes, plus a packed copy of a tied LM head (the table stays
 # for lookups); int8: weight-only int8 linears and head with one scale per output row (lossy: for
-# loads that ask to quantize, and files stored quantized already).
+# loads that ask to quantize, and files stored quantized already); int4: the decoder's linears in
+# 4-bit groups of 32 with a bf16 scale and zero each, the head in int8 rows (only for files whose
+# linears are stored in 4-bit groups already: it gives their own levels back).
 CPU_PATHS: dict[str, tuple[str, str, bool]] = {
     "bf16-packed": ("bfloat16", "packed", False),
     "bf16": ("bfloat16", "dense", False),
     "fp32-packed": ("float32", "packed", False),
     "fp32": ("float32", "dense", False),
     "int8": ("bfloat16", "int8", True),
+    "int4": ("bfloat16", "int4", True),
 }
+INT4_GROUP = 32  # weights per scale and zero in the int4 layout
+
+
+def int4_fits(n: int, k: int) -> bool:
+    """Whether torch's int4 CPU kernel takes a [N, K] weight (N in 16s, K in whole groups); the
+    int4 path keeps a matrix it does not take in int8 rows."""
+    return n % 16 == 0 and k % INT4_GROUP == 0
 
 
 def cpu_path_names(
-    quantize: bool, dtype: str = "auto", works: dict[str, str] | None = None, quantized_source: bool = False
+    quantize: bool,
+    dtype: str = "auto",
+    works: dict[str, str] | None = None,
+    quantized_source: bool = False,
+    int4_source: bool = False,
 ) -> list[str]:
     """The CPU paths a load may end up on: only lossy ones when it asks to quantize, lossy ones
     too when the file is stored quantized already (int8 rows lose less than its 4-bit blocks
-    did), the load's ``dtype`` when one is asked for, and only those that probed well
-    (``works``: a worker's Hello ``cpu_paths``; None: not known yet, so all of them)."""
+    did), int4 only when its linears are 4-bit groups already (``int4_source``), the load's
+    ``dtype`` when one is asked for, and only those that probed well (``works``: a worker's
+    Hello ``cpu_paths``; None: not known yet, so all of them)."""
     return [
         n
-        for n, (dt, _, lossy) in CPU_PATHS.items()
+        for n, (dt, layout, lossy) in CPU_PATHS.items()
         if (lossy if quantize else (not lossy or quantized_source))
+        and (layout != "int4" or int4_source)
         and (dtype == "auto" or dt == dtype)
         and (works is None or works.get(n) == "")
     ]
@@ -232,8 +250,10 @@ def estimate(
     layout; with none (the worker picks by timing at load) the largest of the paths it may pick
     (``cpu_path_names``), so the booking is an upper bound until ``Loaded`` gives the real one."""
     if cpu and cpu_path is None:
-        q = shape.quantized_source
-        names = cpu_path_names(quantize, dtype, cpu_works, q) or cpu_path_names(quantize, dtype, None, q)
+        q, q4 = shape.quantized_source, shape.int4_source
+        names = cpu_path_names(quantize, dtype, cpu_works, q, q4) or cpu_path_names(
+            quantize, dtype, None, q, q4
+        )
         if not names:
             names = list(CPU_PATHS)
         ests = [estimate(shape, quantize=quantize, cpu_path=n) for n in names]
@@ -250,12 +270,21 @@ def estimate(
     small += (q + 2 * kv) if shape.qkv_bias else 0
     small += h if shape.o_bias else 0
     small += 2 * shape.head_dim if shape.qk_norm else 0
-    per_layer = (linear + rows * b if layout == "int8" else linear * b) + small * b
+    if layout == "int8":  # a byte a weight, a scale a row
+        linear_bytes = linear + rows * b
+    elif layout == "int4":  # half a byte a weight and a scale and a zero a group, or int8 rows
+        mats = [(q + 2 * kv, h), (h, q), (2 * shape.inter, h), (h, shape.inter)]  # [N, K], fused
+        linear_bytes = sum(
+            n * k // 2 + n * k // INT4_GROUP * 2 * b if int4_fits(n, k) else n * k + n * b for n, k in mats
+        )
+    else:
+        linear_bytes = linear * b
+    per_layer = linear_bytes + small * b
     table = shape.vocab * h * b
     # The LM head as the path lays it out (CPU paths only; CUDA's int8 keeps a plain head):
-    # int8 rows plus a scale each, else the table's bytes again.
+    # int8 rows plus a scale each (the int4 path's head too), else the table's bytes again.
     head_layout = layout if cpu else "dense"
-    head = shape.vocab * (h + b) if head_layout == "int8" else table
+    head = shape.vocab * (h + b) if head_layout in ("int8", "int4") else table
     base = table + h * b  # embeddings and the final norm
     if not shape.tied:
         base += head  # the LM head (laid out in place of the checkpoint's)

