@@ -10,7 +10,8 @@ goes through it like this::
 
     detok = IncrementalDetokenizer(tokenizer, prompt_ids)
     emitter = Emitter(reasoning=template.reasoning, stop=stop, tools_enabled=policy.parse,
-                      think_open=think_open(prompt))
+                      think_open=think_open(prompt), tool_format=template.tool_format,
+                      tools=policy.template_tools)             # JSON or Qwen3.5's XML calls
     for token_id in generated:                                 # from the worker's StepOutputs
         send(emitter.feed(detok.push(token_id)))
         if emitter.stopped:                                    # a stop string: Abort the worker
@@ -23,15 +24,22 @@ from .detokenize import IncrementalDetokenizer
 from .emitter import MAX_STOP, Delta, Emitter, finish_reason, join_deltas
 from .template import ChatTemplate, TemplateError, normalize_messages, render_chatml, think_open
 from .tools import (
+    JSON_TOOL_FORMAT,
+    XML_TOOL_FORMAT,
     ParsedToolCall,
     ToolChoiceError,
     ToolPolicy,
+    forced_call_prefix,
     new_call_id,
     parse_tool_block,
     resolve_tool_choice,
+    tool_call_format,
 )
+from .xml_tools import parse_xml_tool_block
 
 __all__ = [
+    "JSON_TOOL_FORMAT",
+    "XML_TOOL_FORMAT",
     "ChatTemplate",
     "Delta",
     "Emitter",
@@ -42,11 +50,14 @@ __all__ = [
     "ToolChoiceError",
     "ToolPolicy",
     "finish_reason",
+    "forced_call_prefix",
     "join_deltas",
     "new_call_id",
     "normalize_messages",
     "parse_tool_block",
+    "parse_xml_tool_block",
     "render_chatml",
     "resolve_tool_choice",
     "think_open",
+    "tool_call_format",
 ]

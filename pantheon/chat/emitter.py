@@ -6,9 +6,11 @@ channels as the spec describes:
 - *reasoning*: everything before ``</think>`` when the prompt left a ``<think>`` open
   (``think_open``) or the output itself starts with ``<think>``. The markers are never emitted.
 - *content*: the rest, up to a stop string or a ``<tool_call>``.
-- *tool calls*: the JSON inside ``<tool_call>`` ... ``</tool_call>``, read when the block closes
-  (see :func:`pantheon.chat.tools.parse_tool_block`). A block that does not parse is content again,
-  written out as the model wrote it.
+- *tool calls*: the inside of ``<tool_call>`` ... ``</tool_call>``, read when the block closes, in
+  the model's format (``tool_format``): JSON (:func:`pantheon.chat.tools.parse_tool_block`) or
+  Qwen3.5's XML (:func:`pantheon.chat.xml_tools.parse_xml_tool_block`, which types the values by
+  the request's ``tools``). A block that does not parse is content again, written out as the model
+  wrote it.
 
 Stop strings (at most four) are matched on the raw text, in every channel, across piece boundaries;
 a match is never emitted, everything after it is dropped, and :attr:`Emitter.stopped` turns True so
@@ -26,11 +28,20 @@ The same text always gives the same deltas once they are joined per channel, how
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .tools import TOOL_CLOSE, TOOL_OPEN, new_call_id, parse_tool_block
+from .tools import (
+    JSON_TOOL_FORMAT,
+    TOOL_CLOSE,
+    TOOL_OPEN,
+    XML_TOOL_FORMAT,
+    ParsedToolCall,
+    new_call_id,
+    parse_tool_block,
+)
+from .xml_tools import parse_xml_tool_block
 
 __all__ = ["Delta", "Emitter", "MAX_STOP", "THINK_CLOSE", "THINK_OPEN", "finish_reason", "join_deltas"]
 
@@ -81,6 +92,9 @@ class Emitter:
     ``think_open``: the prompt already ends inside ``<think>``, so output starts as reasoning.
     ``stop``: up to :data:`MAX_STOP` stop strings (empty ones are ignored).
     ``tools_enabled``: read ``<tool_call>`` blocks (off: they are plain content).
+    ``tool_format``: what is inside a block, :data:`~pantheon.chat.tools.JSON_TOOL_FORMAT` or
+    :data:`~pantheon.chat.tools.XML_TOOL_FORMAT` (``ChatTemplate.tool_format`` says which);
+    ``tools``: the request's tool definitions, whose schemas type the XML format's values.
 
     Call :meth:`feed` with each new piece of text and :meth:`finish` at the end; both return the
     deltas that are now final. After a stop string matched, :attr:`stopped` is True, and further
@@ -94,6 +108,8 @@ class Emitter:
         stop: Iterable[str] = (),
         tools_enabled: bool = True,
         think_open: bool = False,
+        tool_format: str = JSON_TOOL_FORMAT,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ):
         stops = list(dict.fromkeys(s for s in (stop or ()) if s))
         if len(stops) > MAX_STOP:
@@ -101,6 +117,10 @@ class Emitter:
         self._stops = tuple(stops)
         self.reasoning = reasoning
         self.tools_enabled = tools_enabled
+        if tool_format not in (JSON_TOOL_FORMAT, XML_TOOL_FORMAT):
+            raise ValueError(f"unknown tool call format {tool_format!r}")
+        self.tool_format = tool_format
+        self._tools = list(tools or ())
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that matched
         self.finished = False
@@ -275,7 +295,7 @@ class Emitter:
     def _close_tool(self, *, closed: bool) -> bool:
         """Turn the finished tool block into calls; True if it was one. A block that does not parse,
         and one cut off by a stop or the end that does not parse either, is content as written."""
-        calls = parse_tool_block(self._tool_raw)
+        calls = self._parse_tool_block(self._tool_raw)
         if calls is None:
             raw = self._ws_before_tool + TOOL_OPEN + self._tool_raw + (TOOL_CLOSE if closed else "")
             self._tool_raw = self._ws_before_tool = ""
@@ -296,6 +316,11 @@ class Emitter:
             self._out.append(Delta(TOOL_CALL, index=index, arguments=call.arguments))
         self._tool_raw = self._ws_before_tool = ""
         return True
+
+    def _parse_tool_block(self, text: str) -> list[ParsedToolCall] | None:
+        if self.tool_format == XML_TOOL_FORMAT:
+            return parse_xml_tool_block(text, self._tools)
+        return parse_tool_block(text)
 
     # -------------------------------------------------------------- output
 

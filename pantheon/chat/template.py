@@ -30,6 +30,8 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .tools import tool_call_format
+
 __all__ = [
     "ChatTemplate",
     "TemplateError",
@@ -391,6 +393,12 @@ class ChatTemplate:
     @property
     def eos_token(self) -> str | None:
         return self.special_tokens.get("eos_token")
+
+    @property
+    def tool_format(self) -> str:
+        """The format the model writes tool calls in (``"json"`` or ``"xml"``), as the template
+        that renders the tools teaches it (see :func:`pantheon.chat.tools.tool_call_format`)."""
+        return tool_call_format(self.tool_use_source or self.source)
 
     @property
     def is_fallback(self) -> bool:

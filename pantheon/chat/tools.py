@@ -1,13 +1,16 @@
 """Tool calling at the text level: reading the model's ``<tool_call>`` blocks, and ``tool_choice``.
 
-Qwen, Hermes and most ChatML models write a call as::
+Qwen, Hermes and most ChatML models write a call as JSON (the default, :data:`JSON_TOOL_FORMAT`)::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-:func:`parse_tool_block` reads the JSON between the markers. :func:`resolve_tool_choice` turns a
-request's ``tools`` and ``tool_choice`` into what the template and the emitter are given.
+:func:`parse_tool_block` reads the JSON between the markers. Qwen3.5 and Qwen3-Coder write the
+inside as XML instead (:data:`XML_TOOL_FORMAT`, read by :mod:`pantheon.chat.xml_tools`);
+:func:`tool_call_format` tells the two apart from the chat template, and is the only place that
+decides it. :func:`resolve_tool_choice` turns a request's ``tools`` and ``tool_choice`` into what
+the template and the emitter are given.
 """
 
 from __future__ import annotations
@@ -20,18 +23,54 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "JSON_TOOL_FORMAT",
+    "XML_TOOL_FORMAT",
     "ParsedToolCall",
     "ToolChoiceError",
     "ToolPolicy",
+    "forced_call_prefix",
     "new_call_id",
     "parse_tool_block",
     "resolve_tool_choice",
+    "tool_call_format",
 ]
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
 
 _ALPHANUMERIC = string.ascii_letters + string.digits
+
+# What a model writes between the markers: ``{"name": ..., "arguments": {...}}`` ...
+JSON_TOOL_FORMAT = "json"
+# ... or ``<function=NAME>`` with one ``<parameter=P>`` element per argument (Qwen3.5, Qwen3-Coder).
+XML_TOOL_FORMAT = "xml"
+
+
+def tool_call_format(template_source: str | None) -> str:
+    """The tool-call format a model writes, read from the chat template that renders its tools.
+
+    A template that teaches the model ``<function=...>`` and ``<parameter=...>`` inside
+    ``<tool_call>`` (the Qwen3.5 / Qwen3-Coder templates spell the format out in the tools system
+    turn, and render past calls in it) gets :data:`XML_TOOL_FORMAT`; every other template, and the
+    ChatML fallback (None), the JSON format. All three markers must be there: some templates mention
+    ``<function=`` alone for a different syntax (Llama 3.1's custom tools).
+    """
+    src = template_source or ""
+    if all(marker in src for marker in (TOOL_OPEN, "<function=", "<parameter=")):
+        return XML_TOOL_FORMAT
+    return JSON_TOOL_FORMAT
+
+
+def forced_call_prefix(tool_format: str, name: str | None) -> str:
+    """The opening of a demanded call that the router writes into the prompt itself, so that the
+    model only fills in the rest: ``<tool_call>`` and, when one function is forced, its name in the
+    model's own format (the JSON form leaves the arguments object open)."""
+    prefix = TOOL_OPEN + "\n"
+    if name is None:
+        return prefix
+    if tool_format == XML_TOOL_FORMAT:
+        return prefix + f"<function={name}>\n"
+    return prefix + '{"name": ' + json.dumps(name) + ', "arguments": '
 
 
 def new_call_id() -> str:

@@ -34,6 +34,7 @@ from pantheon.api.openai import structured
 from pantheon.api.openai.protocol import ChatRequest
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Delta, Emitter
+from pantheon.chat.tools import JSON_TOOL_FORMAT, forced_call_prefix
 from pantheon.control.context import Prepared
 from pantheon.errors import ApiError
 from pantheon.protocol import Submit
@@ -195,15 +196,33 @@ class Generation:
         for st in self._streams:
             st.abort()
 
+    def _tool_format(self) -> str:
+        """The format of the model's tool calls (its chat template's), unless a forced call was
+        opened in the prompt in another one: the prompt's opening is written in
+        ``pantheon.control.context``, and the output must continue what it wrote."""
+        fmt = self.inst.assets.template.tool_format
+        forced = self.prep.forced
+        if forced is not None and self.prep.prefix != forced_call_prefix(fmt, forced):
+            return JSON_TOOL_FORMAT
+        return fmt
+
+    def _streams_forced_arguments(self) -> bool:
+        """A forced call whose prompt left the JSON arguments object open: ``ForcedCall`` streams
+        them as they come. (An XML call forced open goes through the emitter, fed the opening.)"""
+        return self.prep.forced is not None and self._tool_format() == JSON_TOOL_FORMAT
+
     def _emitter(self):
         req, prep, assets = self.req, self.prep, self.inst.assets
-        if prep.forced is not None:
+        if self._streams_forced_arguments():
+            assert prep.forced is not None
             return ForcedCall(prep.forced)
         return Emitter(
             reasoning=assets.reasoning,
             stop=req.stop,
             tools_enabled=req.tools_enabled,
             think_open=prep.think_open,
+            tool_format=self._tool_format(),
+            tools=req.tools,
         )
 
     def _constraint(self) -> tuple[str | None, list[int], int]:
@@ -216,7 +235,7 @@ class Generation:
             tools = req.tools
             if req.tool_choice_name is not None:
                 tools = [t for t in tools if t["function"]["name"] == req.tool_choice_name]
-            grammar = structured.tool_grammar(tools, prep.forced, prep.prefix)
+            grammar = structured.tool_grammar(tools, prep.forced, prep.prefix, self._tool_format())
             if prep.prefix:  # the call is already open in the prompt: no reasoning first
                 return grammar, [], -1
         if grammar is None or not assets.reasoning:
@@ -234,7 +253,8 @@ class Generation:
         req, prep, assets = self.req, self.prep, self.inst.assets
         emitter = self._emitter()
         detok = IncrementalDetokenizer(assets.tokenizer, prompt_ids=prep.prompt_ids, skip_special_tokens=True)
-        pending = emitter.feed(prep.prefix) if prep.prefix and prep.forced is None else []
+        # The emitter reads the call's opening that the prompt holds as if the model wrote it.
+        pending = emitter.feed(prep.prefix) if prep.prefix and isinstance(emitter, Emitter) else []
         seed = None if req.seed is None else req.seed + run.index
         grammar, after, opening = self._constraint()
         params = req.sampling(

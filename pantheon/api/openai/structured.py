@@ -9,7 +9,8 @@ What a request may constrain its output with (at most one of them):
   (a list of strings), ``guided_grammar`` (Lark, or GBNF/EBNF as llama.cpp writes it), and the
   same under ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``).
 - tools: ``tool_choice`` ``"required"`` or a named function constrain the output to a call of
-  the tools' parameter schemas in the model's ``<tool_call>`` format (:func:`tool_grammar`).
+  the tools' parameter schemas in the model's ``<tool_call>`` format (:func:`tool_grammar`): JSON,
+  or Qwen3.5's XML (``<function=NAME>`` and one ``<parameter=P>`` element per argument).
 
 JSON is written compactly, with ``", "`` and ``": "`` as separators and no other whitespace: a
 small model given free whitespace can spend its whole budget on newlines.
@@ -36,6 +37,8 @@ from typing import Any
 import llguidance as llg
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from pantheon.chat.tools import JSON_TOOL_FORMAT, XML_TOOL_FORMAT
+from pantheon.chat.xml_tools import parameter_schemas, writes_as_text
 from pantheon.errors import invalid_param
 
 MAX_GRAMMAR_BYTES = 65536  # a schema / regex / grammar longer than this is a 400
@@ -219,10 +222,15 @@ def check_tool_schemas(tools: Sequence[dict], names: Sequence[str] | None = None
             )
 
 
-def tool_grammar(tools: Sequence[dict], forced: str | None, prefix: str) -> str:
+def tool_grammar(
+    tools: Sequence[dict], forced: str | None, prefix: str, tool_format: str = JSON_TOOL_FORMAT
+) -> str:
     """The grammar of what the model writes after ``prefix`` (already in the prompt) when a
     call is demanded: ``forced`` named, only its arguments and the block's end; else one call
-    of any of ``tools``, ``<tool_call>`` markers included where the prompt has none."""
+    of any of ``tools``, ``<tool_call>`` markers included where the prompt has none.
+    ``tool_format`` is the model's (``ChatTemplate.tool_format``)."""
+    if tool_format == XML_TOOL_FORMAT:
+        return check(llg.LLMatcher.grammar_from_lark(_xml_call_lark(tools, forced, prefix)), "tools")
     if forced is not None:
         tool = next(t for t in tools if t["function"]["name"] == forced)
         schema = json.dumps(dict(_parameters(tool), **{"x-guidance": JSON_STYLE}))
@@ -243,3 +251,66 @@ def tool_grammar(tools: Sequence[dict], forced: str | None, prefix: str) -> str:
         opening = "" if prefix.endswith("<tool_call>\n") else '"<tool_call>\\n" '
         lark = f'start: {opening}call "\\n</tool_call>"\ncall: %json {json.dumps(calls)}\n'
     return check(llg.LLMatcher.grammar_from_lark(lark), "tools")
+
+
+# ---------------------------------------------------------------- tool calls in Qwen3.5's XML
+#
+# The grammar spells the markup exactly as the chat template renders a past call (a value between
+# ``<parameter=P>\n`` and ``\n</parameter>\n``, the function closed by ``</function>``), so a forced
+# call looks to the model like the calls it was trained on. Parameters come in the schema's order,
+# the required ones always, each at most once; parameter names come from the schema only, except
+# for a function that declares no properties, which may take any.
+
+# A raw-text value: anything up to the first ``</parameter>`` (lazy: the value cannot contain it,
+# which is also where the parser ends it).
+_XML_TEXT_RULES = "xml_text[lazy]: /(?s:.*)<\\/parameter>/\nXML_NAME: /[^<>\\n]+/\n"
+
+
+def _xml_value(schema: Any) -> str:
+    """The Lark expression of one parameter's value, up to and including ``</parameter>``."""
+    enum = schema.get("enum") if isinstance(schema, dict) else None
+    if writes_as_text(schema):
+        if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+            alts = " | ".join(json.dumps(v) for v in dict.fromkeys(enum))
+            return f'({alts}) "\\n</parameter>"'
+        return "xml_text"
+    # Typed values are written as JSON (the template's ``tojson`` for objects and lists), compactly.
+    return f"%json {json.dumps(dict(schema, **{'x-guidance': JSON_STYLE}))} " + '"\\n</parameter>"'
+
+
+def _xml_parameters(rule: str, tool: dict) -> tuple[str, list[str]]:
+    """``tool``'s parameter elements: the Lark expression of their sequence, and the rules it uses
+    (named ``rule`` and a number)."""
+    fn = tool["function"]
+    schemas = parameter_schemas([tool], fn["name"])
+    params = fn.get("parameters")
+    required = set(params.get("required") or []) if isinstance(params, dict) else set()
+    if not schemas:  # no properties declared: any parameter, as raw text
+        return f"{rule}*", [f'{rule}: "<parameter=" XML_NAME ">\\n" xml_text "\\n"']
+    rules, sequence = [], []
+    for i, (name, schema) in enumerate(schemas.items()):
+        if schema is False:  # a property that may not be given
+            continue
+        head = json.dumps(f"<parameter={name}>\n")
+        rules.append(f'{rule}_{i}: {head} {_xml_value(schema)} "\\n"')
+        sequence.append(f"{rule}_{i}" + ("" if name in required else "?"))
+    return " ".join(sequence), rules
+
+
+def _xml_call_lark(tools: Sequence[dict], forced: str | None, prefix: str) -> str:
+    """The Lark grammar of one demanded call in the XML format, after ``prefix``: the prompt may
+    already hold ``<tool_call>`` and even the forced ``<function=NAME>`` line."""
+    chosen = [t for t in tools if forced is None or t["function"]["name"] == forced]
+    rules, calls = [], []
+    for i, tool in enumerate(chosen):
+        sequence, param_rules = _xml_parameters(f"param{i}", tool)
+        head = json.dumps(f"<function={tool['function']['name']}>\n")
+        calls.append((head, f'{sequence} "</function>"'))
+        rules += param_rules
+    if forced is not None and prefix.endswith(f"<function={forced}>\n"):
+        start = calls[0][1]  # the call is open in the prompt: only its parameters remain
+    else:
+        start = "(" + " | ".join(f"{head} {rest}" for head, rest in calls) + ")"
+        if not prefix.endswith("<tool_call>\n"):
+            start = '"<tool_call>\\n" ' + start
+    return "\n".join([f'start: {start} "\\n</tool_call>"', *rules, _XML_TEXT_RULES])
