@@ -2,7 +2,8 @@
 
 A folder holds ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards plus
 ``model.safetensors.index.json``), ``tokenizer.json`` and ``tokenizer_config.json``, and loads as-is
-with transformers' ``AutoModelForCausalLM`` / ``AutoTokenizer``.
+with transformers' ``AutoModelForCausalLM`` / ``AutoTokenizer`` (a Qwen3.5 VLM folder also with
+``Qwen3_5ForConditionalGeneration``, as the Hub's checkpoints).
 
 Weights are seeded per tensor (the seed and the tensor's name), generated in row chunks and
 streamed straight into the safetensors file, so the same seed gives byte-identical files and a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import hashlib
 import json
 import struct
@@ -66,6 +68,139 @@ def _qwen3(**shapes) -> dict:
     )
 
 
+# ------------------------------------------------------------------------------------- Qwen3.5
+#
+# Qwen3.5 is a hybrid: three Gated DeltaNet (linear attention) layers, then one gated full-attention
+# layer (q_proj also yields a per-head output gate), repeated; RMSNorms are zero-centred (weight 0
+# is the identity: x * (1 + w)), except the DeltaNet's gated output norm (plain, weight 1). The Hub
+# checkpoints are Qwen3_5ForConditionalGeneration: a nested text_config / vision_config, weights
+# model.language_model.* (text), model.visual.* (vision tower), lm_head.weight (when untied) and
+# mtp.* (one multi-token-prediction layer, which transformers skips on load; vLLM/SGLang use it
+# for speculative decoding).
+
+# The vision markers of Qwen's tokenizer, added after ours for the Qwen3.5 presets (4000..4004), so
+# that the image/video ids of the config are real tokens (the real ids are 248053..248057).
+QWEN35_VISION_TOKENS = [
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+QWEN35_TOKEN_IDS = {**tt.TOKEN_IDS, **{t: tt.VOCAB_SIZE + i for i, t in enumerate(QWEN35_VISION_TOKENS)}}
+QWEN35_VOCAB_SIZE = tt.VOCAB_SIZE + len(QWEN35_VISION_TOKENS)  # 4005
+
+
+def _layer_types(num_layers: int, interval: int) -> list[str]:
+    """Qwen3.5's schedule: every ``interval``-th layer full attention, the others linear."""
+    return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+
+
+def _mrope_section(head_dim: int, partial_rotary_factor: float) -> list[int]:
+    """The (t, h, w) split of the rotary frequencies: 64 rotary dims -> [11, 11, 10] as Qwen's."""
+    base, extra = divmod(int(head_dim * partial_rotary_factor) // 2, 3)
+    return [base + (i < extra) for i in range(3)]
+
+
+def _qwen35_text(*, tie_word_embeddings: bool, **shapes) -> dict:
+    """A ``qwen3_5_text`` config (the text_config of a Hub checkpoint), keys sorted."""
+    interval, rotary = 4, 0.25
+    config = dict(
+        model_type="qwen3_5_text",
+        attention_bias=False,
+        attention_dropout=0.0,
+        attn_output_gate=True,
+        full_attention_interval=interval,
+        hidden_act="silu",
+        initializer_range=0.02,
+        layer_types=_layer_types(shapes["num_hidden_layers"], interval),
+        linear_conv_kernel_dim=4,
+        mamba_ssm_dtype="float32",
+        mtp_num_hidden_layers=1,
+        mtp_use_dedicated_embeddings=False,
+        pad_token_id=None,
+        partial_rotary_factor=rotary,
+        rms_norm_eps=1e-6,
+        rope_parameters=dict(
+            mrope_interleaved=True,
+            mrope_section=_mrope_section(shapes["head_dim"], rotary),
+            partial_rotary_factor=rotary,
+            rope_theta=10000000,
+            rope_type="default",
+        ),
+        tie_word_embeddings=tie_word_embeddings,
+        use_cache=True,
+        **_IDS,
+        **shapes,
+    )
+    return dict(sorted(config.items()))
+
+
+def _qwen35_vision(**shapes) -> dict:
+    config = dict(
+        model_type="qwen3_5_vision",
+        deepstack_visual_indexes=[],
+        hidden_act="gelu_pytorch_tanh",
+        in_channels=3,
+        initializer_range=0.02,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        **shapes,
+    )
+    return dict(sorted(config.items()))
+
+
+def _qwen35_vlm(text: dict, vision: dict) -> dict:
+    """A Qwen3_5ForConditionalGeneration config, laid out as the Hub's."""
+    return dict(
+        architectures=["Qwen3_5ForConditionalGeneration"],
+        model_type="qwen3_5",
+        image_token_id=QWEN35_TOKEN_IDS["<|image_pad|>"],
+        language_model_only=False,
+        text_config=text,
+        tie_word_embeddings=text["tie_word_embeddings"],
+        torch_dtype="bfloat16",
+        video_token_id=QWEN35_TOKEN_IDS["<|video_pad|>"],
+        vision_config=vision,
+        vision_end_token_id=QWEN35_TOKEN_IDS["<|vision_end|>"],
+        vision_start_token_id=QWEN35_TOKEN_IDS["<|vision_start|>"],
+    )
+
+
+_TINY_QWEN35_TEXT = _qwen35_text(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,  # linear, linear, linear, full
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,  # rotary dim 4 (partial_rotary_factor 0.25): mrope_section [1, 1, 0]
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    vocab_size=_TINY_VOCAB,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,  # as Qwen3.5-0.8B
+)
+# Qwen3.5-0.8B's text_config (Qwen/Qwen3.5-0.8B config.json).
+_QWEN35_08B_TEXT = _qwen35_text(
+    hidden_size=1024,
+    intermediate_size=3584,
+    num_hidden_layers=24,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    vocab_size=248320,
+    max_position_embeddings=262144,
+    tie_word_embeddings=True,
+)
+
+
 PRESETS: dict[str, dict] = {
     # Qwen3 architecture: per-head RMSNorm on q and k, no biases, tied embeddings.
     "tiny": _qwen3(**_TINY_SHAPES),
@@ -106,11 +241,46 @@ PRESETS: dict[str, dict] = {
         vocab_size=151936,
         max_position_embeddings=40960,
     ),
+    # Qwen3.5 as the Hub ships it (Qwen3_5ForConditionalGeneration), tiny: 3 DeltaNet layers + 1
+    # full attention, a 2-block vision tower, one MTP layer, tied embeddings.
+    "tiny-qwen3.5": _qwen35_vlm(
+        _TINY_QWEN35_TEXT,
+        _qwen35_vision(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            num_position_embeddings=64,  # an 8 x 8 grid of learned positions
+            out_hidden_size=_TINY_QWEN35_TEXT["hidden_size"],
+        ),
+    ),
+    # The same text model as a text-only checkpoint (Qwen3_5ForCausalLM: flat config, model.*).
+    "tiny-qwen3.5-text": dict(
+        architectures=["Qwen3_5ForCausalLM"], torch_dtype="bfloat16", **_TINY_QWEN35_TEXT
+    ),
+    # Exactly Qwen3.5-0.8B's shapes, vision tower included (tokenizer ours: ids < 4005 only).
+    "qwen3.5-0.8b": _qwen35_vlm(
+        _QWEN35_08B_TEXT,
+        _qwen35_vision(
+            depth=12,
+            hidden_size=768,
+            intermediate_size=3072,
+            num_heads=12,
+            num_position_embeddings=2304,
+            out_hidden_size=_QWEN35_08B_TEXT["hidden_size"],
+        ),
+    ),
 }
 
 # Std of the random multiplicative jitter on RMSNorm weights (1 + jitter * N(0, 1)): on for the
 # tiny presets so that a wrong norm implementation shows up in tests; plain ones otherwise.
-_NORM_JITTER = {"tiny": 0.1, "tiny-llama": 0.1, "tiny-qwen2": 0.1}
+_NORM_JITTER = {
+    "tiny": 0.1,
+    "tiny-llama": 0.1,
+    "tiny-qwen2": 0.1,
+    "tiny-qwen3.5": 0.1,
+    "tiny-qwen3.5-text": 0.1,
+}
 _STD = 0.02  # linears, embeddings and biases
 
 _DTYPES = {  # accepted spelling -> (config name, safetensors name, bytes per element)
@@ -129,12 +299,21 @@ GENERATION_DEFAULTS = dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95
 # --------------------------------------------------------------------------------------- tensors
 
 
+def text_config(config: dict) -> dict:
+    """The text model's part of a config: its ``text_config`` if nested (Qwen3.5 VLM), else itself."""
+    return config.get("text_config", config)
+
+
 def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """``(name, shape, kind)`` of every tensor a config needs, in file order, HF names.
 
-    ``kind`` is ``"normal"`` (std 0.02: linears, biases), ``"embed"`` (std 0.02 for the tokenizer's
-    ids, zero rows for the padding ids past it) or ``"norm"`` (RMSNorm weight).
+    ``kind`` is ``"normal"`` (std 0.02: linears, convolutions, biases), ``"embed"`` (std 0.02 for
+    the tokenizer's ids, zero rows for the padding ids past it), ``"norm"`` (a norm weight applied
+    as ``x * w``: ones), ``"norm0"`` (a zero-centred norm weight, ``x * (1 + w)``, or a LayerNorm
+    bias: zeros) or ``"A_log"`` (a DeltaNet's decay: log of uniform(0.01, 16), as transformers').
     """
+    if config["model_type"] in ("qwen3_5", "qwen3_5_text"):
+        return _qwen35_specs(config)
     arch = config["model_type"]
     h, inner = config["hidden_size"], config["intermediate_size"]
     nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -182,6 +361,121 @@ def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     return specs
 
 
+def _qwen35_decoder_layer(t: dict, layer_type: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """One Qwen3.5 decoder layer (names relative to the layer)."""
+    h, inner = t["hidden_size"], t["intermediate_size"]
+    if layer_type == "linear_attention":  # Gated DeltaNet
+        nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
+        dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
+        conv_dim = 2 * nk * dk + nv * dv  # q, k, v channels, convolved depthwise
+        mixer = [
+            ("linear_attn.A_log", (nv,), "A_log"),
+            ("linear_attn.conv1d.weight", (conv_dim, 1, t["linear_conv_kernel_dim"]), "normal"),
+            ("linear_attn.dt_bias", (nv,), "norm"),  # ones, as transformers initialises it
+            ("linear_attn.in_proj_a.weight", (nv, h), "normal"),
+            ("linear_attn.in_proj_b.weight", (nv, h), "normal"),
+            ("linear_attn.in_proj_qkv.weight", (conv_dim, h), "normal"),
+            ("linear_attn.in_proj_z.weight", (nv * dv, h), "normal"),
+            ("linear_attn.norm.weight", (dv,), "norm"),  # the gated RMSNorm: plain weight
+            ("linear_attn.out_proj.weight", (h, nv * dv), "normal"),
+        ]
+    elif layer_type == "full_attention":
+        nq, nkv, hd = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+        mixer = [
+            ("self_attn.k_norm.weight", (hd,), "norm0"),
+            ("self_attn.k_proj.weight", (nkv * hd, h), "normal"),
+            ("self_attn.o_proj.weight", (h, nq * hd), "normal"),
+            ("self_attn.q_norm.weight", (hd,), "norm0"),
+            ("self_attn.q_proj.weight", (nq * hd * 2, h), "normal"),  # per head: query, then gate
+            ("self_attn.v_proj.weight", (nkv * hd, h), "normal"),
+        ]
+    else:
+        raise ValueError(f"unknown Qwen3.5 layer type {layer_type!r}")
+    return [
+        ("input_layernorm.weight", (h,), "norm0"),
+        *mixer,
+        ("mlp.down_proj.weight", (h, inner), "normal"),
+        ("mlp.gate_proj.weight", (inner, h), "normal"),
+        ("mlp.up_proj.weight", (inner, h), "normal"),
+        ("post_attention_layernorm.weight", (h,), "norm0"),
+    ]
+
+
+def _qwen35_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """Qwen3.5 tensors under the Hub's names: text, then vision tower (VLM only), then MTP."""
+    t = text_config(config)
+    vlm = "text_config" in config
+    lm = "model.language_model." if vlm else "model."
+    h, vocab = t["hidden_size"], t["vocab_size"]
+    if len(t["layer_types"]) != t["num_hidden_layers"]:
+        raise ValueError(
+            f"layer_types has {len(t['layer_types'])} entries for {t['num_hidden_layers']} layers"
+        )
+
+    specs = [(lm + "embed_tokens.weight", (vocab, h), "embed")]
+    for i, layer_type in enumerate(t["layer_types"]):
+        specs += [(f"{lm}layers.{i}.{n}", s, k) for n, s, k in _qwen35_decoder_layer(t, layer_type)]
+    specs.append((lm + "norm.weight", (h,), "norm0"))
+    if not config.get("tie_word_embeddings"):
+        specs.append(("lm_head.weight", (vocab, h), "embed"))
+
+    if vlm:
+        v = config["vision_config"]
+        vh, vi, c = v["hidden_size"], v["intermediate_size"], v["in_channels"]
+        merged = vh * v["spatial_merge_size"] ** 2
+        p = "model.visual."
+        specs += [
+            (
+                p + "patch_embed.proj.weight",
+                (vh, c, v["temporal_patch_size"], v["patch_size"], v["patch_size"]),
+                "normal",
+            ),
+            (p + "patch_embed.proj.bias", (vh,), "normal"),
+            (p + "pos_embed.weight", (v["num_position_embeddings"], vh), "normal"),
+        ]
+        for i in range(v["depth"]):
+            specs += [
+                (f"{p}blocks.{i}.{n}", s, k)
+                for n, s, k in [
+                    ("attn.proj.bias", (vh,), "normal"),
+                    ("attn.proj.weight", (vh, vh), "normal"),
+                    ("attn.qkv.bias", (3 * vh,), "normal"),
+                    ("attn.qkv.weight", (3 * vh, vh), "normal"),
+                    ("mlp.linear_fc1.bias", (vi,), "normal"),
+                    ("mlp.linear_fc1.weight", (vi, vh), "normal"),
+                    ("mlp.linear_fc2.bias", (vh,), "normal"),
+                    ("mlp.linear_fc2.weight", (vh, vi), "normal"),
+                    ("norm1.bias", (vh,), "norm0"),
+                    ("norm1.weight", (vh,), "norm"),
+                    ("norm2.bias", (vh,), "norm0"),
+                    ("norm2.weight", (vh,), "norm"),
+                ]
+            ]
+        specs += [
+            (p + "merger.linear_fc1.bias", (merged,), "normal"),
+            (p + "merger.linear_fc1.weight", (merged, merged), "normal"),
+            (p + "merger.linear_fc2.bias", (v["out_hidden_size"],), "normal"),
+            (p + "merger.linear_fc2.weight", (v["out_hidden_size"], merged), "normal"),
+            (p + "merger.norm.bias", (vh,), "norm0"),
+            (p + "merger.norm.weight", (vh,), "norm"),
+        ]
+
+    # Multi-token prediction: norm the next token's embedding and the last hidden state, project
+    # their concatenation back to h (fc), run full-attention layers, final norm; shares the
+    # embeddings and lm_head with the main model.
+    n_mtp = t.get("mtp_num_hidden_layers") or 0
+    if n_mtp:
+        specs.append(("mtp.fc.weight", (h, 2 * h), "normal"))
+        for i in range(n_mtp):
+            specs += [(f"mtp.layers.{i}.{n}", s, k) for n, s, k in _qwen35_decoder_layer(t, "full_attention")]
+        specs += [
+            ("mtp.norm.weight", (h,), "norm0"),
+            ("mtp.pre_fc_norm_embedding.weight", (h,), "norm0"),
+            ("mtp.pre_fc_norm_hidden.weight", (h,), "norm0"),
+        ]
+    return specs
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -190,11 +484,19 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _tensor_seed(seed: int, name: str) -> int:
-    """A 63-bit seed from (seed, tensor name): a tensor's values do not depend on file order."""
+    """A 63-bit seed from (seed, tensor name): a tensor's values do not depend on file order.
+
+    A VLM's text tensors are seeded under their text-only names (``model.language_model.X`` as
+    ``model.X``): tiny-qwen3.5 and tiny-qwen3.5-text hold the same text model.
+    """
+    if name.startswith("model.language_model."):
+        name = "model." + name[len("model.language_model.") :]
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
 
 
-def _tensor_chunks(name, shape, kind, *, seed, jitter, torch_dtype, chunk_elems=1 << 22):
+def _tensor_chunks(
+    name, shape, kind, *, seed, jitter, torch_dtype, real_vocab=tt.VOCAB_SIZE, chunk_elems=1 << 22
+):
     """Yield the tensor's bytes (little-endian, row-major) in chunks of whole rows."""
     import torch
 
@@ -203,16 +505,18 @@ def _tensor_chunks(name, shape, kind, *, seed, jitter, torch_dtype, chunk_elems=
     step = max(1, chunk_elems // row)
     for start in range(0, rows, step):
         n = min(step, rows - start)
-        if kind == "norm":
-            x = torch.ones(n * row)
+        if kind in ("norm", "norm0"):  # centred on 1 (x * w) or on 0 (x * (1 + w), biases)
+            x = torch.ones(n * row) if kind == "norm" else torch.zeros(n * row)
             if jitter:
                 x.add_(torch.randn(n * row, generator=gen), alpha=jitter)
+        elif kind == "A_log":
+            x = torch.empty(n * row).uniform_(0.01, 16.0, generator=gen).log_()
         else:
             x = torch.randn(n * row, generator=gen).mul_(_STD)
-            if kind == "embed" and start + n > tt.VOCAB_SIZE:
+            if kind == "embed" and start + n > real_vocab:
                 # Padding rows past the tokenizer are zero, like untrained rows of a real
                 # checkpoint: their logits sit at 0, so greedy decoding picks real tokens.
-                x.view(n, row)[max(0, tt.VOCAB_SIZE - start) :] = 0
+                x.view(n, row)[max(0, real_vocab - start) :] = 0
         x = x.to(torch_dtype)
         yield x.view(torch.uint8).numpy()  # raw bytes; numpy has no bfloat16
 
@@ -253,9 +557,19 @@ def _shard(specs, itemsize: int, shard_bytes: int | None) -> list[list]:
 
 
 def write_weights(
-    out: Path, config: dict, *, seed: int, jitter: float, shard_bytes: int | None = None
+    out: Path,
+    config: dict,
+    *,
+    seed: int,
+    jitter: float,
+    shard_bytes: int | None = None,
+    real_vocab: int = tt.VOCAB_SIZE,
 ) -> list[Path]:
-    """Write the random weights for ``config`` into ``out``; return the safetensors paths."""
+    """Write the random weights for ``config`` into ``out``; return the safetensors paths.
+
+    Embedding (and lm_head) rows from ``real_vocab`` on, the ids the tokenizer never produces, are
+    zero.
+    """
     import torch
 
     dtype_name, st_dtype, itemsize = _DTYPES[config["torch_dtype"]]
@@ -264,7 +578,9 @@ def write_weights(
         stale.unlink(missing_ok=True)
 
     def chunks_of(name, shape, kind):
-        return _tensor_chunks(name, shape, kind, seed=seed, jitter=jitter, torch_dtype=torch_dtype)
+        return _tensor_chunks(
+            name, shape, kind, seed=seed, jitter=jitter, torch_dtype=torch_dtype, real_vocab=real_vocab
+        )
 
     shards = _shard(tensor_specs(config), itemsize, shard_bytes)
     if len(shards) == 1:
@@ -282,11 +598,197 @@ def write_weights(
     return paths
 
 
+# --------------------------------------------------------------------------- Qwen3.5 tokenizer
+
+# Qwen3.5's chat format, our own shorter text: ChatML; thinking on unless enable_thinking is false
+# (the generation prompt then opens "<think>\n"); reasoning shown for the assistant turns after the
+# last user turn, taken from reasoning_content or from a "<think>...</think>" prefix of the
+# content; tools listed as JSON in the system turn, calls written as XML
+# (<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>, one call per
+# tool_call block, non-string values as JSON); tool results as <tool_response> blocks in one user
+# turn; image / video parts as vision placeholders. Every tag uses '-' whitespace control, so the
+# output does not depend on trim_blocks / lstrip_blocks.
+QWEN35_CHAT_TEMPLATE = """\
+{%- macro render(content) -%}
+  {%- if content is string -%}{{- content -}}
+  {%- elif content is iterable and content is not mapping -%}
+    {%- for part in content -%}
+      {%- if part.type == 'image' or 'image' in part or 'image_url' in part -%}
+        {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+      {%- elif part.type == 'video' or 'video' in part -%}
+        {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+      {%- elif 'text' in part -%}{{- part.text -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+{%- set msgs = messages -%}
+{%- set system = '' -%}
+{%- if messages and messages[0].role == 'system' -%}
+  {%- set system = render(messages[0].content) | trim -%}
+  {%- set msgs = messages[1:] -%}
+{%- endif -%}
+{%- if tools -%}
+  {{- '<|im_start|>system\\n# Tools\\n\\nYou have these functions:\\n\\n<tools>' -}}
+  {%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}
+  {{- '\\n</tools>\\n\\nTo call functions, end your reply with one block per call, in this format:\\n\\n'
+      '<tool_call>\\n<function=FUNCTION_NAME>\\n<parameter=PARAMETER_NAME>\\nvalue\\n</parameter>\\n'
+      '</function>\\n</tool_call>\\n\\nGive every required parameter; reason before the calls, never '
+      'after them. Without a fitting function, answer normally.' -}}
+  {%- if system -%}{{- '\\n\\n' + system -}}{%- endif -%}
+  {{- '<|im_end|>\\n' -}}
+{%- elif messages and messages[0].role == 'system' -%}
+  {{- '<|im_start|>system\\n' + system + '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in msgs -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- for m in msgs -%}
+  {%- if m.role == 'user' or m.role == 'system' -%}
+    {{- '<|im_start|>' + m.role + '\\n' + render(m.content) + '<|im_end|>\\n' -}}
+  {%- elif m.role == 'assistant' -%}
+    {%- set content = render(m.content) -%}
+    {%- set reasoning = m.reasoning_content if m.reasoning_content is string else '' -%}
+    {%- if '</think>' in content -%}
+      {%- if not reasoning -%}{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}{%- endif -%}
+      {%- set content = content.split('</think>')[-1].lstrip('\\n') -%}
+    {%- endif -%}
+    {{- '<|im_start|>assistant\\n' -}}
+    {%- if loop.index0 > ns.last_user -%}
+      {{- '<think>\\n' + (reasoning | trim) + '\\n</think>\\n\\n' -}}
+    {%- endif -%}
+    {{- content -}}
+    {%- for call in m.tool_calls or [] -%}
+      {%- set f = call.function if call.function is defined else call -%}
+      {%- if not loop.first -%}{{- '\\n' -}}{%- elif content | trim -%}{{- '\\n\\n' -}}{%- endif -%}
+      {{- '<tool_call>\\n<function=' + f.name + '>\\n' -}}
+      {%- if f.arguments is mapping -%}
+        {%- for name, value in f.arguments.items() -%}
+          {{- '<parameter=' + name + '>\\n' + (value if value is string else value | tojson) + '\\n</parameter>\\n' -}}
+        {%- endfor -%}
+      {%- elif f.arguments -%}
+        {{- f.arguments + '\\n' -}}
+      {%- endif -%}
+      {{- '</function>\\n</tool_call>' -}}
+    {%- endfor -%}
+    {{- '<|im_end|>\\n' -}}
+  {%- elif m.role == 'tool' -%}
+    {%- if loop.first or msgs[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+    {{- '\\n<tool_response>\\n' + render(m.content) + '\\n</tool_response>' -}}
+    {%- if loop.last or msgs[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant\\n' -}}
+  {%- if enable_thinking is defined and enable_thinking is false -%}
+    {{- '<think>\\n\\n</think>\\n\\n' -}}
+  {%- else -%}
+    {{- '<think>\\n' -}}
+  {%- endif -%}
+{%- endif -%}
+"""
+
+
+def _is_qwen35(config: dict) -> bool:
+    return config["model_type"] in ("qwen3_5", "qwen3_5_text")
+
+
+@functools.lru_cache(maxsize=1)
+def qwen35_tokenizer_json() -> str:
+    """Our trained tokenizer plus Qwen's vision markers (special, ids 4000..4004)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_str(tt.tokenizer_json())
+    for content in QWEN35_VISION_TOKENS:  # one by one: ids in list order
+        tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
+    ids = {t: tok.token_to_id(t) for t in QWEN35_TOKEN_IDS}
+    if ids != QWEN35_TOKEN_IDS:
+        raise RuntimeError(f"added token ids {ids} differ from {QWEN35_TOKEN_IDS}")
+    return tok.to_str(pretty=True)
+
+
+def qwen35_tokenizer_config(model_max_length: int) -> dict:
+    """``tokenizer_config.json`` of the Qwen3.5 presets: the vision markers, Qwen3.5's template."""
+    config = tt.tokenizer_config(model_max_length)
+    for content in QWEN35_VISION_TOKENS:
+        config["added_tokens_decoder"][str(QWEN35_TOKEN_IDS[content])] = {
+            "content": content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+    config["chat_template"] = QWEN35_CHAT_TEMPLATE
+    return config
+
+
 # ------------------------------------------------------------------------------------ the folder
 
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _apply_overrides(config: dict, overrides: dict) -> None:
+    """Apply config overrides in place.
+
+    A flat config takes them as they are. A nested one (Qwen3.5 VLM) sends a key of its
+    ``text_config`` there (``tie_word_embeddings`` to both levels), merges a dict given for
+    ``text_config`` / ``vision_config`` into that sub-config, and puts anything else at the top.
+    For Qwen3.5, what depends on an overridden shape follows it unless given too: ``layer_types``
+    (from ``num_hidden_layers`` and ``full_attention_interval``), the rope's ``mrope_section`` (from
+    ``head_dim``) and the vision tower's ``out_hidden_size`` (from ``hidden_size``).
+    """
+    overrides = copy.deepcopy(overrides)
+    text = text_config(config)
+    nested = text is not config
+    given: set[str] = set()
+    for key, value in overrides.items():
+        if nested and key in ("text_config", "vision_config") and isinstance(value, dict):
+            config[key].update(value)
+            given |= set(value) if key == "text_config" else {f"vision.{k}" for k in value}
+            if key == "text_config" and "tie_word_embeddings" in value:
+                config["tie_word_embeddings"] = value["tie_word_embeddings"]
+        elif nested and key in text and key != "model_type":
+            text[key] = value
+            if key in config:
+                config[key] = value
+            given.add(key)
+        else:
+            config[key] = value
+            given.add(key)
+    if not _is_qwen35(config):
+        return
+    shapes = ("num_hidden_layers", "full_attention_interval")
+    if given & set(shapes) and "layer_types" not in given:
+        text["layer_types"] = _layer_types(text["num_hidden_layers"], text["full_attention_interval"])
+    if given & {"head_dim", "partial_rotary_factor"} and "rope_parameters" not in given:
+        rope = text["rope_parameters"]
+        rope["partial_rotary_factor"] = text["partial_rotary_factor"]
+        rope["mrope_section"] = _mrope_section(text["head_dim"], text["partial_rotary_factor"])
+    if nested and "hidden_size" in given and "vision.out_hidden_size" not in given:
+        config["vision_config"]["out_hidden_size"] = text["hidden_size"]
+
+
+def build_config(preset: str, *, dtype: str | None = None, **config_overrides) -> dict:
+    """The HF ``config.json`` contents ``make_model`` writes for a preset (see there)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    config = copy.deepcopy(PRESETS[preset])
+    _apply_overrides(config, config_overrides)
+    if dtype is not None:
+        config["torch_dtype"] = dtype
+    if config["torch_dtype"] not in _DTYPES:
+        raise ValueError(f"unsupported dtype {config['torch_dtype']!r}; use bfloat16, float16 or float32")
+    config["torch_dtype"] = _DTYPES[config["torch_dtype"]][0]
+    config["dtype"] = config["torch_dtype"]  # transformers 5 spelling; 4.x reads torch_dtype
+    if "text_config" in config:  # where the Hub's Qwen3.5 configs keep it
+        config["text_config"] = dict(sorted({**config["text_config"], "dtype": config["dtype"]}.items()))
+    text = text_config(config)
+    vocab = QWEN35_VOCAB_SIZE if _is_qwen35(config) else tt.VOCAB_SIZE
+    if text["vocab_size"] < vocab:
+        raise ValueError(f"vocab_size {text['vocab_size']} < tokenizer size {vocab}")
+    return dict(sorted(config.items()))
 
 
 def make_model(
@@ -304,34 +806,37 @@ def make_model(
     replaces the preset's. ``shard_bytes`` splits the weights into ``model-0000i-of-0000n``
     shards of at most that many bytes, with ``model.safetensors.index.json``.
     ``config_overrides`` replace (or add) keys of the preset's HF config, e.g.
-    ``num_hidden_layers=3``, ``tie_word_embeddings=False``, ``rope_scaling={...}``.
+    ``num_hidden_layers=3``, ``tie_word_embeddings=False``, ``rope_scaling={...}``; for a nested
+    (Qwen3.5 VLM) config see ``_apply_overrides``.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
-    config = copy.deepcopy(PRESETS[preset])
-    config.update(copy.deepcopy(config_overrides))
-    if dtype is not None:
-        config["torch_dtype"] = dtype
-    if config["torch_dtype"] not in _DTYPES:
-        raise ValueError(f"unsupported dtype {config['torch_dtype']!r}; use bfloat16, float16 or float32")
-    config["torch_dtype"] = _DTYPES[config["torch_dtype"]][0]
-    config["dtype"] = config["torch_dtype"]  # transformers 5 spelling; 4.x reads torch_dtype
-    if config["vocab_size"] < tt.VOCAB_SIZE:
-        raise ValueError(f"vocab_size {config['vocab_size']} < tokenizer size {tt.VOCAB_SIZE}")
+    config = build_config(preset, dtype=dtype, **config_overrides)
+    text = text_config(config)
+    qwen35 = _is_qwen35(config)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "config.json", dict(sorted(config.items())))
+    _write_json(out / "config.json", config)
     endoftext = tt.TOKEN_IDS["<|endoftext|>"]
     generation = dict(
-        bos_token_id=config["bos_token_id"],
-        eos_token_id=[config["eos_token_id"], endoftext],
+        bos_token_id=text["bos_token_id"],
+        eos_token_id=[text["eos_token_id"], endoftext],
         pad_token_id=endoftext,
         **GENERATION_DEFAULTS,
     )
     _write_json(out / "generation_config.json", generation)
-    tt.write_tokenizer(out, model_max_length=config["max_position_embeddings"])
-    write_weights(out, config, seed=seed, jitter=_NORM_JITTER.get(preset, 0.0), shard_bytes=shard_bytes)
+    if qwen35:
+        (out / "tokenizer.json").write_text(qwen35_tokenizer_json(), encoding="utf-8")
+        _write_json(out / "tokenizer_config.json", qwen35_tokenizer_config(text["max_position_embeddings"]))
+    else:
+        tt.write_tokenizer(out, model_max_length=text["max_position_embeddings"])
+    write_weights(
+        out,
+        config,
+        seed=seed,
+        jitter=_NORM_JITTER.get(preset, 0.0),
+        shard_bytes=shard_bytes,
+        real_vocab=QWEN35_VOCAB_SIZE if qwen35 else tt.VOCAB_SIZE,
+    )
     return out
 
 
@@ -341,9 +846,10 @@ def make_model(
 def _describe(name: str, config: dict) -> str:
     params = sum(_numel(shape) for _, shape, _ in tensor_specs(config))
     size = params * _DTYPES[config["torch_dtype"]][2]
+    text = text_config(config)
     return (
-        f"{name:<12} {config['architectures'][0]:<18} layers={config['num_hidden_layers']:<3} "
-        f"hidden={config['hidden_size']:<5} vocab={config['vocab_size']:<7} "
+        f"{name:<17} {config['architectures'][0]:<31} layers={text['num_hidden_layers']:<3} "
+        f"hidden={text['hidden_size']:<5} vocab={text['vocab_size']:<7} "
         f"params={params / 1e6:.2f}M  {config['torch_dtype']} ~{size / 2**20:.1f} MiB"
     )
 
