@@ -1,0 +1,1 @@
+"""Model-layer building blocks as plain torch functions (no nn.Module state)."""
