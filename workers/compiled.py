@@ -23,7 +23,9 @@ import os
 
 import torch
 
-from workers.model import AttnBatch, CausalLM
+from workers.cache import LayerCache
+from workers.layers.attention import StepBatch
+from workers.models.base import DecoderLM
 
 log = logging.getLogger("pantheon.worker")
 
@@ -35,15 +37,15 @@ def wanted() -> bool:
 class CompiledDecode:
     """``fn(input_ids, batch) -> fp32 logits [B, vocab]`` for pure decode batches."""
 
-    def __init__(self, model: CausalLM, kv: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.model, self.kv = model, kv
+    def __init__(self, model: DecoderLM, caches: list[LayerCache]):
+        self.model, self.caches = model, caches
         self.device = model.embed_tokens.weight.device
         self.error: str | None = None
         self.ready = False
 
         def step(ids, rot_cos, rot_sin, slots, gather, bias):
-            b = AttnBatch(rot_cos, rot_sin, slots, ids.shape[0], gather, bias, [])
-            return model.logits(model(ids, {self.device: b}, kv))
+            b = StepBatch(rot_cos, rot_sin, slots, ids.shape[0], gather, bias, [])
+            return model.logits(model(ids, {self.device: b}, caches))
 
         self._fn = torch.compile(step, dynamic=True)
         self.fallbacks = 0  # calls that would have recompiled and ran eager instead
@@ -66,7 +68,7 @@ class CompiledDecode:
                     slots = torch.tensor(gather[:, -1].tolist(), device=self.device)
                     self._call(
                         torch.zeros(bsz, dtype=torch.long, device=self.device),
-                        AttnBatch(cos, sin, slots, bsz, gather, None, []),
+                        StepBatch(cos, sin, slots, bsz, gather, None, []),
                     )
         except Exception as e:  # noqa: BLE001 - any compile failure means: stay eager
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
@@ -75,7 +77,7 @@ class CompiledDecode:
         self.ready = True
         return True
 
-    def _call(self, input_ids: torch.Tensor, b: AttnBatch) -> torch.Tensor:
+    def _call(self, input_ids: torch.Tensor, b: StepBatch) -> torch.Tensor:
         assert b.decode_gather is not None  # a decode batch has its gather
         bias = b.decode_bias
         if input_ids.shape[0] > 1 and bias is None:  # one graph for every batch >= 2
@@ -94,7 +96,7 @@ class CompiledDecode:
             g = g.flatten().clone().view(g.shape)
         return self._fn(input_ids, b.rot_cos, b.rot_sin, b.slot_mapping, g, bias)
 
-    def __call__(self, input_ids: torch.Tensor, b: AttnBatch) -> torch.Tensor | None:
+    def __call__(self, input_ids: torch.Tensor, b: StepBatch) -> torch.Tensor | None:
         """The step's logits, or None when these inputs would need a new graph: compiling
         takes seconds to minutes, which a serving worker must never spend inside a step, so
         the caller runs that step eager instead."""

@@ -29,11 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pantheon.models.description import ModelDescription
 from pantheon.models.sizing import CPU_PATHS, cpu_path_names
 from workers.cpu_pack import PackedLinear
 
 if TYPE_CHECKING:
-    from workers.model import CausalLM
+    from workers.models.base import DecoderLM
 from workers.errors import LoadError
 from workers.quant import Int4Linear, Int8Linear, int4_fits
 
@@ -147,17 +148,14 @@ def candidates(
     return names
 
 
-def linear_shapes(cfg) -> list[tuple[int, int, int]]:
-    """(N, K, how many) of the model's linear layers, the LM head last."""
-    h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
-    n = cfg.num_layers
-    return [
-        (q + 2 * kv, h, n),
-        (h, q, n),
-        (2 * cfg.intermediate_size, h, n),
-        (h, cfg.intermediate_size, n),
-        (cfg.vocab_size, h, 1),
-    ]
+def linear_shapes(cfg: ModelDescription) -> list[tuple[int, int, int]]:
+    """(N, K, how many) of the model's linear layers (its description's, as the engine fuses
+    them), the LM head last."""
+    counts: dict[tuple[int, int], int] = {}
+    for spec in cfg.layers:
+        for nk in spec.linears:
+            counts[nk] = counts.get(nk, 0) + 1
+    return [(n, k, c) for (n, k), c in counts.items()] + [(cfg.vocab_size, cfg.hidden_size, 1)]
 
 
 class _Bench:
@@ -190,7 +188,7 @@ class Choice:
     timings: dict[str, tuple[float, float]]  # path -> (seconds at 1 row, at 8 rows) per step
 
 
-def choose(cfg, names: list[str], rounds: int = 5, margin: float = 0.1) -> Choice:
+def choose(cfg: ModelDescription, names: list[str], rounds: int = 5, margin: float = 0.1) -> Choice:
     """The candidate whose worse ratio to the fastest (at 1 row and at 8 rows) is smallest.
 
     The candidates are timed in turns, ``rounds`` times each, keeping each one's best: a burst
@@ -238,7 +236,7 @@ def head_spec(spec: PathSpec) -> PathSpec:
     return PATHS["int8"] if spec.layout == "int4" else spec
 
 
-def apply(model: CausalLM, name: str) -> None:
+def apply(model: DecoderLM, name: str) -> None:
     """Lay a loaded model (in the path's dtype) out for path ``name``, in place.
 
     packed / int8 / int4: every decoder linear laid out so, and the LM head too (``head_spec``):

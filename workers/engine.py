@@ -20,12 +20,13 @@ import torch
 from pantheon.protocol import InstanceStats, SamplingParams, SlotInfo, TokenOut
 from workers import cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
+from workers.cache import kv_block_bytes
 from workers.compiled import wanted as compiled_wanted
 from workers.errors import LoadError, RequestRejected
 from workers.grammar import Constraint, Grammars, apply_masks
 from workers.loader import load_model, resolve_dtype
 from workers.model_config import load_config
-from workers.runner import ModelRunner, kv_block_bytes
+from workers.runner import ModelRunner
 from workers.sampler import SamplerState, sample
 from workers.scheduler import Scheduler, Sequence, StepPlan
 from workers.step_budget import DEFAULT_TARGET_S, StepBudget
@@ -91,18 +92,19 @@ class Engine:
         self.dtype = dt
         self.devices = [torch.device(d) for d in devices]
         self.num_slots = num_slots
-        limit = cfg.max_position_embeddings
-        if cfg.rope.type == "dynamic":
-            limit = int(limit * cfg.rope.scaling["factor"])  # dynamic NTK stretches past the trained length
+        limit = cfg.context_limit  # dynamic NTK stretches past the trained length
         self.max_model_len = min(max_model_len or limit, limit)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = list(cfg.eos_token_ids)
-        self.blocks = BlockManager(num_blocks, block_size, enable_cache=prefix_cache)
+        # A recurrent layer's state cannot be rebuilt from cached KV blocks: until its states are
+        # checkpointed at block boundaries, a model with such layers runs without the prefix cache.
+        self.prefix_cache = prefix_cache and not cfg.recurrent_layers
+        self.blocks = BlockManager(num_blocks, block_size, enable_cache=self.prefix_cache)
         self.scheduler = Scheduler(self.blocks, num_slots, prefill_chunk, self.max_model_len)
         # Prefill per step: at most prefill_chunk, fewer when measured steps would outgrow the
         # target (a slow CPU, a big model), so decoding streams keep flowing past long prompts.
         self.budget = StepBudget(target_s=step_target_s, ceiling=prefill_chunk)
-        self.runner: ModelRunner = ModelRunner(self.model, cfg, self.blocks, dt)
+        self.runner: ModelRunner = ModelRunner(self.model, cfg, self.blocks, dt, num_slots)
         # Opt-in (PANTHEON_COMPILE=1): minutes of compile at load for faster decode steps
         self.compile_error: str | None = None
         if compile_decode if compile_decode is not None else compiled_wanted():
@@ -115,6 +117,7 @@ class Engine:
         head_is_table = self.model.lm_head is None
         self.step_read_bytes = self.weight_bytes - (0 if head_is_table else emb.numel() * emb.element_size())
         self.kv_bytes = self.runner.kv_bytes
+        self.state_bytes = self.runner.state_bytes  # the recurrent layers' state pools
         self._samplers: dict[str, SamplerState] = {}
         self._constraints: dict[str, Constraint] = {}  # request id -> its grammar, if any
         self.grammars = Grammars(model_path, cfg.vocab_size, self.eos_token_ids)

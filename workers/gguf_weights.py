@@ -18,14 +18,12 @@ Block layouts (ggml's, all little-endian, ``d``/``m``/``dmin`` are fp16):
 - Q5_K (256): as Q4_K plus 32 bytes of high bits (bit s of byte l for sub-block s)
 - Q6_K (256): 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d
 
-For the ``llama`` architecture llama.cpp's converter reorders the rows of q and k (and their
-biases) per head from the rotate-half layout to interleaved pairs; ``unpermute`` undoes it.
-Qwen2 and Qwen3 files keep the Hugging Face order.
+Tensor names and the converter's transformations (llama's q/k row order, ...) are the family's
+(``workers/models/<family>.py``: ``gguf_name``, ``from_gguf``).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +33,7 @@ import torch
 from pantheon.models.gguf import TENSOR_TYPES, GGUFFile, GGUFTensor
 from workers.errors import LoadError
 from workers.model_config import ModelConfig
+from workers.models import family
 
 # ---------------------------------------------------------------- dequantization
 #
@@ -199,51 +198,7 @@ def dequantize(
     return out.view(shape).to(dtype)
 
 
-# ---------------------------------------------------------------- names and layout
-
-_TOP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_BLK = re.compile(r"blk\.(\d+)\.(.+)")
-
-
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor (None: not one our models have)."""
-    if name in _TOP:
-        return _TOP[name]
-    m = _BLK.fullmatch(name)
-    if m and m.group(2) in _LAYER:
-        return f"model.layers.{int(m.group(1))}.{_LAYER[m.group(2)]}"
-    return None
-
-
-def unpermute(w, n_head: int):
-    """Inverse of convert_hf_to_gguf's ``LlamaModel.permute`` on the rows of q or k (or a bias):
-    per head, rows [pairs of (2i, 2i+1)] back to [first halves, second halves]. ``w`` is a torch
-    tensor or a numpy array (the loader reorders the file's bytes, whole blocks per row)."""
-    rows = w.shape[0]
-    if rows % (2 * n_head):
-        return w  # a wrong shape: the loader's shape check reports it
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+# ---------------------------------------------------------------- the file's tensors
 
 
 def open_data(g: GGUFFile) -> np.memmap:
@@ -251,13 +206,10 @@ def open_data(g: GGUFFile) -> np.memmap:
     return np.memmap(g.path, dtype=np.uint8, mode="c")
 
 
-def raw_bytes(data: np.ndarray, t: GGUFTensor, heads: int | None = None) -> torch.Tensor:
-    """The tensor's bytes as a uint8 torch tensor sharing the map's memory; with ``heads``, its
-    rows reordered by ``unpermute`` (a copy)."""
+def raw_bytes(data: np.ndarray, t: GGUFTensor) -> torch.Tensor:
+    """The tensor's bytes as a uint8 torch tensor sharing the map's memory."""
     arr = data[t.offset : t.offset + t.nbytes]
-    if heads and t.shape:
-        arr = unpermute(arr.reshape(t.shape[0], -1), heads).reshape(-1)
-    elif t.type_name in _FLOATS and t.offset % 4:
+    if t.type_name in _FLOATS and t.offset % 4:
         arr = arr.copy()  # a file with a small alignment: views of wider types need aligned data
     return torch.from_numpy(arr)
 
@@ -266,22 +218,21 @@ def iter_tensors(
     g: GGUFFile, cfg: ModelConfig, wanted: set[str] | dict
 ) -> Iterator[tuple[Path, str, str, torch.Tensor]]:
     """``(file, label, hf_name, tensor)`` for every tensor of the file our model uses
-    (``wanted``), dequantized (float32, or the file's own float type) and in Hugging Face row
-    order; ``label`` names it for errors. The loader's filling takes these as it takes
-    safetensors', casting as it copies them into the parameters.
+    (``wanted``), dequantized (float32, or the file's own float type), named and laid out as the
+    Hugging Face checkpoint has it (the family's ``gguf_name`` and ``from_gguf``); ``label``
+    names it for errors. The loader's filling takes these as it takes safetensors', casting as
+    it copies them into the parameters.
     A tensor our models do not have is an error (silently dropping it would change the model)."""
+    fam = family(cfg)
     data = open_data(g)
     for t in g.tensors.values():
-        name = hf_name(t.name)
+        name = fam.gguf_name(t.name)
         if name is None:
             raise LoadError(
                 "unsupported", f"{g.path}: tensor {t.name!r} is not part of a {g.arch} model this engine runs"
             )
         if name not in wanted:
             continue
-        heads = None
-        if g.arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
-            heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
         native = _FLOATS.get(t.type_name, torch.float32)
-        w = dequantize(raw_bytes(data, t, heads), t.type_name, t.shape, native)
+        w = fam.from_gguf(name, dequantize(raw_bytes(data, t), t.type_name, t.shape, native), cfg, g.arch)
         yield g.path, f"{t.name!r} ({t.type_name})", name, w

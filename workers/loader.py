@@ -1,4 +1,4 @@
-"""Build a ``CausalLM`` on the meta device and fill it straight from safetensors or GGUF files.
+"""Build a model (its family's ``workers/models/<family>.py``) on the meta device and fill it straight from safetensors or GGUF files.
 
 The model is created without storage (``torch.device("meta")``), then each parameter gets
 uninitialised storage on its die and every checkpoint tensor is copied into place from the
@@ -14,7 +14,6 @@ import json
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -23,8 +22,9 @@ from torch.overrides import TorchFunctionMode
 from pantheon.models.gguf import find_gguf, read_gguf
 from workers.errors import LoadError
 from workers.gguf_weights import iter_tensors
-from workers.model import CausalLM
 from workers.model_config import ModelConfig, gguf_config, gguf_errors, load_config
+from workers.models import Target, family
+from workers.models.base import DecoderLM
 
 _COPY_VALUES = 1 << 14  # values per copy into a parameter (see _fill)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -106,37 +106,6 @@ def check_safetensors(path: Path) -> dict:
     return header
 
 
-def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """Checkpoint tensor name -> (our parameter, row offset, rows) it fills."""
-    t: dict[str, tuple[torch.Tensor, int, int]] = {
-        "model.embed_tokens.weight": (model.embed_tokens.weight, 0, cfg.vocab_size),
-        "model.norm.weight": (model.norm.weight, 0, cfg.hidden_size),
-    }
-    if model.lm_head is not None:
-        t["lm_head.weight"] = (cast(torch.Tensor, model.lm_head.weight), 0, cfg.vocab_size)
-    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        a, m = layer.self_attn, layer.mlp
-        for kind, (off, rows) in {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}.items():
-            t[f"{p}self_attn.{kind}_proj.weight"] = (a.qkv_proj.weight, off, rows)
-            if cfg.attention_bias:
-                t[f"{p}self_attn.{kind}_proj.bias"] = (a.qkv_proj.bias, off, rows)
-        t[f"{p}self_attn.o_proj.weight"] = (a.o_proj.weight, 0, cfg.hidden_size)
-        if cfg.o_bias:
-            t[f"{p}self_attn.o_proj.bias"] = (a.o_proj.bias, 0, cfg.hidden_size)
-        if cfg.qk_norm:
-            assert a.q_norm is not None and a.k_norm is not None  # made when cfg.qk_norm
-            t[f"{p}self_attn.q_norm.weight"] = (a.q_norm.weight, 0, cfg.head_dim)
-            t[f"{p}self_attn.k_norm.weight"] = (a.k_norm.weight, 0, cfg.head_dim)
-        t[f"{p}mlp.gate_proj.weight"] = (m.gate_up_proj.weight, 0, inter)
-        t[f"{p}mlp.up_proj.weight"] = (m.gate_up_proj.weight, inter, inter)
-        t[f"{p}mlp.down_proj.weight"] = (m.down_proj.weight, 0, cfg.hidden_size)
-        t[f"{p}input_layernorm.weight"] = (layer.input_layernorm.weight, 0, cfg.hidden_size)
-        t[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, cfg.hidden_size)
-    return t
-
-
 def layer_placement(num_layers: int, devices: list[torch.device]) -> list[torch.device]:
     """Split layers into contiguous, near-equal runs, one run per device."""
     n = len(devices)
@@ -158,7 +127,7 @@ def load_model(
     devices: list[str] | None = None,
     dtype: str = "auto",
     progress: Callable[[int, int], None] | None = None,
-) -> tuple[CausalLM, ModelConfig]:
+) -> tuple[DecoderLM, ModelConfig]:
     """Load a Hugging Face model folder, a GGUF file or a folder holding one onto ``devices``
     (layers split across several)."""
     model_path = Path(model_path)
@@ -172,9 +141,14 @@ def load_model(
         headers = {f: check_safetensors(f) for f in weight_files(model_path)}
     devs = [torch.device(d) for d in (devices or ["cpu"])]
     dt = resolve_dtype(dtype, cfg, devs[0])
-    model = _empty_model(cfg, devs, dt)
-    targets = _targets(model, cfg)
-    tensors = iter_tensors(g, cfg, targets) if g is not None else _safetensors_tensors(headers, targets)
+    fam = family(cfg)
+    model = _empty_model(fam.build, cfg, devs, dt)
+    targets = fam.targets(model, cfg)
+    tensors = (
+        iter_tensors(g, cfg, targets)
+        if g is not None
+        else _safetensors_tensors(headers, targets, fam.checkpoint_name)
+    )
     filled = _fill(targets, tensors, source, progress)
 
     missing = [n for n in targets if n not in filled]
@@ -200,10 +174,12 @@ class _NoInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _empty_model(cfg: ModelConfig, devs: list[torch.device], dt: torch.dtype) -> CausalLM:
+def _empty_model(
+    build: Callable[[ModelConfig], DecoderLM], cfg: ModelConfig, devs: list[torch.device], dt: torch.dtype
+) -> DecoderLM:
     """The model with uninitialised storage for every parameter on its die."""
     with torch.device("meta"), _NoInit():
-        model = CausalLM(cfg)
+        model = build(cfg)
     model.to(dt)  # still on meta: the storage below is allocated in ``dt`` at once
     model.layer_devices = layer_placement(cfg.num_layers, devs)
     model.embed_tokens.to_empty(device=devs[0])
@@ -218,15 +194,17 @@ def _empty_model(cfg: ModelConfig, devs: list[torch.device], dt: torch.dtype) ->
 Tensors = Iterator[tuple[Path, str, str, torch.Tensor]]  # (file, label for errors, our name, data)
 
 
-def _safetensors_tensors(headers: dict[Path, dict], wanted: dict) -> Tensors:
-    """The checkpoint's tensors that we use, file by file (others are skipped: e.g. the rotary
-    inv_freq buffers some checkpoints carry)."""
+def _safetensors_tensors(
+    headers: dict[Path, dict], wanted: dict[str, Target], rename: Callable[[str], str | None]
+) -> Tensors:
+    """The checkpoint's tensors that we use, file by file, under the family's names (others are
+    skipped: e.g. the rotary inv_freq buffers some checkpoints carry, a vision tower)."""
     for f, header in headers.items():
-        names = [n for n in header if n != "__metadata__" and n in wanted]
+        names = [(n, ours) for n in header if n != "__metadata__" and (ours := rename(n)) in wanted]
         try:
             with safe_open(str(f), framework="pt", device="cpu") as st:
-                for name in names:
-                    yield f, repr(name), name, st.get_tensor(name)
+                for name, ours in names:
+                    yield f, repr(name), ours, st.get_tensor(name)
         except LoadError:
             raise
         except Exception as e:  # safetensors raises its own error types for damaged files
@@ -234,7 +212,7 @@ def _safetensors_tensors(headers: dict[Path, dict], wanted: dict) -> Tensors:
 
 
 def _fill(
-    targets: dict, tensors: Tensors, source: str, progress: Callable[[int, int], None] | None
+    targets: dict[str, Target], tensors: Tensors, source: str, progress: Callable[[int, int], None] | None
 ) -> set[str]:
     """Copy every checkpoint tensor into its parameter rows; returns the names filled."""
     filled: set[str] = set()

@@ -1,8 +1,9 @@
 """The model runner: turns a ``StepPlan`` into tensors, runs the model, returns logits.
 
-It owns the KV cache tensors (one K and one V tensor per layer, on that layer's device,
-shaped [num_blocks * block_size, KV heads, head_dim]) and knows nothing of requests beyond
-their tokens, positions and block tables.
+It owns the cache tensors (``workers/cache.py``: each attention layer's paged K and V, each
+recurrent layer's state pool, on that layer's device) and knows nothing of requests beyond their
+tokens, positions, block tables and slots. It builds one backend-neutral ``StepBatch`` per step
+(and device) from which each layer kind takes what it needs.
 """
 
 from __future__ import annotations
@@ -10,30 +11,26 @@ from __future__ import annotations
 import torch
 
 from workers.block_manager import BlockManager
-from workers.model import AttnBatch, CausalLM, PrefillChunk
+from workers.cache import KVCache, LayerCache, StateCache, kv_block_bytes, make_caches
+from workers.layers.attention import PrefillChunk, StepBatch
+from workers.layers.rotary import Rotary, qk_tables
 from workers.model_config import ModelConfig
-from workers.rope import Rotary, qk_tables
+from workers.models.base import DecoderLM
 from workers.scheduler import StepPlan
 
-
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over all layers (K and V)."""
-    return block_size * cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+__all__ = ["ModelRunner", "kv_block_bytes"]
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cfg: ModelConfig, blocks: BlockManager, dtype: torch.dtype):
+    def __init__(
+        self, model: DecoderLM, cfg: ModelConfig, blocks: BlockManager, dtype: torch.dtype, num_slots: int = 8
+    ):
         self.model, self.cfg, self.blocks, self.dtype = model, cfg, blocks, dtype
         self.devices = list(dict.fromkeys(model.layer_devices))
         self.main = model.embed_tokens.weight.device
         rows = blocks.num_blocks * blocks.block_size
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(rows, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev),
-                torch.zeros(rows, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev),
-            )
-            for dev in model.layer_devices
-        ]
+        self.caches: list[LayerCache] = make_caches(cfg, model.layer_devices, rows, num_slots, dtype)
+        self.scratch_slot = num_slots  # the state slot of prompt logits computed outside the scheduler
         self.rotary = Rotary(cfg, self.main)
         self.compiled = None  # a workers.compiled.CompiledDecode for pure decode steps, opt-in
 
@@ -44,11 +41,13 @@ class ModelRunner:
 
         if len(self.devices) > 1:
             return "layers split across devices"
-        c = CompiledDecode(self.model, self.kv)
+        if any(isinstance(c, StateCache) for c in self.caches):
+            return "not built yet for models with recurrent layers"
+        c = CompiledDecode(self.model, self.caches)
 
         def tables(pos):
             cos, sin = self.rotary.cos_sin(pos)
-            return qk_tables(cos, sin, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype)
+            return self._tables(cos, sin)
 
         if c.warm_up(tables, self.blocks.num_blocks * self.blocks.block_size):
             self.compiled = c
@@ -56,7 +55,15 @@ class ModelRunner:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv)
+        return sum(c.nbytes for c in self.caches if isinstance(c, KVCache))
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches if isinstance(c, StateCache))
+
+    def _tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        return qk_tables(cos, sin, cfg.num_heads, cfg.num_kv_heads, self.dtype, cfg.head_dim)
 
     def _rows(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.blocks.block_size
@@ -91,14 +98,17 @@ class ModelRunner:
             positions.append(p)
             slots.append(self._rows(s.block_table, p, p + 1)[0])
         n_decode = len(ids)
-        chunks: list[tuple[int, int, int, int, list[int]]] = []  # start, end, first pos, last pos, table
+        # start, end, first pos, last pos, table, state slot
+        chunks: list[tuple[int, int, int, int, list[int], int]] = []
         for s, n in plan.prefill:
             p0 = s.num_computed
             start = len(ids)
             ids += s.tokens[p0 : p0 + n]
             positions += range(p0, p0 + n)
             slots += self._rows(s.block_table, p0, p0 + n)
-            chunks.append((start, len(ids), p0, p0 + n, s.block_table))
+            chunks.append(
+                (start, len(ids), p0, p0 + n, s.block_table, self.scratch_slot if s.slot is None else s.slot)
+            )
 
         dev = self.main
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
@@ -106,8 +116,9 @@ class ModelRunner:
         cos, sin = self._cos_sin(pos_t, plan, n_decode, chunks)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
 
-        dec_gather = dec_bias = None
+        dec_gather = dec_bias = dec_slots = None
         if n_decode:
+            dec_slots = torch.tensor([s.slot for s in plan.decode], dtype=torch.long, device=dev)
             lens = [s.num_computed + 1 for s in plan.decode]
             t = max(lens)
             dec_gather = self._gather([s.block_table for s in plan.decode], t)  # [B, T]
@@ -116,28 +127,28 @@ class ModelRunner:
                 dec_bias = torch.zeros(pad.shape, dtype=torch.float32, device=dev)
                 dec_bias = dec_bias.masked_fill_(pad, float("-inf"))[:, None, None, :]  # [B, 1, 1, T]
         pre = []
-        for start, end, p0, p1, table in chunks:
+        for start, end, p0, p1, table, state_slot in chunks:
             gather = self._gather([table], p1)[0]  # [T]
             mask = None
             if p0:
                 # Query row i sits at position p0 + i and sees keys 0..p0 + i.
                 q_pos = torch.arange(p0, p1, device=dev)[:, None]
                 mask = (torch.arange(p1, device=dev)[None, :] <= q_pos)[None, None]  # [1, 1, C, T]
-            pre.append(PrefillChunk(start, end, gather, mask))
+            pre.append(PrefillChunk(start, end, gather, mask, state_slot, fresh=p0 == 0))
 
-        base = AttnBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre)
+        base = StepBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre, dec_slots)
         if self.compiled is not None and not pre and not all_rows:
             logits = self.compiled(input_ids, base)  # every row is a sampled decode row
             if logits is not None:
                 return logits
-        batches = {d: base if d == dev else _to(base, d) for d in self.devices}
-        hidden = self.model(input_ids, batches, self.kv)  # [N, hidden]
+        batches = {d: base if d == dev else base.to(d) for d in self.devices}
+        hidden = self.model(input_ids, batches, self.caches)  # [N, hidden]
 
         if all_rows:
             return self.model.logits(hidden)
         # Only the last row of each sampled sequence needs logits.
         rows = list(range(n_decode))
-        for (_start, end, _p0, p1, _t), (s, _n) in zip(chunks, plan.prefill):
+        for (_start, end, _p0, p1, _t, _slot), (s, _n) in zip(chunks, plan.prefill):
             if p1 == len(s.tokens):
                 rows.append(end - 1)
         return self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
@@ -149,26 +160,6 @@ class ModelRunner:
         else:
             # Dynamic NTK: the frequencies depend on each sequence's length, so go per sequence.
             parts = [self.rotary.cos_sin(pos_t[i : i + 1], int(pos_t[i]) + 1) for i in range(n_decode)]
-            parts += [self.rotary.cos_sin(pos_t[a:b], p1) for a, b, _p0, p1, _t in chunks]
+            parts += [self.rotary.cos_sin(pos_t[a:b], p1) for a, b, _p0, p1, _t, _s in chunks]
             cos, sin = torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
-        return qk_tables(cos, sin, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype)
-
-
-def _to(b: AttnBatch, dev: torch.device) -> AttnBatch:
-    """The same batch description on another device (layers split across dies)."""
-
-    def to(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dev, non_blocking=True)
-
-    def mv(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else to(t)
-
-    return AttnBatch(
-        to(b.rot_cos),
-        to(b.rot_sin),
-        to(b.slot_mapping),
-        b.n_decode,
-        mv(b.decode_gather),
-        mv(b.decode_bias),
-        [PrefillChunk(c.start, c.end, to(c.gather), mv(c.mask)) for c in b.prefills],
-    )
+        return self._tables(cos, sin)

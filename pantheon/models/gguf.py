@@ -32,12 +32,6 @@ from typing import Any
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
-# general.architecture -> (transformers architecture, model_type)
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-}
 
 # The tensor types the worker dequantizes: ggml type id -> (name, elements per block, bytes per
 # block). ``workers/gguf_weights.py`` has one function per entry.
@@ -375,12 +369,15 @@ def eos_token_ids(g: GGUFFile) -> list[int]:
 def hf_config(g: GGUFFile) -> dict:
     """The ``config.json`` a Hugging Face folder of this model would have (checked by the same
     code as a real one: ``workers.model_config.config_from_dict``, ``pantheon.models.sizing``)."""
+    from pantheon.models import archs  # the families import this module's types
+
     a = g.arch
-    if a not in ARCHITECTURES:
+    family = archs.gguf_family(a)
+    if family is None:
         raise GGUFError(
             "unsupported",
             f"{g.path}: metadata field 'general.architecture' is "
-            f"{a!r}; supported: {', '.join(ARCHITECTURES)}",
+            f"{a!r}; supported: {', '.join(archs.gguf_architectures())}",
         )
     split = g.meta.get("split.count")
     if isinstance(split, int) and split > 1:
@@ -407,13 +404,6 @@ def hf_config(g: GGUFFile) -> dict:
             f"({head_dim})",
         )
     rot = _field(g, f"{a}.rope.dimension_count", default=head_dim)
-    if rot != head_dim:
-        raise GGUFError(
-            "unsupported",
-            f"{g.path}: metadata field '{a}.rope.dimension_count' is "
-            f"{rot} but heads have {head_dim} dimensions (partial "
-            "rotary embeddings are not supported)",
-        )
     emb = g.tensors.get("token_embd.weight")
     tokens = g.meta.get("tokenizer.ggml.tokens")
     if emb is not None and len(emb.shape) == 2:
@@ -439,8 +429,8 @@ def hf_config(g: GGUFFile) -> dict:
     int4 = bool(blk) and all(t in ("Q4_0", "Q4_1", "Q4_K") for t in blk)
     bias = "blk.0.attn_q.bias" in g.tensors
     eos = eos_token_ids(g)
-    arch_name, model_type = ARCHITECTURES[a]
-    return {
+    arch_name, model_type = family.gguf_architectures[a]
+    raw = {
         "architectures": [arch_name],
         "model_type": model_type,
         "hidden_size": hidden,
@@ -462,6 +452,11 @@ def hf_config(g: GGUFFile) -> dict:
         "bos_token_id": _token_id(g, "bos_token_id"),
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
     }
+    if rot != head_dim:
+        raw["partial_rotary_factor"] = rot / head_dim
+    if family.gguf_config is not None:
+        family.gguf_config(g, raw)  # the family's own fields
+    return raw
 
 
 # ---------------------------------------------------------------- tokenizer.json

@@ -1,14 +1,13 @@
-"""How much memory a model will take, from its ``config.json`` (or a GGUF file's metadata) alone
-(no torch, no weights read).
+"""How much memory a model will take, from its description alone (no torch, no weights read).
 
 The router admits a load against the dies' budgets *before* any worker touches the weights, so it
-needs an estimate: parameters x dtype bytes for the weights, and K+V bytes per token for the KV
-cache. After the load the worker reports the real figures (``Loaded.weight_bytes``/``kv_bytes``)
-and those are booked instead.
+needs an estimate: the weights, the KV cache's bytes per token and the recurrent states' bytes per
+slot, all from the model's description (``pantheon.models.description``: one ``LayerSpec`` per
+layer, with the shapes of its linear matrices as the engine fuses them and its cache spec). After
+the load the worker reports the real figures (``Loaded.weight_bytes``/``kv_bytes``) and those are
+booked instead.
 
-The count follows the engine's Llama-family model exactly (``workers/model.py``): fused q/k/v and
-gate/up, q/k/v biases for Qwen2 (and Llama/Qwen3 with ``attention_bias``), Qwen3's per-head q/k
-norms, tied or untied LM head. Two engine details matter for the figure:
+Two engine details matter for the figure:
 
 - on CPU dies the layout is the CPU path's (``CPU_PATHS``): its dtype, and for packed paths a
   second copy of a tied ``vocab x hidden`` head;
@@ -18,130 +17,67 @@ norms, tied or untied LM head. Two engine details matter for the figure:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pantheon.models.gguf import GGUFError, find_gguf, hf_config, read_gguf
+from pantheon.models.description import (
+    DTYPE_BYTES,
+    AttentionCache,
+    ModelDescription,
+    ModelError,
+    RecurrentState,
+    describe,
+    read_description,
+)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 BLOCK_TOKENS = 16  # the engine's KV block size: pools are whole blocks
 
-
-class SizingError(Exception):
-    """The folder's ``config.json`` cannot be sized. ``kind``: not_found | unsupported | invalid."""
-
-    def __init__(self, kind: str, reason: str):
-        super().__init__(reason)
-        self.kind, self.reason = kind, reason
+# The router's name for a description it sizes, and for the errors of reading one.
+ModelShape = ModelDescription
+SizingError = ModelError
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    arch: str
-    vocab: int
-    hidden: int
-    inter: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool
-    qkv_bias: bool
-    o_bias: bool
-    qk_norm: bool
-    torch_dtype: str
-    context_limit: int  # max_position_embeddings (stretched by dynamic RoPE)
-    quantized_source: bool = False  # a GGUF file whose weights are all stored quantized
-    int4_source: bool = False  # ... and its decoder linears in 4-bit groups of 32 (Q4_0/Q4_1/Q4_K)
+def read_shape(path: str | Path) -> ModelDescription:
+    """The description of ``path/config.json``, or of a GGUF file's metadata (``path`` itself, or
+    the one ``.gguf`` in the folder); raises ``SizingError``."""
+    return read_description(path)
 
 
-def _pos_int(raw: dict, key: str, where: str) -> int:
-    v = raw.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise SizingError("invalid", f"{where}: field {key!r} must be a positive integer, got {v!r}")
-    return v
-
-
-def read_shape(path: str | Path) -> ModelShape:
-    """Parse ``path/config.json``, or the metadata of a GGUF file (``path`` itself, or the one
-    ``.gguf`` in the folder); raises ``SizingError``."""
-    try:
-        gguf_file = find_gguf(path)
-        if gguf_file is not None:
-            where = f"{gguf_file} (GGUF metadata)"
-            return shape_from_config(hf_config(read_gguf(gguf_file)), where)
-    except GGUFError as e:
-        raise SizingError(e.kind, e.reason) from None
-    cfg_path = Path(path) / "config.json"
-    if not cfg_path.is_file():
-        raise SizingError("not_found", f"{cfg_path}: no such file")
-    try:
-        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise SizingError("invalid", f"{cfg_path}: not valid JSON ({e})") from None
-    return shape_from_config(raw, str(cfg_path))
-
-
-def shape_from_config(raw: dict, where: str) -> ModelShape:
-    """Check a ``config.json`` dict; errors name ``where``."""
-    if not isinstance(raw, dict):
-        raise SizingError("invalid", f"{where}: not a JSON object")
-    archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) if isinstance(archs, list) else None
-    if arch is None:
-        raise SizingError(
-            "unsupported",
-            f"architecture {archs!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
-        )
-    hidden = _pos_int(raw, "hidden_size", where)
-    heads = _pos_int(raw, "num_attention_heads", where)
-    kv_heads = raw.get("num_key_value_heads") or heads
-    head_dim = raw.get("head_dim") or hidden // heads
-    dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
-    if dtype not in _DTYPE_BYTES:
-        raise SizingError("unsupported", f"{where}: torch_dtype {dtype!r} is not supported")
-    limit = int(raw.get("max_position_embeddings") or 4096)
-    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "dynamic":
-        limit = int(limit * float(rope.get("factor", 1.0)))
-    qwen2 = arch == "Qwen2ForCausalLM"
-    bias = bool(raw.get("attention_bias", False))
-    return ModelShape(
-        arch=arch,
-        vocab=_pos_int(raw, "vocab_size", where),
-        hidden=hidden,
-        inter=_pos_int(raw, "intermediate_size", where),
-        layers=_pos_int(raw, "num_hidden_layers", where),
-        heads=heads,
-        kv_heads=int(kv_heads),
-        head_dim=int(head_dim),
-        tied=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=qwen2 or bias,
-        o_bias=not qwen2 and bias,
-        qk_norm=arch == "Qwen3ForCausalLM",
-        torch_dtype=dtype,
-        context_limit=limit,
-        quantized_source=bool(raw.get("quantized_source", False)),
-        int4_source=bool(raw.get("int4_source", False)),
-    )
+def shape_from_config(raw: dict, where: str) -> ModelDescription:
+    """The description of a ``config.json`` dict; errors name ``where``."""
+    return describe(raw, {}, where)
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """Bytes a model takes: ``base`` (embeddings, final norm, heads) lives on the first die,
-    ``per_layer`` on the die that holds the layer; ``kv_per_token`` over all layers."""
+    """Bytes a model takes: ``base`` (embeddings, final norm, heads) lives on the first die, each
+    layer's weights (``layer_bytes``) on the die that holds the layer; ``kv_layer_bytes`` is each
+    layer's K and V per token (0 for a layer without a KV cache) and ``state_layer_bytes`` each
+    layer's recurrent state per slot (0 for an attention layer)."""
 
     base: int
-    per_layer: int
-    layers: int
-    kv_per_token: int
+    layer_bytes: tuple[int, ...]
+    kv_layer_bytes: tuple[int, ...]
+    state_layer_bytes: tuple[int, ...]
     context_limit: int
 
     @property
+    def layers(self) -> int:
+        return len(self.layer_bytes)
+
+    @property
     def weights(self) -> int:
-        return self.base + self.per_layer * self.layers
+        return self.base + sum(self.layer_bytes)
+
+    @property
+    def kv_per_token(self) -> int:
+        """K and V of one token over the layers that keep them."""
+        return sum(self.kv_layer_bytes)
+
+    @property
+    def state_per_slot(self) -> int:
+        """The recurrent states of one running sequence."""
+        return sum(self.state_layer_bytes)
 
     def kv_pool(self, tokens: int) -> int:
         """The KV pool bytes that hold ``tokens`` tokens (whole blocks, at least two)."""
@@ -160,28 +96,33 @@ class Estimate:
         return self.kv_pool(tokens)
 
     def split(
-        self, dies: tuple[str, ...], weights: int | None = None, kv: int = 0
+        self, dies: tuple[str, ...], weights: int | None = None, kv: int = 0, state: int = 0
     ) -> dict[str, tuple[int, int]]:
-        """``{die: (weight bytes, kv bytes)}`` for a replica whose layers are split across
+        """``{die: (weight bytes, cache bytes)}`` for a replica whose layers are split across
         ``dies`` the way the loader splits them (contiguous near-equal runs; the embeddings and
-        heads on the first die). ``weights`` (the worker's real figure) scales the estimate."""
-        n = len(dies)
-        counts = [0] * n
-        for i in range(self.layers):
-            counts[min(i * n // self.layers, n - 1)] += 1
+        heads on the first die). ``weights`` (the worker's real figure) scales the estimate;
+        ``kv`` (the KV pool) and ``state`` (the state pool) are shared out by the layers that
+        keep each, and booked together as the die's cache."""
+        n, layers = len(dies), self.layers
+        owner = [min(i * n // layers, n - 1) for i in range(layers)]
         est = self.weights or 1
         scale = 1.0 if weights is None else weights / est
-        out: dict[str, tuple[int, int]] = {}
-        for j, die in enumerate(dies):
-            w = (self.base if j == 0 else 0) + self.per_layer * counts[j]
-            out[die] = (int(w * scale), int(kv * counts[j] / self.layers))
+        w = [self.base if j == 0 else 0 for j in range(n)]
+        kv_w, st_w = [0] * n, [0] * n
+        for i, j in enumerate(owner):
+            w[j] += self.layer_bytes[i]
+            kv_w[j] += self.kv_layer_bytes[i]
+            st_w[j] += self.state_layer_bytes[i]
+        ws = [int(x * scale) for x in w]
+        kvs = [kv * x // (self.kv_per_token or 1) for x in kv_w]
+        sts = [state * x // (self.state_per_slot or 1) for x in st_w]
         if weights is not None:  # rounding: the first die takes what is left
-            first = dies[0]
-            out[first] = (weights - sum(v[0] for d, v in out.items() if d != first), out[first][1])
+            ws[0] = weights - sum(ws[1:])
         if kv:
-            first = dies[0]
-            out[first] = (out[first][0], kv - sum(v[1] for d, v in out.items() if d != first))
-        return out
+            kvs[0] = kv - sum(kvs[1:])
+        if state:
+            sts[0] = state - sum(sts[1:])
+        return {die: (ws[j], kvs[j] + sts[j]) for j, die in enumerate(dies)}
 
 
 # The CPU paths a worker can lay a model out in (``workers/cpu_paths.py`` runs them; this table is
@@ -230,15 +171,28 @@ def cpu_path_names(
     ]
 
 
-def dtype_bytes(dtype: str, shape: ModelShape) -> int:
+def dtype_bytes(dtype: str, shape: ModelDescription) -> int:
     """Bytes per element of the weights and KV cache for a load's ``dtype`` ("auto": the
     checkpoint's own; float16 becomes bfloat16 on CPUs, the same size)."""
     name = shape.torch_dtype if dtype == "auto" else dtype
-    return _DTYPE_BYTES.get(name, 2)
+    return DTYPE_BYTES.get(name, 2)
+
+
+def _linear_bytes(mats: tuple[tuple[int, int], ...], layout: str, b: int) -> int:
+    """Bytes of ``[N, K]`` matrices laid out so: a byte a weight and a scale a row (int8); half a
+    byte a weight and a scale and a zero a group of 32, or int8 rows for a shape the int4 kernel
+    does not take (int4); else ``b`` bytes a weight."""
+    if layout == "int8":
+        return sum(n * k + n * b for n, k in mats)
+    if layout == "int4":
+        return sum(
+            n * k // 2 + n * k // INT4_GROUP * 2 * b if int4_fits(n, k) else n * k + n * b for n, k in mats
+        )
+    return sum(n * k * b for n, k in mats)
 
 
 def estimate(
-    shape: ModelShape,
+    shape: ModelDescription,
     *,
     dtype: str = "auto",
     quantize: bool = False,
@@ -263,37 +217,25 @@ def estimate(
         assert cpu_path is not None  # chosen above
         dtype, layout, _ = CPU_PATHS[cpu_path]
     b = dtype_bytes(dtype, shape)
-    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    linear = h * (q + 2 * kv) + q * h + 3 * h * shape.inter  # qkv, o, gate+up, down
-    rows = (q + 2 * kv) + h + 2 * shape.inter + h  # output rows of those matrices
-    small = 2 * h  # the two RMSNorms
-    small += (q + 2 * kv) if shape.qkv_bias else 0
-    small += h if shape.o_bias else 0
-    small += 2 * shape.head_dim if shape.qk_norm else 0
-    if layout == "int8":  # a byte a weight, a scale a row
-        linear_bytes = linear + rows * b
-    elif layout == "int4":  # half a byte a weight and a scale and a zero a group, or int8 rows
-        mats = [(q + 2 * kv, h), (h, q), (2 * shape.inter, h), (h, shape.inter)]  # [N, K], fused
-        linear_bytes = sum(
-            n * k // 2 + n * k // INT4_GROUP * 2 * b if int4_fits(n, k) else n * k + n * b for n, k in mats
-        )
-    else:
-        linear_bytes = linear * b
-    per_layer = linear_bytes + small * b
-    table = shape.vocab * h * b
+    h = shape.hidden_size
+    table = shape.vocab_size * h * b
     # The LM head as the path lays it out (CPU paths only; CUDA's int8 keeps a plain head):
     # int8 rows plus a scale each (the int4 path's head too), else the table's bytes again.
     head_layout = layout if cpu else "dense"
-    head = shape.vocab * (h + b) if head_layout in ("int8", "int4") else table
+    head = shape.vocab_size * (h + b) if head_layout in ("int8", "int4") else table
     base = table + h * b  # embeddings and the final norm
-    if not shape.tied:
+    if not shape.tie_word_embeddings:
         base += head  # the LM head (laid out in place of the checkpoint's)
     elif head_layout != "dense":
         base += head  # the tied head's laid-out copy (the table stays for lookups)
     return Estimate(
         base=base,
-        per_layer=per_layer,
-        layers=shape.layers,
-        kv_per_token=2 * shape.layers * kv * b,
+        layer_bytes=tuple(_linear_bytes(s.linears, layout, b) + s.small * b for s in shape.layers),
+        kv_layer_bytes=tuple(
+            s.cache.bytes_per_token(b) if isinstance(s.cache, AttentionCache) else 0 for s in shape.layers
+        ),
+        state_layer_bytes=tuple(
+            s.cache.bytes_per_slot(b) if isinstance(s.cache, RecurrentState) else 0 for s in shape.layers
+        ),
         context_limit=shape.context_limit,
     )

@@ -30,9 +30,12 @@ RULES = {
     "workers": {
         "forbidden": {"quart", "hypercorn", "textual", "httpx", "jinja2", "tokenizers", "tui"},
         # curve: the CURVE key files a remote worker reads as the router does (zmq.auth and
-        # config.values' ConfigError only)
+        # config.values' ConfigError only); description and archs: the model description both
+        # processes read (torch-free)
         "pantheon_allowed": {
             "pantheon.protocol",
+            "pantheon.models.description",
+            "pantheon.models.archs",
             "pantheon.models.sizing",
             "pantheon.models.gguf",
             "pantheon.workerlink.curve",

@@ -57,7 +57,9 @@ def test_edges_stay_in_range():
 def test_the_kv_pool_is_the_full_context_unless_memory_says_less():
     from pantheon.models.sizing import BLOCK_TOKENS, Estimate
 
-    est = Estimate(base=0, per_layer=0, layers=1, kv_per_token=1000, context_limit=40960)
+    est = Estimate(
+        base=0, layer_bytes=(0,), kv_layer_bytes=(1000,), state_layer_bytes=(0,), context_limit=40960
+    )
     tok = lambda b: b // est.kv_per_token  # noqa: E731
     # room for everything: one full context (not the 8192 floor, which used to cap it)
     assert tok(est.kv_for(context=40960, floor=8192, room_tokens=10**9)) == 40960

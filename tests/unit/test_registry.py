@@ -282,7 +282,13 @@ def test_die_budgets_reserve_and_bookings():
 def test_placement_auto_most_free_explicit_split_and_507_naming_the_die():
     from pantheon.models.sizing import Estimate
 
-    est = Estimate(base=4 << 20, per_layer=2 << 20, layers=4, kv_per_token=1024, context_limit=4096)
+    est = Estimate(
+        base=4 << 20,
+        layer_bytes=(2 << 20,) * 4,
+        kv_layer_bytes=(256,) * 4,
+        state_layer_bytes=(0,) * 4,
+        context_limit=4096,
+    )
     dm = _dm(cpu_dies=3, cpu_budget=64 << 20)
     dm.book("busy#1", {"cpu:0": (48 << 20, 0)})
     dm.book("busy#2", {"cpu:2": (10 << 20, 0)})
@@ -299,7 +305,9 @@ def test_placement_auto_most_free_explicit_split_and_507_naming_the_die():
     with pytest.raises(ApiError) as ei:
         dm.place(need, ("cpu:0",))  # 16 MiB free, needs 12 + 8
     assert ei.value.status == 507 and "cpu:0 lacks 4.0 MiB" in ei.value.message
-    big = Estimate(base=200 << 20, per_layer=0, layers=1, kv_per_token=1, context_limit=16)
+    big = Estimate(
+        base=200 << 20, layer_bytes=(0,), kv_layer_bytes=(1,), state_layer_bytes=(0,), context_limit=16
+    )
     with pytest.raises(ApiError) as ei:
         dm.place(lambda ds: big.split(ds))
     assert ei.value.status == 507 and all(f"cpu:{i} lacks" in ei.value.message for i in range(3))

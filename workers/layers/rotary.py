@@ -1,4 +1,6 @@
-"""Rotary position embeddings: inverse frequencies for each ``rope_scaling`` type, and their use.
+"""Rotary position embeddings: inverse frequencies for each ``rope_scaling`` type, the per-step
+tables, and the rotation itself (whole heads, or the first ``rotary_dim`` dimensions of each head
+for partial rotary embeddings, as Qwen3.5's attention layers have).
 
 The formulas follow transformers' ``modeling_rope_utils`` so that our logits match theirs;
 ``dynamic`` NTK scaling depends on the sequence length, so it is recomputed per sequence chunk
@@ -11,7 +13,7 @@ import math
 
 import torch
 
-from workers.model_config import ModelConfig
+from pantheon.models.description import ModelDescription as ModelConfig
 
 
 def _base_inv_freq(base: float, dim: int, device=None) -> torch.Tensor:
@@ -70,7 +72,7 @@ def inv_freq_for(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torch.Te
 
     ``seq_len`` matters only for ``dynamic``: past ``max_position_embeddings`` the base grows.
     """
-    dim, rope = cfg.head_dim, cfg.rope
+    dim, rope = cfg.rotary_dim, cfg.rope
     s = rope.scaling
     if rope.type == "default":
         return _base_inv_freq(rope.theta, dim), 1.0
@@ -110,16 +112,42 @@ class Rotary:
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 
 
-def qk_tables(cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int, dtype: torch.dtype):
+def qk_tables(
+    cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int, dtype: torch.dtype, head_dim: int = 0
+):
     """The per-step rotary tables for q and k heads together, built once for all layers.
 
-    cos, sin: [N, D/2] fp32 -> rot_cos, rot_sin: [N, H + KV, D] in ``dtype``, with the softmax
-    scale 1/sqrt(D) folded into the q heads (rotation is linear, so scaling q before it is the
-    same as scaling the scores after) and sin signed for ``model.rotate``'s swapped halves.
+    cos, sin: [N, R/2] fp32 (R rotary dimensions) -> rot_cos, rot_sin: [N, H + KV, D] in
+    ``dtype``, with the softmax scale 1/sqrt(D) folded into the q heads (rotation is linear, so
+    scaling q before it is the same as scaling the scores after) and sin signed for
+    ``rotate``'s swapped halves. With partial rotary embeddings (R < D, ``head_dim`` = D) the
+    dimensions past R get cos 1 and sin 0: they pass through, scaled like the rest of q.
     """
     n, half = cos.shape
-    c = torch.cat((cos, cos), dim=-1)[:, None, :]  # [N, 1, D]
-    s = torch.cat((-sin, sin), dim=-1)[:, None, :]
+    d = head_dim or 2 * half
+    c = torch.cat((cos, cos), dim=-1)  # [N, R]
+    s = torch.cat((-sin, sin), dim=-1)
+    if d > 2 * half:
+        c = torch.cat((c, c.new_ones(n, d - 2 * half)), dim=-1)  # [N, D]
+        s = torch.cat((s, s.new_zeros(n, d - 2 * half)), dim=-1)
     scale = torch.ones(1, n_heads + n_kv, 1, dtype=torch.float32, device=cos.device)
-    scale[:, :n_heads] = (2 * half) ** -0.5
-    return (c * scale).to(dtype), (s * scale).to(dtype)
+    scale[:, :n_heads] = d**-0.5
+    return (c[:, None, :] * scale).to(dtype), (s[:, None, :] * scale).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, rotary_dim: int = 0) -> torch.Tensor:
+    """RoPE in the rotate-half form HF checkpoints expect, in three ops.
+
+    x: [N, H, D]; cos, sin_signed: [N, H, D] (``qk_tables``). rotate_half(x) * sin ==
+    swap_halves(x) * sin_signed, and swapping the two halves is a flip of a [.., 2, R/2] view.
+    With ``rotary_dim`` R < D only the first R dimensions swap; the rest meet sin 0.
+    """
+    n, h, d = x.shape
+    r = rotary_dim or d
+    if r == d:
+        swapped = x.view(n, h, 2, d // 2).flip(2).view(n, h, d)
+    else:
+        swapped = torch.cat(
+            (x[..., :r].reshape(n, h, 2, r // 2).flip(2).reshape(n, h, r), x[..., r:]), dim=-1
+        )
+    return torch.addcmul(x * cos, swapped, sin_signed)

@@ -1,0 +1,114 @@
+"""The Llama family's description: Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm),
+SmolLM and Mistral (Llama's layout). Every layer is attention with a paged KV cache and a SwiGLU
+MLP; q/k/v and gate/up are fused (``workers/models/llama.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pantheon.models.archs import Family
+from pantheon.models.description import (
+    AttentionCache,
+    LayerSpec,
+    ModelDescription,
+    ModelError,
+    eos_ids,
+    pos_int,
+    rope_from,
+    torch_dtype,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaDescription(ModelDescription):
+    attention_bias: bool  # q/k/v biases (Qwen2 always, Llama/Qwen3 when attention_bias is set)
+    o_bias: bool  # o_proj bias: Llama/Qwen3 with attention_bias; never in Qwen2
+    qk_norm: bool  # Qwen3's per-head RMSNorm on q and k
+
+
+def attention_head_shape(raw: dict, where: str) -> tuple[int, int, int, int]:
+    """(hidden, heads, kv heads, head dim) of a config's attention layers, checked."""
+    hidden = pos_int(raw, "hidden_size", where)
+    heads = pos_int(raw, "num_attention_heads", where)
+    kv_heads = pos_int(raw, "num_key_value_heads", where, default=heads)
+    head_dim = pos_int(raw, "head_dim", where, default=hidden // heads)
+    if heads % kv_heads:
+        raise ModelError(
+            "invalid",
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}",
+        )
+    return hidden, heads, kv_heads, head_dim
+
+
+def describe(raw: dict, gen: dict, where: str, arch: str) -> LlamaDescription:
+    window = raw.get("sliding_window")
+    if (
+        window is not None
+        and raw.get("use_sliding_window", True)
+        and window < int(raw.get("max_position_embeddings") or 4096)
+    ):
+        # Mistral's window (and Qwen2's, when switched on) is sliding-window attention: not built yet
+        raise ModelError(
+            "unsupported", f"{where}: sliding_window {window} (sliding-window attention) is not supported"
+        )
+    hidden, heads, kv_heads, head_dim = attention_head_shape(raw, where)
+    inter = pos_int(raw, "intermediate_size", where)
+    layers = pos_int(raw, "num_hidden_layers", where)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    bias = arch == "qwen2" or bool(raw.get("attention_bias", False))
+    o_bias = arch != "qwen2" and bool(raw.get("attention_bias", False))
+    qk_norm = arch == "qwen3"
+    small = (
+        2 * hidden
+        + (q + 2 * kv if bias else 0)
+        + (hidden if o_bias else 0)
+        + (2 * head_dim if qk_norm else 0)
+    )
+    spec = LayerSpec(
+        kind="attention",
+        linears=((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)),
+        small=small,
+        cache=AttentionCache(kv_heads, head_dim),
+    )
+    return LlamaDescription(
+        family="llama",
+        arch=arch,
+        vocab_size=pos_int(raw, "vocab_size", where),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+        rope=rope_from(raw, where, head_dim),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        torch_dtype=torch_dtype(raw, where),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids(raw, gen),
+        layers=(spec,) * layers,
+        quantized_source=bool(raw.get("quantized_source", False)),
+        int4_source=bool(raw.get("int4_source", False)),
+        attention_bias=bias,
+        o_bias=o_bias,
+        qk_norm=qk_norm,
+    )
+
+
+FAMILY = Family(
+    name="llama",
+    hf_architectures={
+        "LlamaForCausalLM": "llama",
+        "MistralForCausalLM": "llama",
+        "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3",
+    },
+    model_types={"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"},
+    gguf_architectures={
+        "llama": ("LlamaForCausalLM", "llama"),
+        "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+        "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    },
+    describe=describe,
+)

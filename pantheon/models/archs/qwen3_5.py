@@ -1,0 +1,154 @@
+"""Qwen3.5 and Qwen3.6 (dense), the text model: a hybrid of Gated DeltaNet layers (linear
+attention with a recurrent state per sequence) and gated full-attention layers, 3 to 1 by default
+(``layer_types``). Both checkpoint layouts: ``Qwen3_5ForCausalLM`` (a text-only config) and
+``Qwen3_5ForConditionalGeneration`` (the Hub's, the text config nested under ``text_config``; its
+vision tower and multi-token-prediction head are skipped). Torch side: ``workers/models/qwen3_5.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pantheon.models.archs import Family
+from pantheon.models.archs.llama import attention_head_shape
+from pantheon.models.description import (
+    AttentionCache,
+    LayerSpec,
+    ModelDescription,
+    ModelError,
+    RecurrentState,
+    StateTensor,
+    eos_ids,
+    pos_int,
+    rope_from,
+    torch_dtype,
+)
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen35Description(ModelDescription):
+    layer_types: tuple[str, ...]  # linear_attention | full_attention, per layer
+    attention_bias: bool
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: q, k and v of the linear-attention layer."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+
+def text_config(raw: dict) -> dict:
+    """The text model's settings: a ForConditionalGeneration config nests them under
+    ``text_config``; the top level may still hold the dtype, EOS ids and embedding tying."""
+    inner = raw.get("text_config")
+    if not isinstance(inner, dict):
+        return raw
+    out = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+    out.update(inner)
+    return out
+
+
+def describe(raw: dict, gen: dict, where: str, arch: str) -> Qwen35Description:
+    multimodal = isinstance(raw.get("text_config"), dict)
+    raw = text_config(raw)
+    hidden, heads, kv_heads, head_dim = attention_head_shape(raw, where)
+    inter = pos_int(raw, "intermediate_size", where)
+    n = pos_int(raw, "num_hidden_layers", where)
+    types = raw.get("layer_types")
+    if types is None:
+        every = pos_int(raw, "full_attention_interval", where, default=4)
+        types = [FULL if (i + 1) % every == 0 else LINEAR for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in (LINEAR, FULL) for t in types):
+        raise ModelError(
+            "invalid", f"{where}: layer_types must list {n} of {LINEAR!r} / {FULL!r}, got {types!r}"
+        )
+    hk = pos_int(raw, "linear_num_key_heads", where, default=16)
+    hv = pos_int(raw, "linear_num_value_heads", where, default=32)
+    dk = pos_int(raw, "linear_key_head_dim", where, default=128)
+    dv = pos_int(raw, "linear_value_head_dim", where, default=128)
+    kernel = pos_int(raw, "linear_conv_kernel_dim", where, default=4)
+    if hv % hk:
+        raise ModelError(
+            "invalid", f"{where}: linear_num_value_heads {hv} is not a multiple of linear_num_key_heads {hk}"
+        )
+    if kernel < 2:
+        raise ModelError("invalid", f"{where}: linear_conv_kernel_dim must be at least 2, got {kernel}")
+    bias = bool(raw.get("attention_bias", False))
+    q, kv = heads * head_dim, kv_heads * head_dim
+    mlp = ((2 * inter, hidden), (hidden, inter))
+    full = LayerSpec(
+        kind="attention",
+        # q_proj carries the output gate: 2 * q rows (per head: q then gate), then k and v
+        linears=((2 * q + 2 * kv, hidden), (hidden, q), *mlp),
+        small=2 * hidden + 2 * head_dim + ((2 * q + 2 * kv + hidden) if bias else 0),
+        cache=AttentionCache(kv_heads, head_dim),
+    )
+    conv_dim = 2 * hk * dk + hv * dv
+    linear = LayerSpec(
+        kind="linear_attention",
+        # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a fused: one matrix read per step
+        linears=((conv_dim + hv * dv + 2 * hv, hidden), (hidden, hv * dv), *mlp),
+        small=2 * hidden + conv_dim * kernel + 2 * hv + dv,  # norms, conv, A_log + dt_bias, gated norm
+        cache=RecurrentState(
+            (
+                StateTensor("conv", (conv_dim, kernel - 1), "model"),
+                StateTensor("ssm", (hv, dk, dv), "float32"),
+            )
+        ),
+    )
+    skipped = ("the vision tower (model.visual.*)",) if multimodal else ()
+    return Qwen35Description(
+        family="qwen3_5",
+        arch=arch,
+        vocab_size=pos_int(raw, "vocab_size", where),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 32768),
+        rope=rope_from(raw, where, head_dim),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        torch_dtype=torch_dtype(raw, where),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids(raw, gen),
+        layers=tuple(full if t == FULL else linear for t in types),
+        quantized_source=bool(raw.get("quantized_source", False)),
+        int4_source=bool(raw.get("int4_source", False)),
+        skipped=skipped + ("the multi-token-prediction head (mtp.*)",),
+        layer_types=tuple(types),
+        attention_bias=bias,
+        linear_num_key_heads=hk,
+        linear_num_value_heads=hv,
+        linear_key_head_dim=dk,
+        linear_value_head_dim=dv,
+        conv_kernel=kernel,
+    )
+
+
+FAMILY = Family(
+    name="qwen3_5",
+    hf_architectures={
+        "Qwen3_5ForCausalLM": "qwen3_5",
+        "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    },
+    model_types={"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"},
+    gguf_architectures={"qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text")},
+    describe=describe,
+)

@@ -1,0 +1,294 @@
+"""A model's description: what the router sizes and the worker builds, read once per load.
+
+Parsed from a Hugging Face ``config.json`` (plus ``generation_config.json`` for EOS ids) or from a
+GGUF file's metadata (``pantheon.models.gguf.hf_config`` turns it into the same dict), by the
+architecture family that claims it (``pantheon.models.archs``, the one list of architectures).
+No torch here: the router imports it.
+
+A description is the family's own frozen dataclass (``LlamaDescription``, ``Qwen35Description``)
+on top of the fields every decoder has, plus one ``LayerSpec`` per decoder layer: the layer's
+kind, the shapes of its linear matrices as the engine fuses them (what a CPU path lays out and
+what sizing counts) and its **cache spec**:
+
+- ``AttentionCache(kv_heads, head_dim)``: paged K and V rows, bytes per token;
+- ``RecurrentState(tensors)``: a fixed-size state per running sequence (a slot), whatever the
+  context length: a linear-attention layer's conv window and its recurrent matrix.
+
+Everything that sizes memory (the router's booking, the worker's pools, ``max_model_len``) works
+from these specs, never from a formula for one architecture.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+ROPE_TYPES = {"default", "linear", "dynamic", "llama3", "yarn"}
+
+
+class ModelError(Exception):
+    """A model folder or file that cannot be described. ``kind``: not_found | unsupported | invalid
+    (the router's and the worker's error kinds for a load)."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+# ---------------------------------------------------------------- cache specs
+
+
+@dataclass(frozen=True)
+class AttentionCache:
+    """Paged K and V: ``kv_heads`` heads of ``head_dim`` values each, per token."""
+
+    kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of a recurrent state, per slot: ``shape`` in ``dtype`` ("model": the model's
+    compute dtype; "float32": always fp32, as a recurrence accumulating over thousands of tokens
+    needs)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # model | float32
+
+    def nbytes(self, model_dtype_bytes: int) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * (4 if self.dtype == "float32" else model_dtype_bytes)
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """A fixed-size state per running sequence (slot), whatever its length."""
+
+    tensors: tuple[StateTensor, ...]
+
+    def bytes_per_slot(self, dtype_bytes: int) -> int:
+        return sum(t.nbytes(dtype_bytes) for t in self.tensors)
+
+
+CacheSpec = AttentionCache | RecurrentState
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer: its kind, its linear matrices ``[N, K]`` (as the engine fuses them: the
+    CPU paths lay each out, sizing counts them), the count of its other parameters (norms,
+    biases, convolution, decay rates), and its cache spec."""
+
+    kind: str  # attention | linear_attention
+    linears: tuple[tuple[int, int], ...]
+    small: int
+    cache: CacheSpec
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE parameters; ``scaling`` holds the type-specific fields (factor, ...); ``rotary_dim``
+    is how many of a head's dimensions rotate (all but for partial rotary embeddings)."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    scaling: dict = field(default_factory=dict)
+    rotary_dim: int = 0  # 0: the whole head
+
+
+# ---------------------------------------------------------------- the description
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelDescription:
+    """What every decoder-only model has; families subclass it with their own fields."""
+
+    family: str  # the pantheon.models.archs family that built it (and workers.models.<family>)
+    arch: str  # the member of the family: llama | qwen2 | qwen3 | qwen3_5
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int  # of the attention layers
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    torch_dtype: str  # the checkpoint's dtype name: bfloat16 | float16 | float32
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    layers: tuple[LayerSpec, ...]
+    quantized_source: bool = False  # a GGUF file whose weights are all stored quantized
+    int4_source: bool = False  # ... and its decoder linears in 4-bit groups of 32 (Q4_0/Q4_1/Q4_K)
+    skipped: tuple[str, ...] = ()  # what of the checkpoint the engine leaves out, said in the load log
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope.rotary_dim or self.head_dim
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context the model takes: its trained length, stretched by dynamic RoPE."""
+        if self.rope.type == "dynamic":
+            return int(self.max_position_embeddings * float(self.rope.scaling["factor"]))
+        return self.max_position_embeddings
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, s in enumerate(self.layers) if isinstance(s.cache, AttentionCache)]
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        return [i for i, s in enumerate(self.layers) if isinstance(s.cache, RecurrentState)]
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one token over the attention layers."""
+        return sum(
+            s.cache.bytes_per_token(dtype_bytes) for s in self.layers if isinstance(s.cache, AttentionCache)
+        )
+
+    def state_bytes_per_slot(self, dtype_bytes: int) -> int:
+        """The recurrent states of one running sequence over the layers that keep one."""
+        return sum(
+            s.cache.bytes_per_slot(dtype_bytes) for s in self.layers if isinstance(s.cache, RecurrentState)
+        )
+
+
+# ---------------------------------------------------------------- parsing helpers (for families)
+
+
+def pos_int(raw: dict, key: str, where: str, default: Any = ...) -> int:
+    """``raw[key]`` as a positive integer; ``default`` when missing (if given)."""
+    if key not in raw or raw[key] is None:
+        if default is not ...:
+            return default
+        raise ModelError("invalid", f"{where}: missing field {key!r}")
+    v = raw[key]
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ModelError("invalid", f"{where}: field {key!r} must be a positive integer, got {v!r}")
+    return v
+
+
+def rope_from(raw: dict, where: str, head_dim: int) -> RopeConfig:
+    """RoPE settings in either style: ``rope_theta`` + ``rope_scaling``, or transformers 5's
+    ``rope_parameters`` (either may say ``type`` or ``rope_type``); ``partial_rotary_factor`` at
+    the top level or inside ``rope_parameters`` rotates only the first dimensions of a head."""
+    params = raw.get("rope_parameters")
+    scaling = raw.get("rope_scaling")
+    src: dict = {}
+    if isinstance(params, dict):
+        src = dict(params)
+    if isinstance(scaling, dict):
+        src.update(scaling)
+    theta = raw.get("rope_theta")
+    if theta is None:
+        theta = src.get("rope_theta", 10000.0)
+    partial = raw.get("partial_rotary_factor", src.get("partial_rotary_factor", 1.0))
+    rope_type = src.get("rope_type") or src.get("type") or "default"
+    # multimodal RoPE sections change nothing for text: every axis then has the same position
+    for k in (
+        "rope_type",
+        "type",
+        "rope_theta",
+        "partial_rotary_factor",
+        "mrope_section",
+        "mrope_interleaved",
+    ):
+        src.pop(k, None)
+    if rope_type not in ROPE_TYPES:
+        raise ModelError(
+            "unsupported",
+            f"{where}: rope_scaling type {rope_type!r} is not supported "
+            f"(supported: {', '.join(sorted(ROPE_TYPES))})",
+        )
+    if rope_type != "default" and "factor" not in src:
+        raise ModelError("invalid", f"{where}: rope_scaling type {rope_type!r} needs 'factor'")
+    if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1:
+        raise ModelError("invalid", f"{where}: partial_rotary_factor must be in (0, 1], got {partial!r}")
+    dim = int(head_dim * partial)
+    if dim < 2 or dim % 2:
+        raise ModelError("invalid", f"{where}: partial_rotary_factor {partial} gives {dim} rotary dimensions")
+    return RopeConfig(
+        theta=float(theta), type=rope_type, scaling=src, rotary_dim=0 if dim == head_dim else dim
+    )
+
+
+def eos_ids(raw: dict, gen: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    for src in (gen, raw):
+        v = src.get("eos_token_id")
+        for i in v if isinstance(v, list) else [v]:
+            if isinstance(i, int) and not isinstance(i, bool) and i not in ids:
+                ids.append(i)
+    return tuple(ids)
+
+
+def torch_dtype(raw: dict, where: str) -> str:
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    if dtype not in DTYPE_BYTES:
+        raise ModelError("unsupported", f"{where}: field 'torch_dtype' {dtype!r} is not supported")
+    return dtype
+
+
+# ---------------------------------------------------------------- reading
+
+
+def describe(raw: Any, gen: dict, where: str) -> ModelDescription:
+    """The description of a ``config.json`` dict (``gen``: ``generation_config.json``, for EOS
+    ids); errors name ``where``."""
+    from pantheon.models import archs
+
+    if not isinstance(raw, dict):
+        raise ModelError("invalid", f"{where}: not a JSON object")
+    family, arch = archs.family_of(raw, where)
+    return family.describe(raw, gen, where, arch)
+
+
+def read_description(path: str | Path) -> ModelDescription:
+    """Read and check a model's description: a Hugging Face folder's ``config.json`` (and
+    ``generation_config.json`` for EOS ids), or a GGUF file's metadata (the file, or the one
+    ``.gguf`` in a folder). Raises ``ModelError``."""
+    from pantheon.models.gguf import GGUFError, find_gguf, hf_config, read_gguf
+
+    try:
+        found = find_gguf(path)
+        if found is not None:
+            return describe(hf_config(read_gguf(found)), {}, f"{found} (GGUF metadata)")
+    except GGUFError as e:
+        raise ModelError(e.kind, e.reason) from None
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelError("not_found", f"{folder}: no such model folder or .gguf file")
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ModelError("not_found", f"{cfg_path}: missing config.json (and no .gguf file)")
+    raw = _read_json(cfg_path)
+    gen_path = folder / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    return describe(raw, gen if isinstance(gen, dict) else {}, str(cfg_path))
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelError("invalid", f"{path}: not valid JSON ({e})") from None

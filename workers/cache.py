@@ -1,0 +1,86 @@
+"""The engine's cache tensors, one entry per decoder layer, built from the layers' cache specs
+(``pantheon.models.description``):
+
+- ``KVCache``: an attention layer's paged K and V, ``[num_blocks * block_size, KV, D]`` each; the
+  block manager (``workers/block_manager.py``) says which rows each sequence holds;
+- ``StateCache``: a recurrent layer's state pool, one state per slot (``[slots + 1, ...]``: the
+  last one is scratch for prompt logits computed outside the scheduler), on that layer's device.
+  A slot's state is overwritten from zero when a sequence starts in it, so nothing needs clearing
+  when a sequence leaves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pantheon.models.description import AttentionCache, ModelDescription, RecurrentState
+
+
+@dataclass
+class KVCache:
+    k: torch.Tensor  # [rows, KV, D]
+    v: torch.Tensor  # [rows, KV, D]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass
+class StateCache:
+    tensors: dict[str, torch.Tensor]  # name -> [slots + 1, *shape]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+LayerCache = KVCache | StateCache
+
+
+def make_caches(
+    desc: ModelDescription,
+    layer_devices: list[torch.device],
+    rows: int,
+    num_slots: int,
+    dtype: torch.dtype,
+) -> list[LayerCache]:
+    """Every layer's cache on its device: ``rows`` KV rows, ``num_slots`` (+1 scratch) states."""
+    out: list[LayerCache] = []
+    for spec, dev in zip(desc.layers, layer_devices):
+        c = spec.cache
+        if isinstance(c, AttentionCache):
+            shape = (rows, c.kv_heads, c.head_dim)
+            out.append(
+                KVCache(
+                    torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev)
+                )
+            )
+        elif isinstance(c, RecurrentState):
+            out.append(
+                StateCache(
+                    {
+                        t.name: torch.zeros(
+                            (num_slots + 1, *t.shape),
+                            dtype=torch.float32 if t.dtype == "float32" else dtype,
+                            device=dev,
+                        )
+                        for t in c.tensors
+                    }
+                )
+            )
+        else:  # pragma: no cover - a new spec kind needs its cache here
+            raise TypeError(f"no cache for {c!r}")
+    return out
+
+
+def kv_block_bytes(desc: ModelDescription, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes over all attention layers (K and V)."""
+    return block_size * desc.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+def state_bytes(desc: ModelDescription, num_slots: int, dtype: torch.dtype) -> int:
+    """Bytes of the state pools for ``num_slots`` slots (the scratch slot included)."""
+    return (num_slots + 1) * desc.state_bytes_per_slot(torch.empty((), dtype=dtype).element_size())

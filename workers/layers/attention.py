@@ -1,0 +1,119 @@
+"""Attention over the paged KV cache, and the step's batch description its layers read.
+
+One forward call of a model takes a flat batch of N tokens: first one token for each decoding
+sequence, then the tokens of the prefill chunks. Linear layers see all N rows at once (the weights
+are read once per step, which is what decode speed on a CPU is bound by); attention runs once for
+the decode rows together and once per prefill chunk. The runner builds one ``StepBatch`` per
+device; each layer kind takes what it needs from it (attention: rotary tables, cache rows and
+gathers; a recurrent layer: the slot of each row and where each prefill chunk starts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prefill chunk inside the flat batch."""
+
+    start: int  # first row of the chunk in the flat batch
+    end: int  # one past its last row
+    gather: torch.Tensor  # [T] int64: cache rows of positions 0..T-1 of this sequence
+    mask: torch.Tensor | None  # [1, 1, C, T] bool (True = attend), None when plain causal
+    slot: int = 0  # the sequence's slot: where a recurrent layer keeps its state
+    fresh: bool = True  # the chunk starts the sequence: recurrent states start from zero
+
+
+@dataclass
+class StepBatch:
+    """Where each token's K/V goes and what each query attends to, on one device.
+
+    The rotary tables cover q and k heads together (``[N, H + KV, D]``) and already hold the
+    softmax scale on the q heads, so each layer rotates q and k in one pass and never scales
+    its scores. ``rot_sin`` is signed for the swapped-halves form (``layers.rotary.rotate``).
+    """
+
+    rot_cos: torch.Tensor  # [N, H + KV, D]
+    rot_sin: torch.Tensor  # [N, H + KV, D]: -sin on the first half of D, +sin on the second
+    slot_mapping: torch.Tensor  # [N] int64: cache row that receives each token's K/V
+    n_decode: int  # rows [0, n_decode) are one decode token per sequence
+    decode_gather: torch.Tensor | None  # [B, T] int64 cache rows (padding points at row 0)
+    decode_bias: torch.Tensor | None  # [B, 1, 1, T] fp32, -inf on padding; None when no row pads
+    prefills: list[PrefillChunk]
+    decode_slots: torch.Tensor | None = None  # [B] int64: each decode row's slot (recurrent layers)
+
+    def to(self, dev: torch.device) -> StepBatch:
+        """The same batch description on another device (layers split across dies)."""
+
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(dev, non_blocking=True)
+
+        return StepBatch(
+            self.rot_cos.to(dev, non_blocking=True),
+            self.rot_sin.to(dev, non_blocking=True),
+            self.slot_mapping.to(dev, non_blocking=True),
+            self.n_decode,
+            mv(self.decode_gather),
+            mv(self.decode_bias),
+            [
+                PrefillChunk(c.start, c.end, c.gather.to(dev), mv(c.mask), c.slot, c.fresh)
+                for c in self.prefills
+            ],
+            mv(self.decode_slots),
+        )
+
+
+AttnBatch = StepBatch  # the name the attention code grew up with
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    b: StepBatch,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """Write the step's K/V into the cache, then attend. q: [N, H, D] (pre-scaled), k, v:
+    [N, KV, D]; k_cache, v_cache: [rows, KV, D] -> [N, H, D]."""
+    k_cache.index_copy_(0, b.slot_mapping, k)
+    v_cache.index_copy_(0, b.slot_mapping, v)
+    if not b.prefills:  # the pure decode step: no copy into a shared output
+        return decode_attention(q, b, k_cache, v_cache)
+    out = torch.empty_like(q)  # [N, H, D]
+    if b.n_decode:
+        out[: b.n_decode] = decode_attention(q[: b.n_decode], b, k_cache, v_cache)
+    for c in b.prefills:
+        kk = k_cache[c.gather].transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]
+        vv = v_cache[c.gather].transpose(0, 1).unsqueeze(0)
+        qp = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, C, D]
+        o = F.scaled_dot_product_attention(
+            qp, kk, vv, attn_mask=c.mask, is_causal=c.mask is None, enable_gqa=True, scale=1.0
+        )
+        out[c.start : c.end] = o[0].transpose(0, 1)
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor, b: StepBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> torch.Tensor:
+    """One (pre-scaled) query per sequence against its cached keys. q: [B, H, D] -> [B, H, D].
+
+    Plain matmuls rather than SDPA: with one query row the fused CPU kernel's setup costs
+    more than the arithmetic. Grouped heads share their K/V without copying them.
+    """
+    assert b.decode_gather is not None  # a batch with decode rows has its gather
+    bsz, h, d = q.shape
+    kv = k_cache.shape[1]
+    k = k_cache[b.decode_gather].transpose(1, 2)  # [B, KV, T, D]
+    v = v_cache[b.decode_gather].transpose(1, 2)
+    qg = q.reshape(bsz, kv, h // kv, d)  # [B, KV, G, D]
+    scores = torch.matmul(qg, k.transpose(2, 3))  # [B, KV, G, T]
+    if b.decode_bias is not None:
+        scores = scores + b.decode_bias  # fp32 from here; bias: [B, 1, 1, T]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).view(bsz, h, d)  # [B, KV, G, D]

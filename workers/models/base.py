@@ -1,0 +1,62 @@
+"""What every decoder-only language model here shares: token embedding, decoder layers (on one
+or several devices), final norm and LM head. Families supply the layers and the norm."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.cache import LayerCache
+from workers.layers.attention import StepBatch
+
+
+class DecoderLayer(nn.Module):
+    """A layer's interface: ``forward(x [N, hidden], batch, cache) -> [N, hidden]``."""
+
+    def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+
+class DecoderLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head. Layers may live on several devices."""
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, layers: list[nn.Module], norm: nn.Module, tied: bool
+    ):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        # an nn.ModuleList (registered as submodules), typed as what it holds
+        self.layers = cast("list[DecoderLayer]", nn.ModuleList(layers))
+        self.norm = norm
+        # None: tied to the embedding table; a CPU path may set it to a laid-out copy
+        # (workers/cpu_paths.py), so any module mapping [M, hidden] -> [M, vocab].
+        self.lm_head: nn.Module | None = None if tied else nn.Linear(hidden_size, vocab_size, bias=False)
+        # Filled by the loader: the device of each layer (layers split across dies).
+        self.layer_devices: list[torch.device] = []
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else cast(torch.Tensor, self.lm_head.weight)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batches: dict[torch.device, StepBatch],
+        caches: list[LayerCache],
+    ) -> torch.Tensor:
+        """input_ids: [N] -> hidden states after the final norm: [N, hidden]."""
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            dev = self.layer_devices[i]
+            if h.device != dev:
+                h = h.to(dev)
+            h = layer(h, batches[dev], caches[i])
+        return self.norm(h.to(self.embed_tokens.weight.device))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [M, hidden] -> logits [M, vocab] in fp32."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()

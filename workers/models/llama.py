@@ -1,0 +1,195 @@
+"""The Llama family (Llama, Qwen2, Qwen3, SmolLM, Mistral without a window) in plain torch.
+
+Every layer: RMSNorm, attention over the paged KV cache (q/k/v fused into one matrix, Qwen2's
+biases, Qwen3's per-head q/k RMSNorm), RMSNorm, SwiGLU MLP (gate/up fused): fewer, larger matrix
+products per layer. Description: ``pantheon/models/archs/llama.py``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pantheon.models.archs.llama import LlamaDescription
+from pantheon.models.description import ModelDescription
+from workers.cache import KVCache, LayerCache
+from workers.layers.attention import StepBatch, paged_attention
+from workers.layers.norms import RMSNorm
+from workers.layers.rotary import rotate
+from workers.models import Target
+from workers.models.base import DecoderLayer, DecoderLM
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaDescription):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, b: StepBatch, cache: KVCache) -> torch.Tensor:
+        # x: [N, hidden]
+        n, h, kvh, d = x.shape[0], self.n_heads, self.n_kv, self.head_dim
+        qkv = self.qkv_proj(x)  # [N, Q + 2 KV]
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither
+            q = self.q_norm(qkv[:, : self.q_size].view(n, h, d))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(n, kvh, d))
+            qk = torch.cat((q, k), dim=1)
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, h + kvh, d)
+        qk = rotate(qk, b.rot_cos, b.rot_sin)  # [N, H + KV, D], q pre-scaled
+        v = qkv[:, self.q_size + self.kv_size :].view(n, kvh, d)
+        out = paged_attention(qk[:, :h], qk[:, h:], v, b, cache.k, cache.v)  # [N, H, D]
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up fused: ``down(silu(gate x) * up x)``."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x)  # [N, 2I]
+        return self.down_proj(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
+
+
+class LlamaLayer(DecoderLayer):
+    def __init__(self, cfg: LlamaDescription):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
+        assert isinstance(cache, KVCache)  # every Llama layer is attention
+        x = x + self.self_attn(self.input_layernorm(x), b, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def build(desc: ModelDescription) -> DecoderLM:
+    assert isinstance(desc, LlamaDescription)
+    layers: list[nn.Module] = [LlamaLayer(desc) for _ in range(desc.num_layers)]
+    norm = RMSNorm(desc.hidden_size, desc.rms_norm_eps)
+    return DecoderLM(desc.vocab_size, desc.hidden_size, layers, norm, desc.tie_word_embeddings)
+
+
+# ---------------------------------------------------------------- checkpoint names
+
+
+def mlp_targets(t: dict[str, Target], p: str, mlp: MLP, hidden: int) -> None:
+    """gate_proj and up_proj fill the fused gate_up matrix; down_proj its own."""
+    t[f"{p}mlp.gate_proj.weight"] = Target(mlp.gate_up_proj.weight, 0, mlp.inter)
+    t[f"{p}mlp.up_proj.weight"] = Target(mlp.gate_up_proj.weight, mlp.inter, mlp.inter)
+    t[f"{p}mlp.down_proj.weight"] = Target(mlp.down_proj.weight, 0, hidden)
+
+
+def top_targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
+    t = {
+        "model.embed_tokens.weight": Target(model.embed_tokens.weight, 0, desc.vocab_size),
+        "model.norm.weight": Target(model.norm.weight, 0, desc.hidden_size),
+    }
+    if model.lm_head is not None:
+        t["lm_head.weight"] = Target(model.lm_head.weight, 0, desc.vocab_size)  # pyright: ignore[reportArgumentType]
+    return t
+
+
+def targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
+    """Checkpoint tensor name -> the parameter rows it fills."""
+    assert isinstance(desc, LlamaDescription)
+    t = top_targets(model, desc)
+    q, kv, hidden = desc.q_size, desc.kv_size, desc.hidden_size
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, LlamaLayer)
+        p = f"model.layers.{i}."
+        a = layer.self_attn
+        for kind, (off, rows) in {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}.items():
+            t[f"{p}self_attn.{kind}_proj.weight"] = Target(a.qkv_proj.weight, off, rows)
+            if desc.attention_bias:
+                t[f"{p}self_attn.{kind}_proj.bias"] = Target(a.qkv_proj.bias, off, rows)
+        t[f"{p}self_attn.o_proj.weight"] = Target(a.o_proj.weight, 0, hidden)
+        if desc.o_bias:
+            t[f"{p}self_attn.o_proj.bias"] = Target(a.o_proj.bias, 0, hidden)
+        if a.q_norm is not None and a.k_norm is not None:
+            t[f"{p}self_attn.q_norm.weight"] = Target(a.q_norm.weight, 0, desc.head_dim)
+            t[f"{p}self_attn.k_norm.weight"] = Target(a.k_norm.weight, 0, desc.head_dim)
+        mlp_targets(t, p, layer.mlp, hidden)
+        t[f"{p}input_layernorm.weight"] = Target(layer.input_layernorm.weight, 0, hidden)
+        t[f"{p}post_attention_layernorm.weight"] = Target(layer.post_attention_layernorm.weight, 0, hidden)
+    return t
+
+
+def checkpoint_name(name: str) -> str | None:
+    return name
+
+
+# GGUF tensor names (llama.cpp's, as its converter writes them) -> Hugging Face names.
+GGUF_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def gguf_name_from(name: str, top: dict[str, str], layer: dict[str, str]) -> str | None:
+    """A GGUF tensor's Hugging Face name through a family's tables (None: not in them)."""
+    if name in top:
+        return top[name]
+    m = _BLK.fullmatch(name)
+    if m and m.group(2) in layer:
+        return f"model.layers.{int(m.group(1))}.{layer[m.group(2)]}"
+    return None
+
+
+def gguf_name(name: str) -> str | None:
+    return gguf_name_from(name, GGUF_TOP, GGUF_LAYER)
+
+
+def unpermute(w, n_head: int):
+    """Inverse of convert_hf_to_gguf's ``LlamaModel.permute`` on the rows of q or k (or a bias):
+    per head, rows [pairs of (2i, 2i+1)] back to [first halves, second halves]. ``w`` is a torch
+    tensor or a numpy array."""
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        return w  # a wrong shape: the loader's shape check reports it
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def from_gguf(name: str, tensor: torch.Tensor, desc: ModelDescription, arch: str) -> torch.Tensor:
+    """For the ``llama`` architecture llama.cpp's converter reorders the rows of q and k (and their
+    biases) per head from the rotate-half layout to interleaved pairs; undo it. Qwen2 and Qwen3
+    files keep the Hugging Face order."""
+    if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        return unpermute(tensor, desc.num_heads if ".q_proj." in name else desc.num_kv_heads)
+    return tensor
