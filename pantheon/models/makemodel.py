@@ -389,6 +389,13 @@ def _qwen35_decoder_layer(t: dict, layer_type: str) -> list[tuple[str, tuple[int
             ("self_attn.q_proj.weight", (nq * hd * 2, h), "normal"),  # per head: query, then gate
             ("self_attn.v_proj.weight", (nkv * hd, h), "normal"),
         ]
+        if t.get("attention_bias"):  # biases on all four projections, as transformers builds them
+            mixer += [
+                ("self_attn.k_proj.bias", (nkv * hd,), "normal"),
+                ("self_attn.o_proj.bias", (h,), "normal"),
+                ("self_attn.q_proj.bias", (nq * hd * 2,), "normal"),
+                ("self_attn.v_proj.bias", (nkv * hd,), "normal"),
+            ]
     else:
         raise ValueError(f"unknown Qwen3.5 layer type {layer_type!r}")
     return [

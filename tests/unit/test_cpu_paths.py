@@ -110,11 +110,15 @@ def test_quantize_and_dtype_narrow_the_candidates():
     assert cpu_path_names(False, works={"bf16": "", "fp32": "no", "bf16-packed": "x"}) == ["bf16"]
 
 
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3.5-text"])
 @pytest.mark.parametrize("name", WORKING)
-def test_every_working_path_matches_the_fp32_reference(name, model_factory):
+def test_every_working_path_matches_the_fp32_reference(name, preset, model_factory):
     """Each path's logits against the plain fp32 path on the same checkpoint; within a dtype,
-    packed and plain give the same greedy tokens."""
-    path = str(model_factory("tiny-llama", dtype="float32", num_hidden_layers=2))
+    packed and plain give the same greedy tokens. On Qwen3.5 too: the paths lay out the fused
+    DeltaNet projections (whose row count int4 does not take: int8 rows then) and the gated
+    attention's."""
+    layers = {"tiny-llama": 2, "tiny-qwen3.5-text": 4}[preset]
+    path = str(model_factory(preset, dtype="float32", num_hidden_layers=layers))
     prompt = [3, 14, 15, 92, 65, 35, 89, 79]
     ref = Engine(path, devices=["cpu"], kv_budget_bytes=1 << 20, cpu_path="fp32")
     eng = Engine(

@@ -1,4 +1,8 @@
-"""Continuous batching: what one request gets never depends on what shares its batch."""
+"""Continuous batching: what one request gets never depends on what shares its batch.
+
+Run on a Llama-family model (paged KV in every layer) and on a Qwen3.5 hybrid (three of four
+layers keep a recurrent state per slot): joins, leaves, chunked prefill, preemption and aborts
+must leave every neighbour's tokens exactly as they are alone."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import torch
 from pantheon.protocol import SamplingParams
 from workers.engine import Engine, RequestRejected
 from workers.model_config import load_config
-from workers.runner import kv_block_bytes
+from workers.cache import kv_block_bytes
 
 PROMPTS = [
     [5, 17, 300, 41],
@@ -40,9 +44,9 @@ def drain(eng: Engine, on_step=None) -> dict[str, list[int]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def path(model_factory):
-    return str(model_factory("tiny-llama", dtype="float32"))
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3.5-text"])
+def path(model_factory, request):
+    return str(model_factory(request.param, dtype="float32"))
 
 
 @pytest.fixture(scope="module")

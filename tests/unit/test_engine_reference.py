@@ -53,9 +53,11 @@ def assert_matches(path, prompt=PROMPT, n_tokens=17, **kw):
     assert tokens == ref_tokens
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny", "tiny-qwen3.5-text", "tiny-qwen3.5"])
 def test_logits_match_transformers(model_factory, preset):
-    """Every prefill position, then 16 decode steps, for Llama, Qwen2 (biases), Qwen3 (q/k norms)."""
+    """Every prefill position, then 16 decode steps, for Llama, Qwen2 (biases), Qwen3 (q/k norms),
+    Qwen3.5 (Gated DeltaNet + gated attention with partial RoPE), as a text checkpoint and in the
+    Hub's multimodal layout (vision tower and MTP head skipped)."""
     path = model_factory(preset, dtype="float32")
     ours = Engine(str(path), dtype="float32").prompt_logits(PROMPT)  # [T, V]
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -74,6 +76,22 @@ def test_llama_with_attention_bias(model_factory):
 def test_chunked_prefill_matches_transformers(model_factory):
     """A prompt split into 7-token chunks gives the same logits as one pass."""
     assert_matches(model_factory("tiny-llama", dtype="float32"), prefill_chunk=7, block_size=4)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 512])
+def test_qwen35_chunked_prefill_matches_transformers(model_factory, chunk):
+    """Qwen3.5's recurrent layers continue each prefill chunk from the slot's state: chunks of 1,
+    7, 64 and the whole prompt (70 tokens, past the DeltaNet's own 64-token chunks) all give
+    transformers' logits, and so do the 16 decode steps after."""
+    prompt = [(7 * i + 3) % 4000 for i in range(70)]
+    assert_matches(model_factory("tiny-qwen3.5-text", dtype="float32"), prompt=prompt, prefill_chunk=chunk)
+
+
+def test_qwen35_untied_head_and_attention_bias(model_factory):
+    """An untied LM head, and biases on the gated attention's projections."""
+    assert_matches(
+        model_factory("tiny-qwen3.5-text", dtype="float32", tie_word_embeddings=False, attention_bias=True)
+    )
 
 
 @pytest.mark.parametrize(

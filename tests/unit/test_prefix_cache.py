@@ -8,7 +8,7 @@ import torch
 from pantheon.protocol import SamplingParams
 from workers.engine import Engine
 from workers.model_config import load_config
-from workers.runner import kv_block_bytes
+from workers.cache import kv_block_bytes
 
 BS = 8  # block size in these tests
 

@@ -332,6 +332,9 @@ def test_worker_threads_share_the_cores(monkeypatch):
         ("tiny", False, "auto"),
         ("tiny-llama", False, "auto"),
         ("tiny-qwen2", False, "auto"),
+        ("tiny-qwen3.5", False, "auto"),
+        ("tiny-qwen3.5", False, "bf16-packed"),
+        ("tiny-qwen3.5", True, "int8"),
         ("tiny", True, "auto"),
         ("tiny", False, "bf16-packed"),
         ("tiny", False, "bf16"),
@@ -366,6 +369,8 @@ def test_estimate_matches_the_engine(model_factory, preset, quantize, path):
         cpu_path=eng.cpu_path,
     )
     assert eng.kv_bytes == kv
+    assert eng.state_bytes == (eng.num_slots + 1) * est.state_per_slot  # the slots and the scratch one
+    assert (est.state_per_slot > 0) == preset.startswith("tiny-qwen3.5")
     assert abs(eng.weight_bytes - est.weights) <= 0.01 * est.weights, (eng.weight_bytes, est.weights)
     bound = estimate(shape, quantize=quantize)  # before the choice: the largest it may be
     assert bound.weights >= est.weights and bound.kv_per_token >= est.kv_per_token
