@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pantheon.protocol import SamplingParams
+from workers.cache import kv_block_bytes
 from workers.engine import Engine, RequestRejected
 from workers.model_config import load_config
-from workers.cache import kv_block_bytes
 
 PROMPTS = [
     [5, 17, 300, 41],

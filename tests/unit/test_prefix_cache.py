@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pantheon.protocol import SamplingParams
+from workers.cache import kv_block_bytes
 from workers.engine import Engine
 from workers.model_config import load_config
-from workers.cache import kv_block_bytes
 
 BS = 8  # block size in these tests
 
