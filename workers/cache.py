@@ -4,7 +4,8 @@
 - ``KVCache``: an attention layer's paged K and V, ``[num_blocks * block_size, KV, D]`` each; the
   block manager (``workers/block_manager.py``) says which rows each sequence holds;
 - ``StateCache``: a recurrent layer's state pool, one state per slot (``[slots + 1, ...]``: the
-  last one is scratch for prompt logits computed outside the scheduler), on that layer's device.
+  last one is scratch for prompt logits computed outside the scheduler), on that layer's device,
+  and its prefix cache's checkpoints (``[checkpoints, ...]``, ``workers/state_checkpoints.py``).
   A slot's state is overwritten from zero when a sequence starts in it, so nothing needs clearing
   when a sequence leaves.
 """
@@ -31,10 +32,12 @@ class KVCache:
 @dataclass
 class StateCache:
     tensors: dict[str, torch.Tensor]  # name -> [slots + 1, *shape]
+    checkpoints: dict[str, torch.Tensor]  # name -> [checkpoints, *shape]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        ts = list(self.tensors.values()) + list(self.checkpoints.values())
+        return sum(t.numel() * t.element_size() for t in ts)
 
 
 LayerCache = KVCache | StateCache
@@ -46,8 +49,10 @@ def make_caches(
     rows: int,
     num_slots: int,
     dtype: torch.dtype,
+    checkpoints: int = 0,
 ) -> list[LayerCache]:
-    """Every layer's cache on its device: ``rows`` KV rows, ``num_slots`` (+1 scratch) states."""
+    """Every layer's cache on its device: ``rows`` KV rows, ``num_slots`` (+1 scratch) states and
+    ``checkpoints`` state checkpoints."""
     out: list[LayerCache] = []
     for spec, dev in zip(desc.layers, layer_devices):
         c = spec.cache
@@ -59,18 +64,16 @@ def make_caches(
                 )
             )
         elif isinstance(c, RecurrentState):
-            out.append(
-                StateCache(
-                    {
-                        t.name: torch.zeros(
-                            (num_slots + 1, *t.shape),
-                            dtype=torch.float32 if t.dtype == "float32" else dtype,
-                            device=dev,
-                        )
-                        for t in c.tensors
-                    }
-                )
-            )
+
+            def pool(n: int, c: RecurrentState = c, dev: torch.device = dev) -> dict[str, torch.Tensor]:
+                return {
+                    t.name: torch.zeros(
+                        (n, *t.shape), dtype=torch.float32 if t.dtype == "float32" else dtype, device=dev
+                    )
+                    for t in c.tensors
+                }
+
+            out.append(StateCache(pool(num_slots + 1), pool(checkpoints)))
         else:  # pragma: no cover - a new spec kind needs its cache here
             raise TypeError(f"no cache for {c!r}")
     return out
@@ -81,6 +84,6 @@ def kv_block_bytes(desc: ModelDescription, block_size: int, dtype: torch.dtype) 
     return block_size * desc.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
 
 
-def state_bytes(desc: ModelDescription, num_slots: int, dtype: torch.dtype) -> int:
-    """Bytes of the state pools for ``num_slots`` slots (the scratch slot included)."""
-    return (num_slots + 1) * desc.state_bytes_per_slot(torch.empty((), dtype=dtype).element_size())
+def state_bytes(desc: ModelDescription, states: int, dtype: torch.dtype) -> int:
+    """Bytes of ``states`` recurrent states (slots, scratch and checkpoints alike)."""
+    return states * desc.state_bytes_per_slot(torch.empty((), dtype=dtype).element_size())

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from pantheon.models.sizing import state_checkpoints
 from pantheon.protocol import InstanceStats, SamplingParams, SlotInfo, TokenOut
 from workers import cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
@@ -29,6 +30,7 @@ from workers.model_config import load_config
 from workers.runner import ModelRunner
 from workers.sampler import SamplerState, sample
 from workers.scheduler import Scheduler, Sequence, StepPlan
+from workers.state_checkpoints import CheckpointIndex
 from workers.step_budget import DEFAULT_TARGET_S, StepBudget
 
 __all__ = ["Engine", "LoadError", "RequestRejected"]
@@ -51,6 +53,7 @@ class Engine:
         cpu_path: str | None = None,
         compile_decode: bool | None = None,
         prefix_cache: bool = True,
+        state_checkpoint_count: int | None = None,
         progress: Callable[[int, int], None] | None = None,
     ):
         if num_slots < 1 or prefill_chunk < 1 or block_size < 1:
@@ -96,15 +99,23 @@ class Engine:
         self.max_model_len = min(max_model_len or limit, limit)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = list(cfg.eos_token_ids)
-        # A recurrent layer's state cannot be rebuilt from cached KV blocks: until its states are
-        # checkpointed at block boundaries, a model with such layers runs without the prefix cache.
-        self.prefix_cache = prefix_cache and not cfg.recurrent_layers
+        # A recurrent layer's state cannot be rebuilt from cached KV blocks: a model with such
+        # layers keeps state checkpoints at block boundaries beside them (workers/state_checkpoints.py)
+        self.checkpoints: CheckpointIndex | None = None
+        if cfg.recurrent_layers and prefix_cache:
+            n = state_checkpoints(num_slots) if state_checkpoint_count is None else state_checkpoint_count
+            self.checkpoints = CheckpointIndex(n) if n else None
+        self.prefix_cache = prefix_cache and (not cfg.recurrent_layers or self.checkpoints is not None)
         self.blocks = BlockManager(num_blocks, block_size, enable_cache=self.prefix_cache)
-        self.scheduler = Scheduler(self.blocks, num_slots, prefill_chunk, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.blocks, num_slots, prefill_chunk, self.max_model_len, self.checkpoints
+        )
         # Prefill per step: at most prefill_chunk, fewer when measured steps would outgrow the
         # target (a slow CPU, a big model), so decoding streams keep flowing past long prompts.
         self.budget = StepBudget(target_s=step_target_s, ceiling=prefill_chunk)
-        self.runner: ModelRunner = ModelRunner(self.model, cfg, self.blocks, dt, num_slots)
+        self.runner: ModelRunner = ModelRunner(
+            self.model, cfg, self.blocks, dt, num_slots, self.checkpoints.capacity if self.checkpoints else 0
+        )
         # Opt-in (PANTHEON_COMPILE=1): minutes of compile at load for faster decode steps
         self.compile_error: str | None = None
         if compile_decode if compile_decode is not None else compiled_wanted():
@@ -220,6 +231,8 @@ class Engine:
     def reset_cache(self) -> None:
         """Forget every cached prefix (running requests keep their blocks)."""
         self.blocks.reset_cache()
+        if self.checkpoints is not None:
+            self.checkpoints.reset()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -242,8 +255,12 @@ class Engine:
             if (c := self._constraints.get(s.request_id)) is not None and c.masking
         ]
         masks = self.grammars.start_masks([c for _i, c in guided]) if guided else None
+        for slot, checkpoint in plan.restores:
+            self.runner.load_state(slot, checkpoint)
         logits = self.runner.run(plan)
         self.scheduler.commit(plan)
+        if self.checkpoints is not None:
+            self._checkpoint(plan)
         if seqs:
             if self.on_logits is not None:
                 self.on_logits(seqs, logits)
@@ -265,6 +282,28 @@ class Engine:
         self.steps += 1
         self.step_seconds += took
         return outs
+
+    def _checkpoint(self, plan: StepPlan) -> None:
+        """Keep the recurrent states of the block boundaries this step reached: a prompt's last
+        one (its prefill chunk ends there) and, for a decoding sequence, the newest one it has
+        passed (replacing its previous one), so a conversation's next turn restores them."""
+        ck, bs = self.checkpoints, self.blocks.block_size
+        assert ck is not None
+        seqs = [(s, False) for s in plan.decode] + [(s, True) for s, _n in plan.prefill]
+        for s, prefill in seqs:
+            n = s.num_computed
+            if not s.use_cache or s.slot is None or n == 0 or n % bs or len(s.block_hashes) < n // bs:
+                continue
+            if prefill and n != s.prompt_len // bs * bs:
+                continue  # an earlier boundary of a long prompt: not worth a checkpoint
+            h = s.block_hashes[n // bs - 1]
+            if not prefill and s.decode_checkpoint is not None and s.decode_checkpoint != h:
+                ck.drop(s.decode_checkpoint)
+            i = ck.put(h)
+            if i is not None:
+                self.runner.save_state(s.slot, i)
+            if not prefill:
+                s.decode_checkpoint = h
 
     def stats(self, instance: str) -> InstanceStats:
         slots = []

@@ -23,13 +23,21 @@ __all__ = ["ModelRunner", "kv_block_bytes"]
 
 class ModelRunner:
     def __init__(
-        self, model: DecoderLM, cfg: ModelConfig, blocks: BlockManager, dtype: torch.dtype, num_slots: int = 8
+        self,
+        model: DecoderLM,
+        cfg: ModelConfig,
+        blocks: BlockManager,
+        dtype: torch.dtype,
+        num_slots: int = 8,
+        checkpoints: int = 0,
     ):
         self.model, self.cfg, self.blocks, self.dtype = model, cfg, blocks, dtype
         self.devices = list(dict.fromkeys(model.layer_devices))
         self.main = model.embed_tokens.weight.device
         rows = blocks.num_blocks * blocks.block_size
-        self.caches: list[LayerCache] = make_caches(cfg, model.layer_devices, rows, num_slots, dtype)
+        self.caches: list[LayerCache] = make_caches(
+            cfg, model.layer_devices, rows, num_slots, dtype, checkpoints
+        )
         self.scratch_slot = num_slots  # the state slot of prompt logits computed outside the scheduler
         self.rotary = Rotary(cfg, self.main)
         self.compiled = None  # a workers.compiled.CompiledDecode for pure decode steps, opt-in
@@ -60,6 +68,22 @@ class ModelRunner:
     @property
     def state_bytes(self) -> int:
         return sum(c.nbytes for c in self.caches if isinstance(c, StateCache))
+
+    @torch.inference_mode()
+    def save_state(self, slot: int, checkpoint: int) -> None:
+        """Copy every recurrent layer's state of ``slot`` into prefix-cache ``checkpoint``."""
+        for c in self.caches:
+            if isinstance(c, StateCache):
+                for name, t in c.tensors.items():
+                    c.checkpoints[name][checkpoint].copy_(t[slot])
+
+    @torch.inference_mode()
+    def load_state(self, slot: int, checkpoint: int) -> None:
+        """Restore ``slot``'s recurrent states from prefix-cache ``checkpoint``."""
+        for c in self.caches:
+            if isinstance(c, StateCache):
+                for name, t in c.tensors.items():
+                    t[slot].copy_(c.checkpoints[name][checkpoint])
 
     def _tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg

@@ -6,6 +6,11 @@ prefill, oldest joiner first, so a decoding sequence waits at
 most one chunk for joiners. When the KV pool runs dry, the newest running sequence is
 preempted: its blocks are freed and it is recomputed from its tokens later; the others are
 untouched. Requests beyond the slot count wait FIFO.
+
+A model with recurrent layers (``checkpoints`` given) reuses a cached prefix only up to the
+longest block boundary whose state checkpoint is kept too (``workers/state_checkpoints.py``), and
+its prefill chunks end on block boundaries (the prompt's last one included), where the engine
+takes those checkpoints.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 
 from pantheon.protocol import FinishReason
 from workers.block_manager import BlockManager, block_hash
+from workers.state_checkpoints import CheckpointIndex
 
 
 @dataclass(eq=False)  # identity, not field equality: sequences are tracked by object
@@ -39,6 +45,8 @@ class Sequence:
     slot: int | None = None
     finish: FinishReason | None = None
     preemptions: int = 0
+    restore: int | None = None  # a state checkpoint to load into the slot before its first chunk
+    decode_checkpoint: bytes | None = None  # the hash of its newest decode-time state checkpoint
 
     @property
     def num_output(self) -> int:
@@ -62,6 +70,7 @@ class StepPlan:
     prefill: list[tuple[Sequence, int]]  # (sequence, tokens of it to compute this step)
     preempted: list[Sequence] = field(default_factory=list)
     truncated: list[Sequence] = field(default_factory=list)  # finished: the pool cannot hold more
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (slot, state checkpoint) to load first
 
     @property
     def empty(self) -> bool:
@@ -79,9 +88,15 @@ class StepPlan:
 
 class Scheduler:
     def __init__(
-        self, blocks: BlockManager, num_slots: int = 8, prefill_chunk: int = 128, max_model_len: int = 4096
+        self,
+        blocks: BlockManager,
+        num_slots: int = 8,
+        prefill_chunk: int = 128,
+        max_model_len: int = 4096,
+        checkpoints: CheckpointIndex | None = None,
     ):
         self.blocks = blocks
+        self.checkpoints = checkpoints
         self.slots: list[Sequence | None] = [None] * num_slots
         self.prefill_chunk = prefill_chunk
         self.max_model_len = max_model_len
@@ -120,8 +135,8 @@ class Scheduler:
 
     def schedule(self, prefill_tokens: int | None = None) -> StepPlan:
         """Plan the next step; it prefills at most ``prefill_tokens`` (default ``prefill_chunk``)."""
-        self._admit()
         plan = StepPlan(decode=[], prefill=[])
+        self._admit(plan)
         running = sorted(self.running(), key=lambda s: s.arrival)
 
         for seq in running:
@@ -136,7 +151,7 @@ class Scheduler:
                 break
             if seq.slot is None or seq.decoding or seq.finish:
                 continue
-            n = min(budget, seq.pending)
+            n = self._chunk(seq, min(budget, seq.pending))
             if not self.blocks.ensure(seq.block_table, seq.num_computed + n):
                 break  # wait for decoders to finish; never preempt a decoder for a joiner
             plan.prefill.append((seq, n))
@@ -145,13 +160,31 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _admit(self) -> None:
+    def _chunk(self, seq: Sequence, n: int) -> int:
+        """The tokens of ``seq`` to prefill now, at most ``n``: with recurrent layers the chunk
+        ends at the prompt's last block boundary when it would cross it (its state is
+        checkpointed there), and a chunk that does not finish the prompt ends on a boundary."""
+        if self.checkpoints is None or not seq.use_cache:
+            return n
+        bs, p0 = self.blocks.block_size, seq.num_computed
+        boundary = seq.prompt_len // bs * bs
+        if p0 < boundary < p0 + n:
+            return boundary - p0
+        end = (p0 + n) // bs * bs
+        if n < seq.pending and end > p0:
+            return end - p0
+        return n
+
+    def _admit(self, plan: StepPlan) -> None:
         for i, s in enumerate(self.slots):
             if s is None and self.waiting:
                 seq = self.waiting.popleft()
                 seq.slot = i
                 self.slots[i] = seq
                 self._reuse_prefix(seq)
+                if seq.restore is not None:
+                    plan.restores.append((i, seq.restore))
+                    seq.restore = None
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Start ``seq`` on the cached blocks of its longest cached prefix."""
@@ -161,6 +194,19 @@ class Scheduler:
         n_full = (len(seq.tokens) - 1) // self.blocks.block_size
         self._extend_hashes(seq, n_full)
         seq.block_table = self.blocks.match(seq.block_hashes[:n_full])
+        if self.checkpoints is not None:
+            # Recurrent layers: only as far as a boundary whose state is kept too.
+            keep = len(seq.block_table)
+            while keep and not self.checkpoints.has(seq.block_hashes[keep - 1]):
+                keep -= 1
+            if keep < len(seq.block_table):
+                dropped = seq.block_table[keep:]
+                del seq.block_table[keep:]
+                self.blocks.free(dropped)  # back to the cache, as they were
+                self.blocks.hits -= len(dropped)
+            if keep:
+                seq.restore = self.checkpoints.get(seq.block_hashes[keep - 1])
+                self.checkpoints.hits += 1
         seq.num_registered = len(seq.block_table)
         seq.num_computed = len(seq.block_table) * self.blocks.block_size
         if seq.preemptions == 0:
