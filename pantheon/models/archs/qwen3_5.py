@@ -23,6 +23,7 @@ from pantheon.models.description import (
     rope_from,
     torch_dtype,
 )
+from pantheon.models.gguf import GGUFError, GGUFFile, _field
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -142,6 +143,71 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> Qwen35Description:
     )
 
 
+def gguf_config(g: GGUFFile, raw: dict) -> None:
+    """A ``qwen35`` GGUF file's own fields, added to the ``config.json`` dict that
+    ``pantheon.models.gguf.hf_config`` builds (``partial_rotary_factor`` it sets from
+    ``rope.dimension_count``). llama.cpp's converter counts the multi-token-prediction blocks in
+    ``block_count`` (``nextn_predict_layers`` of them, last; absent with ``--no-mtp``) and lists
+    them in ``attention.recurrent_layers`` (as full attention); both are dropped here. Without
+    ``recurrent_layers`` the schedule is every ``full_attention_interval``-th layer (default 4), as
+    llama.cpp reads it. The linear-attention shapes are the ``ssm.*`` keys: ``conv_kernel``,
+    ``state_size`` (key head dim), ``group_count`` (key heads), ``time_step_rank`` (value heads),
+    ``inner_size`` (value heads * value head dim)."""
+    a = g.arch
+    blocks = _field(g, f"{a}.block_count")
+    nextn = g.meta.get(f"{a}.nextn_predict_layers", 0)
+    if not isinstance(nextn, int) or isinstance(nextn, bool) or not 0 <= nextn < blocks:
+        raise GGUFError(
+            "invalid",
+            f"{g.path}: metadata field '{a}.nextn_predict_layers' must be an integer from 0 to "
+            f"{blocks - 1} ('{a}.block_count' - 1), got {nextn!r}",
+        )
+    n = blocks - nextn
+    key = f"{a}.attention.recurrent_layers"
+    recurrent = g.meta.get(key)
+    if recurrent is None:
+        every = _field(g, f"{a}.full_attention_interval", default=4)
+        types = [FULL if (i + 1) % every == 0 else LINEAR for i in range(n)]
+    elif (
+        not isinstance(recurrent, list)
+        or len(recurrent) not in (n, blocks)
+        or not all(isinstance(r, bool) for r in recurrent)
+    ):
+        raise GGUFError(
+            "invalid",
+            f"{g.path}: metadata field {key!r} must list {blocks} booleans ('{a}.block_count'), "
+            f"got {recurrent!r}",
+        )
+    elif any(recurrent[n:]):
+        raise GGUFError(
+            "invalid",
+            f"{g.path}: metadata field {key!r} marks a multi-token-prediction block (past the first {n}) "
+            "recurrent",
+        )
+    else:
+        types = [LINEAR if r else FULL for r in recurrent[:n]]
+    hv = _field(g, f"{a}.ssm.time_step_rank")
+    inner = _field(g, f"{a}.ssm.inner_size")
+    if inner % hv:
+        raise GGUFError(
+            "invalid",
+            f"{g.path}: metadata field '{a}.ssm.inner_size' ({inner}) is not a multiple of "
+            f"'{a}.ssm.time_step_rank' ({hv}, the linear-attention value heads)",
+        )
+    # The base looks for blk.0.attn_q.bias, but block 0 is a linear-attention layer here.
+    full = [i for i, t in enumerate(types) if t == FULL]
+    raw.update(
+        attention_bias=bool(full) and f"blk.{full[0]}.attn_q.bias" in g.tensors,
+        num_hidden_layers=n,
+        layer_types=types,
+        linear_conv_kernel_dim=_field(g, f"{a}.ssm.conv_kernel"),
+        linear_key_head_dim=_field(g, f"{a}.ssm.state_size"),
+        linear_num_key_heads=_field(g, f"{a}.ssm.group_count"),
+        linear_num_value_heads=hv,
+        linear_value_head_dim=inner // hv,
+    )
+
+
 FAMILY = Family(
     name="qwen3_5",
     hf_architectures={
@@ -151,4 +217,5 @@ FAMILY = Family(
     model_types={"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"},
     gguf_architectures={"qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text")},
     describe=describe,
+    gguf_config=gguf_config,
 )
