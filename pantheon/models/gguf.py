@@ -412,7 +412,9 @@ def hf_config(g: GGUFFile) -> dict:
         vocab = len(tokens)
     else:
         vocab = _field(g, f"{a}.vocab_size")
-    two_d = [t.type_name for t in g.tensors.values() if len(t.shape) == 2]
+    # The matrices (a row of at least one quantization block): a depthwise convolution's [C, 4]
+    # taps (Qwen3.5's ssm_conv1d, which the converter keeps in F32) are not among them.
+    two_d = [t.type_name for t in g.tensors.values() if len(t.shape) == 2 and t.shape[-1] >= 32]
     dtype = (
         "float32"
         if two_d and all(t == "F32" for t in two_d)
@@ -425,7 +427,11 @@ def hf_config(g: GGUFFile) -> dict:
     quantized = bool(two_d) and not any(t in ("F32", "F16", "BF16") for t in two_d)
     # The decoder's linears in 4-bit affine groups of 32 (what Q4_0, Q4_1 and Q4_K blocks are): the
     # CPU's int4 layout then holds their own levels (workers/quant.py, Int4Linear).
-    blk = [t.type_name for name, t in g.tensors.items() if name.startswith("blk.") and len(t.shape) == 2]
+    blk = [
+        t.type_name
+        for name, t in g.tensors.items()
+        if name.startswith("blk.") and len(t.shape) == 2 and t.shape[-1] >= 32
+    ]
     int4 = bool(blk) and all(t in ("Q4_0", "Q4_1", "Q4_K") for t in blk)
     bias = "blk.0.attn_q.bias" in g.tensors
     eos = eos_token_ids(g)

@@ -36,7 +36,9 @@ from pantheon.models.sizing import SizingError, read_shape  # noqa: E402
 from pantheon.protocol import SamplingParams  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.errors import LoadError  # noqa: E402
-from workers.gguf_weights import dequantize, hf_name, unpermute  # noqa: E402
+from workers.gguf_weights import dequantize  # noqa: E402
+from workers.models.llama import gguf_name as hf_name  # noqa: E402
+from workers.models.llama import unpermute  # noqa: E402
 from workers.loader import load_model  # noqa: E402
 from workers.model_config import load_config  # noqa: E402
 
@@ -429,7 +431,7 @@ def test_folder_with_one_gguf_and_progress(files):
     assert cfg.arch == "qwen3" and cfg.torch_dtype == "bfloat16"
     assert model.embed_tokens.weight.dtype == torch.bfloat16 and model.lm_head is None  # tied
     assert calls and calls[-1][0] == calls[-1][1]  # every tensor
-    assert read_shape(path.parent).arch == "Qwen3ForCausalLM"
+    assert read_shape(path.parent).arch == "qwen3"  # the router reads the same description
 
 
 # ---------------------------------------------------------------- the tokenizer

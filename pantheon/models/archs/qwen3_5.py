@@ -132,7 +132,8 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> Qwen35Description:
         layers=tuple(full if t == FULL else linear for t in types),
         quantized_source=bool(raw.get("quantized_source", False)),
         int4_source=bool(raw.get("int4_source", False)),
-        skipped=skipped + ("the multi-token-prediction head (mtp.*)",),
+        skipped=skipped
+        + (("the multi-token-prediction head (mtp.*)",) if raw.get("mtp_num_hidden_layers") else ()),
         layer_types=tuple(types),
         attention_bias=bias,
         linear_num_key_heads=hk,
@@ -205,6 +206,7 @@ def gguf_config(g: GGUFFile, raw: dict) -> None:
         linear_num_key_heads=_field(g, f"{a}.ssm.group_count"),
         linear_num_value_heads=hv,
         linear_value_head_dim=inner // hv,
+        mtp_num_hidden_layers=nextn,  # kept in the file, not loaded: the description says so
     )
 
 
