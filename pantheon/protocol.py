@@ -224,6 +224,9 @@ class Loaded(msgspec.Struct, tag=True, kw_only=True):
     vocab_size: int
     eos_token_ids: list[int]
     cpu_path: str = ""  # the CPU path the engine chose (or was forced to); "" on CUDA
+    # the recurrent layers' state pools ((num_slots + 1) states); 0 for a model without such
+    # layers, and from a worker that predates them
+    state_bytes: int = 0
 
 
 class LoadFailed(msgspec.Struct, tag=True, kw_only=True):
@@ -283,6 +286,7 @@ class InstanceStats(msgspec.Struct, kw_only=True):
     cache_query_blocks: int = 0  # ... of those looked up
     prefill_budget: int = 0  # prompt tokens the next step may prefill (the step budget)
     block_size: int = 16  # token positions per KV block
+    state_bytes: int = 0  # the recurrent layers' state pools (0: none, or an older worker)
 
 
 class Stats(msgspec.Struct, tag=True, kw_only=True):

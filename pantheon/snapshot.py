@@ -34,6 +34,7 @@ class InstanceState(msgspec.Struct, kw_only=True):
     load_progress: float | None = None  # 0..1 while loading
     weights_bytes: int = 0
     kv_bytes: int = 0
+    state_bytes: int = 0  # recurrent layers' state pools (hybrid models; 0 for others)
     quantized: bool = False
     max_model_len: int = 0
     slots: list[SlotState] = []
@@ -53,6 +54,7 @@ class DieState(msgspec.Struct, kw_only=True):
     budget_bytes: int  # total minus the reserve
     weights_bytes: int = 0  # booked by instances' weights
     kv_bytes: int = 0  # booked by KV caches
+    state_bytes: int = 0  # booked by recurrent layers' state pools (hybrid models)
     free_bytes: int = 0  # budget minus what is booked
     pressure: int = 0
     alive: bool = True

@@ -6,6 +6,7 @@ are unit-tested without running an app.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, tzinfo
 
 from rich.text import Text
@@ -69,27 +70,28 @@ def split_bar(weights: int, kv: int, free: int, width: int) -> tuple[int, int, i
     weights stays visible; rounding error goes to the free part, unless nothing is free (a full
     die must not look as if it had room).
     """
+    w, k, f = split_parts((weights, kv), free, width)
+    return w, k, f
+
+
+def split_parts(used: Sequence[int], free: int, width: int) -> list[int]:
+    """``split_bar`` for any number of used parts (weights / KV / recurrent state ...): the
+    cells of each, then the free cells, summing to ``width`` exactly (same rules)."""
     width = max(0, width)
-    total = max(0, weights) + max(0, kv) + max(0, free)
+    parts = [max(0, u) for u in used]
+    total = sum(parts) + max(0, free)
     if width == 0 or total == 0:
-        return 0, 0, width
-    w = round(width * max(0, weights) / total)
-    k = round(width * max(0, kv) / total)
-    if weights > 0 and w == 0 and width >= 3:
-        w = 1
-    if kv > 0 and k == 0 and width >= 3:
-        k = 1
-    while w + k > width:  # rounding both up can overflow by one
-        if w >= k:
-            w -= 1
-        else:
-            k -= 1
-    if free <= 0 and w + k < width:
-        if weights >= kv:
-            w = width - k
-        else:
-            k = width - w
-    return w, k, width - w - k
+        return [0] * len(parts) + [width]
+    cells = [round(width * u / total) for u in parts]
+    for i, u in enumerate(parts):
+        if u > 0 and cells[i] == 0 and width >= len(parts) + 1:
+            cells[i] = 1
+    while sum(cells) > width:  # rounding several up can overflow
+        cells[cells.index(max(cells))] -= 1
+    if free <= 0 and sum(cells) < width:
+        big = parts.index(max(parts))
+        cells[big] += width - sum(cells)
+    return cells + [width - sum(cells)]
 
 
 def slot_kind(slot: SlotState) -> str:

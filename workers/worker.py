@@ -168,6 +168,14 @@ def _engine_class():
     return Engine
 
 
+def _instance_stats(name: str, engine: Any) -> p.InstanceStats:
+    """The engine's stats of one instance, with its state pools' bytes (``Engine.state_bytes``;
+    the engine's own stats leave them out)."""
+    es = engine.stats(name)
+    state = int(getattr(engine, "state_bytes", 0) or 0)
+    return msgspec.structs.replace(es, state_bytes=state) if state and not es.state_bytes else es
+
+
 @dataclass
 class _Instance:
     engine: Any
@@ -480,7 +488,7 @@ class Worker:
         return p.Stats(
             free_bytes=free,
             total_bytes=total,
-            instances=[inst.engine.stats(name) for name, inst in self.instances.items()],
+            instances=[_instance_stats(name, inst.engine) for name, inst in self.instances.items()],
             steps=self.steps,
             step_ms_avg=avg,
         )
@@ -603,14 +611,16 @@ class Worker:
             self.sent_progress, self.last_progress_at = prog, now
 
     def _register(self, name: str, engine: Any) -> None:
-        need = int(engine.weight_bytes) + int(engine.kv_bytes)
+        state = int(getattr(engine, "state_bytes", 0) or 0)  # the recurrent layers' state pools
+        need = int(engine.weight_bytes) + int(engine.kv_bytes) + state
         free, total = self.die.memory()
         if self.die.kind == "cpu" and need > free:
             # A virtual die enforces its budget the way a real one would run out of memory.
             self._close_engine(engine)
+            states = f" + recurrent state {state}" if state else ""
             reason = (
-                f"{name} needs {need} bytes (weights {engine.weight_bytes} + KV cache {engine.kv_bytes}) "
-                f"but {self.die.id} has {free} of its {total}-byte budget free"
+                f"{name} needs {need} bytes (weights {engine.weight_bytes} + KV cache {engine.kv_bytes}"
+                f"{states}) but {self.die.id} has {free} of its {total}-byte budget free"
             )
             self.send(p.LoadFailed(instance=name, kind="out_of_memory", reason=reason))
             return
@@ -627,15 +637,20 @@ class Worker:
                 vocab_size=int(engine.vocab_size),
                 eos_token_ids=[int(t) for t in engine.eos_token_ids],
                 cpu_path=engine.cpu_path or "",
+                state_bytes=state,
             )
         )
         log.info(
-            "loaded %s (%d bytes booked on %s%s)",
+            "loaded %s (%d bytes booked on %s%s%s)",
             name,
             need,
             self.die.id,
+            f", recurrent state {state}" if state else "",
             f", CPU path {engine.cpu_path}" if engine.cpu_path else "",
         )
+        skipped = tuple(getattr(getattr(engine, "cfg", None), "skipped", ()) or ())
+        if skipped:  # what of the checkpoint the engine does not run, said once
+            log.info("%s: left out of the checkpoint: %s", name, "; ".join(skipped))
         if engine.compiled or engine.compile_error:
             log.info(
                 "%s: decode step %s",

@@ -14,8 +14,9 @@ dashboards and gateways made for vLLM work unchanged:
 - histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``.
 
-Plus ``pantheon_*``: per die (memory total, free, booked, pressure level, alive), per instance
-(in flight, running, ready, restarts), per queue (depth, wait time), 429 and 503 counts per
+Plus ``pantheon_*``: per die (memory total, free, booked, and of the booked bytes the weights,
+the KV cache and the recurrent state pools apart, pressure level, alive), per instance (in
+flight, running, ready, restarts, KV cache and state pool bytes), per queue (depth, wait time), 429 and 503 counts per
 model, loads, load failures and unloads per model, worker deaths per die, admin actions per
 action and status.
 
@@ -182,6 +183,16 @@ class _Live:
             "Times the instance was reloaded after its worker died.",
             labels=["model_name", "instance"],
         )
+        i_kv = GaugeMetricFamily(
+            "pantheon_instance_kv_cache_bytes",
+            "The instance's KV cache pool, booked over its dies.",
+            labels=["model_name", "instance"],
+        )
+        i_state = GaugeMetricFamily(
+            "pantheon_instance_state_bytes",
+            "The instance's recurrent-state pools (hybrid models; 0 for others), booked over its dies.",
+            labels=["model_name", "instance"],
+        )
         for f in live.instances:
             inst, es = f.inst, f.engine
             info = inst.info()
@@ -200,6 +211,8 @@ class _Live:
             state = str(info.get("state", ""))
             i_ready.add_metric(labels + [state], 1.0 if state == "ready" else 0.0)
             i_restarts.add_metric(labels, info.get("restarts", 0) or 0)
+            i_kv.add_metric(labels, f.kv_bytes)
+            i_state.add_metric(labels, f.state_bytes)
         for name, q in live.queues.items():  # requests wait per model, for any of its replicas
             if name in per_model:
                 per_model[name].waiting = len(q)
@@ -213,7 +226,7 @@ class _Live:
             queries.add_metric([name], m.query_tokens)
             hits.add_metric([name], m.hit_tokens)
         yield from (running, waiting, kv, cache_info, queries, hits)
-        yield from (depth, i_flight, i_run, i_ready, i_restarts)
+        yield from (depth, i_flight, i_run, i_ready, i_restarts, i_kv, i_state)
         yield from self._dies(live)
 
     def _dies(self, live: Projection):
@@ -223,7 +236,19 @@ class _Live:
         )
         booked = GaugeMetricFamily(
             "pantheon_die_memory_booked_bytes",
-            "Die memory booked by instances (weights and KV cache).",
+            "Die memory booked by instances (weights, KV cache and recurrent state).",
+            labels=["die"],
+        )
+        # what the booked bytes are, apart
+        b_weights = GaugeMetricFamily(
+            "pantheon_die_memory_weights_bytes", "Die memory booked by weights.", labels=["die"]
+        )
+        b_kv = GaugeMetricFamily(
+            "pantheon_die_memory_kv_cache_bytes", "Die memory booked by KV cache pools.", labels=["die"]
+        )
+        b_state = GaugeMetricFamily(
+            "pantheon_die_memory_state_bytes",
+            "Die memory booked by recurrent-state pools (hybrid models).",
             labels=["die"],
         )
         pressure = GaugeMetricFamily(
@@ -261,7 +286,10 @@ class _Live:
             )
             if f is not None:
                 pressure.add_metric([d.die], f.pressure)
-        yield from (total, free, booked, pressure, alive, restarts, died_at, turn)
+                b_weights.add_metric([d.die], f.die.weights_bytes)
+                b_kv.add_metric([d.die], f.die.kv_bytes)
+                b_state.add_metric([d.die], f.die.state_bytes)
+        yield from (total, free, booked, b_weights, b_kv, b_state, pressure, alive, restarts, died_at, turn)
 
 
 class Metrics:

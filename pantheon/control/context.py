@@ -20,7 +20,6 @@ A ``max_tokens`` no context can ever hold is the OpenAI 400 ``context_length_exc
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,6 +27,7 @@ import msgspec
 
 from pantheon import errors
 from pantheon.chat.template import TemplateError, think_open
+from pantheon.chat.tools import forced_call_prefix
 
 if TYPE_CHECKING:  # the request type only: control/ never imports api/ at run time
     from pantheon.api.openai.protocol import ChatRequest
@@ -64,9 +64,8 @@ def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], s
         forced = req.tool_choice_name
         if forced is None and len(tools) == 1:  # "required" with one tool names it
             forced = tools[0]["function"]["name"]
-        prefix = "<tool_call>\n"
-        if forced is not None:
-            prefix += '{"name": ' + json.dumps(forced) + ', "arguments": '
+        # the call's opening in the model's own format (JSON, or Qwen3.5's XML)
+        prefix = forced_call_prefix(assets.template.tool_format, forced)
         if opened:  # close the reasoning the template opened: a forced call comes at once
             prompt += "\n</think>\n\n"
             opened = False

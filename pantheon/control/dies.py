@@ -6,11 +6,12 @@ A die is ``cpu:N`` (a virtual die whose total is the configured CPU die budget) 
 host, ``cpu:N@NAME`` or ``cuda:N@NAME``, exists once that worker joined, and both kinds take
 their total and free memory from its reports (its host's RAM is not ours). Its budget is the total minus a
 reserve (``--die-reserve``; by default 1 GiB on CUDA dies for the context and transients, nothing
-on CPU dies). Every instance books ``(weights, kv)`` bytes on each die it uses: an estimate while
-it loads (``sizing.estimate``), the worker's real figures once ``Loaded`` arrives; a failed load or
-an unload gives the booking back. Bookings are plain bookkeeping on the event loop: admission and
-booking happen in one synchronous step, so two concurrent loads can never both take the last
-free bytes.
+on CPU dies). Every instance books ``(weights, kv, state)`` bytes on each die it uses (its
+weights, its share of the KV pool, its share of the recurrent layers' state pools, 0 for a model
+without such layers): an estimate while it loads (``sizing.estimate``), the worker's real figures
+once ``Loaded`` arrives; a failed load or an unload gives the booking back. Bookings are plain
+bookkeeping on the event loop: admission and booking happen in one synchronous step, so two
+concurrent loads can never both take the last free bytes.
 
 Placement: explicit (every listed die must have room for its share, else a 507 that names the
 die and how much it lacks) or automatic (the die where the whole model fits with the most free
@@ -21,8 +22,9 @@ free (a CUDA die shared with another process, host RAM for CPU dies).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from pantheon import errors
 from pantheon.protocol import die_host, die_kind, parse_die
@@ -67,6 +69,48 @@ def default_worker_threads(cpu_dies: int, explicit: int | None) -> int | None:
     return None
 
 
+Booking = tuple[int, int, int]  # bytes of weights, KV cache, recurrent state
+
+
+def _parts(b: tuple[int, ...]) -> Booking:
+    """``(w, kv)`` or ``(w, kv, state)`` as ``(w, kv, state)``."""
+    w, kv, *rest = b
+    return int(w), int(kv), int(rest[0]) if rest else 0
+
+
+def booking(
+    est: Any, dies: tuple[str, ...], *, weights: int | None = None, kv: int = 0, state: int = 0
+) -> dict[str, Booking]:
+    """``{die: (w, kv, state)}`` of a replica over ``dies``: ``est.split`` (a
+    ``sizing.Estimate``) books the KV pool and the state pool together as each die's cache; the
+    state's share is split out again so that the dies can show it apart from the KV cache."""
+    both = est.split(dies, weights=weights, kv=kv, state=state)
+    states = est.split(dies, state=state) if state else {}
+    out = {}
+    for die, (w, cache) in both.items():
+        st = states[die][1] if states else 0
+        out[die] = (int(w), int(cache - st), int(st))
+    return out
+
+
+def booked_of(est: Any, dies: tuple[str, ...], loaded: Any) -> dict[str, Booking]:
+    """What an instance books once its worker said ``Loaded``: the real weights, KV pool and
+    state pools, shared over ``dies`` as the estimate ``est`` shares them."""
+    return booking(
+        est,
+        dies,
+        weights=loaded.weight_bytes,
+        kv=loaded.kv_bytes,
+        state=getattr(loaded, "state_bytes", 0) or 0,
+    )
+
+
+def _what(w: int, kv: int, st: int) -> str:
+    """``weights 1.0 GiB + KV cache 256 MiB [+ recurrent state 24 MiB]``."""
+    out = f"weights {fmt_bytes(w)} + KV cache {fmt_bytes(kv)}"
+    return out + (f" + recurrent state {fmt_bytes(st)}" if st else "")
+
+
 @dataclass
 class Die:
     id: str
@@ -75,7 +119,7 @@ class Die:
     reserve_bytes: int = 0
     device_name: str = ""
     measured_free: int | None = None  # what the worker last reported free (CUDA only)
-    bookings: dict[str, tuple[int, int]] = field(default_factory=dict)  # instance -> (w, kv)
+    bookings: dict[str, Booking] = field(default_factory=dict)  # instance -> (w, kv, state)
 
     @property
     def remote(self) -> bool:
@@ -97,15 +141,20 @@ class Die:
 
     @property
     def weights_bytes(self) -> int:
-        return sum(w for w, _ in self.bookings.values())
+        return sum(b[0] for b in self.bookings.values())
 
     @property
     def kv_bytes(self) -> int:
-        return sum(k for _, k in self.bookings.values())
+        return sum(b[1] for b in self.bookings.values())
+
+    @property
+    def state_bytes(self) -> int:
+        """Booked by the recurrent layers' state pools."""
+        return sum(b[2] for b in self.bookings.values())
 
     @property
     def used_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes
+        return self.weights_bytes + self.kv_bytes + self.state_bytes
 
 
 class DieManager:
@@ -194,27 +243,28 @@ class DieManager:
 
     def place(
         self,
-        need: Callable[[tuple[str, ...]], dict[str, tuple[int, int]]],
+        need: Callable[[tuple[str, ...]], Mapping[str, tuple[int, ...]]],
         dies: tuple[str, ...] = (),
         candidates: list[str] | None = None,
     ) -> tuple[str, ...]:
-        """Dies for a new instance; ``need(dies)`` gives its ``{die: (w, kv)}`` split there.
+        """Dies for a new instance; ``need(dies)`` gives its ``{die: (w, kv[, state])}`` split
+        there.
 
         Explicit ``dies``: each must have room for its share. Automatic: the single die with
         room and the most free memory, among ``candidates`` (the alive ones; default all known).
         Raises 507 naming what is short."""
         if dies:
             lacks = []
-            for die_id, (w, kv) in need(dies).items():
+            for die_id, b in need(dies).items():
+                w, kv, st = _parts(b)
                 d = self._dies[die_id]
                 if not d.known:
                     continue  # a CUDA die learns its size from its worker's Hello
                 room = self.free(d)
-                if w + kv > room:
+                if w + kv + st > room:
                     lacks.append(
-                        f"{die_id} lacks {fmt_bytes(w + kv - room)} (needs "
-                        f"{fmt_bytes(w + kv)}: weights {fmt_bytes(w)} + KV cache "
-                        f"{fmt_bytes(kv)}; {fmt_bytes(room)} of its "
+                        f"{die_id} lacks {fmt_bytes(w + kv + st - room)} (needs "
+                        f"{fmt_bytes(w + kv + st)}: {_what(w, kv, st)}; {fmt_bytes(room)} of its "
                         f"{fmt_bytes(d.budget_bytes)} budget free)"
                     )
             if lacks:
@@ -226,33 +276,33 @@ class DieManager:
             raise errors.no_die_available()
         fits, short = [], []
         for d in pool:
-            w, kv = need((d.id,))[d.id]
+            w, kv, st = _parts(need((d.id,))[d.id])
             room = self.free(d)
-            if w + kv <= room:
+            if w + kv + st <= room:
                 fits.append((room, d))
             else:
-                short.append(f"{d.id} lacks {fmt_bytes(w + kv - room)} ({fmt_bytes(room)} free)")
+                short.append(f"{d.id} lacks {fmt_bytes(w + kv + st - room)} ({fmt_bytes(room)} free)")
         if not fits:
-            w, kv = need((pool[0].id,))[pool[0].id]
+            w, kv, st = _parts(need((pool[0].id,))[pool[0].id])
             raise errors.insufficient_memory(
-                f"no die has room for the model (weights "
-                f"{fmt_bytes(w)} + KV cache {fmt_bytes(kv)}): " + "; ".join(short)
+                f"no die has room for the model ({_what(w, kv, st)}): " + "; ".join(short)
             )
         best = max(fits, key=lambda t: t[0])  # max() keeps the first of equals: lowest id
         return (best[1].id,)
 
     # ------------------------------------------------------------ bookings
 
-    def book(self, instance: str, split: dict[str, tuple[int, int]]) -> None:
-        """Book (or re-book, replacing the old figures) ``instance`` on its dies."""
+    def book(self, instance: str, split: Mapping[str, tuple[int, ...]]) -> None:
+        """Book (or re-book, replacing the old figures) ``instance`` on its dies: ``{die: (w, kv)}``
+        or ``{die: (w, kv, state)}``."""
         self.release(instance)
-        for die_id, (w, kv) in split.items():
-            (self._dies.get(die_id) or self._add(die_id)).bookings[instance] = (int(w), int(kv))
+        for die_id, b in split.items():
+            (self._dies.get(die_id) or self._add(die_id)).bookings[instance] = _parts(b)
 
     def release(self, instance: str) -> None:
         for d in self._dies.values():
             d.bookings.pop(instance, None)
 
-    def bookings(self) -> dict[str, dict[str, tuple[int, int]]]:
-        """``{die: {instance: (w, kv)}}``: for tests and the admin view."""
+    def bookings(self) -> dict[str, dict[str, Booking]]:
+        """``{die: {instance: (w, kv, state)}}``: for tests and the admin view."""
         return {d.id: dict(d.bookings) for d in self.dies()}

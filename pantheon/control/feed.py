@@ -155,6 +155,7 @@ def instance_state(f: InstanceFacts) -> st.InstanceState:
         load_progress=inst.load_progress,
         weights_bytes=f.weights_bytes,
         kv_bytes=f.kv_bytes,
+        state_bytes=f.state_bytes,
         quantized=bool(inst.quantize),
         max_model_len=int(inst.max_model_len or 0),
         slots=slots,
@@ -177,6 +178,7 @@ def die_state(f: DieFacts) -> st.DieState:
         budget_bytes=d.budget_bytes,
         weights_bytes=d.weights_bytes,
         kv_bytes=d.kv_bytes,
+        state_bytes=d.state_bytes,
         free_bytes=max(0, d.budget_bytes - d.used_bytes),
         pressure=f.pressure,
         # a CPU die without a worker yet is usable (its worker starts on the first load)

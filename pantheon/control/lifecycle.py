@@ -5,14 +5,16 @@ the bookings returned, the name free again):
 
 1. reserve: a table row in ``loading`` state; the name is taken but nothing routes to it;
 2. place and book: the router sizes the model from its ``config.json`` or GGUF metadata
-   (``sizing``: its weights, and a KV pool of its full context when the die's free memory
-   times ``--kv-fraction`` holds it, else what that holds but never less than ``--admit-ctx``
+   (``sizing``: its weights, the state pools of its recurrent layers if it has any (a state
+   per slot, a scratch one and the prefix cache's checkpoints: a fixed size, whatever the
+   context), and a KV pool of its full context when the die's free memory less those times
+   ``--kv-fraction`` holds it, else what that holds but never less than ``--admit-ctx``
    tokens, 8192; ``--kv-budget`` fixes it instead), picks the die(s)
    (``dies.DieManager.place``) and books that there, in one synchronous step. The pool is
    the per-request limit: ``/v1/models`` advertises ``min(max_model_len, pool tokens)``;
 3. upload: the worker of the first die loads the weights; one upload at a time (``_upload``
-   lock) while every other model keeps serving; the worker's real weight and KV figures replace
-   the estimate;
+   lock) while every other model keeps serving; the worker's real weight, KV and state figures
+   replace the estimate;
 4. publish: the instance takes requests (queued ones first).
 
 Errors before the upload come back at once (404 no such folder, 400 bad request or unsupported
@@ -39,11 +41,12 @@ import time
 from typing import Any
 
 from pantheon import errors
+from pantheon.control.dies import Booking, booked_of, booking
 from pantheon.control.registry import DRAINING, FAILED, LOADING, READY, Instance, Registry
 from pantheon.errors import ApiError
 from pantheon.models.assets import ModelAssets
 from pantheon.models.gguf import GGUFError, find_gguf, served_name
-from pantheon.models.sizing import SizingError, estimate, read_shape
+from pantheon.models.sizing import SizingError, estimate, read_shape, state_pool_slots
 from pantheon.protocol import LoadModel, die_host, die_kind
 from pantheon.workerlink.pool import LoadFailedError, PoolError
 
@@ -180,32 +183,39 @@ class Models:
                 cpu_works=works.get(first),
             )
 
-        needs: dict[tuple[str, ...], dict[str, tuple[int, int]]] = {}
+        n_slots = slots or cfg.slots
+        needs: dict[tuple[str, ...], dict[str, Booking]] = {}
 
-        def need(ds: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-            """What a load books on ``ds``, decided once per die set (booking it must not
-            shrink the next answer)."""
+        def need(ds: tuple[str, ...]) -> dict[str, Booking]:
+            """What a load books on ``ds`` (weights, KV pool, state pool), decided once per die
+            set (booking it must not shrink the next answer)."""
             if ds not in needs:
                 est = sized(ds[0])
-                kv = cfg.kv_budget or est.kv_for(context=mml, floor=ctx, room_tokens=room_tokens(est, ds))
-                needs[ds] = est.split(ds, kv=kv)
+                # the state pools: a state per slot, a scratch one and the prefix cache's
+                # checkpoints (0 bytes for a model without recurrent layers)
+                state = state_pool_slots(n_slots) * est.state_per_slot
+                kv = cfg.kv_budget or est.kv_for(
+                    context=mml, floor=ctx, room_tokens=room_tokens(est, ds, state)
+                )
+                needs[ds] = booking(est, ds, kv=kv, state=state)
             return needs[ds]
 
-        def room_tokens(est, ds: tuple[str, ...]) -> int:
+        def room_tokens(est, ds: tuple[str, ...], state: int) -> int:
             """KV tokens the dies can give this load: each die's free memory less its share of
-            the weights, times the KV fraction, over its share of the pool."""
-            full = est.split(ds, kv=est.kv_pool(mml))
+            the weights and of the state pools, times the KV fraction, over its share of the
+            pool."""
+            full = booking(est, ds, kv=est.kv_pool(mml), state=state)
             tokens = mml
-            for die_id, (w, kv) in full.items():
+            for die_id, (w, kv, st) in full.items():
                 d = self.dies.get(die_id)
                 if d is None or not d.known or not kv:
                     continue  # a CUDA die learns its size from its worker's Hello
-                room = max(0, int((self.dies.free(d) - w) * cfg.kv_fraction))
+                room = max(0, int((self.dies.free(d) - w - st) * cfg.kv_fraction))
                 tokens = min(tokens, room * mml // kv)
             return tokens
 
         # phase 1: the name is taken (507 when the table is full)
-        inst = self.registry.reserve(name, path, dies, slots=slots or cfg.slots)
+        inst = self.registry.reserve(name, path, dies, slots=n_slots)
         try:
             # phase 2: place and book, synchronously: no other load can take the same bytes
             alive = {d.die for d in self.pool.dies() if d.alive}
@@ -221,7 +231,7 @@ class Models:
             raise
         inst.quantize, inst.max_model_len, inst.load_progress = quantize, mml, 0.0
         inst.estimate, inst.shape = sized(inst.die), shape
-        kv_bytes = sum(kv for _, kv in need(inst.dies).values())
+        kv_bytes = sum(b[1] for b in need(inst.dies).values())  # the KV pool alone
         inst.load_msg = LoadModel(
             instance=inst.instance_id,
             path=worker_path or os.path.abspath(path),  # worker_path: the worker's host's copy
@@ -308,17 +318,16 @@ class Models:
         if loaded.cpu_path:  # the path is known now: size with it, not the upper bound
             inst.cpu_path = loaded.cpu_path
             inst.estimate = estimate(inst.shape, quantize=inst.quantize, cpu_path=loaded.cpu_path)
-        self.dies.book(
-            inst.instance_id, inst.estimate.split(inst.dies, weights=loaded.weight_bytes, kv=loaded.kv_bytes)
-        )
-        if inst.estimate.kv_per_token:
+        self.dies.book(inst.instance_id, booked_of(inst.estimate, inst.dies, loaded))
+        if inst.estimate.kv_per_token:  # the KV pool alone: the state pools hold no tokens
             inst.kv_pool_tokens = loaded.kv_bytes // inst.estimate.kv_per_token
         assets.add_eos(loaded.eos_token_ids)
         self.registry.publish(inst, assets=assets, loaded=loaded, max_model_len=loaded.max_model_len)
         self.feed.event(
             "loaded",
             f"{inst.instance_id} is ready on {','.join(inst.dies)} "
-            f"(weights {loaded.weight_bytes} B, KV {loaded.kv_bytes} B)",
+            f"(weights {loaded.weight_bytes} B, KV {loaded.kv_bytes} B"
+            + (f", state {loaded.state_bytes} B)" if loaded.state_bytes else ")"),
             model=inst.name,
             instance=inst.instance_id,
         )

@@ -31,6 +31,7 @@ class InstanceFacts:
     queued: int  # requests waiting in its model's queue (shared by the model's replicas)
     weights_bytes: int  # booked over all its dies
     kv_bytes: int
+    state_bytes: int = 0  # its recurrent layers' state pools (0 for a model without such layers)
 
     @property
     def slots_busy(self) -> int:
@@ -91,13 +92,13 @@ def engine_stats(pool: Any) -> dict[str, InstanceStats]:
     return out
 
 
-def booked(dies: DieManager, instance_id: str) -> tuple[int, int]:
-    """``(weights, kv)`` bytes an instance has booked over all its dies."""
-    w = kv = 0
+def booked(dies: DieManager, instance_id: str) -> tuple[int, int, int]:
+    """``(weights, kv, state)`` bytes an instance has booked over all its dies."""
+    w = kv = st = 0
     for d in dies.dies():
-        bw, bkv = d.bookings.get(instance_id, (0, 0))
-        w, kv = w + bw, kv + bkv
-    return w, kv
+        bw, bkv, bst = d.bookings.get(instance_id, (0, 0, 0))
+        w, kv, st = w + bw, kv + bkv, st + bst
+    return w, kv, st
 
 
 def die_cpu_paths(registry: Registry) -> dict[str, str]:
@@ -126,7 +127,7 @@ def project(
     insts = []
     for inst in registry.instances():
         q = queues.get(inst.name)
-        w, kv = booked(dies, inst.instance_id)
+        w, kv, st = booked(dies, inst.instance_id)
         insts.append(
             InstanceFacts(
                 inst=inst,
@@ -134,6 +135,7 @@ def project(
                 queued=len(q) if q is not None else 0,
                 weights_bytes=int(w),
                 kv_bytes=int(kv),
+                state_bytes=int(st),
             )
         )
     paths = die_cpu_paths(registry)

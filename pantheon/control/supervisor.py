@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pantheon import errors
+from pantheon.control.dies import booked_of
 from pantheon.errors import ApiError
 from pantheon.protocol import die_host
 
@@ -194,10 +195,7 @@ class Supervisor:
             return
         dies = getattr(self.models, "dies", None)
         if dies is not None and inst.estimate is not None and loaded is not None:
-            dies.book(
-                inst.instance_id,
-                inst.estimate.split(inst.dies, weights=loaded.weight_bytes, kv=loaded.kv_bytes),
-            )
+            dies.book(inst.instance_id, booked_of(inst.estimate, inst.dies, loaded))
         inst.state, inst.load_progress = "loading", 0.0
 
         def progress(p) -> None:
@@ -220,9 +218,7 @@ class Supervisor:
             self._wake()
             return
         if dies is not None and inst.estimate is not None:
-            dies.book(
-                inst.instance_id, inst.estimate.split(inst.dies, weights=new.weight_bytes, kv=new.kv_bytes)
-            )
+            dies.book(inst.instance_id, booked_of(inst.estimate, inst.dies, new))
         inst.restarts += 1
         self.registry.publish(inst, assets=inst.assets, loaded=new, max_model_len=new.max_model_len)
         self._recovering.pop(inst.instance_id, None)

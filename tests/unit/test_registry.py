@@ -348,7 +348,7 @@ def test_estimate_matches_the_engine(model_factory, preset, quantize, path):
     """The router's estimate from config.json against what a real engine allocates, for every
     CPU path forced (skipped where the path does not work on this host) and for the auto choice
     (sized with the path the engine chose; unsized, the estimate is the upper bound of all)."""
-    from pantheon.models.sizing import estimate, read_shape
+    from pantheon.models.sizing import estimate, read_shape, state_pool_slots
     from workers import cpu_paths
     from workers.engine import Engine
 
@@ -369,7 +369,8 @@ def test_estimate_matches_the_engine(model_factory, preset, quantize, path):
         cpu_path=eng.cpu_path,
     )
     assert eng.kv_bytes == kv
-    assert eng.state_bytes == (eng.num_slots + 1) * est.state_per_slot  # the slots and the scratch one
+    # the slots, the scratch one and the prefix cache's checkpoints
+    assert eng.state_bytes == state_pool_slots(eng.num_slots) * est.state_per_slot
     assert (est.state_per_slot > 0) == preset.startswith("tiny-qwen3.5")
     assert abs(eng.weight_bytes - est.weights) <= 0.01 * est.weights, (eng.weight_bytes, est.weights)
     bound = estimate(shape, quantize=quantize)  # before the choice: the largest it may be

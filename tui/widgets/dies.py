@@ -1,14 +1,15 @@
-"""The dies panel: one memory bar per die, split into weights / KV cache / free."""
+"""The dies panel: one memory bar per die, split into weights / KV cache / recurrent state (hybrid
+models only) / free."""
 
 from __future__ import annotations
 
 from rich.text import Text
 
 from pantheon.snapshot import DieState
-from tui.format import human_bytes, join_lines, pressure_colour, pressure_name, split_bar
+from tui.format import human_bytes, join_lines, pressure_colour, pressure_name, split_parts
 from tui.widgets import SnapshotPanel
 
-WEIGHTS, KV, FREE = "█", "▓", "░"
+WEIGHTS, KV, STATE, FREE = "█", "▓", "▒", "░"
 
 
 def die_line(die: DieState, width: int) -> Text:
@@ -21,11 +22,13 @@ def die_line(die: DieState, width: int) -> Text:
         t.append(" DEAD ", "bold reverse red")
         t.append(f"{restarts} {die.error or 'worker gone'}", "red")
         return t
-    used = die.weights_bytes + die.kv_bytes
+    used = die.weights_bytes + die.kv_bytes + die.state_bytes
     nums = f" {human_bytes(used)}/{human_bytes(die.budget_bytes)}"
     level = f" {pressure_name(die.pressure)}{restarts}"
+    # a hybrid model's recurrent state pools, when the die holds one
+    state = f" state {human_bytes(die.state_bytes)}" if die.state_bytes else ""
     detail = (
-        f"  w {human_bytes(die.weights_bytes)} kv {human_bytes(die.kv_bytes)}"
+        f"  w {human_bytes(die.weights_bytes)} kv {human_bytes(die.kv_bytes)}{state}"
         f" free {human_bytes(die.free_bytes)}"
     )
     if die.host:  # a worker on another machine
@@ -39,11 +42,12 @@ def die_line(die: DieState, width: int) -> Text:
         room -= len(detail)
     else:
         detail = ""
-    w, k, f = split_bar(die.weights_bytes, die.kv_bytes, die.free_bytes, max(4, room))
+    w, k, s, f = split_parts((die.weights_bytes, die.kv_bytes, die.state_bytes), die.free_bytes, max(4, room))
     colour = pressure_colour(die.pressure)
     t.append(" ")
     t.append(WEIGHTS * w, colour)
     t.append(KV * k, f"{colour} dim")
+    t.append(STATE * s, f"{colour} dim")
     t.append(FREE * f, "grey42")
     t.append(nums)
     t.append(level[: len(level) - len(restarts)], f"bold {colour}")
@@ -74,7 +78,10 @@ class DiesPanel(SnapshotPanel):
                 )
             )
         legend = Text(no_wrap=True)
-        for ch, label, style in ((WEIGHTS, "weights", ""), (KV, "KV cache", "dim"), (FREE, "free", "grey42")):
+        parts = [(WEIGHTS, "weights", ""), (KV, "KV cache", "dim")]
+        if any(d.state_bytes for d in snap.dies):  # a hybrid model's recurrent state is booked
+            parts.append((STATE, "state", "dim"))
+        for ch, label, style in (*parts, (FREE, "free", "grey42")):
             legend.append(f"{ch}{ch} ", style)
             legend.append(f"{label}  ", "dim")
         lines.append(legend)

@@ -17,6 +17,7 @@ def instance_view(f: InstanceFacts) -> dict:
     out.update(
         weights_bytes=f.weights_bytes,
         kv_bytes=f.kv_bytes,
+        state_bytes=f.state_bytes,
         queue_depth=f.queued,
         kv_pool_tokens=inst.kv_pool_tokens,
         slots_busy=f.slots_busy,
@@ -44,8 +45,8 @@ def facts_of(live: Projection, inst: Any, dies: Any) -> InstanceFacts:
     for f in live.instances:
         if f.inst is inst:
             return f
-    w, kv = booked(dies, inst.instance_id)
-    return InstanceFacts(inst=inst, engine=None, queued=0, weights_bytes=w, kv_bytes=kv)
+    w, kv, st = booked(dies, inst.instance_id)
+    return InstanceFacts(inst=inst, engine=None, queued=0, weights_bytes=w, kv_bytes=kv, state_bytes=st)
 
 
 def die_view(f: DieFacts) -> dict:
@@ -81,6 +82,7 @@ def die_view(f: DieFacts) -> dict:
         "used_bytes": d.used_bytes,
         "weights_bytes": d.weights_bytes,
         "kv_bytes": d.kv_bytes,
+        "state_bytes": d.state_bytes,  # the recurrent layers' state pools (hybrid models)
         "free_bytes": max(0, d.budget_bytes - d.used_bytes),
         "measured_free_bytes": wk.free_bytes if wk is not None else None,
         "pressure": f.pressure,
@@ -90,6 +92,9 @@ def die_view(f: DieFacts) -> dict:
         "cpu_paths": {n: (why or "ok") for n, why in wk.cpu_paths.items()} if wk else {},
         "cpu_path": f.cpu_path or None,
         "step_ms_avg": stats.step_ms_avg if stats is not None else None,
-        "bookings": {iid: {"weights_bytes": b[0], "kv_bytes": b[1]} for iid, b in sorted(d.bookings.items())},
+        "bookings": {
+            iid: {"weights_bytes": b[0], "kv_bytes": b[1], "state_bytes": b[2]}
+            for iid, b in sorted(d.bookings.items())
+        },
         "instances": [instance_view(i) for i in f.instances],
     }

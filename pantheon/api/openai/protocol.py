@@ -162,8 +162,14 @@ def _str(body: dict, key: str, param: str | None = None) -> str | None:
     return _typed(body, key, str, "a string", param)
 
 
-def _text(content: Any, param: str, *, allow_null: bool = False) -> str | None:
-    """A message's content: a string or a list of text parts, joined."""
+# Content parts that carry an image, audio or a file (OpenAI's and vLLM's names): no model this
+# server runs reads them (a checkpoint's vision tower is left out at load).
+_MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "audio", "file", "video_url")
+
+
+def _text(content: Any, param: str, *, allow_null: bool = False, model: Any = None) -> str | None:
+    """A message's content: a string or a list of text parts, joined. A media part is a 400
+    naming ``model`` (the request's), which serves text only."""
     if content is None:
         if allow_null:
             return None
@@ -186,6 +192,13 @@ def _text(content: Any, param: str, *, allow_null: bool = False) -> str | None:
             parts.append(part["text"])
         elif kind == "refusal":
             continue
+        elif kind in _MEDIA_PARTS:
+            who = f"model {model!r}" if isinstance(model, str) and model else "this server's models"
+            raise invalid_param(
+                f"{p}.type",
+                f"content part type {kind!r} is not supported: {who} serves text only "
+                f"(content parts of type 'text')",
+            )
         else:
             raise invalid_param(f"{p}.type", f"content part type {kind!r} is not supported (only 'text')")
     return "\n".join(parts)
@@ -194,7 +207,7 @@ def _text(content: Any, param: str, *, allow_null: bool = False) -> str | None:
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-def _message(i: int, m: Any) -> dict[str, Any]:
+def _message(i: int, m: Any, model: Any = None) -> dict[str, Any]:
     p = f"messages[{i}]"
     if not isinstance(m, dict):
         raise invalid_param(p, f"'{p}' must be an object")
@@ -203,7 +216,7 @@ def _message(i: int, m: Any) -> dict[str, Any]:
         raise invalid_param(f"{p}.role", f"'{p}.role' must be one of {', '.join(_ROLES)}; got {role!r}")
     out: dict[str, Any] = {"role": "system" if role == "developer" else role}
     if role == "assistant":
-        out["content"] = _text(m.get("content"), f"{p}.content", allow_null=True) or ""
+        out["content"] = _text(m.get("content"), f"{p}.content", allow_null=True, model=model) or ""
         calls = m.get("tool_calls")
         if calls is not None:
             out["tool_calls"] = _assistant_tool_calls(calls, f"{p}.tool_calls")
@@ -211,7 +224,7 @@ def _message(i: int, m: Any) -> dict[str, Any]:
         if isinstance(rc, str) and rc:
             out["reasoning_content"] = rc
     else:
-        out["content"] = _text(m.get("content"), f"{p}.content")
+        out["content"] = _text(m.get("content"), f"{p}.content", model=model)
     if role in ("tool", "function"):
         out["role"] = "tool"
         tcid = _str(m, "tool_call_id", f"{p}.tool_call_id")
@@ -402,7 +415,7 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
         raise invalid_param("messages", "'messages' is required")
     if not isinstance(msgs, list) or not msgs:
         raise invalid_param("messages", "'messages' must be a non-empty array")
-    messages = [_message(i, m) for i, m in enumerate(msgs)]
+    messages = [_message(i, m, model) for i, m in enumerate(msgs)]
 
     kw: dict[str, Any] = {"model": model, "messages": messages}
     mct = _int(body, "max_completion_tokens", 1)
