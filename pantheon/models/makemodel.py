@@ -419,7 +419,7 @@ def _qwen35_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
             f"layer_types has {len(t['layer_types'])} entries for {t['num_hidden_layers']} layers"
         )
 
-    specs = [(lm + "embed_tokens.weight", (vocab, h), "embed")]
+    specs: list[tuple[str, tuple[int, ...], str]] = [(lm + "embed_tokens.weight", (vocab, h), "embed")]
     for i, layer_type in enumerate(t["layer_types"]):
         specs += [(f"{lm}layers.{i}.{n}", s, k) for n, s, k in _qwen35_decoder_layer(t, layer_type)]
     specs.append((lm + "norm.weight", (h,), "norm0"))

@@ -37,10 +37,10 @@ from pantheon.protocol import SamplingParams  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.errors import LoadError  # noqa: E402
 from workers.gguf_weights import dequantize  # noqa: E402
-from workers.models.llama import gguf_name as hf_name  # noqa: E402
-from workers.models.llama import unpermute  # noqa: E402
 from workers.loader import load_model  # noqa: E402
 from workers.model_config import load_config  # noqa: E402
+from workers.models.llama import gguf_name as hf_name  # noqa: E402
+from workers.models.llama import unpermute  # noqa: E402
 
 ROOT = REPO_ROOT
 PROMPT = [7, 300, 12, 99, 5, 1000, 42, 17, 256, 3, 77, 1500, 8, 64, 900, 11, 23, 400, 6, 88]

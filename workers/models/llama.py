@@ -98,12 +98,15 @@ def mlp_targets(t: dict[str, Target], p: str, mlp: MLP, hidden: int) -> None:
 
 
 def top_targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
+    """The embedding table, the final norm and an untied LM head."""
+    norm = model.norm.weight
+    assert isinstance(norm, torch.Tensor)  # every family's final norm has a weight
     t = {
         "model.embed_tokens.weight": Target(model.embed_tokens.weight, 0, desc.vocab_size),
-        "model.norm.weight": Target(model.norm.weight, 0, desc.hidden_size),
+        "model.norm.weight": Target(norm, 0, desc.hidden_size),
     }
     if model.lm_head is not None:
-        t["lm_head.weight"] = Target(model.lm_head.weight, 0, desc.vocab_size)  # pyright: ignore[reportArgumentType]
+        t["lm_head.weight"] = Target(model.head_weight(), 0, desc.vocab_size)
     return t
 
 
