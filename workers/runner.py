@@ -140,9 +140,13 @@ class ModelRunner:
         cos, sin = self._cos_sin(pos_t, plan, n_decode, chunks)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
 
-        dec_gather = dec_bias = dec_slots = None
+        dec_gather = dec_bias = dec_slots = slot_run = None
         if n_decode:
-            dec_slots = torch.tensor([s.slot for s in plan.decode], dtype=torch.long, device=dev)
+            slot_ids = [s.slot for s in plan.decode]
+            dec_slots = torch.tensor(slot_ids, dtype=torch.long, device=dev)
+            first = slot_ids[0]
+            if first is not None and slot_ids == list(range(first, first + n_decode)):
+                slot_run = first  # recurrent layers update these states in place
             lens = [s.num_computed + 1 for s in plan.decode]
             t = max(lens)
             dec_gather = self._gather([s.block_table for s in plan.decode], t)  # [B, T]
@@ -160,7 +164,7 @@ class ModelRunner:
                 mask = (torch.arange(p1, device=dev)[None, :] <= q_pos)[None, None]  # [1, 1, C, T]
             pre.append(PrefillChunk(start, end, gather, mask, state_slot, fresh=p0 == 0))
 
-        base = StepBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre, dec_slots)
+        base = StepBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre, dec_slots, slot_run)
         if self.compiled is not None and not pre and not all_rows:
             logits = self.compiled(input_ids, base)  # every row is a sampled decode row
             if logits is not None:

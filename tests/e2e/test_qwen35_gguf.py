@@ -152,10 +152,12 @@ def test_gguf_config_reads_the_qwen35_keys():
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
         "linear_value_head_dim": 16,  # inner_size / time_step_rank
+        "mtp_num_hidden_layers": 1,  # in the file, not loaded: the description lists it as skipped
     }
     # --no-mtp: no nextn key, block_count the text model's
     raw = _config(block_count=4, nextn_predict_layers=None, attention__recurrent_layers=[True, False] * 2)
     assert raw["num_hidden_layers"] == 4 and raw["layer_types"] == [LINEAR, FULL] * 2
+    assert raw["mtp_num_hidden_layers"] == 0
     # no recurrent_layers: every full_attention_interval-th layer (default 4), as llama.cpp reads it
     assert (
         _config(attention__recurrent_layers=None, full_attention_interval=2)["layer_types"]

@@ -45,6 +45,7 @@ class StepBatch:
     decode_bias: torch.Tensor | None  # [B, 1, 1, T] fp32, -inf on padding; None when no row pads
     prefills: list[PrefillChunk]
     decode_slots: torch.Tensor | None = None  # [B] int64: each decode row's slot (recurrent layers)
+    decode_slot_run: int | None = None  # when the decode slots are first, first + 1, ...: first
 
     def to(self, dev: torch.device) -> StepBatch:
         """The same batch description on another device (layers split across dies)."""
@@ -64,6 +65,7 @@ class StepBatch:
                 for c in self.prefills
             ],
             mv(self.decode_slots),
+            self.decode_slot_run,
         )
 
 

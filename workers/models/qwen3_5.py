@@ -106,14 +106,23 @@ class GatedDeltaNet(nn.Module):
         core = torch.empty(n, self.hv, self.dv, dtype=x.dtype, device=x.device)  # [N, Hv, Dv]
         nd = b.n_decode
         if nd:
-            # every decode row at once: gather the slots' states, one step, scatter them back
+            # every decode row at once: the slots' states in one step, updated in place when the
+            # slots are one run (the common case: a view, no gather or scatter), else gathered
+            # and scattered back
             assert b.decode_slots is not None  # set whenever there are decode rows
-            slots = b.decode_slots
+            slots, run = b.decode_slots, b.decode_slot_run
             out, conv_new = causal_conv1d_step(mixed[:nd], w, conv_pool[slots])
             conv_pool.index_copy_(0, slots, conv_new)
             q, k, v = self._split(out)
-            o, ssm_new = recurrent_gated_delta_step(q, k, v, g[:nd], beta[:nd], ssm_pool[slots])
-            ssm_pool.index_copy_(0, slots, ssm_new)
+            if run is not None:
+                o, _ = recurrent_gated_delta_step(
+                    q, k, v, g[:nd], beta[:nd], ssm_pool[run : run + nd], inplace=True
+                )
+            else:
+                o, ssm_new = recurrent_gated_delta_step(
+                    q, k, v, g[:nd], beta[:nd], ssm_pool[slots], inplace=True
+                )
+                ssm_pool.index_copy_(0, slots, ssm_new)
             core[:nd] = o
         for ch in b.prefills:
             s, e = ch.start, ch.end
