@@ -144,6 +144,7 @@ class LoadModel(msgspec.Struct, tag=True, kw_only=True):
     step_target_s: float = 0.5  # the engine sizes prefill so that a step takes about this long
     max_model_len: int | None = None
     quantize: bool = False
+    state_checkpoints: int = 0  # a hybrid model's prefix-cache state checkpoints (router-sized)
 
 
 class UnloadModel(msgspec.Struct, tag=True, kw_only=True):

@@ -85,7 +85,7 @@ class Engine:
                 f"KV budget of {kv_budget_bytes} bytes holds fewer than 2 blocks "
                 f"of {block_size} tokens ({block_bytes} bytes each)",
             )
-        self.model, self.cfg = load_model(model_path, devices, dtype, progress)
+        self.model, self.cfg = load_model(model_path, devices, dtype, progress, cfg)
         if self.cpu_path is not None:
             cpu_paths.apply(self.model, self.cpu_path)
         elif quantize:
@@ -103,7 +103,7 @@ class Engine:
         # layers keeps state checkpoints at block boundaries beside them (workers/state_checkpoints.py)
         self.checkpoints: CheckpointIndex | None = None
         if cfg.recurrent_layers and prefix_cache:
-            n = state_checkpoints(num_slots) if state_checkpoint_count is None else state_checkpoint_count
+            n = state_checkpoints(num_slots, state_checkpoint_count)
             self.checkpoints = CheckpointIndex(n) if n else None
         self.prefix_cache = prefix_cache and (not cfg.recurrent_layers or self.checkpoints is not None)
         self.blocks = BlockManager(num_blocks, block_size, enable_cache=self.prefix_cache)

@@ -127,17 +127,19 @@ def load_model(
     devices: list[str] | None = None,
     dtype: str = "auto",
     progress: Callable[[int, int], None] | None = None,
+    cfg: ModelConfig | None = None,
 ) -> tuple[DecoderLM, ModelConfig]:
     """Load a Hugging Face model folder, a GGUF file or a folder holding one onto ``devices``
-    (layers split across several)."""
+    (layers split across several). ``cfg``: the model's description when the caller has read it
+    already (the engine does, before any weight is touched), so it is parsed once per load."""
     model_path = Path(model_path)
     with gguf_errors():
         found = find_gguf(model_path)
         g = read_gguf(found) if found is not None else None
     if g is not None:
-        cfg, source = gguf_config(g), "the GGUF metadata"
+        cfg, source = cfg or gguf_config(g), "the GGUF metadata"
     else:
-        cfg, source = load_config(model_path), "config.json"
+        cfg, source = cfg or load_config(model_path), "config.json"
         headers = {f: check_safetensors(f) for f in weight_files(model_path)}
     devs = [torch.device(d) for d in (devices or ["cpu"])]
     dt = resolve_dtype(dtype, cfg, devs[0])

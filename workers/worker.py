@@ -556,6 +556,7 @@ class Worker:
                     step_target_s=msg.step_target_s,
                     max_model_len=msg.max_model_len,
                     quantize=msg.quantize,
+                    state_checkpoint_count=msg.state_checkpoints,
                     progress=self._on_progress,
                 )
             except LoadError as e:

@@ -49,6 +49,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     cpu_dies: int = _d("cpu_dies")
     cpu_die_budget: int | None = _d("cpu_die_budget")  # None: dies.default_cpu_budget
     kv_budget: int | None = _d("kv_budget")  # KV bytes per instance (None: sized from the die)
+    state_checkpoints: int | None = _d("state_checkpoints")  # None: two per slot
     kv_fraction: float = _d("kv_fraction")  # of a die's free memory one KV pool may take
     admit_ctx: int = _d("admit_ctx")  # the least context (tokens) a load is admitted with
     die_reserve: int | None = _d("die_reserve")  # bytes kept free (None: 1 GiB CUDA, 0 CPU)

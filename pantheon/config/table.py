@@ -267,6 +267,16 @@ SETTINGS: tuple[Setting, ...] = (
         "tokens and the model's full context",
     ),
     Setting(
+        "state_checkpoints",
+        "int",
+        None,
+        "recurrent-state checkpoints a hybrid model's prefix cache keeps (Qwen3.5; 0: no prefix "
+        "cache for such models)",
+        ("PANTHEON_STATE_CHECKPOINTS",),
+        check=at_least(0),
+        default_doc="two per slot",
+    ),
+    Setting(
         "kv_fraction",
         "float",
         0.9,

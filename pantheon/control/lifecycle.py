@@ -46,7 +46,7 @@ from pantheon.control.registry import DRAINING, FAILED, LOADING, READY, Instance
 from pantheon.errors import ApiError
 from pantheon.models.assets import ModelAssets
 from pantheon.models.gguf import GGUFError, find_gguf, served_name
-from pantheon.models.sizing import SizingError, estimate, read_shape, state_pool_slots
+from pantheon.models.sizing import SizingError, estimate, read_shape, state_checkpoints, state_pool_slots
 from pantheon.protocol import LoadModel, die_host, die_kind
 from pantheon.workerlink.pool import LoadFailedError, PoolError
 
@@ -184,6 +184,7 @@ class Models:
             )
 
         n_slots = slots or cfg.slots
+        checkpoints = state_checkpoints(n_slots, cfg.state_checkpoints)
         needs: dict[tuple[str, ...], dict[str, Booking]] = {}
 
         def need(ds: tuple[str, ...]) -> dict[str, Booking]:
@@ -193,7 +194,7 @@ class Models:
                 est = sized(ds[0])
                 # the state pools: a state per slot, a scratch one and the prefix cache's
                 # checkpoints (0 bytes for a model without recurrent layers)
-                state = state_pool_slots(n_slots) * est.state_per_slot
+                state = state_pool_slots(n_slots, checkpoints) * est.state_per_slot
                 kv = cfg.kv_budget or est.kv_for(
                     context=mml, floor=ctx, room_tokens=room_tokens(est, ds, state)
                 )
@@ -243,6 +244,7 @@ class Models:
             step_target_s=cfg.ops.step_target_s,
             max_model_len=mml,
             quantize=quantize,
+            state_checkpoints=checkpoints,
         )
         self.feed.event(
             "load",

@@ -17,7 +17,6 @@ Two engine details matter for the figure:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -242,24 +241,15 @@ def estimate(
     )
 
 
-def state_checkpoints(num_slots: int) -> int:
+def state_checkpoints(num_slots: int, setting: int | None = None) -> int:
     """How many recurrent-state checkpoints a hybrid model's prefix cache keeps
-    (``workers/state_checkpoints.py``): ``PANTHEON_STATE_CHECKPOINTS``, else two per slot. Each
-    takes one slot's state (``Estimate.state_per_slot``); 0 turns the prefix cache off for such
-    models (their KV blocks alone cannot restore a sequence)."""
-    raw = os.environ.get("PANTHEON_STATE_CHECKPOINTS", "").strip()
-    if not raw:
-        return 2 * num_slots
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"PANTHEON_STATE_CHECKPOINTS={raw!r} is not a whole number") from None
-    if n < 0:
-        raise ValueError(f"PANTHEON_STATE_CHECKPOINTS={raw!r} must be 0 or more")
-    return n
+    (``workers/state_checkpoints.py``): ``--state-checkpoints``, else two per slot. Each takes
+    one slot's state (``Estimate.state_per_slot``); 0 turns the prefix cache off for such models
+    (their KV blocks alone cannot restore a sequence)."""
+    return 2 * num_slots if setting is None else setting
 
 
-def state_pool_slots(num_slots: int) -> int:
+def state_pool_slots(num_slots: int, checkpoints: int) -> int:
     """States a hybrid model's load allocates: one per slot, one scratch (prompt logits computed
-    outside the scheduler) and the prefix cache's checkpoints."""
-    return num_slots + 1 + state_checkpoints(num_slots)
+    outside the scheduler) and the prefix cache's ``checkpoints``."""
+    return num_slots + 1 + checkpoints

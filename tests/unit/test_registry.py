@@ -370,7 +370,7 @@ def test_estimate_matches_the_engine(model_factory, preset, quantize, path):
     )
     assert eng.kv_bytes == kv
     # the slots, the scratch one and the prefix cache's checkpoints
-    assert eng.state_bytes == state_pool_slots(eng.num_slots) * est.state_per_slot
+    assert eng.state_bytes == state_pool_slots(eng.num_slots, 2 * eng.num_slots) * est.state_per_slot
     assert (est.state_per_slot > 0) == preset.startswith("tiny-qwen3.5")
     assert abs(eng.weight_bytes - est.weights) <= 0.01 * est.weights, (eng.weight_bytes, est.weights)
     bound = estimate(shape, quantize=quantize)  # before the choice: the largest it may be

@@ -44,6 +44,7 @@ def samples(tmp: Path) -> dict[str, tuple[str, object]]:
         "kv_budget": ("2MiB", 2 << 20),
         "admit_ctx": ("1024", 1024),
         "kv_fraction": ("0.5", 0.5),
+        "state_checkpoints": ("3", 3),
         "die_reserve": ("0", 0),
         "pressure_thresholds": ("0.5,0.6,0.7", (0.5, 0.6, 0.7)),
         "max_model_len": ("256", 256),
