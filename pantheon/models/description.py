@@ -249,6 +249,32 @@ def torch_dtype(raw: dict, where: str) -> str:
     return dtype
 
 
+def decoder_fields(
+    raw: dict, gen: dict, where: str, *, head_shape: tuple[int, int, int, int], default_context: int
+) -> dict[str, Any]:
+    """The ``ModelDescription`` fields every family reads the same way from a ``config.json``
+    (``head_shape``: hidden size, heads, KV heads, head dim, already checked by the family)."""
+    hidden, heads, kv_heads, head_dim = head_shape
+    return dict(
+        vocab_size=pos_int(raw, "vocab_size", where),
+        hidden_size=hidden,
+        intermediate_size=pos_int(raw, "intermediate_size", where),
+        num_layers=pos_int(raw, "num_hidden_layers", where),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings") or default_context),
+        rope=rope_from(raw, where, head_dim),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        torch_dtype=torch_dtype(raw, where),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids(raw, gen),
+        quantized_source=bool(raw.get("quantized_source", False)),
+        int4_source=bool(raw.get("int4_source", False)),
+    )
+
+
 # ---------------------------------------------------------------- reading
 
 

@@ -37,6 +37,7 @@ from workers.layers.norms import ZeroCenteredRMSNorm
 from workers.layers.rotary import rotate
 from workers.models import Target
 from workers.models.base import DecoderLayer, DecoderLM
+from workers.models.llama import GGUF_LAYER as LLAMA_GGUF_LAYER
 from workers.models.llama import GGUF_TOP, MLP, gguf_name_from, mlp_targets, top_targets
 
 
@@ -212,22 +213,10 @@ def checkpoint_name(name: str) -> str | None:
     return name
 
 
-GGUF_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
+# llama.cpp's qwen35 names: the Llama family's, but the second norm is post_attention_norm, plus
+# the linear-attention layer's own tensors
+GGUF_LAYER = {k: v for k, v in LLAMA_GGUF_LAYER.items() if k != "ffn_norm.weight"} | {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
     "attn_gate.weight": "linear_attn.in_proj_z.weight",
     "ssm_alpha.weight": "linear_attn.in_proj_a.weight",

@@ -12,10 +12,8 @@ from pantheon.models.description import (
     LayerSpec,
     ModelDescription,
     ModelError,
-    eos_ids,
+    decoder_fields,
     pos_int,
-    rope_from,
-    torch_dtype,
 )
 
 
@@ -73,23 +71,10 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> LlamaDescription:
     return LlamaDescription(
         family="llama",
         arch=arch,
-        vocab_size=pos_int(raw, "vocab_size", where),
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
-        rope=rope_from(raw, where, head_dim),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        torch_dtype=torch_dtype(raw, where),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids(raw, gen),
+        **decoder_fields(
+            raw, gen, where, head_shape=(hidden, heads, kv_heads, head_dim), default_context=4096
+        ),
         layers=(spec,) * layers,
-        quantized_source=bool(raw.get("quantized_source", False)),
-        int4_source=bool(raw.get("int4_source", False)),
         attention_bias=bias,
         o_bias=o_bias,
         qk_norm=qk_norm,

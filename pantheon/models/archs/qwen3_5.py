@@ -18,10 +18,8 @@ from pantheon.models.description import (
     ModelError,
     RecurrentState,
     StateTensor,
-    eos_ids,
+    decoder_fields,
     pos_int,
-    rope_from,
-    torch_dtype,
 )
 from pantheon.models.gguf import GGUFError, GGUFFile, _field
 
@@ -115,23 +113,10 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> Qwen35Description:
     return Qwen35Description(
         family="qwen3_5",
         arch=arch,
-        vocab_size=pos_int(raw, "vocab_size", where),
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_layers=n,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings") or 32768),
-        rope=rope_from(raw, where, head_dim),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        torch_dtype=torch_dtype(raw, where),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids(raw, gen),
+        **decoder_fields(
+            raw, gen, where, head_shape=(hidden, heads, kv_heads, head_dim), default_context=32768
+        ),
         layers=tuple(full if t == FULL else linear for t in types),
-        quantized_source=bool(raw.get("quantized_source", False)),
-        int4_source=bool(raw.get("int4_source", False)),
         skipped=skipped
         + (("the multi-token-prediction head (mtp.*)",) if raw.get("mtp_num_hidden_layers") else ()),
         layer_types=tuple(types),
