@@ -4,6 +4,7 @@
     python bench/decode.py --model DIR --batches 1,4,8 --tokens 64 --device cuda:0
     python bench/decode.py --peer               # SmolLM2-135M Q4_1 GGUF against llama.cpp
     python bench/decode.py --model FILE.gguf [--hf-dir DIR] [--no-peer] [--json OUT]
+    python bench/decode.py --qwen35 [--outtype q8_0]   # Qwen3.5-0.8B shapes (random weights)
 
 Folder mode prints tokens/s for each batch size (aggregate over the batch, decode only:
 prefill is timed apart and left out), transformers' figure, their ratio, and the fraction of
@@ -17,12 +18,27 @@ stream, one after the other:
 2. a ``pantheon serve --model FILE`` subprocess: 1 and ``--streams`` concurrent streaming chat
    completions (ignore_eos, temperature 0), aggregate tok/s = completion tokens / wall time
    (prefill and TTFT included), best of ``--rounds``;
-3. transformers on the same file (``gguf_file=``, dequantized to fp32), ``generate``, batch 1;
+3. transformers on the same file (``gguf_file=``, dequantized to fp32), ``generate``, batch 1
+   and ``--streams``; when it cannot read the file (a version without that architecture), from
+   the Hugging Face folder of the same model (``--hf-dir`` or ``--transformers-dir``) in that
+   folder's dtype instead, and the row says so;
 4. llama.cpp (bench/peer.py; skipped when not built): ``llama-bench -n TOKENS -p 0`` for
    batch 1 (its fastest of 5 repetitions; the mean is in the JSON), and ``llama-server -np 8``
    driven by the same streaming client as ours.
 Best-of-N everywhere because other work on a shared host can only slow a run down.
 ``--hf-dir DIR`` points our side (1 and 2) at a Hugging Face folder instead of the file.
+The streaming client counts ``content`` and ``reasoning_content`` deltas alike (a thinking
+template, Qwen3.5's, streams its tokens as reasoning); each server applies its own chat template
+(ours the folder's or the file's, llama-server the file's), and the prompt tokens each counted are
+printed beside the figures.
+
+``--qwen35``: the ``qwen3.5-0.8b`` preset folder (random weights, the real shapes; written on first
+use) and a GGUF next to it converted by llama.cpp's own converter (``--no-mtp``; ``--outtype``
+bf16 by default, or q8_0 / f32; cached), then GGUF mode on that file: our engine, llama.cpp and
+the servers all load the GGUF; so does transformers where it reads ``qwen35`` GGUFs (5.x does,
+as ``Qwen3_5ForCausalLM`` in fp32), else it loads the folder (bf16) and its rows say so.
+For a hybrid model (recurrent layers) the bytes of recurrent state each sequence reads and writes
+per step are printed beside the weights' bytes.
 """
 
 from __future__ import annotations
@@ -56,6 +72,40 @@ def default_model(preset: str) -> Path:
         print(f"writing the {preset} preset to {out} ...", flush=True)
         make_model(preset, out)
     return out
+
+
+QWEN35_PRESET = "qwen3.5-0.8b"
+
+
+def qwen35_files(outtype: str = "bf16") -> tuple[Path, Path]:
+    """The Qwen3.5-0.8B preset folder and its GGUF (``<preset>-<outtype>.gguf`` beside the folder),
+    written and converted (llama.cpp's converter, ``--no-mtp``) on first use."""
+    folder = default_model(QWEN35_PRESET)
+    gguf = folder.parent / f"{QWEN35_PRESET}-{outtype}.gguf"
+    if not gguf.is_file():
+        sys.path.insert(0, str(ROOT / "tests"))
+        from helpers.llama_convert import convert
+
+        print(f"converting {folder} to {gguf} ({outtype}, --no-mtp) ...", flush=True)
+        t = time.perf_counter()
+        part = gguf.with_name(gguf.stem + ".part.gguf")  # renamed once whole: a killed run leaves no cache
+        convert(folder, part, outtype, ("--no-mtp",))
+        part.rename(gguf)
+        print(f"converted in {time.perf_counter() - t:.0f} s", flush=True)
+    return folder, gguf
+
+
+def state_bytes_per_sequence(eng: Engine) -> int:
+    """Bytes of recurrent state one running sequence holds (0 for attention-only models): what a
+    decode step reads and writes again for each sequence, beside the weights."""
+    from workers.cache import StateCache
+
+    return sum(
+        t[0].numel() * t.element_size()
+        for c in eng.runner.caches
+        if isinstance(c, StateCache)
+        for t in c.tensors.values()
+    )
 
 
 def sync(device: str) -> None:
@@ -163,7 +213,8 @@ def _pct(xs: list[float], p: float) -> float:
 async def stream_chat(client, url: str, tokens: int, t0: float, model: str = "bench") -> dict:
     """One streaming chat completion (OpenAI SSE; the same request to pantheon and llama-server):
     MESSAGES, greedy, ``tokens`` tokens with ``ignore_eos``. Returns completion tokens (from the
-    usage chunk, else the content chunks), content-chunk timestamps and the prompt tokens."""
+    usage chunk, else the content chunks), the timestamps of chunks with content or reasoning
+    content (a thinking template streams its tokens as reasoning) and the prompt tokens."""
     body = {
         "model": model,
         "messages": MESSAGES,
@@ -196,7 +247,8 @@ async def stream_chat(client, url: str, tokens: int, t0: float, model: str = "be
                 if obj.get("usage"):
                     usage = obj["usage"]
                 for ch in obj.get("choices") or ():
-                    if (ch.get("delta") or {}).get("content"):
+                    delta = ch.get("delta") or {}
+                    if delta.get("content") or delta.get("reasoning_content"):
                         stamps.append(now)
     return {
         "start": t0,
@@ -316,9 +368,12 @@ def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def cpu_path_table(cfg) -> dict:
+def cpu_path_table(cfg, ours: str | None = None) -> dict:
     """Every CPU path that works here, timed on the model's linear shapes as a load times them
-    (workers/cpu_paths.py), printed as a table: ms of one step's linears at 1 and 8 rows."""
+    (workers/cpu_paths.py), printed as a table: ms of one step's linears at 1 and 8 rows.
+    ``ours``: the path our engine runs (the load chose among the paths the file allows: ``int4``
+    only for a 4-bit file, ``int8`` only for a quantized one); the chooser's pick among all of
+    them is marked apart when it differs."""
     from workers import cpu_paths
 
     names = [n for n, why in cpu_paths.probe_all().items() if why is None]
@@ -326,7 +381,9 @@ def cpu_path_table(cfg) -> dict:
     print(f"\nCPU paths on this host (isa {cpu_paths.isa()}; linears of one decode step, best of 10):")
     print("| path | dtype | 1 row ms | 8 rows ms |\n|---|---|---:|---:|")
     for n, (a, b) in choice.timings.items():
-        mark = " (kept)" if n == choice.name else ""
+        mark = " (ours)" if n == (ours or choice.name) else ""
+        if ours and n == choice.name != ours:
+            mark = " (the chooser's pick among all paths: the file does not allow it, or the load timed otherwise)"
         print(
             f"| {n}{mark} | {cpu_paths.DTYPE_NAMES[cpu_paths.PATHS[n].dtype]} | {a * 1e3:.2f} | {b * 1e3:.2f} |"
         )
@@ -339,6 +396,32 @@ def cpu_path_table(cfg) -> dict:
         "chosen": choice.name,
         "timings_ms": {n: [a * 1e3, b * 1e3] for n, (a, b) in choice.timings.items()},
     }
+
+
+def load_transformers(gguf: Path, folder: str | Path | None):
+    """transformers' model of the GGUF file (``gguf_file=``, dequantized to fp32), or, when it cannot
+    read the file and ``folder`` is given, of that Hugging Face folder in the folder's own dtype
+    (saying so). (model or None, how it was loaded)."""
+    import transformers
+
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        ).eval()
+        return model, "fp32 from GGUF"
+    except Exception as e:  # noqa: BLE001 (e.g. accelerate or gguf missing, an unknown architecture)
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if not folder:
+        print(f"  transformers skipped: it cannot load the GGUF ({why}); --hf-dir gives it a folder")
+        return None, ""
+    print(f"  transformers cannot load the GGUF ({why}); loading the folder {folder} instead", flush=True)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto").eval()
+    except Exception as e:  # noqa: BLE001
+        print(f"  transformers skipped: {type(e).__name__}: {e}")
+        return None, ""
+    dt = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return model, f"{dt} from the HF folder (not the GGUF)"
 
 
 def run_gguf(args) -> int:
@@ -385,12 +468,24 @@ def run_gguf(args) -> int:
     cpu_path = getattr(eng, "cpu_path", None)
     if cpu_path:
         os.environ["PANTHEON_CPU_PATH"] = cpu_path
+    state = state_bytes_per_sequence(eng)
     out["ours_weights"] = (
         f"{dtype}{', CPU path ' + cpu_path if cpu_path else ''} "
-        f"({eng.step_read_bytes / 1e6:.0f} MB read per step)"
+        f"({eng.step_read_bytes / 1e6:.0f} MB of weights read per step"
+        + (f", + {state / 1e6:.1f} MB of recurrent state read and written per sequence" if state else "")
+        + ")"
     )
+    out["step_read_bytes"] = eng.step_read_bytes
+    out["state_bytes_per_sequence"] = state
+    if eng.cpu_timings:  # what the load itself timed (the candidates this file allows)
+        out["load_cpu_timings_ms"] = {p: [a * 1e3, b * 1e3] for p, (a, b) in eng.cpu_timings.items()}
+        print(
+            "load's CPU-path timings (ms of one step's linears at 1 / 8 rows): "
+            + ", ".join(f"{p} {a:.1f} / {b:.1f}" for p, (a, b) in out["load_cpu_timings_ms"].items()),
+            flush=True,
+        )
     print(f"ours: {out['ours_weights']}", flush=True)
-    out["cpu_paths"] = cpu_path_table(eng.cfg)
+    out["cpu_paths"] = cpu_path_table(eng.cfg, cpu_path)
     bench_engine(eng, 1, 4, "cpu")  # warm up both shapes
     bench_engine(eng, n, 4, "cpu")
     for b in (1, n):
@@ -405,22 +500,16 @@ def run_gguf(args) -> int:
 
     # 3. transformers on the file (before the servers: it is the slowest to load)
     if not (args.no_transformers or args.no_hf):
-        import transformers
-
-        try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-            ).eval()
-        except Exception as e:  # noqa: BLE001 (e.g. accelerate or gguf missing)
-            print(f"  transformers skipped: {type(e).__name__}: {e}")
-        else:
-            bench_hf(model, 1, 4, "cpu")
-            row(
-                "transformers",
-                "generate, fp32 from GGUF, decode",
-                1,
-                max(bench_hf(model, 1, tokens, "cpu") for _ in range(min(rounds, 2))),
-            )
+        model, how = load_transformers(gguf, args.transformers_dir or args.hf_dir)
+        if model is not None:
+            for b in (1, n):
+                bench_hf(model, b, 4, "cpu")
+                row(
+                    "transformers",
+                    f"generate, {how}, decode",
+                    b,
+                    max(bench_hf(model, b, tokens, "cpu") for _ in range(min(rounds, 2))),
+                )
             del model
 
     # 2. our HTTP path
@@ -470,6 +559,10 @@ def run_gguf(args) -> int:
                         **r,
                     )
 
+    prompt = {(r["system"], r["prompt_tokens"]) for r in out["rows"] if r.get("prompt_tokens") is not None}
+    if len({p for _, p in prompt}) > 1:
+        print(f"  note: the servers' chat templates gave prompts of different lengths: {sorted(prompt)}")
+
     print()
     print(markdown_table(out))
     if args.json:
@@ -500,19 +593,20 @@ def markdown_table(out: dict) -> str:
         f"file: {Path(out['gguf']).name}; ours loads "
         f"{'the same file' if ours == out['gguf'] else ours}: {out.get('ours_weights', '?')}",
         "",
-        "| system | how | streams | tok/s | vs llama-server | vs llama-bench | vs transformers | TTFT p50 ms | load avg |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| system | how | streams | tok/s | vs llama-server | vs llama-bench | vs transformers "
+        "| TTFT p50 ms | prompt tokens | load avg |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    hf = find("transformers", "generate", 1)
     lb = find("llama.cpp", "llama-bench", 1)
     for r in rows:
         k, t = r["streams"], r["tok_s"]
         ls = find("llama.cpp", "llama-server", k)
+        hf = find("transformers", "generate", k)
         ttft = r.get("ttft_p50_ms")
         lines.append(
             f"| {r['system']} | {r['how']} | {k} | {t:.1f} | {ratio(t, ls)} | "
-            f"{ratio(t, lb) if k == 1 else '-'} | {ratio(t, hf) if k == 1 else '-'} | "
-            f"{f'{ttft:.0f}' if ttft is not None else '-'} | {r['load']} |"
+            f"{ratio(t, lb) if k == 1 else '-'} | {ratio(t, hf)} | "
+            f"{f'{ttft:.0f}' if ttft is not None else '-'} | {r.get('prompt_tokens') or '-'} | {r['load']} |"
         )
     return "\n".join(lines)
 
@@ -543,7 +637,27 @@ def main() -> int:
         action="store_true",
         help="GGUF mode on the SmolLM2-135M-Instruct Q4_1 file when --model is not given",
     )
-    g.add_argument("--hf-dir", help="our side loads this folder instead of the GGUF file")
+    g.add_argument(
+        "--hf-dir",
+        help="our side loads this folder instead of the GGUF file (and transformers, "
+        "when it cannot read the GGUF)",
+    )
+    g.add_argument(
+        "--transformers-dir",
+        help="a Hugging Face folder of the same model for transformers alone, when it cannot read the GGUF",
+    )
+    g.add_argument(
+        "--qwen35",
+        action="store_true",
+        help=f"the {QWEN35_PRESET} preset (random weights) as a GGUF, converted beside the folder "
+        "on first use; transformers falls back to the folder if it cannot read the GGUF",
+    )
+    g.add_argument(
+        "--outtype",
+        default="bf16",
+        choices=("bf16", "q8_0", "f32"),
+        help="--qwen35: the GGUF's type (default bf16)",
+    )
     g.add_argument(
         "--cpu-path",
         help="our CPU path (PANTHEON_CPU_PATH, e.g. bf16-packed) for the "
@@ -556,6 +670,12 @@ def main() -> int:
     g.add_argument("--no-http", action="store_true", help="skip both HTTP servers")
     g.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
+    if args.qwen35:
+        if args.model:
+            ap.error("--qwen35 makes its own model; leave out --model")
+        folder, gguf = qwen35_files(args.outtype)
+        args.model = str(gguf)
+        args.transformers_dir = args.transformers_dir or str(folder)
     if args.peer or (args.model and args.model.endswith(".gguf")):
         return run_gguf(args)
     if args.dtype is None:
@@ -576,11 +696,13 @@ def main() -> int:
         variants.append(("int8", True))
     ours: dict[tuple[str, int], float] = {}
     weight_bytes: dict[str, int] = {}
+    state_bytes = 0
     for label, quant in variants:
         eng = Engine(
             str(path), devices=[args.device], dtype=args.dtype, kv_budget_bytes=256 << 20, quantize=quant
         )
         weight_bytes[label] = eng.step_read_bytes
+        state_bytes = state_bytes_per_sequence(eng)  # read and written again each step, per sequence
         bench_engine(eng, 1, 4, args.device)  # warm up
         for b in batches:
             ours[(label, b)] = bench_engine(eng, b, args.tokens, args.device)
@@ -605,7 +727,8 @@ def main() -> int:
     )
     for (label, b), tps in ours.items():
         step_s = b / tps
-        limit_step_s = weight_bytes[label] / bw  # every streamed weight byte read once per step
+        # every streamed weight byte read once per step, each sequence's recurrent state read and written
+        limit_step_s = (weight_bytes[label] + 2 * state_bytes * b) / bw
         h = hf.get(b) if label in ("bf16", args.dtype) else None
         ratio = f"{tps / h:.2f}x" if h else "-"
         h_s = f"{h:.1f}" if h else "-"
@@ -614,7 +737,12 @@ def main() -> int:
         )
     print(
         f"\nweights read per step: {weight_bytes[variants[0][0]] / 1e9:.2f} GB; "
-        f"bandwidth limit at batch 1: {bw / weight_bytes[variants[0][0]]:.1f} tok/s"
+        f"bandwidth limit at batch 1: {bw / (weight_bytes[variants[0][0]] + 2 * state_bytes):.1f} tok/s"
+        + (
+            f"; recurrent state per sequence: {state_bytes / 1e6:.1f} MB (read and written each step)"
+            if state_bytes
+            else ""
+        )
     )
     return 0
 
