@@ -32,7 +32,7 @@ from pantheon import errors
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.protocol import ChatRequest
-from pantheon.api.openai.routes import BIG_BODY, _Body, _through_recovery
+from pantheon.api.openai.routes import BIG_BODY, _Body, _through_recovery, check_token_ids
 from pantheon.api.openai.service import Generation, _pool_error
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
@@ -102,6 +102,8 @@ def parse_completion_request(raw: bytes | str) -> CompletionRequest:
             raise errors.invalid_param(
                 "prompt", "'prompt' must be a string, token ids, or a list holding one of those"
             )
+        if any(t > oa.INT64_MAX for t in prompt):  # the vocabulary is checked once routed
+            raise errors.invalid_param("prompt", "'prompt' holds a token id out of range")
     elif not isinstance(prompt, str):
         raise errors.invalid_param(
             "prompt", "'prompt' must be a string, token ids, or a list holding one of those"
@@ -138,6 +140,7 @@ def _prepare(inst: Instance, creq: CompletionRequest) -> Prepared:
         ids = assets.tokenizer.encode(creq.prompt, add_special_tokens=True).ids
     else:
         ids = list(creq.prompt)
+    check_token_ids(inst, creq.chat, None if isinstance(creq.prompt, str) else ids)
     if not ids:
         raise errors.invalid_param("prompt", "'prompt' is empty")
     limit = limit_of(inst)

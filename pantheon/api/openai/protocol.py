@@ -29,6 +29,15 @@ from pantheon.protocol import SamplingParams
 
 MAX_STOP = 4
 MAX_N = 128
+# Every integer sent to a worker is packed by msgspec into msgpack: a signed 64-bit range (a
+# larger one is an OverflowError there, a 500 here). A request's integers are kept inside it.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# A token id has at most this many digits (int64's 19, and leading zeros): a longer key is refused
+# before int(), which raises ValueError past 4,300 digits.
+MAX_ID_DIGITS = 20
+# The names the template renderer sets itself (pantheon.chat.template, pantheon.control.context):
+# a client's chat_template_kwargs may not replace them (a duplicate keyword is a TypeError there).
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt")
 
 
 # ---------------------------------------------------------------- the typed request
@@ -125,8 +134,16 @@ def _int(
         raise invalid_param(param, f"'{param}' must be an integer, got {type(v).__name__}")
     if lo is not None and v < lo or hi is not None and v > hi:
         rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise invalid_param(param, f"'{param}' must be {rng}, got {v}")
+        raise invalid_param(param, f"'{param}' must be {rng}, got {_short(v)}")
+    if not INT64_MIN <= v <= INT64_MAX:  # what the worker's wire takes
+        raise invalid_param(param, f"'{param}' is out of range: it must fit a 64-bit signed integer")
     return v
+
+
+def _short(v: Any) -> str:
+    """``v`` for an error message, cut to a readable length (an integer may have 4,300 digits)."""
+    s = repr(v) if isinstance(v, str) else str(v)
+    return s if len(s) <= 40 else s[:20] + f"...({len(s)} characters)"
 
 
 def _num(
@@ -135,9 +152,14 @@ def _num(
     v = body.get(key)
     if v is None:
         return None
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
         raise invalid_param(key, f"'{key}' must be a number, got {type(v).__name__}")
-    v = float(v)
+    try:
+        v = float(v)  # an integer past 1e308 is an OverflowError
+    except OverflowError:
+        raise invalid_param(key, f"'{key}' is out of range, got {_short(v)}") from None
+    if not math.isfinite(v):
+        raise invalid_param(key, f"'{key}' must be a finite number")
     if lo is not None and (v < lo or lo_open and v == lo) or hi is not None and v > hi:
         rng = (
             f"> {lo}" if lo_open and hi is None else (f">= {lo}" if hi is None else f"between {lo} and {hi}")
@@ -393,11 +415,28 @@ def _logit_bias(v: Any) -> dict[int, float]:
     out: dict[int, float] = {}
     for k, b in v.items():
         if not (isinstance(k, str) and k.isascii() and k.isdigit()):
-            raise invalid_param("logit_bias", f"'logit_bias' key {k!r} is not a token id")
+            raise invalid_param("logit_bias", f"'logit_bias' key {_short(k)} is not a token id")
+        # (the length first: int() of more than 4,300 digits is a ValueError)
+        if len(k) > MAX_ID_DIGITS or int(k) > INT64_MAX:
+            raise invalid_param(
+                "logit_bias",
+                f"'logit_bias' key {_short(k)} is out of range: not a token id of any vocabulary",
+            )
         if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100:
             raise invalid_param("logit_bias", f"'logit_bias' value for {k} must be a number in [-100, 100]")
         out[int(k)] = float(b)
     return out
+
+
+def _template_kwargs(body: dict) -> dict[str, Any] | None:
+    """``chat_template_kwargs``: an object, without the names the renderer sets itself."""
+    kw = _typed(body, "chat_template_kwargs", dict, "an object")
+    for key in RESERVED_TEMPLATE_KWARGS:
+        if kw is not None and key in kw:
+            p = f"chat_template_kwargs.{key}"
+            where = "the request's own field" if key in ("tools", "messages") else "set by the server"
+            raise invalid_param(p, f"'{p}' may not be given: '{key}' is {where}")
+    return kw
 
 
 def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = None) -> ChatRequest:
@@ -468,7 +507,7 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     sid = _str(body, "session_id")
     kw["session_id"] = sid if sid is not None else header_session
     kw["cache_salt"] = _str(body, "cache_salt")
-    kw["chat_template_kwargs"] = _typed(body, "chat_template_kwargs", dict, "an object")
+    kw["chat_template_kwargs"] = _template_kwargs(body)
     return ChatRequest(**{k: v for k, v in kw.items() if v is not None})
 
 

@@ -59,6 +59,32 @@ async def get_model(model_id: str):
     raise errors.model_not_found(model_id)
 
 
+def vocab_size(inst: Instance) -> int:
+    """The number of token ids ``inst``'s model takes: its worker's (the embedding's rows, what
+    the worker checks a request's ids against), else its tokenizer's."""
+    n = getattr(inst.loaded, "vocab_size", None)
+    if isinstance(n, int) and n > 0:
+        return n
+    return int(inst.assets.tokenizer.get_vocab_size(with_added_tokens=True))
+
+
+def check_token_ids(inst: Instance, req: ChatRequest, prompt: list[int] | None = None) -> None:
+    """A 400 naming the field for a token id ``inst``'s model does not have (``logit_bias``'s
+    keys, a completion prompt's ids), before any slot: a stream would only have an error event."""
+    vocab = vocab_size(inst)
+    if prompt is not None:
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise errors.invalid_param(
+                "prompt", f"'prompt' token id {bad} is outside the vocabulary (0..{vocab - 1})"
+            )
+    bad = next((t for t in req.logit_bias if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise errors.invalid_param(
+            "logit_bias", f"'logit_bias' token id {bad} is outside the vocabulary (0..{vocab - 1})"
+        )
+
+
 async def _fit_context(inst: Instance, req: ChatRequest, big: bool) -> Prepared:
     """Render and tokenize for ``inst``, and fit the context to its limit (pass / cap / 400)."""
     if big:  # long prompts tokenize off the event loop
@@ -70,10 +96,12 @@ async def _place(s: AppState, req: ChatRequest, big: bool) -> tuple[Instance, Pr
     """Route, fit the context, then acquire a slot: a denied request never waits in the queue.
     Returns ``(instance, Prepared)`` holding the slot."""
     likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
+    check_token_ids(likely, req)
     prep = await _fit_context(likely, req, big)
     inst = await s.registry.acquire_slot(req.model, req.session_id)
     try:
         if inst.path != likely.path or limit_of(inst) != limit_of(likely):
+            check_token_ids(inst, req)
             prep = await _fit_context(inst, req, big)  # another replica, another context
     except BaseException:
         s.registry.leave(inst)
