@@ -10,7 +10,9 @@ bf16 dot products), where fp32 wins. So nothing is assumed from flags or ``hasat
   reference; a path that raises or is wrong is never used (``probe_all`` at worker start);
 - ``choose(cfg, candidates)`` times the candidates that probe well on the model's linear shapes
   at 1 row (batch-1 decode) and 8 rows (a full batch), and keeps the one whose worse ratio to the
-  best of each is smallest;
+  best of each is smallest; rounds disturbed by other work on the cores (seen by a reference op
+  timed between the candidates) are discarded and retimed, and when no clean timing can be had
+  the first candidate in ``PATHS`` order is kept (``Choice.note`` says so);
 - ``apply(model, name)`` lays the loaded model out for that path.
 
 ``PANTHEON_CPU_PATH`` (``--cpu-path``) forces one, so every host runs the tests of every path it
@@ -186,29 +188,95 @@ class _Bench:
 class Choice:
     name: str
     timings: dict[str, tuple[float, float]]  # path -> (seconds at 1 row, at 8 rows) per step
+    note: str = ""  # why the choice is not the timings' verdict (disturbed timings), else ""
+
+
+# A fixed op of known cost timed between the candidates in every round: when it runs much slower
+# than its best, other work held the cores, and the candidate timed next to it is not believed.
+_REF_SHAPE = (64, 1024, 1024)  # [M, K] @ [K, N] in fp32: about 0.13 GFLOP, ~1 ms on two cores
+_DISTURBED = 2.5  # a reference this many times its best marks its neighbours disturbed
+# ...and one slower than any CPU torch runs on does it (1 GFLOP/s): the whole timing was disturbed
+_REF_CAP = 2 * _REF_SHAPE[0] * _REF_SHAPE[1] * _REF_SHAPE[2] / 1e9
+_CLEAN_NEEDED = 2  # clean samples each candidate needs before its timing is believed
+_MORE_ROUNDS = 2  # retime up to this many times ``rounds`` more rounds when samples are disturbed
+
+
+class _Reference:
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(2)
+        m, k, n = _REF_SHAPE
+        self.a = torch.randn(m, k, generator=g)
+        self.b = torch.randn(k, n, generator=g)
+
+    def once(self) -> float:
+        t = time.perf_counter()
+        torch.mm(self.a, self.b)
+        return time.perf_counter() - t
 
 
 def choose(cfg: ModelDescription, names: list[str], rounds: int = 5, margin: float = 0.1) -> Choice:
     """The candidate whose worse ratio to the fastest (at 1 row and at 8 rows) is smallest.
 
     The candidates are timed in turns, ``rounds`` times each, keeping each one's best: a burst
-    of other work on the cores then hurts them alike rather than deciding the choice. A path
-    earlier in ``PATHS`` (fewer bytes) is kept unless a later one beats it by ``margin``.
+    of other work on the cores then hurts them alike rather than deciding the choice. Work that
+    holds the cores for longer (another model serving while this one loads) is seen by a fixed
+    reference op timed between the candidates in each round: a candidate's sample whose
+    neighbouring reference ran much slower than the reference's best (or slower than any CPU
+    runs it: the whole timing was disturbed) is discarded, and more
+    rounds are timed while too few clean samples are left. When a candidate still has no clean
+    sample the timings are not trusted and the first candidate (``PATHS`` order: fewest bytes,
+    the path a quiet host picks most often) is kept, said in ``Choice.note``. A path earlier in
+    ``PATHS`` (fewer bytes) is kept unless a later one beats it by ``margin``.
     """
     if len(names) == 1:
         return Choice(names[0], {})
     shapes = linear_shapes(cfg)
-    best = {n: [float("inf"), float("inf")] for n in names}
+    # samples[n]: (seconds at 1 row, at 8 rows, the slower reference timed next to them)
+    samples: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
+    refs: list[float] = []
+    needed = max(1, min(_CLEAN_NEEDED, rounds))
+
+    def clean(n: str) -> list[tuple[float, float, float]]:
+        limit = min(min(refs) * _DISTURBED, _REF_CAP)
+        return [s for s in samples[n] if s[2] <= limit]
+
     with torch.inference_mode():
         benches = {n: _Bench(n, shapes) for n in names}
+        ref = _Reference()
+        ref.once()
         for b in benches.values():  # warm up: first calls pick kernels and allocate
             b.once(1)
             b.once(8)
-        for _ in range(rounds):
+        done = 0
+        while True:
+            before = ref.once()
+            refs.append(before)
             for n, b in benches.items():
-                best[n][0] = min(best[n][0], b.once(1))
-                best[n][1] = min(best[n][1], b.once(8))
-    timings = {n: (t[0], t[1]) for n, t in best.items()}
+                t1, t8 = b.once(1), b.once(8)
+                after = ref.once()
+                refs.append(after)
+                samples[n].append((t1, t8, max(before, after)))
+                before = after
+            done += 1
+            if done < rounds:
+                continue
+            if done >= rounds * (1 + _MORE_ROUNDS) or all(len(clean(n)) >= needed for n in names):
+                break
+
+    def best(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+        return (min(r[0] for r in rows), min(r[1] for r in rows))
+
+    kept = {n: clean(n) for n in names}
+    discarded = sum(len(samples[n]) - len(kept[n]) for n in names)
+    total = sum(len(samples[n]) for n in names)
+    if any(not rows for rows in kept.values()):
+        timings = {n: best(kept[n] or samples[n]) for n in names}
+        note = (
+            f"timings disturbed by other work on the cores ({discarded} of {total} samples, "
+            f"{done} rounds): kept {names[0]}, the first candidate in the static order"
+        )
+        return Choice(names[0], timings, note)
+    timings = {n: best(kept[n]) for n in names}
     best1 = min(t[0] for t in timings.values())
     best8 = min(t[1] for t in timings.values())
 
@@ -219,7 +287,8 @@ def choose(cfg: ModelDescription, names: list[str], rounds: int = 5, margin: flo
     for n in names[1:]:
         if score(n) * (1 + margin) < score(name):
             name = n
-    return Choice(name, timings)
+    note = f"{discarded} of {total} samples discarded as disturbed ({done} rounds)" if discarded else ""
+    return Choice(name, timings, note)
 
 
 def replace_linears(module: nn.Module, make) -> None:
