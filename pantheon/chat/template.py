@@ -17,16 +17,23 @@ ChatML fallback), and those parts change together when transformers changes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
 import json
-from collections.abc import Mapping, Sequence
+import re
+import threading
+import time
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
 import jinja2.nodes
+import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -34,8 +41,10 @@ from .tools import tool_call_format
 
 __all__ = [
     "ChatTemplate",
+    "TemplateBoundError",
     "TemplateError",
     "normalize_messages",
+    "render_budget",
     "render_chatml",
     "think_open",
 ]
@@ -69,6 +78,315 @@ class TemplateError(ValueError):
     def __init__(self, message: str):
         super().__init__(message)
         self.message = message
+
+
+class TemplateBoundError(TemplateError):
+    """A render went past one of the bounds below (time, size, range, nesting): the template's
+    fault or the conversation's, never a reason to hold the server. ``bound`` names which."""
+
+    def __init__(self, message: str, bound: str):
+        super().__init__(message)
+        self.bound = bound
+
+
+# ------------------------------------------------------------------ bounds
+#
+# A chat template is code from a model folder (or a GGUF's metadata), rendered on every request.
+# Jinja's sandbox keeps it from reaching out of the template, but not from spending: a nested
+# ``range()`` loop or ``'x' * 200000000`` would hold the router's event loop (and SIGTERM with it)
+# for as long as it likes. So every render runs under bounds, each of which ends it with a
+# ``TemplateBoundError`` (a 400 naming the template and the bound):
+#
+# - time: ``RENDER_TIMEOUT_S`` per request, all its renders together (``render_budget``), and
+#   ``LOAD_TIMEOUT_S`` for the sample render at load. The hooks below check the deadline, and a
+#   watchdog thread raises in the rendering thread when it passes anyway (a loop whose body calls
+#   nothing, which no hook sees), so a render always ends itself;
+# - size: no string or list a template builds (``*``, ``+``, ``~``, ``%``, filters, str methods)
+#   and not the output may pass ``MAX_OUTPUT_CHARS`` plus ``OUTPUT_PER_INPUT`` times the input's
+#   size. Sizes are checked before the allocation wherever they can be known (a repetition, a
+#   width, a join), so ``'x' * 200000000`` is refused without allocating it;
+# - ``range()``: at most ``MAX_RANGE`` items (real templates loop over messages, not ranges);
+# - nesting: at most ``MAX_CALL_DEPTH`` nested calls (macros calling macros, recursive loops).
+#
+# At load the template is rendered once on a small sample conversation under the load bounds; a
+# template that exceeds them is refused there (``ChatTemplate.check_cost``).
+
+RENDER_TIMEOUT_S = 0.5
+LOAD_TIMEOUT_S = 0.25
+MAX_OUTPUT_CHARS = 1 << 20
+OUTPUT_PER_INPUT = 4
+LOAD_MAX_OUTPUT_CHARS = 1 << 18
+MAX_RANGE = 10_000
+MAX_CALL_DEPTH = 128
+
+
+class _RenderInterrupted(BaseException):
+    """Raised in a rendering thread by the watchdog. A BaseException, so that no ``except
+    Exception`` on the way (Jinja's, a filter's) swallows it."""
+
+
+class _Bounds:
+    __slots__ = ("name", "deadline", "timeout", "max_chars", "depth")
+
+    def __init__(self, name: str, deadline: float, timeout: float, max_chars: int):
+        self.name = name
+        self.deadline = deadline
+        self.timeout = timeout
+        self.max_chars = max_chars
+        self.depth = 0
+
+    def exceeded(self, bound: str, detail: str) -> TemplateBoundError:
+        return TemplateBoundError(f"{self.name} exceeded its {bound} bound: {detail}", bound)
+
+    def late(self) -> TemplateBoundError:
+        return self.exceeded("time", f"rendering took more than {self.timeout:g} s")
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise self.late()
+
+    def check_size(self, n: int, what: str) -> None:
+        if n > self.max_chars:
+            raise self.exceeded("size", f"{what} of {n} items, more than {self.max_chars}")
+
+
+_LOCAL = threading.local()  # .bounds: the _Bounds of this thread's render; .budget: a deadline
+
+
+def _bounds() -> _Bounds | None:
+    return getattr(_LOCAL, "bounds", None)
+
+
+@contextlib.contextmanager
+def render_budget(seconds: float = RENDER_TIMEOUT_S) -> Iterator[None]:
+    """All renders of this thread inside the block share one deadline, ``seconds`` from now (the
+    renders of one request: ``fit_context`` renders again while it caps a conversation)."""
+    outer = getattr(_LOCAL, "budget", None)
+    _LOCAL.budget = time.monotonic() + seconds if outer is None else min(outer, time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        _LOCAL.budget = outer
+
+
+def _interrupt(ident: int, exc: type[BaseException] | None) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc) if exc else None)
+
+
+class _Watchdog:
+    """One daemon thread that interrupts renders past their deadline (see the bounds above).
+
+    ``arm`` registers the calling thread until a deadline; ``disarm`` ends that, and afterwards no
+    interruption can be pending for it (one raised meanwhile is cleared before it lands, or it
+    landed inside the armed block, which turns it into a ``TemplateBoundError``)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._armed: dict[int, tuple[float, int]] = {}
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def arm(self, deadline: float) -> int:
+        with self._cv:
+            self._next += 1
+            key = self._next
+            self._armed[key] = (deadline, threading.get_ident())
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="template-watchdog", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+            return key
+
+    def disarm(self, key: int) -> None:
+        with self._cv:
+            if self._armed.pop(key, None) is None:  # it fired: clear it if it has not landed
+                _interrupt(threading.get_ident(), None)
+
+    def _run(self) -> None:
+        with self._cv:
+            while True:
+                now = time.monotonic()
+                for key, (deadline, ident) in list(self._armed.items()):
+                    if deadline <= now:
+                        del self._armed[key]
+                        _interrupt(ident, _RenderInterrupted)
+                nearest = min((d for d, _ in self._armed.values()), default=None)
+                self._cv.wait(None if nearest is None else max(0.0, nearest - now) + 0.005)
+
+
+_WATCHDOG = _Watchdog()
+_WIDTH = re.compile(r"\d+")
+
+
+def _check_widths(fmt: Any, what: str) -> None:
+    """A format string's widths and precisions (``%2000000000s``, ``{:2000000000}``) are
+    allocations: refuse a large one before it is made."""
+    b = _bounds()
+    if b is not None and isinstance(fmt, str):
+        for m in _WIDTH.finditer(fmt):
+            if len(m.group()) > 9 or int(m.group()) > b.max_chars:
+                raise b.exceeded("size", f"{what} with a width of {m.group()}")
+
+
+def _check_args(args: Sequence[Any], kwargs: Mapping[str, Any], what: str) -> None:
+    """An integer argument of a str method or filter is a width, a count or an indent: one beyond
+    the size bound would allocate beyond it."""
+    b = _bounds()
+    if b is None:
+        return
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, int) and not isinstance(v, bool) and v > b.max_chars:
+            raise b.exceeded("size", f"{what} with an argument of {v}")
+
+
+def _sized(result: Any, what: str) -> Any:
+    b = _bounds()
+    if b is not None and isinstance(result, (str, list, tuple)):
+        b.check_size(len(result), what)
+    return result
+
+
+def _len(x: Any) -> int:
+    try:
+        return len(x)
+    except TypeError:
+        return len(str(x))
+
+
+def _str_join(seq: Any) -> str:
+    """``~``: Jinja's own ``str_join``, sized first."""
+    parts = [str(x) for x in seq]
+    b = _bounds()
+    if b is not None:
+        b.check_size(sum(map(len, parts)), "a '~' concatenation")
+    return "".join(parts)
+
+
+def _markup_join(seq: Any) -> str:
+    parts = list(seq)
+    b = _bounds()
+    if b is not None:
+        b.check_size(sum(_len(x) for x in parts), "a '~' concatenation")
+    return jinja2.runtime.markup_join(parts)
+
+
+class _CodeGenerator(jinja2.compiler.CodeGenerator):
+    """Jinja's code generator, with ``~`` going through the sized joins above."""
+
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: Any) -> None:
+        if frame.eval_ctx.volatile:
+            func = "(environment.pantheon_markup_join if context.eval_ctx.volatile else environment.pantheon_str_join)"
+        elif frame.eval_ctx.autoescape:
+            func = "environment.pantheon_markup_join"
+        else:
+            func = "environment.pantheon_str_join"
+        self.write(f"{func}((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+def _range(*args: int) -> range:
+    rng = range(*args)
+    b = _bounds()
+    if b is not None and len(rng) > MAX_RANGE:
+        raise b.exceeded("range", f"range() of {len(rng)} items, more than {MAX_RANGE}")
+    return rng
+
+
+_SEQ = (str, list, tuple)
+_PASSED = (jinja2.runtime.Context, jinja2.nodes.EvalContext, jinja2.Environment)
+# the built-in filters whose output can be much larger than their input
+_SIZED_FILTERS = ("center", "indent", "wordwrap", "format", "join", "replace", "truncate")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with the bounds above on what a render may spend."""
+
+    code_generator_class = _CodeGenerator
+    intercepted_binops = frozenset({"*", "+", "%", "**"})
+    pantheon_str_join = staticmethod(_str_join)
+    pantheon_markup_join = staticmethod(_markup_join)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        b = _bounds()
+        if b is not None:
+            b.check_time()
+            if operator == "*":
+                seq, n = (left, right) if isinstance(left, _SEQ) else (right, left)
+                if isinstance(seq, _SEQ) and isinstance(n, int):
+                    b.check_size(len(seq) * max(n, 0), "a '*' repetition")
+            elif operator == "+" and isinstance(left, _SEQ) and isinstance(right, _SEQ):
+                b.check_size(len(left) + len(right), "a '+' concatenation")
+            elif operator == "%" and isinstance(left, str):
+                _check_widths(left, "a '%' format")
+                if isinstance(right, tuple):
+                    _check_args(right, {}, "a '%' format")
+            elif operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)):
+                if abs(right) > 64 and abs(left) > 1:
+                    raise b.exceeded("size", f"a '**' power of {right}")
+        return _sized(self.binop_table[operator](left, right), f"a '{operator}' result")
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        b = _bounds()
+        if b is None:
+            return super().call(__context, __obj, *args, **kwargs)
+        b.check_time()
+        target = getattr(__obj, "__wrapped__", __obj)
+        owner = getattr(target, "__self__", None)
+        if isinstance(owner, str):
+            name = getattr(target, "__name__", "")
+            what = f"str.{name}()"
+            _check_args(args, kwargs, what)
+            if name in ("format", "format_map"):
+                _check_widths(owner, what)
+            elif (
+                name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str)
+            ):
+                grow = (owner.count(args[0]) + (1 if not args[0] else 0)) * (len(args[1]) - len(args[0]))
+                b.check_size(len(owner) + max(grow, 0), what)
+            elif name == "join" and args:
+                args = (list(args[0]),)
+                b.check_size(sum(_len(x) for x in args[0]) + len(owner) * len(args[0]), what)
+        b.depth += 1
+        try:
+            if b.depth > MAX_CALL_DEPTH:
+                raise b.exceeded("nesting", f"more than {MAX_CALL_DEPTH} nested calls")
+            return _sized(super().call(__context, __obj, *args, **kwargs), "a call's result")
+        finally:
+            b.depth -= 1
+
+
+def _bounded_filter(fn: Any, name: str) -> Any:
+    """A filter that produces text, with its integer arguments and its result sized."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        b = _bounds()
+        if b is None:  # constant folding at compile time: leave it to the (bounded) render
+            raise jinja2.nodes.Impossible()
+        b.check_time()
+        what = f"the '{name}' filter"
+        lead = 1 if args and isinstance(args[0], _PASSED) else 0
+        value, extra = (args[lead], args[lead + 1 :]) if len(args) > lead else (None, ())
+        _check_args(extra, kwargs, what)
+        if name == "format":
+            _check_widths(value, what)
+        elif name == "join" and value is not None and not isinstance(value, str):
+            value = list(value)
+            args = (*args[:lead], value, *extra)
+            sep = extra[0] if extra and isinstance(extra[0], str) else ""
+            b.check_size(sum(_len(x) for x in value) + len(sep) * len(value), what)
+        elif name == "replace" and isinstance(value, str) and len(extra) >= 2:
+            old, new = str(extra[0]), str(extra[1])
+            grow = (value.count(old) + (1 if not old else 0)) * (len(new) - len(old))
+            b.check_size(len(value) + max(grow, 0), what)
+        return _sized(fn(*args, **kwargs), what)
+
+    for attr in ("jinja_pass_arg",):
+        if hasattr(fn, attr):
+            setattr(wrapper, attr, getattr(fn, attr))
+    return wrapper
 
 
 # ------------------------------------------------------------------ the Jinja environment
@@ -138,10 +456,13 @@ class _GenerationTag(jinja2.ext.Extension):
 
 
 def _make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
-    env.filters["tojson"] = _tojson
+    for name in _SIZED_FILTERS:
+        env.filters[name] = _bounded_filter(env.filters[name], name)
+    env.filters["tojson"] = _bounded_filter(_tojson, "tojson")
+    env.globals["range"] = _range
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
@@ -361,6 +682,8 @@ class ChatTemplate:
     the model thinks in ``<think>`` blocks: it only changes the ChatML fallback, since a real template
     encodes this itself.
 
+    ``name`` names the template in errors (``the chat template of <model> (<file>)``).
+
     Raises :class:`TemplateError` when a template does not compile.
     """
 
@@ -373,7 +696,9 @@ class ChatTemplate:
         eos_token: str | None = None,
         special_tokens: Mapping[str, str] | None = None,
         reasoning: bool = False,
+        name: str = "the chat template",
     ):
+        self.name = name
         self.source = template
         self.tool_use_source = tool_use_template
         self.reasoning = bool(reasoning)
@@ -418,30 +743,42 @@ class ChatTemplate:
         folder = Path(path)
         config = _read_json(folder / "tokenizer_config.json")
         templates: dict[str, str] = {}
+        origin: dict[str, str] = {}  # where each came from, to name it in errors
         raw = config.get("chat_template")
         if isinstance(raw, str):
             templates["default"] = raw
+            origin["default"] = "tokenizer_config.json"
         elif isinstance(raw, list):
             for entry in raw:
                 if isinstance(entry, Mapping) and isinstance(entry.get("template"), str):
-                    templates[str(entry.get("name", "default"))] = entry["template"]
+                    key = str(entry.get("name", "default"))
+                    templates[key] = entry["template"]
+                    origin[key] = f"tokenizer_config.json, {key!r}"
         legacy = _read_json(folder / "chat_template.json").get("chat_template")
         if isinstance(legacy, str):
             templates["default"] = legacy
+            origin["default"] = "chat_template.json"
         jinja_file = folder / "chat_template.jinja"
         if jinja_file.is_file():
             templates["default"] = jinja_file.read_text(encoding="utf-8")
+            origin["default"] = "chat_template.jinja"
         extra = folder / "additional_chat_templates"
         if extra.is_dir():
             for file in sorted(extra.glob("*.jinja")):
-                templates[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
+                key = file.name.removesuffix(".jinja")
+                templates[key] = file.read_text(encoding="utf-8")
+                origin[key] = f"additional_chat_templates/{file.name}"
 
         # transformers refuses a set of named templates without a "default"; a server should still
         # serve it, so the first one stands in.
         default = templates.get("default")
+        used = "default"
         if default is None and templates:
-            default = next(iter(v for k, v in templates.items() if k != "tool_use"), None)
+            used = next(iter(k for k in templates if k != "tool_use"), "tool_use")
+            default = templates.get(used) if used != "tool_use" else None
         tool_use = templates.get("tool_use")
+        files = ", ".join(dict.fromkeys(origin[k] for k in (used, "tool_use") if k in origin))
+        name = f"the chat template of {folder.name}" + (f" ({files})" if files else "")
 
         tokens = {}
         for name in SPECIAL_TOKEN_NAMES:
@@ -450,7 +787,7 @@ class ChatTemplate:
                 tokens[name] = text
         if reasoning is None:
             reasoning = _has_think_token(folder, config)
-        return cls(default, tool_use_template=tool_use, special_tokens=tokens, reasoning=reasoning)
+        return cls(default, tool_use_template=tool_use, special_tokens=tokens, reasoning=reasoning, name=name)
 
     def render(
         self,
@@ -469,8 +806,20 @@ class ChatTemplate:
         and the like); they may override the special tokens but not the four names the renderer
         sets itself. The result is meant to be tokenized without adding special tokens.
 
-        Raises :class:`TemplateError` for anything that stops the template (a 400 for the client).
+        Raises :class:`TemplateError` for anything that stops the template (a 400 for the client),
+        :class:`TemplateBoundError` when the render passes a bound (time, size, range, nesting).
         """
+        return self._render(messages, tools, documents, add_generation_prompt, template_kwargs, None)
+
+    def _render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        documents: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any],
+        limits: tuple[float, int] | None,
+    ) -> str:
         msgs = normalize_messages(messages)
         tools = list(tools) if tools is not None else None
         clash = _RESERVED_KWARGS.intersection(template_kwargs)
@@ -494,14 +843,23 @@ class ChatTemplate:
                 enable_thinking=enable if isinstance(enable, bool) else None,
             )
         context = {**self.special_tokens, **copy.deepcopy(template_kwargs)}
+        variables = {
+            "messages": msgs,
+            "tools": copy.deepcopy(tools),
+            "documents": copy.deepcopy(list(documents)) if documents is not None else None,
+            "add_generation_prompt": add_generation_prompt,
+            **context,
+        }
+        if limits is None:
+            size = len(json.dumps([msgs, tools, documents, template_kwargs], ensure_ascii=False, default=str))
+            limits = (RENDER_TIMEOUT_S, MAX_OUTPUT_CHARS + OUTPUT_PER_INPUT * size)
+        name = self.name + (
+            " (its tool_use template)" if compiled is self._compiled_tool_use and self._compiled else ""
+        )
         try:
-            return compiled.render(
-                messages=msgs,
-                tools=copy.deepcopy(tools),
-                documents=copy.deepcopy(list(documents)) if documents is not None else None,
-                add_generation_prompt=add_generation_prompt,
-                **context,
-            )
+            return _render_bounded(compiled, variables, name, *limits)
+        except TemplateBoundError:
+            raise
         except jinja2.TemplateError as exc:
             # raise_exception(), undefined values, sandbox refusals.
             raise TemplateError(str(exc) or type(exc).__name__) from exc
@@ -509,6 +867,84 @@ class ChatTemplate:
             # A template doing arithmetic on what the client sent (``'a' + none``, ``[0]`` on an
             # empty list): still the request's fault, not the server's.
             raise TemplateError(f"chat template failed on this conversation: {exc}") from exc
+
+    def check_cost(self) -> None:
+        """Render a small sample conversation (with and without tools) under the load bounds
+        (``LOAD_TIMEOUT_S``, ``LOAD_MAX_OUTPUT_CHARS``): raises :class:`TemplateBoundError` when
+        the template exceeds them, so a model whose template would stall every request is refused
+        at load. A template that merely refuses the sample (``raise_exception``) passes."""
+        for tools in (None, _SAMPLE_TOOLS):
+            try:
+                self._render(_SAMPLE_MESSAGES, tools, None, True, {}, (LOAD_TIMEOUT_S, LOAD_MAX_OUTPUT_CHARS))
+            except TemplateBoundError:
+                raise
+            except TemplateError:
+                pass
+
+
+_SAMPLE_MESSAGES = (
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": "It is sunny in Paris today."},
+    {"role": "user", "content": "And tomorrow?"},
+)
+_SAMPLE_TOOLS = (
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather forecast of a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    },
+)
+
+
+def _render_bounded(
+    compiled: jinja2.Template, variables: dict[str, Any], name: str, timeout: float, max_chars: int
+) -> str:
+    """Render under the bounds (see the module's bounds section): the output streamed with a
+    running size and deadline check, the watchdog armed for what no check sees."""
+    now = time.monotonic()
+    deadline = now + timeout
+    budget = getattr(_LOCAL, "budget", None)
+    if budget is not None:
+        deadline = min(deadline, budget)
+    b = _Bounds(name, deadline, timeout, max_chars)
+    if now > deadline:
+        raise b.late()
+    prev = _bounds()
+    _LOCAL.bounds = b
+    try:
+        key = _WATCHDOG.arm(deadline)
+        try:
+            try:
+                out: list[str] = []
+                n = 0
+                gen: Generator[str, None, None] = compiled.generate(**variables)  # pyright: ignore[reportAssignmentType]
+                try:
+                    for chunk in gen:
+                        n += len(chunk)
+                        if n > max_chars:
+                            raise b.exceeded("output", f"more than {max_chars} characters")
+                        out.append(chunk)
+                        if time.monotonic() > deadline:
+                            raise b.late()
+                finally:
+                    gen.close()
+                return "".join(out)
+            finally:
+                _WATCHDOG.disarm(key)  # no interruption can land after this
+        except _RenderInterrupted:
+            raise b.late() from None
+        except RecursionError:
+            raise b.exceeded("nesting", "too deep a recursion") from None
+    finally:
+        _LOCAL.bounds = prev
 
 
 def _has_think_token(folder: Path, config: Mapping[str, Any]) -> bool:

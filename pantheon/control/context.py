@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pantheon import errors
-from pantheon.chat.template import TemplateError, think_open
+from pantheon.chat.template import RENDER_TIMEOUT_S, TemplateError, render_budget, think_open
 from pantheon.chat.tools import forced_call_prefix
 
 if TYPE_CHECKING:  # the request type only: control/ never imports api/ at run time
@@ -84,7 +84,13 @@ def limit_of(inst) -> int:
 
 def fit_context(assets, req: ChatRequest, max_model_len: int, limit: int | None = None) -> Prepared:
     """Render and tokenize ``req``, and fit its context to ``limit`` (pass / cap / deny);
-    raises ``ApiError``."""
+    raises ``ApiError``. All the renders this takes share one time bound (``RENDER_TIMEOUT_S``:
+    a template past it, or past its size bounds, is a 400 naming it; see ``pantheon.chat.template``)."""
+    with render_budget(RENDER_TIMEOUT_S):
+        return _fit_context(assets, req, max_model_len, limit)
+
+
+def _fit_context(assets, req: ChatRequest, max_model_len: int, limit: int | None) -> Prepared:
     limit = min(limit or max_model_len, max_model_len)
     if req.max_tokens is not None and req.max_tokens >= limit:
         raise errors.max_tokens_too_large(limit, req.max_tokens)

@@ -61,6 +61,7 @@ class ModelAssets:
                 tool_use_template=chat_template(g, "tool_use"),
                 special_tokens=special_tokens(g),
                 reasoning="<think>" in g.meta.get("tokenizer.ggml.tokens", ()),
+                name=f"the chat template of {gguf_file.name} (tokenizer.chat_template)",
             )
             eos = eos_token_ids(g)
             self._byte_level = True  # the only kind tokenizer_json builds
@@ -72,6 +73,9 @@ class ModelAssets:
                 eos += _ids(_read_json(self.path / name).get("eos_token_id"))
             tj = _read_json(self.path / "tokenizer.json")
             self._byte_level = "ByteLevel" in json.dumps(tj.get("decoder") or {})
+        # a template that would stall every request is refused here, at load (a 400 from the
+        # admin API): one render of a sample conversation under tighter bounds than a request's
+        self.template.check_cost()
         src = (self.template.source or "") + (self.template.tool_use_source or "")
         self.reasoning = "<think>" in src or (self.template.is_fallback and self.template.reasoning)
         self.tool_call_markup = "<tool_call>" in src or self.template.is_fallback
