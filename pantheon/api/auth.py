@@ -15,6 +15,13 @@ after resolving links; the folder's files are checked too, so a link inside a ro
 of it is refused. Anything else is 403. (Startup ``--model`` folders are the operator's own and are
 not checked.) Only safetensors weights are read: the worker's loader refuses pickle files.
 
+Prefix-cache domains: with API keys configured, each key's requests share cached prompt blocks only
+with that key's requests. ``Guard.check`` records the key's domain (a hash of the key) on the
+request (``quart.g``), and the chat service sends the worker ``cache_salt(domain, the request's
+cache_salt)`` instead of the request's salt, so ``cached_tokens`` never tells one key what another
+sent. This is fixed: sharing the cache across keys would need a setting in the settings table
+(``pantheon/config/table.py``). Without keys the request's ``cache_salt`` alone decides, as before.
+
 ``check_limits`` applies the per-request ceilings (``opsconfig.Limits``); each refusal is a 400 that
 names the limit and the flag that sets it. The body size limit (413) is Quart's
 ``MAX_CONTENT_LENGTH``, set from ``--max-body``.
@@ -22,10 +29,13 @@ names the limit and the flag that sets it. The body size limit (413) is Quart's
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
 import os
+
+from quart import g, has_request_context
 
 from pantheon import errors
 from pantheon.api.openai.protocol import ChatRequest
@@ -53,6 +63,26 @@ def _bearer(header: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
+
+
+def key_domain(key: str) -> str:
+    """The prefix-cache domain of an API key: a hash that names the key to no one."""
+    return hashlib.sha256(b"pantheon cache domain\0" + key.encode()).hexdigest()
+
+
+def request_domain() -> str | None:
+    """The cache domain ``Guard.check`` recorded for the current request (None without keys)."""
+    if not has_request_context():
+        return None
+    return g.get("pantheon_cache_domain")
+
+
+def cache_salt(domain: str | None, salt: str | None) -> str | None:
+    """The salt the worker keys prefix blocks with: the request's own without a domain, else a
+    hash of both (a request without a salt still gets its key's)."""
+    if domain is None:
+        return salt
+    return hashlib.sha256(json.dumps([domain, salt]).encode()).hexdigest()
 
 
 def _matches(token: str, keys: tuple[str, ...]) -> bool:
@@ -88,6 +118,8 @@ class Guard:
             token = _bearer(authorization)
             if token is None or not _matches(token, self.api_keys):
                 raise errors.unauthorized(token is None)
+            if has_request_context():
+                g.pantheon_cache_domain = key_domain(token)
 
     # ------------------------------------------------------------ --models-dir
 

@@ -24,11 +24,13 @@ import logging
 import re
 import time
 import uuid
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pantheon import errors
+from pantheon.api import auth
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai import structured
 from pantheon.api.openai.protocol import ChatRequest
@@ -127,6 +129,35 @@ def _is_json(text: str) -> bool:
         return False
 
 
+# ---------------------------------------------------------------- a constraint and the model
+
+# The request parameter a constraint came from, by ``ChatRequest.response_format`` (its kind).
+_CONSTRAINT_PARAMS = {
+    "json_object": "response_format",
+    "json_schema": "response_format",
+    "json": "guided_json",
+    "regex": "guided_regex",
+    "choice": "guided_choice",
+    "grammar": "guided_grammar",
+}
+_model_tokenizers: weakref.WeakKeyDictionary[Any, dict[int, structured.ModelTokenizer]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def model_tokenizer(inst: Any) -> structured.ModelTokenizer:
+    """``inst``'s vocabulary for llguidance, as its worker builds it (the same tokenizer JSON,
+    the worker's vocabulary size, the eos ids), made once per model."""
+    assets = inst.assets
+    n = getattr(getattr(inst, "loaded", None), "vocab_size", None)
+    if not isinstance(n, int) or n <= 0:
+        n = int(assets.tokenizer.get_vocab_size(with_added_tokens=True))
+    per = _model_tokenizers.setdefault(assets, {})
+    if n not in per:
+        per[n] = structured.ModelTokenizer(assets.tokenizer.to_str(), n, assets.eos_ids)
+    return per[n]
+
+
 # ---------------------------------------------------------------- one choice
 
 
@@ -179,6 +210,15 @@ class Generation:
         self.arrived = time.monotonic() if arrived is None else arrived
         self.first_token_at: float | None = None
         self.on_tokens = on_tokens
+        # With API keys each key is its own prefix-cache domain (pantheon.api.auth).
+        self.cache_salt = auth.cache_salt(auth.request_domain(), req.cache_salt)
+        # The constraint is built and run against the model's vocabulary now, before the
+        # worker sees the request: what it cannot enforce is a 400, not a broken output.
+        self.constraint = self._constraint()
+        if self.constraint[0] is not None:
+            forced = req.tools and req.tools_enabled and req.tool_choice in ("required", "function")
+            param = "tools" if forced else _CONSTRAINT_PARAMS.get(req.response_format, "response_format")
+            structured.check_for_model(self.constraint[0], model_tokenizer(inst), param)
 
     @property
     def ttft_s(self) -> float | None:
@@ -256,7 +296,7 @@ class Generation:
         # The emitter reads the call's opening that the prompt holds as if the model wrote it.
         pending = emitter.feed(prep.prefix) if prep.prefix and isinstance(emitter, Emitter) else []
         seed = None if req.seed is None else req.seed + run.index
-        grammar, after, opening = self._constraint()
+        grammar, after, opening = self.constraint
         params = req.sampling(
             max_tokens=prep.max_tokens,
             seed=seed,
@@ -272,7 +312,7 @@ class Generation:
             prompt=prep.prompt_ids,
             params=params,
             session_id=req.session_id,
-            cache_salt=req.cache_salt,
+            cache_salt=self.cache_salt,
             use_cache=not prep.capped,
         )
         stream = None

@@ -22,7 +22,21 @@ types, ``properties`` / ``required`` / ``additionalProperties``, ``enum`` / ``co
 
 Every grammar is compiled once here, before any slot is taken (a bad one is a 400 naming the
 parameter), and the verdict is cached by the grammar's hash. Size is bounded (``MAX_GRAMMAR_BYTES``)
-and so is compile work (llguidance's parser limits), so no request can stall the router.
+and so is compile work (llguidance's parser limits, ``LIMITS``), so no request can stall the router.
+
+Compiling is not enough: llguidance finds some limits only while it matches (a lexer that builds
+too many expressions for ``a{1000000}``, a row of more than ``max_items_in_row`` Earley items for
+a 6000-way alternative), and the worker would then mask every token and end the output early. So
+:func:`check` also runs a matcher, with the worker's limits, over a byte-level vocabulary for a
+few steps (:func:`probe`: each step computes the mask and takes the first allowed token), and
+:func:`check_for_model` does the same with the model's own tokenizer (``Generation`` calls it
+when it is made, before the worker sees the request), which is where a grammar whose text the
+vocabulary cannot spell fails. What passes can still fail deeper in an output; the worker then
+ends the request with an error, never a ``stop``.
+
+``LIMITS`` must equal the worker's (``workers.grammar.LIMITS``, which cannot import this module;
+tests/unit/test_grammar_bounds.py compares them). ``verbose_errors`` is off on both sides: with
+it, an error message carries the whole grammar.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -40,32 +55,158 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from pantheon.chat.tools import JSON_TOOL_FORMAT, XML_TOOL_FORMAT
 from pantheon.chat.xml_tools import parameter_schemas, writes_as_text
 from pantheon.errors import invalid_param
+from pantheon.models.gguf import byte_alphabet
 
 MAX_GRAMMAR_BYTES = 65536  # a schema / regex / grammar longer than this is a 400
 MAX_CHOICES = 256
 JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-_verdicts: OrderedDict[str, str] = OrderedDict()  # grammar hash -> "" (valid) or the error
+# The parser limits of every matcher, here and in the worker (``workers.grammar.LIMITS``): the
+# llguidance defaults, with errors that do not quote the grammar.
+LIMIT_VALUES: dict[str, Any] = {
+    "max_items_in_row": 2000,
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+    "step_max_items": 50_000,
+    "max_lexer_states": 250_000,
+    "max_grammar_size": 500_000,
+    "verbose_errors": False,
+}
+LIMITS = llg.LLParserLimits(**LIMIT_VALUES)
+PROBE_STEPS = 128  # tokens a probe matches at most
+PROBE_SECONDS = 0.25  # and for how long: past it, what it saw is the verdict
+MAX_ERROR_CHARS = 300  # of an llguidance error quoted to a client or a log
+
+_verdicts: OrderedDict[str, str] = OrderedDict()  # (tokenizer, grammar) hash -> "" (valid) or the error
 _lock = threading.Lock()  # big bodies are parsed on threads
 
 
-def check(grammar: str, param: str) -> str:
-    """``grammar`` if it compiles, else a 400 naming ``param``."""
-    if len(grammar) > 4 * MAX_GRAMMAR_BYTES:
-        raise invalid_param(param, f"'{param}' is too large to compile")
-    key = hashlib.sha256(grammar.encode()).hexdigest()
+def short_error(message: str) -> str:
+    """An llguidance error's first line, cut to ``MAX_ERROR_CHARS``."""
+    first = message.strip().split("\n", 1)[0]
+    return first[:MAX_ERROR_CHARS] + ("..." if len(first) > MAX_ERROR_CHARS else "")
+
+
+def probe(tokenizer: llg.LLTokenizer, grammar: str, eos: Sequence[int] = ()) -> str:
+    """What goes wrong when a matcher of ``grammar`` over ``tokenizer`` runs (as the worker's
+    does, with ``LIMITS``): its error, or "" when none shows in ``PROBE_STEPS`` tokens. Each step
+    computes the mask (where llguidance meets most of its limits) and takes the first allowed
+    token that is not an end of sequence; a mask that allows nothing where the grammar may not
+    end means the vocabulary cannot spell what the grammar demands."""
+    m = llg.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
+    deadline = time.monotonic() + PROBE_SECONDS
+    ends = {t for t in eos if 0 <= t < tokenizer.vocab_size}
+    ends.update(t for t in tokenizer.eos_tokens if 0 <= t < tokenizer.vocab_size)
+    for _ in range(PROBE_STEPS):
+        if m.is_error():
+            return m.get_error()
+        if m.is_stopped() or time.monotonic() > deadline:
+            return ""
+        mask = bytearray(m.compute_bitmask())
+        if m.is_error():
+            return m.get_error()
+        for t in ends:
+            mask[t // 8] &= ~(1 << (t % 8)) & 0xFF
+        token = _first_set(mask, tokenizer.vocab_size)
+        if token is None:
+            if m.is_accepting():
+                return ""
+            return "no token of the model's vocabulary can continue the output the grammar demands"
+        if not m.consume_token(token):
+            return m.get_error() or f"the grammar refused token {token} that its own mask allowed"
+    return m.get_error() if m.is_error() else ""
+
+
+def _first_set(mask: bytearray, n: int) -> int | None:
+    for i, b in enumerate(mask):
+        if b:
+            t = i * 8 + (b & -b).bit_length() - 1
+            return t if t < n else None
+    return None
+
+
+# a byte-level BPE with no merges and an end of sequence: one token per byte, so every text spells
+_BYTES_TOKENIZER = json.dumps(
+    {
+        "version": "1.0",
+        "added_tokens": [{"id": 256, "content": "<eos>", "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False, "special": True}],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "vocab": {c: i for i, c in enumerate(byte_alphabet().values())}, "merges": []},
+    }
+)  # fmt: skip
+_bytes_tokenizer: llg.LLTokenizer | None = None
+
+
+def _bytes() -> llg.LLTokenizer:
+    global _bytes_tokenizer
+    if _bytes_tokenizer is None:
+        _bytes_tokenizer = llg.LLTokenizer(_BYTES_TOKENIZER, eos_token=256)
+    return _bytes_tokenizer
+
+
+def _verdict(key: str, judge: Any) -> str:
     with _lock:
         verdict = _verdicts.get(key)
     if verdict is None:
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
-        verdict = messages[0] if is_error else ""
+        verdict = judge()
         with _lock:
             _verdicts[key] = verdict
             while len(_verdicts) > 1024:
                 _verdicts.popitem(last=False)
+    return verdict
+
+
+def _judge(grammar: str) -> str:
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, limits=LIMITS)
+    if is_error:
+        return messages[0]
+    return probe(_bytes(), grammar)
+
+
+def check(grammar: str, param: str) -> str:
+    """``grammar`` if it compiles and a byte-level matcher runs it, else a 400 naming ``param``."""
+    if len(grammar) > 4 * MAX_GRAMMAR_BYTES:
+        raise invalid_param(param, f"'{param}' is too large to compile")
+    verdict = _verdict(hashlib.sha256(grammar.encode()).hexdigest(), lambda: _judge(grammar))
     if verdict:
-        raise invalid_param(param, f"'{param}' cannot be enforced: {verdict.strip()}")
+        raise invalid_param(param, f"'{param}' cannot be enforced: {short_error(verdict)}")
     return grammar
+
+
+class ModelTokenizer:
+    """A model's vocabulary as llguidance's worker-side matcher sees it: the same tokenizer
+    JSON, vocabulary size and end-of-sequence ids. Built on first use (~0.3 s for 50k tokens)."""
+
+    def __init__(self, tokenizer_json: str, n_vocab: int, eos: Sequence[int]):
+        self.key = hashlib.sha256(f"{tokenizer_json}\0{n_vocab}\0{list(eos)}".encode()).hexdigest()
+        self._json, self.n_vocab, self.eos = tokenizer_json, n_vocab, list(eos)
+        self._tok: llg.LLTokenizer | None = None
+        self._built = threading.Lock()
+
+    @property
+    def tokenizer(self) -> llg.LLTokenizer:
+        with self._built:
+            if self._tok is None:
+                self._tok = llg.LLTokenizer(self._json, n_vocab=self.n_vocab, eos_token=self.eos)
+            return self._tok
+
+
+def check_for_model(grammar: str, model: ModelTokenizer, param: str) -> None:
+    """400 naming ``param`` when a matcher of ``grammar`` over ``model``'s vocabulary fails in
+    :func:`probe` (a text its tokens cannot spell, a limit its longer tokens reach)."""
+    key = hashlib.sha256(f"{model.key}\0{grammar}".encode()).hexdigest()
+    try:
+        verdict = _verdict(key, lambda: probe(model.tokenizer, grammar, model.eos))
+    except Exception as e:  # a tokenizer llguidance cannot read: the worker says so too
+        verdict = f"this model cannot enforce grammars: {e}"
+    if verdict:
+        raise invalid_param(param, f"'{param}' cannot be enforced with this model: {short_error(verdict)}")
 
 
 def _sized(text: str, param: str) -> str:
