@@ -1,7 +1,8 @@
 """The HTTP server: the Quart app factory ``create_app(config, pool, registry)``.
 
 Routes (spec: serve-architecture.md): ``GET /``, ``GET /health``, ``OPTIONS`` anywhere (CORS
-preflight; every response carries the CORS headers), the OpenAI API
+preflight; the responses carry the CORS headers of ``--cors-origins``, the admin API's none: see
+``pantheon.api.middleware``), the OpenAI API
 (``pantheon.api.openai.routes``: ``/v1/models``, ``/v1/chat/completions``; ``completions``:
 ``/v1/completions``; ``responses``: ``/v1/responses``; ``tokenize``:
 ``/tokenize``, ``/detokenize``), the admin API
@@ -18,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from quart import Quart, Response, request
+from quart import Quart, request
 from werkzeug.exceptions import HTTPException
 
 from pantheon import errors
@@ -41,14 +42,6 @@ from pantheon.errors import ApiError
 from pantheon.workerlink.pool import WorkerPool
 
 log = logging.getLogger("pantheon.server")
-
-CORS_HEADERS = {
-    "Access-Control-Allow-Origin": "*",
-    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-    "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Session-Id, "
-    "OpenAI-Organization, OpenAI-Project, X-Stainless-*",
-    "Access-Control-Max-Age": "86400",
-}
 
 TICK_S = 0.25  # how often the queues re-run and the dies' figures refresh
 
@@ -133,20 +126,10 @@ def create_app(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Qua
         state.feed.close()
         await state.models.close()
 
-    ops.install(app)  # access rules, limits, /metrics, request logs, graceful shutdown
+    # access rules (origins, CORS and preflights, keys, JSON content types), limits, /metrics,
+    # request logs, graceful shutdown
+    ops.install(app)
     _install_errors(app, config)
-
-    @app.after_request
-    async def cors(resp: Response) -> Response:
-        for k, v in CORS_HEADERS.items():
-            resp.headers.setdefault(k, v)
-        return resp
-
-    @app.before_request
-    async def preflight():
-        if request.method == "OPTIONS":  # CORS preflight, on any path (routed or not)
-            return json_response({})
-        return None
 
     @app.get("/", provide_automatic_options=False)
     async def root():

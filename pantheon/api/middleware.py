@@ -8,6 +8,18 @@ itself while the server drains, counts the requests a drain must wait for, and l
 request when it ends. The access rules run as a ``before_request`` hook, so their errors come out
 through the app's OpenAI error handler.
 
+Browsers (``Origins``): the OpenAI routes answer with CORS headers for the ``--cors-origins``
+(default ``*``: any page may call them, as with vLLM and OpenAI's own API); the admin API never
+sends CORS headers, refuses preflights, and refuses (403, before any work) a request whose
+``Origin`` is neither the server's own (the scheme, host and port of its ``Host``) nor named in
+``--cors-origins`` (``*`` does not count), or that a browser marks ``Sec-Fetch-Site: cross-site``
+or ``same-site``. Without an admin key, a browser's admin request (``Origin`` or
+``Sec-Fetch-Site`` sent) must also name this host by address, ``localhost``, ``--host`` or the
+machine's host name (DNS rebinding). A POST to a JSON route (``/v1/*``, ``/tokenize``,
+``/detokenize``, ``/admin/*``) must say ``Content-Type: application/json`` (parameters allowed;
+an empty body may say nothing): anything else is a 415, so no form or ``text/plain`` "simple"
+request reaches a route.
+
 Shutdown (``Drain.run``): stop admitting (every new request, ``/health`` included, gets 503
 ``shutting_down``; ``/metrics`` still answers), wait for the in-flight requests (``/v1/*`` and admin
 POSTs) up to the deadline, then end the generations still running (their streams end with an
@@ -18,17 +30,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
+import socket
 import time
+import urllib.parse
 from typing import Any
 
 from quart import Quart, Response, request
 
 from pantheon import errors, logs
 from pantheon.api import auth
+from pantheon.api.admin.paths import check_path_field
 from pantheon.api.metrics import CONTENT_TYPE, Metrics
 from pantheon.api.state import AppState, app_state
+from pantheon.errors import ApiError
 
 log = logging.getLogger("pantheon.api.middleware")
 
@@ -79,12 +96,135 @@ class Drain:
         await self._wait_idle(_END_GRACE_S)
 
 
+# ---------------------------------------------------------------- browsers: CORS, origins, types
+
+ALLOW_METHODS = "GET, POST, OPTIONS"
+ALLOW_HEADERS = (
+    "Authorization, Content-Type, X-Session-Id, OpenAI-Organization, OpenAI-Project, "
+    "OpenAI-Beta, X-Stainless-Lang, X-Stainless-Package-Version, X-Stainless-OS, X-Stainless-Arch, "
+    "X-Stainless-Runtime, X-Stainless-Runtime-Version, X-Stainless-Retry-Count, "
+    "X-Stainless-Timeout, X-Stainless-Async"
+)
+JSON_POST_PREFIXES = ("/v1/", "/admin/")
+JSON_POST_PATHS = ("/tokenize", "/detokenize")
+
+
+def is_admin(path: str) -> bool:
+    return path == "/admin" or path.startswith("/admin/")
+
+
+def origin_key(value: str | None) -> str | None:
+    """``scheme://host:port`` of an origin or URL (lower case, the default port filled in);
+    None for anything else (``null``, an opaque origin, garbage)."""
+    if not value:
+        return None
+    try:
+        u = urllib.parse.urlsplit(value.strip())
+        port = u.port
+    except ValueError:
+        return None
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return None
+    host = u.hostname.lower()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{u.scheme}://{host}:{port or (443 if u.scheme == 'https' else 80)}"
+
+
+def _forbidden_origin(why: str) -> ApiError:
+    return ApiError(
+        403,
+        f"the admin API refuses this browser request: {why}. It answers pages of its own origin "
+        "only, and origins named in --cors-origins",
+        type="permission_error",
+        code="origin_not_allowed",
+    )
+
+
+class Origins:
+    """The ``--cors-origins`` rules (see the module doc)."""
+
+    def __init__(self, origins: tuple[str, ...], bind_host: str = "", admin_key: bool = False):
+        self.any = "*" in origins
+        self.listed = {k for o in origins if o != "*" and (k := origin_key(o)) is not None}
+        self.admin_key = admin_key
+        names = {"localhost", bind_host.lower()}
+        try:
+            hn = socket.gethostname().lower()
+            names |= {hn, socket.getfqdn(hn).lower()}
+        except OSError:  # pragma: no cover - no host name
+            pass
+        self.local_names = {n for n in names if n}
+
+    def allows(self, origin: str | None) -> bool:
+        """May a page of ``origin`` read the OpenAI routes' answers?"""
+        return self.any or origin_key(origin) in self.listed
+
+    def listed_origin(self, origin: str | None) -> bool:
+        return origin_key(origin) in self.listed
+
+    def _local_host(self, host: str) -> bool:
+        name = (urllib.parse.urlsplit("//" + host).hostname or "").lower()
+        if name in self.local_names or name.endswith(".localhost"):
+            return True
+        try:
+            ipaddress.ip_address(name)
+            return True
+        except ValueError:
+            return False
+
+    def check_admin(self, method: str, scheme: str, host: str, headers: Any) -> None:
+        """403 unless this admin request may go on (see the module doc)."""
+        origin = headers.get("Origin")
+        site = (headers.get("Sec-Fetch-Site") or "").strip().lower()
+        if method == "OPTIONS":
+            raise _forbidden_origin("the admin API takes no CORS preflight")
+        listed = origin is not None and self.listed_origin(origin)
+        if origin is not None and not listed and origin_key(origin) != origin_key(f"{scheme}://{host}"):
+            raise _forbidden_origin(f"Origin {origin[:100]!r} is not this server's")
+        if site in ("cross-site", "same-site") and not listed:
+            raise _forbidden_origin(f"Sec-Fetch-Site is {site}")
+        if not self.admin_key and (origin is not None or site) and not listed and not self._local_host(host):
+            raise _forbidden_origin(f"Host {host[:100]!r} is not a name of this machine")
+
+    def response_headers(self, path: str, origin: str | None) -> dict[str, str]:
+        """The CORS headers of a response to ``path`` (none for the admin API)."""
+        if is_admin(path):
+            return {}
+        if self.any:
+            return {"Access-Control-Allow-Origin": "*"}
+        if origin is not None and self.listed_origin(origin):
+            return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+        return {"Vary": "Origin"}
+
+
+def takes_json(method: str, path: str) -> bool:
+    return method == "POST" and (path.startswith(JSON_POST_PREFIXES) or path in JSON_POST_PATHS)
+
+
+def check_json_type(content_type: str | None, has_body: bool) -> None:
+    """415 unless a JSON route's body is declared JSON (an empty one may declare nothing)."""
+    if not content_type:
+        if not has_body:
+            return
+        got = "no Content-Type"
+    else:
+        mt = content_type.split(";", 1)[0].strip().lower()
+        if mt == "application/json" or (mt.startswith("application/") and mt.endswith("+json")):
+            return
+        got = f"Content-Type {content_type[:100]!r}"
+    raise ApiError(
+        415,
+        f"this route takes a JSON body sent as 'Content-Type: application/json', not {got}",
+        code="unsupported_media_type",
+    )
+
+
 async def _send_json(send, status: int, obj: dict, headers: dict | None = None) -> None:
     body = json.dumps(obj).encode()
     hdrs = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
-        (b"access-control-allow-origin", b"*"),
         (b"connection", b"close"),
     ]
     hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -95,8 +235,8 @@ async def _send_json(send, status: int, obj: dict, headers: dict | None = None) 
 class OpsMiddleware:
     """The ASGI wrapper (see the module doc)."""
 
-    def __init__(self, inner, state: AppState):
-        self.inner, self.state = inner, state
+    def __init__(self, inner, state: AppState, origins: Origins):
+        self.inner, self.state, self.origins = inner, state, origins
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -105,10 +245,12 @@ class OpsMiddleware:
         drain = self.state.drain
         if drain.closing and path != "/metrics":
             err = errors.shutting_down()
+            origin = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"origin"), None)
+            hdrs = {**err.headers, **self.origins.response_headers(path, origin)}
             if path == "/health":
-                return await _send_json(send, err.status, {"status": "shutting_down"}, err.headers)
+                return await _send_json(send, err.status, {"status": "shutting_down"}, hdrs)
             self.state.metrics.rejected.labels("", str(err.status)).inc()
-            return await _send_json(send, err.status, err.body(), err.headers)
+            return await _send_json(send, err.status, err.body(), hdrs)
         trace = logs.RequestTrace(method, path, (scope.get("client") or (None,))[0])
         scope[TRACE_KEY] = trace
 
@@ -155,13 +297,38 @@ def install(app: Quart) -> None:
     metrics = state.metrics = Metrics(state)
     state.drain = Drain()
 
+    origins = Origins(state.config.cors_origins, state.config.host, state.config.ops.admin_key is not None)
+
     @app.before_request
     async def access_rules():
+        method, path, headers = request.method, request.path, request.headers
+        admin = is_admin(path)
+        if admin:  # a browser's request from another origin: refused before anything else
+            origins.check_admin(method, request.scheme, request.host, headers)
+        if method == "OPTIONS":  # a CORS preflight (routed or not) of a non-admin path
+            return _preflight(origins, headers)
         client = (request.scope.get("client") or (None,))[0]
-        guard.check(request.method, request.path, request.headers.get("Authorization"), client)
-        if request.method == "POST" and guard.roots and request.path.startswith("/admin/"):
+        guard.check(method, path, headers.get("Authorization"), client)
+        if takes_json(method, path):
+            has_body = bool(request.content_length) or "chunked" in headers.get("Transfer-Encoding", "")
+            check_json_type(headers.get("Content-Type"), has_body)
+        if method == "POST" and path.startswith("/admin/models/load"):
             raw = await request.get_data(cache=True)
-            guard.check_admin_body(request.path, raw if isinstance(raw, bytes) else raw.encode())
+            _check_load_paths(guard, raw if isinstance(raw, bytes) else raw.encode())
+        return None
+
+    @app.after_request
+    async def cors(resp: Response) -> Response:
+        if is_admin(request.path):  # never: no page of another origin may read the admin API
+            for k in {k for k in resp.headers.keys() if k.lower().startswith("access-control-")}:
+                del resp.headers[k]
+            return resp
+        for k, v in origins.response_headers(request.path, request.headers.get("Origin")).items():
+            if k == "Vary":
+                resp.vary.add("Origin")
+            else:
+                resp.headers.setdefault(k, v)
+        return resp
 
     @app.get("/metrics", provide_automatic_options=False)
     async def metrics_route():
@@ -179,7 +346,42 @@ def install(app: Quart) -> None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    app.asgi_app = OpsMiddleware(app.asgi_app, state)
+    app.asgi_app = OpsMiddleware(app.asgi_app, state, origins)
+
+
+def _preflight(origins: Origins, headers: Any) -> Response:
+    """A CORS preflight of an OpenAI route: allowed for the ``--cors-origins``, else 403."""
+    origin = headers.get("Origin")
+    if origin is not None and not origins.allows(origin):
+        raise ApiError(
+            403,
+            f"origin {origin[:100]!r} is not allowed (--cors-origins)",
+            type="permission_error",
+            code="origin_not_allowed",
+        )
+    resp = Response(json.dumps({}), content_type="application/json")
+    resp.headers["Access-Control-Allow-Methods"] = ALLOW_METHODS
+    asked = headers.get("Access-Control-Request-Headers")
+    resp.headers["Access-Control-Allow-Headers"] = asked[:2000] if asked else ALLOW_HEADERS
+    resp.headers["Access-Control-Max-Age"] = "86400"
+    return resp
+
+
+def _check_load_paths(guard: auth.Guard, raw: bytes) -> None:
+    """An admin load's ``path`` and ``worker_path``: a 400 naming the field for a value no file
+    system takes; then the ``--models-dir`` rule (403), before the route reads anything."""
+    try:
+        body = json.loads(raw or b"{}")
+    except (ValueError, RecursionError):  # the route answers it
+        return
+    if not isinstance(body, dict):
+        return
+    for field in ("path", "worker_path"):
+        value = body.get(field)
+        if isinstance(value, str) and value:
+            check_path_field(field, value)
+            if guard.roots:
+                guard.check_model_path(value)
 
 
 async def _follow(feed: Any, metrics: Metrics) -> None:

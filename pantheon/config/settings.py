@@ -62,6 +62,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     worker_threads: int | None = _d("worker_threads")  # torch threads (None: worker decides)
     heartbeat_s: float = 1.0  # not a setting: the workers' heartbeat interval
     log_level: str = _d("log_level")
+    cors_origins: tuple[str, ...] = _d("cors_origins")  # the OpenAI routes' CORS origins
     fingerprint: str = ""  # computed by build_config
     ops: OpsConfig = OpsConfig()  # auth, limits, logs, registration, shutdown, recovery
 

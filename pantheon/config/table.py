@@ -12,7 +12,7 @@ TOML key; everything else is derived from the rows:
 Adding a setting is adding a row (and, for a new config field, the field on its struct, whose
 default is read from here); ``tests/unit/test_settings_table.py`` checks every row end to end.
 
-Why ~730 lines: it is the table, one row per setting (52 rows) and their checks, nothing
+Why ~730 lines: it is the table, one row per setting (53 rows) and their checks, nothing
 else; the formatter gives each row's fields lines of their own.
 """
 
@@ -149,6 +149,23 @@ def _folders(v: tuple[str, ...], what: str) -> tuple[str, ...]:
             raise ConfigError(f"{what}: {d!r} is not a folder")
         roots.append(os.path.realpath(d))  # links resolved: the admin API compares real paths
     return tuple(dict.fromkeys(roots))
+
+
+def _origins(v: tuple[str, ...], what: str) -> tuple[str, ...]:
+    out = []
+    for item in v:
+        for o in str(item).split(","):
+            o = o.strip().rstrip("/")
+            if not o:
+                continue
+            if o != "*" and (
+                not o.startswith(("http://", "https://"))
+                or not o.split("://", 1)[1]
+                or "/" in o.split("://", 1)[1]
+            ):
+                raise ConfigError(f"{what}: {o!r} is not '*' or an origin such as https://host:port")
+            out.append(o.lower())
+    return tuple(dict.fromkeys(out))
 
 
 def _http_url(v: str, what: str) -> str:
@@ -422,6 +439,19 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="KEY",
         field="ops.admin_key",
         empty="unset",
+    ),
+    Setting(
+        "cors_origins",
+        "keys",
+        ("*",),
+        "the browser origins (scheme://host[:port]) the OpenAI routes answer with CORS headers; "
+        "'*' is any origin. The admin API sends no CORS headers and refuses every other origin "
+        "than its own, unless listed here by name ('*' does not count). Comma-separated or "
+        "repeatable",
+        ("PANTHEON_CORS_ORIGINS",),
+        metavar="ORIGINS",
+        default_doc="* (any origin)",
+        check=_origins,
     ),
     Setting(
         "models_dir",

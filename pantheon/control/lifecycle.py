@@ -226,6 +226,13 @@ class Models:
                 if d.known and ((d.kind == "cpu" and not d.remote) or d.id in alive)
             ]
             inst.dies = self.dies.place(need, dies, cands)
+            local = [d for d in inst.dies if not die_host(d)]
+            if worker_path and local:  # the router's own workers read the router's own files
+                raise errors.invalid_param(
+                    "worker_path",
+                    f"'worker_path' applies to dies on other hosts only; this load is placed on "
+                    f"{', '.join(local)}: leave it out (or name remote dies in 'dies')",
+                )
             self.dies.book(inst.instance_id, need(inst.dies))
         except BaseException:
             self.registry.discard(inst)
@@ -288,6 +295,8 @@ class Models:
             async with self._upload:  # phase 3: one upload at a time
                 await self._start(inst.die)
                 loaded = await self.pool.load(inst.die, msg, progress)
+                if msg.path != os.path.abspath(inst.path):  # a worker_path: the same model?
+                    await self._check_same_model(inst, loaded)
         except BaseException as e:
             err = self._load_error(e)
             self.registry.discard(inst)
@@ -341,6 +350,24 @@ class Models:
             loaded.max_model_len,
         )
         return inst
+
+    async def _check_same_model(self, inst: Instance, loaded: Any) -> None:
+        """A ``worker_path`` must hold the model ``path`` describes (the router's tokenizer,
+        template and sizes are ``path``'s): the worker's report is compared with the router's
+        description; a mismatch is unloaded and refused (400). The worker reports only some
+        figures of its model (its vocabulary size), so this catches another family or
+        tokenizer, not a fine-tune of the same shape."""
+        shape = inst.shape
+        want = getattr(shape, "vocab_size", None)
+        if want is None or loaded.vocab_size == want:
+            return
+        with contextlib.suppress(PoolError, KeyError):
+            await self.pool.unload(inst.die, inst.instance_id)
+        raise errors.invalid_param(
+            "worker_path",
+            f"'worker_path' holds another model than 'path': the worker's model has a vocabulary "
+            f"of {loaded.vocab_size} tokens, 'path' describes {want}",
+        )
 
     @staticmethod
     def _load_error(e: BaseException) -> ApiError:

@@ -56,6 +56,7 @@ def samples(tmp: Path) -> dict[str, tuple[str, object]]:
         "test_hooks": ("1", True),
         "api_key": ("k1", ("k1",)),
         "admin_key": ("adm", "adm"),
+        "cors_origins": ("https://a.example,http://b:8080", ("https://a.example", "http://b:8080")),
         "models_dir": (str(tmp), (os.path.realpath(tmp),)),
         "max_messages": ("10", 10),
         "max_n": ("3", 3),

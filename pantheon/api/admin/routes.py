@@ -2,10 +2,12 @@
 prefix cache reset, and the dashboard's feed.
 
 =======  ======================  ==========================================================
-POST     /admin/models/load      ``{path, name?, dies?, quantize?, slots?, max_context?, wait?}``
+POST     /admin/models/load      ``{path, name?, dies?, quantize?, slots?, max_context?, wait?,
+                                 worker_path?}`` (``worker_path``: remote dies only)
                                  200 with the instance once ready; 202 at once with
                                  ``wait: false`` (progress in GET /admin/models); 404 no such
-                                 folder, 400 bad request or unsupported architecture, 409 a
+                                 folder, 400 bad request or unsupported architecture, 403
+                                 outside ``--models-dir``, 409 a
                                  load/unload of that name in progress or a duplicate replica,
                                  507 no room (which die lacks how much) or a full table, 500
                                  anything else
@@ -36,6 +38,7 @@ from quart import Blueprint, Response, request
 
 from pantheon import errors
 from pantheon import snapshot as st
+from pantheon.api.admin.paths import check_path_field
 from pantheon.api.admin.views import die_view, facts_of, instance_view
 from pantheon.api.openai import protocol as oa
 from pantheon.api.state import app_state
@@ -90,6 +93,7 @@ async def load():
     path = body.get("path")
     if not isinstance(path, str) or not path:
         raise errors.invalid_param("path", "'path' must be a model folder path")
+    check_path_field("path", path)
     name = _typed(body, "name", str, "a string")
     if name is not None and (not name.strip() or "#" in name or len(name) > 128):
         raise errors.invalid_param("name", "'name' must be 1 to 128 characters, without '#'")
@@ -104,8 +108,14 @@ async def load():
     wait = _typed(body, "wait", bool, "a boolean", True)
     # a die on another host may hold the weights at another path than the router's copy (which
     # gives the tokenizer, the template and the size)
+    # (remote dies only, under the --models-dir roots like 'path', and the same model: the worker's
+    # report is compared with 'path''s description once loaded)
     worker_path = _typed(body, "worker_path", str, "a path on the worker's host")
     s = app_state()
+    if worker_path:
+        check_path_field("worker_path", worker_path)
+        if s.guard.roots:
+            s.guard.check_model_path(worker_path)
     inst, task = await s.models.start_load(
         path,
         name,
