@@ -778,7 +778,7 @@ class ChatTemplate:
             default = templates.get(used) if used != "tool_use" else None
         tool_use = templates.get("tool_use")
         files = ", ".join(dict.fromkeys(origin[k] for k in (used, "tool_use") if k in origin))
-        name = f"the chat template of {folder.name}" + (f" ({files})" if files else "")
+        label = f"the chat template of {folder.name}" + (f" ({files})" if files else "")
 
         tokens = {}
         for name in SPECIAL_TOKEN_NAMES:
@@ -787,7 +787,9 @@ class ChatTemplate:
                 tokens[name] = text
         if reasoning is None:
             reasoning = _has_think_token(folder, config)
-        return cls(default, tool_use_template=tool_use, special_tokens=tokens, reasoning=reasoning, name=name)
+        return cls(
+            default, tool_use_template=tool_use, special_tokens=tokens, reasoning=reasoning, name=label
+        )
 
     def render(
         self,

@@ -241,3 +241,16 @@ def test_real_templates_render_exactly_as_before(path, tools, conv):
 
 def test_the_specs_are_there():
     assert len(list(need_specs().glob("*.jinja"))) >= 5
+
+
+def test_a_folder_template_is_named_by_its_folder_and_file(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"chat_template": "' + BAD["huge range"][0] + '", "eos_token": "</s>", "pad_token": "<pad>"}'
+    )
+    t = ChatTemplate.from_model_dir(tmp_path)
+    assert t.name == f"the chat template of {tmp_path.name} (tokenizer_config.json)"
+    with pytest.raises(TemplateBoundError) as info:
+        t.render(MSGS)
+    assert info.value.message.startswith(
+        f"the chat template of {tmp_path.name} (tokenizer_config.json) exceeded"
+    )
