@@ -12,6 +12,15 @@ call) into an llguidance grammar, checks that it compiles, and sends it in
 3. :meth:`Constraint.advance` feeds the chosen token to the matcher. When the grammar is complete
    (``is_stopped``) the request finishes with ``stop`` at once.
 
+A matcher can fail after it was built (llguidance meets some of its limits only while matching:
+a lexer that builds too many expressions, an Earley row past ``max_items_in_row``). Its mask
+then allows nothing, so what comes out no longer follows the grammar: the constraint records the
+failure (:attr:`Grammars.failed`, by the request id the worker gave it with :meth:`Grammars.label`)
+and ends the request, and the worker turns that end into a ``Rejected`` (an error for the client,
+never a ``stop``). Failures are logged in one line: the grammar's hash and its first 200
+characters, never the whole grammar (``LIMITS.verbose_errors`` is off: llguidance's verbose
+errors quote it).
+
 Compiled grammars are cached by the grammar text's hash (a matcher is compiled once, then
 ``deep_copy``-ed per request, which costs microseconds). With ``grammar_after`` (a reasoning
 model's ``</think>`` ids), the constraint starts only once those tokens came out.
@@ -39,6 +48,31 @@ from workers.errors import RequestRejected
 log = logging.getLogger("pantheon.worker.grammar")
 
 CACHE_SIZE = 64  # compiled grammars kept per model
+# The router checks every grammar with the same limits (pantheon.api.openai.structured.LIMIT_VALUES,
+# which this side may not import; tests/unit/test_grammar_bounds.py compares the two).
+LIMIT_VALUES = {
+    "max_items_in_row": 2000,
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+    "step_max_items": 50_000,
+    "max_lexer_states": 250_000,
+    "max_grammar_size": 500_000,
+    "verbose_errors": False,
+}
+LIMITS = llg.LLParserLimits(**LIMIT_VALUES)
+HEAD_CHARS = 200  # of a grammar, in a log line
+ERROR_CHARS = 300  # of an llguidance error, in a log line or a rejection
+
+
+def short_error(message: str) -> str:
+    """An llguidance error's first line, cut to ``ERROR_CHARS``."""
+    first = (message or "unknown error").strip().split("\n", 1)[0]
+    return first[:ERROR_CHARS] + ("..." if len(first) > ERROR_CHARS else "")
+
+
+def describe(grammar: str) -> str:
+    """A grammar in a log line: its hash and its first ``HEAD_CHARS`` characters."""
+    return f"{hashlib.sha256(grammar.encode()).hexdigest()[:16]} {grammar[:HEAD_CHARS]!r}"
 
 
 def model_tokenizer_json(model_path: str) -> str:
@@ -64,6 +98,11 @@ class Constraint:
     opening: int | None = None
     state: str = "active"  # "undecided" (first token) | "reasoning" | "active"
     _tail: tuple[int, ...] = ()
+    grammar: str = ""  # its text, for the log line of a failure
+    request_id: str = ""  # set by ``Grammars.label``
+    failed: dict[str, str] | None = None  # where a failure is reported (``Grammars.failed``)
+    error: str | None = None  # why the matcher failed, once it did
+    consumed: int = 0  # tokens the matcher took
 
     @property
     def masking(self) -> bool:
@@ -82,13 +121,29 @@ class Constraint:
             if self._tail == self.after:
                 self.state = "active"
             return False
+        if self.matcher.is_error():  # it failed computing the mask this token was sampled under
+            return self._fail(self.matcher.get_error())
         if token in self.stop_ids and self.matcher.is_accepting():
             return True  # the model ended where the grammar may end
-        if not self.matcher.consume_token(token):
-            # cannot happen with the mask applied; a matcher in error would mask everything
-            log.warning("grammar refused token %d: %s", token, self.matcher.get_error())
-            return True
+        if not self.matcher.consume_token(token) or self.matcher.is_error():
+            return self._fail(self.matcher.get_error() or f"the grammar refused token {token}")
+        self.consumed += 1
         return self.matcher.is_stopped()
+
+    def _fail(self, error: str) -> bool:
+        """Record the matcher's failure and end the request (the worker makes it an error)."""
+        if self.error is None:
+            self.error = short_error(error)
+            log.warning(
+                "grammar failed after %d tokens (request %s): %s; grammar %s",
+                self.consumed,
+                self.request_id or "?",
+                self.error,
+                describe(self.grammar),
+            )
+            if self.failed is not None and self.request_id:
+                self.failed[self.request_id] = self.error
+        return True
 
 
 class Grammars:
@@ -105,6 +160,20 @@ class Grammars:
         self._thread: ThreadPoolExecutor | None = None
         self.compiled = 0  # grammars compiled (cache misses)
         self.hits = 0
+        self.last: Constraint | None = None  # the newest constraint, until ``label`` names it
+        self.failed: dict[str, str] = {}  # request id -> why its matcher failed (``take_failures``)
+
+    def label(self, request_id: str) -> None:
+        """Name the constraint the last ``constraint()`` call made (the worker calls this right
+        after a submit that carried a grammar), so its failure can be told to that request."""
+        if self.last is not None:
+            self.last.request_id = request_id
+            self.last = None
+
+    def take_failures(self) -> dict[str, str]:
+        """The requests whose matcher failed since the last call, and why."""
+        out, self.failed = self.failed, {}
+        return out
 
     def warm(self) -> None:
         """Start building llguidance's tokenizer on the mask thread (~0.3 s for a 50k
@@ -138,9 +207,11 @@ class Grammars:
                 tokenizer = self.tokenizer
             except Exception as e:  # no tokenizer.json, or one llguidance cannot read
                 raise RequestRejected("invalid", f"this model cannot enforce grammars: {e}") from None
-            base = llg.LLMatcher(tokenizer, grammar, log_level=0)
+            base = llg.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
             if base.is_error():
-                raise RequestRejected("invalid", f"the grammar does not compile: {base.get_error()}")
+                error = short_error(base.get_error())
+                log.warning("grammar does not compile: %s; grammar %s", error, describe(grammar))
+                raise RequestRejected("invalid", f"the grammar does not compile: {error}")
             self._compiled[key] = base
             self.compiled += 1
             while len(self._compiled) > CACHE_SIZE:
@@ -149,7 +220,17 @@ class Grammars:
             self._compiled.move_to_end(key)
             self.hits += 1
         state = "active" if not after else "reasoning" if opening is None else "undecided"
-        return Constraint(base.deep_copy(), frozenset(stop_ids), tuple(after), opening, state)
+        c = Constraint(
+            base.deep_copy(),
+            frozenset(stop_ids),
+            tuple(after),
+            opening,
+            state,
+            grammar=grammar,
+            failed=self.failed,
+        )
+        self.last = c
+        return c
 
     def start_masks(self, constraints: Sequence[Constraint]) -> Future[torch.Tensor]:
         """Begin the bitmasks of ``constraints`` (all ``masking``): a future of ``[C, words]`` int32

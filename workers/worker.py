@@ -473,12 +473,31 @@ class Worker:
                 print(
                     f"step {self.steps} {name} {ms:.2f} ms {len(tokens)} tokens", file=sys.stderr, flush=True
                 )
+            failed = self._grammar_failures(inst.engine)
+            if failed:  # the token a failed matcher ended its request on broke the grammar
+                tokens = [t for t in tokens if t.request_id not in failed]
             if tokens:  # a prefill chunk that completes no prompt yields nothing to send
                 self.send(p.StepOutput(instance=name, tokens=tokens, step_ms=ms))
                 for t in tokens:
                     if t.finish is not None:
                         self.owner.pop(t.request_id, None)
+            for rid, error in failed.items():
+                if self.owner.pop(rid, None) is not None:
+                    reason = f"the output constraint could not be enforced: {error}"
+                    self.send(p.Rejected(request_id=rid, kind="invalid", reason=reason))
         return busy
+
+    @staticmethod
+    def _grammar_failures(engine: Any) -> dict[str, str]:
+        """The requests of ``engine`` whose grammar matcher failed in its last step (each is
+        ended there: ``Constraint.advance``), and why. They end with ``Rejected``, not ``stop``."""
+        grammars = getattr(engine, "grammars", None)
+        if grammars is None:
+            return {}
+        failed = grammars.take_failures()
+        for rid in failed:
+            engine.abort(rid)  # already finished by the engine: a no-op then
+        return failed
 
     def _stats(self) -> p.Stats:
         """``steps`` counts every step since start; ``step_ms_avg`` covers those since the last Stats."""
@@ -514,6 +533,9 @@ class Worker:
             self.send(p.Rejected(request_id=msg.request_id, kind=cast(p.RejectKind, e.kind), reason=e.reason))
         else:
             self.owner[msg.request_id] = msg.instance
+            grammars = getattr(inst.engine, "grammars", None)
+            if msg.params.grammar is not None and grammars is not None:
+                grammars.label(msg.request_id)  # its matcher's failure ends this request
 
     # ------------------------------------------------------------------ load / unload
 
