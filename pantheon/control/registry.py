@@ -19,7 +19,11 @@ Acquiring a slot (``acquire_slot``), per model name, after the spec's D1/D3 gate
 
 - fast path: a replica has a free slot, nobody queues ahead, and pressure is below CRITICAL;
 - else the request waits in the model's FIFO (depth ``queue_depth``, 32 by default) for at most
-  ``queue_timeout_s`` (30 s): a freed slot of any replica goes to the head of the queue;
+  ``queue_timeout_s`` (30 s): a freed slot of any replica goes to the head of the queue. The
+  timeout's clock stops while ``paused(name)`` says the model has no live worker (the
+  supervisor's ``stalled``: every replica's worker silent, or the model restarting after a
+  death): a request queued behind a frozen worker waits for its death and restart, as one
+  queued behind a killed worker does, rather than timing out when the worker is declared dead;
 - queue full: 429 ``Retry-After: 5`` (503 at CRITICAL); waited too long: 429 ``Retry-After: 2``;
   shutting down: 503. A client that goes away while queued leaves the queue (its task is
   cancelled). Single-user instances (one slot) keep the spec's immediate 429 ``server_busy``.
@@ -48,6 +52,7 @@ LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
 CRITICAL = 3
 MAX_INSTANCES = 16  # the spec's MR_MAX_MODELS
 MAX_SESSIONS = 16384  # session -> replica affinity entries kept (least recently used dropped)
+PAUSE_CHECK_S = 0.5  # a queued request asks ``paused`` this often while it waits
 
 
 @dataclass
@@ -175,6 +180,9 @@ class Registry:
         self.queue_depth = queue_depth
         self.queue_timeout_s = queue_timeout_s
         self.pressure = pressure or (lambda dies: 0)
+        # model name -> its queue's timeout clock stands still (no live worker); set by the
+        # supervisor (Supervisor.stalled)
+        self.paused: Callable[[str], bool] = lambda name: False
         self.closing = False
         self._instances: list[Instance] = []
         self._ids = itertools.count(1)
@@ -342,7 +350,7 @@ class Registry:
         w = _Waiter(asyncio.get_running_loop().create_future(), session_id)
         q.waiters.append(w)
         try:
-            return await asyncio.wait_for(asyncio.shield(w.fut), self.queue_timeout_s)
+            return await self._wait(w, target)
         except BaseException as e:
             if w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
                 if isinstance(e, TimeoutError):
@@ -355,6 +363,29 @@ class Registry:
             if isinstance(e, TimeoutError):
                 raise errors.queue_timeout(self.queue_timeout_s) from None
             raise
+
+    async def _wait(self, w: _Waiter, name: str) -> Instance:
+        """Wait for ``w``'s grant; TimeoutError once it waited ``queue_timeout_s`` while its
+        model was not ``paused``: asked every ``PAUSE_CHECK_S``, a slice of the wait that
+        begins or ends paused does not count."""
+        counted, last, was = 0.0, time.monotonic(), self._paused(name)
+        while True:
+            left = self.queue_timeout_s - counted
+            if left <= 0:
+                raise TimeoutError
+            try:
+                return await asyncio.wait_for(asyncio.shield(w.fut), min(left, PAUSE_CHECK_S))
+            except TimeoutError:
+                now, paused = time.monotonic(), self._paused(name)
+                if not (was or paused):
+                    counted += now - last
+                last, was = now, paused
+
+    def _paused(self, name: str) -> bool:
+        try:
+            return bool(self.paused(name))
+        except Exception:  # noqa: BLE001 - a broken hook must not break the queue: the clock runs
+            return False
 
     def leave(self, inst: Instance) -> None:
         """Give back the slot and the reference ``acquire_slot`` took."""

@@ -22,9 +22,16 @@ never trip.)
 Requests and recovery: while an instance recovers and no ready replica serves its name, requests
 for that name (queued ones, which the registry fails with ``model_not_ready`` when the last ready
 replica goes, and new ones, which would otherwise be routed elsewhere by the single-model
-shortcut) wait for it, up to the queue timeout: ``await_recovery`` wraps the chat route's
-placement (fit the context, acquire a slot). With another ready replica, the registry sends them
-there.
+shortcut) wait for it until the recovery ends (the model is back, or given up on; at most
+``RECOVERY_WAIT_MAX_S``): ``await_recovery`` wraps the chat route's placement (fit the context,
+acquire a slot). With another ready replica, the registry sends them there.
+
+A frozen worker (SIGSTOP, a wedged host) is declared dead only when its heartbeat has been silent
+for ``--worker-dead-after`` (30 s), the default queue timeout too. So that the requests queued
+behind it wait for that death and the restart (as they do after a kill -9, noticed at once)
+rather than time out with 429 ``queue_timeout`` just as it is declared, ``stalled(name)`` is the
+registry's ``paused``: the queue timeout's clock of a model stands still while every ready
+replica's worker has been silent for more than ``SUSPECT_S``, and while it restarts.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ log = logging.getLogger("pantheon.control.supervisor")
 
 BACKOFF_MAX_S = 30.0
 RESTART_WINDOW_S = 600.0  # --worker-restarts counts the deaths within this many seconds
+SUSPECT_S = 2.0  # a worker silent this long (its beats come every 0.5 s) is not live
+RECOVERY_WAIT_MAX_S = 600.0  # a request waits at most this long for its model's recovery
 
 
 class Supervisor:
@@ -70,6 +79,8 @@ class Supervisor:
         self._tasks: dict[str, asyncio.Task] = {}
         self._changed = asyncio.Event()  # set whenever a recovery ends (back or given up)
         self.closing = False
+        if hasattr(registry, "paused"):  # the queue timeout stands still while a model is stalled
+            registry.paused = self.stalled
 
     # ------------------------------------------------------------ deaths
 
@@ -253,17 +264,42 @@ class Supervisor:
             return not any(i.name == name for i in ready)
         return False
 
+    def _silent_s(self, die: str) -> float:
+        """Seconds since anything came from ``die``'s ready worker; 0 when it is not ready or
+        the pool does not say."""
+        workers = getattr(self.pool, "_workers", None)
+        w = workers.get(die) if isinstance(workers, dict) else None
+        last = getattr(w, "last_seen", 0.0)
+        if w is None or getattr(w, "state", "") != "ready" or not isinstance(last, (int, float)) or not last:
+            return 0.0
+        return max(0.0, time.monotonic() - last)
+
+    def stalled(self, name: str) -> bool:
+        """Does model ``name`` lack a live worker for now: every ready replica's worker silent
+        for more than ``SUSPECT_S`` (frozen, about to be declared dead), or no ready replica and
+        one recovering? The registry's ``paused``: its queue timeout stands still meanwhile."""
+        if self.closing:
+            return False
+        insts = [i for i in self.registry.instances() if i.name == name]
+        ready = [i for i in insts if i.state == "ready"]
+        if ready:
+            return all(self._silent_s(i.die) > SUSPECT_S for i in ready)
+        return any(i.instance_id in self._recovering for i in insts)
+
     async def await_recovery(
         self, place: Callable[[], Awaitable[Any]], name: str | None, timeout_s: float
     ) -> Any:
         """``await place()``, but while the model it names is recovering, wait for it first
-        (and again when a queued request is failed by the death), up to ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
+        (and again when a queued request is failed by the death) until the recovery ends, at
+        most ``timeout_s + RECOVERY_WAIT_MAX_S`` in all. The queue timeout (``timeout_s``) is
+        the registry's, and its clock stands still while the model is ``stalled``."""
+        limit = timeout_s + RECOVERY_WAIT_MAX_S
+        deadline = time.monotonic() + limit
         while True:
             while self.recovering(name):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise errors.model_recovering(name, timeout_s)
+                    raise errors.model_recovering(name, limit)
                 changed = self._changed
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), min(left, 1.0))
