@@ -42,7 +42,7 @@ from quart import Quart, Response, request
 
 from pantheon import errors, logs
 from pantheon.api import auth
-from pantheon.api.admin.paths import check_path_field
+from pantheon.api.admin.paths import check_path_field, check_root
 from pantheon.api.metrics import CONTENT_TYPE, Metrics
 from pantheon.api.state import AppState, app_state
 from pantheon.errors import ApiError
@@ -381,7 +381,7 @@ def _check_load_paths(guard: auth.Guard, raw: bytes) -> None:
         if isinstance(value, str) and value:
             check_path_field(field, value)
             if guard.roots:
-                guard.check_model_path(value)
+                check_root(guard, field, value)
 
 
 async def _follow(feed: Any, metrics: Metrics) -> None:

@@ -75,6 +75,11 @@ def test_bad_bodies_are_400s(srv, path, body, param):
 
 def test_a_non_object_is_400_and_the_model_routes_as_in_chat(srv):
     check_error(post(srv, "/detokenize", [1, 2]), 400)
-    check_error(httpx.post(srv.url + "/tokenize", content=b"{", timeout=10), 400)
+    check_error(
+        httpx.post(
+            srv.url + "/tokenize", content=b"{", headers={"Content-Type": "application/json"}, timeout=10
+        ),
+        400,
+    )
     # one model served: any name reaches it, as in the chat route (the spec's rule)
     assert post(srv, "/tokenize", {"model": "other", "prompt": "a"}).status_code == 200

@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from pantheon import errors
+from pantheon.errors import ApiError
 
 PATH_MAX = 4096  # bytes, Linux's limit for a whole path
 NAME_MAX = 255  # bytes, for one component
@@ -25,3 +27,16 @@ def check_path_field(field: str, value: str) -> None:
         raise errors.invalid_param(field, f"'{field}' is too long (at most {PATH_MAX - 1} bytes)")
     if any(len(part) > NAME_MAX for part in raw.split(b"/")):
         raise errors.invalid_param(field, f"'{field}' has a name longer than {NAME_MAX} bytes")
+
+
+def check_root(guard: Any, field: str, value: str) -> None:
+    """The ``--models-dir`` rule for ``field`` (403 naming it; the message is the same whether
+    or not anything exists at ``value``)."""
+    try:
+        guard.check_model_path(value)
+    except ApiError as e:
+        if e.param == field:
+            raise
+        raise ApiError(
+            e.status, e.message, type=e.type, param=field, code=e.code, headers=e.headers
+        ) from None

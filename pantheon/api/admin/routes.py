@@ -38,7 +38,7 @@ from quart import Blueprint, Response, request
 
 from pantheon import errors
 from pantheon import snapshot as st
-from pantheon.api.admin.paths import check_path_field
+from pantheon.api.admin.paths import check_path_field, check_root
 from pantheon.api.admin.views import die_view, facts_of, instance_view
 from pantheon.api.openai import protocol as oa
 from pantheon.api.state import app_state
@@ -115,7 +115,7 @@ async def load():
     if worker_path:
         check_path_field("worker_path", worker_path)
         if s.guard.roots:
-            s.guard.check_model_path(worker_path)
+            check_root(s.guard, "worker_path", worker_path)
     inst, task = await s.models.start_load(
         path,
         name,
