@@ -152,8 +152,16 @@ def test_clients_that_leave_mid_stream_free_their_slots_at_once(fault):
 
 # ---------------------------------------------------------------------- the request fuzz
 
+# Integers past what the worker's wire (msgpack: 64 bits) or a float can hold, and the edges.
+BIG_INTS = (2**63 - 1, 2**63, 2**64, -(2**63) - 1, -(2**64), 10**30, 10**400)
+_big = st.one_of(st.sampled_from(BIG_INTS), st.integers(2**62, 2**70), st.integers(-(2**70), -(2**62)))
 _scalar = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), st.text(max_size=12)
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    _big,
+    st.floats(allow_nan=False),
+    st.text(max_size=12),
 )
 _json = st.recursive(
     _scalar,
@@ -181,6 +189,30 @@ _message = st.one_of(
     ),
     _json,
 )
+# Token ids as JSON object keys (logit_bias): digits, up to 10**5000 (int() refuses past 4,300)
+_id_key = st.one_of(
+    st.integers(0, 5000).map(str),
+    _big.map(lambda i: str(abs(i))),
+    st.sampled_from(["1" + "0" * 5000, "9" * 4301, "0" * 30 + "7", "-1", "1e3", " 5"]),
+    st.text(max_size=8),
+)
+_logit_bias = st.one_of(
+    st.dictionaries(_id_key, st.one_of(st.integers(-100, 100), _scalar), min_size=1, max_size=3), _json
+)
+# The names the template renderer sets itself (pantheon.chat.template), and ordinary ones
+_template_kwargs = st.one_of(
+    st.dictionaries(
+        st.one_of(
+            st.sampled_from(["tools", "add_generation_prompt", "messages", "documents", "enable_thinking"]),
+            st.text(max_size=8),
+        ),
+        _json,
+        min_size=1,
+        max_size=3,
+    ),
+    _json,
+)
+_int_field = st.one_of(st.integers(-3, 100), _big, _scalar)
 # Every field of CreateChatCompletionRequest that we read, each with good and bad values;
 # max_tokens stays small (or wrong) so that no example generates for long.
 FIELDS = {
@@ -190,17 +222,18 @@ FIELDS = {
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": _scalar}), _json),
     "temperature": st.one_of(st.floats(-1, 3), _scalar),
     "top_p": st.one_of(st.floats(-0.5, 1.5), _scalar),
-    "top_k": st.one_of(st.integers(-3, 100), _scalar),
+    "top_k": _int_field,
+    "repetition_window": _int_field,
     "min_p": _scalar,
     "n": st.one_of(st.integers(-1, 3), _scalar),
     "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=6), _scalar),
-    "seed": _scalar,
+    "seed": st.one_of(_big, _scalar),
     "logprobs": _scalar,
     "top_logprobs": st.one_of(st.integers(-1, 25), _scalar),
     "presence_penalty": _scalar,
     "frequency_penalty": _scalar,
     "repetition_penalty": _scalar,
-    "logit_bias": _json,
+    "logit_bias": _logit_bias,
     "response_format": st.one_of(
         st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])}), _json
     ),
@@ -210,10 +243,21 @@ FIELDS = {
     "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), _json),
     "user": _scalar,
     "ignore_eos": _scalar,
-    "min_tokens": st.one_of(st.integers(-1, 4), _scalar),
-    "chat_template_kwargs": _json,
+    "min_tokens": st.one_of(st.integers(-1, 4), _big, _scalar),
+    "chat_template_kwargs": _template_kwargs,
 }
 _max_tokens = st.one_of(st.integers(-2, 6), st.none(), st.text(max_size=3), st.booleans(), st.floats(0, 6))
+
+
+# The completion API's prompt: text, token ids (in and out of the tiny model's vocabulary of
+# 4032, past int64), or anything
+_prompt = st.one_of(
+    st.text(max_size=20),
+    st.lists(st.one_of(st.integers(0, 4100), _big, st.integers(-3, -1)), min_size=1, max_size=4),
+    st.lists(st.integers(4000, 4100), min_size=1, max_size=2),  # about the vocabulary's end
+    _json,
+)
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize")
 
 
 @st.composite
@@ -230,7 +274,72 @@ def bodies(draw):
     return body
 
 
+# One or two of the fields that reach the worker or the template, each with a value that must
+# be a 400 (or pass), on a body that is otherwise valid: among arbitrary fields most of these
+# would be refused for another field first.
+HAZARDS = {
+    "top_k": _big,
+    "repetition_window": _big,
+    "min_tokens": _big,
+    "seed": _big,
+    "temperature": _big,
+    "logit_bias": st.dictionaries(_id_key, st.integers(-100, 100), min_size=1, max_size=2),
+    "chat_template_kwargs": _template_kwargs,
+}
+
+
+# a completion prompt's ids about the end of the tiny model's vocabulary (4032), or past int64
+_hazard_prompt = st.lists(st.one_of(st.integers(4000, 4100), _big), min_size=1, max_size=2)
+
+
+@st.composite
+def hazardous(draw):
+    keys = draw(st.sets(st.sampled_from(sorted(HAZARDS)), max_size=2))
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 3, "stream": draw(st.booleans())}
+    body["prompt"] = draw(_hazard_prompt)  # (the completion route's; dropped elsewhere)
+    return {**body, **{k: draw(HAZARDS[k]) for k in keys}}
+
+
+@st.composite
+def requests(draw):
+    """(route, body): a chat body, or the same fields in the shape of another route."""
+    route = draw(st.sampled_from(ROUTES))
+    body = draw(st.one_of(bodies(), bodies(), hazardous()))
+    hazard_prompt = body.pop("prompt", None)
+    if route == "/v1/completions":
+        del body["messages"]
+        body["prompt"] = draw(_prompt) if hazard_prompt is None else hazard_prompt
+        body["max_tokens"] = body.pop("max_completion_tokens", body.get("max_tokens"))
+        if not isinstance(body["max_tokens"], int):  # its default is 16: bounded either way
+            body["max_tokens"] = 4
+    elif route == "/v1/responses":
+        msgs = body.pop("messages")
+        body["input"] = draw(st.one_of(st.just(msgs), st.text(max_size=20), _json))
+        body["max_output_tokens"] = body.pop("max_completion_tokens", body.pop("max_tokens", 4))
+        if not isinstance(body["max_output_tokens"], int) or body["max_output_tokens"] > 6:
+            body["max_output_tokens"] = 4  # unread when wrong: it must not leave the output unbounded
+    elif route == "/tokenize":
+        body = {k: body[k] for k in ("model", "messages", "tools", "chat_template_kwargs") if k in body}
+        if draw(st.booleans()):
+            body["add_generation_prompt"] = draw(st.one_of(st.booleans(), _scalar))
+    return route, body
+
+
+def _events(route: str, text: str) -> list[dict]:
+    """An SSE body's JSON events (checked to end as the route ends a stream)."""
+    blocks = [b for b in text.split("\n\n") if b.strip()]
+    datas = [next(ln[6:] for ln in b.split("\n") if ln.startswith("data: ")) for b in blocks]
+    if route == "/v1/responses":
+        evs = [json.loads(d) for d in datas]
+        assert evs and evs[-1]["type"] in ("response.completed", "response.incomplete", "response.failed")
+        return evs
+    assert datas and datas[-1] == "[DONE]", text[-300:]
+    return [json.loads(d) for d in datas[:-1]]
+
+
 def test_fuzzed_request_bodies_never_get_a_5xx(fault):
+    """Chat, completions, responses and tokenize bodies: never a 5xx, and a stream's error is
+    never a request error that a 400 should have answered before it started."""
     seen: dict[int, int] = {}
     with httpx.Client(base_url=fault.url, timeout=30) as c:
 
@@ -241,24 +350,26 @@ def test_fuzzed_request_bodies_never_get_a_5xx(fault):
             derandomize=True,
             suppress_health_check=list(HealthCheck),
         )
-        @given(bodies())
-        def one(body):
+        @given(requests())
+        def one(route_body):
+            route, body = route_body
             try:
                 raw = json.dumps(body).encode()
             except (TypeError, ValueError):
                 return
-            r = c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+            r = c.post(route, content=raw, headers={"content-type": "application/json"})
             text = r.read().decode(errors="replace")
             seen[r.status_code] = seen.get(r.status_code, 0) + 1
-            assert r.status_code < 500, (r.status_code, body, text)
+            assert r.status_code < 500, (r.status_code, route, body, text)
             if r.status_code >= 400:
                 check("ErrorResponse", json.loads(text))
             elif r.headers["content-type"].startswith("text/event-stream"):
-                assert text.rstrip().endswith("data: [DONE]"), (body, text[-300:])
-                for block in text.split("\n\n")[:-2]:  # an in-stream error is a 4xx's body
-                    ev = json.loads(block[6:])
-                    if "error" in ev:
-                        assert ev["error"]["code"] != "internal_error", (body, ev)
+                for ev in _events(route, text):
+                    err = (
+                        ev.get("error") if route != "/v1/responses" else ev if ev["type"] == "error" else None
+                    )
+                    if err:  # an in-stream error: never a crash, never the worker refusing the request
+                        assert err["code"] not in ("internal_error", "invalid"), (route, body, ev)
 
         one()
     # both sides were explored (the exact split varies with hypothesis's generation)
