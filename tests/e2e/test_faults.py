@@ -383,6 +383,72 @@ def test_fuzzed_request_bodies_never_get_a_5xx(fault):
     assert r.status_code == 200, r.text
 
 
+_CASES = [  # (a field that reaches the worker or the template, its value, the param named)
+    ({"logit_bias": {"1" + "0" * 5000: 1}}, "logit_bias"),
+    ({"logit_bias": {str(2**64): 1}}, "logit_bias"),
+    ({"logit_bias": {"4032": 1}}, "logit_bias"),  # the tiny model's vocabulary ends at 4031
+    ({"top_k": 2**64}, "top_k"),
+    ({"repetition_window": 2**64}, "repetition_window"),
+    ({"min_tokens": 2**63}, "min_tokens"),
+    ({"temperature": 10**400}, "temperature"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
+    (
+        {"chat_template_kwargs": {"add_generation_prompt": False}},
+        "chat_template_kwargs.add_generation_prompt",
+    ),
+]
+
+
+def _shaped(route: str, extra: dict, stream: bool) -> dict:
+    if route == "/v1/completions":
+        return {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": stream, **extra}
+    if route == "/v1/responses":
+        return {"model": "tiny", "input": "hi", "max_output_tokens": 2, "stream": stream, **extra}
+    if route == "/tokenize":
+        return {"model": "tiny", "messages": MSG, **extra}
+    return {"model": "tiny", "messages": MSG, "max_tokens": 2, "stream": stream, **extra}
+
+
+def test_big_numbers_reserved_kwargs_and_foreign_ids_are_400s_before_any_slot(fault):
+    """Each case on each route that reads it, streamed or not: a 400 naming the field, as an
+    OpenAI error body, not a 500 and not a 200 stream with an error event; no slot is taken."""
+    until(lambda: idle(fault), 30, "the server to be idle")
+    served0 = sum(i["served"] for i in httpx.get(fault.url + "/admin/models", timeout=10).json()["data"])
+    cases = [
+        (route, extra, param, stream)
+        for extra, param in _CASES
+        for route in ROUTES
+        if route != "/tokenize" or "chat_template_kwargs" in extra
+        if route != "/v1/completions" or "chat_template_kwargs" not in extra  # not read there
+        for stream in ((False,) if route == "/tokenize" else (False, True))
+    ]
+    cases += [
+        ("/v1/completions", {"prompt": ids}, "prompt", stream)
+        for ids in ([1, 4032], [2**63 - 1], [2**64])
+        for stream in (False, True)
+    ]
+    with httpx.Client(base_url=fault.url, timeout=30) as c:
+        for route, extra, param, stream in cases:
+            r = c.post(route, json=_shaped(route, extra, stream))
+            assert r.status_code == 400, (route, extra, stream, r.status_code, r.text[:300])
+            assert r.headers["content-type"].startswith("application/json"), (route, extra)
+            err = r.json()
+            check("ErrorResponse", err)
+            assert err["error"]["param"] == param, (route, extra, err)
+        # the same route and fields, in range, are served
+        for route in ROUTES:
+            ok = _shaped(route, {"logit_bias": {"4031": 1}, "top_k": 2**63 - 1}, False)
+            if route == "/tokenize":
+                ok = _shaped(route, {"chat_template_kwargs": {"enable_thinking": False}}, False)
+            r = c.post(route, json=ok)
+            assert r.status_code == 200, (route, r.text[:300])
+        r = c.post("/v1/completions", json=_shaped("/v1/completions", {"prompt": [1, 4031]}, True))
+        assert r.status_code == 200 and "[DONE]" in r.text and '"error"' not in r.text, r.text[-300:]
+    assert idle(fault)
+    served = sum(i["served"] for i in httpx.get(fault.url + "/admin/models", timeout=10).json()["data"])
+    assert served == served0 + 4, (served0, served)  # only the 4 good requests took a slot
+
+
 # ---------------------------------------------------------------------- kill -9
 
 
