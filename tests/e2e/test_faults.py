@@ -4,7 +4,10 @@ One server: ``tiny`` on cpu:0 with 8 slots, quick restarts. In order:
 
 - 8 clients leave mid-stream: every slot and KV block is free within a second, and the next 8
   requests are served;
-- the request body fuzz (hypothesis): no 5xx, no hang, and the server serves afterwards;
+- the request body fuzz (hypothesis) on chat, completions, responses and tokenize: no 5xx, no
+  stream whose error a 400 should have been, no hang, and the server serves afterwards; integers
+  past int64, long numeric keys, reserved template kwargs and foreign token ids, one by one: 400s
+  naming the field, before any slot;
 - kill -9 of the worker while 7 streams and one non-streamed request run and 4 more wait in
   the queue: each stream ends with one error event and ``[DONE]``, the non-streamed one gets
   503 with ``Retry-After``; the worker is killed again while it restarts; the queued requests
