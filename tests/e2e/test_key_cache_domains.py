@@ -112,6 +112,7 @@ def _instance(srv: Server) -> dict:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_unenforceable_constraints_are_400s_that_take_no_slot(srv, stream):
+    _ask(srv, KEYS[0], "hi")  # one admitted request, so the counts below exist
     until(lambda: _instance(srv)["slots_busy"] == 0, what="no busy slot")
     before = _instance(srv)
     admitted = _admitted(srv)
