@@ -86,10 +86,13 @@ def check_token_ids(inst: Instance, req: ChatRequest, prompt: list[int] | None =
 
 
 async def _fit_context(inst: Instance, req: ChatRequest, big: bool) -> Prepared:
-    """Render and tokenize for ``inst``, and fit the context to its limit (pass / cap / 400)."""
-    if big:  # long prompts tokenize off the event loop
-        return await asyncio.to_thread(fit_context, inst.assets, req, limit_of(inst), limit_of(inst))
-    return fit_context(inst.assets, req, limit_of(inst), limit_of(inst))
+    """Render and tokenize for ``inst``, and fit the context to its limit (pass / cap / 400).
+
+    Always off the event loop: a model's template is its author's code, and even bounded
+    (``chat/template.py``: 0.5 s, sizes) it must never hold /health, other streams or signals.
+    ``big`` is kept for the callers' sake: every prompt goes through the thread now."""
+    del big
+    return await asyncio.to_thread(fit_context, inst.assets, req, limit_of(inst), limit_of(inst))
 
 
 async def _place(s: AppState, req: ChatRequest, big: bool) -> tuple[Instance, Prepared]:
