@@ -711,7 +711,7 @@ async def responses():
         gen, inst, prep, done = await admit(
             s,
             req,
-            lambda: _place(s, req, big),
+            lambda: _place(s, req),
             lambda inst, prep: ResponseGeneration(
                 s.pool,
                 inst,

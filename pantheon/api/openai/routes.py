@@ -85,27 +85,25 @@ def check_token_ids(inst: Instance, req: ChatRequest, prompt: list[int] | None =
         )
 
 
-async def _fit_context(inst: Instance, req: ChatRequest, big: bool) -> Prepared:
+async def _fit_context(inst: Instance, req: ChatRequest) -> Prepared:
     """Render and tokenize for ``inst``, and fit the context to its limit (pass / cap / 400).
 
     Always off the event loop: a model's template is its author's code, and even bounded
-    (``chat/template.py``: 0.5 s, sizes) it must never hold /health, other streams or signals.
-    ``big`` is kept for the callers' sake: every prompt goes through the thread now."""
-    del big
+    (``chat/template.py``: 0.5 s, sizes) it must never hold /health, other streams or signals."""
     return await asyncio.to_thread(fit_context, inst.assets, req, limit_of(inst), limit_of(inst))
 
 
-async def _place(s: AppState, req: ChatRequest, big: bool) -> tuple[Instance, Prepared]:
+async def _place(s: AppState, req: ChatRequest) -> tuple[Instance, Prepared]:
     """Route, fit the context, then acquire a slot: a denied request never waits in the queue.
     Returns ``(instance, Prepared)`` holding the slot."""
     likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
     check_token_ids(likely, req)
-    prep = await _fit_context(likely, req, big)
+    prep = await _fit_context(likely, req)
     inst = await s.registry.acquire_slot(req.model, req.session_id)
     try:
         if inst.path != likely.path or limit_of(inst) != limit_of(likely):
             check_token_ids(inst, req)
-            prep = await _fit_context(inst, req, big)  # another replica, another context
+            prep = await _fit_context(inst, req)  # another replica, another context
     except BaseException:
         s.registry.leave(inst)
         raise
@@ -190,7 +188,7 @@ async def chat():
     gen, inst, prep, done = await admit(
         s,
         req,
-        lambda: _place(s, req, big),
+        lambda: _place(s, req),
         lambda inst, prep: Generation(
             s.pool, inst, req, prep, s.config.fingerprint, arrived=arrived, on_tokens=s.feed.tokens
         ),
