@@ -64,6 +64,7 @@ class Engine:
         # are read: forced by ``cpu_path`` / PANTHEON_CPU_PATH, else timed on this model's shapes.
         self.cpu_path: str | None = None
         self.cpu_timings: dict[str, tuple[float, float]] = {}
+        self.cpu_note = ""
         if torch.device(devices[0]).type == "cpu":
             forced = cpu_path if cpu_path not in (None, cpu_paths.AUTO) else cpu_paths.forced_path()
             names = cpu_paths.candidates(
@@ -75,6 +76,7 @@ class Engine:
             )
             choice = cpu_paths.choose(cfg, names)
             self.cpu_path, self.cpu_timings = choice.name, choice.timings
+            self.cpu_note = choice.note  # disturbed timings discarded, or the static order kept
             dtype = cpu_paths.DTYPE_NAMES[cpu_paths.PATHS[choice.name].dtype]
         dt = resolve_dtype(dtype, cfg, torch.device(devices[0]))
         block_bytes = kv_block_bytes(cfg, block_size, dt)
