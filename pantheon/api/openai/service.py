@@ -214,11 +214,13 @@ class Generation:
         self.cache_salt = auth.cache_salt(auth.request_domain(), req.cache_salt)
         # The constraint is built and run against the model's vocabulary now, before the
         # worker sees the request: what it cannot enforce is a 400, not a broken output.
-        self.constraint = self._constraint()
-        if self.constraint[0] is not None:
-            forced = req.tools and req.tools_enabled and req.tool_choice in ("required", "function")
-            param = "tools" if forced else _CONSTRAINT_PARAMS.get(req.response_format, "response_format")
-            structured.check_for_model(self.constraint[0], model_tokenizer(inst), param)
+        self.constraint: tuple[str | None, list[int], int] = (None, [], -1)
+        forced = bool(req.tools) and req.tools_enabled and req.tool_choice in ("required", "function")
+        if req.grammar is not None or forced:
+            self.constraint = self._constraint()
+            if self.constraint[0] is not None:
+                param = "tools" if forced else _CONSTRAINT_PARAMS.get(req.response_format, "response_format")
+                structured.check_for_model(self.constraint[0], model_tokenizer(inst), param)
 
     @property
     def ttft_s(self) -> float | None:
