@@ -274,6 +274,14 @@ class Supervisor:
             return 0.0
         return max(0.0, time.monotonic() - last)
 
+    def _restarting(self, name: str | None) -> bool:
+        """Is a recovery of ``name`` under way that this router drives (a local worker being
+        restarted), rather than a wait for a remote worker that an operator must bring back?"""
+        return any(
+            (name is None or i.name == name) and not any(die_host(d) for d in i.dies)
+            for i in self._recovering.values()
+        )
+
     def stalled(self, name: str) -> bool:
         """Does model ``name`` lack a live worker for now: every ready replica's worker silent
         for more than ``SUSPECT_S`` (frozen, about to be declared dead), or no ready replica and
@@ -284,20 +292,22 @@ class Supervisor:
         ready = [i for i in insts if i.state == "ready"]
         if ready:
             return all(self._silent_s(i.die) > SUSPECT_S for i in ready)
-        return any(i.instance_id in self._recovering for i in insts)
+        return self._restarting(name)  # a remote worker gone: the queue's clock runs
 
     async def await_recovery(
         self, place: Callable[[], Awaitable[Any]], name: str | None, timeout_s: float
     ) -> Any:
         """``await place()``, but while the model it names is recovering, wait for it first
-        (and again when a queued request is failed by the death) until the recovery ends, at
-        most ``timeout_s + RECOVERY_WAIT_MAX_S`` in all. The queue timeout (``timeout_s``) is
-        the registry's, and its clock stands still while the model is ``stalled``."""
-        limit = timeout_s + RECOVERY_WAIT_MAX_S
-        deadline = time.monotonic() + limit
+        (and again when a queued request is failed by the death): until a restart this router
+        drives ends (at most ``timeout_s + RECOVERY_WAIT_MAX_S`` in all), or for the queue
+        timeout while it waits for a remote worker to join again (nobody here can restart it:
+        a 503 then, as before). The queue timeout (``timeout_s``) is the registry's, and its
+        clock stands still while the model is ``stalled``."""
+        start = time.monotonic()
         while True:
             while self.recovering(name):
-                left = deadline - time.monotonic()
+                limit = timeout_s + RECOVERY_WAIT_MAX_S if self._restarting(name) else timeout_s
+                left = start + limit - time.monotonic()
                 if left <= 0:
                     raise errors.model_recovering(name, limit)
                 changed = self._changed
@@ -306,7 +316,8 @@ class Supervisor:
             try:
                 return await place()
             except ApiError as e:
-                if e.code == "model_not_ready" and self.recovering(name) and time.monotonic() < deadline:
+                limit = timeout_s + RECOVERY_WAIT_MAX_S if self._restarting(name) else timeout_s
+                if e.code == "model_not_ready" and self.recovering(name) and time.monotonic() < start + limit:
                     continue  # its last replica died while it queued: wait for the restart
                 raise
 
