@@ -688,6 +688,8 @@ class Worker:
                 name,
                 ", ".join(f"{n} {a * 1e3:.2f} / {b * 1e3:.2f}" for n, (a, b) in engine.cpu_timings.items()),
             )
+        if engine.cpu_note:
+            log.info("%s: CPU path choice: %s", name, engine.cpu_note)
 
     def _unload(self, name: str) -> None:
         if self.loading is not None and self.loading.msg.instance == name:
