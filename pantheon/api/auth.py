@@ -5,7 +5,8 @@
 - ``/admin/*``: with ``--admin-key``, that key as a bearer token (from anywhere, loopback too);
   without one, only clients on a loopback address (127.0.0.0/8, ::1), everyone else 403. A reverse
   proxy on this host makes every client look local: give it an admin key.
-- ``/``, ``/health``, ``/metrics`` and CORS preflights are always open (probes and scrapers).
+- ``/``, ``/health``, ``/metrics`` and the OpenAI routes' CORS preflights are open (probes and
+  scrapers); browsers and ``/admin/*`` are ``api/middleware.py``'s (origins, preflights, 403).
 
 A wrong or missing key is a 401 in the OpenAI error format that names nothing about the server (not
 the key, not which keys exist, not the models). Keys are compared in constant time.
