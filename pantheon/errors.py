@@ -14,6 +14,9 @@ factory                   status  type                   code                   
 unauthorized              401     invalid_request_error  invalid_api_key             WWW-Authenticate
 admin_loopback_only       403     permission_error       forbidden
 path_not_allowed          403     permission_error       forbidden (param path)
+origin_not_allowed        403     permission_error       origin_not_allowed (browsers: middleware)
+unsupported_media_type    415     invalid_request_error  unsupported_media_type
+renamed                   as the error it renames, naming another param
 **the HTTP layer** (``pantheon.api.app``, the admin test hook)
 route_not_found           404     invalid_request_error  not_found
 body_too_large            413     invalid_request_error  request_too_large
@@ -188,6 +191,26 @@ def invalid_param(param: str | None, message: str) -> ApiError:
     """400: the generic validation error; ``param`` names the exact field
     (``messages[2].content``), or None for the body as a whole."""
     return ApiError(400, message, param=param)
+
+
+def origin_not_allowed(message: str) -> ApiError:
+    """403: a browser request from an origin the server does not take (``--cors-origins``, the
+    admin API's own-origin rule: ``pantheon/api/middleware.py``)."""
+    return ApiError(403, message, type=PERMISSION, code="origin_not_allowed")
+
+
+def unsupported_media_type(got: str) -> ApiError:
+    """415: a JSON route sent another ``Content-Type`` (what a cross-origin "simple" POST uses)."""
+    return ApiError(
+        415,
+        f"this route takes a JSON body sent as 'Content-Type: application/json', not {got}",
+        code="unsupported_media_type",
+    )
+
+
+def renamed(e: ApiError, param: str) -> ApiError:
+    """The same error naming ``param`` instead (a check shared by two fields)."""
+    return ApiError(e.status, e.message, type=e.type, param=param, code=e.code, headers=e.headers)
 
 
 def invalid_json(detail: str | None = None) -> ApiError:

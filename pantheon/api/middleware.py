@@ -132,12 +132,9 @@ def origin_key(value: str | None) -> str | None:
 
 
 def _forbidden_origin(why: str) -> ApiError:
-    return ApiError(
-        403,
+    return errors.origin_not_allowed(
         f"the admin API refuses this browser request: {why}. It answers pages of its own origin "
-        "only, and origins named in --cors-origins",
-        type="permission_error",
-        code="origin_not_allowed",
+        "only, and origins named in --cors-origins"
     )
 
 
@@ -213,11 +210,7 @@ def check_json_type(content_type: str | None, has_body: bool) -> None:
         if mt == "application/json" or (mt.startswith("application/") and mt.endswith("+json")):
             return
         got = f"Content-Type {content_type[:100]!r}"
-    raise ApiError(
-        415,
-        f"this route takes a JSON body sent as 'Content-Type: application/json', not {got}",
-        code="unsupported_media_type",
-    )
+    raise errors.unsupported_media_type(got)
 
 
 async def _send_json(send, status: int, obj: dict, headers: dict | None = None) -> None:
@@ -353,12 +346,7 @@ def _preflight(origins: Origins, headers: Any) -> Response:
     """A CORS preflight of an OpenAI route: allowed for the ``--cors-origins``, else 403."""
     origin = headers.get("Origin")
     if origin is not None and not origins.allows(origin):
-        raise ApiError(
-            403,
-            f"origin {origin[:100]!r} is not allowed (--cors-origins)",
-            type="permission_error",
-            code="origin_not_allowed",
-        )
+        raise errors.origin_not_allowed(f"origin {origin[:100]!r} is not allowed (--cors-origins)")
     resp = Response(json.dumps({}), content_type="application/json")
     resp.headers["Access-Control-Allow-Methods"] = ALLOW_METHODS
     asked = headers.get("Access-Control-Request-Headers")

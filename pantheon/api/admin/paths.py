@@ -37,6 +37,4 @@ def check_root(guard: Any, field: str, value: str) -> None:
     except ApiError as e:
         if e.param == field:
             raise
-        raise ApiError(
-            e.status, e.message, type=e.type, param=field, code=e.code, headers=e.headers
-        ) from None
+        raise errors.renamed(e, field) from None
