@@ -43,6 +43,7 @@ import llguidance as llg
 import torch
 
 from pantheon.models.gguf import find_gguf, read_gguf, tokenizer_json
+from pantheon.models.grammar_vocab import grammar_tokenizer_json
 from workers.errors import RequestRejected
 
 log = logging.getLogger("pantheon.worker.grammar")
@@ -181,7 +182,9 @@ class Grammars:
         if self._tokenizer is None:
             self._tokenizer = self._pool().submit(
                 lambda: llg.LLTokenizer(
-                    model_tokenizer_json(self.model_path), n_vocab=self.vocab_size, eos_token=self.eos_ids
+                    grammar_tokenizer_json(model_tokenizer_json(self.model_path)),
+                    n_vocab=self.vocab_size,
+                    eos_token=self.eos_ids,
                 )
             )
 

@@ -36,6 +36,7 @@ RULES = {
             "pantheon.protocol",
             "pantheon.models.description",
             "pantheon.models.archs",
+            "pantheon.models.grammar_vocab",
             "pantheon.models.sizing",
             "pantheon.models.gguf",
             "pantheon.workerlink.curve",

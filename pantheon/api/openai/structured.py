@@ -56,6 +56,7 @@ from pantheon.chat.tools import JSON_TOOL_FORMAT, XML_TOOL_FORMAT
 from pantheon.chat.xml_tools import parameter_schemas, writes_as_text
 from pantheon.errors import invalid_param
 from pantheon.models.gguf import byte_alphabet
+from pantheon.models.grammar_vocab import grammar_tokenizer_json
 
 MAX_GRAMMAR_BYTES = 65536  # a schema / regex / grammar longer than this is a 400
 MAX_CHOICES = 256
@@ -193,7 +194,9 @@ class ModelTokenizer:
     def tokenizer(self) -> llg.LLTokenizer:
         with self._built:
             if self._tok is None:
-                self._tok = llg.LLTokenizer(self._json, n_vocab=self.n_vocab, eos_token=self.eos)
+                self._tok = llg.LLTokenizer(
+                    grammar_tokenizer_json(self._json), n_vocab=self.n_vocab, eos_token=self.eos
+                )
             return self._tok
 
 

@@ -1,0 +1,52 @@
+"""A model's ``tokenizer.json`` as the grammar engine (llguidance) should see it. No torch.
+
+llguidance takes every entry of ``added_tokens`` for a special token, written as the bytes
+``\\xff[id]`` that no grammar literal matches. But a Qwen (or ChatML) tokenizer adds its markup
+tags, ``<tool_call>``, ``</tool_call>``, ``<think>``, ``</think>``, as plain tokens
+(``"special": false``): text the model writes and the chat parsers read. Seen as special, a
+grammar's literal ``"<tool_call>"`` forces the bytes ``<tool_call>``, the tokenizer spells them
+with the added token, and the matcher then refuses the very token its mask allowed. So the plain
+added tokens go into the vocabulary as the text they are (their content, byte-level encoded the
+way the model's vocabulary stores text), and only the special ones stay special.
+
+The router (``pantheon/api/openai/structured.py``) and the worker (``workers/grammar.py``) both
+build their llguidance tokenizer from this, so their masks agree.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def _byte_level(text: str) -> str:
+    """``text`` in GPT-2's byte-to-unicode alphabet (what a byte-level BPE vocabulary holds)."""
+    from pantheon.models.gguf import byte_alphabet
+
+    alphabet = byte_alphabet()
+    return "".join(alphabet[b] for b in text.encode("utf-8"))
+
+
+def grammar_tokenizer_json(tokenizer_json: str) -> str:
+    """``tokenizer_json`` with its non-special added tokens moved into the model's vocabulary."""
+    try:
+        data = json.loads(tokenizer_json)
+    except ValueError:
+        return tokenizer_json
+    model = data.get("model") if isinstance(data, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    added = data.get("added_tokens") if isinstance(data, dict) else None
+    if not isinstance(vocab, dict) or not isinstance(added, list) or model.get("type") != "BPE":
+        return tokenizer_json
+    pre = json.dumps(data.get("pre_tokenizer")) + json.dumps(data.get("decoder"))
+    byte_level = "ByteLevel" in pre
+    keep = []
+    for tok in added:
+        if isinstance(tok, dict) and tok.get("special") is False and isinstance(tok.get("content"), str):
+            text = tok["content"]
+            vocab[_byte_level(text) if byte_level else text] = tok["id"]
+        else:
+            keep.append(tok)
+    if len(keep) == len(added):
+        return tokenizer_json
+    data["added_tokens"] = keep
+    return json.dumps(data)
