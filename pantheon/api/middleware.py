@@ -380,7 +380,8 @@ class OpsMiddleware:
                 return await self._refuse_body(scope, receive, send, trace, path)
             scope[BODY_KEY] = ticket
         started = False
-        overflow = False
+        overflow: bool | str = False
+        dropper: asyncio.Task | None = None
 
         async def send_(message):
             nonlocal started
@@ -411,9 +412,9 @@ class OpsMiddleware:
         try:
             await self.inner(scope, receive_ if ticket is not None or admin else receive, send_)
             if overflow and not started:  # a chunked body went past the bound
+                if overflow is True:  # the rest of it is read, not kept, while the answer goes
+                    dropper = asyncio.create_task(_drop_body(receive), name="drop-body")
                 trace.status = await self._send_refusal(scope, send, path)
-                if overflow is True:
-                    await _drop_body(receive)
         finally:
             if ticket is not None:
                 ticket.release()
@@ -433,24 +434,31 @@ class OpsMiddleware:
                 self.state.metrics.observe(trace, dur)
             except Exception:
                 log.exception("accounting for %s %s failed", method, path)
+        if dropper is not None:
+            await dropper
 
     async def _send_refusal(self, scope, send, path: str) -> int:
         err = errors.bodies_in_flight(self.bodies.limit)
         origin = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"origin"), None)
-        self.state.metrics.rejected.labels("", str(err.status)).inc()
         await _send_json(
             send, err.status, err.body(), {**err.headers, **self.origins.response_headers(path, origin)}
         )
         return err.status
 
     async def _refuse_body(self, scope, receive, send, trace: logs.RequestTrace, path: str) -> None:
-        """503 ``bodies_in_flight`` at once, then the body read and dropped (a client that sends
-        its whole body before reading would otherwise see a reset, not the answer)."""
-        trace.status = await self._send_refusal(scope, send, path)
-        log.info(
-            "%s %s: 503 bodies_in_flight (%d bytes in flight)", scope["method"], path, self.bodies.in_flight
-        )
-        await _drop_body(receive)
+        """503 ``bodies_in_flight`` at once, the body read and dropped meanwhile (a client that
+        sends its whole body before reading would otherwise see a reset, not the answer, and the
+        server would not get the answer out past a full receive queue); logged and metered as any
+        request."""
+        dropper = asyncio.create_task(_drop_body(receive), name="drop-body")
+        try:
+            trace.status = await self._send_refusal(scope, send, path)
+            dur = time.monotonic() - trace.t0
+            logs.log_request(trace, dur)
+            self.state.metrics.observe(trace, dur)
+            await dropper
+        finally:
+            dropper.cancel()
 
 
 async def _drop_body(receive) -> None:

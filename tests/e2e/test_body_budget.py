@@ -17,6 +17,7 @@ import re
 import socket
 import threading
 import time
+from email.message import Message
 
 import httpx
 import psutil
@@ -26,7 +27,7 @@ from helpers.serve import Server, until
 
 MAX_BODY = 9 << 20
 IN_FLIGHT = 100 << 20
-DECLARED = 8_500_000  # each held body: 11 fit under IN_FLIGHT, the 12th does not
+DECLARED = 9_000_000  # each held body: 11 fit under IN_FLIGHT (99 MB of 104.9), the 12th does not
 MB = 1 << 20
 
 
@@ -63,6 +64,12 @@ def _in_flight(srv: Server) -> float:
     return float(m.group(1))
 
 
+def _rejected(srv: Server) -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    m = re.search(r'^pantheon_requests_rejected_total\{model_name="",status="503"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def _body(size: int, valid: bool = True) -> bytes:
     """A chat request of exactly ``size`` bytes (the padding is JSON whitespace)."""
     obj = json.dumps({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
@@ -78,12 +85,12 @@ def _open(srv: Server, headers: dict[str, str]) -> socket.socket:
     return s
 
 
-def _answer(s: socket.socket) -> tuple[int, dict, bytes]:
+def _answer(s: socket.socket) -> tuple[int, Message, bytes]:
     r = http.client.HTTPResponse(s)
     r.begin()
     data = r.read()
     s.close()
-    return r.status, dict(r.getheaders()), data
+    return r.status, r.msg, data  # the headers, looked up case-insensitively
 
 
 def _rss(pid: int) -> int:
@@ -92,6 +99,7 @@ def _rss(pid: int) -> int:
 
 def test_bodies_past_the_bound_get_503_and_the_count_returns_to_0(srv):
     assert _in_flight(srv) == 0
+    rejected_before = _rejected(srv)  # /health's 503s while the model loaded count too
     held = [_open(srv, {"Content-Length": str(DECLARED)}) for _ in range(11)]
     bodies = [_body(DECLARED, valid=i != 0) for i in range(11)]  # the first is bad JSON: a 400
     for s, b in zip(held, bodies, strict=True):
@@ -130,8 +138,7 @@ def test_bodies_past_the_bound_get_503_and_the_count_returns_to_0(srv):
         t.join(120)
     assert answers == [400] + [200] * 10, answers
     until(lambda: _in_flight(srv) == 0, 10, "the count back to 0")
-    rejected = httpx.get(srv.url + "/metrics", timeout=10).text
-    assert re.search(r'^pantheon_requests_rejected_total\{model_name="",status="503"\} 2\.0$', rejected, re.M)
+    assert _rejected(srv) == rejected_before + 2  # the two refusals, once each
 
 
 def test_memory_comes_back_after_10_concurrent_8_mb_bodies(srv):
@@ -182,8 +189,8 @@ def test_memory_comes_back_after_10_concurrent_8_mb_bodies(srv):
     growth = peak_rss - start
     assert statuses == [200] * 10, statuses
     assert _in_flight(srv) == 0
-    # the load was real: ten bodies of 8 MB, each kept a few times over while parsed
-    assert growth > 100 * MB, (start / MB, peak_rss / MB)
+    # the load was real: the router held at least half of the 80 MB sent at some point
+    assert growth > 40 * MB, (start / MB, peak_rss / MB)
     # and at least half of the growth goes back within seconds (malloc_trim, at most every 2 s)
     deadline = time.monotonic() + 10
     end = _rss(pid)
