@@ -40,11 +40,12 @@ model_loading             503     server_error           model_not_ready        
 model_gone                503     server_error           model_not_ready             Retry-After: 1
 no_instance               503     server_error           model_not_ready             Retry-After: 2
 model_recovering          503     server_error           model_not_ready             Retry-After: 2
-**slots and backpressure** (``pantheon.control.registry``)
+**slots and backpressure** (``pantheon.control.registry``; bodies: ``pantheon.api.middleware``)
 server_busy               429     rate_limit_error       server_busy                 Retry-After: 1
 queue_full                429     rate_limit_error       queue_full                  Retry-After: 5
 queue_timeout             429     rate_limit_error       queue_timeout               Retry-After: 2
 memory_pressure           503     server_error           memory_pressure             Retry-After: 1
+bodies_in_flight          503     server_error           bodies_in_flight            Retry-After: 1
 shutting_down             503     server_error           shutting_down               Retry-After: 5
 **a running generation** (``pantheon.api.openai.service``, unload)
 worker_died               503     server_error           worker_died                 Retry-After: 2
@@ -76,7 +77,7 @@ no_ready_instance         404     invalid_request_error  model_not_found (param 
 ========================  ======  =====================  ==========================  ===========
 
 Every 503 and 429 carries ``Retry-After`` in whole seconds (what vLLM and TGI clients expect):
-1 s for a busy slot or memory pressure, 2 s while a worker or model recovers, 5 s while the
+1 s for a busy slot, memory pressure or bodies in flight, 2 s while a worker or model recovers, 5 s while the
 server shuts down (tests/unit/test_errors.py checks each).
 
 Plain Python: no Quart, no torch. ``pantheon.api.responses.error_response`` turns an
@@ -391,6 +392,19 @@ def memory_pressure() -> ApiError:
         "memory pressure is critical and the queue is full; retry later",
         type=SERVER,
         code="memory_pressure",
+        headers=_retry_after(1),
+    )
+
+
+def bodies_in_flight(limit_bytes: int) -> ApiError:
+    """503: the router already holds ``--max-body-in-flight`` bytes of request bodies; the
+    request is refused before its body is read (``pantheon.api.middleware.BodyBudget``)."""
+    return ApiError(
+        503,
+        f"the server is busy reading other request bodies (more than {limit_bytes} bytes in "
+        "flight, the --max-body-in-flight limit); retry shortly",
+        type=SERVER,
+        code="bodies_in_flight",
         headers=_retry_after(1),
     )
 

@@ -18,7 +18,8 @@ Plus ``pantheon_*``: per die (memory total, free, booked, and of the booked byte
 the KV cache and the recurrent state pools apart, pressure level, alive), per instance (in
 flight, running, ready, restarts, KV cache and state pool bytes), per queue (depth, wait time), 429 and 503 counts per
 model, loads, load failures and unloads per model, worker deaths per die, admin actions per
-action and status.
+action and status; and the router's request-body bytes in flight
+(``pantheon_body_bytes_in_flight``, bounded by ``--max-body-in-flight``).
 
 Gauges are read from the registry, the pool and the die manager when scraped; counters and
 histograms are fed at the end of each request (``observe``), by the admin feed's events (loads,
@@ -137,6 +138,13 @@ class _Live:
         return []
 
     def collect(self):
+        bodies = getattr(self.state, "bodies", None)  # set by the middleware
+        held = GaugeMetricFamily(
+            "pantheon_body_bytes_in_flight",
+            "Request-body bytes the router holds (received, not yet parsed).",
+            value=bodies.in_flight if bodies is not None else 0,
+        )
+        yield held
         live = self.state.project()
         running = GaugeMetricFamily(
             "vllm:num_requests_running", "Requests running on a slot.", labels=["model_name"]

@@ -20,6 +20,17 @@ machine's host name (DNS rebinding). A POST to a JSON route (``/v1/*``, ``/token
 an empty body may say nothing): anything else is a 415, so no form or ``text/plain`` "simple"
 request reaches a route.
 
+Request bodies (``BodyBudget``): the router holds at most ``--max-body-in-flight`` bytes of
+request bodies at once, all requests together. A body counts from its first byte until the route
+has parsed it (``body_done``; at the latest when its request ends), not for a long stream's
+life: a declared ``Content-Length`` is reserved before the body is read, a chunked body counts as
+its chunks arrive. A request whose reservation would go past the bound gets 503
+``bodies_in_flight`` (``Retry-After: 1``) before its body is read (the body is then read and
+dropped, so the client sees the answer), and a chunked body that grows past it gets the same 503
+at that point; one body alone always passes (``--max-body`` bounds it). ``/metrics`` shows the
+count (``pantheon_body_bytes_in_flight``). After a large body's request ends, ``malloc_trim``
+(glibc) hands the freed heap back to the system, at most once per ``TRIM_EVERY_S``, in a thread.
+
 Shutdown (``Drain.run``): stop admitting (every new request, ``/health`` included, gets 503
 ``shutting_down``; ``/metrics`` still answers), wait for the in-flight requests (``/v1/*`` and admin
 POSTs) up to the deadline, then end the generations still running (their streams end with an
@@ -30,10 +41,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import ipaddress
 import json
 import logging
 import socket
+import sys
 import time
 import urllib.parse
 from typing import Any
@@ -52,6 +65,114 @@ log = logging.getLogger("pantheon.api.middleware")
 TRACE_KEY = "pantheon.trace"
 _ADMIN_BODY_CAP = 64 << 10  # admin bodies kept for the audit line (they are small)
 _END_GRACE_S = 5.0  # after ending the generations, how long the last responses may take
+
+
+BODY_KEY = "pantheon.body"
+TRIM_MIN_BYTES = 1 << 20  # a request whose body reached this size hands memory back when it ends
+TRIM_EVERY_S = 2.0  # at most one malloc_trim per this many seconds (a later one is deferred)
+_DRAIN_BODY_S = 30.0  # how long a refused request's body may take to be read and dropped
+
+
+class BodyTicket:
+    """One request's share of the ``BodyBudget``: ``held`` bytes until ``release``."""
+
+    __slots__ = ("budget", "held", "received", "peak", "released")
+
+    def __init__(self, budget: BodyBudget, held: int):
+        self.budget, self.held, self.received, self.peak, self.released = budget, held, 0, held, False
+
+    def arrived(self, n: int) -> bool:
+        """``n`` more bytes of the body came; False when they take the budget past its bound."""
+        self.received += n
+        if self.released or self.received <= self.held or self.received > self.budget.max_body + n:
+            return True  # reserved already, or dropped by the app (over --max-body): not held
+        grow = self.received - self.held
+        if not self.budget.take(grow, self.held):
+            return False
+        self.held += grow
+        self.peak = max(self.peak, self.held)
+        return True
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.budget.give(self.held)
+            self.held = 0
+
+
+class BodyBudget:
+    """The router-wide bound on request-body bytes in flight (see the module doc)."""
+
+    def __init__(self, limit: int, max_body: int):
+        self.limit, self.max_body = limit, max_body
+        self.in_flight = 0
+
+    def take(self, n: int, mine: int = 0) -> bool:
+        """Reserve ``n`` bytes for a body already holding ``mine``; refused past the bound unless
+        that body is the only one in flight."""
+        if self.in_flight + n > self.limit and self.in_flight > mine:
+            return False
+        self.in_flight += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.in_flight = max(0, self.in_flight - n)
+
+    def ticket(self, declared: int | None) -> BodyTicket | None:
+        """A ticket for a body of ``declared`` bytes (None: chunked, counted as it comes); None
+        when the bound refuses it. A declared size over ``--max-body`` reserves nothing (the app
+        answers 413 without keeping the body)."""
+        want = declared if declared is not None and declared <= self.max_body else 0
+        if want and not self.take(want):
+            return None
+        return BodyTicket(self, want)
+
+
+def _load_trim() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return None
+
+
+class Trimmer:
+    """Hands the heap freed by large bodies back to the system: ``malloc_trim(0)`` in a thread,
+    at most once per ``every_s`` (a request in between gets one when the interval ends)."""
+
+    def __init__(self, every_s: float = TRIM_EVERY_S):
+        self.every_s = every_s
+        self.fn = _load_trim()
+        self.last = -1e9
+        self.count = 0
+        self._pending: asyncio.Task | None = None
+
+    def request(self) -> None:
+        if self.fn is None or (self._pending is not None and not self._pending.done()):
+            return
+        self._pending = asyncio.get_running_loop().create_task(self._run(), name="malloc-trim")
+
+    async def _run(self) -> None:
+        wait = self.last + self.every_s - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self.last = time.monotonic()
+        try:
+            await asyncio.to_thread(self.fn, 0)
+            self.count += 1
+        except Exception:  # noqa: BLE001 - memory hygiene, never an error
+            log.debug("malloc_trim failed", exc_info=True)
+
+
+def _declared_length(headers: Any) -> int | None:
+    for k, v in headers:
+        if k == b"content-length":
+            try:
+                return max(0, int(v))
+            except ValueError:
+                return None
+    return None
 
 
 class Drain:
@@ -230,6 +351,9 @@ class OpsMiddleware:
 
     def __init__(self, inner, state: AppState, origins: Origins):
         self.inner, self.state, self.origins = inner, state, origins
+        cfg = state.config
+        self.bodies = state.bodies = BodyBudget(cfg.body_in_flight_limit, cfg.max_body_bytes)
+        self.trimmer = Trimmer()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -246,27 +370,56 @@ class OpsMiddleware:
             return await _send_json(send, err.status, err.body(), hdrs)
         trace = logs.RequestTrace(method, path, (scope.get("client") or (None,))[0])
         scope[TRACE_KEY] = trace
+        headers = scope.get("headers", ())
+        declared = _declared_length(headers)
+        chunked = any(k == b"transfer-encoding" and b"chunked" in v.lower() for k, v in headers)
+        ticket: BodyTicket | None = None
+        if declared or chunked:
+            ticket = self.bodies.ticket(None if chunked else declared)
+            if ticket is None:  # refused before a byte of the body is kept
+                return await self._refuse_body(scope, receive, send, trace, path)
+            scope[BODY_KEY] = ticket
+        started = False
+        overflow: bool | str = False
+        dropper: asyncio.Task | None = None
 
         async def send_(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 trace.status = message["status"]
             await send(message)
 
         admin = method == "POST" and path.startswith("/admin/")
         chunks: list[bytes] = []
 
-        async def keep_body():  # an admin body, kept for the audit line
+        async def receive_():
+            nonlocal overflow
             message = await receive()
-            if message["type"] == "http.request" and sum(map(len, chunks)) < _ADMIN_BODY_CAP:
-                chunks.append(message.get("body", b""))
+            if message["type"] == "http.request":
+                body = message.get("body", b"")
+                if ticket is not None and not ticket.arrived(len(body)):
+                    overflow = message.get("more_body", False) or "done"  # the app stops here
+                    ticket.release()
+                    return {"type": "http.disconnect"}
+                if admin and sum(map(len, chunks)) < _ADMIN_BODY_CAP:  # kept for the audit line
+                    chunks.append(body)
             return message
 
         counted = admin or path.startswith("/v1/")
         if counted:
             drain.enter()
         try:
-            await self.inner(scope, keep_body if admin else receive, send_)
+            await self.inner(scope, receive_ if ticket is not None or admin else receive, send_)
+            if overflow and not started:  # a chunked body went past the bound
+                if overflow is True:  # the rest of it is read, not kept, while the answer goes
+                    dropper = asyncio.create_task(_drop_body(receive), name="drop-body")
+                trace.status = await self._send_refusal(scope, send, path)
         finally:
+            if ticket is not None:
+                ticket.release()
+                if ticket.peak >= TRIM_MIN_BYTES or ticket.received >= TRIM_MIN_BYTES:
+                    self.trimmer.request()
             if counted:
                 drain.leave()
             dur = time.monotonic() - trace.t0
@@ -281,6 +434,39 @@ class OpsMiddleware:
                 self.state.metrics.observe(trace, dur)
             except Exception:
                 log.exception("accounting for %s %s failed", method, path)
+        if dropper is not None:
+            await dropper
+
+    async def _send_refusal(self, scope, send, path: str) -> int:
+        err = errors.bodies_in_flight(self.bodies.limit)
+        origin = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"origin"), None)
+        await _send_json(
+            send, err.status, err.body(), {**err.headers, **self.origins.response_headers(path, origin)}
+        )
+        return err.status
+
+    async def _refuse_body(self, scope, receive, send, trace: logs.RequestTrace, path: str) -> None:
+        """503 ``bodies_in_flight`` at once, the body read and dropped meanwhile (a client that
+        sends its whole body before reading would otherwise see a reset, not the answer, and the
+        server would not get the answer out past a full receive queue); logged and metered as any
+        request."""
+        dropper = asyncio.create_task(_drop_body(receive), name="drop-body")
+        try:
+            trace.status = await self._send_refusal(scope, send, path)
+            dur = time.monotonic() - trace.t0
+            logs.log_request(trace, dur)
+            self.state.metrics.observe(trace, dur)
+            await dropper
+        finally:
+            dropper.cancel()
+
+
+async def _drop_body(receive) -> None:
+    """Read the rest of a refused request's body and keep none of it (up to ``_DRAIN_BODY_S``)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(_DRAIN_BODY_S):
+            while (m := await receive())["type"] == "http.request" and m.get("more_body", False):
+                pass
 
 
 def install(app: Quart) -> None:
@@ -384,6 +570,16 @@ async def _follow(feed: Any, metrics: Metrics) -> None:
 
 def _trace() -> logs.RequestTrace | None:
     return request.scope.get(TRACE_KEY)
+
+
+def body_done() -> None:
+    """The route has parsed its request's body: its bytes leave the ``--max-body-in-flight``
+    count, and the app's copy of the raw body is dropped (call after parsing, before a long
+    generation)."""
+    ticket = request.scope.get(BODY_KEY)
+    if ticket is not None:
+        ticket.release()
+    request.body.clear()
 
 
 def check_request(req: Any) -> None:

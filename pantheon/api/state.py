@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from pantheon import snapshot as st
     from pantheon.api.auth import Guard
     from pantheon.api.metrics import Metrics
-    from pantheon.api.middleware import Drain
+    from pantheon.api.middleware import BodyBudget, Drain
     from pantheon.api.openai.service import Generation
     from pantheon.config.settings import ServeConfig
     from pantheon.control.dies import DieManager
@@ -58,6 +58,7 @@ class AppState:
     guard: Guard = field(init=False)
     metrics: Metrics = field(init=False)
     drain: Drain = field(init=False)
+    bodies: BodyBudget = field(init=False)  # request-body bytes in flight (--max-body-in-flight)
     # set by pantheon serve:
     supervisor: Supervisor | None = None
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)  # background tasks by name

@@ -58,6 +58,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int | None = _d("max_model_len")
     dtype: str = _d("dtype")
     max_body_bytes: int = _d("max_body_bytes")
+    max_body_in_flight_bytes: int | None = _d("max_body_in_flight_bytes")  # None: 4 x max_body_bytes
     hello_timeout_s: float = _d("hello_timeout_s")
     worker_threads: int | None = _d("worker_threads")  # torch threads (None: worker decides)
     heartbeat_s: float = 1.0  # not a setting: the workers' heartbeat interval
@@ -65,6 +66,11 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     cors_origins: tuple[str, ...] = _d("cors_origins")  # the OpenAI routes' CORS origins
     fingerprint: str = ""  # computed by build_config
     ops: OpsConfig = OpsConfig()  # auth, limits, logs, registration, shutdown, recovery
+
+    @property
+    def body_in_flight_limit(self) -> int:
+        """The router-wide bound on request-body bytes held at once (``--max-body-in-flight``)."""
+        return self.max_body_in_flight_bytes or 4 * self.max_body_bytes
 
     @property
     def single_user(self) -> bool:

@@ -360,6 +360,18 @@ SETTINGS: tuple[Setting, ...] = (
         field="max_body_bytes",
     ),
     Setting(
+        "max_body_in_flight",
+        "size",
+        None,
+        "request-body bytes the router holds at once, all requests together; past it a request "
+        "gets 503 bodies_in_flight before its body is read (one body alone always passes)",
+        ("PANTHEON_MAX_BODY_IN_FLIGHT",),
+        metavar="BYTES",
+        field="max_body_in_flight_bytes",
+        default_doc="4 x --max-body",
+        check=at_least(1),
+    ),
+    Setting(
         "hello_timeout",
         "float",
         60.0,

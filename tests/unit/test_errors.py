@@ -64,6 +64,7 @@ CASES = {
     "queue_full": ((), 429, RATE, None, "queue_full"),
     "queue_timeout": ((30.0,), 429, RATE, None, "queue_timeout"),
     "memory_pressure": ((), 503, SERVER, None, "memory_pressure"),
+    "bodies_in_flight": ((1 << 20,), 503, SERVER, None, "bodies_in_flight"),
     "shutting_down": ((), 503, SERVER, None, "shutting_down"),
     "worker_died": (("chatcmpl-1",), 503, SERVER, None, "worker_died"),
     "model_unloaded": (("x",), 503, SERVER, None, "model_unloaded"),

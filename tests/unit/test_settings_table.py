@@ -50,6 +50,7 @@ def samples(tmp: Path) -> dict[str, tuple[str, object]]:
         "max_model_len": ("256", 256),
         "dtype": ("float32", "float32"),
         "max_body": ("1MiB", 1 << 20),
+        "max_body_in_flight": ("16MiB", 16 << 20),
         "hello_timeout": ("5", 5.0),
         "worker_threads": ("2", 2),
         "log_level": ("DEBUG", "debug"),

@@ -269,6 +269,8 @@ async def completions():
     raw = await request.get_data(cache=False)
     big = len(raw) > BIG_BODY
     creq = await asyncio.to_thread(parse_completion_request, raw) if big else parse_completion_request(raw)
+    del raw
+    ops.body_done()  # the body's bytes leave the --max-body-in-flight count
     req = creq.chat
     ops.check_request(req)  # the request limits (400), and the model for the trace
     try:

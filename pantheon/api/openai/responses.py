@@ -47,6 +47,7 @@ from typing import Any
 from quart import Blueprint, request
 
 from pantheon import errors
+from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.protocol import ChatRequest
 from pantheon.api.openai.routes import BIG_BODY, _place, admit, sse_response
@@ -706,6 +707,8 @@ async def responses():
         rreq = await asyncio.to_thread(parse_responses_request, raw, header_session=session)
     else:
         rreq = parse_responses_request(raw, header_session=session)
+    del raw
+    ops.body_done()  # the body's bytes leave the --max-body-in-flight count
     req = rreq.chat
     try:
         gen, inst, prep, done = await admit(

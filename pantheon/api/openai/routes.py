@@ -185,6 +185,8 @@ async def chat():
         req = await asyncio.to_thread(oa.parse_chat_request, raw, header_session=session)
     else:
         req = oa.parse_chat_request(raw, header_session=session)
+    del raw
+    ops.body_done()  # the body's bytes leave the --max-body-in-flight count
     gen, inst, prep, done = await admit(
         s,
         req,

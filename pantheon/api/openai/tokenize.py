@@ -23,6 +23,7 @@ from typing import Any
 from quart import Blueprint, request
 
 from pantheon import errors
+from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
 from pantheon.api.responses import json_response
 from pantheon.api.state import app_state
@@ -35,6 +36,7 @@ bp = Blueprint("tokenize", __name__)
 async def _body() -> dict:
     raw = await request.get_data(cache=False)
     body = oa.load_json(raw or b"{}")
+    ops.body_done()
     if not isinstance(body, dict):
         raise errors.not_an_object()
     return body
