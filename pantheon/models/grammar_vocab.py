@@ -32,9 +32,10 @@ def grammar_tokenizer_json(tokenizer_json: str) -> str:
         data = json.loads(tokenizer_json)
     except ValueError:
         return tokenizer_json
-    model = data.get("model") if isinstance(data, dict) else None
-    vocab = model.get("vocab") if isinstance(model, dict) else None
-    added = data.get("added_tokens") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        return tokenizer_json
+    model, added = data["model"], data.get("added_tokens")
+    vocab = model.get("vocab")
     if not isinstance(vocab, dict) or not isinstance(added, list) or model.get("type") != "BPE":
         return tokenizer_json
     pre = json.dumps(data.get("pre_tokenizer")) + json.dumps(data.get("decoder"))

@@ -1,0 +1,49 @@
+"""The grammar engine sees a tokenizer's plain added tokens (Qwen's ``<tool_call>``) as text:
+otherwise a grammar's literal ``<tool_call>`` is spelled with the added token, which llguidance
+then refuses (pantheon/models/grammar_vocab.py)."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance as llg
+
+from pantheon.api.openai import structured
+from pantheon.models.grammar_vocab import grammar_tokenizer_json
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+def test_a_required_xml_call_runs_on_a_tokenizer_with_added_tags(model_factory):
+    raw = (model_factory("tiny-qwen3.5") / "tokenizer.json").read_text()
+    plain = {t["content"]: t["id"] for t in json.loads(raw)["added_tokens"] if t["special"] is False}
+    assert "<tool_call>" in plain and "</tool_call>" in plain
+    grammar = structured.tool_grammar(TOOLS, None, "", structured.XML_TOOL_FORMAT)
+
+    def probe(text: str) -> str:
+        tok = llg.LLTokenizer(text, n_vocab=4032, eos_token=3993)
+        return structured.probe(tok, grammar, [3993])
+
+    assert "doesn't satisfy the grammar" in probe(raw)  # what llguidance does with them as they are
+    assert probe(grammar_tokenizer_json(raw)) == ""
+    moved = json.loads(grammar_tokenizer_json(raw))
+    assert {t["content"] for t in moved["added_tokens"]}.isdisjoint(plain)  # special ones stay
+    assert all(moved["model"]["vocab"][c] == i for c, i in plain.items() if c.isascii())
+
+
+def test_anything_else_is_left_as_it_is():
+    assert grammar_tokenizer_json("not json") == "not json"
+    wordpiece = json.dumps({"model": {"type": "WordPiece", "vocab": {}}, "added_tokens": []})
+    assert grammar_tokenizer_json(wordpiece) == wordpiece
