@@ -95,8 +95,8 @@ def paged_attention(
         if hist and _SPLIT_OK.get(q.device.type, False):
             o = _prefill_split(qp, k[c.start : c.end], v[c.start : c.end], c.gather[:hist], k_cache, v_cache)
         else:
-            kk = k_cache[c.gather].transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]
-            vv = v_cache[c.gather].transpose(0, 1).unsqueeze(0)
+            kk = k_cache.index_select(0, c.gather).transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]
+            vv = v_cache.index_select(0, c.gather).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qp.transpose(0, 1).unsqueeze(0),  # [1, H, C, D]
                 kk,
@@ -140,8 +140,8 @@ def _prefill_split(
     g = h // kv
     # History: [1, KV, G * C, D] queries (group-major) against [1, KV, P, D] keys.
     qh = q.view(c, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * c, d)
-    kh = k_cache[hist].transpose(0, 1).unsqueeze(0)
-    vh = v_cache[hist].transpose(0, 1).unsqueeze(0)
+    kh = k_cache.index_select(0, hist).transpose(0, 1).unsqueeze(0)
+    vh = v_cache.index_select(0, hist).transpose(0, 1).unsqueeze(0)
     o1, l1 = flash(qh, kh, vh, 0.0, False, scale=1.0)  # [1, KV, G*C, D], [1, KV, G*C]
     o1 = o1.reshape(h, c, d)
     l1 = l1.reshape(h, c)
@@ -169,8 +169,10 @@ def decode_attention(
     assert b.decode_gather is not None  # a batch with decode rows has its gather
     bsz, h, d = q.shape
     kv = k_cache.shape[1]
-    k = k_cache[b.decode_gather].transpose(1, 2)  # [B, KV, T, D]
-    v = v_cache[b.decode_gather].transpose(1, 2)
+    flat = b.decode_gather.reshape(-1)  # index_select: several times faster than k_cache[gather]
+    t = b.decode_gather.shape[1]
+    k = k_cache.index_select(0, flat).view(bsz, t, kv, d).transpose(1, 2)  # [B, KV, T, D]
+    v = v_cache.index_select(0, flat).view(bsz, t, kv, d).transpose(1, 2)
     qg = q.reshape(bsz, kv, h // kv, d)  # [B, KV, G, D]
     scores = torch.matmul(qg, k.transpose(2, 3))  # [B, KV, G, T]
     if b.decode_bias is not None:
