@@ -51,9 +51,9 @@ def prefill_once(eng: Engine, prompt: list[int], rid: str) -> dict:
     steps: list[tuple[int, float]] = []
     observe = eng.budget.observe
 
-    def record(n_decode: int, n_prefill: int, seconds: float) -> None:
+    def record(n_decode: int, n_prefill: int, seconds: float, *more: float) -> None:
         steps.append((n_prefill, seconds))
-        observe(n_decode, n_prefill, seconds)
+        observe(n_decode, n_prefill, seconds, *more)
 
     eng.budget.observe = record  # type: ignore[method-assign]
     try:
@@ -127,7 +127,8 @@ def main() -> int:
     cap = eng.max_model_len - 1
     rng = random.Random(0)
     print(
-        f"file {model}\n{args.threads} threads, dtype {eng.dtype}, step target "
+        f"file {model}\n{args.threads} threads, dtype {eng.dtype}, CPU path {getattr(eng, 'cpu_path', None)}, "
+        f"step target "
         f"{eng.budget.target_s:.2f} s, chunk ceiling {args.prefill_chunk}, torch {torch.__version__}",
         flush=True,
     )
