@@ -114,7 +114,9 @@ class Engine:
         )
         # Prefill per step: at most prefill_chunk, fewer when measured steps would outgrow the
         # target (a slow CPU, a big model), so decoding streams keep flowing past long prompts.
-        self.budget = StepBudget(target_s=step_target_s, ceiling=prefill_chunk)
+        self.budget = StepBudget(
+            target_s=step_target_s, ceiling=prefill_chunk, crossover=_attention_crossover(cfg)
+        )
         self.runner: ModelRunner = ModelRunner(
             self.model, cfg, self.blocks, dt, num_slots, self.checkpoints.capacity if self.checkpoints else 0
         )
@@ -243,7 +245,7 @@ class Engine:
         """Run one step: decode every running sequence, plus at most one prefill chunk's worth."""
         t0 = time.perf_counter()
         decoding = any(s.decoding for s in self.scheduler.running())
-        plan = self.scheduler.schedule(self.budget.tokens(decoding))
+        plan = self.scheduler.schedule(self.budget.tokens(decoding, self._next_context()))
         outs = [TokenOut(s.request_id, -1, finish="length") for s in plan.truncated]
         for s in plan.truncated:
             self._forget(s.request_id)
@@ -280,10 +282,18 @@ class Engine:
                 if reason:
                     self._forget(s.request_id)
         took = time.perf_counter() - t0
-        self.budget.observe(len(plan.decode), sum(n for _s, n in plan.prefill), took)
+        n_prefill = sum(n for _s, n in plan.prefill)
+        # Mean positions a prefilled token attended to (chunk from p0, n tokens: p0 + (n + 1) / 2).
+        context = sum(n * (s.num_computed - n + (n + 1) / 2) for s, n in plan.prefill) / max(1, n_prefill)
+        self.budget.observe(len(plan.decode), n_prefill, took, context)
         self.steps += 1
         self.step_seconds += took
         return outs
+
+    def _next_context(self) -> int:
+        """Positions already computed of the sequence the next step prefills first (0 if none)."""
+        pre = [s for s in self.scheduler.running() if s.slot is not None and not s.decoding and not s.finish]
+        return min(pre, key=lambda s: s.arrival).num_computed if pre else 0
 
     def _checkpoint(self, plan: StepPlan) -> None:
         """Keep the recurrent states of the block boundaries this step reached: a prompt's last
@@ -359,6 +369,23 @@ def _weight_bytes(model: torch.nn.Module) -> int:
         for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
             total += t.numel() * t.element_size()
     return total
+
+
+def _attention_crossover(cfg) -> float:
+    """The context at which a token's attention costs as many FLOPs as its linear layers (see
+    ``StepBudget.crossover``); ``inf`` when the shapes do not say."""
+    try:
+        hid, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    except AttributeError:
+        return float("inf")
+    try:
+        attn_layers = len(cfg.attention_layers) or layers
+    except (AttributeError, TypeError):
+        attn_layers = layers
+    linear = 2 * layers * (hid * (q + 2 * kv) + q * hid + 3 * hid * inter)
+    per_position = 4 * attn_layers * q  # q.k and p.v for each query head
+    return linear / per_position if per_position > 0 else float("inf")
 
 
 def _window(tokens: list[int], n: int) -> list[int]:

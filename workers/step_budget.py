@@ -15,11 +15,25 @@ floor keeps a long prompt moving even when decoding alone fills the target; the 
 configured ``prefill_chunk`` (the most one step may take, and the whole budget until the first
 measurements come in).
 
+A prefill token also attends to every position before it, so its cost grows with the context:
+
+    per_token_s ~= base_s * (1 + context / crossover)
+
+where ``context`` is the mean number of positions a token of the step attends to and
+``crossover`` is the context at which attention costs as much as the rest of the model (the
+engine's estimate from the model's shapes: linear FLOPs per token over attention FLOPs per
+attended position; ``inf``, the default, leaves the context out). Steps are measured as
+``base_s`` (the cost scaled back to no context), and a step that starts a chunk at ``context``
+gets the ``n`` whose ``n * base_s * (1 + (context + n / 2) / crossover)`` fills the room: without
+this the average of short-context steps let an 8k-token prompt's late chunks run at several
+times the target.
+
 No torch here: the scheduler and its tests use it as plain numbers.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DEFAULT_TARGET_S = 0.5  # CPU: a decode stream waits at most about this long for a joiner
@@ -36,15 +50,17 @@ class StepBudget:
     ceiling: int = 512
     floor: int = MIN_PREFILL_TOKENS
     decode_s: float | None = None  # EWMA of a step that only decodes
-    per_token_s: float | None = None  # EWMA of the cost of one prefill token
+    per_token_s: float | None = None  # EWMA of the cost of one prefill token at no context
+    crossover: float = math.inf  # context at which a token's attention costs as much as the rest
 
     def __post_init__(self) -> None:
         if self.target_s <= 0:
             raise ValueError(f"the step target must be positive, got {self.target_s}")
         self.floor = max(1, min(self.floor, self.ceiling))
 
-    def observe(self, n_decode: int, n_prefill: int, seconds: float) -> None:
-        """Record one step: ``n_decode`` decoded rows, ``n_prefill`` prefilled tokens."""
+    def observe(self, n_decode: int, n_prefill: int, seconds: float, context: float = 0.0) -> None:
+        """Record one step: ``n_decode`` decoded rows, ``n_prefill`` prefilled tokens that attend
+        to ``context`` positions on average."""
         if seconds < 0 or (n_decode == 0 and n_prefill == 0):
             return
         if n_prefill == 0:
@@ -53,14 +69,21 @@ class StepBudget:
         decode = self.decode_s if n_decode and self.decode_s is not None else 0.0
         # A step shorter than our decode estimate still says prefill was cheap, not free.
         per_token = max(seconds - decode, seconds * 0.1) / n_prefill
-        self.per_token_s = _ewma(self.per_token_s, per_token)
+        self.per_token_s = _ewma(self.per_token_s, per_token / (1 + max(0.0, context) / self.crossover))
 
-    def tokens(self, decoding: bool = True) -> int:
-        """Prefill tokens for the next step; ``decoding``: some sequence decodes in it too."""
+    def tokens(self, decoding: bool = True, context: int = 0) -> int:
+        """Prefill tokens for the next step; ``decoding``: some sequence decodes in it too;
+        ``context``: positions already computed of the sequence it prefills."""
         if self.per_token_s is None or self.per_token_s <= 0:
             return self.ceiling
         room = self.target_s - ((self.decode_s or 0.0) if decoding else 0.0)
-        n = int(room / self.per_token_s)
+        a = self.per_token_s
+        if math.isinf(self.crossover) or self.crossover <= 0:
+            n = int(room / a)
+        else:  # n * a * (1 + (context + n / 2) / crossover) = room, for n >= 0
+            qa = a / (2 * self.crossover)
+            qb = a * (1 + max(0, context) / self.crossover)
+            n = int((-qb + math.sqrt(qb * qb + 4 * qa * max(room, 0.0))) / (2 * qa))
         return max(self.floor, min(self.ceiling, n))
 
 

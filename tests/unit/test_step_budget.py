@@ -54,3 +54,20 @@ def test_bad_samples_and_settings():
     with pytest.raises(ValueError):
         StepBudget(target_s=0)
     assert StepBudget(ceiling=8, floor=16).floor == 8  # the floor never exceeds the ceiling
+
+
+def test_context_shrinks_the_chunk_to_keep_the_step_near_the_target() -> None:
+    # Cost model: 1 ms a token at no context, doubled at a context of 1000.
+    def cost(n: int, p0: int) -> float:
+        return n * 0.001 * (1 + (p0 + (n + 1) / 2) / 1000)
+
+    b = StepBudget(target_s=0.5, ceiling=4096, crossover=1000)
+    b.observe(0, 64, cost(64, 0), 32.5)
+    assert b.tokens(False, 0) > b.tokens(False, 4000) > 0
+    for p0 in (0, 2000, 8000):
+        n = b.tokens(False, p0)
+        assert cost(n, p0) == pytest.approx(0.5, rel=0.02)
+    # Observed at a long context, the base cost is scaled back: the same answer at no context.
+    b2 = StepBudget(target_s=0.5, ceiling=4096, crossover=1000)
+    b2.observe(0, 64, cost(64, 6000), 6032.5)
+    assert b2.tokens(False, 0) == b.tokens(False, 0)

@@ -90,14 +90,72 @@ def paged_attention(
     if b.n_decode:
         out[: b.n_decode] = decode_attention(q[: b.n_decode], b, k_cache, v_cache)
     for c in b.prefills:
-        kk = k_cache[c.gather].transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]
-        vv = v_cache[c.gather].transpose(0, 1).unsqueeze(0)
-        qp = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, C, D]
-        o = F.scaled_dot_product_attention(
-            qp, kk, vv, attn_mask=c.mask, is_causal=c.mask is None, enable_gqa=True, scale=1.0
-        )
-        out[c.start : c.end] = o[0].transpose(0, 1)
+        qp = q[c.start : c.end]  # [C, H, D]
+        hist = c.gather.shape[0] - (c.end - c.start)  # positions before the chunk
+        if hist and _SPLIT_OK.get(q.device.type, False):
+            o = _prefill_split(qp, k[c.start : c.end], v[c.start : c.end], c.gather[:hist], k_cache, v_cache)
+        else:
+            kk = k_cache.index_select(0, c.gather).transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]
+            vv = v_cache.index_select(0, c.gather).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qp.transpose(0, 1).unsqueeze(0),  # [1, H, C, D]
+                kk,
+                vv,
+                attn_mask=c.mask,
+                is_causal=c.mask is None,
+                enable_gqa=True,
+                scale=1.0,
+            )[0].transpose(0, 1)
+        out[c.start : c.end] = o
     return out
+
+
+# Devices where a prefill chunk after cached history attends in two parts (``_prefill_split``):
+# the CPU, whose fused SDPA kernel returns the log-sum-exp the merge needs.
+_SPLIT_OK = {"cpu": hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")}
+
+
+def _prefill_split(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    hist: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of a prefill chunk that follows ``P`` cached positions, in two parts merged by
+    their log-sum-exp: every query sees all of the history (no mask), and the chunk's own keys
+    causally. q: [C, H, D] (pre-scaled); k, v: [C, KV, D], the chunk's own (just written to the
+    cache); hist: [P] cache rows of the history -> [C, H, D].
+
+    The one-call form needs a [C, P + C] boolean mask, which the fused CPU kernel turns into a
+    float bias it reads block by block, and it attends to the whole gather with grouped heads
+    expanded. Here the history part folds each group's query heads into the query rows (the
+    kernel sees KV heads and G * C queries, so the history's K/V are never repeated), only the
+    history is gathered, and the chunk part is the kernel's causal case.
+    """
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    c, h, d = q.shape
+    kv = k.shape[1]
+    g = h // kv
+    # History: [1, KV, G * C, D] queries (group-major) against [1, KV, P, D] keys.
+    qh = q.view(c, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * c, d)
+    kh = k_cache.index_select(0, hist).transpose(0, 1).unsqueeze(0)
+    vh = v_cache.index_select(0, hist).transpose(0, 1).unsqueeze(0)
+    o1, l1 = flash(qh, kh, vh, 0.0, False, scale=1.0)  # [1, KV, G*C, D], [1, KV, G*C]
+    o1 = o1.reshape(h, c, d)
+    l1 = l1.reshape(h, c)
+    # The chunk itself, causal; its K/V heads repeated for the group (C rows only).
+    kc = k.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, C, D]
+    vc = v.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+    o2, l2 = flash(q.transpose(0, 1).unsqueeze(0), kc, vc, 0.0, True, scale=1.0)
+    o2 = o2.reshape(h, c, d)
+    l2 = l2.reshape(h, c)
+    m = torch.maximum(l1, l2)
+    w1 = torch.exp(l1 - m).unsqueeze(-1)  # [H, C, 1] fp32
+    w2 = torch.exp(l2 - m).unsqueeze(-1)
+    o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+    return o.to(q.dtype).transpose(0, 1)  # [C, H, D]
 
 
 def decode_attention(
@@ -111,8 +169,10 @@ def decode_attention(
     assert b.decode_gather is not None  # a batch with decode rows has its gather
     bsz, h, d = q.shape
     kv = k_cache.shape[1]
-    k = k_cache[b.decode_gather].transpose(1, 2)  # [B, KV, T, D]
-    v = v_cache[b.decode_gather].transpose(1, 2)
+    flat = b.decode_gather.reshape(-1)  # index_select: several times faster than k_cache[gather]
+    t = b.decode_gather.shape[1]
+    k = k_cache.index_select(0, flat).view(bsz, t, kv, d).transpose(1, 2)  # [B, KV, T, D]
+    v = v_cache.index_select(0, flat).view(bsz, t, kv, d).transpose(1, 2)
     qg = q.reshape(bsz, kv, h // kv, d)  # [B, KV, G, D]
     scores = torch.matmul(qg, k.transpose(2, 3))  # [B, KV, G, T]
     if b.decode_bias is not None:
