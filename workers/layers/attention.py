@@ -92,7 +92,7 @@ def paged_attention(
     for c in b.prefills:
         qp = q[c.start : c.end]  # [C, H, D]
         hist = c.gather.shape[0] - (c.end - c.start)  # positions before the chunk
-        if hist and q.dtype == torch.float32 and _SPLIT_OK.get(q.device.type, False):
+        if hist and _SPLIT and _SPLIT_OK.get(q.device.type, False):
             o = _prefill_split(qp, k[c.start : c.end], v[c.start : c.end], c.gather[:hist], k_cache, v_cache)
         else:
             kk = k_cache.index_select(0, c.gather).transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]
@@ -113,7 +113,10 @@ def paged_attention(
 # Devices where a prefill chunk after cached history attends in two parts (``_prefill_split``):
 # the CPU, whose fused SDPA kernel returns the log-sum-exp the merge needs. fp32 only: in bf16 the
 # two halves are each rounded before the merge, and SmolLM2's greedy answer to a cached prompt
-# then differed from the uncached one (tests/e2e/test_default_model.py): the one-call form stays.
+# then differed from the uncached one (tests/e2e/test_default_model.py), and in fp32 a streamed
+# request of the tiny model ended early (tests/e2e/test_guarantees.py): off until both are
+# understood; the one masked call serves (its tests force it on: tests/unit/test_prefill_attention.py).
+_SPLIT = False
 _SPLIT_OK = {"cpu": hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")}
 
 
