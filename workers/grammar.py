@@ -43,23 +43,12 @@ import llguidance as llg
 import torch
 
 from pantheon.models.gguf import find_gguf, read_gguf, tokenizer_json
-from pantheon.models.grammar_vocab import grammar_tokenizer_json
+from pantheon.models.grammar_vocab import LIMIT_VALUES, grammar_tokenizer_json
 from workers.errors import RequestRejected
 
 log = logging.getLogger("pantheon.worker.grammar")
 
 CACHE_SIZE = 64  # compiled grammars kept per model
-# The router checks every grammar with the same limits (pantheon.api.openai.structured.LIMIT_VALUES,
-# which this side may not import; tests/unit/test_grammar_bounds.py compares the two).
-LIMIT_VALUES = {
-    "max_items_in_row": 2000,
-    "initial_lexer_fuel": 1_000_000,
-    "step_lexer_fuel": 200_000,
-    "step_max_items": 50_000,
-    "max_lexer_states": 250_000,
-    "max_grammar_size": 500_000,
-    "verbose_errors": False,
-}
 LIMITS = llg.LLParserLimits(**LIMIT_VALUES)
 HEAD_CHARS = 200  # of a grammar, in a log line
 ERROR_CHARS = 300  # of an llguidance error, in a log line or a rejection

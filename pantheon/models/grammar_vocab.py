@@ -10,12 +10,25 @@ added tokens go into the vocabulary as the text they are (their content, byte-le
 way the model's vocabulary stores text), and only the special ones stay special.
 
 The router (``pantheon/api/openai/structured.py``) and the worker (``workers/grammar.py``) both
-build their llguidance tokenizer from this, so their masks agree.
+build their llguidance tokenizer from this and take ``LIMIT_VALUES``, so their masks and limits agree.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
+
+# The parser limits of every matcher, the router's probes and the worker's alike: llguidance's
+# defaults, with errors that do not quote the grammar (a 60 KB grammar once filled the log).
+LIMIT_VALUES: dict[str, Any] = {
+    "max_items_in_row": 2000,
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+    "step_max_items": 50_000,
+    "max_lexer_states": 250_000,
+    "max_grammar_size": 500_000,
+    "verbose_errors": False,
+}
 
 
 def _byte_level(text: str) -> str:

@@ -56,23 +56,12 @@ from pantheon.chat.tools import JSON_TOOL_FORMAT, XML_TOOL_FORMAT
 from pantheon.chat.xml_tools import parameter_schemas, writes_as_text
 from pantheon.errors import invalid_param
 from pantheon.models.gguf import byte_alphabet
-from pantheon.models.grammar_vocab import grammar_tokenizer_json
+from pantheon.models.grammar_vocab import LIMIT_VALUES, grammar_tokenizer_json
 
 MAX_GRAMMAR_BYTES = 65536  # a schema / regex / grammar longer than this is a 400
 MAX_CHOICES = 256
 JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-# The parser limits of every matcher, here and in the worker (``workers.grammar.LIMITS``): the
-# llguidance defaults, with errors that do not quote the grammar.
-LIMIT_VALUES: dict[str, Any] = {
-    "max_items_in_row": 2000,
-    "initial_lexer_fuel": 1_000_000,
-    "step_lexer_fuel": 200_000,
-    "step_max_items": 50_000,
-    "max_lexer_states": 250_000,
-    "max_grammar_size": 500_000,
-    "verbose_errors": False,
-}
 LIMITS = llg.LLParserLimits(**LIMIT_VALUES)
 PROBE_STEPS = 128  # tokens a probe matches at most
 PROBE_SECONDS = 0.25  # and for how long: past it, what it saw is the verdict
