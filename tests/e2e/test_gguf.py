@@ -39,8 +39,8 @@ from workers.errors import LoadError  # noqa: E402
 from workers.gguf_weights import dequantize  # noqa: E402
 from workers.loader import load_model  # noqa: E402
 from workers.model_config import load_config  # noqa: E402
+from workers.models.llama import GGUF_LAYER, GGUF_TOP, unpermute  # noqa: E402
 from workers.models.llama import gguf_name as hf_name  # noqa: E402
-from workers.models.llama import unpermute  # noqa: E402
 
 ROOT = REPO_ROOT
 PROMPT = [7, 300, 12, 99, 5, 1000, 42, 17, 256, 3, 77, 1500, 8, 64, 900, 11, 23, 400, 6, 88]
@@ -62,31 +62,10 @@ CORPUS = [
 
 # ---------------------------------------------------------------- writing GGUF files
 
-_LAYER_NAMES = {
-    v: k
-    for k, v in {
-        "attn_norm.weight": "input_layernorm.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
-        "attn_q.weight": "self_attn.q_proj.weight",
-        "attn_k.weight": "self_attn.k_proj.weight",
-        "attn_v.weight": "self_attn.v_proj.weight",
-        "attn_q.bias": "self_attn.q_proj.bias",
-        "attn_k.bias": "self_attn.k_proj.bias",
-        "attn_v.bias": "self_attn.v_proj.bias",
-        "attn_output.weight": "self_attn.o_proj.weight",
-        "attn_output.bias": "self_attn.o_proj.bias",
-        "attn_q_norm.weight": "self_attn.q_norm.weight",
-        "attn_k_norm.weight": "self_attn.k_norm.weight",
-        "ffn_gate.weight": "mlp.gate_proj.weight",
-        "ffn_up.weight": "mlp.up_proj.weight",
-        "ffn_down.weight": "mlp.down_proj.weight",
-    }.items()
-}
-_TOP_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
+# Hugging Face name -> GGUF name: the engine's own table inverted. Its names are checked against
+# what llama.cpp's real converter writes in tests/unit/test_llama_convert.py.
+_LAYER_NAMES = {v: k for k, v in GGUF_LAYER.items()}
+_TOP_NAMES = {v: k for k, v in GGUF_TOP.items()}
 
 
 def gguf_name(hf: str) -> str:
