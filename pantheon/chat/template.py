@@ -31,6 +31,7 @@ from typing import Any
 
 import jinja2
 import jinja2.compiler
+import jinja2.debug  # noqa: F401 - see _Watchdog: handle_exception must not import it mid-render
 import jinja2.ext
 import jinja2.nodes
 import jinja2.runtime
@@ -100,7 +101,8 @@ class TemplateBoundError(TemplateError):
 # - time: ``RENDER_TIMEOUT_S`` per request, all its renders together (``render_budget``), and
 #   ``LOAD_TIMEOUT_S`` for the sample render at load. The hooks below check the deadline, and a
 #   watchdog thread raises in the rendering thread when it passes anyway (a loop whose body calls
-#   nothing, which no hook sees), so a render always ends itself;
+#   nothing, which no hook sees; ``WATCHDOG_GRACE_S`` later, so that a hook ends the usual stall
+#   first), so a render always ends itself;
 # - size: no string or list a template builds (``*``, ``+``, ``~``, ``%``, filters, str methods)
 #   and not the output may pass ``MAX_OUTPUT_CHARS`` plus ``OUTPUT_PER_INPUT`` times the input's
 #   size. Sizes are checked before the allocation wherever they can be known (a repetition, a
@@ -118,6 +120,7 @@ OUTPUT_PER_INPUT = 4
 LOAD_MAX_OUTPUT_CHARS = 1 << 18
 MAX_RANGE = 10_000
 MAX_CALL_DEPTH = 128
+WATCHDOG_GRACE_S = 0.1
 
 
 class _RenderInterrupted(BaseException):
@@ -126,7 +129,7 @@ class _RenderInterrupted(BaseException):
 
 
 class _Bounds:
-    __slots__ = ("name", "deadline", "timeout", "max_chars", "depth")
+    __slots__ = ("name", "deadline", "timeout", "max_chars", "depth", "watchdog_key")
 
     def __init__(self, name: str, deadline: float, timeout: float, max_chars: int):
         self.name = name
@@ -134,8 +137,14 @@ class _Bounds:
         self.timeout = timeout
         self.max_chars = max_chars
         self.depth = 0
+        self.watchdog_key: int | None = None
 
     def exceeded(self, bound: str, detail: str) -> TemplateBoundError:
+        # The render is ending by an exception now, and Jinja's handling of it (traceback
+        # rewriting) runs library code that holds locks: the watchdog must not interrupt that.
+        if self.watchdog_key is not None:
+            _WATCHDOG.disarm(self.watchdog_key)
+            self.watchdog_key = None
         return TemplateBoundError(f"{self.name} exceeded its {bound} bound: {detail}", bound)
 
     def late(self) -> TemplateBoundError:
@@ -175,6 +184,13 @@ def _interrupt(ident: int, exc: type[BaseException] | None) -> None:
 
 class _Watchdog:
     """One daemon thread that interrupts renders past their deadline (see the bounds above).
+
+    An asynchronous exception lands at whatever bytecode the thread runs; one that lands inside
+    ``importlib`` (a lazy import) leaves a module lock held and deadlocks every later importer
+    (it froze SIGTERM: the executor's threads never ended). So the watchdog fires only
+    ``WATCHDOG_GRACE_S`` after the deadline the hooks check, a hook's bound error disarms it
+    before Jinja handles the error, and ``jinja2.debug``, which that handling imports, is
+    imported with this module.
 
     ``arm`` registers the calling thread until a deadline; ``disarm`` ends that, and afterwards no
     interruption can be pending for it (one raised meanwhile is cleared before it lands, or it
@@ -922,7 +938,7 @@ def _render_bounded(
     prev = _bounds()
     _LOCAL.bounds = b
     try:
-        key = _WATCHDOG.arm(deadline)
+        key = b.watchdog_key = _WATCHDOG.arm(deadline + WATCHDOG_GRACE_S)
         try:
             try:
                 out: list[str] = []

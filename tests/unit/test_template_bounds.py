@@ -4,10 +4,12 @@ exactly as they did in the unbounded sandbox."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import tracemalloc
 
+import jinja2
 import jinja2.ext
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -131,6 +133,27 @@ def test_no_interruption_leaks_after_a_render():
     while time.monotonic() < end:
         n += 1
     assert n > 0
+
+
+def test_the_watchdog_does_not_fire_while_jinja_handles_a_bound_error(monkeypatch):
+    # A hook ends the usual stall with a bound error; Jinja then rewrites the traceback (library
+    # code that imports and takes locks). An interruption landing there once left importlib's
+    # module lock held and froze the router's shutdown: the hook's error disarms the watchdog.
+    fired: list[int] = []
+    real = T._interrupt
+    monkeypatch.setattr(T, "_interrupt", lambda ident, exc: (exc and fired.append(ident), real(ident, exc)))
+    handle = jinja2.Environment.handle_exception
+
+    def slow_handle(self, source=None):
+        time.sleep(3 * T.WATCHDOG_GRACE_S)  # a loaded machine: handling outlasts the grace
+        return handle(self, source)
+
+    monkeypatch.setattr(jinja2.Environment, "handle_exception", slow_handle)
+    with pytest.raises(TemplateBoundError) as info:
+        ChatTemplate(BAD["nested range"][0]).render(MSGS)
+    assert info.value.bound == "time"
+    assert fired == []
+    assert "jinja2.debug" in sys.modules  # what handle_exception imports is imported already
 
 
 def test_a_render_in_a_thread_leaves_the_main_thread_live():
