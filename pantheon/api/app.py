@@ -38,6 +38,7 @@ from pantheon.control.lifecycle import Models
 from pantheon.control.pressure import NAMES as LEVEL_NAMES
 from pantheon.control.pressure import PressureSource
 from pantheon.control.registry import Registry
+from pantheon.control.residency import Residency
 from pantheon.errors import ApiError
 from pantheon.workerlink.pool import WorkerPool
 
@@ -81,6 +82,7 @@ def build_state(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Ap
         live=live,
         note_pressure=note_pressure,
         measured=measured,
+        residency=Residency(),
     )
     return state
 

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from pantheon.control.lifecycle import Models
     from pantheon.control.pressure import PressureSource
     from pantheon.control.registry import Registry
+    from pantheon.control.residency import Residency
     from pantheon.control.supervisor import Supervisor
     from pantheon.workerlink.pool import WorkerPool
 
@@ -51,6 +52,7 @@ class AppState:
     models: Models
     live: set[Generation]  # generations in flight, ended at once on shutdown
     note_pressure: Callable[[], None]  # a change of the overall pressure level becomes an event
+    residency: Residency  # load on first request, keep-alive, eviction
     # die -> (total, free) bytes as its worker last measured (the tick copies them from the
     # pool): what the pressure of a CUDA die is computed from
     measured: dict[str, tuple[int, int]] = field(default_factory=dict)

@@ -92,6 +92,9 @@ class Instance:
     load_progress: float | None = None  # 0..1 while loading
     load_msg: Any = None  # the protocol.LoadModel it was loaded with (a restart reuses it)
     restarts: int = 0  # times it was reloaded after its worker died
+    # the catalog entry's generation defaults (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_tokens): a request's unset fields come from these first
+    params: dict[str, float | int] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     _drained: asyncio.Event | None = None
 

@@ -68,6 +68,7 @@ _SHARED = (
     "ignore_eos",
     "session_id",
     "cache_salt",
+    "keep_alive",
     # output constraints (pantheon.api.openai.structured), vLLM's names
     "response_format",
     "structured_outputs",
@@ -250,6 +251,7 @@ class TextGeneration(Generation):
 async def _place(s: AppState, creq: CompletionRequest, big: bool) -> tuple[Instance, Prepared]:
     """Route, tokenize and check the prompt, then acquire a slot (as the chat route does)."""
     req = creq.chat
+    await s.residency.ensure(req.model)  # a catalog model not loaded yet: load it first
     likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
     prep = await asyncio.to_thread(_prepare, likely, creq) if big else _prepare(likely, creq)
     inst = await s.registry.acquire_slot(req.model, req.session_id)
@@ -304,6 +306,7 @@ async def completions():
     def done() -> None:
         s.live.discard(gen)
         s.registry.leave(inst)
+        s.residency.keep(inst.name, req.keep_alive)
         s.feed.request_done(gen.ttft_s)
 
     headers = {"X-Pantheon-Instance": inst.instance_id}

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from pantheon.api.openai import structured
+from pantheon.control.residency import KeepAliveError, parse_keep_alive
 from pantheon.errors import invalid_json, invalid_param, not_an_object
 from pantheon.protocol import SamplingParams
 
@@ -77,6 +78,9 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     session_id: str | None = None
     cache_salt: str | None = None  # requests share cached prefixes only under the same salt
     chat_template_kwargs: dict[str, Any] = {}
+    # seconds the model stays loaded when idle after this request (Ollama's keep_alive; None:
+    # the model's default, residency.FOREVER, 0: unload once idle)
+    keep_alive: float | None = None
 
     @property
     def tools_enabled(self) -> bool:
@@ -439,6 +443,14 @@ def _template_kwargs(body: dict) -> dict[str, Any] | None:
     return kw
 
 
+def keep_alive_field(body: dict) -> float | None:
+    """The request's ``keep_alive`` (Ollama's field, an extension here): seconds, or None."""
+    try:
+        return parse_keep_alive(body.get("keep_alive"))
+    except KeepAliveError as e:
+        raise invalid_param("keep_alive", str(e)) from None
+
+
 def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = None) -> ChatRequest:
     """Bytes (or an already decoded value) -> ``ChatRequest``; raises ``ApiError`` (400)."""
     if isinstance(raw, (bytes, bytearray, str)):
@@ -507,6 +519,7 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     sid = _str(body, "session_id")
     kw["session_id"] = sid if sid is not None else header_session
     kw["cache_salt"] = _str(body, "cache_salt")
+    kw["keep_alive"] = keep_alive_field(body)
     kw["chat_template_kwargs"] = _template_kwargs(body)
     return ChatRequest(**{k: v for k, v in kw.items() if v is not None})
 

@@ -96,6 +96,7 @@ async def _fit_context(inst: Instance, req: ChatRequest) -> Prepared:
 async def _place(s: AppState, req: ChatRequest) -> tuple[Instance, Prepared]:
     """Route, fit the context, then acquire a slot: a denied request never waits in the queue.
     Returns ``(instance, Prepared)`` holding the slot."""
+    await s.residency.ensure(req.model)  # a catalog model not loaded yet: load it first
     likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
     check_token_ids(likely, req)
     prep = await _fit_context(likely, req)
@@ -156,6 +157,7 @@ async def admit(
     def done() -> None:
         s.live.discard(gen)
         s.registry.leave(inst)
+        s.residency.keep(inst.name, req.keep_alive)
         s.feed.request_done(gen.ttft_s)
 
     return Admitted(gen, inst, prep, done)
