@@ -66,6 +66,8 @@ duplicate_replica         409     invalid_request_error  duplicate (param dies)
 table_full                507     server_error           table_full
 insufficient_memory       507     server_error           insufficient_memory
 no_die_available          507     server_error           no_die
+models_max_reached        507     server_error           models_max
+model_unavailable         400     invalid_request_error  model_unavailable (param model)
 worker_start_failed       500     server_error           worker_start
 load_failed               by kind by status              the worker's kind
 load_worker_died          500     server_error           worker_died
@@ -543,6 +545,23 @@ def table_full(max_instances: int) -> ApiError:
 def insufficient_memory(message: str) -> ApiError:
     """507: no die (or not the given ones) has room; ``message`` says which lacks how much."""
     return ApiError(507, message, type=SERVER, code="insufficient_memory")
+
+
+def models_max_reached(limit: int, holders: str) -> ApiError:
+    """507: ``--models-max`` instances are loaded and none of them can be evicted."""
+    return ApiError(
+        507,
+        f"--models-max {limit} models are loaded and none can be unloaded to make room: {holders}",
+        type=SERVER,
+        code="models_max",
+    )
+
+
+def model_unavailable(name: str, reason: str) -> ApiError:
+    """400: the catalog lists the model but it cannot be served (``reason`` names the file)."""
+    return ApiError(
+        400, f"model '{name}' cannot be served: {reason}", param="model", code="model_unavailable"
+    )
 
 
 def no_die_available() -> ApiError:

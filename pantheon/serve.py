@@ -110,8 +110,6 @@ def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
     when there are any, else the CUDA devices in turn, else one CPU die made for it."""
     import msgspec
 
-    from pantheon.config.settings import ModelSpec
-
     if not cfg.models:
         path, name = default_model()
         cfg = build_config({**args, "models": [{"path": str(path), "name": name}]})
@@ -122,8 +120,8 @@ def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
     pool = [f"cpu:{i}" for i in range(cfg.cpu_dies)] or [f"cuda:{i}" for i in range(_gpu_count())]
     models, k = [], 0
     for m in cfg.models:
-        if not m.dies:
-            m = ModelSpec(path=m.path, name=m.name, dies=(pool[k % len(pool)],))
+        if not m.dies and m.preload:  # one not preloaded is placed when it loads
+            m = msgspec.structs.replace(m, dies=(pool[k % len(pool)],))
             k += 1
         models.append(m)
     return msgspec.structs.replace(cfg, models=tuple(models))
@@ -254,7 +252,12 @@ async def serve(cfg: ServeConfig) -> int:
             dies += [m.dies[0] for m in cfg.models if m.dies and m.dies[0] not in dies]
             await asyncio.gather(*(state.models.ensure_worker(d) for d in dies))
             for m in cfg.models:
-                inst = await state.models.load(m.path, m.name, m.dies)
+                if not m.preload:  # in the catalog: loaded on its first request
+                    continue
+                inst = await state.models.load(
+                    m.path, m.name, m.dies, m.quantize, slots=m.slots, max_context=m.max_context
+                )
+                inst.params = dict(m.params)
                 print(
                     f"pantheon: model {inst.name} ready on {','.join(inst.dies)} ({inst.instance_id})",
                     file=sys.stderr,

@@ -32,6 +32,7 @@ from pantheon.api.openai.tokenize import bp as tokenize_bp
 from pantheon.api.responses import error_response, json_response
 from pantheon.api.state import AppState, app_state, install_state
 from pantheon.config.settings import ServeConfig
+from pantheon.control.catalog import CONFIGURED, Catalog, CatalogEntry
 from pantheon.control.dies import DieManager
 from pantheon.control.feed import Feed
 from pantheon.control.lifecycle import Models
@@ -82,9 +83,37 @@ def build_state(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Ap
         live=live,
         note_pressure=note_pressure,
         measured=measured,
-        residency=Residency(),
+        residency=Residency(
+            Catalog(_entries(config), config.ops.models_dirs),
+            models,
+            registry,
+            feed,
+            keep_alive_s=config.keep_alive_s,
+            models_max=config.models_max,
+        ),
     )
     return state
+
+
+def _entries(config: ServeConfig) -> list[CatalogEntry]:
+    """The catalog's configured entries: the ``--model`` flags or the ``[[models]]`` tables."""
+    return [
+        CatalogEntry(
+            name=m.name,
+            path=m.path,
+            aliases=m.aliases,
+            dies=m.dies,
+            preload=m.preload,
+            keep_alive=m.keep_alive,
+            pin=m.pin,
+            params=dict(m.params),
+            quantize=m.quantize,
+            slots=m.slots,
+            max_context=m.max_context,
+            origin=CONFIGURED,
+        )
+        for m in config.models
+    ]
 
 
 async def _tick(state: AppState) -> None:
@@ -97,6 +126,7 @@ async def _tick(state: AppState) -> None:
                 state.measured[d.die] = (d.total_bytes, d.free_bytes)
             state.models.sync_dies()
             state.registry.poke()
+            state.residency.tick()
             state.note_pressure()
         except Exception:  # noqa: BLE001 - the ticker must go on
             log.exception("the registry tick failed")
@@ -126,6 +156,7 @@ def create_app(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Qua
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         state.feed.close()
+        await state.residency.close()
         await state.models.close()
 
     # access rules (origins, CORS and preflights, keys, JSON content types), limits, /metrics,

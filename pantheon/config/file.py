@@ -16,6 +16,19 @@ setting's variables is set (``pantheon.config.resolve`` applies that precedence)
     path = "/srv/models/qwen3-0.6b"
     name = "qwen"
     dies = "cpu:0"
+    aliases = ["qwen3", "default"]
+    pin = true                  # never unloaded by keep-alive or eviction
+    params = { temperature = 0.6, top_k = 20 }   # a request's unset sampling fields
+
+    [[models]]
+    path = "/srv/models/big.gguf"
+    preload = false             # in the catalog, loaded on first request
+    keep_alive = "10m"          # idle time before it is unloaded again
+
+A ``[[models]]`` table takes ``path`` (required), ``name``, ``dies``, ``aliases``, ``preload``
+(default true), ``keep_alive`` (seconds or a duration such as "5m"; negative: forever), ``pin``,
+``params`` (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
+``max_tokens``) and the admin load's options ``quantize``, ``slots``, ``max_context``.
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ from typing import Any
 
 from pantheon.config.resolve import FILE_VALUES
 from pantheon.config.table import toml_keys
-from pantheon.config.values import ConfigError
+from pantheon.config.values import ConfigError, KeepAliveError, parse_keep_alive
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -40,25 +53,76 @@ def load_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
 
 
+MODEL_KEYS = (
+    "path",
+    "name",
+    "dies",
+    "aliases",
+    "preload",
+    "keep_alive",
+    "pin",
+    "params",
+    "quantize",
+    "slots",
+    "max_context",
+)
+PARAM_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+
+
+def _model_table(where: str, m: dict[str, Any]) -> dict[str, Any]:
+    """One ``[[models]]`` table, checked, as ``build_config`` takes it."""
+    if not isinstance(m.get("path"), str):
+        raise ConfigError(f"{where} needs a path")
+    extra = set(m) - set(MODEL_KEYS)
+    if extra:
+        raise ConfigError(f"{where} has unknown keys {sorted(extra)} ({', '.join(MODEL_KEYS)})")
+    out: dict[str, Any] = {"path": m["path"]}
+    if m.get("name") is not None:
+        if not isinstance(m["name"], str) or not m["name"]:
+            raise ConfigError(f"{where}: 'name' must be a non-empty string")
+        out["name"] = m["name"]
+    dies = m.get("dies")
+    if dies is not None:
+        out["dies"] = ",".join(str(d) for d in dies) if isinstance(dies, list) else dies
+    aliases = m.get("aliases", [])
+    if isinstance(aliases, str):
+        aliases = [aliases]
+    if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+        raise ConfigError(f"{where}: 'aliases' must be a list of names")
+    if aliases:
+        out["aliases"] = tuple(aliases)
+    for key in ("preload", "pin", "quantize"):
+        if key in m:
+            if not isinstance(m[key], bool):
+                raise ConfigError(f"{where}: {key!r} must be true or false")
+            out[key] = m[key]
+    for key in ("slots", "max_context"):
+        if key in m:
+            if not isinstance(m[key], int) or isinstance(m[key], bool) or m[key] < 1:
+                raise ConfigError(f"{where}: {key!r} must be a positive integer")
+            out[key] = m[key]
+    if "keep_alive" in m:
+        try:
+            out["keep_alive"] = parse_keep_alive(m["keep_alive"])
+        except KeepAliveError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    if "params" in m:
+        params = m["params"]
+        if not isinstance(params, dict):
+            raise ConfigError(f"{where}: 'params' must be a table ({', '.join(PARAM_KEYS)})")
+        for k, v in params.items():
+            if k not in PARAM_KEYS:
+                raise ConfigError(f"{where}: params has an unknown key {k!r} ({', '.join(PARAM_KEYS)})")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{where}: params.{k} must be a number >= 0")
+        out["params"] = dict(params)
+    return out
+
+
 def _models(path: str, value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         raise ConfigError(f"--config {path}: 'models' must be [[models]] tables")
-    models = []
-    for m in value:
-        if not isinstance(m.get("path"), str):
-            raise ConfigError(f"--config {path}: every [[models]] needs a path")
-        extra = set(m) - {"path", "name", "dies"}
-        if extra:
-            raise ConfigError(
-                f"--config {path}: [[models]] has unknown keys {sorted(extra)} (path, name, dies)"
-            )
-        dies = m.get("dies")
-        if isinstance(dies, list):
-            dies = ",".join(str(d) for d in dies)
-        models.append(
-            {k: v for k, v in (("path", m["path"]), ("name", m.get("name")), ("dies", dies)) if v is not None}
-        )
-    return models
+    return [_model_table(f"--config {path}: [[models]] #{i + 1}", m) for i, m in enumerate(value)]
 
 
 def merge_config_file(

@@ -29,11 +29,22 @@ __all__ = ["ConfigError", "ModelSpec", "ServeConfig", "build_config", "parse_die
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """A model to load at start: its folder or file, served name, dies (empty: placed)."""
+    """A configured model (``--model``, or a ``[[models]]`` table): its folder or file, served
+    name, dies (empty: placed), and what the catalog keeps of it (``pantheon.control.catalog``):
+    loaded at start unless ``preload`` is false, its aliases, idle keep-alive (None: forever
+    for a preloaded one), pin, generation defaults and the admin load's options."""
 
     path: str
     name: str
     dies: tuple[str, ...] = ()  # empty: the server places it
+    aliases: tuple[str, ...] = ()
+    preload: bool = True
+    keep_alive: float | None = None
+    pin: bool = False
+    params: dict[str, float | int] = {}
+    quantize: bool = False
+    slots: int | None = None
+    max_context: int | None = None
 
 
 class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,6 +75,8 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_s: float = 1.0  # not a setting: the workers' heartbeat interval
     log_level: str = _d("log_level")
     cors_origins: tuple[str, ...] = _d("cors_origins")  # the OpenAI routes' CORS origins
+    keep_alive_s: float = _d("keep_alive_s")  # idle seconds before an on-demand model unloads
+    models_max: int = _d("models_max")  # loaded instances at most (0: memory alone decides)
     fingerprint: str = ""  # computed by build_config
     ops: OpsConfig = OpsConfig()  # auth, limits, logs, registration, shutdown, recovery
 
@@ -107,14 +120,21 @@ def _models(raw: Any, cpu_dies: int) -> tuple[ModelSpec, ...]:
             path = str(item["path"])
             name = item.get("name") or _default_name(path)
             dies = item.get("dies")
+            extra = {k: item[k] for k in _SPEC_EXTRAS if item.get(k) is not None}
             spec = ModelSpec(
-                path=path, name=name, dies=parse_dies(dies) if isinstance(dies, str) else tuple(dies or ())
+                path=path,
+                name=name,
+                dies=parse_dies(dies) if isinstance(dies, str) else tuple(dies or ()),
+                **extra,
             )
         for die in spec.dies:
             if die.startswith("cpu:") and "@" not in die and int(die[4:]) >= cpu_dies:
                 raise ConfigError(f"model {spec.name}: die {die} does not exist (--cpu-dies {cpu_dies})")
         out.append(spec)
     return tuple(out)
+
+
+_SPEC_EXTRAS = ("aliases", "preload", "keep_alive", "pin", "params", "quantize", "slots", "max_context")
 
 
 def _default_name(path: str) -> str:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pantheon.config.values import ConfigError
+from pantheon.config.values import ConfigError, KeepAliveError, parse_keep_alive
 
 AUTO = "auto"  # a flag / TOML key derived from the row's name
 
@@ -149,6 +149,16 @@ def _folders(v: tuple[str, ...], what: str) -> tuple[str, ...]:
             raise ConfigError(f"{what}: {d!r} is not a folder")
         roots.append(os.path.realpath(d))  # links resolved: the admin API compares real paths
     return tuple(dict.fromkeys(roots))
+
+
+def _duration(v: Any, what: str) -> float:
+    """A keep-alive: seconds, or a duration such as "5m" (Ollama's format); negative: forever."""
+    try:
+        seconds = parse_keep_alive(v)
+    except KeepAliveError as e:
+        raise ConfigError(f"{what} {v!r}: {e}") from None
+    assert seconds is not None
+    return seconds
 
 
 def _origins(v: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -469,6 +479,8 @@ SETTINGS: tuple[Setting, ...] = (
         "models_dir",
         "list",
         (),
+        "the model catalog's folders: every model in them (a folder with a config.json, a .gguf "
+        "file, a folder holding one; and one level further down) is served on first request; "
         "admin loads may only name folders under these roots, "
         "links resolved (repeatable; the variable is ':'-separated). Unset: any folder",
         ("PANTHEON_MODELS_DIR",),
@@ -476,6 +488,28 @@ SETTINGS: tuple[Setting, ...] = (
         toml_aliases=("models_dirs",),
         field="ops.models_dirs",
         check=_folders,
+    ),
+    Setting(
+        "keep_alive",
+        "str",
+        300.0,
+        "how long a model loaded on demand stays loaded when idle: seconds or a duration "
+        "('5m', '1h'); negative: forever, 0: unload once idle (a request's keep_alive overrides it)",
+        ("PANTHEON_KEEP_ALIVE",),
+        metavar="DURATION",
+        default_doc="5m",
+        check=_duration,
+        field="keep_alive_s",
+    ),
+    Setting(
+        "models_max",
+        "int",
+        0,
+        "at most this many model instances loaded at once; a load beyond it unloads the least "
+        "recently used idle one (0: no count limit, memory alone decides)",
+        ("PANTHEON_MODELS_MAX",),
+        metavar="N",
+        check=at_least(0),
     ),
     Setting(
         "max_messages",

@@ -10,6 +10,7 @@ and puts it in the message of the ``ConfigError`` it raises.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -149,3 +150,58 @@ def parse_thresholds(raw: str) -> tuple[float, float, float]:
     if not all(0 < v <= 1 for v in vals) or not vals[0] <= vals[1] <= vals[2]:
         raise ValueError(f"{raw!r}: the fractions must rise and lie in (0, 1]")
     return vals  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------- durations
+
+FOREVER = math.inf
+
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+class KeepAliveError(ValueError):
+    """A keep-alive value that is neither a number nor a duration; its message says why."""
+
+
+def parse_keep_alive(value: object) -> float | None:
+    """Seconds to stay loaded when idle: ``FOREVER`` for a negative value, None for None.
+
+    Numbers are seconds (Ollama's JSON number); strings are a bare number of seconds or a Go
+    duration (``"5m"``, ``"-1m"``, ``"1h30m"``). Raises ``KeepAliveError``."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise KeepAliveError(
+            f'keep_alive must be a duration such as "5m" or a number of seconds, not {value!r}'
+        )
+    if isinstance(value, (int, float)):
+        if math.isnan(value):
+            raise KeepAliveError("keep_alive must not be NaN")
+        return FOREVER if value < 0 else float(value)
+    if not isinstance(value, str):
+        raise KeepAliveError(
+            f'keep_alive must be a duration such as "5m" or a number of seconds, not {value!r}'
+        )
+    text = value.strip()
+    try:
+        n = float(text)
+    except ValueError:
+        pass
+    else:
+        return parse_keep_alive(n)
+    sign = 1.0
+    if text[:1] in "+-" and text:
+        sign = -1.0 if text[0] == "-" else 1.0
+        text = text[1:]
+    pos, total = 0, 0.0
+    for m in _DURATION_PART.finditer(text):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+        pos = m.end()
+    if not text or pos != len(text):
+        raise KeepAliveError(
+            f'keep_alive {value!r} is not a duration (a number of seconds, or such as "5m", "1h30m", "-1")'
+        )
+    return FOREVER if sign < 0 else total

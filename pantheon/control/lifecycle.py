@@ -38,6 +38,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pantheon import errors
@@ -67,6 +68,13 @@ class Models:
         self.failures: collections.deque[dict] = collections.deque(maxlen=FAILURES_KEPT)
         self._upload = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
+        self._pending: dict[str, asyncio.Task] = {}  # model name -> its load's phases 3-4
+        # Eviction (pantheon.control.residency sets these): at most ``models_max`` instances
+        # (0: no count limit); ``make_room(name)`` unloads an idle instance for a load of
+        # ``name`` and says whether one went; ``holders(name)`` says what holds the room
+        self.models_max = 0
+        self.make_room: Callable[[str], Awaitable[bool]] | None = None
+        self.holders: Callable[[str], str] = lambda name: ""
 
     # ------------------------------------------------------------ workers
 
@@ -215,28 +223,40 @@ class Models:
                 tokens = min(tokens, room * mml // kv)
             return tokens
 
-        # phase 1: the name is taken (507 when the table is full)
-        inst = self.registry.reserve(name, path, dies, slots=n_slots)
-        try:
-            # phase 2: place and book, synchronously: no other load can take the same bytes
-            alive = {d.die for d in self.pool.dies() if d.alive}
-            cands = [
-                d.id
-                for d in self.dies.dies()
-                if d.known and ((d.kind == "cpu" and not d.remote) or d.id in alive)
-            ]
-            inst.dies = self.dies.place(need, dies, cands)
-            local = [d for d in inst.dies if not die_host(d)]
-            if worker_path and local:  # the router's own workers read the router's own files
-                raise errors.invalid_param(
-                    "worker_path",
-                    f"'worker_path' applies to dies on other hosts only; this load is placed on "
-                    f"{', '.join(local)}: leave it out (or name remote dies in 'dies')",
-                )
-            self.dies.book(inst.instance_id, need(inst.dies))
-        except BaseException:
-            self.registry.discard(inst)
-            raise
+        while True:
+            await self._room_by_count(name)
+            self._check_new(name, dies)  # an eviction awaited: another load may have started
+            # phase 1: the name is taken (507 when the table is full)
+            inst = self.registry.reserve(name, path, dies, slots=n_slots)
+            try:
+                # phase 2: place and book, synchronously: no other load can take the same bytes
+                alive = {d.die for d in self.pool.dies() if d.alive}
+                cands = [
+                    d.id
+                    for d in self.dies.dies()
+                    if d.known and ((d.kind == "cpu" and not d.remote) or d.id in alive)
+                ]
+                inst.dies = self.dies.place(need, dies, cands)
+                local = [d for d in inst.dies if not die_host(d)]
+                if worker_path and local:  # the router's own workers read the router's own files
+                    raise errors.invalid_param(
+                        "worker_path",
+                        f"'worker_path' applies to dies on other hosts only; this load is placed on "
+                        f"{', '.join(local)}: leave it out (or name remote dies in 'dies')",
+                    )
+                self.dies.book(inst.instance_id, need(inst.dies))
+                break
+            except ApiError as e:
+                self.registry.discard(inst)
+                if e.status != 507 or e.code == "table_full":
+                    raise
+                # no die has room: unload an idle model and try again, else say what holds it
+                if self.make_room is None or not await self.make_room(name):
+                    raise self._no_room(e, name) from None
+                needs.clear()  # the free memory changed: size again
+            except BaseException:
+                self.registry.discard(inst)
+                raise
         inst.quantize, inst.max_model_len, inst.load_progress = quantize, mml, 0.0
         inst.estimate, inst.shape = sized(inst.die), shape
         kv_bytes = sum(b[1] for b in need(inst.dies).values())  # the KV pool alone
@@ -263,11 +283,31 @@ class Models:
             self._finish_load(inst, assets, background), name=f"load-{inst.instance_id}"
         )
         self._tasks.add(task)
+        self._pending[name] = task
         task.add_done_callback(self._load_done)
         return inst, task
 
+    async def _room_by_count(self, name: str) -> None:
+        """Below ``models_max`` instances (loading or loaded), evicting idle ones if need be."""
+        while self.models_max and len(self.registry.instances()) >= self.models_max:
+            if self.make_room is None or not await self.make_room(name):
+                raise errors.models_max_reached(self.models_max, self.holders(name))
+
+    def _no_room(self, e: ApiError, name: str) -> ApiError:
+        held = self.holders(name) if self.make_room is not None else ""
+        if not held:
+            return e
+        return errors.insufficient_memory(f"{e.message}; held by {held}, none of which can be evicted")
+
+    def pending(self, name: str) -> asyncio.Task | None:
+        """The task of a load of ``name`` in progress (phases 3-4), if any."""
+        return self._pending.get(name)
+
     def _load_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
+        for name, t in list(self._pending.items()):
+            if t is task:
+                del self._pending[name]
         if not task.cancelled():
             task.exception()  # retrieved: a wait:false failure is reported in /admin/models
 

@@ -7,9 +7,12 @@ for the in-flight ones), ``failed`` (its worker died). At most ``MAX_INSTANCES``
 
 Routing follows the spec:
 
-- exactly one resident model (one name, however many replicas) takes every request, whatever
-  ``model`` says; with more, an exact name is needed (none: the first resident one); an unknown
-  name is 404 ``model_not_found``; a name that is only loading, or no model at all, is 503;
+- a name the server knows (a ready model's, a loading, draining or failed instance's, or one
+  the catalog knows: ``known``) is served by that model or gets its error (503 while it is not
+  ready), never by another. Otherwise, the spec's shortcut: exactly one resident model (one
+  name, however many replicas) takes every request whatever ``model`` says; with more, an exact
+  name is needed (none: the first resident one); an unknown name is 404 ``model_not_found``;
+  no model at all is 503;
 - among replicas the least busy wins (in flight; between equals the one that waited longest for
   a request, so that sequential traffic alternates), except that a ``session_id`` goes back to
   the replica that served it last (its prefix cache is warm there) unless that replica is
@@ -186,6 +189,9 @@ class Registry:
         # model name -> its queue's timeout clock stands still (no live worker); set by the
         # supervisor (Supervisor.stalled)
         self.paused: Callable[[str], bool] = lambda name: False
+        # model name -> the catalog knows it (Residency sets it): such a name is never
+        # answered by another model
+        self.known: Callable[[str], bool] = lambda name: False
         self.closing = False
         self._instances: list[Instance] = []
         self._ids = itertools.count(1)
@@ -258,12 +264,12 @@ class Registry:
         if not ready:
             raise errors.no_model_loaded()
         names = list(dict.fromkeys(i.name for i in ready))
-        if len(names) == 1 or not name:
-            target = names[0]
-        elif name in names:
+        if name in names:
             target = name
-        elif any(i.name == name for i in self._instances if i.state in (LOADING, DRAINING)):
-            raise errors.model_loading(name)
+        elif name and (self.known(name) or any(i.name == name for i in self._instances)):
+            raise errors.model_loading(name)  # a name the server knows: never another model
+        elif len(names) == 1 or not name:
+            target = names[0]
         else:
             raise errors.model_not_found(name)
         return target, [i for i in ready if i.name == target]

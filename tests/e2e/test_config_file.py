@@ -152,11 +152,29 @@ def test_config_file_layer(tmp_path):
     assert (c.queue_depth, c.ops.limits.max_n) == (9, 2)
     c = cfg(["--config", str(f), "--model", "/m/flag"], {})
     assert [m.path for m in c.models] == ["/m/flag"]  # --model replaces the file's models
+    f.write_text(
+        "[[models]]\npath = '/m/a'\naliases = ['x', 'y']\npreload = false\nkeep_alive = '10m'\n"
+        "pin = true\nparams = { temperature = 0.6, top_k = 20 }\nquantize = true\nslots = 2\n"
+        "max_context = 512\n"
+    )
+    (m,) = cfg(["--config", str(f)], {}).models
+    assert (m.aliases, m.preload, m.keep_alive, m.pin, m.params) == (
+        ("x", "y"),
+        False,
+        600.0,
+        True,
+        {"temperature": 0.6, "top_k": 20},
+    )
+    assert (m.quantize, m.slots, m.max_context) == (True, 2, 512)
     for text, what in (
         ("nope = 1\n", "unknown key"),
         ("port = [\n", "not valid TOML"),
         ("[[models]]\nname = 'x'\n", "needs a path"),
-        ("[[models]]\npath = 'x'\nslots = 2\n", "unknown keys"),
+        ("[[models]]\npath = 'x'\ncolour = 2\n", "unknown keys"),
+        ("[[models]]\npath = 'x'\nslots = 0\n", "'slots' must be a positive integer"),
+        ("[[models]]\npath = 'x'\nkeep_alive = 'soon'\n", "not a duration"),
+        ("[[models]]\npath = 'x'\nparams = { temp = 1 }\n", "unknown key 'temp'"),
+        ("[[models]]\npath = 'x'\naliases = [1]\n", "'aliases' must be a list"),
     ):
         f.write_text(text)
         with pytest.raises(ConfigError, match=what):

@@ -59,7 +59,8 @@ class Server:
                     if models is None:
                         return
                     listed = httpx.get(self.url + "/v1/models", timeout=2).json()["data"]
-                    if set(models) <= {m["id"] for m in listed}:
+                    loaded = {m["id"] for m in listed if m.get("status", {}).get("value") == "loaded"}
+                    if set(models) <= loaded:
                         return
             except httpx.HTTPError:
                 pass

@@ -82,6 +82,8 @@ CASES = {
     "duplicate_replica": (("m#1", "m", ("cpu:0",)), 409, INVALID, "dies", "duplicate"),
     "table_full": ((16,), 507, SERVER, None, "table_full"),
     "insufficient_memory": (("no room",), 507, SERVER, None, "insufficient_memory"),
+    "models_max_reached": ((1, "a#1 (busy)"), 507, SERVER, None, "models_max"),
+    "model_unavailable": (("m", "/x.gguf: truncated"), 400, INVALID, "model", "model_unavailable"),
     "no_die_available": ((), 507, SERVER, None, "no_die"),
     "worker_start_failed": (("no",), 500, SERVER, None, "worker_start"),
     "load_failed": (("out_of_memory", "OOM"), 507, SERVER, None, "out_of_memory"),

@@ -59,6 +59,8 @@ def samples(tmp: Path) -> dict[str, tuple[str, object]]:
         "admin_key": ("adm", "adm"),
         "cors_origins": ("https://a.example,http://b:8080", ("https://a.example", "http://b:8080")),
         "models_dir": (str(tmp), (os.path.realpath(tmp),)),
+        "keep_alive": ("10m", 600.0),
+        "models_max": ("2", 2),
         "max_messages": ("10", 10),
         "max_n": ("3", 3),
         "max_tokens_limit": ("100", 100),
@@ -97,6 +99,7 @@ BAD_BY_NAME = {
     "registry_url": "ftp://x",
     "cpu_path": "nope",
     "models_dir": "/no/such/folder/at/all",
+    "keep_alive": "soon",
 }
 # the spec's aliases that mean something of their own
 ENV_EXPECT = {"QWEN35_BATCH_SLOTS": 8}  # 1 (here: any n > 0) turns on batching: 8 slots

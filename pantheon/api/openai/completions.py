@@ -251,7 +251,8 @@ class TextGeneration(Generation):
 async def _place(s: AppState, creq: CompletionRequest, big: bool) -> tuple[Instance, Prepared]:
     """Route, tokenize and check the prompt, then acquire a slot (as the chat route does)."""
     req = creq.chat
-    await s.residency.ensure(req.model)  # a catalog model not loaded yet: load it first
+    # a catalog model not loaded yet is loaded first; an alias becomes its model's name
+    req.model = await s.residency.ensure(req.model)
     likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
     prep = await asyncio.to_thread(_prepare, likely, creq) if big else _prepare(likely, creq)
     inst = await s.registry.acquire_slot(req.model, req.session_id)

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 
 from pantheon.api.openai import structured
-from pantheon.control.residency import KeepAliveError, parse_keep_alive
+from pantheon.config.values import KeepAliveError, parse_keep_alive
 from pantheon.errors import invalid_json, invalid_param, not_an_object
 from pantheon.protocol import SamplingParams
 

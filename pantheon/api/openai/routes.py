@@ -37,12 +37,31 @@ BIG_BODY = 32768  # bytes: a body this long is tokenized off the event loop
 
 
 def _model_objects(s: AppState) -> list[dict]:
-    out, seen = [], set()
+    """Every model the server can serve: the catalog's entries (loaded or not), then the
+    models loaded by the admin API that it does not list, each with its ``status``."""
+    catalog = s.residency.catalog
+    catalog.refresh()  # a model copied into a --models-dir folder shows at once
+    ready: dict[str, Instance] = {}
     for inst in s.registry.ready():
+        ready.setdefault(inst.name, inst)
+    out, seen = [], set()
+    for e in catalog.entries():
+        seen.add(e.name)
+        inst = ready.get(e.name)
+        if inst is not None:  # what a request can really get: the context its KV pool holds
+            obj = oa.model_object(e.name, inst.created, limit_of(inst))
+        else:
+            obj = oa.model_object(e.name, e.modified, e.context_limit)
+        obj["status"] = s.residency.status(e.name)
+        if e.aliases:
+            obj["aliases"] = list(e.aliases)
+        out.append(obj)
+    for inst in s.registry.instances():
         if inst.name not in seen:
             seen.add(inst.name)
-            # what a request can really get: the context, within what its KV pool holds
-            out.append(oa.model_object(inst.name, inst.created, limit_of(inst)))
+            obj = oa.model_object(inst.name, inst.created, limit_of(inst) if inst.name in ready else None)
+            obj["status"] = s.residency.status(inst.name)
+            out.append(obj)
     return out
 
 
@@ -53,8 +72,10 @@ async def list_models():
 
 @bp.get("/v1/models/<path:model_id>", provide_automatic_options=False)
 async def get_model(model_id: str):
-    for m in _model_objects(app_state()):
-        if m["id"] == model_id:
+    s = app_state()
+    name = s.residency.catalog.canonical(model_id)
+    for m in _model_objects(s):
+        if m["id"] == name:
             return json_response(m)
     raise errors.model_not_found(model_id)
 
@@ -96,7 +117,8 @@ async def _fit_context(inst: Instance, req: ChatRequest) -> Prepared:
 async def _place(s: AppState, req: ChatRequest) -> tuple[Instance, Prepared]:
     """Route, fit the context, then acquire a slot: a denied request never waits in the queue.
     Returns ``(instance, Prepared)`` holding the slot."""
-    await s.residency.ensure(req.model)  # a catalog model not loaded yet: load it first
+    # a catalog model not loaded yet is loaded first; an alias becomes its model's name
+    req.model = await s.residency.ensure(req.model)
     likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
     check_token_ids(likely, req)
     prep = await _fit_context(likely, req)
