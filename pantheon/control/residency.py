@@ -79,6 +79,7 @@ class Residency:
         self._tasks: set[asyncio.Task] = set()
         registry.known = catalog.known
         models.make_room = self.make_room
+        models.holders = self.holders
         models.models_max = models_max
 
     # ------------------------------------------------------------ requests
@@ -124,7 +125,9 @@ class Residency:
         if task.cancelled():
             return
         e = task.exception()
-        if e is not None:
+        # a model that cannot be loaded is failed; one that found no room (507) or met another
+        # load or unload of its name (409) is not: the next request tries again
+        if e is not None and getattr(e, "status", 500) not in (507, 409):
             self._failed[name] = getattr(e, "message", None) or str(e)
 
     def loading(self, name: str) -> bool:
