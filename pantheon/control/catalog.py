@@ -8,7 +8,8 @@ Entries come from two places:
 - discovered: each ``--models-dir`` root's models, as ``--model`` would name them (a folder's
   name, a ``.gguf`` file's stem, lower-cased): a Hugging Face folder (``config.json``), a
   ``.gguf`` file, a folder holding one, and the same one level further down
-  (``root/org/model``). Not preloaded.
+  (``root/org/model``). Not preloaded. One that links out of the roots (the folder, or a file
+  in it) is listed as failed, as the admin API refuses it.
 
 An entry that cannot be read (a truncated GGUF, a ``config.json`` that is not JSON, an
 architecture no family serves) is listed with its ``error``; serving it is a 4xx naming the file
@@ -95,6 +96,21 @@ def discover(roots: Iterable[str]) -> list[str]:
             elif os.path.isdir(child):
                 found.extend(g for g in _children(child) if _is_model(g))
     return found
+
+
+def _inside(real: str, roots: Sequence[str]) -> bool:
+    return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+
+def escapes(path: str, roots: Sequence[str]) -> bool:
+    """Whether ``path``, or a file in it, resolves outside ``roots`` (a link out of the model
+    folder: the admin API's ``--models-dir`` rule, which discovery keeps too)."""
+    real = os.path.realpath(path)
+    if not _inside(real, roots):
+        return True
+    if os.path.isdir(real):
+        return any(not _inside(os.path.realpath(p), roots) for p in _children(real))
+    return False
 
 
 def _version(path: str) -> tuple[str, int]:
@@ -197,7 +213,11 @@ class Catalog:
             if name in taken or os.path.realpath(path) in paths:
                 continue  # a configured entry (or an earlier root) has it
             taken.add(name)
-            found.append(self._checked(CatalogEntry(name=name, path=path)))
+            entry = CatalogEntry(name=name, path=path)
+            if escapes(path, [os.path.realpath(r) for r in self.roots]):
+                found.append(replace(entry, error=f"{path}: it links outside the --models-dir folders"))
+                continue
+            found.append(self._checked(entry))
         self._discovered = found
         for gone in set(self._described) - {e.path for e in self.entries()}:
             del self._described[gone]

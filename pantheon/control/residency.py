@@ -10,10 +10,11 @@
   for a model loaded on demand and forever for one named at start or loaded by the admin API;
   ``FOREVER``; 0: unload as soon as it is idle). A pinned entry stays whatever a request says;
 - ``tick()`` (the app's ticker, 4 times a second) unloads the idle instances whose time is up;
-- ``make_room(for_name)`` (``Models`` asks it when a load finds ``--models-max`` instances or
-  no die with room): unload the least recently used idle instance (no request in flight or
-  queued, not pinned, not of the model being loaded); False when none can go, and
-  ``holders()`` says what holds the room.
+- ``make_room(for_name)`` (``Models`` asks it when a load, on demand or by the admin API,
+  finds ``--models-max`` instances or no die with room): unload the least recently used idle
+  instance loaded on demand (no request in flight or queued, not pinned, not of the model
+  being loaded); False when none can go, and ``holders()`` says what holds the room. Models
+  named at start or loaded by the admin API are never evicted: an operator put them there.
 
 Every load, unload and eviction it causes is an event with its reason (``Feed.event``).
 
@@ -195,6 +196,12 @@ class Residency:
         entry = self.catalog.get(inst.name)
         return entry is not None and entry.pin
 
+    def _stays(self, inst: Instance) -> bool:
+        """Never evicted: pinned, or named at start or loaded by the admin API (an operator
+        put it there); only the models loaded on demand come and go on their own."""
+        kept = self._kept.get(inst.instance_id)
+        return self._pinned(inst) or kept is None or not kept.on_demand
+
     def tick(self) -> None:
         """Unload the idle instances whose keep-alive ran out."""
         now = time.monotonic()
@@ -213,7 +220,7 @@ class Residency:
         victims = [
             i
             for i in self.registry.instances()
-            if i.name != for_name and self._idle(i) and not self._pinned(i)
+            if i.name != for_name and self._idle(i) and not self._stays(i)
         ]
         if not victims:
             return False
@@ -233,6 +240,8 @@ class Residency:
                 continue
             if self._pinned(i):
                 reason = "pinned"
+            elif self._stays(i):
+                reason = "named at start or loaded by the admin API"
             elif i.state != READY:
                 reason = i.state
             elif i.refs or i.gate.active or len(self.registry.queue(i.name)):

@@ -196,8 +196,13 @@ def test_models_dir(env):
     assert "pickle" in err["message"]
     r = _load(s, root / "inside", name="inside")
     assert r.status_code == 200, r.text
-    names = [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
-    assert names == ["tiny", "inside"]
+    listed = {m["id"]: m["status"] for m in httpx.get(s.url + "/v1/models").json()["data"]}
+    assert [n for n, st in listed.items() if st["value"] == "loaded"] == ["tiny", "inside"]
+    # the catalog lists the root's models, and refuses those that link out as the API does
+    for name in ("link-out", "sneaky"):
+        assert listed[name]["value"] == "failed" and "links outside" in listed[name]["reason"]
+        r = httpx.post(s.url + "/v1/chat/completions", json={"model": name, "messages": MSG}, timeout=30)
+        check_error(r, 400, param="model", code="model_unavailable")
     assert httpx.post(s.url + "/admin/models/unload", json={"name": "inside"}, timeout=60).status_code == 200
 
 

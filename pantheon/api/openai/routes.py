@@ -38,7 +38,7 @@ BIG_BODY = 32768  # bytes: a body this long is tokenized off the event loop
 
 def _model_objects(s: AppState) -> list[dict]:
     """Every model the server can serve: the catalog's entries (loaded or not), then the
-    models loaded by the admin API that it does not list, each with its ``status``."""
+    ready models loaded by the admin API that it does not list, each with its ``status``."""
     catalog = s.residency.catalog
     catalog.refresh()  # a model copied into a --models-dir folder shows at once
     ready: dict[str, Instance] = {}
@@ -56,11 +56,10 @@ def _model_objects(s: AppState) -> list[dict]:
         if e.aliases:
             obj["aliases"] = list(e.aliases)
         out.append(obj)
-    for inst in s.registry.instances():
-        if inst.name not in seen:
-            seen.add(inst.name)
-            obj = oa.model_object(inst.name, inst.created, limit_of(inst) if inst.name in ready else None)
-            obj["status"] = s.residency.status(inst.name)
+    for name, inst in ready.items():
+        if name not in seen:
+            obj = oa.model_object(name, inst.created, limit_of(inst))
+            obj["status"] = {"value": "loaded"}
             out.append(obj)
     return out
 
