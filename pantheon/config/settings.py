@@ -24,16 +24,20 @@ from pantheon.config.resolve import refuse_env, resolve
 from pantheon.config.table import SETTINGS
 from pantheon.config.table import field_default as _d
 from pantheon.config.values import ConfigError, parse_dies, parse_size
+from pantheon.models import generation_defaults
 
 __all__ = ["ConfigError", "ModelSpec", "ServeConfig", "build_config", "parse_dies", "parse_size"]
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """A model to load at start: its folder or file, served name, dies (empty: placed)."""
+    """A model to load at start: its folder or file, served name, dies (empty: placed), and
+    its sampling defaults (``params``: over the model's own, under a request's;
+    ``pantheon.models.generation_defaults``)."""
 
     path: str
     name: str
     dies: tuple[str, ...] = ()  # empty: the server places it
+    params: dict[str, float | int] = {}
 
 
 class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -107,8 +111,15 @@ def _models(raw: Any, cpu_dies: int) -> tuple[ModelSpec, ...]:
             path = str(item["path"])
             name = item.get("name") or _default_name(path)
             dies = item.get("dies")
+            try:
+                params = generation_defaults.check_params(item.get("params"))
+            except ValueError as e:
+                raise ConfigError(f"model {name}: params: {e}") from None
             spec = ModelSpec(
-                path=path, name=name, dies=parse_dies(dies) if isinstance(dies, str) else tuple(dies or ())
+                path=path,
+                name=name,
+                dies=parse_dies(dies) if isinstance(dies, str) else tuple(dies or ()),
+                params=params,
             )
         for die in spec.dies:
             if die.startswith("cpu:") and "@" not in die and int(die[4:]) >= cpu_dies:
