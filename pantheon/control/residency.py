@@ -115,8 +115,8 @@ class Residency:
             entry.quantize,
             slots=entry.slots,
             max_context=entry.max_context,
+            params=dict(entry.params),
         )
-        inst.params = dict(entry.params)
         self._kept[inst.instance_id] = _Kept(self._until(entry, None, on_demand=True), on_demand=True)
         self._failed.pop(entry.name, None)
         return inst

@@ -1,5 +1,5 @@
 """``ModelAssets``: what the router itself reads of a model folder (tokenizer, chat template, EOS
-ids, token pieces for logprobs) or of a GGUF file (the same, from its metadata: ``pantheon.models.gguf``).
+ids, token pieces for logprobs, the sampling defaults its authors recommend) or of a GGUF file (the same, from its metadata: ``pantheon.models.gguf``).
 The worker reads the weights; the router never does.
 """
 
@@ -13,6 +13,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from pantheon.chat.template import ChatTemplate
+from pantheon.models import generation_defaults
 from pantheon.models.gguf import (
     byte_alphabet,
     chat_template,
@@ -64,6 +65,7 @@ class ModelAssets:
                 name=f"the chat template of {gguf_file.name} (tokenizer.chat_template)",
             )
             eos = eos_token_ids(g)
+            self.generation_defaults = generation_defaults.from_gguf(g.meta, str(gguf_file))
             self._byte_level = True  # the only kind tokenizer_json builds
         else:
             self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
@@ -71,6 +73,9 @@ class ModelAssets:
             eos = []
             for name in ("generation_config.json", "config.json"):
                 eos += _ids(_read_json(self.path / name).get("eos_token_id"))
+            self.generation_defaults = generation_defaults.from_generation_config(
+                self.path / "generation_config.json"
+            )
             tj = _read_json(self.path / "tokenizer.json")
             self._byte_level = "ByteLevel" in json.dumps(tj.get("decoder") or {})
         # a template that would stall every request is refused here, at load (a 400 from the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
+import httpx
 import pytest
 
 from pantheon import serve as server_cli
@@ -35,6 +36,9 @@ def default_srv(tmp_path_factory):
 def test_the_default_model_knows_the_capital_of_france(default_srv):
     c = default_srv.client()
     assert [m.id for m in c.models.list().data] == ["smollm2-135m-instruct"]
+    # a start model's params (serve.DEFAULT_MODEL_PARAMS: its authors' settings) are in force
+    got = httpx.get(default_srv.url + "/v1/models/smollm2-135m-instruct", timeout=10).json()
+    assert got["defaults"] == server_cli.DEFAULT_MODEL_PARAMS == {"temperature": 0.2, "top_p": 0.9}
     r = c.chat.completions.create(
         model="smollm2-135m-instruct", messages=QUESTION, temperature=0, max_tokens=24
     )

@@ -335,7 +335,9 @@ async def test_app_passes_sampling_extensions_and_template_kwargs(scripted):
     )
     await client.post("/v1/chat/completions", json={"model": "tiny", "messages": MSG})
     p = pool.submits[-1].params
-    assert p.temperature == 1.0 and set(pool.assets.eos_ids) <= set(p.stop_token_ids)
+    # the fields it left out: the tiny preset's generation_config.json, then OpenAI's
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.6, 0.95, 20, 0.0)
+    assert set(pool.assets.eos_ids) <= set(p.stop_token_ids)
     assert p.max_tokens == 4096 - len(pool.submits[-1].prompt)
 
 

@@ -145,6 +145,7 @@ def _inst(vocab: int | None, tokenizer_vocab: int = 100) -> Any:
         loaded=None if vocab is None else SimpleNamespace(vocab_size=vocab),
         assets=SimpleNamespace(tokenizer=tok),
         max_model_len=64,
+        params={},
     )
 
 

@@ -52,7 +52,9 @@ def test_entries_are_named_as_model_would_name_them_and_broken_ones_carry_their_
 
 
 def test_configured_entries_come_first_win_their_names_and_paths_and_have_aliases(root, tmp_path):
-    mine = CatalogEntry(name="beta", path=str(root / "Alpha"), aliases=("a", "b"), origin=CONFIGURED, pin=True)
+    mine = CatalogEntry(
+        name="beta", path=str(root / "Alpha"), aliases=("a", "b"), origin=CONFIGURED, pin=True
+    )
     missing = CatalogEntry(name="gone", path=str(tmp_path / "nothing"), origin=CONFIGURED)
     cat = Catalog([mine, missing], [str(root)])
     names = [e.name for e in cat.entries()]

@@ -2,8 +2,8 @@
 benchmarks speak it), on the same slots, sampler and stop handling as the chat route.
 
 The request is the chat route's sampling fields (validated by the same parser: ``temperature``,
-``top_p``, ``n``, ``stop``, ``seed``, ``max_tokens`` (default 16, as OpenAI's), the penalties,
-``logit_bias``, ``stream``, ``stream_options``, the extensions) plus:
+``top_p``, ``n``, ``stop``, ``seed``, ``max_tokens``, the penalties, ``logit_bias``, ``stream``,
+``stream_options``, the extensions) plus:
 
 - ``prompt``: a string, token ids, or a list holding one of those. Several prompts in one
   request are refused with a 400 naming ``prompt`` (send one request per prompt; each gets its
@@ -16,6 +16,12 @@ The request is the chat route's sampling fields (validated by the same parser: `
 
 No chat template: the prompt is tokenized as is (with the tokenizer's special tokens, as vLLM
 does for text). A prompt that does not fit the context is the OpenAI 400, never capped.
+
+The sampling fields a request leaves out come from the model's defaults, as on the chat route
+(``pantheon.models.generation_defaults``). ``max_tokens`` left out: a default ``max_tokens``
+(the catalog entry's, the model's ``max_new_tokens``) applies as it does on the chat route, a
+ceiling on the completion (no 400 while the prompt leaves a token of room); without one it is
+OpenAI's 16, as if given (a prompt that leaves no room for 16 is the 400).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from pantheon.chat.emitter import Emitter
 from pantheon.control.context import Prepared, limit_of
 from pantheon.control.registry import Instance
 from pantheon.errors import ApiError
+from pantheon.models import generation_defaults
 
 bp = Blueprint("completions", __name__)
 
@@ -125,7 +132,6 @@ def parse_completion_request(raw: bytes | str) -> CompletionRequest:
             "logprobs", "'logprobs' with 'echo' (the prompt's logprobs) is not supported"
         )
     shared = {k: body[k] for k in _SHARED if k in body}
-    shared.setdefault("max_tokens", 16)  # the completion API's default
     shared["messages"] = [{"role": "user", "content": "-"}]  # not used: there is no template
     if lp is not None:
         shared["logprobs"] = True
@@ -134,8 +140,14 @@ def parse_completion_request(raw: bytes | str) -> CompletionRequest:
     return CompletionRequest(chat, prompt, echo, -1 if lp is None else lp)
 
 
+OPENAI_MAX_TOKENS = 16  # the completion API's default
+
+
 def _prepare(inst: Instance, creq: CompletionRequest) -> Prepared:
-    """Tokenize the prompt and check it fits; a completion prompt is never capped."""
+    """Fill the request's unset sampling fields from ``inst``'s defaults (in place, as the chat
+    route does), tokenize the prompt and check it fits; a completion prompt is never capped."""
+    defaults = generation_defaults.in_force(inst)
+    generation_defaults.apply(creq.chat, defaults)
     assets = inst.assets
     if isinstance(creq.prompt, str):
         ids = assets.tokenizer.encode(creq.prompt, add_special_tokens=True).ids
@@ -145,7 +157,13 @@ def _prepare(inst: Instance, creq: CompletionRequest) -> Prepared:
     if not ids:
         raise errors.invalid_param("prompt", "'prompt' is empty")
     limit = limit_of(inst)
-    max_tokens = creq.chat.max_tokens or 16
+    ceiling = generation_defaults.ceiling(creq.chat, defaults)
+    if ceiling is not None:  # a default: what the context leaves, up to it
+        max_tokens = min(ceiling, limit - len(ids))
+        if max_tokens < 1:
+            raise errors.prompt_too_long(limit, len(ids), 1)
+        return Prepared(ids, "", False, max_tokens)
+    max_tokens = creq.chat.max_tokens or OPENAI_MAX_TOKENS
     if len(ids) + max_tokens > limit:
         raise errors.prompt_too_long(limit, len(ids), max_tokens)
     return Prepared(ids, "", False, max_tokens)
@@ -257,7 +275,11 @@ async def _place(s: AppState, creq: CompletionRequest, big: bool) -> tuple[Insta
     prep = await asyncio.to_thread(_prepare, likely, creq) if big else _prepare(likely, creq)
     inst = await s.registry.acquire_slot(req.model, req.session_id)
     try:
-        if inst.path != likely.path or limit_of(inst) != limit_of(likely):
+        if (
+            inst.path != likely.path
+            or limit_of(inst) != limit_of(likely)
+            or generation_defaults.in_force(inst) != generation_defaults.in_force(likely)
+        ):
             prep = _prepare(inst, creq)  # another replica, another context
     except BaseException:
         s.registry.leave(inst)

@@ -26,6 +26,7 @@ import msgspec
 from pantheon.api.openai import structured
 from pantheon.config.values import KeepAliveError, parse_keep_alive
 from pantheon.errors import invalid_json, invalid_param, not_an_object
+from pantheon.models import generation_defaults
 from pantheon.protocol import SamplingParams
 
 MAX_STOP = 4
@@ -81,6 +82,10 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     # seconds the model stays loaded when idle after this request (Ollama's keep_alive; None:
     # the model's default, residency.FOREVER, 0: unload once idle)
     keep_alive: float | None = None
+    # the defaultable sampling fields (generation_defaults.FIELDS) the client left out: the
+    # router fills them from the model's defaults once it is routed (generation_defaults.apply).
+    # Empty for a request built in code: every field is then as given.
+    unset: frozenset[str] = frozenset()
 
     @property
     def tools_enabled(self) -> bool:
@@ -521,6 +526,7 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     kw["cache_salt"] = _str(body, "cache_salt")
     kw["keep_alive"] = keep_alive_field(body)
     kw["chat_template_kwargs"] = _template_kwargs(body)
+    kw["unset"] = frozenset(k for k in generation_defaults.FIELDS if kw.get(k) is None)
     return ChatRequest(**{k: v for k, v in kw.items() if v is not None})
 
 
@@ -634,10 +640,16 @@ def token_logprob(
     }
 
 
-def model_object(name: str, created: int, max_model_len: int | None) -> dict:
+def model_object(
+    name: str, created: int, max_model_len: int | None, defaults: dict[str, float | int] | None = None
+) -> dict:
+    """A model object; ``defaults``: the sampling defaults in force for it (what a request that
+    leaves those fields out gets: ``pantheon.models.generation_defaults``)."""
     out: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "pantheon"}
     if max_model_len is not None:
         out["max_model_len"] = max_model_len
+    if defaults is not None:
+        out["defaults"] = dict(defaults)
     return out
 
 

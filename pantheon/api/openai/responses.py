@@ -654,6 +654,9 @@ class ResponseGeneration(Generation):
             "output": copy.deepcopy(self.builder.output) if done else [],
             "usage": response_usage(self.usage()) if done and error is None else None,
             **self.rreq.echo,
+            # the values it runs with: a field left out has its model's default by now
+            "temperature": self.req.temperature,
+            "top_p": self.req.top_p,
         }
 
     def _final_status(self) -> str:

@@ -1,8 +1,9 @@
 """The OpenAI routes: ``GET /v1/models``, ``GET /v1/models/<id>``, ``POST /v1/chat/completions``.
 
 A chat request, in order: parse and check it -> route it to a replica (``Registry.route``: 404
-or 503 before any work) -> fit its context (``pantheon.control.context.fit_context``: pass, cap
-or deny, 400) -> acquire a slot (``Registry.acquire_slot``: fast path, FIFO queue, memory
+or 503 before any work) -> fill the sampling fields it left out from that model's defaults
+(``pantheon.models.generation_defaults``) -> fit its context
+(``pantheon.control.context.fit_context``: pass, cap or deny, 400) -> acquire a slot (``Registry.acquire_slot``: fast path, FIFO queue, memory
 pressure: 429 / 503; while its model restarts after a worker death ``Supervisor.await_recovery``
 holds it) -> submit a ``Generation`` to the instance's worker -> emit one JSON body or an SSE
 stream -> release the slot, even when the client went away first.
@@ -30,6 +31,7 @@ from pantheon.api.state import AppState, app_state
 from pantheon.control.context import Prepared, fit_context, limit_of
 from pantheon.control.registry import Instance
 from pantheon.errors import ApiError
+from pantheon.models import generation_defaults
 
 bp = Blueprint("openai", __name__)
 
@@ -49,7 +51,7 @@ def _model_objects(s: AppState) -> list[dict]:
         seen.add(e.name)
         inst = ready.get(e.name)
         if inst is not None:  # what a request can really get: the context its KV pool holds
-            obj = oa.model_object(e.name, inst.created, limit_of(inst))
+            obj = oa.model_object(e.name, inst.created, limit_of(inst), generation_defaults.in_force(inst))
         else:
             obj = oa.model_object(e.name, e.modified, e.context_limit)
         obj["status"] = s.residency.status(e.name)
@@ -58,7 +60,7 @@ def _model_objects(s: AppState) -> list[dict]:
         out.append(obj)
     for name, inst in ready.items():
         if name not in seen:
-            obj = oa.model_object(name, inst.created, limit_of(inst))
+            obj = oa.model_object(name, inst.created, limit_of(inst), generation_defaults.in_force(inst))
             obj["status"] = {"value": "loaded"}
             out.append(obj)
     return out
@@ -106,16 +108,23 @@ def check_token_ids(inst: Instance, req: ChatRequest, prompt: list[int] | None =
 
 
 async def _fit_context(inst: Instance, req: ChatRequest) -> Prepared:
-    """Render and tokenize for ``inst``, and fit the context to its limit (pass / cap / 400).
+    """Fill ``req``'s unset sampling fields from ``inst``'s defaults (in place: the generation
+    is built from this same request; see ``generation_defaults``), then render and tokenize for
+    ``inst`` and fit the context to its limit (pass / cap / 400); a default ``max_tokens``
+    caps the fitted one.
 
     Always off the event loop: a model's template is its author's code, and even bounded
     (``chat/template.py``: 0.5 s, sizes) it must never hold /health, other streams or signals."""
-    return await asyncio.to_thread(fit_context, inst.assets, req, limit_of(inst), limit_of(inst))
+    defaults = generation_defaults.in_force(inst)
+    generation_defaults.apply(req, defaults)
+    prep = await asyncio.to_thread(fit_context, inst.assets, req, limit_of(inst), limit_of(inst))
+    prep.max_tokens = generation_defaults.capped(req, defaults, prep.max_tokens)
+    return prep
 
 
 async def _place(s: AppState, req: ChatRequest) -> tuple[Instance, Prepared]:
-    """Route, fit the context, then acquire a slot: a denied request never waits in the queue.
-    Returns ``(instance, Prepared)`` holding the slot."""
+    """Route, fill the request's defaults and fit the context, then acquire a slot: a denied
+    request never waits in the queue. Returns ``(instance, Prepared)`` holding the slot."""
     # a catalog model not loaded yet is loaded first; an alias becomes its model's name
     req.model = await s.residency.ensure(req.model)
     likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
@@ -123,7 +132,11 @@ async def _place(s: AppState, req: ChatRequest) -> tuple[Instance, Prepared]:
     prep = await _fit_context(likely, req)
     inst = await s.registry.acquire_slot(req.model, req.session_id)
     try:
-        if inst.path != likely.path or limit_of(inst) != limit_of(likely):
+        if (
+            inst.path != likely.path
+            or limit_of(inst) != limit_of(likely)
+            or generation_defaults.in_force(inst) != generation_defaults.in_force(likely)
+        ):
             check_token_ids(inst, req)
             prep = await _fit_context(inst, req)  # another replica, another context
     except BaseException:
