@@ -227,7 +227,11 @@ def test_generate_is_one_turn_under_the_template_or_raw():
     assert r.prompt is None and r.where == ["system", "prompt"]
     r = generate({"model": "m", "prompt": "<|im_start|>raw", "raw": True, "options": {"num_predict": 3}})
     assert r.prompt == "<|im_start|>raw" and r.chat.max_tokens == 3
-    assert r.chat.chat_template_kwargs == {}  # raw: no template, no thinking switch
+    # raw: no template, and no reasoning (a format's grammar starts at the first token)
+    assert r.chat.chat_template_kwargs == {"enable_thinking": False}
+    assert generate({"model": "m", "prompt": "x", "raw": True, "think": True}).chat.chat_template_kwargs == {
+        "enable_thinking": False
+    }
 
 
 def test_generate_refuses_what_it_does_not_do():

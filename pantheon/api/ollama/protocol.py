@@ -369,6 +369,9 @@ def generate_request(
             raise invalid_param("system", "raw mode does not support 'system' (nor 'template', 'context')")
         # no template: the prompt is tokenized as it is; the message only satisfies the parser
         out, num_ctx = _chat_body(body, model, [{"role": "user", "content": "-"}], None)
+        # and no reasoning either (the output is plain text): a format's grammar starts at the
+        # first token, not after a <think> block the model might open (``Generation._constraint``)
+        out["chat_template_kwargs"] = {"enable_thinking": False}
         return Request(_parse(out, ["prompt"], header_session), num_ctx, ["prompt"], prompt)
     messages, where = [], []
     if body.system:
