@@ -76,6 +76,9 @@ load_internal_error       500     server_error           internal_error
 no_such_instance          404     invalid_request_error  model_not_found (param name)
 unload_conflict           409     invalid_request_error  conflict (param name)
 no_ready_instance         404     invalid_request_error  model_not_found (param name)
+**the Ollama API** (``pantheon.api.ollama``: rendered as Ollama's ``{"error": message}``)
+ollama_model_not_found    404     invalid_request_error  model_not_found (param model)
+ollama_manage_unsupported 501     invalid_request_error  not_supported
 ========================  ======  =====================  ==========================  ===========
 
 Every 503 and 429 carries ``Retry-After`` in whole seconds (what vLLM and TGI clients expect):
@@ -613,3 +616,29 @@ def unload_conflict(target: str) -> ApiError:
 def no_ready_instance(name: str) -> ApiError:
     """404: a cache reset naming no ready model or instance."""
     return ApiError(404, f"no ready model or instance named {name!r}", param="name", code="model_not_found")
+
+
+# ---------------------------------------------------------------- the Ollama API
+
+
+def ollama_model_not_found(name: str) -> ApiError:
+    """404: an Ollama route names a model this server does not serve (Ollama's "model not found,
+    try pulling it first", said of where our models come from instead)."""
+    return ApiError(
+        404,
+        f'model "{name}" not found: this server serves the models it was given (--model, '
+        "--models-dir or the config file) and pulls none; GET /api/tags lists them",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def ollama_manage_unsupported(route: str) -> ApiError:
+    """501: Ollama's model management (pull, push, create, copy, delete, blobs): our models come
+    from the server's configuration, not from a registry or a Modelfile."""
+    return ApiError(
+        501,
+        f"{route} is not supported: this server's models come from --model, --models-dir or its "
+        "config file (and the admin API's /admin/models/load), not from a registry or a Modelfile",
+        code="not_supported",
+    )

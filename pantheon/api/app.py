@@ -5,7 +5,8 @@ preflight; the responses carry the CORS headers of ``--cors-origins``, the admin
 ``pantheon.api.middleware``), the OpenAI API
 (``pantheon.api.openai.routes``: ``/v1/models``, ``/v1/chat/completions``; ``completions``:
 ``/v1/completions``; ``responses``: ``/v1/responses``; ``tokenize``:
-``/tokenize``, ``/detokenize``), the admin API
+``/tokenize``, ``/detokenize``), Ollama's API (``pantheon.api.ollama.routes``: ``/api/*``, its
+errors in Ollama's shape), the admin API
 (``pantheon.api.admin.routes``) and ``/metrics`` (``pantheon.api.middleware``). Every error is
 an OpenAI error object. Cheap routes never wait on a generation.
 
@@ -25,6 +26,7 @@ from werkzeug.exceptions import HTTPException
 from pantheon import errors
 from pantheon.api import middleware as ops
 from pantheon.api.admin.routes import bp as admin_bp
+from pantheon.api.ollama.routes import bp as ollama_bp
 from pantheon.api.openai.completions import bp as completions_bp
 from pantheon.api.openai.responses import bp as responses_bp
 from pantheon.api.openai.routes import bp as openai_bp
@@ -143,6 +145,7 @@ def create_app(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Qua
     app.register_blueprint(tokenize_bp)
     app.register_blueprint(completions_bp)
     app.register_blueprint(responses_bp)
+    app.register_blueprint(ollama_bp)
     app.register_blueprint(admin_bp)
 
     @app.before_serving
@@ -178,7 +181,8 @@ def create_app(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Qua
 
 
 def _install_errors(app: Quart, config: ServeConfig) -> None:
-    """Every error leaves as an OpenAI error object: ours, Quart's HTTP ones, and the rest."""
+    """Every error leaves as an OpenAI error object: ours, Quart's HTTP ones, and the rest (the
+    Ollama blueprint's own handlers give its routes Ollama's shape)."""
 
     @app.errorhandler(ApiError)
     async def api_error(e: ApiError):

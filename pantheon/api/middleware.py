@@ -18,7 +18,10 @@ or ``same-site``. Without an admin key, a browser's admin request (``Origin`` or
 machine's host name (DNS rebinding). A POST to a JSON route (``/v1/*``, ``/tokenize``,
 ``/detokenize``, ``/admin/*``) must say ``Content-Type: application/json`` (parameters allowed;
 an empty body may say nothing): anything else is a 415, so no form or ``text/plain`` "simple"
-request reaches a route.
+request reaches a route. Ollama's routes (``/api/*``) ask it of browsers only (a request that
+sends ``Origin`` or ``Sec-Fetch-Site``, as every browser's cross-origin POST does): Ollama's own
+examples are ``curl -d`` without a type, and non-browser clients cannot be made to send a
+"simple" request by a web page.
 
 Request bodies (``BodyBudget``): the router holds at most ``--max-body-in-flight`` bytes of
 request bodies at once, all requests together. A body counts from its first byte until the route
@@ -32,8 +35,8 @@ count (``pantheon_body_bytes_in_flight``). After a large body's request ends, ``
 (glibc) hands the freed heap back to the system, at most once per ``TRIM_EVERY_S``, in a thread.
 
 Shutdown (``Drain.run``): stop admitting (every new request, ``/health`` included, gets 503
-``shutting_down``; ``/metrics`` still answers), wait for the in-flight requests (``/v1/*`` and admin
-POSTs) up to the deadline, then end the generations still running (their streams end with an
+``shutting_down``; ``/metrics`` still answers), wait for the in-flight requests (``/v1/*``,
+``/api/*`` and admin POSTs) up to the deadline, then end the generations still running (their streams end with an
 error event and ``[DONE]``, their JSON requests with a 503) and give them a moment to finish.
 """
 
@@ -57,6 +60,7 @@ from pantheon import errors, logs
 from pantheon.api import auth
 from pantheon.api.admin.paths import check_path_field, check_root
 from pantheon.api.metrics import CONTENT_TYPE, Metrics
+from pantheon.api.ollama.protocol import error_body as ollama_error_body
 from pantheon.api.state import AppState, app_state
 from pantheon.errors import ApiError
 
@@ -228,6 +232,7 @@ ALLOW_HEADERS = (
 )
 JSON_POST_PREFIXES = ("/v1/", "/admin/")
 JSON_POST_PATHS = ("/tokenize", "/detokenize")
+OLLAMA_PREFIX = "/api/"  # Ollama's routes: JSON from browsers only, errors in Ollama's shape
 
 
 def is_admin(path: str) -> bool:
@@ -316,8 +321,22 @@ class Origins:
         return {"Vary": "Origin"}
 
 
-def takes_json(method: str, path: str) -> bool:
-    return method == "POST" and (path.startswith(JSON_POST_PREFIXES) or path in JSON_POST_PATHS)
+def takes_json(method: str, path: str, browser: bool = False) -> bool:
+    """Must this request's body say it is JSON? (``browser``: it sent ``Origin`` or
+    ``Sec-Fetch-Site``.)"""
+    if method != "POST":
+        return False
+    return path.startswith(JSON_POST_PREFIXES) or path in JSON_POST_PATHS or (browser and is_ollama(path))
+
+
+def is_ollama(path: str) -> bool:
+    return path.startswith(OLLAMA_PREFIX)
+
+
+def error_json(path: str, err: ApiError) -> dict:
+    """The error object the middleware answers ``path`` with itself: Ollama's shape on its
+    routes, OpenAI's elsewhere."""
+    return ollama_error_body(err) if is_ollama(path) else err.body()
 
 
 def check_json_type(content_type: str | None, has_body: bool) -> None:
@@ -367,7 +386,7 @@ class OpsMiddleware:
             if path == "/health":
                 return await _send_json(send, err.status, {"status": "shutting_down"}, hdrs)
             self.state.metrics.rejected.labels("", str(err.status)).inc()
-            return await _send_json(send, err.status, err.body(), hdrs)
+            return await _send_json(send, err.status, error_json(path, err), hdrs)
         trace = logs.RequestTrace(method, path, (scope.get("client") or (None,))[0])
         scope[TRACE_KEY] = trace
         headers = scope.get("headers", ())
@@ -406,7 +425,7 @@ class OpsMiddleware:
                     chunks.append(body)
             return message
 
-        counted = admin or path.startswith("/v1/")
+        counted = admin or path.startswith("/v1/") or is_ollama(path)
         if counted:
             drain.enter()
         try:
@@ -441,7 +460,10 @@ class OpsMiddleware:
         err = errors.bodies_in_flight(self.bodies.limit)
         origin = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"origin"), None)
         await _send_json(
-            send, err.status, err.body(), {**err.headers, **self.origins.response_headers(path, origin)}
+            send,
+            err.status,
+            error_json(path, err),
+            {**err.headers, **self.origins.response_headers(path, origin)},
         )
         return err.status
 
@@ -488,7 +510,8 @@ def install(app: Quart) -> None:
             return _preflight(origins, headers)
         client = (request.scope.get("client") or (None,))[0]
         guard.check(method, path, headers.get("Authorization"), client)
-        if takes_json(method, path):
+        browser = "Origin" in headers or "Sec-Fetch-Site" in headers
+        if takes_json(method, path, browser):
             has_body = bool(request.content_length) or "chunked" in headers.get("Transfer-Encoding", "")
             check_json_type(headers.get("Content-Type"), has_body)
         if method == "POST" and path.startswith("/admin/models/load"):

@@ -93,6 +93,8 @@ CASES = {
     "no_such_instance": (("m",), 404, INVALID, "name", "model_not_found"),
     "unload_conflict": (("m",), 409, INVALID, "name", "conflict"),
     "no_ready_instance": (("m",), 404, INVALID, "name", "model_not_found"),
+    "ollama_model_not_found": (("x",), 404, INVALID, "model", "model_not_found"),
+    "ollama_manage_unsupported": (("/api/pull",), 501, INVALID, None, "not_supported"),
 }
 
 

@@ -1,0 +1,89 @@
+"""``OllamaGeneration``: the chat route's ``Generation`` (same slots, worker requests, detokenizer,
+emitter, grammars and errors) whose output is Ollama's: NDJSON lines (``stream_chunks``) or one
+object (``complete``), for ``/api/chat`` (``message``) or ``/api/generate`` (``response``).
+
+It reads the generation's typed pieces (``Piece``: the emitter's ``Delta``s of one batch of
+tokens, ``_all_pieces``), as the Responses and completions routes do; nothing is parsed back
+from OpenAI JSON. A stream gives a line per piece with text, thinking, whole tool calls or
+logprobs, then the final line (``done: true``, ``done_reason``, the counts and durations in
+nanoseconds); one that fails midway ends with ``{"error": "..."}``, as Ollama's does.
+``raw``: ``/api/generate``'s raw mode, plain text (no reasoning or tool-call parsing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pantheon.api.ollama import protocol as ol
+from pantheon.api.openai.service import Generation, _pool_error
+from pantheon.chat.emitter import Emitter
+from pantheon.errors import ApiError
+
+
+class OllamaGeneration(Generation):
+    def __init__(self, *a: Any, kind: str, raw: bool = False, **kw: Any):
+        """``kind``: "chat" or "generate" (the response object's shape)."""
+        super().__init__(*a, **kw)
+        self.kind, self.raw = kind, raw
+        self.placed = time.monotonic()  # made right after the slot was taken
+
+    def _emitter(self):
+        if self.raw:
+            return Emitter(reasoning=False, stop=self.req.stop, tools_enabled=False, think_open=False)
+        return super()._emitter()
+
+    def _final(self, **out: Any) -> ol.ChatResponse | ol.GenerateResponse:
+        run = self.runs[0]
+        stats = ol.timing(
+            arrived=self.arrived,
+            placed=self.placed,
+            first_token=self.first_token_at,
+            ended=time.monotonic(),
+            prompt_tokens=len(self.prep.prompt_ids),
+            eval_tokens=run.completion_tokens,
+        )
+        return ol.output(
+            self.kind, self.model, done=True, reason=ol.done_reason(run.finish_reason), stats=stats, **out
+        )
+
+    async def stream_chunks(self) -> AsyncIterator[bytes]:
+        calls = ol.ToolCalls()
+        try:
+            async with contextlib.aclosing(self._all_pieces()) as pieces:
+                async for p in pieces:
+                    done = calls.feed(p.deltas)
+                    if p.finish is not None:
+                        done += calls.finish()
+                    content = ol.text_of(p.deltas, "content")
+                    thinking = ol.text_of(p.deltas, "reasoning")
+                    lps = ol.logprobs(p.logprobs) if self.req.logprobs else []
+                    if content or thinking or done or lps:
+                        yield ol.line(
+                            ol.output(
+                                self.kind, self.model, content=content, thinking=thinking, calls=done, lps=lps
+                            )
+                        )
+            yield ol.line(self._final())
+        except ApiError as e:
+            yield ol.line(ol.error_body(e))
+        except Exception as e:  # noqa: BLE001 - the stream must still end cleanly
+            yield ol.line(ol.error_body(_pool_error(e, self.id)))
+
+    async def complete(self) -> ol.ChatResponse | ol.GenerateResponse:  # type: ignore[override]
+        content: list[str] = []
+        thinking: list[str] = []
+        calls = ol.ToolCalls()
+        found: list[ol.ToolCall] = []
+        lps: list[ol.Logprob] = []
+        async with contextlib.aclosing(self._all_pieces()) as pieces:
+            async for p in pieces:
+                found += calls.feed(p.deltas)
+                content.append(ol.text_of(p.deltas, "content"))
+                thinking.append(ol.text_of(p.deltas, "reasoning"))
+                if self.req.logprobs:
+                    lps += ol.logprobs(p.logprobs)
+        found += calls.finish()
+        return self._final(content="".join(content), thinking="".join(thinking), calls=found, lps=lps)
