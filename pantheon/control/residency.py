@@ -149,6 +149,13 @@ class Residency:
             return {"value": "failed", "reason": why}
         return {"value": "unloaded"}
 
+    def expires_at(self, inst: Instance) -> float | None:
+        """The unix time ``inst`` is unloaded if it stays idle; None: never."""
+        kept = self._kept.get(inst.instance_id)
+        if kept is None or kept.until == FOREVER or self._pinned(inst):
+            return None
+        return time.time() + max(0.0, kept.until - time.monotonic())
+
     def failure(self, name: str) -> str | None:
         """Why the last on-demand load of ``name`` failed (until one succeeds)."""
         return self._failed.get(name)

@@ -50,22 +50,30 @@ class Served:
 
 
 def served_models(s: AppState) -> list[Served]:
-    """The models ``/api/tags`` lists and the Ollama routes know by name: for now the registry's
-    ready instances, one entry per name. (The model catalog replaces this with every model it
-    knows, loaded or not; nothing else decides what is listed.)"""
+    """The models ``/api/tags`` lists and the Ollama routes know by name: the catalog's entries
+    that can be served (loaded or not; ``pantheon.control.catalog``), then the ready models the
+    admin API loaded that it does not list, one entry per name."""
     by_name: dict[str, list[Instance]] = {}
     for inst in s.registry.ready():
         by_name.setdefault(inst.name, []).append(inst)
-    return [Served(name, insts[0].path, tuple(insts)) for name, insts in by_name.items()]
+    catalog = s.residency.catalog
+    catalog.refresh()  # a model copied into a --models-dir folder shows at once
+    out = [
+        Served(e.name, e.path, tuple(by_name.pop(e.name, ()))) for e in catalog.entries() if e.error is None
+    ]
+    return out + [Served(name, insts[0].path, tuple(insts)) for name, insts in by_name.items()]
 
 
 def find(s: AppState, name: str) -> Served | None:
-    """The listed model ``name`` names: exactly, or with Ollama's ``:latest`` tag."""
+    """The listed model ``name`` names: exactly, by a catalog alias, or with Ollama's
+    ``:latest`` tag."""
     models = {m.name: m for m in served_models(s)}
-    if name in models:
-        return models[name]
-    if name.endswith(LATEST):
-        return models.get(name[: -len(LATEST)])
+    catalog = s.residency.catalog
+    for n in (name, name[: -len(LATEST)] if name.endswith(LATEST) else None):
+        if n is not None:
+            hit = models.get(catalog.canonical(n) or n)
+            if hit is not None:
+                return hit
     return None
 
 

@@ -110,9 +110,10 @@ async def tags():
 
 
 def _expires_at(s: AppState, m: listing.Served) -> str:
-    """When the model is let go if left idle: never, until the residency keeps time (issue 24's
-    keep-alive); Ollama's "forever" is its longest duration from now."""
-    return ol.forever()
+    """When the model is let go if left idle (its keep-alive, ``pantheon.control.residency``);
+    Ollama's "forever" is its longest duration from now."""
+    when = min((s.residency.expires_at(i) for i in m.instances), default=None)
+    return ol.forever() if when is None else ol.iso(when)
 
 
 @bp.get("/api/ps", provide_automatic_options=False)
@@ -277,7 +278,7 @@ async def _place_raw(
     s: AppState, req: ChatRequest, prompt: str, num_ctx: int | None
 ) -> tuple[Instance, Prepared]:
     """Route, tokenize and check the raw prompt, then acquire a slot (as ``/v1/completions``)."""
-    await s.residency.ensure(req.model)
+    req.model = await s.residency.ensure(req.model)  # an alias becomes its model's name
     likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
     prep = await asyncio.to_thread(_prepare_raw, likely, req, prompt, num_ctx)
     inst = await s.registry.acquire_slot(req.model, req.session_id)
