@@ -112,8 +112,8 @@ async def tags():
 def _expires_at(s: AppState, m: listing.Served) -> str:
     """When the model is let go if left idle (its keep-alive, ``pantheon.control.residency``);
     Ollama's "forever" is its longest duration from now."""
-    when = min((s.residency.expires_at(i) for i in m.instances), default=None)
-    return ol.forever() if when is None else ol.iso(when)
+    whens = [w for w in (s.residency.expires_at(i) for i in m.instances) if w is not None]
+    return ol.iso(min(whens)) if whens else ol.forever()
 
 
 @bp.get("/api/ps", provide_automatic_options=False)
