@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from pantheon import errors
 from pantheon.config.values import FOREVER, KeepAliveError, parse_keep_alive
-from pantheon.control.registry import FAILED, LOADING, READY
+from pantheon.control.registry import DRAINING, FAILED, LOADING, READY
 
 if TYPE_CHECKING:
     from pantheon.control.catalog import Catalog, CatalogEntry
@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("pantheon.control.residency")
 
 __all__ = ["FOREVER", "KeepAliveError", "Residency", "parse_keep_alive"]
+
+UNLOAD_WAIT_STEP_S = 0.05
+UNLOAD_WAIT_STEPS = 600  # 30 s: the longest an unload of an idle instance should take
 
 
 @dataclass
@@ -107,6 +110,11 @@ class Residency:
         return entry.name
 
     async def _load(self, entry: CatalogEntry) -> Instance:
+        # an idle unload of the same model may be ending: let it finish rather than meet its 409
+        for _ in range(UNLOAD_WAIT_STEPS):
+            if not any(i.name == entry.name and i.state == DRAINING for i in self.registry.instances()):
+                break
+            await asyncio.sleep(UNLOAD_WAIT_STEP_S)
         self.feed.event("load_on_demand", f"a request named {entry.name}: loading it", model=entry.name)
         inst = await self.models.load(
             entry.path,

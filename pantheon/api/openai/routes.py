@@ -130,7 +130,14 @@ async def _place(s: AppState, req: ChatRequest) -> tuple[Instance, Prepared]:
     likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
     check_token_ids(likely, req)
     prep = await _fit_context(likely, req)
-    inst = await s.registry.acquire_slot(req.model, req.session_id)
+    try:
+        inst = await s.registry.acquire_slot(req.model, req.session_id)
+    except ApiError as e:
+        # let go since ensure() (an idle unload, an eviction): a catalog model loads again, once
+        if e.code != "model_not_ready" or not s.residency.catalog.known(req.model or ""):
+            raise
+        await s.residency.ensure(req.model)
+        inst = await s.registry.acquire_slot(req.model, req.session_id)
     try:
         if (
             inst.path != likely.path
