@@ -170,3 +170,19 @@ def test_keep_alive_zero_unloads_once_done_and_a_new_folder_is_served(srv):
     r = _chat(srv, "delta")
     assert r.status_code == 200 and r.json()["model"] == "delta"
     assert _status(srv)["delta"] == "loaded"
+
+
+def test_a_request_for_a_model_the_admin_api_is_loading_waits_for_that_load(srv):
+    before = len(_events(srv, "load_on_demand", "beta"))
+    r = httpx.post(
+        srv.url + "/admin/models/load",
+        json={"path": str(srv.root / "beta"), "name": "beta", "wait": False},
+        timeout=60,
+    )
+    assert r.status_code == 202, r.text
+    r = _chat(srv, "beta")  # no second load: it waits for the admin's
+    assert r.status_code == 200 and r.json()["model"] == "beta", r.text
+    assert len(_events(srv, "load_on_demand", "beta")) == before
+    # the admin's load made room by evicting delta, the idle on-demand model; start stays
+    st = _status(srv)
+    assert (st["start"], st["beta"], st["delta"]) == ("loaded", "loaded", "unloaded")
