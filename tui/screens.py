@@ -78,7 +78,9 @@ class LoadScreen(ModalScreen[dict | None]):
                 yield Label("Name")
                 yield Input(name, placeholder="served name (empty: the folder's)", id="name", compact=True)
                 yield Label("Dies")
-                yield Input(dies, placeholder="cpu:0, 0,1 or cuda:1 (empty: automatic)", id="dies", compact=True)
+                yield Input(
+                    dies, placeholder="cpu:0, 0,1 or cuda:1 (empty: automatic)", id="dies", compact=True
+                )
                 yield Label("")
                 yield Checkbox("int8 weight-only quantization", id="quantize", compact=True)
             yield Static("", id="load-error")

@@ -72,11 +72,18 @@ async def test_load_picks_an_unloaded_model_from_the_catalog():
         listed = picker.query_one(OptionList)
         prompts = [str(listed.get_option_at_index(n).prompt) for n in range(listed.option_count)]
         # only the unloaded entries (not the loaded, loading or failed ones), in the router's order
-        assert prompts[1:] == ["alpha (a)  /models/org/alpha", "smollm2  /models/smollm2-135m-instruct.Q8_0.gguf"]
+        assert prompts[1:] == [
+            "alpha (a)  /models/org/alpha",
+            "smollm2  /models/smollm2-135m-instruct.Q8_0.gguf",
+        ]
         await pilot.press("down", "enter")  # onto the first model, pick it
         await pilot.pause()
         assert picker.value == "alpha"
-        assert (field(app, "path"), field(app, "name"), field(app, "dies")) == ("/models/org/alpha", "alpha", "cpu:1")
+        assert (field(app, "path"), field(app, "name"), field(app, "dies")) == (
+            "/models/org/alpha",
+            "alpha",
+            "cpu:1",
+        )
         assert app.screen.query_one("#quantize", Checkbox).value  # as the entry is configured
         assert app.screen.query_one("#do-load", Button).has_focus
         await pilot.press("enter")  # Load
@@ -108,7 +115,12 @@ async def test_a_path_typed_over_a_pick_is_what_loads():
         assert app.source.calls == [
             (
                 "load",
-                {"path": "/models/smollm2-135m-instruct.Q8_0.gguf-v2", "name": "smollm2", "dies": [], "quantize": False},
+                {
+                    "path": "/models/smollm2-135m-instruct.Q8_0.gguf-v2",
+                    "name": "smollm2",
+                    "dies": [],
+                    "quantize": False,
+                },
             )
         ]
 
