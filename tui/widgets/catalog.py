@@ -38,11 +38,11 @@ def when(m: CatalogModel, elapsed: float) -> tuple[str, str]:
     """(text, style) of the keep-alive column; ``elapsed``: seconds since the snapshot came."""
     if m.status == "loaded":
         if m.expires_in_s is None:
-            return ("pinned", "magenta") if m.pinned else ("no expiry", "dim")
+            return ("pinned", "blue") if m.pinned else ("no expiry", "dim")
         left = max(0.0, m.expires_in_s - elapsed)
         return f"expires {human_age(left)}", "yellow" if left < SOON_S else ""
     if m.pinned:
-        return "pinned", "magenta"
+        return "pinned", "blue"
     if m.keep_alive_s is not None:
         return ("keep forever" if m.keep_alive_s < 0 else f"keep {human_age(m.keep_alive_s)}"), "dim"
     return "", ""
@@ -54,7 +54,7 @@ def catalog_line(m: CatalogModel, name_w: int, elapsed: float) -> Text:
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append(f"{mark} ", style)
     t.append(f"{m.name[:name_w]:<{name_w}} ", "bold")
-    t.append(f"{m.status:<9}", style if m.status != "unloaded" else "dim")
+    t.append(f"{m.status:<10}", style if m.status != "unloaded" else "dim")
     if m.status == "failed":  # why, with all the room there is
         t.append(m.reason or "failed", "red")
         return t
