@@ -99,6 +99,22 @@ class Event(msgspec.Struct, kw_only=True):
     instance: str | None = None
 
 
+class CatalogModel(msgspec.Struct, kw_only=True):
+    """One entry of the router's model catalog (``pantheon.control.catalog``), loaded or not."""
+
+    name: str
+    status: str  # loaded | loading | unloaded | failed (as /v1/models' status.value)
+    reason: str | None = None  # why it failed (failed only)
+    aliases: list[str] = []
+    path: str = ""  # on the router's host (the snapshot is admin-only)
+    dies: list[str] = []  # configured dies; empty: placed automatically
+    quantize: bool = False  # configured int8 weight-only quantization
+    pinned: bool = False  # never unloaded by keep-alive or eviction
+    preload: bool = False  # loaded at start
+    keep_alive_s: float | None = None  # configured keep-alive; None: the server's; negative: forever
+    expires_in_s: float | None = None  # loaded: seconds until it is unloaded if left idle; None: never
+
+
 class Snapshot(msgspec.Struct, kw_only=True):
     version: int = SNAPSHOT_VERSION
     ts: float  # unix time the snapshot was taken
@@ -112,6 +128,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     throughput: Throughput = msgspec.field(default_factory=Throughput)
     counters: Counters = msgspec.field(default_factory=Counters)
     events: list[Event] = []  # the most recent, oldest first
+    catalog: list[CatalogModel] = []  # every model the router can serve (empty from older routers)
 
 
 _decoder = msgspec.json.Decoder(Snapshot)

@@ -31,6 +31,7 @@ from tui.forms import LoadRequest
 from tui.history import History
 from tui.screens import ConfirmScreen, HelpScreen, LoadScreen
 from tui.source import DISCONNECTED, Link, RouterError, Source
+from tui.widgets.catalog import CatalogPanel
 from tui.widgets.dies import DiesPanel
 from tui.widgets.events import EventLog
 from tui.widgets.filter import FilterBar
@@ -42,7 +43,9 @@ from tui.widgets.slots import SlotGrid
 # The one list of keys: the footer, the help screen and the command palette all read it, and the
 # ids make each key rebindable through Textual's keymap.
 KEYS = [
-    Binding("l", "load", "Load", id="load", tooltip="Load a model (path, name, dies, quantize)"),
+    Binding(
+        "l", "load", "Load", id="load", tooltip="Load a model: pick one from the catalog, or give its path"
+    ),
     Binding(
         "u", "unload", "Unload", id="unload", tooltip="Unload the selected instance (asks first; it drains)"
     ),
@@ -109,6 +112,7 @@ class PantheonApp(App[int]):
                 yield SlotGrid(id="slots", classes="panel")
             with Vertical(id="right"):
                 yield QueuePanel(id="queue", classes="panel")
+                yield CatalogPanel(self.clock, id="catalog", classes="panel")
                 yield Throughput(id="throughput", classes="panel")
                 yield EventLog(self.tz, id="events", classes="panel")
         bar = FilterBar(placeholder="filter instances by name (Enter keeps, Escape clears)", id="filter")
@@ -122,6 +126,7 @@ class PantheonApp(App[int]):
             "instances": "Instances",
             "slots": "Slots",
             "queue": "Queues",
+            "catalog": "Models",
             "throughput": "Throughput",
             "events": "Events",
         }
@@ -161,6 +166,7 @@ class PantheonApp(App[int]):
     def _show(self) -> None:
         self.snapshot = self.latest
         self.query_one(StatusHeader).received_at = self._latest_at  # the age of what is shown
+        self.query_one(CatalogPanel).received_at = self._latest_at  # expiries count down from it
 
     def _sample(self) -> None:
         if not self.paused:
@@ -180,7 +186,7 @@ class PantheonApp(App[int]):
         if self.draining - present:  # an unloaded instance is gone: its drain is over
             self.draining = self.draining & present
         self.query_one(StatusHeader).pressure = snap.pressure
-        for panel in (DiesPanel, InstancesTable, QueuePanel, Throughput):
+        for panel in (DiesPanel, InstancesTable, QueuePanel, CatalogPanel, Throughput):
             self.query_one(panel).snapshot = snap
         self.query_one(EventLog).add(snap.events)
         self._push_selection()
@@ -256,7 +262,9 @@ class PantheonApp(App[int]):
         return True
 
     def action_load(self) -> None:
-        self.push_screen(LoadScreen(self._submit_load), self._loaded)
+        snap = self.snapshot
+        unloaded = [m for m in snap.catalog if m.status == "unloaded"] if snap is not None else []
+        self.push_screen(LoadScreen(self._submit_load, catalog=unloaded), self._loaded)
 
     async def _submit_load(self, req: LoadRequest) -> dict:
         return await self.source.load(req.path, req.name, req.dies, req.quantize)

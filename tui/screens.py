@@ -10,54 +10,93 @@ from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Checkbox, DataTable, Input, Label, ProgressBar, Static
+from textual.widgets import Button, Checkbox, DataTable, Input, Label, ProgressBar, Select, Static
 
+from pantheon.snapshot import CatalogModel
 from tui.forms import LoadRequest, validate_load
 from tui.source import RouterError
 
 Submit = Callable[[LoadRequest], Awaitable[dict[str, Any]]]
 
 
+def catalog_option(m: CatalogModel) -> Text:
+    """A picker line: the name, then where it is (and its aliases)."""
+    t = Text.assemble((m.name, "bold"), no_wrap=True, overflow="ellipsis")
+    if m.aliases:
+        t.append(f" ({', '.join(m.aliases)})", "cyan")
+    t.append(f"  {m.path}", "dim")
+    return t
+
+
 class LoadScreen(ModalScreen[dict | None]):
-    """The load form. Validates locally, then runs ``submit`` (the router call, which returns only
-    when the model is ready) while showing progress; a failure shows the router's text and keeps
-    the form open for a fix. Dismisses with the router's instance JSON, or None when cancelled
-    (Escape also cancels a running load: the request is dropped and the router cancels it)."""
+    """The load form. ``catalog`` (the router's unloaded catalog entries) fills the picker at
+    the top: picking one fills the path, name, dies and quantization from it, and the fields
+    stay editable; a path typed by hand works as before. Validates locally, then runs
+    ``submit`` (the router call, which returns only when the model is ready) while showing
+    progress; a failure shows the router's text and keeps the form open for a fix. Dismisses
+    with the router's instance JSON, or None when cancelled (Escape also cancels a running load:
+    the request is dropped and the router cancels it)."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="load.cancel")]
 
-    def __init__(self, submit: Submit, path: str = "", name: str = "", dies: str = ""):
+    def __init__(
+        self,
+        submit: Submit,
+        path: str = "",
+        name: str = "",
+        dies: str = "",
+        catalog: Sequence[CatalogModel] = (),
+    ):
         super().__init__()
         self._submit = submit
         self._initial = (path, name, dies)
+        self._catalog = {m.name: m for m in catalog}
         self._started: float | None = None
 
     def compose(self) -> ComposeResult:
         path, name, dies = self._initial
         with Vertical(id="load-dialog", classes="dialog"):
             yield Label("Load a model", classes="dialog-title")
-            yield Label("Model folder (on the router's host)")
-            yield Input(path, placeholder="/models/qwen3-0.6b", id="path")
-            yield Label("Served name (empty: the folder's name)")
-            yield Input(name, placeholder="qwen3", id="name")
-            yield Label("Dies (cpu:0, 0,1 or cuda:1; empty: automatic)")
-            yield Input(dies, placeholder="cpu:0", id="dies")
-            yield Checkbox("int8 weight-only quantization", id="quantize")
+            # One row per field (label, then the field): the form fits an 80x24 terminal.
+            with Grid(id="load-fields"):
+                yield Label("Catalog")
+                yield Select(
+                    [(catalog_option(m), m.name) for m in self._catalog.values()],
+                    prompt=f"pick one of {len(self._catalog)} unloaded models"
+                    if self._catalog
+                    else "no unloaded model in the router's catalog",
+                    disabled=not self._catalog,
+                    compact=True,
+                    id="catalog",
+                )
+                yield Label("Path")
+                yield Input(
+                    path, placeholder="model folder or .gguf on the router's host", id="path", compact=True
+                )
+                yield Label("Name")
+                yield Input(name, placeholder="served name (empty: the folder's)", id="name", compact=True)
+                yield Label("Dies")
+                yield Input(
+                    dies, placeholder="cpu:0, 0,1 or cuda:1 (empty: automatic)", id="dies", compact=True
+                )
+                yield Label("")
+                yield Checkbox("int8 weight-only quantization", id="quantize", compact=True)
             yield Static("", id="load-error")
             with Horizontal(id="load-progress"):
                 yield ProgressBar(total=None, show_eta=False, show_percentage=False)
                 yield Static("", id="load-elapsed")
             with Horizontal(classes="dialog-buttons"):
-                yield Button("Load", variant="primary", id="do-load")
-                yield Button("Cancel", id="cancel")
+                yield Button("Load", variant="primary", id="do-load", compact=True)
+                yield Button("Cancel", id="cancel", compact=True)
 
     def on_mount(self) -> None:
         self.query_one("#load-progress").display = False
         for field in self.query(Input):  # tests turn blinking off for stable screenshots
             field.cursor_blink = getattr(self.app, "blink", True)
-        self.query_one("#path", Input).focus()
+        # with a catalog to pick from, the picker first (Tab reaches the path)
+        self.query_one("#catalog" if self._catalog else "#path").focus()
         self.set_interval(0.5, self._tick)
 
     @property
@@ -68,6 +107,25 @@ class LoadScreen(ModalScreen[dict | None]):
         if self._started is not None:
             secs = time.monotonic() - self._started
             self.query_one("#load-elapsed", Static).update(f" loading… {secs:.0f}s")
+
+    @on(Select.Changed, "#catalog")
+    def _picked(self, event: Select.Changed) -> None:
+        m = self._catalog.get(event.value) if isinstance(event.value, str) else None
+        if m is None:
+            return
+        self.query_one("#path", Input).value = m.path
+        self.query_one("#name", Input).value = m.name
+        self.query_one("#dies", Input).value = ", ".join(m.dies)
+        self.query_one("#quantize", Checkbox).value = m.quantize
+        self.query_one("#do-load", Button).focus()  # Enter loads it
+
+    @on(Input.Changed, "#path")
+    def _path_edited(self, event: Input.Changed) -> None:
+        """A path typed over a picked entry's: the picker no longer says what is loaded."""
+        picker = self.query_one("#catalog", Select)
+        m = self._catalog.get(picker.value) if isinstance(picker.value, str) else None
+        if m is not None and event.value != m.path:
+            picker.clear()
 
     def _show_error(self, text: str) -> None:
         self.query_one("#load-error", Static).update(Text(text, "bold red"))
@@ -93,6 +151,7 @@ class LoadScreen(ModalScreen[dict | None]):
         self.query_one("#load-progress").display = running
         for widget in self.query("Input, Checkbox, #do-load"):
             widget.disabled = running
+        self.query_one("#catalog", Select).disabled = running or not self._catalog
         self._tick()
 
     async def _run(self, req: LoadRequest) -> None:

@@ -71,7 +71,7 @@ class AppState:
         return project(self.registry, self.pool, self.dies, self.pressure, failed)
 
     def snapshot(self) -> st.Snapshot:
-        return snapshot(self.project(), self.feed, self.pressure, self.registry.queue_depth)
+        return snapshot(self.project(), self.feed, self.pressure, self.registry.queue_depth, self.residency)
 
 
 def install_state(app: Quart, state: AppState) -> None:

@@ -7,19 +7,27 @@ them for ``GET /admin/state`` and ``GET /admin/events`` (schema: ``pantheon.snap
   per second is made (its message says how many it stands for).
 - Throughput: generated tokens and finished requests per second over a sliding window of
   ``WINDOW_S`` seconds; time to first token p50/p99 over the last ``TTFT_KEPT`` requests.
+- The catalog (``catalog_models``): every model the server can serve with its status as
+  ``/v1/models`` gives it, and a loaded one's keep-alive expiry (``pantheon.control.residency``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from pantheon import snapshot as st
 from pantheon.control.live import DieFacts, InstanceFacts, Projection
+from pantheon.control.registry import READY
+
+if TYPE_CHECKING:
+    from pantheon.control.catalog import CatalogEntry
+    from pantheon.control.residency import Residency
 
 RING = 200
 WINDOW_S = 5.0
@@ -193,8 +201,49 @@ def die_state(f: DieFacts) -> st.DieState:
     )
 
 
-def snapshot(live: Projection, feed: Feed, pressure: Any, queue_depth: int) -> st.Snapshot:
-    """The whole ``Snapshot``: one ``project`` of the live state, with the feed's figures."""
+def _keep_alive(entry: CatalogEntry) -> float | None:
+    """The entry's keep-alive on the wire: JSON has no infinity, so forever is -1 (Ollama's)."""
+    if entry.keep_alive is None:
+        return None
+    return -1.0 if math.isinf(entry.keep_alive) else float(entry.keep_alive)
+
+
+def catalog_models(residency: Residency, live: Projection, now: float) -> list[st.CatalogModel]:
+    """Every catalog entry with its status (``Residency.status``, as ``/v1/models``) and, when
+    loaded, the seconds until it is unloaded if left idle: its last ready instance's expiry
+    (None: one of them stays for ever, or it is pinned)."""
+    residency.catalog.refresh()  # a model copied into a --models-dir folder shows at once
+    out = []
+    for e in residency.catalog.entries():
+        status = residency.status(e.name)
+        ready = [f.inst for f in live.instances if f.inst.name == e.name and f.inst.state == READY]
+        whens = [w for w in (residency.expires_at(i) for i in ready) if w is not None]
+        # the model stays loaded while any of its instances does
+        expires = max(0.0, max(whens) - now) if whens and len(whens) == len(ready) else None
+        out.append(
+            st.CatalogModel(
+                name=e.name,
+                status=status["value"],
+                reason=status.get("reason"),
+                aliases=list(e.aliases),
+                path=e.path,
+                dies=list(e.dies),
+                quantize=e.quantize,
+                pinned=e.pin,
+                preload=e.preload,
+                keep_alive_s=_keep_alive(e),
+                expires_in_s=expires,
+            )
+        )
+    return out
+
+
+def snapshot(
+    live: Projection, feed: Feed, pressure: Any, queue_depth: int, residency: Residency
+) -> st.Snapshot:
+    """The whole ``Snapshot``: one ``project`` of the live state, with the feed's figures and
+    the residency's catalog."""
+    now = time.time()
     total, avail = pressure.host_memory()
     die_list = [die_state(f) for f in live.dies]
     names = list(dict.fromkeys(f.inst.name for f in live.instances))
@@ -210,7 +259,7 @@ def snapshot(live: Projection, feed: Feed, pressure: Any, queue_depth: int) -> s
     ]
     level = max([pressure.host_level(), *(d.pressure for d in die_list)])
     return st.Snapshot(
-        ts=time.time(),
+        ts=now,
         started_at=feed.started_at,
         pressure=level,
         host_total_bytes=total,
@@ -221,4 +270,5 @@ def snapshot(live: Projection, feed: Feed, pressure: Any, queue_depth: int) -> s
         throughput=feed.throughput(),
         counters=msgspec.structs.replace(feed.counters),
         events=list(feed.events),
+        catalog=catalog_models(residency, live, now),
     )

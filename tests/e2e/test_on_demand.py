@@ -90,6 +90,15 @@ def test_the_catalog_is_listed_with_statuses(srv):
     assert by["alpha"]["aliases"] == ["a"]
     one = httpx.get(srv.url + "/v1/models/a", timeout=10).json()  # by alias
     assert one["id"] == "alpha" and one["status"] == {"value": "unloaded"}
+    # the dashboard's snapshot lists the same catalog (pinned: never expires)
+    cat = {m["name"]: m for m in httpx.get(srv.url + "/admin/state", timeout=10).json()["catalog"]}
+    assert {k: (v["status"], v["aliases"], v["pinned"], v["expires_in_s"]) for k, v in cat.items()} == {
+        "start": ("loaded", [], True, None),
+        "alpha": ("unloaded", ["a"], False, None),
+        "beta": ("unloaded", [], False, None),
+        "gamma": ("unloaded", [], False, None),
+        "broken": ("failed", [], False, None),
+    } and "broken.gguf" in cat["broken"]["reason"]
 
 
 def test_a_broken_file_is_a_4xx_naming_it_and_changes_nothing(srv):

@@ -19,6 +19,7 @@ from tui.app import KEYS, PantheonApp
 from tui.history import History
 from tui.screens import HelpScreen
 from tui.source import Link, StaticSource
+from tui.widgets.catalog import CatalogPanel
 from tui.widgets.dies import DiesPanel
 from tui.widgets.events import EventLog
 from tui.widgets.filter import FilterBar
@@ -80,7 +81,7 @@ async def test_one_snapshot_object_is_pushed_to_every_panel():
         await settle(app, pilot)
         snap = app.snapshot
         assert snap is not None and snap is app.latest
-        for panel in (DiesPanel, InstancesTable, QueuePanel, Throughput):
+        for panel in (DiesPanel, InstancesTable, QueuePanel, CatalogPanel, Throughput):
             assert app.query_one(panel).snapshot is snap
         assert app.query_one(StatusHeader).pressure == snap.pressure
         assert table_ids(app) == ["llama#2", "qwen3#3", "tiny#1"]  # sorted by instance
@@ -114,6 +115,36 @@ async def test_wide_grid_shows_every_instance_and_marks_the_selected():
         grid = plain(app.query_one(SlotGrid))
         assert all(i in grid for i in ("llama#2", "qwen3#3", "tiny#1"))
         assert "▶ llama#2" in grid and "loading" in grid
+
+
+async def test_the_catalog_panel_lists_every_model_and_counts_the_expiry_down():
+    clock = FakeClock()
+    app = make_app(clock=clock)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        lines = plain(app.query_one(CatalogPanel)).splitlines()
+        # loaded, loading, failed, then unloaded; the router's order within each
+        assert [line.split()[1] for line in lines] == ["tiny", "llama", "qwen3", "broken", "alpha", "smollm2"]
+        by = {line.split()[1]: line for line in lines}
+        assert "loaded" in by["tiny"] and "expires 2m05s" in by["tiny"] and "/models/tiny" in by["tiny"]
+        assert "pinned" in by["llama"] and "aka llama3" in by["llama"]
+        assert "failed" in by["broken"] and "not a GGUF file" in by["broken"]
+        assert "keep 10m00s" in by["alpha"] and "keep forever" in by["smollm2"]
+        clock.t += 65  # no new snapshot: each redraw (every second) counts down from when it came
+        await pilot.pause()
+        assert "expires 1m00s" in plain(app.query_one(CatalogPanel))
+        app.receive(fixture("normal"))  # the router's figure again
+        await pilot.pause()
+        assert "expires 2m05s" in plain(app.query_one(CatalogPanel))
+
+
+async def test_a_short_catalog_panel_says_how_many_more_there_are():
+    app = make_app([Link("connected"), fixture("high_pressure")])
+    async with app.run_test(size=(100, 40)) as pilot:  # narrow: the panel is 5 lines at most
+        await settle(app, pilot)
+        lines = plain(app.query_one(CatalogPanel)).splitlines()
+        assert len(lines) == 5 and lines[-1] == "+4 more (l picks one to load)"
+        assert "expires 12s" in lines[0] and "its worker on cpu:0 died" in lines[1]
 
 
 async def test_sort_by_header_click_and_by_key():

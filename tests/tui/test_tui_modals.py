@@ -1,5 +1,6 @@
-"""Pilot tests of the dashboard's modals against a fixed fake source: the load form (validation,
-progress, the router's error text) and the unload confirmation (then the drain)."""
+"""Pilot tests of the dashboard's modals against a fixed fake source: the load form (the catalog
+picker, validation, progress, the router's error text) and the unload confirmation (then the
+drain)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import msgspec
 import pytest
 from test_tui_app import SIZE, fixture, make_app, plain, settle, table_ids
 from textual.notifications import Notify
+from textual.widgets import Button, Checkbox, Input, OptionList, Select
 
 from tui.screens import ConfirmScreen, LoadScreen
 from tui.source import Link, StaticSource
@@ -51,6 +53,89 @@ async def test_load_form_validates_before_sending():
         await pilot.press("escape")
         await pilot.pause()
         assert app.screen is app.screen_stack[0]
+
+
+def field(app, key: str) -> str:
+    return app.screen.query_one(f"#{key}", Input).value
+
+
+async def test_load_picks_an_unloaded_model_from_the_catalog():
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("l")
+        await pilot.pause()
+        picker = app.screen.query_one("#catalog", Select)
+        assert picker.has_focus  # a catalog to pick from: the picker comes first
+        await pilot.press("enter")  # open the list
+        await pilot.pause()
+        listed = picker.query_one(OptionList)
+        prompts = [str(listed.get_option_at_index(n).prompt) for n in range(listed.option_count)]
+        # only the unloaded entries (not the loaded, loading or failed ones), in the router's order
+        assert prompts[1:] == [
+            "alpha (a)  /models/org/alpha",
+            "smollm2  /models/smollm2-135m-instruct.Q8_0.gguf",
+        ]
+        await pilot.press("down", "enter")  # onto the first model, pick it
+        await pilot.pause()
+        assert picker.value == "alpha"
+        assert (field(app, "path"), field(app, "name"), field(app, "dies")) == (
+            "/models/org/alpha",
+            "alpha",
+            "cpu:1",
+        )
+        assert app.screen.query_one("#quantize", Checkbox).value  # as the entry is configured
+        assert app.screen.query_one("#do-load", Button).has_focus
+        await pilot.press("enter")  # Load
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.source.calls == [
+            ("load", {"path": "/models/org/alpha", "name": "alpha", "dies": ["cpu:1"], "quantize": True})
+        ]
+        assert app.screen is app.screen_stack[0]
+
+
+async def test_a_path_typed_over_a_pick_is_what_loads():
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("l")
+        await pilot.pause()
+        picker = app.screen.query_one("#catalog", Select)
+        picker.value = "smollm2"
+        await pilot.pause()
+        assert field(app, "path") == "/models/smollm2-135m-instruct.Q8_0.gguf"
+        assert field(app, "dies") == "" and not app.screen.query_one("#quantize", Checkbox).value
+        app.screen.query_one("#path", Input).focus()
+        await pilot.press("end", *"-v2")
+        await pilot.pause()
+        assert picker.is_blank()  # the picker no longer names what is loaded
+        await pilot.press("enter")
+        await app.workers.wait_for_complete()
+        assert app.source.calls == [
+            (
+                "load",
+                {
+                    "path": "/models/smollm2-135m-instruct.Q8_0.gguf-v2",
+                    "name": "smollm2",
+                    "dies": [],
+                    "quantize": False,
+                },
+            )
+        ]
+
+
+async def test_without_a_catalog_the_path_is_typed_at_once():
+    app = make_app([Link("connected"), fixture("empty")])  # an older router sends no catalog
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("l")
+        await pilot.pause()
+        assert app.screen.query_one("#catalog", Select).disabled
+        assert app.screen.query_one("#path", Input).has_focus
+        await pilot.press(*"/m/x", "enter")
+        await app.workers.wait_for_complete()
+        assert app.source.calls == [("load", {"path": "/m/x", "name": None, "dies": [], "quantize": False})]
 
 
 async def test_load_shows_progress_then_closes():

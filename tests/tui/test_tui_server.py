@@ -1,8 +1,10 @@
 """Pilot tests of the dashboard against a real ``pantheon serve`` (tiny model, one CPU die).
 
-One router per module, on a free loopback port. Through the dashboard's own keys and modals:
-a failed load shows the router's error text; a load appears in the table with its slots;
-streamed requests turn its slots busy; an unload through the confirmation drains it away.
+One router per module, on a free loopback port, with a ``--models-dir`` catalog holding one
+model. Through the dashboard's own keys and modals: a failed load shows the router's error text;
+the catalog's model picked in the load form appears in the table with its slots and in the
+Models panel as loaded; streamed requests turn its slots busy; an unload through the
+confirmation drains it away.
 
 The router is started with tests/helpers/serve.py's ``Server``.
 """
@@ -10,6 +12,7 @@ The router is started with tests/helpers/serve.py's ``Server``.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 
 import httpx
@@ -19,21 +22,26 @@ from test_tui_app import plain, table_ids
 from tui.app import PantheonApp
 from tui.client import Backoff, RouterClient
 from tui.screens import ConfirmScreen, LoadScreen
+from tui.widgets.catalog import CatalogPanel
 from tui.widgets.slots import SlotGrid
 
 from helpers.serve import Server
 
-NAME = "tui-tiny"  # the model the tests load through the modal
+NAME = "tui-tiny"  # the catalog's model, which the tests load through the modal
 SIZE = (120, 40)
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def router(tiny_model, tmp_path_factory):
+    base = tmp_path_factory.mktemp("tui-serve")
+    shutil.copytree(tiny_model, base / "models" / NAME)
     r = Server(
-        ["--model", str(tiny_model), "--name", "base", "--dies", "cpu:0", "--cpu-dies", "1"],
-        tmp_path_factory.mktemp("tui-serve") / "serve.log",
+        ["--model", str(tiny_model), "--name", "base", "--dies", "cpu:0", "--cpu-dies", "1"]
+        + ["--models-dir", str(base / "models")],
+        base / "serve.log",
     )
+    r.models = base / "models"  # type: ignore[attr-defined]
     try:
         r.wait_ready()
         yield r
@@ -64,10 +72,14 @@ def instance_named(app: PantheonApp, name: str):
     return next((i for i in snap.instances if i.name == name), None) if snap else None
 
 
-async def open_load_form(app, pilot, path: str, name: str, dies: str):
+async def open_load_form(app, pilot):
     await until(pilot, lambda: app.snapshot is not None, "the first snapshot")
     await pilot.press("l")
     await until(pilot, lambda: isinstance(app.screen, LoadScreen), "the load form")
+
+
+async def fill_load_form(app, pilot, path: str, name: str, dies: str):
+    await open_load_form(app, pilot)
     for key, value in (("path", path), ("name", name), ("dies", dies)):
         app.screen.query_one(f"#{key}").value = value
     app.screen.query_one("#path").focus()
@@ -77,9 +89,10 @@ async def open_load_form(app, pilot, path: str, name: str, dies: str):
 async def test_failed_load_shows_the_router_error(router):
     app = dashboard(router)
     async with app.run_test(size=SIZE) as pilot:
-        await open_load_form(app, pilot, "/nonexistent/model", "nope", "cpu:0")
+        missing = str(router.models / "nonexistent")
+        await fill_load_form(app, pilot, missing, "nope", "cpu:0")
         error = await until(pilot, lambda: plain(app.screen.query_one("#load-error")), "the error text")
-        assert "no model folder at '/nonexistent/model'" in error
+        assert f"no model folder at '{missing}'" in error
         assert isinstance(app.screen, LoadScreen) and not app.screen.running
 
 
@@ -92,10 +105,18 @@ async def test_sse_feed_brings_snapshots_and_events(router):
         await until(pilot, lambda: any(e.kind == "loaded" for e in log.events), "the events")
 
 
-async def test_load_through_the_modal_shows_the_instance_and_its_slots(router, tiny_model):
+def catalog_line(app: PantheonApp, name: str) -> str:
+    return next((line for line in plain(app.query_one(CatalogPanel)).splitlines() if f" {name} " in line), "")
+
+
+async def test_the_catalog_model_picked_in_the_load_form_loads(router):
     app = dashboard(router)
     async with app.run_test(size=SIZE) as pilot:
-        await open_load_form(app, pilot, str(tiny_model), NAME, "cpu:0")
+        await open_load_form(app, pilot)
+        assert "unloaded" in catalog_line(app, NAME) and "loaded" in catalog_line(app, "base")
+        await pilot.press("enter", "down", "enter")  # open the picker, its first model, pick it
+        await until(pilot, lambda: app.screen.query_one("#name").value == NAME, "the form filled from it")
+        await pilot.press("enter")  # Load (focused once a model is picked)
         await until(pilot, lambda: app.screen is app.screen_stack[0], "the form to close", 90)
         # Slots come with the worker's next stats, a moment after the instance itself.
         inst = await until(
@@ -103,8 +124,14 @@ async def test_load_through_the_modal_shows_the_instance_and_its_slots(router, t
             lambda: (i := instance_named(app, NAME)) and i.slots and i,
             "the new instance with its slots",
         )
-        assert inst.state == "ready" and inst.dies == ["cpu:0"]
+        assert inst.state == "ready" and inst.dies == ["cpu:0"] and inst.path == str(router.models / NAME)
         assert inst.id in table_ids(app)
+        line = await until(
+            pilot,
+            lambda: "unloaded" not in catalog_line(app, NAME) and catalog_line(app, NAME),
+            "the Models panel to show it",
+        )
+        assert "loaded" in line and "no expiry" in line  # loaded by the admin API: stays
         grid = plain(app.query_one(SlotGrid))
         assert inst.id in grid and "#0" in grid and "idle" in grid
 

@@ -1,5 +1,6 @@
 """Screenshots of the dashboard (pytest-textual-snapshot): the normal, empty, high-pressure and
-disconnected states at 80x24 and 160x48, from the fixed snapshots in tests/tui/tui_fixtures.
+disconnected states at 80x24 and 160x48, from the fixed snapshots in tests/tui/tui_fixtures, and
+the load form with a model picked from the catalog.
 
 These run in their own pytest process (textual issue 5788: after another test in the same
 process has run an event loop, ``snap_compare`` can fail with "There is no current event loop"),
@@ -67,3 +68,17 @@ def app_for(state: str):
 def test_dashboard(snap_compare, state, size):
     app, run_before = app_for(state)
     assert snap_compare(app, terminal_size=SIZES[size], run_before=run_before)
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_load_form_picked_from_the_catalog(snap_compare, size):
+    app, run_before = app_for("normal")
+
+    async def pick(pilot) -> None:
+        await run_before(pilot)
+        await pilot.press("l")
+        await pilot.pause()
+        await pilot.press("enter", "down", "enter")  # open the picker, its first model, pick it
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZES[size], run_before=pick)
