@@ -98,9 +98,15 @@ class Residency:
             return name
         if any(i.name == entry.name for i in self.registry.ready()):
             return entry.name
-        if entry.error is not None:
-            raise errors.model_unavailable(entry.name, entry.error)
         task = self._loads.get(entry.name) or self.models.pending(entry.name)
+        if task is None and any(
+            i.name == entry.name and i.state not in (READY, DRAINING) for i in self.registry.instances()
+        ):
+            # failed (its worker died): the supervisor restarts it or keeps it failed, and the
+            # registry answers meanwhile (503); a load here would go round the restart limit
+            return entry.name
+        if task is None and entry.error is not None:
+            raise errors.model_unavailable(entry.name, entry.error)
         if task is None:
             task = asyncio.create_task(self._load(entry), name=f"on-demand-{entry.name}")
             self._loads[entry.name] = task
