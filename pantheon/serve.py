@@ -212,6 +212,7 @@ async def serve(cfg: ServeConfig) -> int:
         feed=state.feed,
     )
     state.supervisor = supervisor  # requests wait for a model that restarts
+    state.models.failed_dies = lambda: supervisor.failed_dies  # no load goes round its limit
     pool.on_worker_dead = supervisor.worker_dead
     pool.on_worker_joined = state.models.worker_joined
     status: dict[str, Any] = {"rc": 0}

@@ -38,7 +38,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from pantheon import errors
@@ -76,6 +76,9 @@ class Models:
         self.models_max = 0
         self.make_room: Callable[[str], Awaitable[bool]] | None = None
         self.holders: Callable[[str], str] = lambda name: ""
+        # dies the supervisor gave up on (more deaths than --worker-restarts): nothing is
+        # placed there, or a load would start their worker again round the restart limit
+        self.failed_dies: Callable[[], Collection[str]] = lambda: ()
 
     # ------------------------------------------------------------ workers
 
@@ -239,10 +242,13 @@ class Models:
             try:
                 # phase 2: place and book, synchronously: no other load can take the same bytes
                 alive = {d.die for d in self.pool.dies() if d.alive}
+                failed = set(self.failed_dies())
                 cands = [
                     d.id
                     for d in self.dies.dies()
-                    if d.known and ((d.kind == "cpu" and not d.remote) or d.id in alive)
+                    if d.known
+                    and d.id not in failed
+                    and ((d.kind == "cpu" and not d.remote) or d.id in alive)
                 ]
                 inst.dies = self.dies.place(need, dies, cands)
                 local = [d for d in inst.dies if not die_host(d)]
