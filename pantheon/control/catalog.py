@@ -206,11 +206,12 @@ class Catalog:
             return False
         self._seen = seen
         taken = {n for e in self._configured for n in e.names}
-        paths = {os.path.realpath(e.path) for e in self._configured}
+        # the same path (not the same file: a link under another name is another entry)
+        paths = {os.path.abspath(e.path) for e in self._configured}
         found: list[CatalogEntry] = []
         for path in discover(self.roots):
             name = served_name(path)
-            if name in taken or os.path.realpath(path) in paths:
+            if name in taken or os.path.abspath(path) in paths:
                 continue  # a configured entry (or an earlier root) has it
             taken.add(name)
             entry = CatalogEntry(name=name, path=path)
