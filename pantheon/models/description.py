@@ -10,7 +10,9 @@ on top of the fields every decoder has, plus one ``LayerSpec`` per decoder layer
 kind, the shapes of its linear matrices as the engine fuses them (what a CPU path lays out and
 what sizing counts) and its **cache spec**:
 
-- ``AttentionCache(kv_heads, head_dim)``: paged K and V rows, bytes per token;
+- ``AttentionCache(kv_heads, head_dim)``: paged K and V rows, bytes per token; with ``window``
+  set, a sliding-window layer: each query reads at most ``window`` positions (itself and the
+  ``window - 1`` before it), as vLLM's ``SlidingWindowSpec`` (a kind of its ``AttentionSpec``);
 - ``RecurrentState(tensors)``: a fixed-size state per running sequence (a slot), whatever the
   context length: a linear-attention layer's conv window and its recurrent matrix.
 
@@ -47,6 +49,11 @@ class AttentionCache:
 
     kv_heads: int
     head_dim: int
+    # Sliding-window attention (Mistral, Gemma 3's local layers): a query at position p reads
+    # keys p - window + 1 .. p, as transformers' ``sliding_window_overlay``. None: every past key.
+    # The KV pool still keeps every position of a sliding layer (memory as a full layer's, so
+    # sizing counts it so): what the window saves today is the reading, not the memory.
+    window: int | None = None
 
     def bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.kv_heads * self.head_dim * dtype_bytes
@@ -159,6 +166,24 @@ class ModelDescription:
     @property
     def recurrent_layers(self) -> list[int]:
         return [i for i, s in enumerate(self.layers) if isinstance(s.cache, RecurrentState)]
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of attention scores (folded into q by the rotary tables)."""
+        return self.head_dim**-0.5
+
+    @property
+    def sliding_rope(self) -> RopeConfig | None:
+        """The RoPE of the sliding-window layers when it differs from ``rope`` (Gemma 3's
+        local base); None: they rotate as the full layers do."""
+        return None
+
+    @property
+    def windows(self) -> list[int]:
+        """The distinct sliding windows of the attention layers (the runner masks each)."""
+        return sorted(
+            {s.cache.window for s in self.layers if isinstance(s.cache, AttentionCache) and s.cache.window}
+        )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token over the attention layers."""

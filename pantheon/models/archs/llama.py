@@ -1,5 +1,5 @@
 """The Llama family's description: Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm),
-SmolLM and Mistral (Llama's layout). Every layer is attention with a paged KV cache and a SwiGLU
+SmolLM and Mistral (Llama's layout, with its ``sliding_window`` on every layer when set). Every layer is attention with a paged KV cache and a SwiGLU
 MLP; q/k/v and gate/up are fused (``workers/models/llama.py``)."""
 
 from __future__ import annotations
@@ -45,10 +45,14 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> LlamaDescription:
         and raw.get("use_sliding_window", True)
         and window < int(raw.get("max_position_embeddings") or 4096)
     ):
-        # Mistral's window (and Qwen2's, when switched on) is sliding-window attention: not built yet
-        raise ModelError(
-            "unsupported", f"{where}: sliding_window {window} (sliding-window attention) is not supported"
-        )
+        if arch != "llama":
+            # Qwen2's window applies from layer max_window_layers on: not built yet
+            raise ModelError(
+                "unsupported", f"{where}: sliding_window {window} (sliding-window attention) is not supported"
+            )
+        window = pos_int(raw, "sliding_window", where)  # Mistral's: every layer slides
+    else:
+        window = None
     hidden, heads, kv_heads, head_dim = attention_head_shape(raw, where)
     inter = pos_int(raw, "intermediate_size", where)
     layers = pos_int(raw, "num_hidden_layers", where)
@@ -66,7 +70,7 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> LlamaDescription:
         kind="attention",
         linears=((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)),
         small=small,
-        cache=AttentionCache(kv_heads, head_dim),
+        cache=AttentionCache(kv_heads, head_dim, window),
     )
     return LlamaDescription(
         family="llama",
