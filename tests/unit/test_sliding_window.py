@@ -1,0 +1,230 @@
+"""Sliding-window attention's bookkeeping, exactly: the step's window views
+(``workers/layers/sliding.py``: which cache rows each query reads, which it masks) and the
+descriptions that declare windows (Gemma 3's layer schedule and RoPE pair, Mistral's window on
+the Llama family), with no model run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pantheon.models.archs.gemma3 import FULL, SLIDING, Gemma3Description
+from pantheon.models.description import AttentionCache, ModelError, RopeConfig, describe
+from workers.layers.attention import PrefillChunk, StepBatch
+from workers.layers.sliding import window_view
+from workers.models.gemma3 import checkpoint_name
+
+# ---------------------------------------------------------------- the window views
+
+ROWS = torch.arange(100, 140)  # cache row of position p: 100 + p (one sequence's gather)
+
+
+def _batch(decode_lens: list[int], spans: list[tuple[int, int]]) -> StepBatch:
+    t = max(decode_lens, default=0)
+    gather = ROWS[:t].repeat(len(decode_lens), 1) if decode_lens else None
+    chunks, start = [], len(decode_lens)
+    for p0, p1 in spans:
+        chunks.append(PrefillChunk(start, start + p1 - p0, ROWS[:p1], None))
+        start += p1 - p0
+    z = torch.zeros(start, 3, 4)
+    return StepBatch(z, z, torch.arange(start), len(decode_lens), gather, None, chunks)
+
+
+def _visible(gather_row: torch.Tensor, bias_row: torch.Tensor | None) -> list[int]:
+    """The positions a decode row reads (rows 100 + p, less the -inf ones)."""
+    keep = [True] * gather_row.shape[0] if bias_row is None else (bias_row == 0).tolist()
+    return [int(r) - 100 for r, k in zip(gather_row, keep) if k]
+
+
+def test_decode_rows_read_their_last_window_positions():
+    lens = [3, 5, 6, 9, 1]  # each row's length: it reads its last min(len, 5) positions
+    v = window_view(_batch(lens, []), 5, lens, [])
+    assert v.decode_gather is not None and v.decode_gather.shape == (5, 5)
+    assert v.decode_bias is not None and v.decode_bias.shape == (5, 1, 1, 5)
+    got = [_visible(v.decode_gather[i], v.decode_bias[i, 0, 0]) for i in range(5)]
+    assert got == [[0, 1, 2], [0, 1, 2, 3, 4], [1, 2, 3, 4, 5], [4, 5, 6, 7, 8], [0]]
+
+
+def test_decode_rows_all_past_the_window_need_no_bias():
+    lens = [7, 12]
+    v = window_view(_batch(lens, []), 4, lens, [])
+    assert v.decode_bias is None
+    assert v.decode_gather is not None
+    assert [_visible(r, None) for r in v.decode_gather] == [[3, 4, 5, 6], [8, 9, 10, 11]]
+
+
+def test_a_window_wider_than_every_row_reads_them_whole():
+    lens = [2, 3]
+    v = window_view(_batch(lens, []), 16, lens, [])
+    assert v.decode_gather is not None and v.decode_gather.shape == (2, 3)
+    assert v.decode_bias is not None
+    assert _visible(v.decode_gather[0], v.decode_bias[0, 0, 0]) == [0, 1]
+
+
+def _band(p0: int, p1: int, k0: int, w: int) -> torch.Tensor:
+    """The expected mask: query q sees key k iff q - w < k <= q."""
+    return torch.tensor([[q - w < k <= q for k in range(k0, p1)] for q in range(p0, p1)])
+
+
+@pytest.mark.parametrize(
+    "p0, p1, window, first_key, plain_causal",
+    [
+        (0, 4, 8, 0, True),  # a first chunk inside the window: the plain causal case
+        (0, 8, 8, 0, True),  # exactly the window: still plain causal
+        (0, 12, 8, 0, False),  # longer than the window: banded
+        (5, 9, 8, 0, False),  # a later chunk: its first query still sees position 0
+        (10, 14, 4, 7, False),  # a later chunk past the window: keys from p0 - window + 1
+        (20, 21, 1, 20, False),  # a window of one: each query sees itself only
+    ],
+)
+def test_prefill_chunks_read_from_their_window_with_a_band(p0, p1, window, first_key, plain_causal):
+    v = window_view(_batch([], [(p0, p1)]), window, [], [(p0, p1)])
+    (c,) = v.prefills
+    assert c.windowed and (c.start, c.end) == (0, p1 - p0)
+    assert c.gather.tolist() == list(range(100 + first_key, 100 + p1))
+    if plain_causal:
+        assert c.mask is None
+    else:
+        assert c.mask is not None
+        assert torch.equal(c.mask[0, 0], _band(p0, p1, first_key, window))
+
+
+def test_a_mixed_step_keeps_rows_slots_and_order():
+    b = _batch([6], [(0, 3), (9, 12)])
+    b.decode_slots, b.decode_slot_run = torch.tensor([2]), 2
+    cos = torch.ones(7, 3, 4)
+    v = window_view(b, 4, [6], [(0, 3), (9, 12)], (cos, -cos))
+    assert v.rot_cos is cos and torch.equal(v.rot_sin, -cos)  # the sliding layers' own tables
+    assert v.slot_mapping is b.slot_mapping and v.n_decode == 1 and v.decode_slot_run == 2
+    assert [(c.start, c.end) for c in v.prefills] == [(1, 4), (4, 7)]
+    assert v.decode_gather is not None and _visible(v.decode_gather[0], v.decode_bias) == [2, 3, 4, 5]
+    assert v.prefills[0].mask is None and v.prefills[1].gather.tolist() == list(range(106, 112))
+    assert window_view(b, 4, [6], [(0, 3), (9, 12)]).rot_cos is b.rot_cos  # default: the step's
+
+
+# ---------------------------------------------------------------- the descriptions
+
+GEMMA3_TEXT = dict(
+    architectures=["Gemma3ForCausalLM"],
+    model_type="gemma3_text",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=4032,
+    sliding_window=16,
+    rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0,
+    query_pre_attn_scalar=24,
+)
+
+
+def test_gemma3_schedule_windows_and_ropes():
+    d = describe(GEMMA3_TEXT, {}, "c")
+    assert isinstance(d, Gemma3Description) and d.family == "gemma3"
+    assert d.layer_types == (SLIDING,) * 5 + (FULL,) + (SLIDING,) * 2  # sliding_window_pattern 6
+    assert [s.cache for s in d.layers][4:6] == [AttentionCache(2, 16, 16), AttentionCache(2, 16)]
+    assert d.windows == [16] and d.attention_layers == list(range(8))
+    assert d.rope == RopeConfig(theta=1e6) and d.sliding_rope == RopeConfig(theta=1e4)
+    assert d.attention_scale == 24**-0.5 and d.tie_word_embeddings
+    # the KV pool keeps every position of the sliding layers too (memory as today)
+    assert d.kv_bytes_per_token(2) == 8 * 2 * 2 * 16 * 2
+    pattern = describe({**GEMMA3_TEXT, "sliding_window_pattern": 2}, {}, "c")
+    assert isinstance(pattern, Gemma3Description)
+    assert pattern.layer_types == (SLIDING, FULL) * 4
+
+
+def test_gemma3_rope_parameters_by_layer_type():
+    """transformers 5's spelling: one RoPE per layer type, the global one with its scaling."""
+    raw = {k: v for k, v in GEMMA3_TEXT.items() if not k.startswith("rope")}
+    raw["rope_parameters"] = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    d = describe(raw, {}, "c")
+    assert d.rope == RopeConfig(theta=1e6, type="linear", scaling={"factor": 8.0})
+    assert d.sliding_rope == RopeConfig(theta=1e4)
+
+
+def test_gemma3_multimodal_config_takes_the_text_defaults():
+    """The Hub's Gemma3ForConditionalGeneration configs write only what differs from transformers'
+    defaults in their text_config (gemma-3-4b-it's names no head counts)."""
+    raw = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "eos_token_id": [1, 106],
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {"hidden_size": 1152},
+    }
+    d = describe(raw, {}, "c")
+    assert isinstance(d, Gemma3Description)
+    assert (d.num_heads, d.num_kv_heads, d.head_dim, d.vocab_size) == (8, 4, 256, 262208)
+    assert d.eos_token_ids == (1, 106) and d.sliding_window == 1024 and d.attention_scale == 256**-0.5
+    assert d.rope.type == "linear" and d.rope.theta == 1e6 and d.sliding_rope == RopeConfig(theta=1e4)
+    assert d.layer_types.count(FULL) == 5 and d.skipped == ("the vision tower and its projector",)
+
+
+@pytest.mark.parametrize(
+    "change, kind, words",
+    [
+        (dict(attn_logit_softcapping=50.0), "unsupported", "attn_logit_softcapping"),
+        (dict(use_bidirectional_attention=True), "unsupported", "bidirectional"),
+        (dict(hidden_activation="silu"), "unsupported", "gelu_pytorch_tanh"),
+        (dict(layer_types=["sliding_attention"] * 3), "invalid", "layer_types"),
+        (dict(sliding_window=0), "invalid", "sliding_window"),
+        (dict(final_logit_softcapping=-1), "invalid", "final_logit_softcapping"),
+    ],
+)
+def test_gemma3_configs_refused_say_why(change, kind, words):
+    with pytest.raises(ModelError) as e:
+        describe({**GEMMA3_TEXT, **change}, {}, "c.json")
+    assert e.value.kind == kind and words in e.value.reason and "c.json" in e.value.reason
+
+
+def test_gemma3_multimodal_checkpoint_names():
+    assert checkpoint_name("model.language_model.layers.0.mlp.up_proj.weight") == (
+        "model.layers.0.mlp.up_proj.weight"
+    )
+    assert checkpoint_name("language_model.model.norm.weight") == "model.norm.weight"
+    assert checkpoint_name("language_model.lm_head.weight") == "lm_head.weight"
+    for skipped in ("model.vision_tower.x.weight", "multi_modal_projector.mm_input_projection_weight"):
+        assert checkpoint_name(skipped) is None
+    assert checkpoint_name("model.embed_tokens.weight") == "model.embed_tokens.weight"
+
+
+MISTRAL = dict(
+    architectures=["MistralForCausalLM"],
+    model_type="mistral",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=4032,
+    max_position_embeddings=32768,
+)
+
+
+def test_mistral_window_slides_every_layer():
+    d = describe({**MISTRAL, "sliding_window": 4096}, {}, "c")
+    assert d.family == "llama" and d.windows == [4096]
+    assert all(s.cache == AttentionCache(2, 16, 4096) for s in d.layers)
+    # no window (Mistral 7B v0.2 on), or one as long as the context: full attention
+    assert describe({**MISTRAL, "sliding_window": None}, {}, "c").windows == []
+    assert describe({**MISTRAL, "sliding_window": 32768}, {}, "c").windows == []
+
+
+def test_qwen2_window_is_still_refused():
+    raw = {**MISTRAL, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    with pytest.raises(ModelError) as e:
+        describe({**raw, "sliding_window": 4096, "use_sliding_window": True}, {}, "c")
+    assert e.value.kind == "unsupported" and "sliding_window 4096" in e.value.reason
