@@ -46,7 +46,9 @@ class ModelRunner:
         # Sliding-window layers: their windows, and their own RoPE when it differs (Gemma 3)
         self.windows = cfg.windows
         local = cfg.sliding_rope
-        self.sliding_rotary = None if local is None else Rotary(dataclasses.replace(cfg, rope=local), self.main)
+        self.sliding_rotary = (
+            None if local is None else Rotary(dataclasses.replace(cfg, rope=local), self.main)
+        )
         self.compiled = None  # a workers.compiled.CompiledDecode for pure decode steps, opt-in
 
     def compile_decode(self) -> str | None:

@@ -999,7 +999,11 @@ def make_model(
         seed=seed,
         jitter=_NORM_JITTER.get(preset, 0.0),
         shard_bytes=shard_bytes,
-        real_vocab=QWEN35_VOCAB_SIZE if qwen35 else GEMMA3_VOCAB_SIZE if _is_gemma3(config) else tt.VOCAB_SIZE,
+        real_vocab=QWEN35_VOCAB_SIZE
+        if qwen35
+        else GEMMA3_VOCAB_SIZE
+        if _is_gemma3(config)
+        else tt.VOCAB_SIZE,
     )
     return out
 

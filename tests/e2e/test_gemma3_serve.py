@@ -24,8 +24,11 @@ LONG = [
         "role": "system",
         "content": "You answer in one short sentence about the weather in the city you are asked about.",
     },
-    {"role": "user", "content": "What is the weather like in Paris today, and should I take an umbrella "
-     "when I walk along the river to the museum this afternoon?"},
+    {
+        "role": "user",
+        "content": "What is the weather like in Paris today, and should I take an umbrella "
+        "when I walk along the river to the museum this afternoon?",
+    },
 ]
 
 

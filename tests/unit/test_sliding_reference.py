@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from unit.test_engine_reference import assert_matches
 
 from workers.engine import Engine
-
-from unit.test_engine_reference import assert_matches
 
 transformers = pytest.importorskip("transformers")
 

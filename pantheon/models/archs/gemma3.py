@@ -111,7 +111,9 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> Gemma3Description:
         raise ModelError("unsupported", f"{where}: use_bidirectional_attention (an embedding model)")
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
-        raise ModelError("unsupported", f"{where}: hidden_activation {act!r} (Gemma 3's is gelu_pytorch_tanh)")
+        raise ModelError(
+            "unsupported", f"{where}: hidden_activation {act!r} (Gemma 3's is gelu_pytorch_tanh)"
+        )
     cap = raw.get("final_logit_softcapping")
     if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0):
         raise ModelError("invalid", f"{where}: final_logit_softcapping must be positive, got {cap!r}")
