@@ -993,17 +993,16 @@ def make_model(
         _write_json(out / "tokenizer_config.json", gemma3_tokenizer_config(text["max_position_embeddings"]))
     else:
         tt.write_tokenizer(out, model_max_length=text["max_position_embeddings"])
+    real_vocab = QWEN35_VOCAB_SIZE if qwen35 else tt.VOCAB_SIZE
+    if _is_gemma3(config):
+        real_vocab = GEMMA3_VOCAB_SIZE
     write_weights(
         out,
         config,
         seed=seed,
         jitter=_NORM_JITTER.get(preset, 0.0),
         shard_bytes=shard_bytes,
-        real_vocab=QWEN35_VOCAB_SIZE
-        if qwen35
-        else GEMMA3_VOCAB_SIZE
-        if _is_gemma3(config)
-        else tt.VOCAB_SIZE,
+        real_vocab=real_vocab,
     )
     return out
 
