@@ -1,8 +1,8 @@
 """The model runner: turns a ``StepPlan`` into tensors, runs the model, returns logits.
 
 It owns the cache tensors (``workers/cache.py``: each attention layer's paged K and V, each
-recurrent layer's state pool, on that layer's device) and knows nothing of requests beyond their
-tokens, positions, block tables and slots. It builds one backend-neutral ``StepBatch`` per step
+recurrent layer's state pool and each sliding-window layer's rings, on that layer's device) and
+knows nothing of requests beyond their tokens, positions, block tables and slots. It builds one backend-neutral ``StepBatch`` per step
 (and device) from which each layer kind takes what it needs.
 """
 
@@ -58,10 +58,10 @@ class ModelRunner:
 
         if len(self.devices) > 1:
             return "layers split across devices"
-        if any(isinstance(c, StateCache) for c in self.caches):
-            return "not built yet for models with recurrent layers"
         if self.windows:
             return "not built yet for models with sliding-window layers"
+        if any(isinstance(c, StateCache) for c in self.caches):
+            return "not built yet for models with recurrent layers"
         c = CompiledDecode(self.model, self.caches)
 
         def tables(pos):
@@ -182,9 +182,11 @@ class ModelRunner:
             rot = None
             if self.sliding_rotary is not None:
                 rot = self._tables(*self.sliding_rotary.cos_sin(pos_t))
-            lens = [s.num_computed + 1 for s in plan.decode]
-            spans = [(p0, p1) for _s, _e, p0, p1, _t, _slot in chunks]
-            base.windows = {w: window_view(base, w, lens, spans, rot) for w in self.windows}
+            dec = [
+                (s.slot if s.slot is not None else self.scratch_slot, s.num_computed + 1) for s in plan.decode
+            ]
+            spans = [(slot, p0, p1) for _s, _e, p0, p1, _t, slot in chunks]
+            base.windows = {w: window_view(base, w, dec, spans, rot) for w in self.windows}
         if self.compiled is not None and not pre and not all_rows:
             logits = self.compiled(input_ids, base)  # every row is a sampled decode row
             if logits is not None:

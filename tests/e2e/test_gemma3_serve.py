@@ -2,8 +2,9 @@
 one global layer) through the official ``openai`` client, with prompts longer than the window.
 
 Random weights, so the text is noise: the checks are on structure, token counts and finish
-reasons, a stream equal to the whole answer, the advertised context, and the prefix cache (a
-repeated conversation reuses its cached blocks, sliding layers' included, and writes the same
+reasons, a stream equal to the whole answer, the advertised context and the router's books (KV per
+token for the global layer, a ring per slot for each sliding one), and the prefix cache (a repeated
+conversation reuses its cached blocks and the sliding layers' ring checkpoint, and writes the same
 seeded answer).
 """
 
@@ -11,7 +12,10 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
+
+from pantheon.models.sizing import estimate, read_shape
 
 from helpers.serve import Server
 
@@ -50,10 +54,23 @@ def g3(g3_path, tmp_path_factory):
         s.stop()
 
 
-def test_models_advertises_the_model_context(g3, g3_path):
+def test_the_context_costs_kv_on_the_global_layer_only(g3, g3_path):
+    """The KV pool holds the global layer's K and V per token; the five sliding layers' rings are
+    booked per slot with the states (slots, scratch and prefix-cache checkpoints); the advertised
+    context is the model's and the pool holds it."""
     (m,) = g3.client().models.list().data
     cfg = json.loads((g3_path / "config.json").read_text())
-    assert m.id == NAME and (m.model_extra or {})["max_model_len"] == cfg["max_position_embeddings"]
+    mml = (m.model_extra or {})["max_model_len"]
+    assert m.id == NAME and mml == cfg["max_position_embeddings"]
+    d = {x["die"]: x for x in httpx.get(g3.url + "/admin/dies", timeout=10).json()["data"]}["cpu:0"]
+    inst = d["instances"][0]
+    booked = d["bookings"][inst["instance"]]
+    est = estimate(read_shape(g3_path), cpu_path=inst.get("cpu_path") or "fp32")
+    b = est.kv_per_token // (2 * 2 * 16)  # one layer's K and V (2 KV heads of 16) in the path's dtype
+    assert b in (2, 4) and est.kv_per_token == 2 * 2 * 16 * b
+    assert est.state_per_slot == 5 * 16 * est.kv_per_token  # five rings of 16 positions
+    assert inst["kv_pool_tokens"] == booked["kv_bytes"] // est.kv_per_token >= mml
+    assert booked["state_bytes"] > 0 and booked["state_bytes"] % est.state_per_slot == 0
 
 
 def test_a_chat_past_the_window_streams_what_the_whole_answer_says(g3):

@@ -10,55 +10,60 @@ import torch
 
 from pantheon.models.archs.gemma3 import FULL, SLIDING, Gemma3Description
 from pantheon.models.description import AttentionCache, ModelError, RopeConfig, describe
+from pantheon.models.sizing import estimate
 from workers.layers.attention import PrefillChunk, StepBatch
-from workers.layers.sliding import window_view
+from workers.layers.sliding import ring_attention, window_view
 from workers.models.gemma3 import checkpoint_name
 
 # ---------------------------------------------------------------- the window views
 
-ROWS = torch.arange(100, 140)  # cache row of position p: 100 + p (one sequence's gather)
 
-
-def _batch(decode_lens: list[int], spans: list[tuple[int, int]]) -> StepBatch:
-    t = max(decode_lens, default=0)
-    gather = ROWS[:t].repeat(len(decode_lens), 1) if decode_lens else None
-    chunks, start = [], len(decode_lens)
-    for p0, p1 in spans:
-        chunks.append(PrefillChunk(start, start + p1 - p0, ROWS[:p1], None))
+def _batch(n_decode: int, chunks: list[tuple[int, int]]) -> StepBatch:
+    """A step of ``n_decode`` decode rows then prefill chunks of (p0, p1) positions (the paged
+    gathers are not the view's concern: left empty)."""
+    pre, start = [], n_decode
+    for p0, p1 in chunks:
+        pre.append(
+            PrefillChunk(start, start + p1 - p0, torch.zeros(0, dtype=torch.long), None, fresh=p0 == 0)
+        )
         start += p1 - p0
     z = torch.zeros(start, 3, 4)
-    return StepBatch(z, z, torch.arange(start), len(decode_lens), gather, None, chunks)
+    gather = torch.zeros(n_decode, 1, dtype=torch.long) if n_decode else None
+    return StepBatch(z, z, torch.arange(start), n_decode, gather, None, pre)
 
 
-def _visible(gather_row: torch.Tensor, bias_row: torch.Tensor | None) -> list[int]:
-    """The positions a decode row reads (rows 100 + p, less the -inf ones)."""
-    keep = [True] * gather_row.shape[0] if bias_row is None else (bias_row == 0).tolist()
-    return [int(r) - 100 for r, k in zip(gather_row, keep) if k]
+def _read(v: StepBatch, i: int, window: int) -> list[tuple[int, int]]:
+    """(slot, position mod window) of each ring row decode row ``i`` reads (less padding)."""
+    assert v.decode_gather is not None
+    keep = (
+        [True] * v.decode_gather.shape[1] if v.decode_bias is None else (v.decode_bias[i, 0, 0] == 0).tolist()
+    )
+    return [divmod(int(r), window) for r, k in zip(v.decode_gather[i], keep) if k]
 
 
-def test_decode_rows_read_their_last_window_positions():
-    lens = [3, 5, 6, 9, 1]  # each row's length: it reads its last min(len, 5) positions
-    v = window_view(_batch(lens, []), 5, lens, [])
+def test_decode_rows_read_their_last_window_positions_in_their_ring():
+    dec = [(0, 3), (1, 5), (2, 6), (3, 9), (4, 1)]  # (slot, length): the last min(length, 5)
+    v = window_view(_batch(5, []), 5, dec, [])
+    assert v.slot_mapping.tolist() == [0 * 5 + 2, 1 * 5 + 4, 2 * 5 + 0, 3 * 5 + 3, 4 * 5 + 0]
     assert v.decode_gather is not None and v.decode_gather.shape == (5, 5)
     assert v.decode_bias is not None and v.decode_bias.shape == (5, 1, 1, 5)
-    got = [_visible(v.decode_gather[i], v.decode_bias[i, 0, 0]) for i in range(5)]
-    assert got == [[0, 1, 2], [0, 1, 2, 3, 4], [1, 2, 3, 4, 5], [4, 5, 6, 7, 8], [0]]
+    got = [_read(v, i, 5) for i in range(5)]
+    assert got == [
+        [(0, 0), (0, 1), (0, 2)],
+        [(1, 0), (1, 1), (1, 2), (1, 3), (1, 4)],
+        [(2, 1), (2, 2), (2, 3), (2, 4), (2, 0)],  # positions 1..5: 5 wrapped to row 0
+        [(3, 4), (3, 0), (3, 1), (3, 2), (3, 3)],  # positions 4..8
+        [(4, 0)],
+    ]
 
 
 def test_decode_rows_all_past_the_window_need_no_bias():
-    lens = [7, 12]
-    v = window_view(_batch(lens, []), 4, lens, [])
+    v = window_view(_batch(2, []), 4, [(1, 7), (0, 12)], [])
     assert v.decode_bias is None
-    assert v.decode_gather is not None
-    assert [_visible(r, None) for r in v.decode_gather] == [[3, 4, 5, 6], [8, 9, 10, 11]]
-
-
-def test_a_window_wider_than_every_row_reads_them_whole():
-    lens = [2, 3]
-    v = window_view(_batch(lens, []), 16, lens, [])
-    assert v.decode_gather is not None and v.decode_gather.shape == (2, 3)
-    assert v.decode_bias is not None
-    assert _visible(v.decode_gather[0], v.decode_bias[0, 0, 0]) == [0, 1]
+    assert [_read(v, i, 4) for i in range(2)] == [
+        [(1, 3), (1, 0), (1, 1), (1, 2)],
+        [(0, 0), (0, 1), (0, 2), (0, 3)],
+    ]
 
 
 def _band(p0: int, p1: int, k0: int, w: int) -> torch.Tensor:
@@ -71,35 +76,67 @@ def _band(p0: int, p1: int, k0: int, w: int) -> torch.Tensor:
     [
         (0, 4, 8, 0, True),  # a first chunk inside the window: the plain causal case
         (0, 8, 8, 0, True),  # exactly the window: still plain causal
-        (0, 12, 8, 0, False),  # longer than the window: banded
+        (0, 12, 8, 0, False),  # longer than the window: banded, no history
         (5, 9, 8, 0, False),  # a later chunk: its first query still sees position 0
-        (10, 14, 4, 7, False),  # a later chunk past the window: keys from p0 - window + 1
+        (10, 14, 4, 7, False),  # a later chunk past the window: history from p0 - window + 1
         (20, 21, 1, 20, False),  # a window of one: each query sees itself only
+        (30, 50, 8, 23, False),  # a chunk longer than the window after history
     ],
 )
-def test_prefill_chunks_read_from_their_window_with_a_band(p0, p1, window, first_key, plain_causal):
-    v = window_view(_batch([], [(p0, p1)]), window, [], [(p0, p1)])
+def test_prefill_chunks_read_their_ring_history_with_a_band(p0, p1, window, first_key, plain_causal):
+    slot = 2
+    v = window_view(_batch(0, [(p0, p1)]), window, [], [(slot, p0, p1)])
     (c,) = v.prefills
     assert c.windowed and (c.start, c.end) == (0, p1 - p0)
-    assert c.gather.tolist() == list(range(100 + first_key, 100 + p1))
+    assert c.gather.tolist() == [slot * window + p % window for p in range(first_key, p0)]  # history only
+    assert v.slot_mapping.tolist() == [slot * window + p % window for p in range(p0, p1)]
     if plain_causal:
         assert c.mask is None
     else:
         assert c.mask is not None
-        assert torch.equal(c.mask[0, 0], _band(p0, p1, first_key, window))
+        assert torch.equal(c.mask[0, 0], _band(p0, p1, first_key, window))  # history then chunk
 
 
 def test_a_mixed_step_keeps_rows_slots_and_order():
-    b = _batch([6], [(0, 3), (9, 12)])
+    b = _batch(1, [(0, 3), (9, 12)])
     b.decode_slots, b.decode_slot_run = torch.tensor([2]), 2
     cos = torch.ones(7, 3, 4)
-    v = window_view(b, 4, [6], [(0, 3), (9, 12)], (cos, -cos))
+    v = window_view(b, 4, [(2, 6)], [(0, 0, 3), (1, 9, 12)], (cos, -cos))
     assert v.rot_cos is cos and torch.equal(v.rot_sin, -cos)  # the sliding layers' own tables
-    assert v.slot_mapping is b.slot_mapping and v.n_decode == 1 and v.decode_slot_run == 2
+    assert v.n_decode == 1 and v.decode_slot_run == 2 and v.decode_slots is b.decode_slots
+    assert v.slot_mapping.tolist() == [8 + 1, 0, 1, 2, 4 + 1, 4 + 2, 4 + 3]
     assert [(c.start, c.end) for c in v.prefills] == [(1, 4), (4, 7)]
-    assert v.decode_gather is not None and _visible(v.decode_gather[0], v.decode_bias) == [2, 3, 4, 5]
-    assert v.prefills[0].mask is None and v.prefills[1].gather.tolist() == list(range(106, 112))
-    assert window_view(b, 4, [6], [(0, 3), (9, 12)]).rot_cos is b.rot_cos  # default: the step's
+    assert _read(v, 0, 4) == [(2, 2), (2, 3), (2, 0), (2, 1)]
+    assert v.prefills[0].mask is None and v.prefills[1].gather.tolist() == [4 + 2, 4 + 3, 4 + 0]
+    assert window_view(b, 4, [(2, 6)], [(0, 0, 3), (1, 9, 12)]).rot_cos is b.rot_cos  # default: the step's
+
+
+def test_ring_attention_equals_full_attention_with_the_band():
+    """Two sequences decoding and one prefilling past the window, through the ring step by step,
+    against a dense banded softmax over all positions."""
+    torch.manual_seed(0)
+    w, h, kv, d, slots = 5, 4, 2, 8, 3
+    ring_k, ring_v = torch.zeros(slots + 1, w, kv, d), torch.zeros(slots + 1, w, kv, d)
+    total = 23
+    q, k, v = torch.randn(total, h, d), torch.randn(total, kv, d), torch.randn(total, kv, d)
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(h // kv, dim=1))
+    pos = torch.arange(total)
+    band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w)
+    want = torch.einsum(
+        "hqk,khd->qhd",
+        scores.masked_fill(~band, float("-inf")).softmax(-1),
+        v.repeat_interleave(h // kv, dim=1),
+    )
+    got = torch.empty_like(want)
+    # slot 1: a prefill of 7 (past the window), one of 9 (longer than it), then decode rows
+    for p0, p1 in ((0, 7), (7, 16), (16, 17), (17, 18), (18, 23)):
+        if p1 - p0 == 1:
+            view = window_view(_batch(1, []), w, [(1, p1)], [])
+        else:
+            view = window_view(_batch(0, [(p0, p1)]), w, [], [(1, p0, p1)])
+        got[p0:p1] = ring_attention(q[p0:p1], k[p0:p1], v[p0:p1], view, ring_k, ring_v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (ring_k[0] == 0).all() and (ring_k[2] == 0).all()  # other slots' rings untouched
 
 
 # ---------------------------------------------------------------- the descriptions
@@ -129,8 +166,18 @@ def test_gemma3_schedule_windows_and_ropes():
     assert d.windows == [16] and d.attention_layers == list(range(8))
     assert d.rope == RopeConfig(theta=1e6) and d.sliding_rope == RopeConfig(theta=1e4)
     assert d.attention_scale == 24**-0.5 and d.tie_word_embeddings
-    # the KV pool keeps every position of the sliding layers too (memory as today)
-    assert d.kv_bytes_per_token(2) == 8 * 2 * 2 * 16 * 2
+    # the paged pool keeps the global layer's K and V per token; a sliding layer keeps a ring of
+    # its window per slot, counted with the states
+    assert d.kv_bytes_per_token(2) == 1 * 2 * 2 * 16 * 2
+    assert d.state_bytes_per_slot(2) == 7 * 16 * (2 * 2 * 16 * 2) and d.slot_state_layers == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        6,
+        7,
+    ]
     pattern = describe({**GEMMA3_TEXT, "sliding_window_pattern": 2}, {}, "c")
     assert isinstance(pattern, Gemma3Description)
     assert pattern.layer_types == (SLIDING, FULL) * 4
@@ -228,3 +275,15 @@ def test_qwen2_window_is_still_refused():
     with pytest.raises(ModelError) as e:
         describe({**raw, "sliding_window": 4096, "use_sliding_window": True}, {}, "c")
     assert e.value.kind == "unsupported" and "sliding_window 4096" in e.value.reason
+
+
+def test_sizing_books_the_rings_per_slot_and_the_global_layers_per_token():
+    """A Gemma 3 context costs KV per token only on its global layers: the router's booking (and
+    with it the context a KV budget holds) counts each sliding layer as a ring per slot."""
+    est = estimate(describe(GEMMA3_TEXT, {}, "c"), cpu_path="fp32")
+    assert est.kv_per_token == 1 * 2 * 2 * 16 * 4
+    assert est.state_per_slot == 7 * 16 * 2 * 2 * 16 * 4
+    llama_like = estimate(describe({**GEMMA3_TEXT, "layer_types": [FULL] * 8}, {}, "c"), cpu_path="fp32")
+    assert llama_like.kv_per_token == 8 * est.kv_per_token and llama_like.state_per_slot == 0
+    mistral = estimate(describe({**MISTRAL, "sliding_window": 4096}, {}, "c"), cpu_path="fp32")
+    assert mistral.kv_per_token == 0 and mistral.state_per_slot == 2 * 4096 * 2 * 2 * 16 * 4

@@ -26,7 +26,7 @@ class PrefillChunk:
     mask: torch.Tensor | None  # [1, 1, C, T] bool (True = attend), None when plain causal
     slot: int = 0  # the sequence's slot: where a recurrent layer keeps its state
     fresh: bool = True  # the chunk starts the sequence: recurrent states start from zero
-    windowed: bool = False  # a sliding window's view: ``gather`` starts at the window, ``mask`` bands it
+    windowed: bool = False  # a sliding window's view: ``gather`` is the ring's history, ``mask`` bands it
 
 
 @dataclass
@@ -47,8 +47,8 @@ class StepBatch:
     prefills: list[PrefillChunk]
     decode_slots: torch.Tensor | None = None  # [B] int64: each decode row's slot (recurrent layers)
     decode_slot_run: int | None = None  # when the decode slots are first, first + 1, ...: first
-    # Sliding-window layers' views of this step, by window: the same rows and slots, but each
-    # query's gather starts at its window (decode: [B, <= window]) and the masks band it; the
+    # Sliding-window layers' views of this step, by window, in their rings' rows
+    # (workers/layers/sliding.py: each query reads at most the window; the masks band it); the
     # rotary tables are the sliding layers' (Gemma 3's local base). Built by the runner.
     windows: dict[int, StepBatch] = field(default_factory=dict)
 
@@ -98,8 +98,7 @@ def paged_attention(
     for c in b.prefills:
         qp = q[c.start : c.end]  # [C, H, D]
         hist = c.gather.shape[0] - (c.end - c.start)  # positions before the chunk
-        # (a window's band is not the split's "all history, then causal")
-        if hist and _SPLIT and _SPLIT_OK.get(q.device.type, False) and not c.windowed:
+        if hist and _SPLIT and _SPLIT_OK.get(q.device.type, False):
             o = _prefill_split(qp, k[c.start : c.end], v[c.start : c.end], c.gather[:hist], k_cache, v_cache)
         else:
             kk = k_cache.index_select(0, c.gather).transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]

@@ -18,10 +18,11 @@ from torch import nn
 
 from pantheon.models.archs.gemma3 import SLIDING, Gemma3Description
 from pantheon.models.description import ModelDescription
-from workers.cache import KVCache, LayerCache
+from workers.cache import LayerCache, StateCache
 from workers.layers.attention import StepBatch, paged_attention
 from workers.layers.norms import ZeroCenteredRMSNorm
 from workers.layers.rotary import rotate
+from workers.layers.sliding import ring_attention
 from workers.models import Target
 from workers.models.base import DecoderLayer, DecoderLM
 from workers.models.llama import GGUF_LAYER as LLAMA_GGUF_LAYER
@@ -39,7 +40,7 @@ class Attention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, b: StepBatch, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
         # x: [N, hidden]
         n, h, kvh, d = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         if self.window is not None:
@@ -49,7 +50,10 @@ class Attention(nn.Module):
         k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(n, kvh, d))
         qk = rotate(torch.cat((q, k), dim=1), b.rot_cos, b.rot_sin)  # [N, H + KV, D], q pre-scaled
         v = qkv[:, self.q_size + self.kv_size :].view(n, kvh, d)
-        out = paged_attention(qk[:, :h], qk[:, h:], v, b, cache.k, cache.v)  # [N, H, D]
+        if isinstance(cache, StateCache):  # a sliding layer's ring (workers/layers/sliding.py)
+            out = ring_attention(qk[:, :h], qk[:, h:], v, b, cache.tensors["k"], cache.tensors["v"])
+        else:
+            out = paged_attention(qk[:, :h], qk[:, h:], v, b, cache.k, cache.v)  # [N, H, D]
         return self.o_proj(out.reshape(n, self.q_size))
 
 
@@ -79,7 +83,6 @@ class Gemma3Layer(DecoderLayer):
         self.post_feedforward_layernorm = ZeroCenteredRMSNorm(hidden, eps)
 
     def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
-        assert isinstance(cache, KVCache)  # every Gemma 3 layer is attention
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), b, cache))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 

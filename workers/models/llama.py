@@ -15,10 +15,11 @@ from torch import nn
 
 from pantheon.models.archs.llama import LlamaDescription
 from pantheon.models.description import AttentionCache, ModelDescription
-from workers.cache import KVCache, LayerCache
+from workers.cache import LayerCache, StateCache
 from workers.layers.attention import StepBatch, paged_attention
 from workers.layers.norms import RMSNorm
 from workers.layers.rotary import rotate
+from workers.layers.sliding import ring_attention
 from workers.models import Target
 from workers.models.base import DecoderLayer, DecoderLM
 
@@ -37,7 +38,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, b: StepBatch, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
         # x: [N, hidden]
         n, h, kvh, d = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         qkv = self.qkv_proj(x)  # [N, Q + 2 KV]
@@ -51,7 +52,10 @@ class Attention(nn.Module):
             b = b.windows[self.window]
         qk = rotate(qk, b.rot_cos, b.rot_sin)  # [N, H + KV, D], q pre-scaled
         v = qkv[:, self.q_size + self.kv_size :].view(n, kvh, d)
-        out = paged_attention(qk[:, :h], qk[:, h:], v, b, cache.k, cache.v)  # [N, H, D]
+        if isinstance(cache, StateCache):  # a sliding layer's ring (workers/layers/sliding.py)
+            out = ring_attention(qk[:, :h], qk[:, h:], v, b, cache.tensors["k"], cache.tensors["v"])
+        else:
+            out = paged_attention(qk[:, :h], qk[:, h:], v, b, cache.k, cache.v)  # [N, H, D]
         return self.o_proj(out.reshape(n, self.q_size))
 
 
@@ -78,7 +82,6 @@ class LlamaLayer(DecoderLayer):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
-        assert isinstance(cache, KVCache)  # every Llama layer is attention
         x = x + self.self_attn(self.input_layernorm(x), b, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
