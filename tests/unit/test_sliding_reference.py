@@ -4,8 +4,9 @@
 module (an 8-token window on every layer): the logits of every prompt position and of 16 decode
 steps within 1e-4 of transformers', a prompt of 40 tokens so that both the prefill's band mask
 and the decode rows' cut gathers are past the window; chunked prefill (chunks smaller and larger
-than the window, small blocks) equals one pass; and the window really changes the answer (the
-same weights without it give other logits past the window).
+than the window, small blocks) equals one pass; the window really changes the answer (the same
+weights without it give other logits past the window); and the Hub's multimodal layout
+(``Gemma3ForConditionalGeneration``) serves the same text model.
 """
 
 from __future__ import annotations
@@ -67,3 +68,46 @@ def test_the_window_changes_the_logits_past_it(model_factory):
     a, b = windowed.prompt_logits(PROMPT), wide.prompt_logits(PROMPT)
     assert (a[:16] - b[:16]).abs().max().item() < 1e-5
     assert (a[16:] - b[16:]).abs().amax(dim=-1).min().item() > 1e-3
+
+
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+def test_the_multimodal_layout_serves_its_text_model(model_factory, tmp_path, prefix):
+    """A Gemma3ForConditionalGeneration folder (the text config nested, the text weights under
+    transformers 5's or the Hub's original prefix, a vision tower and projector beside them) gives
+    the text folder's logits; the vision weights are left out and said so."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from workers.model_config import load_config
+
+    text = model_factory("tiny-gemma3", dtype="float32")
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(text / f, tmp_path / f)
+    cfg = json.loads((text / "config.json").read_text())
+    inner = {
+        k: v for k, v in cfg.items() if k not in ("architectures", "eos_token_id", "dtype", "torch_dtype")
+    }
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Gemma3ForConditionalGeneration"],
+                "model_type": "gemma3",
+                "eos_token_id": cfg["eos_token_id"],
+                "torch_dtype": "float32",
+                "text_config": inner,
+                "vision_config": {"hidden_size": 32, "model_type": "siglip_vision_model"},
+            }
+        )
+    )
+    weights = {
+        prefix + k.removeprefix("model."): v for k, v in load_file(str(text / "model.safetensors")).items()
+    }
+    weights["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(32, 3, 14, 14)
+    weights["model.multi_modal_projector.mm_input_projection_weight"] = torch.zeros(32, 64)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    assert load_config(tmp_path).skipped == ("the vision tower and its projector",)
+    want = Engine(str(text), dtype="float32").prompt_logits(PROMPT)
+    got = Engine(str(tmp_path), dtype="float32").prompt_logits(PROMPT)
+    assert torch.equal(got, want)
