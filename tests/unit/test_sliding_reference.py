@@ -1,7 +1,7 @@
 """Sliding-window models against transformers in fp32, with prompts longer than the window.
 
-``tiny-gemma3`` (five sliding layers with a 16-token window, one global) and Mistral on the Llama
-module (an 8-token window on every layer): the logits of every prompt position and of 16 decode
+``tiny-gemma3`` (five sliding layers with a 16-token window, one global), Mistral on the Llama
+module (an 8-token window on every layer) and Qwen2 with its window on the second layer: the logits of every prompt position and of 16 decode
 steps within 1e-4 of transformers', a prompt of 40 tokens so that both the prefill's band mask
 and the decode rows' cut gathers are past the window; chunked prefill (chunks smaller and larger
 than the window, small blocks) equals one pass; the window really changes the answer (the same
@@ -33,6 +33,8 @@ CASES = {
     "gemma3": ("tiny-gemma3", {}),
     "gemma3-options": ("tiny-gemma3", GEMMA3_OPTIONS),
     "mistral": ("tiny-llama", MISTRAL),
+    # Qwen2's window from max_window_layers on: layer 0 full (paged), layer 1 sliding (a ring)
+    "qwen2-window": ("tiny-qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
 }
 
 

@@ -270,11 +270,22 @@ def test_mistral_window_slides_every_layer():
     assert describe({**MISTRAL, "sliding_window": 32768}, {}, "c").windows == []
 
 
-def test_qwen2_window_is_still_refused():
-    raw = {**MISTRAL, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+def test_qwen2_window_slides_from_max_window_layers():
+    raw = {**MISTRAL, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 4}
+    d = describe({**raw, "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 1}, {}, "c")
+    assert [s.cache.window for s in d.layers if isinstance(s.cache, AttentionCache)] == [
+        None,
+        4096,
+        4096,
+        4096,
+    ]
+    types = ["sliding_attention", "full_attention"] * 2
+    d = describe({**raw, "sliding_window": 64, "use_sliding_window": True, "layer_types": types}, {}, "c")
+    assert d.slot_state_layers == [0, 2]
+    assert describe({**raw, "sliding_window": 4096, "use_sliding_window": False}, {}, "c").windows == []
     with pytest.raises(ModelError) as e:
-        describe({**raw, "sliding_window": 4096, "use_sliding_window": True}, {}, "c")
-    assert e.value.kind == "unsupported" and "sliding_window 4096" in e.value.reason
+        describe({**raw, "sliding_window": 64, "use_sliding_window": True, "layer_types": types[:3]}, {}, "c")
+    assert e.value.kind == "invalid" and "layer_types" in e.value.reason
 
 
 def test_sizing_books_the_rings_per_slot_and_the_global_layers_per_token():
