@@ -7,7 +7,10 @@
   last one is scratch for prompt logits computed outside the scheduler), on that layer's device,
   and its prefix cache's checkpoints (``[checkpoints, ...]``, ``workers/state_checkpoints.py``).
   A slot's state is overwritten from zero when a sequence starts in it, so nothing needs clearing
-  when a sequence leaves.
+  when a sequence leaves. A sliding-window attention layer's cache is such a state too: a ring of
+  its ``window`` positions' K and V per slot (``"k"``, ``"v"``: ``[slots + 1, window, KV, D]``;
+  position p in row ``p % window``), checkpointed like a recurrent state, and never cleared (a
+  query reads only positions its own sequence wrote: ``workers/layers/sliding.py``).
 """
 
 from __future__ import annotations
@@ -56,7 +59,16 @@ def make_caches(
     out: list[LayerCache] = []
     for spec, dev in zip(desc.layers, layer_devices):
         c = spec.cache
-        if isinstance(c, AttentionCache):
+        if isinstance(c, AttentionCache) and c.window:
+
+            def ring(
+                n: int, c: AttentionCache = c, w: int = c.window, dev: torch.device = dev
+            ) -> dict[str, torch.Tensor]:
+                shape = (n, w, c.kv_heads, c.head_dim)
+                return {x: torch.zeros(shape, dtype=dtype, device=dev) for x in ("k", "v")}
+
+            out.append(StateCache(ring(num_slots + 1), ring(checkpoints)))
+        elif isinstance(c, AttentionCache):
             shape = (rows, c.kv_heads, c.head_dim)
             out.append(
                 KVCache(

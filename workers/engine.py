@@ -80,7 +80,13 @@ class Engine:
             dtype = cpu_paths.DTYPE_NAMES[cpu_paths.PATHS[choice.name].dtype]
         dt = resolve_dtype(dtype, cfg, torch.device(devices[0]))
         block_bytes = kv_block_bytes(cfg, block_size, dt)
-        num_blocks = kv_budget_bytes // block_bytes
+        if block_bytes:
+            num_blocks = kv_budget_bytes // block_bytes
+        else:
+            # No paged layer (every layer slides, each in its ring): the block tables are only
+            # the scheduler's and the prefix cache's bookkeeping, and cost no memory.
+            longest = min(max_model_len or cfg.context_limit, cfg.context_limit)
+            num_blocks = (num_slots + 1) * -(-longest // block_size)
         if num_blocks < 2:
             raise LoadError(
                 "out_of_memory",
@@ -101,13 +107,14 @@ class Engine:
         self.max_model_len = min(max_model_len or limit, limit)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = list(cfg.eos_token_ids)
-        # A recurrent layer's state cannot be rebuilt from cached KV blocks: a model with such
-        # layers keeps state checkpoints at block boundaries beside them (workers/state_checkpoints.py)
+        # A recurrent layer's state (or a sliding layer's ring) cannot be rebuilt from cached KV
+        # blocks: a model with such layers keeps state checkpoints at block boundaries beside them
+        # (workers/state_checkpoints.py)
         self.checkpoints: CheckpointIndex | None = None
-        if cfg.recurrent_layers and prefix_cache:
+        if cfg.slot_state_layers and prefix_cache:
             n = state_checkpoints(num_slots, state_checkpoint_count)
             self.checkpoints = CheckpointIndex(n) if n else None
-        self.prefix_cache = prefix_cache and (not cfg.recurrent_layers or self.checkpoints is not None)
+        self.prefix_cache = prefix_cache and (not cfg.slot_state_layers or self.checkpoints is not None)
         self.blocks = BlockManager(num_blocks, block_size, enable_cache=self.prefix_cache)
         self.scheduler = Scheduler(
             self.blocks, num_slots, prefill_chunk, self.max_model_len, self.checkpoints

@@ -1,12 +1,14 @@
 """The model runner: turns a ``StepPlan`` into tensors, runs the model, returns logits.
 
 It owns the cache tensors (``workers/cache.py``: each attention layer's paged K and V, each
-recurrent layer's state pool, on that layer's device) and knows nothing of requests beyond their
-tokens, positions, block tables and slots. It builds one backend-neutral ``StepBatch`` per step
+recurrent layer's state pool and each sliding-window layer's rings, on that layer's device) and
+knows nothing of requests beyond their tokens, positions, block tables and slots. It builds one backend-neutral ``StepBatch`` per step
 (and device) from which each layer kind takes what it needs.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -14,6 +16,7 @@ from workers.block_manager import BlockManager
 from workers.cache import KVCache, LayerCache, StateCache, kv_block_bytes, make_caches
 from workers.layers.attention import PrefillChunk, StepBatch
 from workers.layers.rotary import Rotary, qk_tables
+from workers.layers.sliding import window_view
 from workers.model_config import ModelConfig
 from workers.models.base import DecoderLM
 from workers.scheduler import StepPlan
@@ -40,6 +43,12 @@ class ModelRunner:
         )
         self.scratch_slot = num_slots  # the state slot of prompt logits computed outside the scheduler
         self.rotary = Rotary(cfg, self.main)
+        # Sliding-window layers: their windows, and their own RoPE when it differs (Gemma 3)
+        self.windows = cfg.windows
+        local = cfg.sliding_rope
+        self.sliding_rotary = (
+            None if local is None else Rotary(dataclasses.replace(cfg, rope=local), self.main)
+        )
         self.compiled = None  # a workers.compiled.CompiledDecode for pure decode steps, opt-in
 
     def compile_decode(self) -> str | None:
@@ -49,6 +58,8 @@ class ModelRunner:
 
         if len(self.devices) > 1:
             return "layers split across devices"
+        if self.windows:
+            return "not built yet for models with sliding-window layers"
         if any(isinstance(c, StateCache) for c in self.caches):
             return "not built yet for models with recurrent layers"
         c = CompiledDecode(self.model, self.caches)
@@ -87,7 +98,9 @@ class ModelRunner:
 
     def _tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        return qk_tables(cos, sin, cfg.num_heads, cfg.num_kv_heads, self.dtype, cfg.head_dim)
+        return qk_tables(
+            cos, sin, cfg.num_heads, cfg.num_kv_heads, self.dtype, cfg.head_dim, cfg.attention_scale
+        )
 
     def _rows(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.blocks.block_size
@@ -165,6 +178,15 @@ class ModelRunner:
             pre.append(PrefillChunk(start, end, gather, mask, state_slot, fresh=p0 == 0))
 
         base = StepBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre, dec_slots, slot_run)
+        if self.windows:
+            rot = None
+            if self.sliding_rotary is not None:
+                rot = self._tables(*self.sliding_rotary.cos_sin(pos_t))
+            dec = [
+                (s.slot if s.slot is not None else self.scratch_slot, s.num_computed + 1) for s in plan.decode
+            ]
+            spans = [(slot, p0, p1) for _s, _e, p0, p1, _t, slot in chunks]
+            base.windows = {w: window_view(base, w, dec, spans, rot) for w in self.windows}
         if self.compiled is not None and not pre and not all_rows:
             logits = self.compiled(input_ids, base)  # every row is a sampled decode row
             if logits is not None:

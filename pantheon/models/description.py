@@ -10,7 +10,12 @@ on top of the fields every decoder has, plus one ``LayerSpec`` per decoder layer
 kind, the shapes of its linear matrices as the engine fuses them (what a CPU path lays out and
 what sizing counts) and its **cache spec**:
 
-- ``AttentionCache(kv_heads, head_dim)``: paged K and V rows, bytes per token;
+- ``AttentionCache(kv_heads, head_dim)``: paged K and V rows, bytes per token; with ``window``
+  set, a sliding-window layer: each query reads at most ``window`` positions (itself and the
+  ``window - 1`` before it), as vLLM's ``SlidingWindowSpec`` (a kind of its ``AttentionSpec``).
+  Such a layer never needs more than its last ``window`` positions, so it keeps them in a ring of
+  ``window`` rows per slot instead of the paged pool: a fixed size per running sequence, counted
+  with the recurrent states (``state_bytes_per_slot``), not per token of context;
 - ``RecurrentState(tensors)``: a fixed-size state per running sequence (a slot), whatever the
   context length: a linear-attention layer's conv window and its recurrent matrix.
 
@@ -47,6 +52,13 @@ class AttentionCache:
 
     kv_heads: int
     head_dim: int
+    # Sliding-window attention (Mistral, Gemma 3's local layers): a query at position p reads
+    # keys p - window + 1 .. p, as transformers' ``sliding_window_overlay``. None: every past key.
+    window: int | None = None
+
+    def bytes_per_slot(self, dtype_bytes: int) -> int:
+        """A sliding layer's ring: its ``window`` positions' K and V, per slot (0 for a full layer)."""
+        return 0 if self.window is None else self.window * self.bytes_per_token(dtype_bytes)
 
     def bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.kv_heads * self.head_dim * dtype_bytes
@@ -160,17 +172,45 @@ class ModelDescription:
     def recurrent_layers(self) -> list[int]:
         return [i for i, s in enumerate(self.layers) if isinstance(s.cache, RecurrentState)]
 
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of attention scores (folded into q by the rotary tables)."""
+        return self.head_dim**-0.5
+
+    @property
+    def sliding_rope(self) -> RopeConfig | None:
+        """The RoPE of the sliding-window layers when it differs from ``rope`` (Gemma 3's
+        local base); None: they rotate as the full layers do."""
+        return None
+
+    @property
+    def windows(self) -> list[int]:
+        """The distinct sliding windows of the attention layers (the runner masks each)."""
+        return sorted(
+            {s.cache.window for s in self.layers if isinstance(s.cache, AttentionCache) and s.cache.window}
+        )
+
+    @property
+    def slot_state_layers(self) -> list[int]:
+        """Layers that keep a fixed-size state per slot: recurrent ones and sliding-window rings
+        (the prefix cache checkpoints them at block boundaries: cached KV blocks cannot rebuild them)."""
+        return [
+            i
+            for i, s in enumerate(self.layers)
+            if isinstance(s.cache, RecurrentState) or (isinstance(s.cache, AttentionCache) and s.cache.window)
+        ]
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one token over the attention layers."""
+        """K and V of one token over the attention layers of the paged pool (not the sliding ones)."""
         return sum(
-            s.cache.bytes_per_token(dtype_bytes) for s in self.layers if isinstance(s.cache, AttentionCache)
+            s.cache.bytes_per_token(dtype_bytes)
+            for s in self.layers
+            if isinstance(s.cache, AttentionCache) and not s.cache.window
         )
 
     def state_bytes_per_slot(self, dtype_bytes: int) -> int:
-        """The recurrent states of one running sequence over the layers that keep one."""
-        return sum(
-            s.cache.bytes_per_slot(dtype_bytes) for s in self.layers if isinstance(s.cache, RecurrentState)
-        )
+        """The states of one running sequence: recurrent layers' and sliding layers' rings."""
+        return sum(s.cache.bytes_per_slot(dtype_bytes) for s in self.layers)
 
 
 # ---------------------------------------------------------------- parsing helpers (for families)

@@ -201,6 +201,46 @@ _QWEN35_08B_TEXT = _qwen35_text(
 )
 
 
+# ------------------------------------------------------------------------------------- Gemma 3
+#
+# Gemma 3's text model (Gemma3ForCausalLM, as Gemma 3 1B ships): five sliding-window layers to one
+# global, each kind with its own RoPE base; four zero-centred norms per layer plus q/k norms; GeGLU.
+# The tokenizer is ours plus Gemma's turn markers (special, ids 4000, 4001; Gemma's own are 105,
+# 106), and the chat template writes Gemma 3's turn format (our text: the shipped template is not
+# in ../shared/specs; <end_of_turn> ends a turn and is the EOS, the assistant's role is "model").
+
+GEMMA3_TURN_TOKENS = ["<start_of_turn>", "<end_of_turn>"]
+GEMMA3_TOKEN_IDS = {**tt.TOKEN_IDS, **{t: tt.VOCAB_SIZE + i for i, t in enumerate(GEMMA3_TURN_TOKENS)}}
+GEMMA3_VOCAB_SIZE = tt.VOCAB_SIZE + len(GEMMA3_TURN_TOKENS)  # 4002
+
+
+def _gemma3_text(**shapes) -> dict:
+    """A ``gemma3_text`` config as the Hub writes Gemma 3 1B's (transformers 4 spelling), keys sorted."""
+    config = dict(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        attention_bias=False,
+        attention_dropout=0.0,
+        attn_logit_softcapping=None,
+        bos_token_id=tt.TOKEN_IDS[tt.BOS_TOKEN],
+        eos_token_id=GEMMA3_TOKEN_IDS["<end_of_turn>"],
+        final_logit_softcapping=None,
+        hidden_activation="gelu_pytorch_tanh",
+        initializer_range=0.02,
+        pad_token_id=tt.TOKEN_IDS[tt.PAD_TOKEN],
+        rms_norm_eps=1e-6,
+        rope_local_base_freq=10000.0,
+        rope_scaling=None,
+        rope_theta=1000000.0,
+        sliding_window_pattern=6,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+        use_cache=True,
+        **shapes,
+    )
+    return dict(sorted(config.items()))
+
+
 PRESETS: dict[str, dict] = {
     # Qwen3 architecture: per-head RMSNorm on q and k, no biases, tied embeddings.
     "tiny": _qwen3(**_TINY_SHAPES),
@@ -258,6 +298,21 @@ PRESETS: dict[str, dict] = {
     "tiny-qwen3.5-text": dict(
         architectures=["Qwen3_5ForCausalLM"], torch_dtype="bfloat16", **_TINY_QWEN35_TEXT
     ),
+    # Gemma 3, tiny: six layers (five sliding with a 16-token window, one global), so that
+    # prompts a few dozen tokens long go past the window; query_pre_attn_scalar is the head dim
+    # (as Gemma 3 1B/4B/12B, and as llama.cpp assumes for a GGUF file).
+    "tiny-gemma3": _gemma3_text(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=16,
+        vocab_size=_TINY_VOCAB,
+        max_position_embeddings=4096,
+    ),
     # Exactly Qwen3.5-0.8B's shapes, vision tower included (tokenizer ours: ids < 4005 only).
     "qwen3.5-0.8b": _qwen35_vlm(
         _QWEN35_08B_TEXT,
@@ -280,6 +335,7 @@ _NORM_JITTER = {
     "tiny-qwen2": 0.1,
     "tiny-qwen3.5": 0.1,
     "tiny-qwen3.5-text": 0.1,
+    "tiny-gemma3": 0.1,
 }
 _STD = 0.02  # linears, embeddings and biases
 
@@ -314,6 +370,8 @@ def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """
     if config["model_type"] in ("qwen3_5", "qwen3_5_text"):
         return _qwen35_specs(config)
+    if _is_gemma3(config):
+        return _gemma3_specs(config)
     arch = config["model_type"]
     h, inner = config["hidden_size"], config["intermediate_size"]
     nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -480,6 +538,36 @@ def _qwen35_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
             ("mtp.pre_fc_norm_embedding.weight", (h,), "norm0"),
             ("mtp.pre_fc_norm_hidden.weight", (h,), "norm0"),
         ]
+    return specs
+
+
+def _gemma3_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """Gemma 3's text model (``Gemma3ForCausalLM`` names); every norm is zero-centred."""
+    h, inner = config["hidden_size"], config["intermediate_size"]
+    nq, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    specs: list[tuple[str, tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", (config["vocab_size"], h), "embed")
+    ]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        specs += [
+            (p + "input_layernorm.weight", (h,), "norm0"),
+            (p + "self_attn.q_proj.weight", (nq * hd, h), "normal"),
+            (p + "self_attn.k_proj.weight", (nkv * hd, h), "normal"),
+            (p + "self_attn.v_proj.weight", (nkv * hd, h), "normal"),
+            (p + "self_attn.o_proj.weight", (h, nq * hd), "normal"),
+            (p + "self_attn.q_norm.weight", (hd,), "norm0"),
+            (p + "self_attn.k_norm.weight", (hd,), "norm0"),
+            (p + "post_attention_layernorm.weight", (h,), "norm0"),
+            (p + "pre_feedforward_layernorm.weight", (h,), "norm0"),
+            (p + "mlp.gate_proj.weight", (inner, h), "normal"),
+            (p + "mlp.up_proj.weight", (inner, h), "normal"),
+            (p + "mlp.down_proj.weight", (h, inner), "normal"),
+            (p + "post_feedforward_layernorm.weight", (h,), "norm0"),
+        ]
+    specs.append(("model.norm.weight", (h,), "norm0"))
+    if not config.get("tie_word_embeddings", True):
+        specs.append(("lm_head.weight", (config["vocab_size"], h), "embed"))
     return specs
 
 
@@ -729,6 +817,72 @@ def qwen35_tokenizer_config(model_max_length: int) -> dict:
     return config
 
 
+# Gemma 3's turn format, our own text: an optional system message is folded into the first user
+# turn, the assistant's role is "model", each turn ends "<end_of_turn>\n"; text parts of list
+# contents are joined, image parts become Gemma's image marker (which this tokenizer lacks).
+GEMMA3_CHAT_TEMPLATE = """\
+{%- macro render(content) -%}
+  {%- if content is string -%}{{- content | trim -}}
+  {%- elif content is iterable and content is not mapping -%}
+    {%- for part in content -%}
+      {%- if part.type == 'image' or 'image_url' in part -%}{{- '<start_of_image>' -}}
+      {%- elif 'text' in part -%}{{- part.text | trim -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+{{- bos_token -}}
+{%- set msgs = messages -%}
+{%- set prefix = '' -%}
+{%- if messages and messages[0].role == 'system' -%}
+  {%- set prefix = render(messages[0].content) + '\n\n' -%}
+  {%- set msgs = messages[1:] -%}
+{%- endif -%}
+{%- for m in msgs -%}
+  {{- '<start_of_turn>' + ('model' if m.role == 'assistant' else m.role) + '\n' -}}
+  {%- if loop.first -%}{{- prefix -}}{%- endif -%}
+  {{- render(m.content) + '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
+"""
+
+
+def _is_gemma3(config: dict) -> bool:
+    return config["model_type"] in ("gemma3", "gemma3_text")
+
+
+@functools.lru_cache(maxsize=1)
+def gemma3_tokenizer_json() -> str:
+    """Our trained tokenizer plus Gemma's turn markers (special, ids 4000, 4001)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_str(tt.tokenizer_json())
+    for content in GEMMA3_TURN_TOKENS:  # one by one: ids in list order
+        tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
+    ids = {t: tok.token_to_id(t) for t in GEMMA3_TOKEN_IDS}
+    if ids != GEMMA3_TOKEN_IDS:
+        raise RuntimeError(f"added token ids {ids} differ from {GEMMA3_TOKEN_IDS}")
+    return tok.to_str(pretty=True)
+
+
+def gemma3_tokenizer_config(model_max_length: int) -> dict:
+    """``tokenizer_config.json`` of the Gemma 3 presets: the turn markers, <end_of_turn> as EOS,
+    the Gemma 3 turn-format template."""
+    config = tt.tokenizer_config(model_max_length)
+    for content in GEMMA3_TURN_TOKENS:
+        config["added_tokens_decoder"][str(GEMMA3_TOKEN_IDS[content])] = {
+            "content": content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+    config["eos_token"] = "<end_of_turn>"
+    config["chat_template"] = GEMMA3_CHAT_TEMPLATE
+    return config
+
+
 # ------------------------------------------------------------------------------------ the folder
 
 
@@ -834,15 +988,21 @@ def make_model(
     if qwen35:
         (out / "tokenizer.json").write_text(qwen35_tokenizer_json(), encoding="utf-8")
         _write_json(out / "tokenizer_config.json", qwen35_tokenizer_config(text["max_position_embeddings"]))
+    elif _is_gemma3(config):
+        (out / "tokenizer.json").write_text(gemma3_tokenizer_json(), encoding="utf-8")
+        _write_json(out / "tokenizer_config.json", gemma3_tokenizer_config(text["max_position_embeddings"]))
     else:
         tt.write_tokenizer(out, model_max_length=text["max_position_embeddings"])
+    real_vocab = QWEN35_VOCAB_SIZE if qwen35 else tt.VOCAB_SIZE
+    if _is_gemma3(config):
+        real_vocab = GEMMA3_VOCAB_SIZE
     write_weights(
         out,
         config,
         seed=seed,
         jitter=_NORM_JITTER.get(preset, 0.0),
         shard_bytes=shard_bytes,
-        real_vocab=QWEN35_VOCAB_SIZE if qwen35 else tt.VOCAB_SIZE,
+        real_vocab=real_vocab,
     )
     return out
 

@@ -25,7 +25,6 @@ from pantheon.models.description import (
     AttentionCache,
     ModelDescription,
     ModelError,
-    RecurrentState,
     describe,
     read_description,
 )
@@ -231,12 +230,12 @@ def estimate(
     return Estimate(
         base=base,
         layer_bytes=tuple(_linear_bytes(s.linears, layout, b) + s.small * b for s in shape.layers),
+        # a sliding-window layer keeps a ring of its window per slot: state, not per-token KV
         kv_layer_bytes=tuple(
-            s.cache.bytes_per_token(b) if isinstance(s.cache, AttentionCache) else 0 for s in shape.layers
+            s.cache.bytes_per_token(b) if isinstance(s.cache, AttentionCache) and not s.cache.window else 0
+            for s in shape.layers
         ),
-        state_layer_bytes=tuple(
-            s.cache.bytes_per_slot(b) if isinstance(s.cache, RecurrentState) else 0 for s in shape.layers
-        ),
+        state_layer_bytes=tuple(s.cache.bytes_per_slot(b) for s in shape.layers),
         context_limit=shape.context_limit,
     )
 

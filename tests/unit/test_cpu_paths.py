@@ -110,15 +110,18 @@ def test_quantize_and_dtype_narrow_the_candidates():
     assert cpu_path_names(False, works={"bf16": "", "fp32": "no", "bf16-packed": "x"}) == ["bf16"]
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3.5-text"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3.5-text", "tiny-gemma3"])
 @pytest.mark.parametrize("name", WORKING)
 def test_every_working_path_matches_the_fp32_reference(name, preset, model_factory):
     """Each path's logits against the plain fp32 path on the same checkpoint; within a dtype,
     packed and plain give the same greedy tokens. On Qwen3.5 too: the paths lay out the fused
     DeltaNet projections (whose row count int4 does not take: int8 rows then) and the gated
-    attention's."""
-    layers = {"tiny-llama": 2, "tiny-qwen3.5-text": 4}[preset]
-    path = str(model_factory(preset, dtype="float32", num_hidden_layers=layers))
+    attention's. On Gemma 3 (one sliding and one global layer): its GeGLU and four norms per layer
+    around the same fused linears (its post-attention and post-MLP norms put a lossy path's error
+    into the residual at full scale: about twice Llama's at the same depth, int8 and int4 alike)."""
+    layers = {"tiny-llama": 2, "tiny-qwen3.5-text": 4, "tiny-gemma3": 2}[preset]
+    extra = {"sliding_window_pattern": 2} if preset == "tiny-gemma3" else {}
+    path = str(model_factory(preset, dtype="float32", num_hidden_layers=layers, **extra))
     prompt = [3, 14, 15, 92, 65, 35, 89, 79]
     ref = Engine(path, devices=["cpu"], kv_budget_bytes=1 << 20, cpu_path="fp32")
     eng = Engine(

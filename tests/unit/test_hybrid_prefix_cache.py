@@ -1,5 +1,6 @@
-"""The prefix cache on a hybrid model (Qwen3.5: three of four layers keep a recurrent state):
-KV blocks plus state checkpoints at block boundaries (workers/state_checkpoints.py).
+"""The prefix cache on models with per-slot states (Qwen3.5: three of four layers keep a recurrent
+state; Gemma 3 and Mistral: sliding-window layers keep a ring of their window): KV blocks plus
+state checkpoints at block boundaries (workers/state_checkpoints.py).
 
 A wrong restored state is the worst bug this can have, and it does not crash: it changes the
 answer. So every test compares the tokens with the cache against the tokens without it, at
@@ -21,14 +22,31 @@ def greedy(n=10) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def path(model_factory):
-    return str(model_factory("tiny-qwen3.5-text", dtype="float32"))
+# Qwen3.5 (recurrent states), Gemma 3 (five of six layers keep a 16-position sliding-window
+# ring per slot, checkpointed the same way) and Mistral on the Llama module (every layer an
+# 8-position ring: no paged layer at all, the blocks are bookkeeping only)
+MODELS = {
+    "qwen3.5": ("tiny-qwen3.5-text", {}),
+    "gemma3": ("tiny-gemma3", {}),
+    "mistral": (
+        "tiny-llama",
+        dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=8),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def path(model_factory, request):
+    preset, overrides = MODELS[request.param]
+    return str(model_factory(preset, dtype="float32", **overrides))
 
 
 def make(path, bs: int, cache=True, **kw) -> Engine:
     budget = kv_block_bytes(load_config(path), bs, torch.float32) * 512
-    return Engine(path, dtype="float32", block_size=bs, kv_budget_bytes=budget, prefix_cache=cache, **kw)
+    eng = Engine(path, dtype="float32", block_size=bs, kv_budget_bytes=budget, prefix_cache=cache, **kw)
+    for key in [k for k in LOGITS if k[0] == id(eng)]:  # an id a collected engine had
+        del LOGITS[key]
+    return eng
 
 
 LOGITS: dict[tuple[int, str], list[torch.Tensor]] = {}  # (engine id, request) -> each step's logits

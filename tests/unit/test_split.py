@@ -7,7 +7,7 @@ from workers.cache import StateCache
 from workers.engine import Engine
 
 
-@pytest.mark.parametrize("preset,layers", [("tiny-llama", 3), ("tiny-qwen3.5-text", 4)])
+@pytest.mark.parametrize("preset,layers", [("tiny-llama", 3), ("tiny-qwen3.5-text", 4), ("tiny-gemma3", 6)])
 def test_split_placement_gives_the_same_tokens(model_factory, preset, layers):
     """The Qwen3.5 hybrid too: each recurrent layer's state pool lives on its layer's die."""
     path = str(model_factory(preset, dtype="float32", num_hidden_layers=layers))

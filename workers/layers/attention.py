@@ -10,7 +10,7 @@ gathers; a recurrent layer: the slot of each row and where each prefill chunk st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ class PrefillChunk:
     mask: torch.Tensor | None  # [1, 1, C, T] bool (True = attend), None when plain causal
     slot: int = 0  # the sequence's slot: where a recurrent layer keeps its state
     fresh: bool = True  # the chunk starts the sequence: recurrent states start from zero
+    windowed: bool = False  # a sliding window's view: ``gather`` is the ring's history, ``mask`` bands it
 
 
 @dataclass
@@ -46,6 +47,10 @@ class StepBatch:
     prefills: list[PrefillChunk]
     decode_slots: torch.Tensor | None = None  # [B] int64: each decode row's slot (recurrent layers)
     decode_slot_run: int | None = None  # when the decode slots are first, first + 1, ...: first
+    # Sliding-window layers' views of this step, by window, in their rings' rows
+    # (workers/layers/sliding.py: each query reads at most the window; the masks band it); the
+    # rotary tables are the sliding layers' (Gemma 3's local base). Built by the runner.
+    windows: dict[int, StepBatch] = field(default_factory=dict)
 
     def to(self, dev: torch.device) -> StepBatch:
         """The same batch description on another device (layers split across dies)."""
@@ -61,11 +66,12 @@ class StepBatch:
             mv(self.decode_gather),
             mv(self.decode_bias),
             [
-                PrefillChunk(c.start, c.end, c.gather.to(dev), mv(c.mask), c.slot, c.fresh)
+                PrefillChunk(c.start, c.end, c.gather.to(dev), mv(c.mask), c.slot, c.fresh, c.windowed)
                 for c in self.prefills
             ],
             mv(self.decode_slots),
             self.decode_slot_run,
+            {w: v.to(dev) for w, v in self.windows.items()},
         )
 
 

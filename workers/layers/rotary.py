@@ -113,7 +113,13 @@ class Rotary:
 
 
 def qk_tables(
-    cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int, dtype: torch.dtype, head_dim: int = 0
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    n_heads: int,
+    n_kv: int,
+    dtype: torch.dtype,
+    head_dim: int = 0,
+    q_scale: float | None = None,
 ):
     """The per-step rotary tables for q and k heads together, built once for all layers.
 
@@ -122,6 +128,7 @@ def qk_tables(
     scaling q before it is the same as scaling the scores after) and sin signed for
     ``rotate``'s swapped halves. With partial rotary embeddings (R < D, ``head_dim`` = D) the
     dimensions past R get cos 1 and sin 0: they pass through, scaled like the rest of q.
+    ``q_scale`` replaces 1/sqrt(D) where a model says otherwise (Gemma 3's ``query_pre_attn_scalar``).
     """
     n, half = cos.shape
     d = head_dim or 2 * half
@@ -131,7 +138,7 @@ def qk_tables(
         c = torch.cat((c, c.new_ones(n, d - 2 * half)), dim=-1)  # [N, D]
         s = torch.cat((s, s.new_zeros(n, d - 2 * half)), dim=-1)
     scale = torch.ones(1, n_heads + n_kv, 1, dtype=torch.float32, device=cos.device)
-    scale[:, :n_heads] = d**-0.5
+    scale[:, :n_heads] = d**-0.5 if q_scale is None else q_scale
     return (c[:, None, :] * scale).to(dtype), (s[:, None, :] * scale).to(dtype)
 
 

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Qwen2, Qwen3, SmolLM, Mistral without a window) in plain torch.
+"""The Llama family (Llama, Qwen2, Qwen3, SmolLM, Mistral with its window) in plain torch.
 
 Every layer: RMSNorm, attention over the paged KV cache (q/k/v fused into one matrix, Qwen2's
 biases, Qwen3's per-head q/k RMSNorm), RMSNorm, SwiGLU MLP (gate/up fused): fewer, larger matrix
@@ -14,18 +14,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from pantheon.models.archs.llama import LlamaDescription
-from pantheon.models.description import ModelDescription
-from workers.cache import KVCache, LayerCache
+from pantheon.models.description import AttentionCache, ModelDescription
+from workers.cache import LayerCache, StateCache
 from workers.layers.attention import StepBatch, paged_attention
 from workers.layers.norms import RMSNorm
 from workers.layers.rotary import rotate
+from workers.layers.sliding import ring_attention
 from workers.models import Target
 from workers.models.base import DecoderLayer, DecoderLM
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaDescription):
+    def __init__(self, cfg: LlamaDescription, window: int | None = None):
         super().__init__()
+        self.window = window  # Mistral's sliding window: the step's view of it (b.windows)
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
@@ -36,7 +38,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, b: StepBatch, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
         # x: [N, hidden]
         n, h, kvh, d = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         qkv = self.qkv_proj(x)  # [N, Q + 2 KV]
@@ -46,9 +48,14 @@ class Attention(nn.Module):
             qk = torch.cat((q, k), dim=1)
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(n, h + kvh, d)
+        if self.window is not None:
+            b = b.windows[self.window]
         qk = rotate(qk, b.rot_cos, b.rot_sin)  # [N, H + KV, D], q pre-scaled
         v = qkv[:, self.q_size + self.kv_size :].view(n, kvh, d)
-        out = paged_attention(qk[:, :h], qk[:, h:], v, b, cache.k, cache.v)  # [N, H, D]
+        if isinstance(cache, StateCache):  # a sliding layer's ring (workers/layers/sliding.py)
+            out = ring_attention(qk[:, :h], qk[:, h:], v, b, cache.tensors["k"], cache.tensors["v"])
+        else:
+            out = paged_attention(qk[:, :h], qk[:, h:], v, b, cache.k, cache.v)  # [N, H, D]
         return self.o_proj(out.reshape(n, self.q_size))
 
 
@@ -67,22 +74,23 @@ class MLP(nn.Module):
 
 
 class LlamaLayer(DecoderLayer):
-    def __init__(self, cfg: LlamaDescription):
+    def __init__(self, cfg: LlamaDescription, window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
-        assert isinstance(cache, KVCache)  # every Llama layer is attention
         x = x + self.self_attn(self.input_layernorm(x), b, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def build(desc: ModelDescription) -> DecoderLM:
     assert isinstance(desc, LlamaDescription)
-    layers: list[nn.Module] = [LlamaLayer(desc) for _ in range(desc.num_layers)]
+    layers: list[nn.Module] = [
+        LlamaLayer(desc, s.cache.window if isinstance(s.cache, AttentionCache) else None) for s in desc.layers
+    ]
     norm = RMSNorm(desc.hidden_size, desc.rms_norm_eps)
     return DecoderLM(desc.vocab_size, desc.hidden_size, layers, norm, desc.tie_word_embeddings)
 

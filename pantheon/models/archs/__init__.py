@@ -32,9 +32,9 @@ class Family:
 
 
 def _families() -> tuple[Family, ...]:
-    from pantheon.models.archs import llama, qwen3_5
+    from pantheon.models.archs import gemma3, llama, qwen3_5
 
-    return (llama.FAMILY, qwen3_5.FAMILY)
+    return (llama.FAMILY, qwen3_5.FAMILY, gemma3.FAMILY)
 
 
 FAMILIES: tuple[Family, ...] = _families()

@@ -1,5 +1,6 @@
 """The Llama family's description: Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm),
-SmolLM and Mistral (Llama's layout). Every layer is attention with a paged KV cache and a SwiGLU
+SmolLM and Mistral (Llama's layout, with its ``sliding_window`` on every layer when set; Qwen2 and
+Qwen3 with ``use_sliding_window`` slide from ``max_window_layers`` on). Every layer is attention with a paged KV cache and a SwiGLU
 MLP; q/k/v and gate/up are fused (``workers/models/llama.py``)."""
 
 from __future__ import annotations
@@ -45,10 +46,9 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> LlamaDescription:
         and raw.get("use_sliding_window", True)
         and window < int(raw.get("max_position_embeddings") or 4096)
     ):
-        # Mistral's window (and Qwen2's, when switched on) is sliding-window attention: not built yet
-        raise ModelError(
-            "unsupported", f"{where}: sliding_window {window} (sliding-window attention) is not supported"
-        )
+        window = pos_int(raw, "sliding_window", where)
+    else:
+        window = None
     hidden, heads, kv_heads, head_dim = attention_head_shape(raw, where)
     inter = pos_int(raw, "intermediate_size", where)
     layers = pos_int(raw, "num_hidden_layers", where)
@@ -62,23 +62,52 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> LlamaDescription:
         + (hidden if o_bias else 0)
         + (2 * head_dim if qk_norm else 0)
     )
-    spec = LayerSpec(
-        kind="attention",
-        linears=((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)),
-        small=small,
-        cache=AttentionCache(kv_heads, head_dim),
-    )
+    slides = _sliding_layers(raw, where, arch, layers, window)
+
+    def spec(i: int) -> LayerSpec:
+        return LayerSpec(
+            kind="attention",
+            linears=((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)),
+            small=small,
+            cache=AttentionCache(kv_heads, head_dim, window if slides[i] else None),
+        )
+
     return LlamaDescription(
         family="llama",
         arch=arch,
         **decoder_fields(
             raw, gen, where, head_shape=(hidden, heads, kv_heads, head_dim), default_context=4096
         ),
-        layers=(spec,) * layers,
+        layers=tuple(spec(i) for i in range(layers)),
         attention_bias=bias,
         o_bias=o_bias,
         qk_norm=qk_norm,
     )
+
+
+def _sliding_layers(raw: dict, where: str, arch: str, n: int, window: int | None) -> list[bool]:
+    """Which layers read only the window: every one for Mistral; for Qwen2 / Qwen3 with
+    ``use_sliding_window``, ``layer_types`` if given, else layers from ``max_window_layers`` on
+    (as transformers' configs build them)."""
+    if window is None:
+        return [False] * n
+    if arch == "llama":
+        return [True] * n
+    types = raw.get("layer_types")
+    if types is None:
+        first = raw.get("max_window_layers", 28)
+        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+            raise ModelError("invalid", f"{where}: max_window_layers must be an integer >= 0, got {first!r}")
+        return [i >= first for i in range(n)]
+    if (
+        not isinstance(types, list)
+        or len(types) != n
+        or any(t not in ("sliding_attention", "full_attention") for t in types)
+    ):
+        raise ModelError(
+            "invalid", f"{where}: layer_types must list {n} of 'sliding_attention' / 'full_attention'"
+        )
+    return [t == "sliding_attention" for t in types]
 
 
 FAMILY = Family(

@@ -1,0 +1,111 @@
+"""Sliding-window attention over a ring of ``window`` positions per slot.
+
+A query at position p reads keys p - window + 1 .. p (transformers' ``sliding_window_overlay``:
+``kv_idx > q_idx - window``). So a sliding layer never needs more than its sequence's last
+``window`` positions: it keeps them in a ring (``workers/cache.py``: ``[slots + 1, window, KV, D]``,
+position p of slot s in row ``s * window + p % window`` of the flat view), and its KV memory per
+sequence is bounded by the window whatever the context, while full-attention layers keep every
+position in the paged pool. The ring is checkpointed at block boundaries for the prefix cache like
+a recurrent state.
+
+The step's view for a window (``window_view``) is a ``StepBatch`` in ring rows:
+
+- ``slot_mapping``: each token's ring row;
+- decode rows: row b (slot s, length L) reads positions max(0, L - window) .. L - 1, a
+  [B, min(max L, window)] gather; positions past a row's end are padding under a -inf bias;
+- a prefill chunk of positions p0 .. p1 - 1: ``gather`` is its history in the ring, positions
+  max(0, p0 - window + 1) .. p0 - 1; its own keys come from the step (a chunk longer than the window
+  would overwrite, in the ring, history its first queries still read); ``mask`` bands history and
+  chunk (None: plain causal, a first chunk no longer than the window).
+
+``ring_attention`` writes decode rows' K/V first and attends; a prefill chunk attends to its
+history and itself, then writes its last ``window`` positions. A query only ever reads positions
+its own sequence wrote (or a restored checkpoint holds), so a ring is never cleared.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from workers.layers.attention import PrefillChunk, StepBatch, decode_attention
+
+
+def window_view(
+    b: StepBatch,
+    window: int,
+    decode: list[tuple[int, int]],
+    chunks: list[tuple[int, int, int]],
+    rot: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> StepBatch:
+    """``b``'s view for layers of this ``window``, in ring rows. ``decode``: each decode row's
+    (slot, length: its position + 1); ``chunks``: each prefill chunk's (slot, p0, p1), in
+    ``b.prefills``' order; ``rot``: the sliding layers' rotary tables when they differ from ``b``'s."""
+    cos, sin = rot if rot is not None else (b.rot_cos, b.rot_sin)
+    dev = b.slot_mapping.device
+    mapping: list[int] = [s * window + (n - 1) % window for s, n in decode]
+    for slot, p0, p1 in chunks:
+        mapping += [slot * window + p % window for p in range(p0, p1)]
+    gather = bias = None
+    if decode:
+        slots = torch.tensor([s for s, _n in decode], dtype=torch.long, device=dev)  # [B]
+        lens = torch.tensor([n for _s, n in decode], dtype=torch.long, device=dev)  # [B]
+        width = min(max(n for _s, n in decode), window)
+        pos = (lens - window).clamp_(min=0)[:, None] + torch.arange(width, device=dev)[None, :]  # [B, W]
+        pad = pos >= lens[:, None]
+        gather = slots[:, None] * window + pos % window
+        if bool(pad.any()):
+            bias = torch.zeros(pad.shape, dtype=torch.float32, device=dev)
+            bias = bias.masked_fill_(pad, float("-inf"))[:, None, None, :]  # [B, 1, 1, W]
+    pre = []
+    for c, (slot, p0, p1) in zip(b.prefills, chunks):
+        k0 = max(0, p0 - window + 1)  # the first key any query of the chunk reads
+        hist = torch.tensor([slot * window + p % window for p in range(k0, p0)], dtype=torch.long, device=dev)
+        mask = None
+        if p0 or p1 > window:
+            q_pos = torch.arange(p0, p1, device=dev)[:, None]
+            k_pos = torch.arange(k0, p1, device=dev)[None, :]
+            mask = ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]  # [1, 1, C, P + C]
+        pre.append(PrefillChunk(c.start, c.end, hist, mask, c.slot, c.fresh, windowed=True))
+    slot_mapping = torch.tensor(mapping, dtype=torch.long, device=dev)
+    return StepBatch(cos, sin, slot_mapping, b.n_decode, gather, bias, pre, b.decode_slots, b.decode_slot_run)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    b: StepBatch,
+    k_ring: torch.Tensor,
+    v_ring: torch.Tensor,
+) -> torch.Tensor:
+    """Sliding-window attention on a window view (``window_view``). q: [N, H, D] (pre-scaled),
+    k, v: [N, KV, D]; k_ring, v_ring: [slots + 1, window, KV, D] (a ring state) -> [N, H, D]."""
+    nd, window = b.n_decode, k_ring.shape[1]
+    k_ring, v_ring = k_ring.flatten(0, 1), v_ring.flatten(0, 1)  # views: [(slots + 1) * window, KV, D]
+    if nd:
+        k_ring.index_copy_(0, b.slot_mapping[:nd], k[:nd])
+        v_ring.index_copy_(0, b.slot_mapping[:nd], v[:nd])
+        if not b.prefills:
+            return decode_attention(q, b, k_ring, v_ring)
+    out = torch.empty_like(q)  # [N, H, D]
+    if nd:
+        out[:nd] = decode_attention(q[:nd], b, k_ring, v_ring)
+    for c in b.prefills:
+        s, e = c.start, c.end
+        kk = torch.cat((k_ring.index_select(0, c.gather), k[s:e]))  # [P + C, KV, D]
+        vv = torch.cat((v_ring.index_select(0, c.gather), v[s:e]))
+        out[s:e] = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1).unsqueeze(0),  # [1, H, C, D]
+            kk.transpose(0, 1).unsqueeze(0),  # [1, KV, P + C, D]
+            vv.transpose(0, 1).unsqueeze(0),
+            attn_mask=c.mask,
+            is_causal=c.mask is None,
+            enable_gqa=True,
+            scale=1.0,
+        )[0].transpose(0, 1)
+        # then its newest positions into the ring (at most a ring's worth: no row written twice)
+        tail = max(s, e - window)
+        k_ring.index_copy_(0, b.slot_mapping[tail:e], k[tail:e])
+        v_ring.index_copy_(0, b.slot_mapping[tail:e], v[tail:e])
+    return out
