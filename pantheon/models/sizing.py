@@ -60,6 +60,10 @@ class Estimate:
     kv_layer_bytes: tuple[int, ...]
     state_layer_bytes: tuple[int, ...]
     context_limit: int
+    # Parameters in all, and those one token's pass reads (a mixture of experts reads its top-k
+    # experts of each layer only; equal for a dense model): the admin view shows both.
+    total_params: int = 0
+    active_params: int = 0
 
     @property
     def layers(self) -> int:
@@ -230,7 +234,11 @@ def estimate(
         base += head  # the tied head's laid-out copy (the table stays for lookups)
     return Estimate(
         base=base,
-        layer_bytes=tuple(_linear_bytes(s.linears, layout, b) + s.small * b for s in shape.layers),
+        # a mixture of experts' stacked experts stay dense in the path's dtype (workers/layers/moe.py)
+        layer_bytes=tuple(
+            _linear_bytes(s.linears, layout, b) + s.small * b + (s.experts.params * b if s.experts else 0)
+            for s in shape.layers
+        ),
         kv_layer_bytes=tuple(
             s.cache.bytes_per_token(b) if isinstance(s.cache, AttentionCache) else 0 for s in shape.layers
         ),
@@ -238,6 +246,8 @@ def estimate(
             s.cache.bytes_per_slot(b) if isinstance(s.cache, RecurrentState) else 0 for s in shape.layers
         ),
         context_limit=shape.context_limit,
+        total_params=shape.total_params,
+        active_params=shape.active_params,
     )
 
 

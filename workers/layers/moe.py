@@ -1,0 +1,168 @@
+"""A mixture-of-experts MLP: router -> top-k experts (SwiGLU, weights stacked ``[E, ...]``) ->
+weighted sum, plus an optional shared expert behind a sigmoid gate (Qwen3.5-MoE's).
+
+Routing (``route``), the variants the families need:
+
+- ``softmax``: softmax over all experts' logits, then the top k, renormalised to sum to 1 when
+  ``norm_topk_prob`` (Qwen3-MoE, Qwen3.5-MoE, as transformers' ``Qwen3MoeTopKRouter``);
+- ``topk_softmax``: the top k logits, then a softmax over those k (gpt-oss, Mixtral);
+- a router bias (gpt-oss) is the router linear's own bias.
+
+The experts' weights are stacked parameters (``gate_up [E, 2I, H]``: gate rows then up rows per
+expert; ``down [E, H, I]``), each expert's block contiguous, so running one expert reads only its
+own bytes. ``experts_forward`` groups the step's (token, expert) assignments by expert: sorted
+once, then one matrix product per *active* expert over its group of tokens (CPU, and CUDA
+without a grouped GEMM), or one ``torch._grouped_mm`` over all groups (CUDA, bf16, when this
+torch has it and the shapes are aligned). A decode step of one token thus reads ``top_k``
+experts, not ``E``: the point of a mixture of experts.
+
+The router and the shared expert are ``nn.Linear``\\ s, laid out by the CPU paths like any other
+linear; the stacked experts stay dense in the path's dtype (int8/int4 experts are not built).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROUTINGS = ("softmax", "topk_softmax")
+
+
+def route(
+    logits: torch.Tensor, top_k: int, routing: str = "softmax", norm_topk_prob: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] -> (weights [N, k] float32, expert ids [N, k] int64)."""
+    if routing == "softmax":
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+    if routing == "topk_softmax":
+        top, ids = torch.topk(logits.float(), top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    raise ValueError(f"unknown routing {routing!r} (known: {', '.join(ROUTINGS)})")
+
+
+class Groups:
+    """A step's (token, expert) assignments grouped by expert: ``order`` sorts the flattened
+    ``[N * k]`` assignments by expert (stable: tokens in order within a group), ``tokens[i]`` is
+    the token of sorted assignment ``i``, ``ends`` the cumulative group ends over all ``E``
+    experts (int32, what a grouped GEMM takes), ``counts`` each expert's group size."""
+
+    def __init__(self, ids: torch.Tensor, num_experts: int):
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        self.order = torch.argsort(flat, stable=True)
+        self.tokens = self.order // k
+        self.counts = torch.bincount(flat, minlength=num_experts)
+        self.ends = torch.cumsum(self.counts, 0).to(torch.int32)
+
+    def active(self) -> list[tuple[int, int, int]]:
+        """(expert, start, end) in the sorted assignments of each expert with tokens (one host
+        sync: the loop below needs the counts on the host)."""
+        counts = self.counts.tolist()
+        out, start = [], 0
+        for e, c in enumerate(counts):
+            if c:
+                out.append((e, start, start + c))
+                start += c
+        return out
+
+
+def _grouped_mm_ok(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these: CUDA, bf16, rows of 16-byte multiples."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and gate_up.shape[1] % 8 == 0
+        and gate_up.shape[2] % 8 == 0
+        and down.shape[2] % 8 == 0
+    )
+
+
+def experts_forward(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    grouped_mm: bool | None = None,
+) -> torch.Tensor:
+    """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for every token n.
+
+    x: [N, H]; weights: [N, k] (float32); ids: [N, k]; gate_up: [E, 2I, H]; down: [E, H, I].
+    ``grouped_mm``: force the grouped GEMM on or off (None: when ``_grouped_mm_ok``).
+    The sum is accumulated in float32 and returned in x's dtype."""
+    n, h = x.shape
+    e, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    g = Groups(ids, e)
+    xs = x[g.tokens]  # [N k, H], grouped by expert
+    w = weights.reshape(-1)[g.order].unsqueeze(1)  # [N k, 1]
+    use_grouped = _grouped_mm_ok(x, gate_up, down) if grouped_mm is None else grouped_mm
+    if use_grouped:
+        gu = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=g.ends)  # [N k, 2I]
+        act = F.silu(gu[:, :inter]) * gu[:, inter:]
+        ys = torch._grouped_mm(act, down.transpose(1, 2), offs=g.ends)  # [N k, H]
+    else:
+        ys = torch.empty(xs.shape[0], h, dtype=x.dtype, device=x.device)
+        for ex, s, t in g.active():
+            gu = F.linear(xs[s:t], gate_up[ex])  # [c, 2I]
+            ys[s:t] = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down[ex])
+    out = torch.zeros(n, h, dtype=torch.float32, device=x.device)
+    out.index_add_(0, g.tokens, ys.float() * w)
+    return out.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP with gate and up fused: ``down(silu(gate x) * up x)`` (a shared expert)."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
+
+
+class MoE(nn.Module):
+    """Router, stacked routed experts, optional shared expert with its sigmoid gate.
+
+    ``forward(x [N, H]) -> [N, H]``."""
+
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        norm_topk_prob: bool = True,
+        routing: str = "softmax",
+        router_bias: bool = False,
+        shared_inter: int = 0,
+    ):
+        super().__init__()
+        if routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {routing!r} (known: {', '.join(ROUTINGS)})")
+        self.num_experts, self.top_k, self.inter = num_experts, top_k, inter
+        self.routing, self.norm_topk_prob = routing, norm_topk_prob
+        self.gate = nn.Linear(hidden, num_experts, bias=router_bias)  # the router
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.shared_expert = SwiGLU(hidden, shared_inter) if shared_inter else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.routing, self.norm_topk_prob)
+        out = experts_forward(x, weights, ids, self.gate_up, self.down)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
