@@ -1,7 +1,8 @@
 """Continuous batching: what one request gets never depends on what shares its batch.
 
-Run on a Llama-family model (paged KV in every layer) and on a Qwen3.5 hybrid (three of four
-layers keep a recurrent state per slot): joins, leaves, chunked prefill, preemption and aborts
+Run on a Llama-family model (paged KV in every layer), on a Qwen3.5 hybrid (three of four
+layers keep a recurrent state per slot) and on a mixture of experts (tokens grouped by expert
+across the batch): joins, leaves, chunked prefill, preemption and aborts
 must leave every neighbour's tokens exactly as they are alone."""
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def drain(eng: Engine, on_step=None) -> dict[str, list[int]]:
     return out
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3.5-text"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3.5-text", "tiny-qwen3-moe"])
 def path(model_factory, request):
     return str(model_factory(request.param, dtype="float32"))
 
