@@ -230,7 +230,11 @@ def _safetensors_tensors(
     """The checkpoint's tensors that we use, file by file, under the family's names (others are
     skipped: e.g. the rotary inv_freq buffers some checkpoints carry, a vision tower)."""
     for f, header in headers.items():
-        names = [(n, ours) for n in header if n != "__metadata__" and (ours := rename(n)) in wanted]
+        names = [
+            (n, ours)
+            for n in header
+            if n != "__metadata__" and (ours := rename(n)) is not None and ours in wanted
+        ]
         try:
             with safe_open(str(f), framework="pt", device="cpu") as st:
                 for name, ours in names:

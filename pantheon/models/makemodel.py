@@ -273,7 +273,6 @@ PRESETS: dict[str, dict] = {
 }
 
 
-
 # ------------------------------------------------------------------------------------- Qwen3-MoE
 #
 # Qwen3's attention with a mixture-of-experts MLP in every layer (decoder_sparse_step 1, no

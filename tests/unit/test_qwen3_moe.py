@@ -16,14 +16,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_engine_reference import PROMPT, assert_matches
 
 from pantheon.models.description import read_description
 from pantheon.models.makemodel import build_config
 from pantheon.models.sizing import estimate, shape_from_config
 from workers.engine import Engine
 from workers.layers.moe import Groups, MoE, experts_forward, route
-
-from test_engine_reference import PROMPT, assert_matches
 
 transformers = pytest.importorskip("transformers")
 

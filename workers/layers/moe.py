@@ -22,11 +22,15 @@ linear; the stacked experts stay dense in the path's dtype (int8/int4 experts ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 ROUTINGS = ("softmax", "topk_softmax")
+# torch's grouped GEMM (private, CUDA bf16; this torch also runs it on CPU): None where absent
+_GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(torch, "_grouped_mm", None)
 
 
 def route(
@@ -76,7 +80,7 @@ def _grouped_mm_ok(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -
     return (
         x.is_cuda
         and x.dtype == torch.bfloat16
-        and hasattr(torch, "_grouped_mm")
+        and _GROUPED_MM is not None
         and gate_up.shape[1] % 8 == 0
         and gate_up.shape[2] % 8 == 0
         and down.shape[2] % 8 == 0
@@ -105,9 +109,10 @@ def experts_forward(
     w = weights.reshape(-1)[g.order].unsqueeze(1)  # [N k, 1]
     use_grouped = _grouped_mm_ok(x, gate_up, down) if grouped_mm is None else grouped_mm
     if use_grouped:
-        gu = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=g.ends)  # [N k, 2I]
+        assert _GROUPED_MM is not None, "this torch has no grouped GEMM"
+        gu = _GROUPED_MM(xs, gate_up.transpose(1, 2), offs=g.ends)  # [N k, 2I]
         act = F.silu(gu[:, :inter]) * gu[:, inter:]
-        ys = torch._grouped_mm(act, down.transpose(1, 2), offs=g.ends)  # [N k, H]
+        ys = _GROUPED_MM(act, down.transpose(1, 2), offs=g.ends)  # [N k, H]
     else:
         ys = torch.empty(xs.shape[0], h, dtype=x.dtype, device=x.device)
         for ex, s, t in g.active():

@@ -20,8 +20,8 @@ A family module provides:
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
 from collections.abc import Callable
+from types import ModuleType
 from typing import NamedTuple, Protocol, cast
 
 import torch
