@@ -160,11 +160,25 @@ def linear_shapes(cfg: ModelDescription) -> list[tuple[int, int, int]]:
     return [(n, k, c) for (n, k), c in counts.items()] + [(cfg.vocab_size, cfg.hidden_size, 1)]
 
 
-class _Bench:
-    """One path's linear layers for the model's shapes, ready to time at 1 and 8 rows."""
+def expert_shapes(cfg: ModelDescription) -> list[tuple[int, int, int]]:
+    """(N, K, how many) of the routed experts one token runs per step (a mixture of experts'
+    ``top_k`` per layer: gate/up and down), which every path runs dense in its dtype."""
+    counts: dict[tuple[int, int], int] = {}
+    for spec in cfg.layers:
+        if spec.experts is not None:
+            e = spec.experts
+            for nk in ((2 * e.intermediate, e.hidden), (e.hidden, e.intermediate)):
+                counts[nk] = counts.get(nk, 0) + e.top_k
+    return [(n, k, c) for (n, k), c in counts.items()]
 
-    def __init__(self, name: str, shapes: list[tuple[int, int, int]]):
+
+class _Bench:
+    """One path's linear layers for the model's shapes, ready to time at 1 and 8 rows; a mixture
+    of experts' routed experts (``experts``) as dense matrices in the path's dtype."""
+
+    def __init__(self, name: str, shapes: list[tuple[int, int, int]], experts=()):
         spec = PATHS[name]
+        dense = PathSpec(name, spec.dtype, "dense")
         g = torch.Generator().manual_seed(1)
         self.parts = []
         for i, (n, k, count) in enumerate(shapes):
@@ -173,6 +187,10 @@ class _Bench:
             lin = make_linear(s, torch.randn(part, k, generator=g) * 0.02, None)
             xs = {m: torch.randn(m, k, generator=g).to(spec.dtype) for m in (1, 8)}
             self.parts.append((lin, xs, count * n / part))
+        for n, k, count in experts:
+            lin = make_linear(dense, torch.randn(n, k, generator=g) * 0.02, None)
+            xs = {m: torch.randn(m, k, generator=g).to(spec.dtype) for m in (1, 8)}
+            self.parts.append((lin, xs, float(count)))
 
     def once(self, rows: int) -> float:
         """Seconds one step's linears take with ``rows`` rows, from one timed call per shape."""
@@ -241,7 +259,7 @@ def choose(cfg: ModelDescription, names: list[str], rounds: int = 5, margin: flo
         return [s for s in samples[n] if s[2] <= limit]
 
     with torch.inference_mode():
-        benches = {n: _Bench(n, shapes) for n in names}
+        benches = {n: _Bench(n, shapes, expert_shapes(cfg)) for n in names}
         ref = _Reference()
         ref.once()
         for b in benches.values():  # warm up: first calls pick kernels and allocate

@@ -95,12 +95,14 @@ def experts_forward(
     down: torch.Tensor,
     *,
     grouped_mm: bool | None = None,
+    stats: list[int] | None = None,
 ) -> torch.Tensor:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for every token n.
 
     x: [N, H]; weights: [N, k] (float32); ids: [N, k]; gate_up: [E, 2I, H]; down: [E, H, I].
     ``grouped_mm``: force the grouped GEMM on or off (None: when ``_grouped_mm_ok``).
-    The sum is accumulated in float32 and returned in x's dtype."""
+    The sum is accumulated in float32 and returned in x's dtype. ``stats``: the count of active
+    experts is appended (the per-expert loop only: a benchmark's bytes read per step)."""
     n, h = x.shape
     e, two_i, _ = gate_up.shape
     inter = two_i // 2
@@ -115,7 +117,10 @@ def experts_forward(
         ys = _GROUPED_MM(act, down.transpose(1, 2), offs=g.ends)  # [N k, H]
     else:
         ys = torch.empty(xs.shape[0], h, dtype=x.dtype, device=x.device)
-        for ex, s, t in g.active():
+        active = g.active()
+        if stats is not None:
+            stats.append(len(active))
+        for ex, s, t in active:
             gu = F.linear(xs[s:t], gate_up[ex])  # [c, 2I]
             ys[s:t] = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down[ex])
     out = torch.zeros(n, h, dtype=torch.float32, device=x.device)
@@ -164,10 +169,24 @@ class MoE(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.shared_expert = SwiGLU(hidden, shared_inter) if shared_inter else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
+        self.stats: list[int] | None = None  # set to a list to collect active-expert counts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.routing, self.norm_topk_prob)
-        out = experts_forward(x, weights, ids, self.gate_up, self.down)
+        out = experts_forward(x, weights, ids, self.gate_up, self.down, stats=self.stats)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def unread_expert_bytes(model: nn.Module, rows: int = 1) -> int:
+    """Bytes of routed experts a decode step of ``rows`` tokens leaves unread: every MoE layer
+    reads at most ``rows * top_k`` of its experts (fewer when tokens share one)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, MoE):
+            per_expert = (m.gate_up[0].numel() * m.gate_up.element_size()) + (
+                m.down[0].numel() * m.down.element_size()
+            )
+            total += max(0, m.num_experts - rows * m.top_k) * per_expert
+    return total
