@@ -32,9 +32,9 @@ class Family:
 
 
 def _families() -> tuple[Family, ...]:
-    from pantheon.models.archs import llama, qwen3_5, qwen3_moe
+    from pantheon.models.archs import llama, qwen3_5, qwen3_5_moe, qwen3_moe
 
-    return (llama.FAMILY, qwen3_5.FAMILY, qwen3_moe.FAMILY)
+    return (llama.FAMILY, qwen3_5.FAMILY, qwen3_moe.FAMILY, qwen3_5_moe.FAMILY)
 
 
 FAMILIES: tuple[Family, ...] = _families()
