@@ -320,7 +320,6 @@ PRESETS["qwen3-30b-a3b"] = _qwen3_moe(
 )
 
 
-
 # ------------------------------------------------------------------------------- Qwen3.5-MoE
 #
 # Qwen3.5's hybrid layers with a mixture of experts as every layer's MLP (no dense MLP, no

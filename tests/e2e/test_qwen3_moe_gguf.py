@@ -136,3 +136,24 @@ def test_q8_0_file_stays_close_to_the_folder(folder, files):
     want = engine(folder).prompt_logits(PROMPT)
     got = engine(path).prompt_logits(PROMPT)
     assert (got - want).abs().max().item() < Q8_0_LOGIT_TOL
+
+
+@pytest.mark.slow
+def test_qwen35moe_file_gives_the_folders_logits(model_factory, tmp_path):
+    """Qwen3.6-35B-A3B's architecture (``qwen35moe``): tiny-qwen3.5-moe (Hub layout: fused experts,
+    shared expert, vision tower and MTP head) converted f32 with ``--no-mtp``: the same logits,
+    prefill and decode."""
+    src = model_factory("tiny-qwen3.5-moe", dtype="float32")
+    path = convert(src, tmp_path / "qwen35moe-f32.gguf", "f32", ("--no-mtp",))
+    g = read_gguf(path)
+    assert g.arch == "qwen35moe"
+    for t in ("ffn_gate_exps", "ffn_gate_inp", "ffn_gate_inp_shexp", "ffn_up_shexp"):
+        assert f"blk.0.{t}.weight" in g.tensors, t
+    want, got = load_config(src), load_config(path)
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "layers", "layer_types"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert (engine(path).prompt_logits(PROMPT) - engine(src).prompt_logits(PROMPT)).abs().max() < F32_TOL
+    got_tokens, got_rows = greedy(engine(path), 8)
+    want_tokens, want_rows = greedy(engine(src), 8)
+    assert got_tokens == want_tokens
+    assert (got_rows - want_rows).abs().max().item() < F32_TOL

@@ -36,7 +36,9 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> Qwen35MoeDescriptio
     shared = pos_int(t, "shared_expert_intermediate_size", where)
     # Qwen3.5's description with its dense MLP sized as the shared expert: the same two linears
     inner = dict(t, intermediate_size=shared)
-    base = _qwen35.describe({**raw, "text_config": inner} if "text_config" in raw else inner, gen, where, arch)
+    base = _qwen35.describe(
+        {**raw, "text_config": inner} if "text_config" in raw else inner, gen, where, arch
+    )
     h = base.hidden_size
     moe = ExpertSpec(count=experts, top_k=top_k, intermediate=moe_inter, hidden=h)
     layers = tuple(
