@@ -14,6 +14,10 @@ what sizing counts) and its **cache spec**:
 - ``RecurrentState(tensors)``: a fixed-size state per running sequence (a slot), whatever the
   context length: a linear-attention layer's conv window and its recurrent matrix.
 
+A mixture-of-experts layer also names its routed experts (``ExpertSpec``: count, top k, expert
+size): all of them are resident (sizing counts them), one token reads only its top k
+(``active_params``).
+
 Everything that sizes memory (the router's booking, the worker's pools, ``max_model_len``) works
 from these specs, never from a formula for one architecture.
 """
