@@ -106,9 +106,9 @@ def experts_forward(
     n, h = x.shape
     e, two_i, _ = gate_up.shape
     inter = two_i // 2
+    k = ids.shape[1]
     g = Groups(ids, e)
     xs = x[g.tokens]  # [N k, H], grouped by expert
-    w = weights.reshape(-1)[g.order].unsqueeze(1)  # [N k, 1]
     use_grouped = _grouped_mm_ok(x, gate_up, down) if grouped_mm is None else grouped_mm
     if use_grouped:
         assert _GROUPED_MM is not None, "this torch has no grouped GEMM"
@@ -123,9 +123,11 @@ def experts_forward(
         for ex, s, t in active:
             gu = F.linear(xs[s:t], gate_up[ex])  # [c, 2I]
             ys[s:t] = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down[ex])
-    out = torch.zeros(n, h, dtype=torch.float32, device=x.device)
-    out.index_add_(0, g.tokens, ys.float() * w)
-    return out.to(x.dtype)
+    # back to token order, then each token's k outputs weighted and summed in its own slot order
+    # (a plain reduction: the same sum whatever else is in the batch, and no scatter, whose
+    # threads stall on a busy host)
+    per_token = ys[torch.argsort(g.order)].view(n, k, h).float()
+    return (per_token * weights.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
