@@ -205,3 +205,20 @@ def test_sizing_counts_every_expert_and_reports_the_active_ones():
     # int8 lays out the linears in rows; the experts stay in the path's dtype (bf16)
     int8 = estimate(tiny, cpu_path="int8")
     assert int8.layer_bytes[0] > e.params * 2
+
+
+def test_a_stack_with_more_experts_than_the_config_is_a_load_error(model_factory, tmp_path):
+    from workers.errors import LoadError
+
+    src = model_factory("tiny-qwen3-moe", dtype="float32")
+    tensors = load_file(src / "model.safetensors")
+    p = "model.layers.0.mlp.experts."
+    down = [tensors.pop(f"{p}{e}.down_proj.weight") for e in range(8)]
+    tensors[f"{p}down_proj"] = torch.stack(down + down[:1])  # 9 experts, the config says 8
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(LoadError, match=r"experts\.8\.down_proj\.weight.*not part of the model") as e:
+        Engine(str(tmp_path), dtype="float32")
+    assert e.value.kind == "invalid"
