@@ -140,7 +140,7 @@ def moe_step_bytes(eng: Engine, batch: int, tokens: int) -> tuple[float, int, in
         return None
 
     def per_expert(m: MoE) -> int:
-        return (m.gate_up[0].numel() * m.gate_up.element_size()) + (m.down[0].numel() * m.down.element_size())
+        return m.per_expert_bytes()
 
     for m in mods:
         m.stats = []

@@ -38,6 +38,7 @@ from workers.cpu_pack import PackedLinear
 if TYPE_CHECKING:
     from workers.models.base import DecoderLM
 from workers.errors import LoadError
+from workers.layers.moe import MoE
 from workers.quant import Int4Linear, Int8Linear, int4_fits
 
 AUTO = "auto"
@@ -336,5 +337,9 @@ def apply(model: DecoderLM, name: str) -> None:
     for layer, dev in zip(model.layers, model.layer_devices):
         if dev.type == "cpu":
             replace_linears(layer, lambda w, b: make_linear(spec, w, b))
+            if spec.layout == "packed":  # a mixture of experts' experts too, each prepacked
+                for m in layer.modules():
+                    if isinstance(m, MoE):
+                        m.lay_out(lambda w: make_linear(spec, w, None))
     if model.embed_tokens.weight.device.type == "cpu":
         model.lm_head = make_linear(head_spec(spec), model.head_weight(), None)

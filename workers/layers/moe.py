@@ -23,6 +23,7 @@ linear; the stacked experts stay dense in the path's dtype (int8/int4 experts ar
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -96,20 +97,27 @@ def experts_forward(
     *,
     grouped_mm: bool | None = None,
     stats: list[int] | None = None,
+    laid_out: tuple[nn.ModuleList, nn.ModuleList] | None = None,
 ) -> torch.Tensor:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for every token n.
 
     x: [N, H]; weights: [N, k] (float32); ids: [N, k]; gate_up: [E, 2I, H]; down: [E, H, I].
     ``grouped_mm``: force the grouped GEMM on or off (None: when ``_grouped_mm_ok``).
     The sum is accumulated in float32 and returned in x's dtype. ``stats``: the count of active
-    experts is appended (the per-expert loop only: a benchmark's bytes read per step)."""
+    experts is appended (the per-expert loop only: a benchmark's bytes read per step).
+    ``laid_out``: each expert's gate_up and down as a CPU path laid them out (``MoE.lay_out``),
+    used in place of the stacked weights."""
     n, h = x.shape
     e, two_i, _ = gate_up.shape
+    if laid_out is not None:
+        e, two_i = len(laid_out[0]), cast(int, laid_out[0][0].out_features)
     inter = two_i // 2
     k = ids.shape[1]
     g = Groups(ids, e)
     xs = x[g.tokens]  # [N k, H], grouped by expert
-    use_grouped = _grouped_mm_ok(x, gate_up, down) if grouped_mm is None else grouped_mm
+    use_grouped = laid_out is None and (
+        _grouped_mm_ok(x, gate_up, down) if grouped_mm is None else grouped_mm
+    )
     if use_grouped:
         assert _GROUPED_MM is not None, "this torch has no grouped GEMM"
         gu = _GROUPED_MM(xs, gate_up.transpose(1, 2), offs=g.ends)  # [N k, 2I]
@@ -121,6 +129,10 @@ def experts_forward(
         if stats is not None:
             stats.append(len(active))
         for ex, s, t in active:
+            if laid_out is not None:
+                gu = laid_out[0][ex](xs[s:t])
+                ys[s:t] = laid_out[1][ex](F.silu(gu[:, :inter]) * gu[:, inter:])
+                continue
             gu = F.linear(xs[s:t], gate_up[ex])  # [c, 2I]
             ys[s:t] = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down[ex])
     # back to token order, then each token's k outputs weighted and summed in its own slot order
@@ -172,10 +184,40 @@ class MoE(nn.Module):
         self.shared_expert = SwiGLU(hidden, shared_inter) if shared_inter else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
         self.stats: list[int] | None = None  # set to a list to collect active-expert counts
+        # each expert's matrices as a CPU path lays them out (oneDNN-prepacked), when it does
+        self.laid_out: tuple[nn.ModuleList, nn.ModuleList] | None = None
+        self._per_expert_bytes = 0
+
+    def per_expert_bytes(self) -> int:
+        """Bytes of one routed expert's weights (gate, up and down) as held."""
+        if self._per_expert_bytes:
+            return self._per_expert_bytes
+        return (
+            self.gate_up[0].numel() * self.gate_up.element_size()
+            + self.down[0].numel() * self.down.element_size()
+        )
+
+    def lay_out(self, make: Callable[[torch.Tensor], nn.Module]) -> None:
+        """Hold each expert's gate_up and down as ``make(weight)`` builds them (a CPU path's
+        prepacked linear), one expert at a time, and let the stacked weights go (the same bytes,
+        once)."""
+        self._per_expert_bytes = self.per_expert_bytes()
+        gu = nn.ModuleList(make(self.gate_up[e]) for e in range(self.num_experts))
+        dn = nn.ModuleList(make(self.down[e]) for e in range(self.num_experts))
+        self.laid_out = (gu, dn)
+        self.gate_up_laid_out, self.down_laid_out = gu, dn  # registered: counted as the model's weights
+        empty = torch.empty(0, *self.gate_up.shape[1:], dtype=self.gate_up.dtype, device=self.gate_up.device)
+        self.gate_up = nn.Parameter(empty, requires_grad=False)
+        self.down = nn.Parameter(
+            torch.empty(0, *self.down.shape[1:], dtype=self.down.dtype, device=self.down.device),
+            requires_grad=False,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.routing, self.norm_topk_prob)
-        out = experts_forward(x, weights, ids, self.gate_up, self.down, stats=self.stats)
+        out = experts_forward(
+            x, weights, ids, self.gate_up, self.down, stats=self.stats, laid_out=self.laid_out
+        )
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -187,8 +229,5 @@ def unread_expert_bytes(model: nn.Module, rows: int = 1) -> int:
     total = 0
     for m in model.modules():
         if isinstance(m, MoE):
-            per_expert = (m.gate_up[0].numel() * m.gate_up.element_size()) + (
-                m.down[0].numel() * m.down.element_size()
-            )
-            total += max(0, m.num_experts - rows * m.top_k) * per_expert
+            total += max(0, m.num_experts - rows * m.top_k) * m.per_expert_bytes()
     return total
