@@ -163,7 +163,8 @@ def linear_shapes(cfg: ModelDescription) -> list[tuple[int, int, int]]:
 
 def expert_shapes(cfg: ModelDescription) -> list[tuple[int, int, int]]:
     """(N, K, how many) of the routed experts one token runs per step (a mixture of experts'
-    ``top_k`` per layer: gate/up and down), which every path runs dense in its dtype."""
+    ``top_k`` per layer: gate/up and down): prepacked on the packed paths, dense in the path's
+    dtype on the others."""
     counts: dict[tuple[int, int], int] = {}
     for spec in cfg.layers:
         if spec.experts is not None:
@@ -175,11 +176,12 @@ def expert_shapes(cfg: ModelDescription) -> list[tuple[int, int, int]]:
 
 class _Bench:
     """One path's linear layers for the model's shapes, ready to time at 1 and 8 rows; a mixture
-    of experts' routed experts (``experts``) as dense matrices in the path's dtype."""
+    of experts' routed experts (``experts``) as the path runs them."""
 
     def __init__(self, name: str, shapes: list[tuple[int, int, int]], experts=()):
         spec = PATHS[name]
-        dense = PathSpec(name, spec.dtype, "dense")
+        # experts run prepacked on the packed paths (MoE.lay_out), dense in the dtype on the others
+        dense = spec if spec.layout == "packed" else PathSpec(name, spec.dtype, "dense")
         g = torch.Generator().manual_seed(1)
         self.parts = []
         for i, (n, k, count) in enumerate(shapes):
