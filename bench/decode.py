@@ -5,6 +5,7 @@
     python bench/decode.py --peer               # SmolLM2-135M Q4_1 GGUF against llama.cpp
     python bench/decode.py --model FILE.gguf [--hf-dir DIR] [--no-peer] [--json OUT]
     python bench/decode.py --qwen35 [--outtype q8_0]   # Qwen3.5-0.8B shapes (random weights)
+    python bench/decode.py --moe [--moe-layers 2]     # Qwen3-30B-A3B shapes cut to 2 layers
 
 Folder mode prints tokens/s for each batch size (aggregate over the batch, decode only:
 prefill is timed apart and left out), transformers' figure, their ratio, and the fraction of
@@ -39,6 +40,14 @@ the servers all load the GGUF; so does transformers where it reads ``qwen35`` GG
 as ``Qwen3_5ForCausalLM`` in fp32), else it loads the folder (bf16) and its rows say so.
 For a hybrid model (recurrent layers) the bytes of recurrent state each sequence reads and writes
 per step are printed beside the weights' bytes.
+
+``--moe``: the ``qwen3-30b-a3b`` preset (Qwen3-30B-A3B's shapes: 128 experts, 8 per token, random
+weights) cut to ``--moe-layers`` (2) layers so that it fits a small host, converted to GGUF the same
+way, then GGUF mode (transformers skipped: its per-expert Python loop is no comparison). For a
+mixture of experts the weight bytes a decode step really reads are measured (the experts the
+step's tokens ran, counted by the MoE layers) at 1 and ``--streams`` sequences, beside the
+active-parameter bound (one token's experts) and all experts' bytes, against a measured copy
+bandwidth.
 """
 
 from __future__ import annotations
@@ -93,6 +102,59 @@ def qwen35_files(outtype: str = "bf16") -> tuple[Path, Path]:
         part.rename(gguf)
         print(f"converted in {time.perf_counter() - t:.0f} s", flush=True)
     return folder, gguf
+
+
+MOE_PRESET = "qwen3-30b-a3b"
+
+
+def moe_files(layers: int = 2, outtype: str = "bf16") -> tuple[Path, Path]:
+    """The Qwen3-30B-A3B preset cut to ``layers`` layers, and its GGUF beside it (llama.cpp's
+    converter), written on first use."""
+    from pantheon.models.makemodel import make_model
+
+    cache = Path(os.environ.get("PANTHEON_CACHE", Path.home() / ".cache" / "pantheon")) / "models"
+    folder = cache / f"{MOE_PRESET}-{layers}l"
+    if not (folder / "model.safetensors").exists():
+        print(f"writing the {MOE_PRESET} preset cut to {layers} layers to {folder} ...", flush=True)
+        make_model(MOE_PRESET, folder, num_hidden_layers=layers)
+    gguf = folder.parent / f"{folder.name}-{outtype}.gguf"
+    if not gguf.is_file():
+        sys.path.insert(0, str(ROOT / "tests"))
+        from helpers.llama_convert import convert
+
+        print(f"converting {folder} to {gguf} ({outtype}) ...", flush=True)
+        part = gguf.with_name(gguf.stem + ".part.gguf")
+        convert(folder, part, outtype)
+        part.rename(gguf)
+    return folder, gguf
+
+
+def moe_step_bytes(eng: Engine, batch: int, tokens: int) -> tuple[float, int, int] | None:
+    """For a mixture of experts: (mean weight bytes a decode step at ``batch`` sequences read,
+    measured from the experts its tokens ran; the active-parameter bound, one token's experts;
+    the bytes with every expert read). None for a dense model."""
+    from workers.layers.moe import MoE
+
+    mods = [m for m in eng.model.modules() if isinstance(m, MoE)]
+    if not mods:
+        return None
+
+    def per_expert(m: MoE) -> int:
+        return m.per_expert_bytes()
+
+    for m in mods:
+        m.stats = []
+    try:
+        bench_engine(eng, batch, tokens, "cpu")
+        decode = [m.stats[-tokens:] if m.stats else [] for m in mods]  # the prefill steps come first
+    finally:
+        for m in mods:
+            m.stats = None
+    bound = eng.step_read_bytes  # one token's top-k experts per layer (Engine.step_read_bytes)
+    dense = bound - sum(m.top_k * per_expert(m) for m in mods)
+    read = dense + sum(sum(c) / max(1, len(c)) * per_expert(m) for m, c in zip(mods, decode))
+    every = dense + sum(m.num_experts * per_expert(m) for m in mods)
+    return read, bound, every
 
 
 def state_bytes_per_sequence(eng: Engine) -> int:
@@ -488,12 +550,32 @@ def run_gguf(args) -> int:
     out["cpu_paths"] = cpu_path_table(eng.cfg, cpu_path)
     bench_engine(eng, 1, 4, "cpu")  # warm up both shapes
     bench_engine(eng, n, 4, "cpu")
+    moe = {b: moe_step_bytes(eng, b, min(tokens, 16)) for b in (1, n)}
+    bw = measure_bandwidth("cpu") if moe[1] else 0.0
     for b in (1, n):
-        row(
-            "pantheon",
-            "engine in-process, decode only",
-            b,
-            max(bench_engine(eng, b, tokens, "cpu") for _ in range(rounds)),
+        tok_s = max(bench_engine(eng, b, tokens, "cpu") for _ in range(rounds))
+        extra = {}
+        if (m := moe[b]) is not None:
+            read, bound, every = m
+            extra = {
+                "MB_read_per_step": read / 1e6,
+                "GB_s": read * tok_s / b / 1e9,
+                "of_copy_bw": read * tok_s / b / bw,
+            }
+        row("pantheon", "engine in-process, decode only", b, tok_s, **extra)
+    if moe[1] is not None:
+        _, bound, every = moe[1]
+        out["moe"] = {
+            "copy_bandwidth_GB_s": bw / 1e9,
+            "active_bound_MB": bound / 1e6,
+            "all_experts_MB": every / 1e6,
+            "read_MB": {b: m[0] / 1e6 for b, m in moe.items() if m},
+        }
+        print(
+            f"  mixture of experts: a step reads {moe[1][0] / 1e6:.0f} MB at 1 stream (active-parameter "
+            f"bound {bound / 1e6:.0f} MB), {moe[n][0] / 1e6 if moe[n] else 0:.0f} MB at {n} streams; "
+            f"all experts {every / 1e6:.0f} MB; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)",
+            flush=True,
         )
     eng.close()
     del eng
@@ -663,6 +745,13 @@ def main() -> int:
         help="our CPU path (PANTHEON_CPU_PATH, e.g. bf16-packed) for the "
         "engine and the server alike (default: the engine's timed choice, reused)",
     )
+    g.add_argument(
+        "--moe",
+        action="store_true",
+        help=f"the {MOE_PRESET} preset (random weights) cut to --moe-layers layers, as a GGUF "
+        "converted beside the folder on first use; transformers skipped",
+    )
+    g.add_argument("--moe-layers", type=int, default=2, help="--moe: decoder layers kept (default 2)")
     g.add_argument("--streams", type=int, default=8, help="concurrent streams (default 8)")
     g.add_argument("--rounds", type=int, default=3, help="measured HTTP rounds, best kept (3)")
     g.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
@@ -676,6 +765,12 @@ def main() -> int:
         folder, gguf = qwen35_files(args.outtype)
         args.model = str(gguf)
         args.transformers_dir = args.transformers_dir or str(folder)
+    if args.moe:
+        if args.model:
+            ap.error("--moe makes its own model; leave out --model")
+        folder, gguf = moe_files(args.moe_layers, args.outtype)
+        args.model = str(gguf)
+        args.no_transformers = True
     if args.peer or (args.model and args.model.endswith(".gguf")):
         return run_gguf(args)
     if args.dtype is None:

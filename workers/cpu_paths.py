@@ -38,6 +38,7 @@ from workers.cpu_pack import PackedLinear
 if TYPE_CHECKING:
     from workers.models.base import DecoderLM
 from workers.errors import LoadError
+from workers.layers.moe import MoE
 from workers.quant import Int4Linear, Int8Linear, int4_fits
 
 AUTO = "auto"
@@ -160,11 +161,27 @@ def linear_shapes(cfg: ModelDescription) -> list[tuple[int, int, int]]:
     return [(n, k, c) for (n, k), c in counts.items()] + [(cfg.vocab_size, cfg.hidden_size, 1)]
 
 
-class _Bench:
-    """One path's linear layers for the model's shapes, ready to time at 1 and 8 rows."""
+def expert_shapes(cfg: ModelDescription) -> list[tuple[int, int, int]]:
+    """(N, K, how many) of the routed experts one token runs per step (a mixture of experts'
+    ``top_k`` per layer: gate/up and down): prepacked on the packed paths, dense in the path's
+    dtype on the others."""
+    counts: dict[tuple[int, int], int] = {}
+    for spec in cfg.layers:
+        if spec.experts is not None:
+            e = spec.experts
+            for nk in ((2 * e.intermediate, e.hidden), (e.hidden, e.intermediate)):
+                counts[nk] = counts.get(nk, 0) + e.top_k
+    return [(n, k, c) for (n, k), c in counts.items()]
 
-    def __init__(self, name: str, shapes: list[tuple[int, int, int]]):
+
+class _Bench:
+    """One path's linear layers for the model's shapes, ready to time at 1 and 8 rows; a mixture
+    of experts' routed experts (``experts``) as the path runs them."""
+
+    def __init__(self, name: str, shapes: list[tuple[int, int, int]], experts=()):
         spec = PATHS[name]
+        # experts run prepacked on the packed paths (MoE.lay_out), dense in the dtype on the others
+        dense = spec if spec.layout == "packed" else PathSpec(name, spec.dtype, "dense")
         g = torch.Generator().manual_seed(1)
         self.parts = []
         for i, (n, k, count) in enumerate(shapes):
@@ -173,6 +190,10 @@ class _Bench:
             lin = make_linear(s, torch.randn(part, k, generator=g) * 0.02, None)
             xs = {m: torch.randn(m, k, generator=g).to(spec.dtype) for m in (1, 8)}
             self.parts.append((lin, xs, count * n / part))
+        for n, k, count in experts:
+            lin = make_linear(dense, torch.randn(n, k, generator=g) * 0.02, None)
+            xs = {m: torch.randn(m, k, generator=g).to(spec.dtype) for m in (1, 8)}
+            self.parts.append((lin, xs, float(count)))
 
     def once(self, rows: int) -> float:
         """Seconds one step's linears take with ``rows`` rows, from one timed call per shape."""
@@ -241,7 +262,7 @@ def choose(cfg: ModelDescription, names: list[str], rounds: int = 5, margin: flo
         return [s for s in samples[n] if s[2] <= limit]
 
     with torch.inference_mode():
-        benches = {n: _Bench(n, shapes) for n in names}
+        benches = {n: _Bench(n, shapes, expert_shapes(cfg)) for n in names}
         ref = _Reference()
         ref.once()
         for b in benches.values():  # warm up: first calls pick kernels and allocate
@@ -318,5 +339,9 @@ def apply(model: DecoderLM, name: str) -> None:
     for layer, dev in zip(model.layers, model.layer_devices):
         if dev.type == "cpu":
             replace_linears(layer, lambda w, b: make_linear(spec, w, b))
+            if spec.layout == "packed":  # a mixture of experts' experts too, each prepacked
+                for m in layer.modules():
+                    if isinstance(m, MoE):
+                        m.lay_out(lambda w: make_linear(spec, w, None))
     if model.embed_tokens.weight.device.type == "cpu":
         model.lm_head = make_linear(head_spec(spec), model.head_weight(), None)

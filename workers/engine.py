@@ -25,6 +25,7 @@ from workers.cache import kv_block_bytes
 from workers.compiled import wanted as compiled_wanted
 from workers.errors import LoadError, RequestRejected
 from workers.grammar import Constraint, Grammars, apply_masks
+from workers.layers.moe import unread_expert_bytes
 from workers.loader import load_model, resolve_dtype
 from workers.model_config import load_config
 from workers.runner import ModelRunner
@@ -138,6 +139,8 @@ class Engine:
         emb = self.model.embed_tokens.weight
         head_is_table = self.model.lm_head is None
         self.step_read_bytes = self.weight_bytes - (0 if head_is_table else emb.numel() * emb.element_size())
+        # ... and of a mixture of experts' stacked experts, the top k one sequence's token chose
+        self.step_read_bytes -= unread_expert_bytes(self.model)
         self.kv_bytes = self.runner.kv_bytes
         self.state_bytes = self.runner.state_bytes  # the recurrent layers' state pools
         self._samplers: dict[str, SamplerState] = {}

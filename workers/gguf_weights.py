@@ -24,7 +24,7 @@ Tensor names and the converter's transformations (llama's q/k row order, ...) ar
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -215,7 +215,7 @@ def raw_bytes(data: np.ndarray, t: GGUFTensor) -> torch.Tensor:
 
 
 def iter_tensors(
-    g: GGUFFile, cfg: ModelConfig, wanted: set[str] | dict
+    g: GGUFFile, cfg: ModelConfig, wanted: Container[str]
 ) -> Iterator[tuple[Path, str, str, torch.Tensor]]:
     """``(file, label, hf_name, tensor)`` for every tensor of the file our model uses
     (``wanted``), dequantized (float32, or the file's own float type), named and laid out as the

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ from pantheon.models.gguf import find_gguf, read_gguf
 from workers.errors import LoadError
 from workers.gguf_weights import iter_tensors
 from workers.model_config import ModelConfig, gguf_config, gguf_errors, load_config
-from workers.models import Target, family
+from workers.models import Family, Target, family, is_stacked, unstacked
 from workers.models.base import DecoderLM
 
 _COPY_VALUES = 1 << 14  # values per copy into a parameter (see _fill)
@@ -146,12 +146,13 @@ def load_model(
     fam = family(cfg)
     model = _empty_model(fam.build, cfg, devs, dt)
     targets = fam.targets(model, cfg)
+    wanted = _Wanted(targets, fam)
     tensors = (
-        iter_tensors(g, cfg, targets)
+        iter_tensors(g, cfg, wanted)
         if g is not None
-        else _safetensors_tensors(headers, targets, fam.checkpoint_name)
+        else _safetensors_tensors(headers, wanted, fam.checkpoint_name)
     )
-    filled = _fill(targets, tensors, source, progress)
+    filled = _fill(targets, _pieces(tensors, fam, targets), source, progress)
 
     missing = [n for n in targets if n not in filled]
     if missing == ["lm_head.weight"]:
@@ -196,13 +197,44 @@ def _empty_model(
 Tensors = Iterator[tuple[Path, str, str, torch.Tensor]]  # (file, label for errors, our name, data)
 
 
+class _Wanted:
+    """The checkpoint names a load reads: the family's targets, and tensors that stack several
+    of them (a mixture of experts' experts: ``workers.models.unstacked``)."""
+
+    def __init__(self, targets: dict[str, Target], fam: Family):
+        self.targets, self.fam = targets, fam
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name in self.targets or is_stacked(self.fam, name))
+
+
+def _pieces(tensors: Tensors, fam: Family, targets: dict[str, Target]) -> Tensors:
+    """Stacked tensors split into the targets they fill (others pass as they are)."""
+    for f, label, name, src in tensors:
+        if not is_stacked(fam, name):
+            yield f, label, name, src
+            continue
+        for piece, t in unstacked(fam, name, src):
+            if piece not in targets:
+                raise LoadError(
+                    "invalid",
+                    f"{f}: tensor {label} has shape {list(src.shape)}: piece {piece!r} is not part of "
+                    "the model its config describes",
+                )
+            yield f, f"{label} ({piece})", piece, t
+
+
 def _safetensors_tensors(
-    headers: dict[Path, dict], wanted: dict[str, Target], rename: Callable[[str], str | None]
+    headers: dict[Path, dict], wanted: Container[str], rename: Callable[[str], str | None]
 ) -> Tensors:
     """The checkpoint's tensors that we use, file by file, under the family's names (others are
     skipped: e.g. the rotary inv_freq buffers some checkpoints carry, a vision tower)."""
     for f, header in headers.items():
-        names = [(n, ours) for n in header if n != "__metadata__" and (ours := rename(n)) in wanted]
+        names = [
+            (n, ours)
+            for n in header
+            if n != "__metadata__" and (ours := rename(n)) is not None and ours in wanted
+        ]
         try:
             with safe_open(str(f), framework="pt", device="cpu") as st:
                 for name, ours in names:

@@ -19,6 +19,10 @@ what sizing counts) and its **cache spec**:
 - ``RecurrentState(tensors)``: a fixed-size state per running sequence (a slot), whatever the
   context length: a linear-attention layer's conv window and its recurrent matrix.
 
+A mixture-of-experts layer also names its routed experts (``ExpertSpec``: count, top k, expert
+size): all of them are resident (sizing counts them), one token reads only its top k
+(``active_params``).
+
 Everything that sizes memory (the router's booking, the worker's pools, ``max_model_len``) works
 from these specs, never from a formula for one architecture.
 """
@@ -95,15 +99,55 @@ CacheSpec = AttentionCache | RecurrentState
 
 
 @dataclass(frozen=True)
+class ExpertSpec:
+    """A mixture-of-experts MLP's routed experts: ``count`` SwiGLU experts of ``intermediate``
+    rows each (gate, up ``[I, H]`` and down ``[H, I]``), stacked ``[count, ...]``; each token
+    runs ``top_k`` of them. All are resident; a token reads only its ``top_k``. The router
+    (``[count, H]``) and a shared expert, when there is one, are ordinary linears of the layer."""
+
+    count: int
+    top_k: int
+    intermediate: int
+    hidden: int
+
+    @property
+    def per_expert(self) -> int:
+        """Parameters of one expert: gate, up and down."""
+        return 3 * self.intermediate * self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.count * self.per_expert
+
+    @property
+    def active_params(self) -> int:
+        return self.top_k * self.per_expert
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """One decoder layer: its kind, its linear matrices ``[N, K]`` (as the engine fuses them: the
     CPU paths lay each out, sizing counts them), the count of its other parameters (norms,
-    biases, convolution, decay rates), and its cache spec."""
+    biases, convolution, decay rates), and its cache spec; ``experts``: a mixture-of-experts
+    MLP's routed experts (stacked, kept dense in the path's dtype), None for a dense layer."""
 
     kind: str  # attention | linear_attention
     linears: tuple[tuple[int, int], ...]
     small: int
     cache: CacheSpec
+    experts: ExpertSpec | None = None
+
+    @property
+    def params(self) -> int:
+        """Every parameter of the layer, all experts included."""
+        own = sum(n * k for n, k in self.linears) + self.small
+        return own + (self.experts.params if self.experts else 0)
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token's pass reads: the routed experts' ``top_k`` only."""
+        own = sum(n * k for n, k in self.linears) + self.small
+        return own + (self.experts.active_params if self.experts else 0)
 
 
 @dataclass(frozen=True)
@@ -211,6 +255,21 @@ class ModelDescription:
     def state_bytes_per_slot(self, dtype_bytes: int) -> int:
         """The states of one running sequence: recurrent layers' and sliding layers' rings."""
         return sum(s.cache.bytes_per_slot(dtype_bytes) for s in self.layers)
+
+    @property
+    def total_params(self) -> int:
+        """Every parameter: embeddings, layers (all experts), final norm, an untied head."""
+        table = self.vocab_size * self.hidden_size
+        top = table * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+        return top + sum(s.params for s in self.layers)
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token's pass reads (a mixture of experts' ``top_k`` experts per
+        layer; the embedding table counted whole, as the head reads it when tied)."""
+        table = self.vocab_size * self.hidden_size
+        top = table * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+        return top + sum(s.active_params for s in self.layers)
 
 
 # ---------------------------------------------------------------- parsing helpers (for families)

@@ -436,11 +436,14 @@ def hf_config(g: GGUFFile) -> dict:
     bias = "blk.0.attn_q.bias" in g.tensors
     eos = eos_token_ids(g)
     arch_name, model_type = family.gguf_architectures[a]
+    ffn = f"{a}.feed_forward_length"
+    if ffn not in g.meta and f"{a}.expert_feed_forward_length" in g.meta:
+        ffn = f"{a}.expert_feed_forward_length"  # experts and no dense MLP (qwen35moe): the family sizes it
     raw = {
         "architectures": [arch_name],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": _field(g, f"{a}.feed_forward_length"),
+        "intermediate_size": _field(g, ffn),
         "num_hidden_layers": _field(g, f"{a}.block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,

@@ -327,6 +327,139 @@ PRESETS: dict[str, dict] = {
     ),
 }
 
+
+# ------------------------------------------------------------------------------------- Qwen3-MoE
+#
+# Qwen3's attention with a mixture-of-experts MLP in every layer (decoder_sparse_step 1, no
+# mlp_only_layers): a router ``mlp.gate`` [E, H] and per-expert SwiGLU weights under the Hub's
+# names ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (transformers 5 fuses them on load and writes
+# them back so).
+
+
+def _qwen3_moe(**shapes) -> dict:
+    config = _qwen3(**shapes)
+    config.update(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+        tie_word_embeddings=False,  # as Qwen3-30B-A3B
+    )
+    config.pop("max_window_layers", None)
+    return dict(sorted(config.items()))
+
+
+PRESETS["tiny-qwen3-moe"] = _qwen3_moe(
+    **{**_TINY_SHAPES, "num_hidden_layers": 3},
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+)
+# Exactly Qwen3-30B-A3B's shapes (48 layers of 128 experts, 8 per token; tokenizer ours). The decode
+# benchmark cuts it to a few layers with num_hidden_layers.
+PRESETS["qwen3-30b-a3b"] = _qwen3_moe(
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+)
+
+
+# ------------------------------------------------------------------------------- Qwen3.5-MoE
+#
+# Qwen3.5's hybrid layers with a mixture of experts as every layer's MLP (no dense MLP, no
+# intermediate_size): num_experts routed experts, top num_experts_per_tok renormalised, and a
+# shared expert behind a sigmoid gate. Hub layout: Qwen3_5MoeForConditionalGeneration, experts
+# fused (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]).
+
+
+def _qwen35_moe_text(**shapes) -> dict:
+    moe = {k: shapes.pop(k) for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+    shared = shapes.pop("shared_expert_intermediate_size")
+    config = _qwen35_text(intermediate_size=0, **shapes)
+    del config["intermediate_size"]
+    config.update(
+        model_type="qwen3_5_moe_text",
+        shared_expert_intermediate_size=shared,
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+        **moe,
+    )
+    return dict(sorted(config.items()))
+
+
+def _qwen35_moe_vlm(text: dict, vision: dict) -> dict:
+    config = _qwen35_vlm(text, dict(vision, model_type="qwen3_5_moe_vision"))
+    config.update(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe")
+    return config
+
+
+_TINY_QWEN35_MOE_TEXT = _qwen35_moe_text(
+    hidden_size=64,
+    num_hidden_layers=4,  # linear, linear, linear, full
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    vocab_size=_TINY_VOCAB,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,  # as Qwen3.6-35B-A3B
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
+# Tiny, as the Hub ships Qwen3.6-35B-A3B: 3 DeltaNet layers + 1 full attention, 8 experts (top 2)
+# and a shared expert in each, a 2-block vision tower, one MTP layer, untied head (as the 35B).
+PRESETS["tiny-qwen3.5-moe"] = _qwen35_moe_vlm(
+    _TINY_QWEN35_MOE_TEXT,
+    _qwen35_vision(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        num_position_embeddings=64,
+        out_hidden_size=_TINY_QWEN35_TEXT["hidden_size"],
+    ),
+)
+# Exactly Qwen3.6-35B-A3B's text shapes (40 layers of 256 experts, 8 per token, plus a shared
+# expert; tokenizer ours), text only: the decode benchmark cuts it to a few layers.
+PRESETS["qwen3.6-35b-a3b-text"] = dict(
+    architectures=["Qwen3_5MoeForCausalLM"],
+    torch_dtype="bfloat16",
+    **_qwen35_moe_text(
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        tie_word_embeddings=False,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+    ),
+)
+
 # Std of the random multiplicative jitter on RMSNorm weights (1 + jitter * N(0, 1)): on for the
 # tiny presets so that a wrong norm implementation shows up in tests; plain ones otherwise.
 _NORM_JITTER = {
@@ -336,6 +469,8 @@ _NORM_JITTER = {
     "tiny-qwen3.5": 0.1,
     "tiny-qwen3.5-text": 0.1,
     "tiny-gemma3": 0.1,
+    "tiny-qwen3-moe": 0.1,
+    "tiny-qwen3.5-moe": 0.1,
 }
 _STD = 0.02  # linears, embeddings and biases
 
@@ -368,10 +503,12 @@ def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     as ``x * w``: ones), ``"norm0"`` (a zero-centred norm weight, ``x * (1 + w)``, or a LayerNorm
     bias: zeros) or ``"A_log"`` (a DeltaNet's decay: log of uniform(0.01, 16), as transformers').
     """
-    if config["model_type"] in ("qwen3_5", "qwen3_5_text"):
+    if config["model_type"] in QWEN35_TYPES:
         return _qwen35_specs(config)
     if _is_gemma3(config):
         return _gemma3_specs(config)
+    if config["model_type"] == "qwen3_moe":
+        return _qwen3_moe_specs(config)
     arch = config["model_type"]
     h, inner = config["hidden_size"], config["intermediate_size"]
     nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -419,9 +556,35 @@ def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     return specs
 
 
+def _qwen3_moe_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """Qwen3-MoE: Qwen3's tensors, with each sparse layer's MLP replaced by the router and the
+    experts (per-expert names, as the Hub's checkpoints)."""
+    from pantheon.models.archs.qwen3_moe import sparse_layers
+
+    h, n = config["hidden_size"], config["num_hidden_layers"]
+    experts, inter = config["num_experts"], config["moe_intermediate_size"]
+    sparse = sparse_layers(config, "config", n, experts)
+    specs = []
+    for name, shape, kind in tensor_specs({**config, "model_type": "qwen3"}):
+        parts = name.split(".")
+        if len(parts) > 4 and parts[3] == "mlp" and sparse[int(parts[2])]:
+            if parts[4] == "gate_proj":  # the dense MLP's place: router, then the experts
+                p = ".".join(parts[:4])
+                specs.append((f"{p}.gate.weight", (experts, h), "normal"))
+                for e in range(experts):
+                    specs += [
+                        (f"{p}.experts.{e}.gate_proj.weight", (inter, h), "normal"),
+                        (f"{p}.experts.{e}.up_proj.weight", (inter, h), "normal"),
+                        (f"{p}.experts.{e}.down_proj.weight", (h, inter), "normal"),
+                    ]
+            continue
+        specs.append((name, shape, kind))
+    return specs
+
+
 def _qwen35_decoder_layer(t: dict, layer_type: str) -> list[tuple[str, tuple[int, ...], str]]:
     """One Qwen3.5 decoder layer (names relative to the layer)."""
-    h, inner = t["hidden_size"], t["intermediate_size"]
+    h, inner = t["hidden_size"], t.get("intermediate_size", 0)
     if layer_type == "linear_attention":  # Gated DeltaNet
         nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
         dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
@@ -456,12 +619,27 @@ def _qwen35_decoder_layer(t: dict, layer_type: str) -> list[tuple[str, tuple[int
             ]
     else:
         raise ValueError(f"unknown Qwen3.5 layer type {layer_type!r}")
+    if "num_experts" in t:  # Qwen3.5-MoE: router, fused experts (as the Hub's), shared expert
+        e, mi, si = t["num_experts"], t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
+        mlp = [
+            ("mlp.experts.down_proj", (e, h, mi), "normal"),
+            ("mlp.experts.gate_up_proj", (e, 2 * mi, h), "normal"),
+            ("mlp.gate.weight", (e, h), "normal"),
+            ("mlp.shared_expert.down_proj.weight", (h, si), "normal"),
+            ("mlp.shared_expert.gate_proj.weight", (si, h), "normal"),
+            ("mlp.shared_expert.up_proj.weight", (si, h), "normal"),
+            ("mlp.shared_expert_gate.weight", (1, h), "normal"),
+        ]
+    else:
+        mlp = [
+            ("mlp.down_proj.weight", (h, inner), "normal"),
+            ("mlp.gate_proj.weight", (inner, h), "normal"),
+            ("mlp.up_proj.weight", (inner, h), "normal"),
+        ]
     return [
         ("input_layernorm.weight", (h,), "norm0"),
         *mixer,
-        ("mlp.down_proj.weight", (h, inner), "normal"),
-        ("mlp.gate_proj.weight", (inner, h), "normal"),
-        ("mlp.up_proj.weight", (inner, h), "normal"),
+        *mlp,
         ("post_attention_layernorm.weight", (h,), "norm0"),
     ]
 
@@ -783,8 +961,11 @@ QWEN35_CHAT_TEMPLATE = """\
 """
 
 
+QWEN35_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
 def _is_qwen35(config: dict) -> bool:
-    return config["model_type"] in ("qwen3_5", "qwen3_5_text")
+    return config["model_type"] in QWEN35_TYPES
 
 
 @functools.lru_cache(maxsize=1)

@@ -59,6 +59,10 @@ class Estimate:
     kv_layer_bytes: tuple[int, ...]
     state_layer_bytes: tuple[int, ...]
     context_limit: int
+    # Parameters in all, and those one token's pass reads (a mixture of experts reads its top-k
+    # experts of each layer only; equal for a dense model): the admin view shows both.
+    total_params: int = 0
+    active_params: int = 0
 
     @property
     def layers(self) -> int:
@@ -229,7 +233,11 @@ def estimate(
         base += head  # the tied head's laid-out copy (the table stays for lookups)
     return Estimate(
         base=base,
-        layer_bytes=tuple(_linear_bytes(s.linears, layout, b) + s.small * b for s in shape.layers),
+        # a mixture of experts' stacked experts stay dense in the path's dtype (workers/layers/moe.py)
+        layer_bytes=tuple(
+            _linear_bytes(s.linears, layout, b) + s.small * b + (s.experts.params * b if s.experts else 0)
+            for s in shape.layers
+        ),
         # a sliding-window layer keeps a ring of its window per slot: state, not per-token KV
         kv_layer_bytes=tuple(
             s.cache.bytes_per_token(b) if isinstance(s.cache, AttentionCache) and not s.cache.window else 0
@@ -237,6 +245,8 @@ def estimate(
         ),
         state_layer_bytes=tuple(s.cache.bytes_per_slot(b) for s in shape.layers),
         context_limit=shape.context_limit,
+        total_params=shape.total_params,
+        active_params=shape.active_params,
     )
 
 

@@ -1,8 +1,9 @@
 """Continuous batching: what one request gets never depends on what shares its batch.
 
-Run on a Llama-family model (paged KV in every layer) and on a Qwen3.5 hybrid (three of four
-layers keep a recurrent state per slot), and on Gemma 3 (five of six layers read a 16-token window,
-which the 30- and 60-token prompts pass): joins, leaves, chunked prefill, preemption and aborts
+Run on a Llama-family model (paged KV in every layer), on a Qwen3.5 hybrid (three of four
+layers keep a recurrent state per slot), on Gemma 3 (five of six layers read a 16-token window,
+which the 30- and 60-token prompts pass) and on a mixture of experts (tokens grouped by expert
+across the batch): joins, leaves, chunked prefill, preemption and aborts
 must leave every neighbour's tokens exactly as they are alone."""
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def drain(eng: Engine, on_step=None) -> dict[str, list[int]]:
     return out
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3.5-text", "tiny-gemma3"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3.5-text", "tiny-gemma3", "tiny-qwen3-moe"])
 def path(model_factory, request):
     return str(model_factory(request.param, dtype="float32"))
 

@@ -10,12 +10,17 @@ A family module provides:
 - ``checkpoint_name(name) -> str | None``: a checkpoint tensor's name in ``targets``' terms (a
   multimodal checkpoint's ``model.language_model.*``), None for tensors the engine leaves out;
 - ``gguf_name(name) -> str | None`` and ``from_gguf(name, tensor, desc, arch) -> tensor``: a GGUF
-  tensor's Hugging Face name, and the converter's transformations undone (row permutations, ...).
+  tensor's Hugging Face name, and the converter's transformations undone (row permutations, ...);
+- optionally ``stacked(name) -> bool`` and ``unstack(name, tensor) -> [(name, tensor)]``: a
+  checkpoint tensor that stacks several targets along its first dimension (a mixture of experts'
+  experts, as transformers 5 fuses them or llama.cpp merges them), and its pieces under
+  ``targets``' names (views, no copy). ``unstacked`` and ``is_stacked`` apply them.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 from typing import NamedTuple, Protocol, cast
 
@@ -45,3 +50,18 @@ def family(desc: ModelDescription) -> Family:
     """The module of ``desc``'s family."""
     mod: ModuleType = importlib.import_module(f"workers.models.{desc.family}")
     return cast(Family, mod)
+
+
+Unstack = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
+
+
+def is_stacked(fam: Family, name: str) -> bool:
+    """Whether checkpoint tensor ``name`` stacks several of the family's targets."""
+    f = cast("Callable[[str], bool] | None", getattr(fam, "stacked", None))
+    return f is not None and f(name)
+
+
+def unstacked(fam: Family, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A stacked checkpoint tensor's pieces under ``targets``' names; any other tensor as it is."""
+    f = cast("Unstack | None", getattr(fam, "unstack", None))
+    return f(name, tensor) if f is not None and is_stacked(fam, name) else [(name, tensor)]

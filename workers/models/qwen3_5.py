@@ -140,14 +140,15 @@ class GatedDeltaNet(nn.Module):
 
 
 class Qwen35Layer(DecoderLayer):
-    def __init__(self, cfg: Qwen35Description, kind: str):
+    def __init__(self, cfg: Qwen35Description, kind: str, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mixer: GatedAttention | GatedDeltaNet = (
             GatedAttention(cfg) if kind == FULL else GatedDeltaNet(cfg)
         )
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        # a dense SwiGLU, or the caller's (Qwen3.5-MoE's mixture of experts)
+        self.mlp: nn.Module = mlp if mlp is not None else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
         x = x + self.mixer(self.input_layernorm(x), b, cache)  # pyright: ignore[reportArgumentType]  # the cache kind follows the layer kind (workers/cache.make_caches)
@@ -196,7 +197,8 @@ def targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
             t[f"{a}dt_bias"] = Target(m.dt_bias, 0, hv)
             t[f"{a}norm.weight"] = Target(m.norm_weight, 0, m.dv)
             t[f"{a}out_proj.weight"] = Target(m.out_proj.weight, 0, hidden)
-        mlp_targets(t, p, layer.mlp, hidden)
+        if isinstance(layer.mlp, MLP):  # else the caller's (workers/models/qwen3_5_moe.py)
+            mlp_targets(t, p, layer.mlp, hidden)
         t[f"{p}input_layernorm.weight"] = Target(layer.input_layernorm.weight, 0, hidden)
         t[f"{p}post_attention_layernorm.weight"] = Target(layer.post_attention_layernorm.weight, 0, hidden)
     return t

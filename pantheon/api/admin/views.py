@@ -22,6 +22,12 @@ def instance_view(f: InstanceFacts) -> dict:
         kv_pool_tokens=inst.kv_pool_tokens,
         slots_busy=f.slots_busy,
     )
+    # parameters in all and read per token (a mixture of experts reads its top-k experts only)
+    out["params"] = (
+        {"total": inst.estimate.total_params, "active": inst.estimate.active_params}
+        if inst.estimate
+        else None
+    )
     if es is not None:
         block = es.kv_bytes // es.kv_blocks_total if es.kv_blocks_total else 0
         out.update(

@@ -1,0 +1,159 @@
+"""Qwen3-MoE GGUF files written by llama.cpp's own converter load as the model of their source folder.
+
+The random-weight ``tiny-qwen3-moe`` folder (Hub layout: per-expert tensors) is converted by the
+real ``convert_hf_to_gguf.py`` (``helpers.llama_convert``) to ``qwen3moe`` files: f32 (the
+experts merged into ``ffn_{gate,up,down}_exps``) and q8_0 (its ``--fuse-gate-up-exps`` is refused
+for ``qwen3moe``). The engine splits the merged tensors back into its stacked experts
+(``workers.models.qwen3_moe.unstack``); checked by the description, every tensor and the logits.
+Two conversions of ~5 s each, once per module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pantheon.models.gguf import read_gguf
+from pantheon.protocol import SamplingParams
+from workers.engine import Engine
+from workers.gguf_weights import iter_tensors
+from workers.model_config import load_config
+from workers.models import qwen3_moe
+
+from helpers.llama_convert import convert
+
+PROMPT = [7, 300, 12, 99, 5, 1000, 42, 17, 256, 3, 77, 1500, 8, 64, 900, 11, 23, 400, 6, 88]
+F32 = ("f32", ())
+Q8_0 = ("q8_0", ())
+F32_TOL = 1e-5
+Q8_0_LOGIT_TOL = 0.05  # as test_qwen35_gguf: Q8_0 moves the tiny model's logits by ~0.006
+
+
+@pytest.fixture(scope="module")
+def folder(model_factory) -> Path:
+    return model_factory("tiny-qwen3-moe", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def files(folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen3moe-gguf")
+    done: dict[tuple, Path] = {}
+
+    def get(case) -> Path:
+        if case not in done:
+            outtype, extra = case
+            done[case] = convert(folder, out / f"{outtype}.gguf", outtype, extra)
+        return done[case]
+
+    return get
+
+
+_engines: dict[str, Engine] = {}
+
+
+def engine(path: Path) -> Engine:
+    if str(path) not in _engines:
+        _engines[str(path)] = Engine(str(path), dtype="float32")
+    return _engines[str(path)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_engines():
+    yield
+    for e in _engines.values():
+        e.close()
+    _engines.clear()
+
+
+def greedy(eng: Engine, n: int) -> tuple[list[int], torch.Tensor]:
+    rows: list[torch.Tensor] = []
+    eng.on_logits = lambda _seqs, logits: rows.append(logits[0].clone())
+    try:
+        eng.submit("g", PROMPT, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        out: list[int] = []
+        while eng.has_work():
+            out += [o.token for o in eng.step()]
+    finally:
+        eng.on_logits = None
+    return out, torch.stack(rows)
+
+
+@pytest.mark.slow
+def test_description_and_tensors_match_the_folder(folder, files):
+    path = files(F32)
+    g = read_gguf(path)
+    assert g.arch == "qwen3moe"
+    for merged in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp"):
+        assert f"blk.0.{merged}.weight" in g.tensors
+    want, got = load_config(folder), load_config(path)
+    for field in (
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "sparse",
+        "layers",
+        "num_layers",
+        "hidden_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "tie_word_embeddings",
+        "rope",
+    ):
+        assert getattr(got, field) == getattr(want, field), field
+    # every tensor, the merged experts split back per expert, equals the folder's
+    hf = {n: w.float() for n, w in load_file(str(folder / "model.safetensors")).items()}
+    seen = set()
+    wanted = set(hf) | {n for n in (qwen3_moe.gguf_name(t) for t in g.tensors) if n and qwen3_moe.stacked(n)}
+    for _file, label, name, w in iter_tensors(g, got, wanted):
+        for piece, t in qwen3_moe.unstack(name, w) if qwen3_moe.stacked(name) else [(name, w)]:
+            torch.testing.assert_close(t.float(), hf[piece], rtol=1e-6, atol=1e-6, msg=label)
+            seen.add(piece)
+    assert seen == set(hf)
+
+
+@pytest.mark.slow
+def test_f32_file_gives_the_folders_logits(folder, files):
+    path = files(F32)
+    want = engine(folder).prompt_logits(PROMPT)
+    got = engine(path).prompt_logits(PROMPT)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() < F32_TOL
+    got_tokens, got_rows = greedy(engine(path), 8)
+    want_tokens, want_rows = greedy(engine(folder), 8)
+    assert got_tokens == want_tokens
+    assert (got_rows - want_rows).abs().max().item() < F32_TOL
+
+
+@pytest.mark.slow
+def test_q8_0_file_stays_close_to_the_folder(folder, files):
+    path = files(Q8_0)
+    assert read_gguf(path).tensors["blk.0.ffn_down_exps.weight"].type_name == "Q8_0"
+    want = engine(folder).prompt_logits(PROMPT)
+    got = engine(path).prompt_logits(PROMPT)
+    assert (got - want).abs().max().item() < Q8_0_LOGIT_TOL
+
+
+@pytest.mark.slow
+def test_qwen35moe_file_gives_the_folders_logits(model_factory, tmp_path):
+    """Qwen3.6-35B-A3B's architecture (``qwen35moe``): tiny-qwen3.5-moe (Hub layout: fused experts,
+    shared expert, vision tower and MTP head) converted f32 with ``--no-mtp``: the same logits,
+    prefill and decode."""
+    src = model_factory("tiny-qwen3.5-moe", dtype="float32")
+    path = convert(src, tmp_path / "qwen35moe-f32.gguf", "f32", ("--no-mtp",))
+    g = read_gguf(path)
+    assert g.arch == "qwen35moe"
+    for t in ("ffn_gate_exps", "ffn_gate_inp", "ffn_gate_inp_shexp", "ffn_up_shexp"):
+        assert f"blk.0.{t}.weight" in g.tensors, t
+    want, got = load_config(src), load_config(path)
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "layers", "layer_types"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert (engine(path).prompt_logits(PROMPT) - engine(src).prompt_logits(PROMPT)).abs().max() < F32_TOL
+    got_tokens, got_rows = greedy(engine(path), 8)
+    want_tokens, want_rows = greedy(engine(src), 8)
+    assert got_tokens == want_tokens
+    assert (got_rows - want_rows).abs().max().item() < F32_TOL

@@ -1,0 +1,236 @@
+"""A mixture-of-experts MLP: router -> top-k experts (SwiGLU, weights stacked ``[E, ...]``) ->
+weighted sum, plus an optional shared expert behind a sigmoid gate (Qwen3.5-MoE's).
+
+Routing (``route``), the variants the families need:
+
+- ``softmax``: softmax over all experts' logits, then the top k, renormalised to sum to 1 when
+  ``norm_topk_prob`` (Qwen3-MoE, Qwen3.5-MoE, as transformers' ``Qwen3MoeTopKRouter``);
+- ``topk_softmax``: the top k logits, then a softmax over those k (gpt-oss, Mixtral);
+- a router bias (gpt-oss) is the router linear's own bias.
+
+The experts' weights are stacked parameters (``gate_up [E, 2I, H]``: gate rows then up rows per
+expert; ``down [E, H, I]``), each expert's block contiguous, so running one expert reads only its
+own bytes. ``experts_forward`` groups the step's (token, expert) assignments by expert: sorted
+once, then one matrix product per *active* expert over its group of tokens (CPU, and CUDA
+without a grouped GEMM), or one ``torch._grouped_mm`` over all groups (CUDA, bf16, when this
+torch has it and the shapes are aligned). A decode step of one token thus reads ``top_k``
+experts, not ``E``: the point of a mixture of experts.
+
+The router and the shared expert are ``nn.Linear``\\ s, laid out by the CPU paths like any other
+linear. The experts are prepacked for oneDNN one by one on the packed paths (``MoE.lay_out``: the
+same bytes, and plain bf16 ``F.linear`` at one row is ~4x slower than a prepacked one on AVX-512
+hosts); on the int8/int4 paths they stay dense in the path's dtype (int8/int4 experts are not
+built yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROUTINGS = ("softmax", "topk_softmax")
+# torch's grouped GEMM (private, CUDA bf16; this torch also runs it on CPU): None where absent
+_GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(torch, "_grouped_mm", None)
+
+
+def route(
+    logits: torch.Tensor, top_k: int, routing: str = "softmax", norm_topk_prob: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] -> (weights [N, k] float32, expert ids [N, k] int64)."""
+    if routing == "softmax":
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+    if routing == "topk_softmax":
+        top, ids = torch.topk(logits.float(), top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    raise ValueError(f"unknown routing {routing!r} (known: {', '.join(ROUTINGS)})")
+
+
+class Groups:
+    """A step's (token, expert) assignments grouped by expert: ``order`` sorts the flattened
+    ``[N * k]`` assignments by expert (stable: tokens in order within a group), ``tokens[i]`` is
+    the token of sorted assignment ``i``, ``ends`` the cumulative group ends over all ``E``
+    experts (int32, what a grouped GEMM takes), ``counts`` each expert's group size."""
+
+    def __init__(self, ids: torch.Tensor, num_experts: int):
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        self.order = torch.argsort(flat, stable=True)
+        self.tokens = self.order // k
+        self.counts = torch.bincount(flat, minlength=num_experts)
+        self.ends = torch.cumsum(self.counts, 0).to(torch.int32)
+
+    def active(self) -> list[tuple[int, int, int]]:
+        """(expert, start, end) in the sorted assignments of each expert with tokens (one host
+        sync: the loop below needs the counts on the host)."""
+        counts = self.counts.tolist()
+        out, start = [], 0
+        for e, c in enumerate(counts):
+            if c:
+                out.append((e, start, start + c))
+                start += c
+        return out
+
+
+def _grouped_mm_ok(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these: CUDA, bf16, rows of 16-byte multiples."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and _GROUPED_MM is not None
+        and gate_up.shape[1] % 8 == 0
+        and gate_up.shape[2] % 8 == 0
+        and down.shape[2] % 8 == 0
+    )
+
+
+def experts_forward(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    grouped_mm: bool | None = None,
+    stats: list[int] | None = None,
+    laid_out: tuple[nn.ModuleList, nn.ModuleList] | None = None,
+) -> torch.Tensor:
+    """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for every token n.
+
+    x: [N, H]; weights: [N, k] (float32); ids: [N, k]; gate_up: [E, 2I, H]; down: [E, H, I].
+    ``grouped_mm``: force the grouped GEMM on or off (None: when ``_grouped_mm_ok``).
+    The sum is accumulated in float32 and returned in x's dtype. ``stats``: the count of active
+    experts is appended (the per-expert loop only: a benchmark's bytes read per step).
+    ``laid_out``: each expert's gate_up and down as a CPU path laid them out (``MoE.lay_out``),
+    used in place of the stacked weights."""
+    n, h = x.shape
+    e, two_i, _ = gate_up.shape
+    if laid_out is not None:
+        e, two_i = len(laid_out[0]), cast(int, laid_out[0][0].out_features)
+    inter = two_i // 2
+    k = ids.shape[1]
+    g = Groups(ids, e)
+    xs = x[g.tokens]  # [N k, H], grouped by expert
+    use_grouped = laid_out is None and (
+        _grouped_mm_ok(x, gate_up, down) if grouped_mm is None else grouped_mm
+    )
+    if use_grouped:
+        assert _GROUPED_MM is not None, "this torch has no grouped GEMM"
+        gu = _GROUPED_MM(xs, gate_up.transpose(1, 2), offs=g.ends)  # [N k, 2I]
+        act = F.silu(gu[:, :inter]) * gu[:, inter:]
+        ys = _GROUPED_MM(act, down.transpose(1, 2), offs=g.ends)  # [N k, H]
+    else:
+        ys = torch.empty(xs.shape[0], h, dtype=x.dtype, device=x.device)
+        active = g.active()
+        if stats is not None:
+            stats.append(len(active))
+        for ex, s, t in active:
+            if laid_out is not None:
+                gu = laid_out[0][ex](xs[s:t])
+                ys[s:t] = laid_out[1][ex](F.silu(gu[:, :inter]) * gu[:, inter:])
+                continue
+            gu = F.linear(xs[s:t], gate_up[ex])  # [c, 2I]
+            ys[s:t] = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down[ex])
+    # back to token order, then each token's k outputs weighted and summed in its own slot order
+    # (a plain reduction: the same sum whatever else is in the batch, and no scatter, whose
+    # threads stall on a busy host)
+    per_token = ys[torch.argsort(g.order)].view(n, k, h).float()
+    return (per_token * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP with gate and up fused: ``down(silu(gate x) * up x)`` (a shared expert)."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
+
+
+class MoE(nn.Module):
+    """Router, stacked routed experts, optional shared expert with its sigmoid gate.
+
+    ``forward(x [N, H]) -> [N, H]``."""
+
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        norm_topk_prob: bool = True,
+        routing: str = "softmax",
+        router_bias: bool = False,
+        shared_inter: int = 0,
+    ):
+        super().__init__()
+        if routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {routing!r} (known: {', '.join(ROUTINGS)})")
+        self.num_experts, self.top_k, self.inter = num_experts, top_k, inter
+        self.routing, self.norm_topk_prob = routing, norm_topk_prob
+        self.gate = nn.Linear(hidden, num_experts, bias=router_bias)  # the router
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.shared_expert = SwiGLU(hidden, shared_inter) if shared_inter else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
+        self.stats: list[int] | None = None  # set to a list to collect active-expert counts
+        # each expert's matrices as a CPU path lays them out (oneDNN-prepacked), when it does
+        self.laid_out: tuple[nn.ModuleList, nn.ModuleList] | None = None
+        self._per_expert_bytes = 0
+
+    def per_expert_bytes(self) -> int:
+        """Bytes of one routed expert's weights (gate, up and down) as held."""
+        if self._per_expert_bytes:
+            return self._per_expert_bytes
+        return (
+            self.gate_up[0].numel() * self.gate_up.element_size()
+            + self.down[0].numel() * self.down.element_size()
+        )
+
+    def lay_out(self, make: Callable[[torch.Tensor], nn.Module]) -> None:
+        """Hold each expert's gate_up and down as ``make(weight)`` builds them (a CPU path's
+        prepacked linear), one expert at a time, and let the stacked weights go (the same bytes,
+        once)."""
+        self._per_expert_bytes = self.per_expert_bytes()
+        gu = nn.ModuleList(make(self.gate_up[e]) for e in range(self.num_experts))
+        dn = nn.ModuleList(make(self.down[e]) for e in range(self.num_experts))
+        self.laid_out = (gu, dn)
+        self.gate_up_laid_out, self.down_laid_out = gu, dn  # registered: counted as the model's weights
+        empty = torch.empty(0, *self.gate_up.shape[1:], dtype=self.gate_up.dtype, device=self.gate_up.device)
+        self.gate_up = nn.Parameter(empty, requires_grad=False)
+        self.down = nn.Parameter(
+            torch.empty(0, *self.down.shape[1:], dtype=self.down.dtype, device=self.down.device),
+            requires_grad=False,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.routing, self.norm_topk_prob)
+        out = experts_forward(
+            x, weights, ids, self.gate_up, self.down, stats=self.stats, laid_out=self.laid_out
+        )
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def unread_expert_bytes(model: nn.Module, rows: int = 1) -> int:
+    """Bytes of routed experts a decode step of ``rows`` tokens leaves unread: every MoE layer
+    reads at most ``rows * top_k`` of its experts (fewer when tokens share one)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, MoE):
+            total += max(0, m.num_experts - rows * m.top_k) * m.per_expert_bytes()
+    return total
