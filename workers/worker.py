@@ -385,7 +385,7 @@ class Worker:
                 busy = self._step_all()
                 now = time.monotonic()
                 if busy:
-                    self.trimmer.worked()
+                    self.trimmer.worked(now)
                 if self.debug_memory is not None and self.debug_memory.due(now):
                     self.debug_memory.report(self.request_tables(), self.trimmer)
                 loading = self.loading is not None
@@ -629,7 +629,7 @@ class Worker:
             return
         self._send_progress(force=True)  # the router sees the final count before Loaded
         self.loading = None
-        self.trimmer.worked()  # the load's staging buffers are garbage now
+        self.trimmer.dirty = True  # the load's staging buffers are garbage now: trim when idle
         name = job.msg.instance
         if job.session != self.session:  # asked by a router we have since left: say nothing
             if not isinstance(result, p.LoadFailed):

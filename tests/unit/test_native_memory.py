@@ -87,12 +87,14 @@ def test_cap_caches_keeps_the_operators_value():
 
 
 def test_the_trimmer_trims_once_idle_after_work_and_not_too_often():
-    t = Trimmer(every_s=5.0)
+    t = Trimmer(every_s=5.0, busy_every_s=30.0)
     if t.fn is None:
         pytest.skip("no glibc malloc_trim here")
     assert t.idle(100.0)  # the load's garbage: the first idle turn trims
     assert not t.idle(101.0)  # nothing ran since
-    t.worked()
+    assert not t.worked(101.5)  # busy, and the last trim is recent
     assert not t.idle(102.0)  # too soon after the last
     assert t.idle(105.0) and t.count == 2
     assert not t.idle(300.0)
+    # work that never stops: one trim per busy_every_s all the same
+    assert [now for now in range(301, 400) if t.worked(float(now))] == [301, 331, 361, 391]

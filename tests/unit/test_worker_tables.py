@@ -64,9 +64,10 @@ def _submit(w: Worker, rid: str, prompt: list[int], **params) -> None:
     w._handle(p.Submit(request_id=rid, instance="tiny", prompt=prompt, params=p.SamplingParams(**params)))
 
 
-def _received(router: zmq.Socket) -> list[p.WorkerMsg]:
+def _received(router: zmq.Socket, wait_ms: int = 0) -> list[p.WorkerMsg]:
+    """What the worker sent so far; with ``wait_ms``, until nothing more came for that long."""
     out = []
-    while router.poll(0):
+    while router.poll(wait_ms):
         _identity, data = router.recv_multipart()
         out.append(p.decode_worker_msg(data))
     return out
@@ -89,16 +90,20 @@ def test_every_per_request_table_is_empty_once_requests_end(wired):
     msgs: list[p.WorkerMsg] = []
     tokens: dict[str, list[p.TokenOut]] = {}
     turns = 0
-    while w._step_all():
-        turns += 1
-        assert turns < 2000
-        for m in _received(router):
+
+    def take(wait_ms: int = 0) -> None:
+        for m in _received(router, wait_ms):
             msgs.append(m)
             for t in m.tokens if isinstance(m, p.StepOutput) else []:
                 tokens.setdefault(t.request_id, []).append(t)
-        if len(tokens.get("decoding", [])) == 2 and "decoding" in w.owner:
+
+    while w._step_all():
+        turns += 1
+        assert turns < 2000
+        take()
+        if len(tokens.get("decoding", [])) >= 2 and "decoding" in w.owner:
             w._handle(p.Abort(request_ids=["decoding"]))
-    msgs += _received(router)
+    take(wait_ms=200)  # the last steps' messages may still be on their way
 
     tables = w.request_tables()
     assert tables and all(n == 0 for n in tables.values()), tables
@@ -110,5 +115,6 @@ def test_every_per_request_table_is_empty_once_requests_end(wired):
     assert tokens["done"][-1].finish == "length" and len(tokens["done"]) == 6
     assert tokens["json"][-1].finish is not None
     assert tokens["cut"][-1].finish == "length" and len(tokens["cut"]) < 100  # the pool's size
-    assert "queued" not in tokens and len(tokens["decoding"]) == 2
+    assert "queued" not in tokens
+    assert 2 <= len(tokens["decoding"]) < 30 and all(t.finish is None for t in tokens["decoding"])  # aborted
     assert all(tokens[f"grow{i}"][-1].finish == "length" for i in range(4))
