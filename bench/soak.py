@@ -1,17 +1,23 @@
-"""Soak: minutes of mixed load on a real model, then an audit for leaks and restarts.
+"""Soak: minutes of mixed load on a real model, then an audit for leaks, restarts and memory.
 
-    python bench/soak.py                      # 10 minutes on SmolLM2 (the default model)
+    python bench/soak.py                      # 3 minutes on SmolLM2 (the default model)
+    python bench/soak.py --minutes 20 --second ''   # the worker's RSS over a long run, no reloads
     python bench/soak.py --minutes 2 --clients 6
     python bench/soak.py --model DIR_OR_GGUF --second qwen3-0.6b
 
 One ``pantheon serve`` subprocess on one CPU die serves the main model; ``--clients`` client
-tasks loop over a mix of requests until the time is up:
+tasks loop over a mix of requests until the time is up (prompts of varied length, so the
+steps see many shapes):
 
 * ``stream``: a streamed chat answer of up to 64 tokens, read to the end;
-* ``cancel``: a stream the client drops after a few tokens (its slot must come back);
+* ``cancel``: a stream the client drops after 0-8 tokens (0: while its prompt is prefilled; its
+  slot must come back);
 * ``long``: a prompt of ~``--long-tokens`` tokens, streamed, 16 tokens out (the prefill that
   must not stall everyone else's decoding);
 * ``plain``: a non-streamed answer;
+* ``json``: a JSON Schema answer (``response_format``), one of ``SCHEMAS`` schemas (more than the
+  worker's compiled-grammar cache holds), streamed or not;
+* ``tools``: a required call of one of ``TOOL_NAMES`` tools, streamed or not;
 
 and one more task loads a second model (``--second``: a preset written once, the tiny one by
 default), sends it a request and unloads it again, every ``--reload-every`` seconds.
@@ -21,6 +27,12 @@ latency p50/p99 of the streams, split into gaps that overlapped a long prompt's 
 gaps that did not, and the audit once the server is idle again: busy slots, KV blocks held by
 requests (not by the prefix cache), queue depth (all must be 0) and worker deaths and restarts
 (must be 0: nothing here injects faults).
+
+Memory (``bench/rss.py``): every ``--sample-every`` seconds the router's and each worker's RSS
+(and its anonymous part), printed as a table with the growth per 1000 requests after the
+warm-up, and once more when the server is idle after the audit. The reload task loads a second
+model into the same worker, so pass ``--second ''`` for a worker figure that is the main
+model's alone.
 """
 
 from __future__ import annotations
@@ -42,13 +54,49 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from bench import rss  # noqa: E402
 from bench.serve import pct  # noqa: E402
+from workers.native_memory import TRIM_EVERY_S  # noqa: E402
 
 WORDS = (
     "the lighthouse keeper watched the grey sea roll in under a low sky while gulls "
     "circled the rocks and the lamp turned slowly above the harbour"
 ).split()
-KINDS = (("stream", 0.55), ("cancel", 0.15), ("long", 0.15), ("plain", 0.15))
+KINDS = (
+    ("stream", 0.30),
+    ("cancel", 0.15),
+    ("long", 0.08),
+    ("plain", 0.15),
+    ("json", 0.16),
+    ("tools", 0.16),
+)
+SCHEMAS = 96  # distinct JSON schemas (workers/grammar.py keeps 64 compiled)
+TOOL_NAMES = 24  # distinct tool names (each tool set is a grammar of its own)
+
+
+def schema(i: int) -> dict:
+    """The ``i``-th JSON schema: same shape, its own property names."""
+    return {
+        "type": "object",
+        "properties": {f"city_{i}": {"type": "string", "maxLength": 12}, f"n_{i}": {"type": "integer"}},
+        "required": [f"city_{i}", f"n_{i}"],
+        "additionalProperties": False,
+    }
+
+
+def tool(i: int) -> dict:
+    return {
+        "type": "function",
+        "function": {
+            "name": f"lookup_{i}",
+            "description": "Look a word up.",
+            "parameters": {
+                "type": "object",
+                "properties": {"word": {"type": "string", "maxLength": 16}},
+                "required": ["word"],
+            },
+        },
+    }
 
 
 class Soak:
@@ -60,7 +108,9 @@ class Soak:
         self.prefilling = 0  # long prompts sent that have not had their first token yet
         self.prefill_spans: list[tuple[float, float]] = []
         self.reloads = 0
+        self.finished = 0  # client requests ended, any outcome (the RSS table's x axis)
         self.stop_at = 0.0
+        self.sampler: rss.Sampler | None = None
 
     # ---------------------------------------------------------------- one request
 
@@ -69,23 +119,41 @@ class Soak:
             text = " ".join(rnd.choice(WORDS) for _ in range(self.args.long_tokens))
             msgs = [{"role": "user", "content": f"Summarise this in one line: {text}"}]
             return {"model": "main", "messages": msgs, "max_tokens": 16, "stream": True}
+        # prompt lengths from a few words to a few hundred, so steps see many shapes
+        words = rnd.choice((0, 0, 8, 40, 150, 400))
+        extra = " ".join(rnd.choice(WORDS) for _ in range(rnd.randint(words // 2, words))) if words else ""
         msgs = [
-            {"role": "user", "content": f"Tell me about {rnd.choice(WORDS)} number {rnd.randrange(1000)}."}
+            {
+                "role": "user",
+                "content": f"{extra} Tell me about {rnd.choice(WORDS)} number {rnd.randrange(1000)}.",
+            }
         ]
-        return {
+        body = {
             "model": "main",
             "messages": msgs,
             "max_tokens": 64,
-            "stream": kind != "plain",
+            "stream": kind not in ("plain", "json", "tools") or rnd.random() < 0.5,
             "temperature": 0.8,
             "seed": rnd.randrange(1 << 30),
         }
+        if kind == "json":
+            i = rnd.randrange(SCHEMAS)
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": f"s{i}", "schema": schema(i)},
+            }
+        elif kind == "tools":
+            first = rnd.randrange(TOOL_NAMES)
+            body["tools"] = [tool(first), tool((first + 1) % TOOL_NAMES)]
+            body["tool_choice"] = "required"
+        return body
 
     async def one(self, client: httpx.AsyncClient, url: str, kind: str, rnd: random.Random) -> str:
         body = self.body(kind, rnd)
-        if kind == "plain":
+        if not body["stream"]:
             r = await client.post(url + "/v1/chat/completions", json=body)
             return str(r.status_code) if r.status_code == 200 else _code(r.status_code, r.text)
+        cancel_after = rnd.randint(0, 8) if kind == "cancel" else -1
         stamps: list[float] = []
         sent = time.perf_counter()
         if kind == "long":
@@ -94,6 +162,8 @@ class Soak:
             async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
                     return _code(r.status_code, (await r.aread()).decode(errors="replace"))
+                if cancel_after == 0:
+                    return "cancelled"  # before the first token: while the prompt is prefilled
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -112,7 +182,7 @@ class Soak:
                     if stamps:
                         (self.gaps_prefill if self.prefilling else self.gaps_quiet).append(now - stamps[-1])
                     stamps.append(now)
-                    if kind == "cancel" and len(stamps) >= 3:
+                    if 0 < cancel_after <= len(stamps):
                         return "cancelled"  # leaving the block closes the connection
             return "200"
         finally:
@@ -131,6 +201,7 @@ class Soak:
                 except httpx.HTTPError as e:
                     out = f"client:{type(e).__name__}"
                 self.outcomes[(kind, out)] += 1
+                self.finished += 1
 
     async def reload_loop(self, url: str, second: Path) -> None:
         async with httpx.AsyncClient(timeout=300) as client:
@@ -156,9 +227,11 @@ class Soak:
                     self.reloads += 1
                 self.outcomes[("load/unload", out)] += 1
 
-    async def run(self, url: str, second: Path | None) -> None:
+    async def run(self, url: str, second: Path | None, router_pid: int) -> None:
         self.stop_at = time.monotonic() + self.args.minutes * 60
+        self.sampler = rss.Sampler(url, router_pid, self.args.sample_every, lambda: self.finished)
         tasks = [self.client_loop(url, i) for i in range(self.args.clients)]
+        tasks.append(self.sampler.run(self.stop_at))
         if second is not None:
             tasks.append(self.reload_loop(url, second))
         await asyncio.gather(*tasks)
@@ -253,11 +326,15 @@ def second_model(name: str) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", help="model folder or GGUF file (default: SmolLM2, else tiny)")
-    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--minutes", type=float, default=3.0)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--long-tokens", type=int, default=1500, help="words in a long prompt")
     ap.add_argument("--second", default="tiny", help="preset loaded and unloaded ('' for none)")
     ap.add_argument("--reload-every", type=float, default=60.0, help="seconds per load/unload")
+    ap.add_argument("--sample-every", type=float, default=10.0, help="seconds between RSS samples")
+    ap.add_argument(
+        "--warmup", type=float, default=1 / 3, help="share of the run left out of the RSS growth fit"
+    )
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("serve_args", nargs="*", help="more `pantheon serve` flags (after --)")
     args = ap.parse_args()
@@ -271,9 +348,12 @@ def main() -> int:
     soak = Soak(args)
     t0 = time.monotonic()
     try:
-        asyncio.run(soak.run(url, second))
+        asyncio.run(soak.run(url, second, proc.pid))
         wall = time.monotonic() - t0
         result = audit(url)
+        assert soak.sampler is not None
+        time.sleep(TRIM_EVERY_S + 1)  # idle: the worker has handed its freed heap back
+        idle = asyncio.run(soak.sampler.sample(keep=False))
     finally:
         proc.terminate()
         try:
@@ -317,6 +397,21 @@ def main() -> int:
         f"queued {result['queued']} (all must be 0)"
     )
     print(f"  worker deaths {result['worker_deaths']}, restarts {result['worker_restarts']} (must be 0)")
+    samples = soak.sampler.samples
+    print(
+        "  memory, MiB resident (anonymous); 'idle': once the audit found the server idle, "
+        f"{idle.t - samples[-1].t:.0f} s after the last sample"
+    )
+    print("    " + rss.table(samples, args.warmup, idle).replace("\n", "\n    "))
+    result["rss"] = [
+        {
+            "t": round(x.t, 1),
+            "requests": x.requests,
+            "router": [x.router.rss, x.router.anon] if x.router else None,
+            "workers": {d: [m.rss, m.anon] for d, m in x.workers.items()},
+        }
+        for x in [*samples, idle]
+    ]
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     bad = (

@@ -228,6 +228,20 @@ class Engine:
         self._samplers.pop(request_id, None)
         self._constraints.pop(request_id, None)
 
+    def request_tables(self) -> dict[str, int]:
+        """The size of everything kept per request: all 0 once every request has ended
+        (finished, aborted, truncated or failed its grammar); the worker's memory report and
+        tests/unit/test_worker_tables.py read it."""
+        return {
+            "samplers": len(self._samplers),
+            "constraints": len(self._constraints),
+            "sequences": len(self.scheduler._by_id),
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running()),
+            "grammar_failures": len(self.grammars.failed),
+            "blocks_held": self.blocks.num_used,
+        }
+
     def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
         """Logits at every position of ``prompt``: [T, vocab] fp32, computed in one pass.
 

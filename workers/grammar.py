@@ -161,8 +161,13 @@ class Grammars:
             self.last = None
 
     def take_failures(self) -> dict[str, str]:
-        """The requests whose matcher failed since the last call, and why."""
-        out, self.failed = self.failed, {}
+        """The requests whose matcher failed since the last call, and why.
+
+        Emptied in place: every live constraint reports into this same dict (``Constraint.failed``),
+        so one built before this call and failing after it must still be heard (a new dict here
+        left it writing into the old one, and its request ended as a plain ``stop``)."""
+        out = dict(self.failed)
+        self.failed.clear()
         return out
 
     def warm(self) -> None:

@@ -41,6 +41,12 @@ router key in ``DIR/server.key`` (a router that refuses our key ends us with
 models and says ``Hello`` again, with backoff, so a restarted router finds it and nothing is
 ever loaded twice.
 
+Memory (``workers/native_memory.py``): ``cli`` caps oneDNN's shape caches before torch is
+imported (uncapped, they grew the worker's RSS by gigabytes over a soak of varied prompts), and
+the loop hands the freed heap back (``malloc_trim``) when it goes idle after work and after an
+unload. ``PANTHEON_DEBUG_MEMORY=SECONDS`` logs RSS, Python's own allocations and the per-request
+tables every SECONDS.
+
 This module never imports quart, textual or tokenizers: prompts arrive as token ids.
 """
 
@@ -67,6 +73,7 @@ import zmq
 from pantheon import protocol as p
 from workers.devices import Die, engine_device, open_die
 from workers.errors import LoadError, RequestRejected
+from workers.native_memory import DebugReport, Trimmer, cap_caches, request_tables
 
 log = logging.getLogger("pantheon.worker")
 
@@ -227,6 +234,8 @@ class Worker:
         self.ctx: zmq.Context  # both made by _connect(), before anything else runs
         self.sock: zmq.Socket
         self.loading_poll_s, self.step_stats = _knobs()
+        self.trimmer = Trimmer()
+        self.debug_memory = DebugReport.from_env()
 
     # ------------------------------------------------------------------ plumbing
 
@@ -375,6 +384,10 @@ class Worker:
                 self._finish_loads()
                 busy = self._step_all()
                 now = time.monotonic()
+                if busy:
+                    self.trimmer.worked(now)
+                if self.debug_memory is not None and self.debug_memory.due(now):
+                    self.debug_memory.report(self.request_tables(), self.trimmer)
                 loading = self.loading is not None
                 if now >= next_stats:
                     self.send(self._stats())
@@ -388,6 +401,7 @@ class Worker:
                         self._rejoin(now - last_router)
                         last_router = time.monotonic()
                 if not busy and self.exit_code is None:
+                    self.trimmer.idle(now)  # give the heap the steps freed back, now that none run
                     wait = next_stats - time.monotonic()
                     if loading:
                         wait = min(wait, self.loading_poll_s)
@@ -398,6 +412,11 @@ class Worker:
             self.heart.join(2.0)
             self._close()
         return self.exit_code
+
+    def request_tables(self) -> dict[str, int]:
+        """The size of every table kept per request, ours and each engine's: all 0 once every
+        request has ended (``native_memory.request_tables``)."""
+        return request_tables(self.owner, {name: inst.engine for name, inst in self.instances.items()})
 
     def _close(self) -> None:
         if self.monitor is not None:
@@ -610,6 +629,7 @@ class Worker:
             return
         self._send_progress(force=True)  # the router sees the final count before Loaded
         self.loading = None
+        self.trimmer.dirty = True  # the load's staging buffers are garbage now: trim when idle
         name = job.msg.instance
         if job.session != self.session:  # asked by a router we have since left: say nothing
             if not isinstance(result, p.LoadFailed):
@@ -716,6 +736,7 @@ class Worker:
         del engine
         gc.collect()  # drop the tensors now, so the memory is really free when we say so
         self.die.empty_cache()
+        self.trimmer.trim()  # and give the heap back to the system (a CPU die's weights and KV)
 
 
 # ---------------------------------------------------------------------- command line
@@ -799,6 +820,7 @@ def _remote(args: argparse.Namespace) -> Remote:
 
 def cli(argv: list[str] | None = None) -> int:
     """Entry point of ``pantheon worker``; returns the exit code."""
+    cap_caches()  # before torch is imported, let alone runs a oneDNN op (the hello's path probe)
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,

@@ -300,6 +300,18 @@ def test_the_worker_ends_a_failed_matcher_with_rejected_not_stop(tiny_grammars):
     assert engine.aborted == ["r1"] and "r1" not in w.owner and "r2" in w.owner
 
 
+def test_a_failure_after_an_earlier_take_is_still_reported(tiny_grammars):
+    """The worker takes the failures after every step; a constraint built before one of those
+    takes (a request waiting for a slot, or decoding for a while) must still be heard when it
+    fails later, or its request ends as a plain ``stop``."""
+    c = tiny_grammars.constraint(_regex("a{1000000}"), [0])
+    tiny_grammars.label("late")
+    assert tiny_grammars.take_failures() == {}  # a step of the others, before this one's first
+    ended, _n = _run(tiny_grammars, c)
+    assert ended and c.error
+    assert tiny_grammars.take_failures() == {"late": c.error}
+
+
 def test_masks_of_a_failed_matcher_allow_nothing_but_the_end(tiny_grammars):
     """Why a failure must end the request with an error: the mask of a matcher in error allows
     only the end of sequence, which would read as a clean ``stop`` with what came so far."""
