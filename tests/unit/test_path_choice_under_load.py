@@ -50,7 +50,7 @@ def world(monkeypatch):
     holder: dict[str, World] = {}
 
     class FakeBench:
-        def __init__(self, name: str, shapes):
+        def __init__(self, name: str, shapes, experts=()):
             self.name = name
 
         def once(self, rows: int) -> float:
@@ -67,6 +67,7 @@ def world(monkeypatch):
     monkeypatch.setattr(cpu_paths, "_Bench", FakeBench)
     monkeypatch.setattr(cpu_paths, "_Reference", FakeReference)
     monkeypatch.setattr(cpu_paths, "linear_shapes", lambda cfg: [])
+    monkeypatch.setattr(cpu_paths, "expert_shapes", lambda cfg: [])
 
     def make(disturbed: Callable[[int, str], bool], n: int = len(NAMES)) -> World:
         holder["w"] = World(disturbed, n)
@@ -75,7 +76,7 @@ def world(monkeypatch):
     return make
 
 
-CFG = cast(ModelDescription, None)  # unused: linear_shapes is faked
+CFG = cast(ModelDescription, None)  # unused: linear_shapes and expert_shapes are faked
 
 
 def test_undisturbed_choice_is_the_fastest_path(world):
