@@ -45,6 +45,10 @@ class Prepared:
     capped: bool = False  # fit_context dropped part of the conversation
     dropped_messages: int = 0
     dropped_tokens: int = 0
+    # the output constraint (grammar, ids it starts after, <think> id), checked against the
+    # model it was fitted for before any slot (api.openai.service.checked_constraint); None:
+    # not checked yet
+    constraint: tuple[str | None, list[int], int] | None = None
 
 
 def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], str, bool, str | None]:

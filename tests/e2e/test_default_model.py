@@ -56,6 +56,29 @@ def test_the_default_model_knows_the_capital_of_france(default_srv):
 
 
 @needs_smollm2
+def test_a_choice_the_model_cannot_spell_is_a_400_before_any_slot(default_srv):
+    # the red team's case: SmolLM2's vocabulary cannot spell U+50000; the check runs against the
+    # model before a slot is taken (issue 23 §4), so the instance serves nothing for it
+    def served() -> int:
+        rows = httpx.get(default_srv.url + "/admin/models", timeout=10).json()["data"]
+        return sum(r["served"] for r in rows if r["name"] == server_cli.DEFAULT_MODEL_NAME)
+
+    before = served()
+    for route, body in (
+        ("/v1/chat/completions", {"messages": QUESTION}),
+        ("/v1/completions", {"prompt": "The capital of France is"}),
+    ):
+        r = httpx.post(
+            default_srv.url + route,
+            json={"model": server_cli.DEFAULT_MODEL_NAME, "guided_choice": ["\U00050000"], **body},
+            timeout=60,
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "guided_choice", r.text
+    assert served() == before
+
+
+@needs_smollm2
 def test_the_default_model_is_the_file_the_package_ships():
     path = server_cli.smollm2_file()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
