@@ -11,7 +11,10 @@ that fits the pool never asks the die for more memory, and one that does not fit
   ``"context_capped": true`` and that turn is sent with ``use_cache=False``: a capped prompt is a
   different token sequence from the conversation the prefix cache holds, and caching it would
   only evict useful blocks;
-- deny (503 and the reason): even the system messages and the last message alone leave no room.
+- deny (400 ``context_length_exceeded`` naming the numbers): even the system messages and the
+  last message alone leave no room. That is the client's error, never the server's state: the
+  limit is fixed at load (the pool is allocated once), so retrying can never make it fit. (A
+  pool full of other requests' blocks is no reason to refuse: the worker's scheduler waits.)
 
 Without ``max_tokens`` the completion may use the rest of the limit; a capped prompt then keeps
 ``min(limit / 4, 512)`` tokens of room, so capping never leaves a single token to generate.
@@ -185,4 +188,5 @@ def _cap(assets, req: ChatRequest, limit: int, room: int, full_len: int) -> Prep
         if n <= budget:
             ids, prefix, opened, forced = out
             return Prepared(ids, prefix, opened, room, forced, True, dropped, full_len - len(ids))
-    raise errors.context_denied(limit, n, room)
+    param = "max_tokens" if req.max_tokens is not None else "messages"
+    raise errors.context_too_long(limit, full_len, room, n, param)
