@@ -30,7 +30,7 @@ import msgspec
 
 from pantheon import errors
 from pantheon.chat.template import RENDER_TIMEOUT_S, TemplateError, render_budget, think_open
-from pantheon.chat.tools import forced_call_prefix
+from pantheon.chat.tools import forced_call_prefix, with_tool_prompt
 
 if TYPE_CHECKING:  # the request type only: control/ never imports api/ at run time
     from pantheon.api.openai.protocol import ChatRequest
@@ -59,9 +59,14 @@ def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], s
     tool call's prefix (see ``ForcedCall``), whether the template opened a reasoning block, and
     the forced function's name."""
     tools = req.tools if req.tools_enabled else None
+    given = tools
+    if tools and not assets.template.takes_tools:
+        # a template without a tools section (SmolLM2's) would drop them silently: the generic
+        # tool prompt lists them in the system message instead, in the form the emitter reads
+        messages, given = with_tool_prompt(messages, tools), None
     try:
         prompt = assets.template.render(
-            messages, tools=tools, add_generation_prompt=True, **req.chat_template_kwargs
+            messages, tools=given, add_generation_prompt=True, **req.chat_template_kwargs
         )
     except TemplateError as e:
         raise errors.chat_template_refused(e.message) from None
