@@ -32,7 +32,7 @@ chat_template_refused     400     invalid_request_error  (param messages)
 max_tokens_too_large      400     invalid_request_error  context_length_exceeded (param max_tokens)
 context_length_exceeded   400     invalid_request_error  context_length_exceeded (param messages)
 request_rejected          400     invalid_request_error  the worker's kind
-context_denied            503     server_error           context_denied              Retry-After: 1
+context_too_long          400     invalid_request_error  context_length_exceeded (param max_tokens or messages)
 **routing** (``pantheon.control.registry``, the OpenAI routes)
 model_not_found           404     invalid_request_error  model_not_found (param model)
 no_model_loaded           503     server_error           model_not_ready             Retry-After: 1
@@ -282,17 +282,22 @@ def request_rejected(reason: str, kind: str) -> ApiError:
     return ApiError(400, reason, code=kind)
 
 
-def context_denied(limit: int, tokens: int, room: int) -> ApiError:
-    """503: even with every older turn and message text dropped the prompt leaves no room."""
+def context_too_long(
+    limit: int, prompt_tokens: int, completion_tokens: int, kept_tokens: int, param: str
+) -> ApiError:
+    """400: the conversation cannot fit even capped: with every older turn and message text
+    dropped the prompt still takes ``kept_tokens``, leaving less than the completion needs. The
+    client's error (the limit is fixed at load: the KV pool is allocated once), so never a 503
+    the SDKs would retry; vLLM's wording, with the numbers."""
     return ApiError(
-        503,
-        f"context admission denied: this model's context limit is {limit} "
-        f"tokens, and even with every older turn and message text dropped the "
-        f"prompt takes {tokens} tokens, leaving less than the {room} the "
-        f"completion needs",
-        type=SERVER,
-        code="context_denied",
-        headers=_retry_after(1),
+        400,
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, "
+        f"{completion_tokens} in the completion). Even with every older turn and message text "
+        f"dropped the prompt takes {kept_tokens} tokens. Please reduce the length of the "
+        f"messages or completion.",
+        param=param,
+        code="context_length_exceeded",
     )
 
 

@@ -228,6 +228,8 @@ class Loaded(msgspec.Struct, tag=True, kw_only=True):
     # the recurrent layers' state pools ((num_slots + 1) states); 0 for a model without such
     # layers, and from a worker that predates them
     state_bytes: int = 0
+    # models.description.shape_digest of the model it loaded ("" from an older worker)
+    shape_digest: str = ""
 
 
 class LoadFailed(msgspec.Struct, tag=True, kw_only=True):

@@ -71,6 +71,7 @@ import msgspec
 import zmq
 
 from pantheon import protocol as p
+from pantheon.models.description import shape_digest
 from workers.devices import Die, engine_device, open_die
 from workers.errors import LoadError, RequestRejected
 from workers.native_memory import DebugReport, Trimmer, cap_caches, request_tables
@@ -681,6 +682,7 @@ class Worker:
                 eos_token_ids=[int(t) for t in engine.eos_token_ids],
                 cpu_path=engine.cpu_path or "",
                 state_bytes=state,
+                shape_digest=shape_digest(engine.cfg),
             )
         )
         log.info(

@@ -9,8 +9,12 @@ channels as the spec describes:
 - *tool calls*: the inside of ``<tool_call>`` ... ``</tool_call>``, read when the block closes, in
   the model's format (``tool_format``): JSON (:func:`pantheon.chat.tools.parse_tool_block`) or
   Qwen3.5's XML (:func:`pantheon.chat.xml_tools.parse_xml_tool_block`, which types the values by
-  the request's ``tools``). A block that does not parse is content again, written out as the model
-  wrote it.
+  the request's ``tools``). A closed block that does not parse is content again, written out as the
+  model wrote it. A block the output ends inside (``max_tokens``, a stop string) is never markup in
+  the content: its calls are returned as what they are, the last one cut off (its name and its
+  arguments so far: :func:`pantheon.chat.tools.parse_unfinished_tool_block`), or nothing when
+  not even a name was written; an output ending inside the ``<tool_call>`` marker itself drops
+  that part of it (two characters or more: a lone ``<`` stays content). Streamed and not, the caller gets the same deltas.
 
 Stop strings (at most four) are matched on the raw text, in every channel, across piece boundaries;
 a match is never emitted, everything after it is dropped, and :attr:`Emitter.stopped` turns True so
@@ -28,6 +32,7 @@ The same text always gives the same deltas once they are joined per channel, how
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +45,7 @@ from .tools import (
     ParsedToolCall,
     new_call_id,
     parse_tool_block,
+    parse_unfinished_tool_block,
 )
 from .xml_tools import parse_xml_tool_block
 
@@ -54,6 +60,8 @@ MAX_STOP = 4
 REASONING = "reasoning"
 CONTENT = "content"
 TOOL_CALL = "tool_call"
+
+_XML_FUNCTION = re.compile(r"<function=([^>\s]+)>")
 
 # Emitter states.
 _START = "start"  # a reasoning model's first characters: is there a <think>?
@@ -212,6 +220,12 @@ class Emitter:
                     return
                 self._marker(needle)
                 continue
+            if final and self._state == _CONTENT and self.tools_enabled:
+                # the output ended inside the marker itself (``<tool_ca``): markup, not content
+                tail = next(
+                    (k for k in range(len(TOOL_OPEN) - 1, 1, -1) if self._buf.endswith(TOOL_OPEN[:k])), 0
+                )
+                self._buf = self._buf[: len(self._buf) - tail]
             keep = 0 if final else self._carry_len(self._buf, needles)
             self._text(self._buf[: len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep :]
@@ -293,9 +307,12 @@ class Emitter:
         self._pending_ws = ""
 
     def _close_tool(self, *, closed: bool) -> bool:
-        """Turn the finished tool block into calls; True if it was one. A block that does not parse,
-        and one cut off by a stop or the end that does not parse either, is content as written."""
+        """Turn the finished tool block into calls; True if it was one. A closed block that does
+        not parse is content as written; one cut off by a stop or the end is what it holds (see
+        the module doc), never markup in the content."""
         calls = self._parse_tool_block(self._tool_raw)
+        if calls is None and not closed:
+            calls = self._parse_unfinished(self._tool_raw)
         if calls is None:
             raw = self._ws_before_tool + TOOL_OPEN + self._tool_raw + (TOOL_CLOSE if closed else "")
             self._tool_raw = self._ws_before_tool = ""
@@ -316,6 +333,22 @@ class Emitter:
             self._out.append(Delta(TOOL_CALL, index=index, arguments=call.arguments))
         self._tool_raw = self._ws_before_tool = ""
         return True
+
+    def _parse_unfinished(self, text: str) -> list[ParsedToolCall]:
+        """A block the output ended inside (see the module doc). The XML format's cut-off call
+        keeps the parameters it finished (its arguments are then whole JSON)."""
+        if self.tool_format != XML_TOOL_FORMAT:
+            return parse_unfinished_tool_block(text)
+        head = _XML_FUNCTION.search(text)
+        if head is None:
+            return []
+        done = (
+            text[: text.rfind("</parameter>") + len("</parameter>")]
+            if "</parameter>" in text
+            else text[: head.end()]
+        )
+        calls = parse_xml_tool_block(done + "\n</function>", self._tools)
+        return calls if calls else [ParsedToolCall(name=head.group(1), arguments="{}")]
 
     def _parse_tool_block(self, text: str) -> list[ParsedToolCall] | None:
         if self.tool_format == XML_TOOL_FORMAT:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import functools
 import json
 import re
 import threading
@@ -38,7 +39,7 @@ import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .tools import tool_call_format
+from .tools import TOOLS_POSTAMBLE, TOOLS_PREAMBLE, tool_call_format
 
 __all__ = [
     "ChatTemplate",
@@ -592,16 +593,6 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
 
 # ------------------------------------------------------------------ the ChatML fallback
 
-_TOOLS_PREAMBLE = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-_TOOLS_POSTAMBLE = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
-    "</tool_call>"
-)
-
 
 def render_chatml(
     messages: Sequence[Mapping[str, Any]],
@@ -629,7 +620,7 @@ def render_chatml(
         if rest and rest[0].get("role") == "system":
             system = str(rest.pop(0).get("content", "")) + "\n\n"
         listing = "".join("\n" + _tojson(t) for t in tools)
-        parts.append(f"<|im_start|>system\n{system}{_TOOLS_PREAMBLE}{listing}{_TOOLS_POSTAMBLE}<|im_end|>\n")
+        parts.append(f"<|im_start|>system\n{system}{TOOLS_PREAMBLE}{listing}{TOOLS_POSTAMBLE}<|im_end|>\n")
     for i, msg in enumerate(rest):
         role = msg.get("role")
         content = msg.get("content", "")
@@ -740,6 +731,25 @@ class ChatTemplate:
         """The format the model writes tool calls in (``"json"`` or ``"xml"``), as the template
         that renders the tools teaches it (see :func:`pantheon.chat.tools.tool_call_format`)."""
         return tool_call_format(self.tool_use_source or self.source)
+
+    @functools.cached_property
+    def takes_tools(self) -> bool:
+        """Whether the template renders the ``tools`` it is given: a sample conversation
+        rendered with a sample tool (under the load bounds) shows the tool's name. One that does
+        not (SmolLM2's) gets the generic tool prompt instead
+        (:func:`pantheon.chat.tools.with_tool_prompt`). A template that refuses the sample is
+        taken at its word: it knows tools."""
+        if self.is_fallback:
+            return True
+        try:
+            text = self._render(
+                _SAMPLE_MESSAGES, _SAMPLE_TOOLS, None, True, {}, (LOAD_TIMEOUT_S, LOAD_MAX_OUTPUT_CHARS)
+            )
+        except TemplateBoundError:
+            raise
+        except TemplateError:
+            return True
+        return _SAMPLE_TOOLS[0]["function"]["name"] in text
 
     @property
     def is_fallback(self) -> bool:

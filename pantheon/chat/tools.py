@@ -9,13 +9,15 @@ Qwen, Hermes and most ChatML models write a call as JSON (the default, :data:`JS
 :func:`parse_tool_block` reads the JSON between the markers. Qwen3.5 and Qwen3-Coder write the
 inside as XML instead (:data:`XML_TOOL_FORMAT`, read by :mod:`pantheon.chat.xml_tools`);
 :func:`tool_call_format` tells the two apart from the chat template, and is the only place that
-decides it. :func:`resolve_tool_choice` turns a request's ``tools`` and ``tool_choice`` into what
+decides it. :func:`with_tool_prompt` lists the tools in the system message, in the generic form
+below, for a template that takes no ``tools`` (SmolLM2's); :func:`resolve_tool_choice` turns a request's ``tools`` and ``tool_choice`` into what
 the template and the emitter are given.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 from collections.abc import Mapping, Sequence
@@ -31,8 +33,11 @@ __all__ = [
     "forced_call_prefix",
     "new_call_id",
     "parse_tool_block",
+    "parse_unfinished_tool_block",
     "resolve_tool_choice",
     "tool_call_format",
+    "generic_tool_prompt",
+    "with_tool_prompt",
 ]
 
 TOOL_OPEN = "<tool_call>"
@@ -44,6 +49,36 @@ _ALPHANUMERIC = string.ascii_letters + string.digits
 JSON_TOOL_FORMAT = "json"
 # ... or ``<function=NAME>`` with one ``<parameter=P>`` element per argument (Qwen3.5, Qwen3-Coder).
 XML_TOOL_FORMAT = "xml"
+
+
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call>"
+)
+
+
+def generic_tool_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The generic tool prompt (see the module doc): the tools' definitions, one JSON object a
+    line, and the ``<tool_call>`` answer form."""
+    listing = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    return TOOLS_PREAMBLE + listing + TOOLS_POSTAMBLE
+
+
+def with_tool_prompt(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """``messages`` with the generic tool prompt in the system message: after a leading system
+    message's text (and a blank line), else as a new system message first."""
+    prompt = generic_tool_prompt(tools)
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
+        text = out[0]["content"]
+        out[0]["content"] = f"{text}\n\n{prompt}" if text else prompt
+        return out
+    return [{"role": "system", "content": prompt}, *out]
 
 
 def tool_call_format(template_source: str | None) -> str:
@@ -146,6 +181,43 @@ def parse_tool_block(text: str) -> list[ParsedToolCall] | None:
         while pos < len(body) and body[pos] in " \t\r\n,;":
             pos += 1
     return calls or None
+
+
+_PARTIAL_JSON_CALL = re.compile(
+    r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*(?:,\s*"(?:arguments|parameters)"\s*:\s*(.*))?', re.DOTALL
+)
+
+
+def parse_unfinished_tool_block(text: str) -> list[ParsedToolCall]:
+    """The calls of a JSON ``<tool_call>`` block the output ended inside (``max_tokens``, a stop
+    string): the whole calls it holds, and the cut-off last one as what it is, its name and its
+    arguments text so far (``{"city": "Pa``, as OpenAI cuts arguments at ``length``). Empty when
+    not even a name was finished; such a block is dropped, never shown as markup. (The XML
+    format's: ``pantheon.chat.emitter``.)"""
+    body = text.strip()
+    if body.startswith("```"):
+        body = body[3:].removeprefix("json").lstrip()
+    decoder = json.JSONDecoder()
+    calls: list[ParsedToolCall] = []
+    pos = 0
+    while pos < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except ValueError:
+            break
+        items = [_one_call(item) for item in (obj if isinstance(obj, list) else [obj])]
+        calls += [c for c in items if c is not None]
+        pos = end
+        while pos < len(body) and body[pos] in " \t\r\n,;[":
+            pos += 1
+    m = _PARTIAL_JSON_CALL.match(body, pos)
+    if m is not None:
+        try:
+            name = json.loads(f'"{m.group(1)}"')
+        except ValueError:
+            return calls
+        calls.append(ParsedToolCall(name=name.strip(), arguments=(m.group(2) or "").rstrip()))
+    return calls
 
 
 # ------------------------------------------------------------------ tool_choice

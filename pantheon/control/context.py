@@ -11,7 +11,10 @@ that fits the pool never asks the die for more memory, and one that does not fit
   ``"context_capped": true`` and that turn is sent with ``use_cache=False``: a capped prompt is a
   different token sequence from the conversation the prefix cache holds, and caching it would
   only evict useful blocks;
-- deny (503 and the reason): even the system messages and the last message alone leave no room.
+- deny (400 ``context_length_exceeded`` naming the numbers): even the system messages and the
+  last message alone leave no room. That is the client's error, never the server's state: the
+  limit is fixed at load (the pool is allocated once), so retrying can never make it fit. (A
+  pool full of other requests' blocks is no reason to refuse: the worker's scheduler waits.)
 
 Without ``max_tokens`` the completion may use the rest of the limit; a capped prompt then keeps
 ``min(limit / 4, 512)`` tokens of room, so capping never leaves a single token to generate.
@@ -27,7 +30,7 @@ import msgspec
 
 from pantheon import errors
 from pantheon.chat.template import RENDER_TIMEOUT_S, TemplateError, render_budget, think_open
-from pantheon.chat.tools import forced_call_prefix
+from pantheon.chat.tools import forced_call_prefix, with_tool_prompt
 
 if TYPE_CHECKING:  # the request type only: control/ never imports api/ at run time
     from pantheon.api.openai.protocol import ChatRequest
@@ -45,6 +48,10 @@ class Prepared:
     capped: bool = False  # fit_context dropped part of the conversation
     dropped_messages: int = 0
     dropped_tokens: int = 0
+    # the output constraint (grammar, ids it starts after, <think> id), checked against the
+    # model it was fitted for before any slot (api.openai.service.checked_constraint); None:
+    # not checked yet
+    constraint: tuple[str | None, list[int], int] | None = None
 
 
 def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], str, bool, str | None]:
@@ -52,9 +59,14 @@ def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], s
     tool call's prefix (see ``ForcedCall``), whether the template opened a reasoning block, and
     the forced function's name."""
     tools = req.tools if req.tools_enabled else None
+    given = tools
+    if tools and not assets.template.takes_tools:
+        # a template without a tools section (SmolLM2's) would drop them silently: the generic
+        # tool prompt lists them in the system message instead, in the form the emitter reads
+        messages, given = with_tool_prompt(messages, tools), None
     try:
         prompt = assets.template.render(
-            messages, tools=tools, add_generation_prompt=True, **req.chat_template_kwargs
+            messages, tools=given, add_generation_prompt=True, **req.chat_template_kwargs
         )
     except TemplateError as e:
         raise errors.chat_template_refused(e.message) from None
@@ -181,4 +193,5 @@ def _cap(assets, req: ChatRequest, limit: int, room: int, full_len: int) -> Prep
         if n <= budget:
             ids, prefix, opened, forced = out
             return Prepared(ids, prefix, opened, room, forced, True, dropped, full_len - len(ids))
-    raise errors.context_denied(limit, n, room)
+    param = "max_tokens" if req.max_tokens is not None else "messages"
+    raise errors.context_too_long(limit, full_len, room, n, param)

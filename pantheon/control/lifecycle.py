@@ -47,6 +47,7 @@ from pantheon.control.registry import DRAINING, FAILED, LOADING, READY, Instance
 from pantheon.errors import ApiError
 from pantheon.models import generation_defaults
 from pantheon.models.assets import ModelAssets
+from pantheon.models.description import ModelDescription, shape_digest
 from pantheon.models.gguf import GGUFError, find_gguf, served_name
 from pantheon.models.sizing import SizingError, estimate, read_shape, state_checkpoints, state_pool_slots
 from pantheon.protocol import LoadModel, die_host, die_kind
@@ -409,20 +410,27 @@ class Models:
     async def _check_same_model(self, inst: Instance, loaded: Any) -> None:
         """A ``worker_path`` must hold the model ``path`` describes (the router's tokenizer,
         template and sizes are ``path``'s): the worker's report is compared with the router's
-        description; a mismatch is unloaded and refused (400). The worker reports only some
-        figures of its model (its vocabulary size), so this catches another family or
-        tokenizer, not a fine-tune of the same shape."""
+        description, its vocabulary and its ``shape_digest`` (architecture, vocabulary, every
+        layer's kind, shapes and cache); a mismatch is unloaded and refused (400). A fine-tune
+        of the same shape is not told apart (that would need the weights)."""
         shape = inst.shape
         want = getattr(shape, "vocab_size", None)
-        if want is None or loaded.vocab_size == want:
+        why = ""
+        if want is not None and loaded.vocab_size != want:
+            why = (
+                f"the worker's model has a vocabulary of {loaded.vocab_size} tokens, 'path' describes {want}"
+            )
+        elif isinstance(shape, ModelDescription) and loaded.shape_digest:
+            if loaded.shape_digest != shape_digest(shape):
+                why = (
+                    "the worker's model has other layers (architecture, sizes or layer kinds) "
+                    f"than 'path' describes ({shape.arch}, {shape.num_layers} layers of {shape.hidden_size})"
+                )
+        if not why:
             return
         with contextlib.suppress(PoolError, KeyError):
             await self.pool.unload(inst.die, inst.instance_id)
-        raise errors.invalid_param(
-            "worker_path",
-            f"'worker_path' holds another model than 'path': the worker's model has a vocabulary "
-            f"of {loaded.vocab_size} tokens, 'path' describes {want}",
-        )
+        raise errors.invalid_param("worker_path", f"'worker_path' holds another model than 'path': {why}")
 
     @staticmethod
     def _load_error(e: BaseException) -> ApiError:

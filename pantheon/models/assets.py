@@ -81,6 +81,9 @@ class ModelAssets:
         # a template that would stall every request is refused here, at load (a 400 from the
         # admin API): one render of a sample conversation under tighter bounds than a request's
         self.template.check_cost()
+        # whether it renders tools (else the generic tool prompt): one sample render, at load
+        # rather than on a first request
+        self.template.takes_tools  # noqa: B018
         src = (self.template.source or "") + (self.template.tool_use_source or "")
         self.reasoning = "<think>" in src or (self.template.is_fallback and self.template.reasoning)
         self.tool_call_markup = "<tool_call>" in src or self.template.is_fallback

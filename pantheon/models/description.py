@@ -417,3 +417,14 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ModelError("invalid", f"{path}: not valid JSON ({e})") from None
+
+
+def shape_digest(desc: ModelDescription) -> str:
+    """A digest of what makes two checkpoints the same model to the engine: the architecture,
+    the vocabulary, and every layer's kind, shapes and cache (not the dtype or the format, so a
+    GGUF and its Hugging Face folder agree). The router compares the worker's with its own for a
+    ``worker_path`` (a fine-tune of the same shape is not told apart: that needs the weights)."""
+    import hashlib
+
+    key = repr((desc.family, desc.arch, desc.vocab_size, desc.hidden_size, desc.layers))
+    return hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -390,8 +390,8 @@ def test_context_capping_and_denial(adm, model_factory):
                 max_tokens=8,
                 messages=[{"role": "system", "content": "word " * 80}, {"role": "user", "content": "hi"}],
             ),
-            503,
-            code="context_denied",
+            400,
+            code="context_length_exceeded",
         )
         assert "64" in err["message"]
         check_error(chat(adm, model="short", max_tokens=64), 400, code="context_length_exceeded")

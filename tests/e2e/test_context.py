@@ -88,3 +88,30 @@ def test_a_die_without_room_for_the_full_context_gets_what_it_holds(model_factor
         assert f"maximum context length is {limit} tokens" in err["message"]
     finally:
         s.stop()
+
+
+# Every "request does not fit the model" case is the client's 400 naming the numbers, on both
+# routes (issue 26 §3); 503 stays for the server's own state. (route, extra body, param)
+NOT_FITTING = [
+    ("chat", {"max_tokens": LONG - 4}, "max_tokens"),  # fits alone, not with the prompt
+    ("chat", {"max_completion_tokens": LONG - 4}, "max_tokens"),
+    ("chat", {"max_tokens": LONG - 4, "n": 2}, "max_tokens"),  # each choice is its own sequence
+    ("chat", {"max_tokens": LONG}, "max_tokens"),  # no context can hold it
+    ("completions", {"max_tokens": LONG - 1}, "prompt"),
+    ("completions", {"max_tokens": LONG - 1, "n": 2}, "prompt"),
+    ("completions", {"max_tokens": LONG}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("route", "extra", "param"), NOT_FITTING)
+def test_a_request_that_does_not_fit_is_a_400_naming_the_numbers(srv, route, extra, param):
+    body: dict = {"model": "long", **extra}
+    if route == "chat":
+        body["messages"] = MSG
+    else:
+        body["prompt"] = "Say something, and then something more."
+    r = httpx.post(f"{srv.url}/v1/{'chat/' if route == 'chat' else ''}completions", json=body, timeout=30)
+    err = check_error(r, 400, param=param, code="context_length_exceeded")
+    asked = extra.get("max_tokens", extra.get("max_completion_tokens"))
+    assert f"This model's maximum context length is {LONG} tokens. However, you requested" in err["message"]
+    assert f"{asked} in the completion" in err["message"], err["message"]

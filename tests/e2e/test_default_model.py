@@ -5,6 +5,7 @@ Without the package it says how to install it and falls back to the tiny preset.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 
 import httpx
 import pytest
@@ -53,6 +54,91 @@ def test_the_default_model_knows_the_capital_of_france(default_srv):
     )
     assert text == r.choices[0].message.content  # greedy: the same answer streamed
     assert "Traceback" not in default_srv.output()
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@needs_smollm2
+def test_tools_reach_a_template_without_a_tools_section(default_srv):
+    """SmolLM2's template renders no tools: they go into the system message in the generic
+    form (issue 26 §2), which usage.prompt_tokens counts, and auto reads that form back. (Whether
+    a 135M model calls the tool is its own affair: on this prompt it answers in prose, greedy
+    and at temperature 0.7 over ten seeds.)"""
+    c = default_srv.client()
+    m = server_cli.DEFAULT_MODEL_NAME
+    plain = c.chat.completions.create(model=m, messages=WEATHER_Q, max_tokens=4, temperature=0)
+    auto = c.chat.completions.create(
+        model=m, messages=WEATHER_Q, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=24, temperature=0
+    )
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 100, (plain.usage, auto.usage)
+    msg = auto.choices[0].message
+    assert "<tool_call" not in (msg.content or "")
+    for call in msg.tool_calls or []:  # a call it makes is parsed
+        assert call.function.name == "get_weather"
+
+
+@needs_smollm2
+@pytest.mark.parametrize("max_tokens", [12, 16, 40])
+def test_a_call_cut_by_max_tokens_is_the_same_streamed_or_not(default_srv, max_tokens):
+    """tool_choice required, greedy, cut at max_tokens before, inside and after the call: the
+    stream and the collected response agree (finish_reason, the call so far), and the call's
+    markup is never content (issue 26 §2)."""
+    c = default_srv.client()
+    kw = dict(
+        model=server_cli.DEFAULT_MODEL_NAME,
+        messages=WEATHER_Q,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    whole = c.chat.completions.create(**kw).choices[0]
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(**kw, stream=True) if ch.choices]
+    content = "".join(ch.delta.content or "" for ch in chunks)
+    calls: dict[int, list[str]] = {}
+    for ch in chunks:
+        for tc in ch.delta.tool_calls or []:
+            got = calls.setdefault(tc.index, ["", ""])
+            got[0] += (tc.function.name or "") if tc.function else ""
+            got[1] += (tc.function.arguments or "") if tc.function else ""
+    assert [ch.finish_reason for ch in chunks if ch.finish_reason] == [whole.finish_reason]
+    assert content == (whole.message.content or "") and "<tool" not in content
+    want = [[t.function.name, t.function.arguments] for t in whole.message.tool_calls or []]
+    assert [calls[i] for i in sorted(calls)] == want
+    if whole.finish_reason == "tool_calls":  # whole: its arguments are JSON (Paris, greedy here)
+        assert [name for name, _ in want] == ["get_weather"] and "city" in json.loads(want[0][1])
+
+
+@needs_smollm2
+def test_a_choice_the_model_cannot_spell_is_a_400_before_any_slot(default_srv):
+    # the red team's case: SmolLM2's vocabulary cannot spell U+50000; the check runs against the
+    # model before a slot is taken (issue 23 §4), so the instance serves nothing for it
+    def served() -> int:
+        rows = httpx.get(default_srv.url + "/admin/models", timeout=10).json()["data"]
+        return sum(r["served"] for r in rows if r["name"] == server_cli.DEFAULT_MODEL_NAME)
+
+    before = served()
+    for route, body in (
+        ("/v1/chat/completions", {"messages": QUESTION}),
+        ("/v1/completions", {"prompt": "The capital of France is"}),
+    ):
+        r = httpx.post(
+            default_srv.url + route,
+            json={"model": server_cli.DEFAULT_MODEL_NAME, "guided_choice": ["\U00050000"], **body},
+            timeout=60,
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "guided_choice", r.text
+    assert served() == before
 
 
 @needs_smollm2

@@ -38,6 +38,8 @@ def site(model_factory, tmp_path_factory):
 
     other = model_factory("tiny", vocab_size=_TINY_VOCAB + TINY_VOCAB_EXTRA)
     shutil.copytree(other, root / "other")
+    deeper = model_factory("tiny", num_hidden_layers=3)  # the same vocabulary, another shape
+    shutil.copytree(deeper, root / "deeper")
     outside = tmp / "outside"
     shutil.copytree(tiny, outside)
     keys = _keys(tmp / "keys", "w1")
@@ -109,6 +111,11 @@ def test_worker_path_must_be_the_same_model(site):
     err = check_error(r, 400, param="worker_path")
     assert "vocabulary" in err["message"], err
     assert "wrong" not in models(s)
+    until(lambda: booked(s) == before[1], timeout=10, what="the booking released")
+    # the same vocabulary but other layers: found out by the shape digest
+    r = load(s, path=str(root / "tiny"), name="wrong", dies=["cpu:0@w1"], worker_path=str(root / "deeper"))
+    err = check_error(r, 400, param="worker_path")
+    assert "other layers" in err["message"], err
     until(lambda: booked(s) == before[1], timeout=10, what="the booking released")
     assert sorted(models(s)) == before[0]
     # the same model in another folder: loads on the remote die and serves

@@ -242,7 +242,12 @@ def test_stop_beats_marker_and_cuts_tool_block():
     out, em, _ = run(['<tool_call>{"name": "f", "arguments": {}}STOP</tool_call>'], stop=["STOP"])
     assert em.stopped and out["tool_calls"][0]["function"]["name"] == "f"
     out, em, _ = run(['<tool_call>{"name": "f", STOP'], stop=["STOP"])
-    assert em.stopped and out["content"] == '<tool_call>{"name": "f", ' and not out["tool_calls"]
+    # cut inside the call: the call as far as it got, never its markup in the content
+    assert (
+        em.stopped
+        and out["content"] == ""
+        and out["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
+    )
 
 
 def test_stop_limits():
@@ -308,7 +313,8 @@ def test_malformed_tool_json_is_content():
 def test_unclosed_tool_block_at_the_end():
     out = whole('<tool_call>\n{"name": "f", "arguments": {"k": "v"}}\n')
     assert out["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"k": "v"}'}
-    assert whole('x <tool_call>{"name": "f"')["content"] == 'x <tool_call>{"name": "f"'
+    cut = whole('x <tool_call>{"name": "f"')
+    assert cut["content"] == "x" and cut["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
 
 
 def test_tools_disabled_keeps_blocks_as_content():
@@ -423,3 +429,50 @@ def test_token_stream_through_detokenizer_and_emitter(tiny_model):
         {"name": "get_weather", "arguments": '{"city": "東京"}'}
     ]
     assert em.finish_reason("stop") == "tool_calls"
+
+
+# ------------------------------------------------------------- a call cut off at length
+
+
+@pytest.mark.parametrize("tool_format", ["json", "xml"])
+def test_a_call_cut_anywhere_is_the_same_streamed_or_not_and_never_markup(tool_format):
+    """max_tokens may end the output at any character of a call: streamed (in any split) or
+    not, the deltas join to the same message, the content never holds the markup, and the
+    cut-off call is what it is: its name once written, its arguments so far (issue 26 §2)."""
+    if tool_format == "json":
+        text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+        args = '{"city": "Paris", "days": 2}'
+    else:
+        text = (
+            "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+        )
+        args = '{"city": "Paris", "days": 2}'
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                },
+            },
+        }
+    ]
+    named_at = text.index("get_weather") + len("get_weather") + (1 if tool_format == "json" else 1)
+    for cut in range(len(text) + 1):
+        part = text[:cut]
+        out, _ = assert_split_invariant(part, reasoning=False, tool_format=tool_format, tools=tools)
+        assert "<t" not in out["content"] and "</" not in out["content"], (cut, out)
+        if cut >= named_at:
+            (call,) = out["tool_calls"]
+            assert call["function"]["name"] == "get_weather", (cut, out)
+            got = call["function"]["arguments"]
+            if tool_format == "json":
+                # the arguments so far, as written (compact once the call is whole)
+                assert args.startswith(got) or json.loads(got) == json.loads(args), (cut, got)
+            else:  # the parameters written so far (the XML parser takes an unclosed one as it is)
+                assert set(json.loads(got)) <= set(json.loads(args)), (cut, got)
+        elif "<tool_call>" in part:
+            assert out["tool_calls"] == [], (cut, out)

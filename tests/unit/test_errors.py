@@ -53,7 +53,7 @@ CASES = {
     "context_length_exceeded": (("too long",), 400, INVALID, "messages", "context_length_exceeded"),
     "prompt_too_long": ((4096, 4000, 100), 400, INVALID, "prompt", "context_length_exceeded"),
     "request_rejected": (("bad", "duplicate"), 400, INVALID, None, "duplicate"),
-    "context_denied": ((64, 80, 16), 503, SERVER, None, "context_denied"),
+    "context_too_long": ((64, 80, 16, 60, "messages"), 400, INVALID, "messages", "context_length_exceeded"),
     "model_not_found": (("x",), 404, INVALID, "model", "model_not_found"),
     "no_model_loaded": ((), 503, SERVER, None, "model_not_ready"),
     "model_loading": (("x",), 503, SERVER, None, "model_not_ready"),
@@ -144,7 +144,6 @@ def test_retry_after_values():
         assert e.headers == {"Retry-After": "1"}
     assert errors.server_busy().headers == {"Retry-After": "1"}
     assert errors.memory_pressure().headers == {"Retry-After": "1"}
-    assert errors.context_denied(64, 80, 16).headers == {"Retry-After": "1"}
     assert errors.no_instance("x").headers == {"Retry-After": "2"}
     assert errors.model_unloaded("m").headers == {"Retry-After": "2"}
     assert errors.shutting_down().headers == {"Retry-After": "5"}
@@ -166,6 +165,12 @@ def test_messages_the_clients_see():
     assert (
         errors.no_such_die("cuda:3", "cuda", 1).message
         == "die cuda:3 does not exist (this machine has 1 CUDA devices)"
+    )
+    assert errors.context_too_long(64, 30, 60, 20, "max_tokens").message == (
+        "This model's maximum context length is 64 tokens. However, you requested 90 tokens "
+        "(30 in the messages, 60 in the completion). Even with every older turn and message "
+        "text dropped the prompt takes 20 tokens. Please reduce the length of the messages or "
+        "completion."
     )
     assert errors.max_tokens_too_large(64, 64).message == (
         "This model's maximum context length is 64 tokens. However, you requested at least 65 "

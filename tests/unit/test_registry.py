@@ -470,7 +470,8 @@ def test_admission_pass_cap_deny(tiny_model):
             ),
             64,
         )
-    assert (ei.value.status, ei.value.code) == (503, "context_denied")
+    assert (ei.value.status, ei.value.code, ei.value.param) == (400, "context_length_exceeded", "max_tokens")
+    assert "maximum context length is 64 tokens" in ei.value.message
     # a max_tokens no context can hold stays the OpenAI 400
     with pytest.raises(ApiError) as ei:
         fit_context(assets, _chat(_convo(0), max_tokens=64), 64)

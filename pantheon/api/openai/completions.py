@@ -39,7 +39,7 @@ from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.protocol import ChatRequest
 from pantheon.api.openai.routes import BIG_BODY, _Body, _through_recovery, check_token_ids
-from pantheon.api.openai.service import Generation, _pool_error
+from pantheon.api.openai.service import Generation, _pool_error, checked_constraint, needs_constraint
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
 from pantheon.chat.emitter import Emitter
@@ -273,6 +273,8 @@ async def _place(s: AppState, creq: CompletionRequest, big: bool) -> tuple[Insta
     req.model = await s.residency.ensure(req.model)
     likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
     prep = await asyncio.to_thread(_prepare, likely, creq) if big else _prepare(likely, creq)
+    if needs_constraint(req):  # what the model cannot enforce is a 400 before any slot
+        prep.constraint = await asyncio.to_thread(checked_constraint, likely, req, prep)
     inst = await s.registry.acquire_slot(req.model, req.session_id)
     try:
         if (

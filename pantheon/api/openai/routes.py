@@ -25,7 +25,7 @@ from pantheon import errors
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.protocol import ChatRequest
-from pantheon.api.openai.service import Generation
+from pantheon.api.openai.service import Generation, checked_constraint, needs_constraint
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
 from pantheon.control.context import Prepared, fit_context, limit_of
@@ -130,6 +130,8 @@ async def _place(s: AppState, req: ChatRequest) -> tuple[Instance, Prepared]:
     likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
     check_token_ids(likely, req)
     prep = await _fit_context(likely, req)
+    if needs_constraint(req):  # what the model cannot enforce is a 400 before any slot
+        prep.constraint = await asyncio.to_thread(checked_constraint, likely, req, prep)
     try:
         inst = await s.registry.acquire_slot(req.model, req.session_id)
     except ApiError as e:

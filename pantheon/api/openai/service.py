@@ -158,6 +158,68 @@ def model_tokenizer(inst: Any) -> structured.ModelTokenizer:
     return per[n]
 
 
+Constraint = tuple[str | None, list[int], int]  # (grammar, ids it starts after, <think> id or -1)
+NO_CONSTRAINT: Constraint = (None, [], -1)
+
+
+def _forced_call(req: ChatRequest) -> bool:
+    return bool(req.tools) and req.tools_enabled and req.tool_choice in ("required", "function")
+
+
+def needs_constraint(req: ChatRequest) -> bool:
+    """Whether ``req``'s output is constrained: a grammar, or a demanded tool call."""
+    return req.grammar is not None or _forced_call(req)
+
+
+def tool_format(inst: Any, prep: Prepared) -> str:
+    """The format of the model's tool calls (its chat template's), unless a forced call was
+    opened in the prompt in another one: the prompt's opening is written in
+    ``pantheon.control.context``, and the output must continue what it wrote."""
+    fmt = inst.assets.template.tool_format
+    forced = prep.forced
+    if forced is not None and prep.prefix != forced_call_prefix(fmt, forced):
+        return JSON_TOOL_FORMAT
+    return fmt
+
+
+def constraint_of(inst: Any, req: ChatRequest, prep: Prepared) -> Constraint:
+    """The grammar the output must match (a demanded tool call's, else the request's), and
+    where it starts on a reasoning model: after ``</think>`` when the template opened the
+    block; when the model may open one itself, its ``<think>`` id (else -1)."""
+    assets = inst.assets
+    grammar = req.grammar
+    if req.tools and _forced_call(req):
+        tools = req.tools
+        if req.tool_choice_name is not None:
+            tools = [t for t in tools if t["function"]["name"] == req.tool_choice_name]
+        grammar = structured.tool_grammar(tools, prep.forced, prep.prefix, tool_format(inst, prep))
+        if prep.prefix:  # the call is already open in the prompt: no reasoning first
+            return grammar, [], -1
+    if grammar is None or not assets.reasoning:
+        return grammar, [], -1
+    close = assets.encode("</think>")
+    if prep.think_open:
+        return grammar, close, -1
+    opening = assets.encode("<think>")
+    if len(opening) == 1 and req.chat_template_kwargs.get("enable_thinking", True) is not False:
+        return grammar, close, opening[0]
+    return grammar, [], -1
+
+
+def checked_constraint(inst: Any, req: ChatRequest, prep: Prepared) -> Constraint:
+    """``constraint_of``, run on a matcher over ``inst``'s own vocabulary first: a 400 naming
+    the parameter when the model cannot enforce it (up to 0.25 s: call it off the event loop)."""
+    if not needs_constraint(req):
+        return NO_CONSTRAINT
+    c = constraint_of(inst, req, prep)
+    if c[0] is not None:
+        param = (
+            "tools" if _forced_call(req) else _CONSTRAINT_PARAMS.get(req.response_format, "response_format")
+        )
+        structured.check_for_model(c[0], model_tokenizer(inst), param)
+    return c
+
+
 # ---------------------------------------------------------------- one choice
 
 
@@ -212,15 +274,13 @@ class Generation:
         self.on_tokens = on_tokens
         # With API keys each key is its own prefix-cache domain (pantheon.api.auth).
         self.cache_salt = auth.cache_salt(auth.request_domain(), req.cache_salt)
-        # The constraint is built and run against the model's vocabulary now, before the
-        # worker sees the request: what it cannot enforce is a 400, not a broken output.
-        self.constraint: tuple[str | None, list[int], int] = (None, [], -1)
-        forced = bool(req.tools) and req.tools_enabled and req.tool_choice in ("required", "function")
-        if req.grammar is not None or forced:
-            self.constraint = self._constraint()
-            if self.constraint[0] is not None:
-                param = "tools" if forced else _CONSTRAINT_PARAMS.get(req.response_format, "response_format")
-                structured.check_for_model(self.constraint[0], model_tokenizer(inst), param)
+        # The constraint, built and run against the model's vocabulary before any slot by the
+        # route's placement (``checked_constraint`` on a thread); a request placed on another
+        # replica than the one it was fitted for is checked here (before the worker sees it):
+        # what the model cannot enforce is a 400, never a broken output.
+        self.constraint: Constraint = (
+            prep.constraint if prep.constraint is not None else checked_constraint(inst, req, prep)
+        )
 
     @property
     def ttft_s(self) -> float | None:
@@ -239,14 +299,7 @@ class Generation:
             st.abort()
 
     def _tool_format(self) -> str:
-        """The format of the model's tool calls (its chat template's), unless a forced call was
-        opened in the prompt in another one: the prompt's opening is written in
-        ``pantheon.control.context``, and the output must continue what it wrote."""
-        fmt = self.inst.assets.template.tool_format
-        forced = self.prep.forced
-        if forced is not None and self.prep.prefix != forced_call_prefix(fmt, forced):
-            return JSON_TOOL_FORMAT
-        return fmt
+        return tool_format(self.inst, self.prep)
 
     def _streams_forced_arguments(self) -> bool:
         """A forced call whose prompt left the JSON arguments object open: ``ForcedCall`` streams
@@ -266,29 +319,6 @@ class Generation:
             tool_format=self._tool_format(),
             tools=req.tools,
         )
-
-    def _constraint(self) -> tuple[str | None, list[int], int]:
-        """The grammar the output must match (a demanded tool call's, else the request's), and
-        where it starts on a reasoning model: after ``</think>`` when the template opened the
-        block; when the model may open one itself, its ``<think>`` id (else -1)."""
-        req, prep, assets = self.req, self.prep, self.inst.assets
-        grammar = req.grammar
-        if req.tools and req.tools_enabled and req.tool_choice in ("required", "function"):
-            tools = req.tools
-            if req.tool_choice_name is not None:
-                tools = [t for t in tools if t["function"]["name"] == req.tool_choice_name]
-            grammar = structured.tool_grammar(tools, prep.forced, prep.prefix, self._tool_format())
-            if prep.prefix:  # the call is already open in the prompt: no reasoning first
-                return grammar, [], -1
-        if grammar is None or not assets.reasoning:
-            return grammar, [], -1
-        close = assets.encode("</think>")
-        if prep.think_open:
-            return grammar, close, -1
-        opening = assets.encode("<think>")
-        if len(opening) == 1 and req.chat_template_kwargs.get("enable_thinking", True) is not False:
-            return grammar, close, opening[0]
-        return grammar, [], -1
 
     async def _pieces(self, run: ChoiceRun) -> AsyncGenerator[Piece, None]:
         """The choice's output, one ``Piece`` per batch of tokens that arrived together."""
