@@ -19,8 +19,12 @@ def test_sized_to_the_target_from_the_measured_costs():
     b.observe(n_decode=8, n_prefill=0, seconds=0.1)  # decode: 100 ms a step
     b.observe(n_decode=8, n_prefill=100, seconds=0.1 + 100 * 0.004)  # 4 ms a prompt token
     assert b.decode_s == pytest.approx(0.1) and b.per_token_s == pytest.approx(0.004)
-    assert b.tokens() == 100  # (0.5 - 0.1) / 0.004
+    assert b.tokens() == 75  # (min(0.5, 4 x 0.1) - 0.1) / 0.004: streams keep a quarter
     assert b.tokens(decoding=False) == 125  # nothing decodes: the whole target is prefill
+    b.decode_s = 0.02  # a fast decode: the step beside it stays short (4 x 20 ms)
+    assert b.tokens() == 15 + 1 == b.floor  # (0.08 - 0.02) / 0.004 = 15, lifted to the floor
+    b.per_token_s = 0.001
+    assert b.tokens() == 60  # (0.08 - 0.02) / 0.001
 
 
 def test_a_slow_machine_gets_small_chunks_but_never_below_the_floor():
