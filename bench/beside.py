@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,21 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+from bench.pantheon_server import host_line, serve  # noqa: E402
 
 
 def _stream(url: str, model: str, n: int) -> list[float]:
@@ -73,70 +56,48 @@ def main() -> None:
     ap.add_argument("--stream-tokens", type=int, default=400)
     args = ap.parse_args()
     extra = ["--model", args.model, "--name", "m"] if args.model else []
-    port = _port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as tmp:
-        log = open(Path(tmp) / "serve.log", "wb")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pantheon", "serve", "--port", str(port), *extra],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+    with tempfile.TemporaryDirectory() as tmp, serve(extra, Path(tmp) / "serve.log") as url:
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        alone = _stream(url, model, args.stream_tokens)
+        rate_alone = (len(alone) - 1) / (alone[-1] - alone[0])
+        # the neighbour: a prompt of about --tokens tokens (a word is about a token here)
+        words = " ".join(f"w{i % 997}" for i in range(args.tokens // 2))
+        done: dict[str, float] = {}
+
+        def neighbour() -> None:
+            t0 = time.perf_counter()
+            done["start"] = t0
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                json={"model": model, "messages": [{"role": "user", "content": words}], "max_tokens": 1},
+                timeout=900,
+            )
+            done["end"] = time.perf_counter()
+            done["prompt_tokens"] = (
+                r.json().get("usage", {}).get("prompt_tokens", 0) if r.status_code == 200 else -1
+            )
+
+        res: dict[str, list[float]] = {}
+        th_stream = threading.Thread(
+            target=lambda: res.setdefault("t", _stream(url, model, args.stream_tokens * 4))
         )
-        try:
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.25)
-            model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            alone = _stream(url, model, args.stream_tokens)
-            rate_alone = (len(alone) - 1) / (alone[-1] - alone[0])
-            # the neighbour: a prompt of about --tokens tokens (a word is about a token here)
-            words = " ".join(f"w{i % 997}" for i in range(args.tokens // 2))
-            done: dict[str, float] = {}
-
-            def neighbour() -> None:
-                t0 = time.perf_counter()
-                done["start"] = t0
-                r = httpx.post(
-                    url + "/v1/chat/completions",
-                    json={"model": model, "messages": [{"role": "user", "content": words}], "max_tokens": 1},
-                    timeout=900,
-                )
-                done["end"] = time.perf_counter()
-                done["prompt_tokens"] = (
-                    r.json().get("usage", {}).get("prompt_tokens", 0) if r.status_code == 200 else -1
-                )
-
-            res: dict[str, list[float]] = {}
-            th_stream = threading.Thread(
-                target=lambda: res.setdefault("t", _stream(url, model, args.stream_tokens * 4))
-            )
-            th_stream.start()
-            time.sleep(1.0)  # the stream is decoding
-            th_n = threading.Thread(target=neighbour)
-            th_n.start()
-            th_n.join()
-            th_stream.join()
-            times = res["t"]
-            during = [t for t in times if done["start"] <= t <= done["end"]]
-            gaps = [b - a for a, b in zip(times, times[1:]) if done["start"] <= b <= done["end"] + 1]
-            rate_during = (len(during) - 1) / (during[-1] - during[0]) if len(during) > 1 else 0.0
-            print(f"host {_cpu()}, {os.cpu_count()} CPUs; model {model}")
-            print(f"stream alone: {rate_alone:.1f} tok/s")
-            print(
-                f"beside a {done['prompt_tokens']}-token prefill ({done['end'] - done['start']:.1f} s): "
-                f"{rate_during:.1f} tok/s, longest gap {max(gaps, default=0.0):.2f} s, "
-                f"{len(during)} tokens during it"
-            )
-        finally:
-            proc.terminate()
-            proc.wait(30)
-            log.close()
+        th_stream.start()
+        time.sleep(1.0)  # the stream is decoding
+        th_n = threading.Thread(target=neighbour)
+        th_n.start()
+        th_n.join()
+        th_stream.join()
+        times = res["t"]
+        during = [t for t in times if done["start"] <= t <= done["end"]]
+        gaps = [b - a for a, b in zip(times, times[1:]) if done["start"] <= b <= done["end"] + 1]
+        rate_during = (len(during) - 1) / (during[-1] - during[0]) if len(during) > 1 else 0.0
+        print(f"host {host_line()}; model {model}")
+        print(f"stream alone: {rate_alone:.1f} tok/s")
+        print(
+            f"beside a {done['prompt_tokens']}-token prefill ({done['end'] - done['start']:.1f} s): "
+            f"{rate_during:.1f} tok/s, longest gap {max(gaps, default=0.0):.2f} s, "
+            f"{len(during)} tokens during it"
+        )
 
 
 if __name__ == "__main__":

