@@ -170,10 +170,6 @@ class Residency:
             return None
         return time.time() + max(0.0, kept.until - time.monotonic())
 
-    def failure(self, name: str) -> str | None:
-        """Why the last on-demand load of ``name`` failed (until one succeeds)."""
-        return self._failed.get(name)
-
     def keep(self, name: str, keep_alive: float | None) -> None:
         """A request for ``name`` ended: restart its instances' idle clocks (see the module
         doc for what ``keep_alive`` None means)."""
