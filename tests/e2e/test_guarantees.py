@@ -99,14 +99,16 @@ def test_a_slow_reader_never_stalls_the_others(srv):
     with cf.ThreadPoolExecutor(7) as ex:
         alone = max(t for _, t in ex.map(lambda _: _fast_stream(srv.url, n), range(7)))
     # the slow reader: a tiny receive window, then one byte a second, so the server's writes
-    # to it block as soon as the kernel buffers fill (its 4000 tokens of SSE are ~700 KB; it
-    # has made ~100 KB, more than its socket takes, before the others start)
+    # to it block as soon as the kernel buffers fill. On loopback Linux grows a socket's send
+    # buffer to MiBs at connect (tcp_wmem's max, 4 MiB here), which 4000 plain tokens of SSE
+    # (~0.9 MB) fit in: the whole answer would be written and the slot freed before the others
+    # end. 20 top logprobs a token make its answer ~7 MB, which no buffer takes.
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
     sock.connect(("127.0.0.1", srv.port))
     body = (
         b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
-        b'"max_tokens": 4000, "ignore_eos": true, "stream": true}'
+        b'"max_tokens": 4000, "ignore_eos": true, "stream": true, "logprobs": true, "top_logprobs": 20}'
     )
     sock.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
