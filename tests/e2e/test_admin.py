@@ -22,7 +22,7 @@ import pytest
 
 from pantheon.snapshot import decode_snapshot
 
-from helpers.serve import MSG, Server, check_error, until
+from helpers.serve import MSG, Server, check_error, model_args, until
 
 pytestmark = pytest.mark.timeout(180)
 DIE_BUDGET = 48 << 20
@@ -32,24 +32,9 @@ DIE_BUDGET = 48 << 20
 def adm(model_factory, tmp_path_factory):
     tiny, llama = model_factory("tiny"), model_factory("tiny-llama")
     s = Server(
-        [
-            "--model",
-            str(tiny),
-            "--name",
-            "tiny",
-            "--dies",
-            "cpu:0",
-            "--model",
-            str(llama),
-            "--name",
-            "llama",
-            "--dies",
-            "cpu:1",
-            "--cpu-dies",
-            "2",
-            "--cpu-die-budget",
-            str(DIE_BUDGET),
-        ],
+        model_args(
+            {"tiny": (tiny, "cpu:0"), "llama": (llama, "cpu:1")}, 2, "--cpu-die-budget", str(DIE_BUDGET)
+        ),
         tmp_path_factory.mktemp("admin-logs") / "admin.log",
     )
     try:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from helpers.openapi import check
-from helpers.serve import MSG, Server, check_error
+from helpers.serve import MSG, Server, check_error, model_args
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,28 +31,11 @@ def servers(model_factory, tmp_path_factory):
     tiny, llama = model_factory("tiny"), model_factory("tiny-llama")
     logs = tmp_path_factory.mktemp("shutdown")
     rec = Server(
-        [
-            "--model",
-            str(tiny),
-            "--name",
-            "tiny",
-            "--dies",
-            "cpu:0",
-            "--model",
-            str(llama),
-            "--name",
-            "llama",
-            "--dies",
-            "cpu:1",
-            "--cpu-dies",
-            "2",
-            "--slots",
-            "2",
-            "--restart-backoff",
-            "0.2",
-            "--queue-timeout",
-            "60",
-        ],
+        model_args(
+            {"tiny": (tiny, "cpu:0"), "llama": (llama, "cpu:1")},
+            2,
+            *("--slots", "2", "--restart-backoff", "0.2", "--queue-timeout", "60"),
+        ),
         logs / "recovery.log",
     )
     drain = Server(

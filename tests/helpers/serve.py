@@ -29,6 +29,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def model_args(models: dict[str, tuple[Path, str]], cpu_dies: int, *extra: str) -> list[str]:
+    """``pantheon serve`` arguments for ``{name: (folder, die)}`` on ``cpu_dies`` CPU dies, then
+    ``extra``: the e2e modules' servers differ only in their models, dies and a few flags."""
+    args: list[str] = []
+    for name, (folder, die) in models.items():
+        args += ["--model", str(folder), "--name", name, "--dies", die]
+    return [*args, "--cpu-dies", str(cpu_dies), *extra]
+
+
 class Server:
     def __init__(self, args: list[str], log: Path, env: dict | None = None):
         self.port = _free_port()

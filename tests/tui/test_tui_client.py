@@ -124,7 +124,7 @@ async def test_polls_with_the_admin_key_and_reconnects_after_errors():
     assert items[3].error == "ConnectError: refused" and items[3].retry_in == 0.01
     assert items[5].error == "/admin/state: 404 no route GET /admin/state"
     assert items[6].error == items[5].error  # kept on screen while reconnecting
-    assert all(r.headers["authorization"] == "Bearer sekrit" for r in seen)
+    assert seen and all(r.headers["authorization"] == "Bearer sekrit" for r in seen)
     assert {r.url.path for r in seen} == {"/admin/state"}
 
 

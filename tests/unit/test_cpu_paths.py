@@ -43,7 +43,9 @@ def test_probe_runs_every_path_and_the_plain_ones_always_work():
     results = cpu_paths.probe_all()
     assert set(results) == set(cpu_paths.PATHS)
     assert results["fp32"] is None and results["bf16"] is None  # F.linear runs everywhere
-    assert cpu_paths.isa() in {"avx512", "avx2", "default", "zvector", "vsx"} or cpu_paths.isa()
+    # torch names the ISA it dispatches to; AVX-512 hosts may say which flavour (avx512_bf16, ...)
+    isa = cpu_paths.isa()
+    assert isa in {"avx2", "default", "zvector", "vsx", "sve256"} or isa.startswith("avx512"), isa
 
 
 def test_a_path_that_raises_is_never_chosen(fresh_probes, monkeypatch, model_factory):
@@ -104,8 +106,9 @@ def test_forced_path_from_the_environment(monkeypatch, model_factory):
 
 
 def test_quantize_and_dtype_narrow_the_candidates():
-    assert cpu_paths.candidates(quantize=True) == ["int8"] or cpu_paths.probe("int8")
-    assert all(CPU_PATHS[n][0] == "float32" for n in cpu_paths.candidates(quantize=False, dtype="float32"))
+    assert cpu_paths.candidates(quantize=True) == ["int8"] or cpu_paths.probe("int8") is not None
+    fp32 = cpu_paths.candidates(quantize=False, dtype="float32")
+    assert "fp32" in fp32 and all(CPU_PATHS[n][0] == "float32" for n in fp32), fp32
     assert set(cpu_path_names(False)) == {"bf16-packed", "bf16", "fp32-packed", "fp32"}
     assert cpu_path_names(False, works={"bf16": "", "fp32": "no", "bf16-packed": "x"}) == ["bf16"]
 

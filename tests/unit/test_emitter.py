@@ -275,7 +275,7 @@ def test_one_tool_call():
     assert (
         tool_deltas[0].name == "get_weather" and tool_deltas[0].arguments == "" and tool_deltas[0].index == 0
     )
-    assert all(d.name is None and d.id is None for d in tool_deltas[1:])
+    assert len(tool_deltas) > 1 and all(d.name is None and d.id is None for d in tool_deltas[1:])
     assert em.finish_reason("stop") == "tool_calls"
     assert em.tool_calls[0]["function"]["arguments"] == '{"city": "Zürich", "days": 2}'
 

@@ -424,7 +424,7 @@ def test_qwen35_conditional_generation(tmp_path):
     g = read_gguf(convert(folder, tmp_path / "mmproj.gguf", extra_args=["--mmproj"]))
     assert g.meta["general.architecture"] == "clip" and g.meta["general.type"] == "mmproj"
     assert g.meta["clip.projector_type"] == "qwen3vl_merger"
-    assert all(n.startswith(("v.", "mm.")) for n in g.tensors), list(g.tensors)
+    assert g.tensors and all(n.startswith(("v.", "mm.")) for n in g.tensors), list(g.tensors)
     vis = hf_tensors(folder)
     got = gguf_tensors(g)
     patch = vis["model.visual.patch_embed.proj.weight"]  # Conv3d [C, 3, t=2, p, p] -> two Conv2d

@@ -52,7 +52,7 @@ def test_logprobs_come_back_for_the_rows_that_asked_only():
     logits = torch.randn(3, V)
     with HostCopies() as mode:
         out = sample(logits, _states(params), [[], [], []], [0, 0, 0])
-    assert all(n <= 3 * 2 for _, n in mode.calls), mode.calls  # ids, 2 chosen, 2x3 top
+    assert mode.calls and all(n <= 3 * 2 for _, n in mode.calls), mode.calls  # ids, 2 chosen, 2x3 top
     raw = torch.log_softmax(logits, dim=-1)
     assert out[0].logprob == raw[0, out[0].token].item() and len(out[0].top) == 3
     assert out[0].top[0][0] == int(torch.argmax(raw[0]))

@@ -175,6 +175,7 @@ def test_nothing_given_is_the_tables_defaults():
 
 
 def test_precedence_flag_over_env_over_file(tmp_path):
+    checked = {"env over file": 0, "flag over env": 0, "flag over file": 0}  # each case ran
     for name, (raw, want) in samples(tmp_path).items():
         row = BY_NAME[name]
         env = {var: raw for var in row.env}
@@ -183,13 +184,17 @@ def test_precedence_flag_over_env_over_file(tmp_path):
             if row.toml:  # a variable beats the file (the file's value is never read)
                 c = with_file(tmp_path, f"{row.toml} = {json.dumps(BAD)}\n", env=env)
                 assert field_of(c, row) == expect, name
+                checked["env over file"] += 1
             if row.flag:  # a flag beats the variables (theirs are never read)
                 bad_env = {var: BAD for var in row.env}
                 c = build_config(parsed(argv_for(row, raw)), bad_env)
                 assert field_of(c, row) == want, name
+                checked["flag over env"] += 1
         if row.flag and row.toml:
             c = with_file(tmp_path, f"{row.toml} = {json.dumps(BAD)}\n", argv_for(row, raw))
             assert field_of(c, row) == want, name
+            checked["flag over file"] += 1
+    assert all(checked.values()), checked
 
 
 def test_bad_value_names_its_source(tmp_path):
