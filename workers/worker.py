@@ -89,8 +89,8 @@ PROGRESS_EVERY_S = 0.1  # LoadProgress at most this often (it is called per tens
 
 def _knobs() -> tuple[float, bool]:
     """The spec's engine knobs, resolved by the router into our environment: the loop's longest
-    sleep between polls while a load runs (PN_ASYNC_POLL_US; zmq polls in whole milliseconds),
-    and per-step timing logs (QWEN35_BS_STATS)."""
+    sleep between polls while a load runs (PANTHEON_ASYNC_POLL_US, alias PN_ASYNC_POLL_US; zmq polls in whole milliseconds),
+    and per-step timing logs (PANTHEON_STEP_STATS, alias QWEN35_BS_STATS)."""
     poll = LOADING_POLL_S
     raw = os.environ.get("PANTHEON_ASYNC_POLL_US", "")
     if raw.isdigit():

@@ -18,7 +18,8 @@ Routing follows the spec:
   the replica that served it last (its prefix cache is warm there) unless that replica is
   saturated: the spec's missing cross-replica affinity.
 
-Acquiring a slot (``acquire_slot``), per model name, after the spec's D1/D3 gate:
+Acquiring a slot (``acquire_slot``), per model name, behind the overflow queue and the admission
+backpressure of the original server (its spec calls them D1 and D3):
 
 - fast path: a replica has a free slot, nobody queues ahead, and pressure is below CRITICAL;
 - else the request waits in the model's FIFO (depth ``queue_depth``, 32 by default) for at most

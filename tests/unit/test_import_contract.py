@@ -1,4 +1,4 @@
-"""The import lines of DESIGN.md, checked statically over every module (every import statement,
+"""The import lines of docs/design.md, checked statically over every module (every import statement,
 also the ones inside functions):
 
 - the router (``pantheon/``) never imports torch or ``workers``; the only exception is the
