@@ -17,10 +17,11 @@ import time
 from collections.abc import Callable, Iterable
 from datetime import tzinfo
 from functools import partial
+from typing import ClassVar
 
 from textual import events, on
 from textual.app import App, ComposeResult, SystemCommand
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.screen import Screen
@@ -68,7 +69,7 @@ class PantheonApp(App[int]):
 
     CSS_PATH = "app.tcss"
     TITLE = "Pantheon"
-    BINDINGS = KEYS
+    BINDINGS: ClassVar[list[BindingType]] = list(KEYS)  # Textual's declared type (Binding | tuple)
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (36, "-tall")]
 

@@ -136,6 +136,7 @@ def load_model(
     with gguf_errors():
         found = find_gguf(model_path)
         g = read_gguf(found) if found is not None else None
+    headers: dict[Path, dict] = {}  # safetensors files' headers (a GGUF file has none)
     if g is not None:
         cfg, source = cfg or gguf_config(g), "the GGUF metadata"
     else:
