@@ -65,7 +65,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 import zmq
@@ -75,6 +75,9 @@ from pantheon.models.description import shape_digest
 from workers.devices import Die, engine_device, open_die
 from workers.errors import LoadError, RequestRejected
 from workers.native_memory import DebugReport, Trimmer, cap_caches, request_tables
+
+if TYPE_CHECKING:  # the engine imports torch: the worker imports it on first use (_engine_class)
+    from workers.engine import Engine
 
 log = logging.getLogger("pantheon.worker")
 
@@ -169,14 +172,14 @@ def _step_hook() -> None:
     time.sleep(float(what))
 
 
-def _engine_class():
+def _engine_class() -> type[Engine]:
     """Import the engine on first use (and once before Hello, see ``Worker.run``)."""
     from workers.engine import Engine
 
     return Engine
 
 
-def _instance_stats(name: str, engine: Any) -> p.InstanceStats:
+def _instance_stats(name: str, engine: Engine) -> p.InstanceStats:
     """The engine's stats of one instance, with its state pools' bytes (``Engine.state_bytes``;
     the engine's own stats leave them out)."""
     es = engine.stats(name)
@@ -186,7 +189,7 @@ def _instance_stats(name: str, engine: Any) -> p.InstanceStats:
 
 @dataclass
 class _Instance:
-    engine: Any
+    engine: Engine
     booked_bytes: int
 
 
@@ -220,7 +223,7 @@ class Worker:
         self.owner: dict[str, str] = {}  # request id -> instance, while the request runs
         self.load_queue: collections.deque[_LoadJob] = collections.deque()
         self.loading: _LoadJob | None = None  # the job the loader thread is running
-        self.load_results: queue.Queue[tuple[_LoadJob, Any]] = queue.Queue()
+        self.load_results: queue.Queue[tuple[_LoadJob, Engine | p.LoadFailed]] = queue.Queue()
         self.load_progress: tuple[int, int] | None = None  # written by the loader thread
         self.sent_progress: tuple[int, int] | None = None
         self.last_progress_at = 0.0
@@ -508,7 +511,7 @@ class Worker:
         return busy
 
     @staticmethod
-    def _grammar_failures(engine: Any) -> dict[str, str]:
+    def _grammar_failures(engine: Engine) -> dict[str, str]:
         """The requests of ``engine`` whose grammar matcher failed in its last step (each is
         ended there: ``Constraint.advance``), and why. They end with ``Rejected``, not ``stop``."""
         grammars = getattr(engine, "grammars", None)
@@ -588,7 +591,7 @@ class Worker:
                 raise RuntimeError(f"workers.engine failed to import: {self.engine_import_error}")
             try:
                 devices = [engine_device(d) for d in msg.devices] or [self.die.torch_device]
-                result: Any = _engine_class()(
+                result: Engine | p.LoadFailed = _engine_class()(
                     msg.path,
                     devices=devices,
                     dtype=msg.dtype,
@@ -654,7 +657,7 @@ class Worker:
             self.send(p.LoadProgress(instance=job.msg.instance, done=prog[0], total=prog[1]))
             self.sent_progress, self.last_progress_at = prog, now
 
-    def _register(self, name: str, engine: Any) -> None:
+    def _register(self, name: str, engine: Engine) -> None:
         state = int(getattr(engine, "state_bytes", 0) or 0)  # the recurrent layers' state pools
         need = int(engine.weight_bytes) + int(engine.kv_bytes) + state
         free, total = self.die.memory()
@@ -730,7 +733,7 @@ class Worker:
             log.info("unloaded %s", name)
         self.send(p.Unloaded(instance=name))  # also for an unknown name: unload is idempotent
 
-    def _close_engine(self, engine: Any) -> None:
+    def _close_engine(self, engine: Engine) -> None:
         try:
             engine.close()
         except Exception:

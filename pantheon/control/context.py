@@ -31,9 +31,11 @@ import msgspec
 from pantheon import errors
 from pantheon.chat.template import RENDER_TIMEOUT_S, TemplateError, render_budget, think_open
 from pantheon.chat.tools import forced_call_prefix, with_tool_prompt
+from pantheon.models.assets import ModelAssets
 
 if TYPE_CHECKING:  # the request type only: control/ never imports api/ at run time
     from pantheon.api.openai.protocol import ChatRequest
+    from pantheon.control.registry import Instance
 
 CAPPED_ROOM = 512  # tokens kept for the completion of a capped prompt without max_tokens
 
@@ -54,7 +56,9 @@ class Prepared:
     constraint: tuple[str | None, list[int], int] | None = None
 
 
-def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], str, bool, str | None]:
+def render(
+    assets: ModelAssets, req: ChatRequest, messages: list[dict]
+) -> tuple[list[int], str, bool, str | None]:
     """The prompt token ids of ``messages`` under ``req``'s tools and options, and the forced
     tool call's prefix (see ``ForcedCall``), whether the template opened a reasoning block, and
     the forced function's name."""
@@ -85,16 +89,18 @@ def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], s
     return assets.encode(prompt), prefix, opened, forced
 
 
-def limit_of(inst) -> int:
+def limit_of(inst: Instance) -> int:
     """The context limit ``fit_context`` fits a request to on an instance (see the module
     doc)."""
     limit = inst.max_model_len or 4096
-    if getattr(inst, "kv_pool_tokens", None):
+    if inst.kv_pool_tokens:
         limit = min(limit, inst.kv_pool_tokens)
     return limit
 
 
-def fit_context(assets, req: ChatRequest, max_model_len: int, limit: int | None = None) -> Prepared:
+def fit_context(
+    assets: ModelAssets, req: ChatRequest, max_model_len: int, limit: int | None = None
+) -> Prepared:
     """Render and tokenize ``req``, and fit its context to ``limit`` (pass / cap / deny);
     raises ``ApiError``. All the renders this takes share one time bound (``RENDER_TIMEOUT_S``:
     a template past it, or past its size bounds, is a 400 naming it; see ``pantheon.chat.template``)."""
@@ -102,7 +108,7 @@ def fit_context(assets, req: ChatRequest, max_model_len: int, limit: int | None 
         return _fit_context(assets, req, max_model_len, limit)
 
 
-def _fit_context(assets, req: ChatRequest, max_model_len: int, limit: int | None) -> Prepared:
+def _fit_context(assets: ModelAssets, req: ChatRequest, max_model_len: int, limit: int | None) -> Prepared:
     limit = min(limit or max_model_len, max_model_len)
     if req.max_tokens is not None and req.max_tokens >= limit:
         raise errors.max_tokens_too_large(limit, req.max_tokens)
@@ -114,7 +120,7 @@ def _fit_context(assets, req: ChatRequest, max_model_len: int, limit: int | None
     return _cap(assets, req, limit, room, len(ids))
 
 
-def _trim_the_provably_long(assets, req: ChatRequest, limit: int) -> ChatRequest:
+def _trim_the_provably_long(assets: ModelAssets, req: ChatRequest, limit: int) -> ChatRequest:
     """A message whose length alone proves it cannot fit (more characters than ``limit + 64``
     tokens can cover: no token of the vocabulary is longer than ``max_token_chars``) would only
     be capped to its newest tokens: keep just its tail of that many characters before
@@ -146,7 +152,7 @@ def _turns(messages: list[dict]) -> tuple[list[int], list[list[int]]]:
     return system, turns
 
 
-def _cap(assets, req: ChatRequest, limit: int, room: int, full_len: int) -> Prepared:
+def _cap(assets: ModelAssets, req: ChatRequest, limit: int, room: int, full_len: int) -> Prepared:
     msgs = req.messages
     system, turns = _turns(msgs)
     budget = limit - room

@@ -39,10 +39,12 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any
+from typing import Protocol
 
 from pantheon import errors
-from pantheon.control.dies import Booking, booked_of, booking
+from pantheon.config.settings import ServeConfig
+from pantheon.control.dies import Booking, DieManager, booked_of, booking
+from pantheon.control.feed import Feed
 from pantheon.control.registry import DRAINING, FAILED, LOADING, READY, Instance, Registry
 from pantheon.errors import ApiError
 from pantheon.models import generation_defaults
@@ -50,8 +52,8 @@ from pantheon.models.assets import ModelAssets
 from pantheon.models.description import ModelDescription, shape_digest
 from pantheon.models.gguf import GGUFError, find_gguf, served_name
 from pantheon.models.sizing import SizingError, estimate, read_shape, state_checkpoints, state_pool_slots
-from pantheon.protocol import LoadModel, die_host, die_kind
-from pantheon.workerlink.pool import LoadFailedError, PoolError
+from pantheon.protocol import Loaded, LoadModel, die_host, die_kind
+from pantheon.workerlink.pool import LoadFailedError, PoolError, WorkerPool
 
 log = logging.getLogger("pantheon.control.lifecycle")
 
@@ -61,10 +63,26 @@ FAILURES_KEPT = 16
 FAILURE_SHOWN_S = 600.0  # a failed load stays visible in GET /admin/models this long
 
 
+class Endable(Protocol):
+    """A generation in flight, as an unload past its drain deadline sees it."""
+
+    inst: Instance
+
+    def end(self, err: ApiError) -> None: ...
+
+
 class Models:
     """Loads, unloads, cache resets and worker deaths (see the module doc)."""
 
-    def __init__(self, config: Any, pool: Any, registry: Registry, dies: Any, feed: Any, live: set):
+    def __init__(
+        self,
+        config: ServeConfig,
+        pool: WorkerPool,
+        registry: Registry,
+        dies: DieManager,
+        feed: Feed,
+        live: Collection[Endable],
+    ):
         self.config, self.pool, self.registry = config, pool, registry
         self.dies, self.feed, self.live = dies, feed, live
         self.failures: collections.deque[dict] = collections.deque(maxlen=FAILURES_KEPT)
@@ -343,6 +361,7 @@ class Models:
 
     async def _finish_load(self, inst: Instance, assets: ModelAssets, background: bool) -> Instance:
         msg = inst.load_msg
+        assert msg is not None  # set when the load was placed
 
         def progress(p) -> None:
             inst.load_progress = p.done / p.total if p.total else None
@@ -382,6 +401,7 @@ class Models:
                 raise
             raise err from None
         # phase 4: book the real figures, publish
+        assert inst.shape is not None and inst.estimate is not None  # sized when it was placed
         if loaded.cpu_path:  # the path is known now: size with it, not the upper bound
             inst.cpu_path = loaded.cpu_path
             inst.estimate = estimate(inst.shape, quantize=inst.quantize, cpu_path=loaded.cpu_path)
@@ -407,7 +427,7 @@ class Models:
         )
         return inst
 
-    async def _check_same_model(self, inst: Instance, loaded: Any) -> None:
+    async def _check_same_model(self, inst: Instance, loaded: Loaded) -> None:
         """A ``worker_path`` must hold the model ``path`` describes (the router's tokenizer,
         template and sizes are ``path``'s): the worker's report is compared with the router's
         description, its vocabulary and its ``shape_digest`` (architecture, vocabulary, every

@@ -47,10 +47,12 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from pantheon import errors
-from pantheon.models.assets import ModelAssets  # noqa: F401 - re-exported (its old home)
+from pantheon.models.assets import ModelAssets
+from pantheon.models.description import ModelDescription
+from pantheon.models.sizing import Estimate
+from pantheon.protocol import Loaded, LoadModel
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
 CRITICAL = 3
@@ -84,23 +86,31 @@ class Instance:
     last_grant: int = 0  # when it last got a request (a sequence number): ties go to the oldest
     max_model_len: int | None = None
     quantize: bool = False
-    assets: Any = None  # the router-side tokenizer/template bundle (ModelAssets)
-    loaded: Any = None  # the worker's protocol.Loaded
-    estimate: Any = None  # sizing.Estimate, for admission and bookings
-    shape: Any = None  # sizing.ModelShape the estimate came from
+    assets: ModelAssets | None = None  # the router-side tokenizer/template bundle
+    loaded: Loaded | None = None  # what the worker said when it finished loading
+    estimate: Estimate | None = None  # for admission and bookings
+    shape: ModelDescription | None = None  # the description the estimate came from
     cpu_path: str = ""  # the CPU path its worker chose (workers/cpu_paths.py); "" on CUDA
     kv_pool_tokens: int | None = None  # tokens the worker's KV pool holds
     error: str | None = None  # why it failed: only while it is failed
     last_error: str | None = None  # the latest failure, kept after it is ready again
     last_error_at: float | None = None  # unix time of that failure
     load_progress: float | None = None  # 0..1 while loading
-    load_msg: Any = None  # the protocol.LoadModel it was loaded with (a restart reuses it)
+    load_msg: LoadModel | None = None  # what it was loaded with (a restart reuses it)
     restarts: int = 0  # times it was reloaded after its worker died
     # the catalog entry's generation defaults (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_tokens): a request's unset fields come from these first
     params: dict[str, float | int] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     _drained: asyncio.Event | None = None
+
+    @property
+    def model_assets(self) -> ModelAssets:
+        """Its tokenizer and template: an instance a request was routed to is published, so
+        they are there (``assets`` is None only while it loads)."""
+        if self.assets is None:
+            raise RuntimeError(f"{self.instance_id} has no assets: it is not loaded")
+        return self.assets
 
     def failed(self, reason: str) -> None:
         """It failed (its worker died, a reload failed): ``error`` until it is ready again,
@@ -217,7 +227,12 @@ class Registry:
         return inst
 
     def publish(
-        self, inst: Instance, *, assets: Any = None, loaded: Any = None, max_model_len: int | None = None
+        self,
+        inst: Instance,
+        *,
+        assets: ModelAssets | None = None,
+        loaded: Loaded | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         """Phase 4 of a load: the instance takes requests."""
         inst.assets = assets

@@ -207,8 +207,10 @@ def merged(params: Mapping[str, float | int], model: Mapping[str, float | int]) 
 
 
 class _HasDefaults(Protocol):
-    params: dict[str, float | int]
-    assets: object
+    @property
+    def params(self) -> dict[str, float | int]: ...
+    @property
+    def assets(self) -> object: ...  # read-only: any instance's assets (or None) will do
 
 
 def in_force(inst: _HasDefaults) -> Params:

@@ -218,7 +218,7 @@ async def _peek(s: AppState, name: str) -> Instance | None:
 
 
 def _reasoning(inst: Instance | None) -> bool | None:
-    return None if inst is None or inst.assets is None else bool(inst.assets.reasoning)
+    return None if inst is None or inst.assets is None else bool(inst.model_assets.reasoning)
 
 
 async def _load_or_unload(s: AppState, kind: str, name: str, keep: float | str | None) -> Response:
@@ -253,7 +253,7 @@ async def _place_chat(s: AppState, req: ChatRequest, num_ctx: int | None) -> tup
     if num_ctx is None or num_ctx >= limit_of(inst):
         return inst, prep
     try:
-        prep = await asyncio.to_thread(fit_context, inst.assets, req, limit_of(inst), num_ctx)
+        prep = await asyncio.to_thread(fit_context, inst.model_assets, req, limit_of(inst), num_ctx)
     except BaseException:
         s.registry.leave(inst)
         raise
@@ -264,7 +264,7 @@ def _prepare_raw(inst: Instance, req: ChatRequest, prompt: str, num_ctx: int | N
     """A raw prompt, tokenized as it is (the tokenizer's own special tokens, as
     ``/v1/completions``); it must fit the context (never capped). Without ``num_predict`` the
     output may take the rest of the context, as Ollama's."""
-    ids = inst.assets.tokenizer.encode(prompt, add_special_tokens=True).ids
+    ids = inst.model_assets.tokenizer.encode(prompt, add_special_tokens=True).ids
     limit = limit_of(inst) if num_ctx is None else min(limit_of(inst), num_ctx)
     if req.max_tokens is not None and req.max_tokens >= limit:
         raise errors.max_tokens_too_large(limit, req.max_tokens)

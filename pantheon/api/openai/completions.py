@@ -148,7 +148,7 @@ def _prepare(inst: Instance, creq: CompletionRequest) -> Prepared:
     route does), tokenize the prompt and check it fits; a completion prompt is never capped."""
     defaults = generation_defaults.in_force(inst)
     generation_defaults.apply(creq.chat, defaults)
-    assets = inst.assets
+    assets = inst.model_assets
     if isinstance(creq.prompt, str):
         ids = assets.tokenizer.encode(creq.prompt, add_special_tokens=True).ids
     else:
@@ -309,7 +309,7 @@ async def completions():
         text = (
             creq.prompt
             if isinstance(creq.prompt, str)
-            else inst.assets.tokenizer.decode(list(creq.prompt), skip_special_tokens=False)
+            else inst.model_assets.tokenizer.decode(list(creq.prompt), skip_special_tokens=False)
         )
         gen = TextGeneration(
             s.pool,

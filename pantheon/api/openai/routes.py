@@ -87,7 +87,7 @@ def vocab_size(inst: Instance) -> int:
     n = getattr(inst.loaded, "vocab_size", None)
     if isinstance(n, int) and n > 0:
         return n
-    return int(inst.assets.tokenizer.get_vocab_size(with_added_tokens=True))
+    return int(inst.model_assets.tokenizer.get_vocab_size(with_added_tokens=True))
 
 
 def check_token_ids(inst: Instance, req: ChatRequest, prompt: list[int] | None = None) -> None:
@@ -117,7 +117,7 @@ async def _fit_context(inst: Instance, req: ChatRequest) -> Prepared:
     (``chat/template.py``: 0.5 s, sizes) it must never hold /health, other streams or signals."""
     defaults = generation_defaults.in_force(inst)
     generation_defaults.apply(req, defaults)
-    prep = await asyncio.to_thread(fit_context, inst.assets, req, limit_of(inst), limit_of(inst))
+    prep = await asyncio.to_thread(fit_context, inst.model_assets, req, limit_of(inst), limit_of(inst))
     prep.max_tokens = generation_defaults.capped(req, defaults, prep.max_tokens)
     return prep
 

@@ -25,7 +25,7 @@ import re
 import time
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +38,10 @@ from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Delta, Emitter
 from pantheon.chat.tools import JSON_TOOL_FORMAT, forced_call_prefix
 from pantheon.control.context import Prepared
+from pantheon.control.registry import Instance
 from pantheon.errors import ApiError
 from pantheon.protocol import Submit
-from pantheon.workerlink.pool import RequestRejectedError, WorkerDied
+from pantheon.workerlink.pool import RequestRejectedError, WorkerDied, WorkerPool
 
 log = logging.getLogger("pantheon.api.openai.service")
 
@@ -145,12 +146,12 @@ _model_tokenizers: weakref.WeakKeyDictionary[Any, dict[int, structured.ModelToke
 )
 
 
-def model_tokenizer(inst: Any) -> structured.ModelTokenizer:
+def model_tokenizer(inst: Instance) -> structured.ModelTokenizer:
     """``inst``'s vocabulary for llguidance, as its worker builds it (the same tokenizer JSON,
     the worker's vocabulary size, the eos ids), made once per model."""
-    assets = inst.assets
-    n = getattr(getattr(inst, "loaded", None), "vocab_size", None)
-    if not isinstance(n, int) or n <= 0:
+    assets = inst.model_assets
+    n = inst.loaded.vocab_size if inst.loaded is not None else 0
+    if n <= 0:
         n = int(assets.tokenizer.get_vocab_size(with_added_tokens=True))
     per = _model_tokenizers.setdefault(assets, {})
     if n not in per:
@@ -171,22 +172,22 @@ def needs_constraint(req: ChatRequest) -> bool:
     return req.grammar is not None or _forced_call(req)
 
 
-def tool_format(inst: Any, prep: Prepared) -> str:
+def tool_format(inst: Instance, prep: Prepared) -> str:
     """The format of the model's tool calls (its chat template's), unless a forced call was
     opened in the prompt in another one: the prompt's opening is written in
     ``pantheon.control.context``, and the output must continue what it wrote."""
-    fmt = inst.assets.template.tool_format
+    fmt = inst.model_assets.template.tool_format
     forced = prep.forced
     if forced is not None and prep.prefix != forced_call_prefix(fmt, forced):
         return JSON_TOOL_FORMAT
     return fmt
 
 
-def constraint_of(inst: Any, req: ChatRequest, prep: Prepared) -> Constraint:
+def constraint_of(inst: Instance, req: ChatRequest, prep: Prepared) -> Constraint:
     """The grammar the output must match (a demanded tool call's, else the request's), and
     where it starts on a reasoning model: after ``</think>`` when the template opened the
     block; when the model may open one itself, its ``<think>`` id (else -1)."""
-    assets = inst.assets
+    assets = inst.model_assets
     grammar = req.grammar
     if req.tools and _forced_call(req):
         tools = req.tools
@@ -206,7 +207,7 @@ def constraint_of(inst: Any, req: ChatRequest, prep: Prepared) -> Constraint:
     return grammar, [], -1
 
 
-def checked_constraint(inst: Any, req: ChatRequest, prep: Prepared) -> Constraint:
+def checked_constraint(inst: Instance, req: ChatRequest, prep: Prepared) -> Constraint:
     """``constraint_of``, run on a matcher over ``inst``'s own vocabulary first: a 400 naming
     the parameter when the model cannot enforce it (up to 0.25 s: call it off the event loop)."""
     if not needs_constraint(req):
@@ -247,14 +248,14 @@ class Generation:
 
     def __init__(
         self,
-        pool: Any,
-        inst: Any,
+        pool: WorkerPool,
+        inst: Instance,
         req: ChatRequest,
         prep: Prepared,
         fingerprint: str,
         *,
         arrived: float | None = None,
-        on_tokens: Any = None,
+        on_tokens: Callable[[int], None] | None = None,
     ):
         """``arrived``: the request's arrival (``time.monotonic()``), for the time to first
         token; ``on_tokens(n)``: called with each batch's count of generated tokens."""
@@ -307,7 +308,7 @@ class Generation:
         return self.prep.forced is not None and self._tool_format() == JSON_TOOL_FORMAT
 
     def _emitter(self):
-        req, prep, assets = self.req, self.prep, self.inst.assets
+        req, prep, assets = self.req, self.prep, self.inst.model_assets
         if self._streams_forced_arguments():
             assert prep.forced is not None
             return ForcedCall(prep.forced)
@@ -322,7 +323,7 @@ class Generation:
 
     async def _pieces(self, run: ChoiceRun) -> AsyncGenerator[Piece, None]:
         """The choice's output, one ``Piece`` per batch of tokens that arrived together."""
-        req, prep, assets = self.req, self.prep, self.inst.assets
+        req, prep, assets = self.req, self.prep, self.inst.model_assets
         emitter = self._emitter()
         detok = IncrementalDetokenizer(assets.tokenizer, prompt_ids=prep.prompt_ids, skip_special_tokens=True)
         # The emitter reads the call's opening that the prompt holds as if the model wrote it.
@@ -420,7 +421,7 @@ class Generation:
             self.on_tokens(real)
 
     def _logprob(self, tok: Any) -> dict:
-        assets = self.inst.assets
+        assets = self.inst.model_assets
         text, raw = assets.piece(tok.token)
         top = [(assets.piece(t)[0], lp, assets.piece(t)[1]) for t, lp in (tok.top or [])]
         lp = tok.logprob if tok.logprob is not None else 0.0

@@ -89,7 +89,7 @@ async def tokenize():
     inst = app_state().registry.route(model, None)  # 404 / 503 as the chat route
     ids = await asyncio.to_thread(_tokenize, inst.assets, body)
     strs = (
-        [inst.assets.tokenizer.id_to_token(i) for i in ids]
+        [inst.model_assets.tokenizer.id_to_token(i) for i in ids]
         if _flag(body, "return_token_strs", False)
         else None
     )
@@ -106,11 +106,11 @@ async def detokenize():
         raise errors.invalid_param("model", "'model' must be a string")
     inst = app_state().registry.route(model, None)
     ids = body.get("tokens")
-    vocab = inst.assets.tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab = inst.model_assets.tokenizer.get_vocab_size(with_added_tokens=True)
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise errors.invalid_param("tokens", "'tokens' must be an array of token ids")
     bad = next((i for i in ids if not 0 <= i < vocab), None)
     if bad is not None:
         raise errors.invalid_param("tokens", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-    text = await asyncio.to_thread(inst.assets.tokenizer.decode, ids, skip_special_tokens=False)
+    text = await asyncio.to_thread(inst.model_assets.tokenizer.decode, ids, skip_special_tokens=False)
     return json_response({"prompt": text})
