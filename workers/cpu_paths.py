@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from workers.models.base import DecoderLM
 from workers.errors import LoadError
 from workers.layers.moe import MoE
-from workers.quant import Int4Linear, Int8Linear, int4_fits
+from workers.quant import Int4Linear, Int8Linear, int4_fits, replace_linears
 
 AUTO = "auto"
 
@@ -310,14 +310,6 @@ def choose(cfg: ModelDescription, names: list[str], rounds: int = 5, margin: flo
             name = n
     note = f"{discarded} of {total} samples discarded as disturbed ({done} rounds)" if discarded else ""
     return Choice(name, timings, note)
-
-
-def replace_linears(module: nn.Module, make) -> None:
-    """Swap every ``nn.Linear`` under ``module`` for ``make(weight, bias)``, in place."""
-    for child in list(module.modules()):
-        for attr, sub in list(child.named_children()):
-            if isinstance(sub, nn.Linear):
-                setattr(child, attr, make(sub.weight, sub.bias))
 
 
 def head_spec(spec: PathSpec) -> PathSpec:

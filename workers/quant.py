@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import torch
@@ -73,12 +73,21 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def replace_linears(
+    module: nn.Module, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+) -> None:
+    """Swap every ``nn.Linear`` under ``module`` for ``make(weight, bias)``, in place (here, not
+    in ``cpu_paths``, which imports this module: no import cycle)."""
+    for child in list(module.modules()):
+        for attr, sub in list(child.named_children()):
+            if isinstance(sub, nn.Linear):
+                setattr(child, attr, make(sub.weight, sub.bias))
+
+
 def quantize_int8(model: nn.Module) -> None:
     """Replace every ``nn.Linear`` inside the decoder layers in place (the LM head stays).
 
     Used on CUDA dies; CPU dies reach the same layout through ``cpu_paths`` ("int8").
     """
-    from workers.cpu_paths import replace_linears
-
     for layer in cast("Iterable[nn.Module]", model.layers):
         replace_linears(layer, Int8Linear)  # in the weights' own dtype
