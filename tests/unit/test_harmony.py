@@ -1,0 +1,294 @@
+"""gpt-oss's Harmony output format (pantheon.chat.harmony): every message kind, split anywhere."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from pantheon.chat.emitter import Delta, join_deltas
+from pantheon.chat.harmony import HARMONY_MARKERS, MAX_HEADER, HarmonyParser, is_harmony_template
+
+CALL_ID = re.compile(r"call_[A-Za-z0-9]{24}")
+
+ANALYSIS = "<|channel|>analysis<|message|>The user wants the weather in Zürich 🌧.<|end|>"
+FINAL = "<|start|>assistant<|channel|>final<|message|>It is sunny, 22 °C.<|return|>"
+# the recipient after the channel, with <|constrain|> (what gpt-oss writes) ...
+CALL = (
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Zürich", "days": 2}<|call|>'
+)
+# ... and before it, in the role part of the header (what the template renders)
+CALL_IN_ROLE = (
+    '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"tz": "CET"}<|call|>'
+)
+PREAMBLE = "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>"
+
+
+def run(chunks, **kw):
+    """Feed ``chunks``; return (joined result with ids checked and blanked, parser, deltas)."""
+    p = HarmonyParser(**kw)
+    deltas: list[Delta] = []
+    for c in chunks:
+        deltas += p.feed(c)
+    deltas += p.finish()
+    out = join_deltas(deltas)
+    for call in out["tool_calls"]:
+        assert CALL_ID.fullmatch(call["id"])
+        call["id"] = "ID"
+    return out, p, deltas
+
+
+def whole(text, **kw):
+    return run([text], **kw)[0]
+
+
+def assert_split_invariant(text, **kw):
+    """Whole, char by char, at every single split point and at random splits: the same."""
+    want, p_whole, _ = run([text], **kw)
+    assert run(list(text), **kw)[0] == want
+    for i in range(len(text) + 1):
+        got, p, _ = run([text[:i], text[i:]], **kw)
+        assert got == want, i
+        assert p.stopped == p_whole.stopped
+    rng = random.Random(len(text))
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 6))) if len(text) > 1 else []
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        assert run(chunks, **kw)[0] == want, chunks
+    return want, p_whole
+
+
+def calls(out):
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in out["tool_calls"]]
+
+
+# ----------------------------------------------------------------------------- message kinds
+
+
+def test_analysis_then_final():
+    out, p = assert_split_invariant(ANALYSIS + FINAL)
+    assert out == {
+        "reasoning": "The user wants the weather in Zürich 🌧.",
+        "content": "It is sunny, 22 °C.",
+        "tool_calls": [],
+    }
+    assert p.finish_reason("stop") == "stop"
+
+
+def test_analysis_then_call_recipient_after_channel():
+    out, p = assert_split_invariant(ANALYSIS + CALL)
+    assert out["reasoning"] == "The user wants the weather in Zürich 🌧."
+    assert out["content"] == ""
+    assert calls(out) == [("get_weather", '{"city": "Zürich", "days": 2}')]
+    assert p.finish_reason("stop") == "tool_calls"
+    assert p.tool_calls[0]["function"]["arguments"] == '{"city": "Zürich", "days": 2}'
+
+
+def test_call_with_recipient_in_the_role_header():
+    out, _ = assert_split_invariant(ANALYSIS + CALL_IN_ROLE)
+    assert calls(out) == [("get_time", '{"tz": "CET"}')]
+    # the first message may carry the recipient too (the prompt ends with <|start|>assistant)
+    out, _ = assert_split_invariant(
+        ' to=functions.get_time<|channel|>commentary json<|message|>{"tz": "UTC"}<|call|>'
+    )
+    assert calls(out) == [("get_time", '{"tz": "UTC"}')]
+
+
+def test_preamble_is_content_and_calls_follow():
+    out, _ = assert_split_invariant(ANALYSIS + PREAMBLE + CALL + CALL_IN_ROLE)
+    assert out["content"] == "Let me check."
+    assert calls(out) == [("get_weather", '{"city": "Zürich", "days": 2}'), ("get_time", '{"tz": "CET"}')]
+
+
+def test_call_deltas_are_openai_shaped_and_stream_arguments():
+    _, _, deltas = run(list(CALL))
+    head, *frags = [d for d in deltas if d.kind == "tool_call"]
+    assert head.index == 0 and head.name == "get_weather" and head.arguments == ""
+    assert head.id is not None and CALL_ID.fullmatch(head.id)
+    assert all(d.index == 0 and d.id is None and d.name is None for d in frags)
+    assert len(frags) > 1  # streamed as it came
+    assert "".join(d.arguments or "" for d in frags) == '{"city": "Zürich", "days": 2}'
+
+
+def test_same_kind_messages_are_joined_with_a_newline():
+    text = ANALYSIS + "<|start|>assistant<|channel|>analysis<|message|>More.<|end|>" + PREAMBLE + FINAL
+    out, _ = assert_split_invariant(text)
+    assert out["reasoning"] == "The user wants the weather in Zürich 🌧.\nMore."
+    assert out["content"] == "Let me check.\nIt is sunny, 22 °C."
+
+
+def test_unknown_channel_and_no_channel_are_content():
+    out, _ = assert_split_invariant("<|channel|>scratchpad<|message|>odd<|end|>" + FINAL)
+    assert out == {"reasoning": "", "content": "odd\nIt is sunny, 22 °C.", "tool_calls": []}
+    out, _ = assert_split_invariant("<|message|>bare<|end|>")
+    assert out["content"] == "bare"
+
+
+def test_final_ended_by_end_or_by_the_next_start():
+    out, _ = assert_split_invariant("<|channel|>final<|message|>a<|end|>")
+    assert out["content"] == "a"
+    out, _ = assert_split_invariant(
+        "<|channel|>analysis<|message|>r<|start|>assistant<|channel|>final<|message|>c"
+    )
+    assert (out["reasoning"], out["content"]) == ("r", "c")
+
+
+def test_markers_never_reach_the_output():
+    text = ANALYSIS + PREAMBLE + CALL + FINAL
+    _, _, deltas = run(list(text))
+    for d in deltas:
+        for m in HARMONY_MARKERS:
+            assert m not in (d.text or "") and m not in (d.arguments or "")
+        assert "assistant" not in (d.text or "") and "commentary" not in (d.text or "")
+
+
+def test_body_whitespace_is_kept_and_call_arguments_are_trimmed():
+    out, _ = assert_split_invariant("<|channel|>final<|message|>\n  two\nlines  \n<|return|>")
+    assert out["content"] == "\n  two\nlines  \n"
+    out, _ = assert_split_invariant('<|channel|>commentary to=functions.f<|message|> \n{"a": 1} \n<|call|>')
+    assert calls(out) == [("f", '{"a": 1}')]
+
+
+def test_tools_disabled_call_body_is_content():
+    out, p = assert_split_invariant(CALL, tools_enabled=False)
+    assert out == {"reasoning": "", "content": '{"city": "Zürich", "days": 2}', "tool_calls": []}
+    assert p.finish_reason("stop") == "stop"
+
+
+def test_a_message_to_the_assistant_is_no_call():
+    out, _ = assert_split_invariant(
+        "<|start|>functions.f to=assistant<|channel|>commentary<|message|>42<|end|>"
+    )
+    assert out == {"reasoning": "", "content": "42", "tool_calls": []}
+
+
+# ----------------------------------------------------------------------------- not Harmony
+
+
+def test_plain_text_is_content_and_streams_at_once():
+    out, _ = assert_split_invariant("Hello, no Harmony here.")
+    assert out["content"] == "Hello, no Harmony here."
+    p = HarmonyParser()
+    assert join_deltas(p.feed("Hel"))["content"] == "Hel"  # "H" cannot begin a header
+
+
+def test_stray_header_with_a_newline_or_too_long_is_content():
+    out, _ = assert_split_invariant("assistant\nsays hi<|end|>")
+    assert out["content"] == "assistant\nsays hi"
+    long = "<|" + "x" * (MAX_HEADER + 10)
+    out, _ = assert_split_invariant(long)
+    assert out["content"] == long
+
+
+def test_header_cut_off_is_dropped_unless_it_names_a_recipient():
+    for cut in (
+        "<",
+        "<|chan",
+        "<|channel|>analy",
+        "<|channel|>analysis",
+        "assist",
+        "<|channel|>commentary to=functions.get_wea",
+    ):
+        assert whole(cut) == {"reasoning": "", "content": "", "tool_calls": []}, cut
+    out = whole("<|channel|>commentary to=functions.get_weather <|constr")
+    assert calls(out) == [("get_weather", "")]
+
+
+def test_max_tokens_anywhere_in_a_call_is_what_it_is_never_markup():
+    """The output cut after every character: streamed or not the same, no markup in any
+    field, and once the recipient is whole a call with the arguments so far."""
+    text = ANALYSIS + CALL
+    args = '{"city": "Zürich", "days": 2}'
+    named_at = text.index("get_weather") + len("get_weather") + 1
+    for cut in range(len(text) + 1):
+        out, _ = assert_split_invariant(text[:cut])
+        for field in ("reasoning", "content"):
+            assert "<|" not in out[field] and "to=" not in out[field], (cut, out)
+            out[field] = out[field].removesuffix("<")  # a lone "<" may be text
+        assert out["content"] == "", (cut, out)
+        if cut >= named_at:
+            ((name, got),) = calls(out)
+            assert name == "get_weather" and args.startswith(got.removesuffix("<")), (cut, got)
+        else:
+            assert out["tool_calls"] == [], (cut, out)
+        assert "The user wants the weather in Zürich 🌧.".startswith(out["reasoning"]), cut
+
+
+def test_cut_in_the_middle_of_an_end_marker():
+    for cut in range(1, len("<|return|>")):
+        text = "<|channel|>final<|message|>done" + "<|return|>"[:cut]
+        out, _ = assert_split_invariant(text)
+        assert out["content"] == "done" + ("<" if cut == 1 else ""), cut  # a lone "<" is text
+
+
+# ----------------------------------------------------------------------------- stop strings
+
+
+def test_stop_string_in_a_body_at_every_position():
+    body = "The answer is 42, surely."
+    for i in range(len(body)):
+        for j in range(i + 1, min(len(body), i + 4) + 1):
+            stop = body[i:j]
+            text = ANALYSIS + "<|start|>assistant<|channel|>final<|message|>" + body + "<|return|>"
+            out, p = assert_split_invariant(text, stop=[stop])
+            if stop in "The user wants the weather in Zürich 🌧.":
+                continue  # it matched in the reasoning
+            assert p.stopped and p.stop_string == stop
+            assert out["content"] == body[: body.index(stop)]
+
+
+def test_stop_strings_are_not_matched_in_headers_or_across_messages():
+    out, p = assert_split_invariant(ANALYSIS + FINAL, stop=["final", "analysis", "assistant", "🌧.It"])
+    assert not p.stopped
+    assert out["content"] == "It is sunny, 22 °C."
+
+
+def test_stop_inside_a_call_returns_the_call_so_far():
+    out, p = assert_split_invariant(ANALYSIS + CALL, stop=['"days"'])
+    assert p.stopped
+    assert calls(out) == [("get_weather", '{"city": "Zürich",')]
+
+
+def test_stop_in_reasoning_ends_everything():
+    out, p = assert_split_invariant(ANALYSIS + FINAL, stop=["weather"])
+    assert p.stopped and out == {"reasoning": "The user wants the ", "content": "", "tool_calls": []}
+    assert p.feed("more") == [] and p.finish() == []
+
+
+def test_stop_limits():
+    with pytest.raises(ValueError):
+        HarmonyParser(stop=["a", "b", "c", "d", "e"])
+
+
+# ----------------------------------------------------------------------------- random texts
+
+
+def test_random_harmony_texts_split_invariant():
+    rng = random.Random(7)
+    parts = [
+        ANALYSIS,
+        FINAL,
+        CALL,
+        CALL_IN_ROLE,
+        PREAMBLE,
+        "<|end|>",
+        "<|start|>",
+        "<|message|>",
+        "x\n",
+        " to=",
+        "é",
+    ]
+    for _ in range(40):
+        text = "".join(rng.choice(parts) for _ in range(rng.randrange(1, 5)))
+        text = text[: rng.randrange(len(text) + 1)]
+        out, _ = assert_split_invariant(text, stop=["sunny"] if rng.random() < 0.3 else ())
+        json.dumps(out)
+
+
+def test_template_detection():
+    assert is_harmony_template("{{- '<|start|>assistant<|channel|>final<|message|>' }}")
+    assert not is_harmony_template("<|im_start|>assistant\n")
+    assert not is_harmony_template(None)
