@@ -50,7 +50,7 @@ from typing import Any
 from .emitter import MAX_STOP, Delta, carry_len, finish_reason, first_match
 from .tools import new_call_id
 
-__all__ = ["HARMONY_MARKERS", "HarmonyParser", "MAX_HEADER", "is_harmony_template"]
+__all__ = ["HARMONY_MARKERS", "HarmonyParser", "MAX_HEADER"]
 
 START = "<|start|>"
 END = "<|end|>"
@@ -86,11 +86,6 @@ TOOL_CALL = "tool_call"
 
 _HEADER = "header"
 _BODY = "body"
-
-
-def is_harmony_template(source: str | None) -> bool:
-    """Whether a chat template writes the Harmony format (gpt-oss's): it renders channels."""
-    return CHANNEL in (source or "") and MESSAGE in (source or "")
 
 
 def _opens_header(text: str) -> bool:

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from pantheon.chat.emitter import Delta, join_deltas
-from pantheon.chat.harmony import HARMONY_MARKERS, MAX_HEADER, HarmonyParser, is_harmony_template
+from pantheon.chat.harmony import HARMONY_MARKERS, MAX_HEADER, HarmonyParser
 
 CALL_ID = re.compile(r"call_[A-Za-z0-9]{24}")
 
@@ -288,7 +288,198 @@ def test_random_harmony_texts_split_invariant():
         json.dumps(out)
 
 
-def test_template_detection():
-    assert is_harmony_template("{{- '<|start|>assistant<|channel|>final<|message|>' }}")
-    assert not is_harmony_template("<|im_start|>assistant\n")
-    assert not is_harmony_template(None)
+# ----------------------------------------------------------------------------- the detokenizer
+
+
+def _harmony_tokenizer():
+    """Our make-model tokenizer with Harmony's markers as special tokens (as gpt-oss's are)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from pantheon.models.tokenizer_train import tokenizer_json
+
+    tok = Tokenizer.from_str(tokenizer_json())
+    tok.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in sorted(HARMONY_MARKERS)])
+    return tok
+
+
+def test_markers_reach_the_parser_through_the_detokenizer_only_when_kept():
+    from pantheon.chat.detokenize import IncrementalDetokenizer
+
+    tok = _harmony_tokenizer()
+    prompt = tok.encode(
+        "<|start|>user<|message|>Weather?<|end|><|start|>assistant", add_special_tokens=False
+    ).ids
+    text = ANALYSIS + CALL + "<|endoftext|>"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert tok.token_to_id("<|call|>") in ids  # one token each
+    parser = HarmonyParser()
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt, keep_special=parser.keep_special)
+    deltas = []
+    pieces = []
+    for i in ids:
+        pieces.append(detok.push(i))
+        deltas += parser.feed(pieces[-1])
+    deltas += parser.feed(detok.flush()) + parser.finish()
+    assert "".join(pieces) == ANALYSIS + CALL  # <|endoftext|> is still skipped
+    out = join_deltas(deltas)
+    assert out["reasoning"] == "The user wants the weather in Zürich 🌧."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in out["tool_calls"]] == [
+        ("get_weather", '{"city": "Zürich", "days": 2}')
+    ]
+    # without keep_special (every other format) special tokens stay skipped, as before
+    plain = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    assert plain.push_many(ids) + plain.flush() == tok.decode(ids, skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------- the template
+
+
+def _gpt_oss_template():
+    from pantheon.chat.template import ChatTemplate
+    from tests.helpers.paths import need_specs
+
+    source = (need_specs() / "gpt-oss-120b.chat_template.jinja").read_text(encoding="utf-8")
+    return ChatTemplate(source, name="gpt-oss-120b")
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_the_real_template_is_harmony_and_takes_tools():
+    from pantheon.chat.output import HARMONY, output_parser
+    from pantheon.chat.tools import HARMONY_TOOL_FORMAT, forced_call_prefix
+
+    t = _gpt_oss_template()
+    assert t.output_format == HARMONY and t.tool_format == HARMONY_TOOL_FORMAT
+    assert t.takes_tools  # so the generic tool prompt is never added
+    parser = output_parser(t.output_format, reasoning=True, tool_format=t.tool_format)
+    assert isinstance(parser, HarmonyParser)
+    # a forced call's prompt ends with its header: the parser reads it as the call's opening
+    prefix = forced_call_prefix(t.tool_format, "get_weather")
+    out = join_deltas(parser.feed(prefix) + parser.feed('{"city": "Oslo"}') + parser.finish())
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in out["tool_calls"]] == [
+        ("get_weather", '{"city": "Oslo"}')
+    ]
+
+
+def test_the_real_template_renders_tools_reasoning_and_tool_results():
+    t = _gpt_oss_template()
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        # as an OpenAI client sends our answer back: reasoning_content, no content, the call
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "I should call the tool.",
+            "tool_calls": [call],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
+    ]
+    undescribed = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    prompt = t.render(messages, tools=[WEATHER_TOOL, undescribed], reasoning_effort="high")
+    assert "// \ntype get_time = () => any;" in prompt  # no description: the template's own would fail
+    assert "Reasoning: high" in prompt
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools" in prompt
+    assert "type get_weather = (_: {" in prompt
+    assert "<|start|>assistant<|channel|>analysis<|message|>I should call the tool.<|end|>" in prompt
+    assert (
+        '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+        in prompt
+    )
+    assert (
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"{\\"sky\\": \\"clear\\"}"<|end|>'
+        in prompt
+    )
+    assert prompt.endswith("<|start|>assistant")
+
+    # a preamble beside the reasoning: the template takes one of them, the reasoning
+    messages[2]["content"] = "Let me look."
+    assert "I should call the tool." in t.render(messages, tools=[WEATHER_TOOL])
+
+    # a later final answer: the template drops the call's analysis, renders the answer
+    messages += [
+        {"role": "assistant", "content": "Clear skies.", "reasoning_content": "Easy."},
+        {"role": "user", "content": "Thanks!"},
+    ]
+    prompt = t.render(messages, tools=[WEATHER_TOOL])
+    assert "I should call the tool." not in prompt and "Easy." not in prompt
+    assert "<|start|>assistant<|channel|>final<|message|>Clear skies.<|end|>" in prompt
+    assert "Reasoning: medium" in prompt  # the template's default
+    assert prompt.endswith("<|start|>user<|message|>Thanks!<|end|><|start|>assistant")
+
+
+# ----------------------------------------------------------------------------- a model folder
+
+
+@pytest.fixture(scope="module")
+def harmony_assets(tmp_path_factory):
+    """A model folder as the router reads it: gpt-oss's template, a tokenizer with Harmony's
+    special tokens, a config that names only <|return|> as its end."""
+    from pantheon.models.assets import ModelAssets
+    from tests.helpers.paths import need_specs
+
+    folder = tmp_path_factory.mktemp("harmony-model")
+    _harmony_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(
+        (need_specs() / "gpt-oss-120b.chat_template.jinja").read_text(encoding="utf-8"), encoding="utf-8"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|return|>"}), encoding="utf-8")
+    return ModelAssets(folder)
+
+
+def test_assets_of_a_harmony_model(harmony_assets):
+    a = harmony_assets
+    assert a.reasoning and a.tool_call_markup
+    ids = {a.tokenizer.token_to_id(t) for t in ("<|return|>", "<|call|>")}
+    assert ids <= set(a.eos_ids)  # a call ends the output, whatever the config says
+
+
+def test_a_forced_call_opens_its_header_in_the_prompt(harmony_assets):
+    from pantheon.api.openai import structured
+    from pantheon.api.openai.protocol import parse_chat_request
+    from pantheon.chat.tools import HARMONY_TOOL_FORMAT
+    from pantheon.control.context import render
+
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    body = {
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [WEATHER_TOOL, other],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "reasoning_effort": "low",
+    }
+    req = parse_chat_request(body)
+    assert req.chat_template_kwargs == {"reasoning_effort": "low"}
+    ids, prefix, opened, forced = render(harmony_assets, req, req.messages)
+    prompt = harmony_assets.tokenizer.decode(ids, skip_special_tokens=False)
+    assert "Reasoning: low" in prompt
+    assert forced == "get_weather" and not opened
+    assert prompt.endswith(
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    )
+    assert prefix == "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    # the grammar is the arguments alone
+    grammar = structured.tool_grammar([WEATHER_TOOL], "get_weather", prefix, HARMONY_TOOL_FORMAT)
+    assert "%json" in grammar and "tool_call" not in grammar
+    # "required" with several tools: the prompt opens the call, the model names the function
+    req = parse_chat_request(dict(body, tool_choice="required"))
+    ids, prefix, _, forced = render(harmony_assets, req, req.messages)
+    assert forced is None and prefix == "<|channel|>commentary to=functions."
+    assert not structured.has_tool_grammar(None, HARMONY_TOOL_FORMAT)
+    assert structured.has_tool_grammar(None, "json")

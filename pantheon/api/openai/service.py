@@ -35,7 +35,8 @@ from pantheon.api.openai import protocol as oa
 from pantheon.api.openai import structured
 from pantheon.api.openai.protocol import ChatRequest
 from pantheon.chat.detokenize import IncrementalDetokenizer
-from pantheon.chat.emitter import Delta, Emitter
+from pantheon.chat.emitter import Delta
+from pantheon.chat.output import HARMONY, output_parser
 from pantheon.chat.tools import JSON_TOOL_FORMAT, forced_call_prefix
 from pantheon.control.context import Prepared
 from pantheon.errors import ApiError
@@ -88,6 +89,8 @@ class ForcedCall:
         self._buf = ""
         self._sent = ""
         self._started = False
+
+    keep_special: frozenset[str] = frozenset()  # the emitter's: no special token read
 
     def _header(self) -> list[Delta]:
         if self._started:
@@ -189,13 +192,17 @@ def constraint_of(inst: Any, req: ChatRequest, prep: Prepared) -> Constraint:
     assets = inst.assets
     grammar = req.grammar
     if req.tools and _forced_call(req):
+        if not structured.has_tool_grammar(prep.forced, tool_format(inst, prep)):
+            return None, [], -1
         tools = req.tools
         if req.tool_choice_name is not None:
             tools = [t for t in tools if t["function"]["name"] == req.tool_choice_name]
         grammar = structured.tool_grammar(tools, prep.forced, prep.prefix, tool_format(inst, prep))
         if prep.prefix:  # the call is already open in the prompt: no reasoning first
             return grammar, [], -1
-    if grammar is None or not assets.reasoning:
+    if grammar is None or not assets.reasoning or assets.template.output_format == HARMONY:
+        # (a Harmony output's grammar starts at once: the parser reads what is not Harmony as
+        # content, and no grammar here spells its header's special tokens)
         return grammar, [], -1
     close = assets.encode("</think>")
     if prep.think_open:
@@ -311,7 +318,8 @@ class Generation:
         if self._streams_forced_arguments():
             assert prep.forced is not None
             return ForcedCall(prep.forced)
-        return Emitter(
+        return output_parser(
+            assets.template.output_format,
             reasoning=assets.reasoning,
             stop=req.stop,
             tools_enabled=req.tools_enabled,
@@ -324,9 +332,15 @@ class Generation:
         """The choice's output, one ``Piece`` per batch of tokens that arrived together."""
         req, prep, assets = self.req, self.prep, self.inst.assets
         emitter = self._emitter()
-        detok = IncrementalDetokenizer(assets.tokenizer, prompt_ids=prep.prompt_ids, skip_special_tokens=True)
+        # special tokens produce no text, except the markers the parser reads (Harmony's)
+        detok = IncrementalDetokenizer(
+            assets.tokenizer,
+            prompt_ids=prep.prompt_ids,
+            skip_special_tokens=True,
+            keep_special=emitter.keep_special,
+        )
         # The emitter reads the call's opening that the prompt holds as if the model wrote it.
-        pending = emitter.feed(prep.prefix) if prep.prefix and isinstance(emitter, Emitter) else []
+        pending = emitter.feed(prep.prefix) if prep.prefix and not isinstance(emitter, ForcedCall) else []
         seed = None if req.seed is None else req.seed + run.index
         grammar, after, opening = self.constraint
         params = req.sampling(

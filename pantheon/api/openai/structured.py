@@ -52,7 +52,7 @@ from typing import Any
 import llguidance as llg
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from pantheon.chat.tools import JSON_TOOL_FORMAT, XML_TOOL_FORMAT
+from pantheon.chat.tools import HARMONY_TOOL_FORMAT, JSON_TOOL_FORMAT, XML_TOOL_FORMAT
 from pantheon.chat.xml_tools import parameter_schemas, writes_as_text
 from pantheon.errors import invalid_param
 from pantheon.models.gguf import byte_alphabet
@@ -355,13 +355,28 @@ def check_tool_schemas(tools: Sequence[dict], names: Sequence[str] | None = None
             )
 
 
+def has_tool_grammar(forced: str | None, tool_format: str) -> bool:
+    """Whether a demanded call is enforced by a grammar. Not Harmony's with no function named:
+    after the prompt's ``to=functions.`` the model names one, and the rest of its header is
+    special tokens, which no grammar here spells (the prompt alone demands the call)."""
+    return tool_format != HARMONY_TOOL_FORMAT or forced is not None
+
+
 def tool_grammar(
     tools: Sequence[dict], forced: str | None, prefix: str, tool_format: str = JSON_TOOL_FORMAT
 ) -> str:
     """The grammar of what the model writes after ``prefix`` (already in the prompt) when a
     call is demanded: ``forced`` named, only its arguments and the block's end; else one call
     of any of ``tools``, ``<tool_call>`` markers included where the prompt has none.
-    ``tool_format`` is the model's (``ChatTemplate.tool_format``)."""
+    ``tool_format`` is the model's (``ChatTemplate.tool_format``). Harmony's (gpt-oss): the
+    prompt holds the call's header, so a forced function's grammar is its arguments alone (the
+    request ends with them); one with no function named has none (``harmony_needs_grammar``)."""
+    if tool_format == HARMONY_TOOL_FORMAT:
+        if forced is None:
+            raise ValueError("a Harmony call with no function named has no grammar")
+        tool = next(t for t in tools if t["function"]["name"] == forced)
+        schema = json.dumps(dict(_parameters(tool), **{"x-guidance": JSON_STYLE}))
+        return check(llg.LLMatcher.grammar_from_lark(f"start: args\nargs: %json {schema}\n"), "tools")
     if tool_format == XML_TOOL_FORMAT:
         return check(llg.LLMatcher.grammar_from_lark(_xml_call_lark(tools, forced, prefix)), "tools")
     if forced is not None:
