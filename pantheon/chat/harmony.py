@@ -71,6 +71,7 @@ MAX_HEADER = 256
 # How a header not after a ``<|start|>`` can begin: the channel (the first message: the prompt
 # holds the role), the recipient before the channel, or (after an ``<|end|>``) the role.
 _OPENINGS = ("assistant", "<|", "to=")
+_OPENING_LEN = max(map(len, _OPENINGS))  # a header this long either begins like one or never will
 _BODY_ENDS = (END, RETURN, CALL, START)
 _HEADER_EVENTS = (MESSAGE, *_BODY_ENDS)
 
@@ -205,7 +206,10 @@ class HarmonyParser:
         stray = (
             None
             if self._role_next  # after <|start|> any role may come (``functions.f`` answers)
-            else next((k for k in range(1, min(len(header), 9) + 1) if not _opens_header(header[:k])), None)
+            else next(
+                (k for k in range(1, min(len(header), _OPENING_LEN) + 1) if not _opens_header(header[:k])),
+                None,
+            )
         )
         for cut in (
             stray,

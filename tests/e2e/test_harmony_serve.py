@@ -95,3 +95,34 @@ def test_a_call(srv):
     assert finish == "tool_calls"
     assert streamed["calls"] == {0: {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     assert streamed["finish"] == "tool_calls" and streamed["reasoning_content"] == "Look."
+
+
+def test_a_named_tool_choice_writes_the_call(srv):
+    """The prompt opens the call's header; the grammar holds the arguments to the schema."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "pick_city",
+            "description": "Pick a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Oslo", "Paris"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    choice = {"type": "function", "function": {"name": "pick_city"}}
+    client = srv.client()
+    body = dict(model=NAME, messages=MESSAGES, max_tokens=40, tools=[WEATHER, tool], tool_choice=choice)
+    (ch,) = client.chat.completions.create(**body).choices
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls is not None
+    ((name, args),) = [(c.function.name, c.function.arguments) for c in ch.message.tool_calls]
+    assert name == "pick_city" and json.loads(args)["city"] in ("Oslo", "Paris")
+    streamed = {"name": "", "arguments": ""}
+    for chunk in client.chat.completions.create(stream=True, **body):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                streamed["name"] += (tc.function and tc.function.name) or ""
+                streamed["arguments"] += (tc.function and tc.function.arguments) or ""
+    assert streamed["name"] == "pick_city" and json.loads(streamed["arguments"])["city"] in ("Oslo", "Paris")

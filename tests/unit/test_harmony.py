@@ -45,11 +45,12 @@ def whole(text, **kw):
     return run([text], **kw)[0]
 
 
-def assert_split_invariant(text, **kw):
-    """Whole, char by char, at every single split point and at random splits: the same."""
+def assert_split_invariant(text, every=True, **kw):
+    """Whole, char by char, at every single split point (``every``) and at random splits: the
+    same."""
     want, p_whole, _ = run([text], **kw)
     assert run(list(text), **kw)[0] == want
-    for i in range(len(text) + 1):
+    for i in range(len(text) + 1) if every else ():
         got, p, _ = run([text[:i], text[i:]], **kw)
         assert got == want, i
         assert p.stopped == p_whole.stopped
@@ -204,7 +205,7 @@ def test_max_tokens_anywhere_in_a_call_is_what_it_is_never_markup():
     args = '{"city": "Zürich", "days": 2}'
     named_at = text.index("get_weather") + len("get_weather") + 1
     for cut in range(len(text) + 1):
-        out, _ = assert_split_invariant(text[:cut])
+        out, _ = assert_split_invariant(text[:cut], every=False)
         for field in ("reasoning", "content"):
             assert "<|" not in out[field] and "to=" not in out[field], (cut, out)
             out[field] = out[field].removesuffix("<")  # a lone "<" may be text
