@@ -484,3 +484,28 @@ def test_a_forced_call_opens_its_header_in_the_prompt(harmony_assets):
     assert forced is None and prefix == "<|channel|>commentary to=functions."
     assert not structured.has_tool_grammar(None, HARMONY_TOOL_FORMAT)
     assert structured.has_tool_grammar(None, "json")
+
+
+def test_reasoning_effort_reaches_the_template_kwargs():
+    from pantheon.api.openai.protocol import parse_chat_request
+    from pantheon.api.openai.responses import parse_responses_request
+    from pantheon.errors import ApiError
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert parse_chat_request({"messages": msgs}).chat_template_kwargs == {}
+    req = parse_chat_request({"messages": msgs, "reasoning_effort": "high"})
+    assert req.chat_template_kwargs == {"reasoning_effort": "high"}
+    # the client's own chat_template_kwargs win
+    req = parse_chat_request(
+        {"messages": msgs, "reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}
+    )
+    assert req.chat_template_kwargs == {"reasoning_effort": "low"}
+    with pytest.raises(ApiError) as e:
+        parse_chat_request({"messages": msgs, "reasoning_effort": "extreme"})
+    assert e.value.param == "reasoning_effort"
+    # Responses: reasoning.effort
+    r = parse_responses_request({"input": "hi", "reasoning": {"effort": "low"}})
+    assert r.chat.chat_template_kwargs == {"reasoning_effort": "low"}
+    with pytest.raises(ApiError) as e:
+        parse_responses_request({"input": "hi", "reasoning": {"effort": 3}})
+    assert e.value.param == "reasoning.effort"
