@@ -453,6 +453,8 @@ def test_assets_of_a_harmony_model(harmony_assets):
 
 
 def test_a_forced_call_opens_its_header_in_the_prompt(harmony_assets):
+    import llguidance as llg
+
     from pantheon.api.openai import structured
     from pantheon.api.openai.protocol import parse_chat_request
     from pantheon.chat.tools import HARMONY_TOOL_FORMAT
@@ -478,12 +480,28 @@ def test_a_forced_call_opens_its_header_in_the_prompt(harmony_assets):
     # the grammar is the arguments alone
     grammar = structured.tool_grammar([WEATHER_TOOL], "get_weather", prefix, HARMONY_TOOL_FORMAT)
     assert "%json" in grammar and "tool_call" not in grammar
-    # "required" with several tools: the prompt opens the call, the model names the function
+    # "required" with several tools: the prompt opens the call, the grammar names a function
+    # and ends the header in its special tokens, which the model's own vocabulary has
     req = parse_chat_request(dict(body, tool_choice="required"))
     ids, prefix, _, forced = render(harmony_assets, req, req.messages)
     assert forced is None and prefix == "<|channel|>commentary to=functions."
-    assert not structured.has_tool_grammar(None, HARMONY_TOOL_FORMAT)
-    assert structured.has_tool_grammar(None, "json")
+    grammar = structured.tool_grammar([WEATHER_TOOL, other], None, prefix, HARMONY_TOOL_FORMAT)
+    tok = harmony_assets.tokenizer
+    vocab = structured.ModelTokenizer(tok.to_str(), tok.get_vocab_size(), harmony_assets.eos_ids)
+    structured.check_for_model(grammar, vocab, "tools")
+    matcher = llg.LLMatcher(vocab.tokenizer, grammar)
+    written = tok.encode('get_time <|constrain|>json<|message|>{"x": 1}', add_special_tokens=False).ids
+    assert tok.token_to_id("<|message|>") in written
+    for i in written:
+        assert matcher.consume_token(i), tok.decode([i], skip_special_tokens=False)
+    assert matcher.is_accepting()
+    # the parser reads the prompt's opening and the rest as one call
+    parser = HarmonyParser()
+    text = prefix + tok.decode(written, skip_special_tokens=False)
+    out = join_deltas(parser.feed(text) + parser.finish())
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in out["tool_calls"]] == [
+        ("get_time", '{"x": 1}')
+    ]
 
 
 def test_reasoning_effort_reaches_the_template_kwargs():

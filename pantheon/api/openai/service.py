@@ -192,8 +192,6 @@ def constraint_of(inst: Any, req: ChatRequest, prep: Prepared) -> Constraint:
     assets = inst.assets
     grammar = req.grammar
     if req.tools and _forced_call(req):
-        if not structured.has_tool_grammar(prep.forced, tool_format(inst, prep)):
-            return None, [], -1
         tools = req.tools
         if req.tool_choice_name is not None:
             tools = [t for t in tools if t["function"]["name"] == req.tool_choice_name]

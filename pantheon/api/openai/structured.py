@@ -355,13 +355,6 @@ def check_tool_schemas(tools: Sequence[dict], names: Sequence[str] | None = None
             )
 
 
-def has_tool_grammar(forced: str | None, tool_format: str) -> bool:
-    """Whether a demanded call is enforced by a grammar. Not Harmony's with no function named:
-    after the prompt's ``to=functions.`` the model names one, and the rest of its header is
-    special tokens, which no grammar here spells (the prompt alone demands the call)."""
-    return tool_format != HARMONY_TOOL_FORMAT or forced is not None
-
-
 def tool_grammar(
     tools: Sequence[dict], forced: str | None, prefix: str, tool_format: str = JSON_TOOL_FORMAT
 ) -> str:
@@ -369,14 +362,12 @@ def tool_grammar(
     call is demanded: ``forced`` named, only its arguments and the block's end; else one call
     of any of ``tools``, ``<tool_call>`` markers included where the prompt has none.
     ``tool_format`` is the model's (``ChatTemplate.tool_format``). Harmony's (gpt-oss): the
-    prompt holds the call's header, so a forced function's grammar is its arguments alone (the
-    request ends with them); one with no function named has none (``harmony_needs_grammar``)."""
+    prompt holds the call's header, up to ``<|message|>`` for a forced function (its grammar is
+    the arguments alone; the request ends with them), up to ``to=functions.`` else (the grammar
+    names a function and ends the header in its special tokens, which only a matcher over the
+    model's own vocabulary knows: ``check_for_model`` checks it, not the byte-level ``check``)."""
     if tool_format == HARMONY_TOOL_FORMAT:
-        if forced is None:
-            raise ValueError("a Harmony call with no function named has no grammar")
-        tool = next(t for t in tools if t["function"]["name"] == forced)
-        schema = json.dumps(dict(_parameters(tool), **{"x-guidance": JSON_STYLE}))
-        return check(llg.LLMatcher.grammar_from_lark(f"start: args\nargs: %json {schema}\n"), "tools")
+        return _harmony_call_grammar(tools, forced)
     if tool_format == XML_TOOL_FORMAT:
         return check(llg.LLMatcher.grammar_from_lark(_xml_call_lark(tools, forced, prefix)), "tools")
     if forced is not None:
@@ -399,6 +390,23 @@ def tool_grammar(
         opening = "" if prefix.endswith("<tool_call>\n") else '"<tool_call>\\n" '
         lark = f'start: {opening}call "\\n</tool_call>"\ncall: %json {json.dumps(calls)}\n'
     return check(llg.LLMatcher.grammar_from_lark(lark), "tools")
+
+
+def _harmony_call_grammar(tools: Sequence[dict], forced: str | None) -> str:
+    def args(tool: dict) -> str:
+        return "%json " + json.dumps(dict(_parameters(tool), **{"x-guidance": JSON_STYLE}))
+
+    if forced is not None:
+        tool = next(t for t in tools if t["function"]["name"] == forced)
+        return check(llg.LLMatcher.grammar_from_lark(f"start: {args(tool)}\n"), "tools")
+    # after the prompt's ``to=functions.``: a name, then the rest of the header as gpt-oss
+    # writes it (`` <|constrain|>json<|message|>``), then its arguments
+    rules = [
+        f'call{i}: {json.dumps(t["function"]["name"])} " " <|constrain|> "json" <|message|> {args(t)}'
+        for i, t in enumerate(tools)
+    ]
+    lark = "start: " + " | ".join(f"call{i}" for i in range(len(tools))) + "\n" + "\n".join(rules) + "\n"
+    return llg.LLMatcher.grammar_from_lark(lark)
 
 
 # ---------------------------------------------------------------- tool calls in Qwen3.5's XML
