@@ -50,7 +50,7 @@ from typing import Any
 from .emitter import MAX_STOP, Delta, carry_len, finish_reason, first_match
 from .tools import new_call_id
 
-__all__ = ["HARMONY_MARKERS", "HarmonyParser", "MAX_HEADER"]
+__all__ = ["FINAL_OPENING", "HARMONY_MARKERS", "HarmonyParser", "MAX_HEADER"]
 
 START = "<|start|>"
 END = "<|end|>"
@@ -59,6 +59,10 @@ CHANNEL = "<|channel|>"
 CONSTRAIN = "<|constrain|>"
 RETURN = "<|return|>"
 CALL = "<|call|>"
+
+# Where the answer starts: a constrained output's grammar (``response_format``) starts here, so
+# the model reasons first, as it was trained to (``grammar_after``).
+FINAL_OPENING = CHANNEL + "final" + MESSAGE
 
 # The special tokens whose text the parser reads (``<|endoftext|>`` and the reserved ones stay
 # skipped by the detokenizer).

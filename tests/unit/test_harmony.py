@@ -527,3 +527,25 @@ def test_reasoning_effort_reaches_the_template_kwargs():
     with pytest.raises(ApiError) as e:
         parse_responses_request({"input": "hi", "reasoning": {"effort": 3}})
     assert e.value.param == "reasoning.effort"
+
+
+def test_a_constrained_answer_starts_after_the_analysis(harmony_assets):
+    """``response_format`` on a Harmony model: the model reasons freely, the grammar starts at
+    ``<|channel|>final<|message|>`` (as vLLM starts it)."""
+    from pantheon.api.openai.protocol import parse_chat_request
+    from pantheon.api.openai.service import constraint_of
+    from pantheon.control.context import fit_context
+    from pantheon.control.registry import Instance, Slots
+
+    inst = Instance(
+        name="h", instance_id="h#1", path="", dies=("cpu:0",), gate=Slots(1), assets=harmony_assets
+    )
+    req = parse_chat_request(
+        {"messages": [{"role": "user", "content": "JSON please"}], "response_format": {"type": "json_object"}}
+    )
+    prep = fit_context(harmony_assets, req, 4096)
+    grammar, after, opening = constraint_of(inst, req, prep)
+    tok = harmony_assets.tokenizer
+    assert grammar is not None and opening == -1
+    assert after == tok.encode("<|channel|>final<|message|>", add_special_tokens=False).ids
+    assert after[0] == tok.token_to_id("<|channel|>") and after[-1] == tok.token_to_id("<|message|>")

@@ -36,6 +36,7 @@ from pantheon.api.openai import structured
 from pantheon.api.openai.protocol import ChatRequest
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Delta
+from pantheon.chat.harmony import FINAL_OPENING, MESSAGE
 from pantheon.chat.output import HARMONY, output_parser
 from pantheon.chat.tools import JSON_TOOL_FORMAT, forced_call_prefix
 from pantheon.control.context import Prepared
@@ -188,7 +189,8 @@ def tool_format(inst: Any, prep: Prepared) -> str:
 def constraint_of(inst: Any, req: ChatRequest, prep: Prepared) -> Constraint:
     """The grammar the output must match (a demanded tool call's, else the request's), and
     where it starts on a reasoning model: after ``</think>`` when the template opened the
-    block; when the model may open one itself, its ``<think>`` id (else -1)."""
+    block; when the model may open one itself, its ``<think>`` id (else -1); on a Harmony
+    model (gpt-oss), after ``<|channel|>final<|message|>``, as vLLM starts it."""
     assets = inst.assets
     grammar = req.grammar
     if req.tools and _forced_call(req):
@@ -198,10 +200,13 @@ def constraint_of(inst: Any, req: ChatRequest, prep: Prepared) -> Constraint:
         grammar = structured.tool_grammar(tools, prep.forced, prep.prefix, tool_format(inst, prep))
         if prep.prefix:  # the call is already open in the prompt: no reasoning first
             return grammar, [], -1
-    if grammar is None or not assets.reasoning or assets.template.output_format == HARMONY:
-        # (a Harmony output's grammar starts at once: the parser reads what is not Harmony as
-        # content, and no grammar here spells its header's special tokens)
+    if grammar is None or not assets.reasoning:
         return grammar, [], -1
+    if assets.template.output_format == HARMONY:
+        # after the analysis, in the final message, when the model writes its markers as the
+        # special tokens they are (a vocabulary without them starts the grammar at once)
+        marked = assets.tokenizer.token_to_id(MESSAGE) is not None
+        return grammar, assets.encode(FINAL_OPENING) if marked else [], -1
     close = assets.encode("</think>")
     if prep.think_open:
         return grammar, close, -1
