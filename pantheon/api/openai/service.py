@@ -80,6 +80,8 @@ class ForcedCall:
     wrapper's closing ``}`` and ``</tool_call>``, is that call's arguments, streamed as it comes.
     Same interface as the emitter (``feed``, ``finish``, ``stopped``)."""
 
+    keep_special: frozenset[str] = frozenset()  # as the emitter's: it reads no special token
+
     _TAIL = re.compile(
         r"(?:\}\s*)?\s*(?:<(?:/(?:t(?:o(?:o(?:l(?:_(?:c(?:a(?:l(?:l(?:>)?)?)?)?)?)?)?)?)?)?)?)?$"
     )
@@ -90,8 +92,6 @@ class ForcedCall:
         self._buf = ""
         self._sent = ""
         self._started = False
-
-    keep_special: frozenset[str] = frozenset()  # the emitter's: no special token read
 
     def _header(self) -> list[Delta]:
         if self._started:
