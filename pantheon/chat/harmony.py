@@ -24,7 +24,8 @@ with a newline. Headers and markers are never emitted. The body ends at ``<|end|
 it too (the part of an end marker the output ends inside is dropped, from two characters on, as
 the emitter drops a cut ``<tool_call>``): a call cut off that way is returned as what it is (its name and its arguments so far),
 never as markup in the content; a header cut off after a whole recipient name is a call with
-empty arguments, any other cut-off header is dropped.
+empty arguments, any other cut-off header is dropped (text that only began like a role,
+"assistant is here", is content).
 
 Output that is not Harmony (a header that cannot begin as one, holds a newline, or runs past
 :data:`MAX_HEADER` characters without ``<|message|>``) is content, as written, up to the next end
@@ -227,6 +228,9 @@ class HarmonyParser:
             return True
         if match is None:
             if final and header:
+                if not self._headerish(header):  # text that only began like a role
+                    self._open(CONTENT)
+                    return True
                 self._cut_header(header)
                 self._buf = ""
             return False
@@ -241,6 +245,17 @@ class HarmonyParser:
             self._close_message()
             self._role_next = marker == START
         return True
+
+    def _headerish(self, header: str) -> bool:
+        """Whether an output that ends in ``header`` (no ``<|message|>`` yet) ended inside a
+        header: after a ``<|start|>``, with a marker or a recipient, or a role cut short
+        (``assist``); "assistant is here" was text."""
+        return (
+            self._role_next
+            or "<|" in header
+            or "to=" in header
+            or any(o.startswith(header) for o in _OPENINGS)
+        )
 
     def _open_from_header(self, header: str) -> None:
         recipient = _recipient(header)

@@ -196,6 +196,12 @@ def test_header_cut_off_is_dropped_unless_it_names_a_recipient():
         assert whole(cut) == {"reasoning": "", "content": "", "tool_calls": []}, cut
     out = whole("<|channel|>commentary to=functions.get_weather <|constr")
     assert calls(out) == [("get_weather", "")]
+    assert whole(FINAL[: FINAL.index("<|channel|>")] + "<|chan") == whole("")  # after <|start|>
+    # text that only began like a role is text
+    out, _ = assert_split_invariant("assistant is here")
+    assert out["content"] == "assistant is here"
+    out, _ = assert_split_invariant("<|channel|>final<|message|>a<|end|>assistant b")
+    assert out["content"] == "a\nassistant b"
 
 
 def test_max_tokens_anywhere_in_a_call_is_what_it_is_never_markup():
