@@ -8,10 +8,11 @@ goes through it like this::
     prompt = template.render(messages, tools=policy.template_tools, **chat_template_kwargs)
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
 
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-    emitter = Emitter(reasoning=template.reasoning, stop=stop, tools_enabled=policy.parse,
-                      think_open=think_open(prompt), tool_format=template.tool_format,
-                      tools=policy.template_tools)             # JSON or Qwen3.5's XML calls
+    emitter = output_parser(template.output_format,            # Harmony (gpt-oss) or tags
+                            reasoning=template.reasoning, stop=stop, tools_enabled=policy.parse,
+                            think_open=think_open(prompt), tool_format=template.tool_format,
+                            tools=policy.template_tools)       # JSON or Qwen3.5's XML calls
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_special=emitter.keep_special)
     for token_id in generated:                                 # from the worker's StepOutputs
         send(emitter.feed(detok.push(token_id)))
         if emitter.stopped:                                    # a stop string: Abort the worker
@@ -22,6 +23,8 @@ goes through it like this::
 
 from .detokenize import IncrementalDetokenizer
 from .emitter import MAX_STOP, Delta, Emitter, finish_reason, join_deltas
+from .harmony import HarmonyParser
+from .output import OutputParser, output_parser
 from .template import ChatTemplate, TemplateError, normalize_messages, render_chatml, think_open
 from .tools import (
     JSON_TOOL_FORMAT,
@@ -43,8 +46,10 @@ __all__ = [
     "ChatTemplate",
     "Delta",
     "Emitter",
+    "HarmonyParser",
     "IncrementalDetokenizer",
     "MAX_STOP",
+    "OutputParser",
     "ParsedToolCall",
     "TemplateError",
     "ToolChoiceError",
@@ -54,6 +59,7 @@ __all__ = [
     "join_deltas",
     "new_call_id",
     "normalize_messages",
+    "output_parser",
     "parse_tool_block",
     "parse_xml_tool_block",
     "render_chatml",

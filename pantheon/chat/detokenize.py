@@ -47,7 +47,9 @@ class IncrementalDetokenizer:
     (``<|im_end|>``, ``<|endoftext|>``) produce no text. Added tokens that are not special
     (``<think>``, ``</think>``, ``<tool_call>`` in Qwen tokenizers) always come out as their text, so
     the emitter can split channels on them. With ``skip_special_tokens=False`` every token comes out
-    as text.
+    as text. ``keep_special`` names special tokens that come out as their text even while the
+    others are skipped: the markers of a format whose parser reads them (gpt-oss's Harmony
+    ``<|channel|>``, ``<|message|>``, ...: ``HarmonyParser.keep_special``).
     """
 
     def __init__(
@@ -55,13 +57,20 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_ids: Iterable[int] | None = None,
         skip_special_tokens: bool = True,
+        keep_special: Iterable[str] = (),
     ):
         self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
+        kept = frozenset(keep_special)
         # Skipped special tokens are dropped before decoding, exactly as ``decode`` itself drops them,
-        # so that they neither produce text nor make the window grow.
+        # so that they neither produce text nor make the window grow. With tokens to keep, the
+        # others are dropped here and the window decoded with every special token's text.
+        self._skip = skip_special_tokens and not kept
         self._special_ids: frozenset[int] = (
-            frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+            frozenset(
+                i
+                for i, t in tokenizer.get_added_tokens_decoder().items()
+                if t.special and t.content not in kept
+            )
             if skip_special_tokens
             else frozenset()
         )

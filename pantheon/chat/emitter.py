@@ -93,6 +93,31 @@ def finish_reason(tool_calls_emitted: bool, reason: str) -> str:
     return "tool_calls" if tool_calls_emitted else reason
 
 
+def first_match(buf: str, needles: Sequence[tuple[str, bool]]) -> tuple[int, str, bool] | None:
+    """The match of ``needles`` (each a string and whether it is a stop string) in ``buf`` that a
+    left-to-right reader completes first: earliest end, then earliest start (the longer string),
+    then a stop string before a marker. Returns (start, needle, is_stop) or None."""
+    best = None
+    for needle, is_stop in needles:
+        i = buf.find(needle)
+        if i < 0:
+            continue
+        key = (i + len(needle), i, not is_stop)
+        if best is None or key < best[0]:
+            best = (key, i, needle, is_stop)
+    return None if best is None else best[1:]
+
+
+def carry_len(buf: str, needles: Sequence[tuple[str, bool]]) -> int:
+    """Length of the longest tail of ``buf`` that is the start of some needle: the carry."""
+    longest = min(len(buf), max((len(n) - 1 for n, _ in needles), default=0))
+    for k in range(longest, 0, -1):
+        tail = buf[-k:]
+        if any(n.startswith(tail) for n, _ in needles):
+            return k
+    return 0
+
+
 class Emitter:
     """Splits a model's output text into reasoning, content and tool calls; applies stop strings.
 
@@ -108,6 +133,10 @@ class Emitter:
     deltas that are now final. After a stop string matched, :attr:`stopped` is True, and further
     feeding returns nothing.
     """
+
+    # The special tokens whose text the detokenizer must keep for this parser: none (its markers
+    # are ordinary added tokens); Harmony's parser names its own.
+    keep_special: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -179,30 +208,6 @@ class Emitter:
             needles.append((TOOL_CLOSE, False))
         return needles
 
-    @staticmethod
-    def _first_match(buf: str, needles: list[tuple[str, bool]]) -> tuple[int, str, bool] | None:
-        """The match a left-to-right reader completes first: earliest end, then earliest start
-        (the longer string), then a stop string before a marker."""
-        best = None
-        for needle, is_stop in needles:
-            i = buf.find(needle)
-            if i < 0:
-                continue
-            key = (i + len(needle), i, not is_stop)
-            if best is None or key < best[0]:
-                best = (key, i, needle, is_stop)
-        return None if best is None else best[1:]
-
-    @staticmethod
-    def _carry_len(buf: str, needles: list[tuple[str, bool]]) -> int:
-        """Length of the longest tail of ``buf`` that is the start of some needle."""
-        longest = min(len(buf), max((len(n) - 1 for n, _ in needles), default=0))
-        for k in range(longest, 0, -1):
-            tail = buf[-k:]
-            if any(n.startswith(tail) for n, _ in needles):
-                return k
-        return 0
-
     def _process(self, *, final: bool) -> None:
         while not self.stopped:
             if self._state == _START:
@@ -210,7 +215,7 @@ class Emitter:
                     return
                 continue
             needles = self._needles()
-            match = self._first_match(self._buf, needles)
+            match = first_match(self._buf, needles)
             if match is not None:
                 start, needle, is_stop = match
                 self._text(self._buf[:start])
@@ -226,7 +231,7 @@ class Emitter:
                     (k for k in range(len(TOOL_OPEN) - 1, 1, -1) if self._buf.endswith(TOOL_OPEN[:k])), 0
                 )
                 self._buf = self._buf[: len(self._buf) - tail]
-            keep = 0 if final else self._carry_len(self._buf, needles)
+            keep = 0 if final else carry_len(self._buf, needles)
             self._text(self._buf[: len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep :]
             return
@@ -240,7 +245,7 @@ class Emitter:
         lead = len(self._buf) - len(body)
         marker_end = lead + len(THINK_OPEN)
         # A stop string completed before the marker did comes first: that text is content.
-        stop_first = self._first_match(self._buf[:marker_end], [(s, True) for s in self._stops])
+        stop_first = first_match(self._buf[:marker_end], [(s, True) for s in self._stops])
         if body.startswith(THINK_OPEN) and stop_first is None:
             self._buf = self._buf[marker_end:]
             self._state = _THINK

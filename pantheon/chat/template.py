@@ -39,6 +39,7 @@ import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .output import HARMONY, output_format
 from .tools import TOOLS_POSTAMBLE, TOOLS_PREAMBLE, tool_call_format
 
 __all__ = [
@@ -591,6 +592,34 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
+def _harmony_inputs(
+    msgs: list[dict[str, Any]], tools: list[Mapping[str, Any]] | None
+) -> tuple[list[dict[str, Any]], list[Mapping[str, Any]] | None]:
+    """What gpt-oss's template fails on, and OpenAI clients send, made renderable (only where
+    the template would raise: everything else renders as transformers renders it):
+
+    - a tool without a ``description`` (the template adds ``"// " + tool.description``): an
+      empty one;
+    - an assistant message with tool calls and both text and reasoning (the template renders one
+      analysis message, from either, and refuses both): the reasoning, which is the analysis
+      the model wrote; the text was its preamble to the user.
+    """
+    if tools:
+        fixed: list[Mapping[str, Any]] = []
+        for t in tools:
+            fn = t.get("function")
+            if isinstance(fn, Mapping) and fn.get("description") is None:
+                t = {**t, "function": {**fn, "description": ""}}
+            fixed.append(t)
+        tools = fixed
+    out = []
+    for m in msgs:
+        if m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") and m.get("thinking"):
+            m = {**m, "content": ""}
+        out.append(m)
+    return out, tools
+
+
 # ------------------------------------------------------------------ the ChatML fallback
 
 
@@ -732,6 +761,13 @@ class ChatTemplate:
         that renders the tools teaches it (see :func:`pantheon.chat.tools.tool_call_format`)."""
         return tool_call_format(self.tool_use_source or self.source)
 
+    @property
+    def output_format(self) -> str:
+        """How the model's output is written, so which parser reads it
+        (:func:`pantheon.chat.output.output_parser`): ``"harmony"`` for gpt-oss's template (it
+        renders ``<|channel|>`` messages), ``"tagged"`` (``<think>`` / ``<tool_call>``) else."""
+        return output_format(self.tool_format)
+
     @functools.cached_property
     def takes_tools(self) -> bool:
         """Whether the template renders the ``tools`` it is given: a sample conversation
@@ -850,6 +886,8 @@ class ChatTemplate:
     ) -> str:
         msgs = normalize_messages(messages)
         tools = list(tools) if tools is not None else None
+        if self.output_format == HARMONY:
+            msgs, tools = _harmony_inputs(msgs, tools)
         clash = _RESERVED_KWARGS.intersection(template_kwargs)
         if clash:
             raise TemplateError(f"chat_template_kwargs may not set {sorted(clash)}")

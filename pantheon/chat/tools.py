@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "HARMONY_TOOL_FORMAT",
     "JSON_TOOL_FORMAT",
     "XML_TOOL_FORMAT",
     "ParsedToolCall",
@@ -49,6 +50,14 @@ _ALPHANUMERIC = string.ascii_letters + string.digits
 JSON_TOOL_FORMAT = "json"
 # ... or ``<function=NAME>`` with one ``<parameter=P>`` element per argument (Qwen3.5, Qwen3-Coder).
 XML_TOOL_FORMAT = "xml"
+# gpt-oss writes no block: a Harmony message to ``functions.NAME`` whose body is the arguments'
+# JSON (read by :mod:`pantheon.chat.harmony`, not by the emitter).
+HARMONY_TOOL_FORMAT = "harmony"
+
+# The header of a Harmony call message up to its function's name, and after it: what a forced
+# call's prompt ends with (the template's ``<|constrain|>`` form, as gpt-oss writes calls).
+HARMONY_CALL_OPEN = "<|channel|>commentary to=functions."
+HARMONY_CALL_BODY = " <|constrain|>json<|message|>"
 
 
 TOOLS_PREAMBLE = (
@@ -88,9 +97,12 @@ def tool_call_format(template_source: str | None) -> str:
     ``<tool_call>`` (the Qwen3.5 / Qwen3-Coder templates spell the format out in the tools system
     turn, and render past calls in it) gets :data:`XML_TOOL_FORMAT`; every other template, and the
     ChatML fallback (None), the JSON format. All three markers must be there: some templates mention
-    ``<function=`` alone for a different syntax (Llama 3.1's custom tools).
+    ``<function=`` alone for a different syntax (Llama 3.1's custom tools). A Harmony template
+    (gpt-oss's: it renders ``<|channel|>``) gets :data:`HARMONY_TOOL_FORMAT`.
     """
     src = template_source or ""
+    if "<|channel|>" in src and "<|message|>" in src:
+        return HARMONY_TOOL_FORMAT
     if all(marker in src for marker in (TOOL_OPEN, "<function=", "<parameter=")):
         return XML_TOOL_FORMAT
     return JSON_TOOL_FORMAT
@@ -99,7 +111,11 @@ def tool_call_format(template_source: str | None) -> str:
 def forced_call_prefix(tool_format: str, name: str | None) -> str:
     """The opening of a demanded call that the router writes into the prompt itself, so that the
     model only fills in the rest: ``<tool_call>`` and, when one function is forced, its name in the
-    model's own format (the JSON form leaves the arguments object open)."""
+    model's own format (the JSON form leaves the arguments object open). Harmony's is the call
+    message's header: up to ``functions.`` (the model names the function), or whole, up to
+    ``<|message|>``, for a forced one (the model writes the arguments)."""
+    if tool_format == HARMONY_TOOL_FORMAT:
+        return HARMONY_CALL_OPEN + ("" if name is None else name + HARMONY_CALL_BODY)
     prefix = TOOL_OPEN + "\n"
     if name is None:
         return prefix

@@ -12,6 +12,9 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from pantheon.chat.harmony import CALL as HARMONY_CALL
+from pantheon.chat.harmony import RETURN as HARMONY_RETURN
+from pantheon.chat.output import HARMONY
 from pantheon.chat.template import ChatTemplate
 from pantheon.models import generation_defaults
 from pantheon.models.gguf import (
@@ -85,10 +88,17 @@ class ModelAssets:
         # rather than on a first request
         self.template.takes_tools  # noqa: B018
         src = (self.template.source or "") + (self.template.tool_use_source or "")
-        self.reasoning = "<think>" in src or (self.template.is_fallback and self.template.reasoning)
-        self.tool_call_markup = "<tool_call>" in src or self.template.is_fallback
-        if self.template.eos_token:
-            tid = self.tokenizer.token_to_id(self.template.eos_token)
+        harmony = self.template.output_format == HARMONY
+        # a Harmony model (gpt-oss) always reasons (its analysis channel) and writes calls
+        self.reasoning = (
+            "<think>" in src or (self.template.is_fallback and self.template.reasoning) or harmony
+        )
+        self.tool_call_markup = "<tool_call>" in src or self.template.is_fallback or harmony
+        ends = [self.template.eos_token] if self.template.eos_token else []
+        if harmony:  # a Harmony answer ends at <|return|>, a call at <|call|>, whatever the config says
+            ends += [HARMONY_RETURN, HARMONY_CALL]
+        for end in ends:
+            tid = self.tokenizer.token_to_id(end)
             if tid is not None:
                 eos.append(tid)
         self.eos_ids = list(dict.fromkeys(eos))

@@ -20,6 +20,7 @@ from pantheon.api.openai import structured
 from pantheon.chat.emitter import Emitter, join_deltas
 from pantheon.chat.template import ChatTemplate, think_open
 from pantheon.chat.tools import (
+    HARMONY_TOOL_FORMAT,
     JSON_TOOL_FORMAT,
     XML_TOOL_FORMAT,
     ParsedToolCall,
@@ -171,9 +172,12 @@ def test_tools_and_past_calls_render_as_the_template_expects(qwen35):
 def test_the_format_is_chosen_from_the_template(qwen35):
     need_specs()
     assert qwen35.tool_format == XML_TOOL_FORMAT
-    for other in ("qwen3-0.6B", "llama-3.3-70B-Instruct", "gemma-4-31B-it", "gpt-oss-120b"):
+    for other in ("qwen3-0.6B", "llama-3.3-70B-Instruct", "gemma-4-31B-it"):
         source = (SPECS / f"{other}.chat_template.jinja").read_text(encoding="utf-8")
         assert ChatTemplate(source).tool_format == JSON_TOOL_FORMAT, other
+    # gpt-oss writes no <tool_call> block at all: Harmony messages (tests/unit/test_harmony.py)
+    source = (SPECS / "gpt-oss-120b.chat_template.jinja").read_text(encoding="utf-8")
+    assert ChatTemplate(source).tool_format == HARMONY_TOOL_FORMAT
     assert ChatTemplate().tool_format == JSON_TOOL_FORMAT  # the ChatML fallback
     # a tool_use template is the one that renders tools, so it decides
     assert ChatTemplate("{{ messages }}", tool_use_template=qwen35.source).tool_format == XML_TOOL_FORMAT

@@ -448,6 +448,22 @@ def _template_kwargs(body: dict) -> dict[str, Any] | None:
     return kw
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's
+
+
+def _reasoning_effort(body: dict) -> str | None:
+    """``reasoning_effort``: one of OpenAI's levels, passed to the chat template as
+    ``reasoning_effort`` (gpt-oss's writes it into its system message; others ignore it)."""
+    v = body.get("reasoning_effort")
+    if v is None:
+        return None
+    if v not in REASONING_EFFORTS:
+        raise invalid_param(
+            "reasoning_effort", f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}"
+        )
+    return v
+
+
 def keep_alive_field(body: dict) -> float | None:
     """The request's ``keep_alive`` (Ollama's field, an extension here): seconds, or None."""
     try:
@@ -526,6 +542,9 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     kw["cache_salt"] = _str(body, "cache_salt")
     kw["keep_alive"] = keep_alive_field(body)
     kw["chat_template_kwargs"] = _template_kwargs(body)
+    effort = _reasoning_effort(body)
+    if effort is not None:  # for the templates that read it (gpt-oss's); the kwargs' own wins
+        kw["chat_template_kwargs"] = {"reasoning_effort": effort, **(kw["chat_template_kwargs"] or {})}
     kw["unset"] = frozenset(k for k in generation_defaults.FIELDS if kw.get(k) is None)
     return ChatRequest(**{k: v for k, v in kw.items() if v is not None})
 

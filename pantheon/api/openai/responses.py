@@ -20,8 +20,9 @@ Mapping:
   ``tool_choice``: none / auto / required / ``{"type": "function", "name"}``.
 - ``max_output_tokens`` -> ``max_tokens``; ``temperature``, ``top_p``, ``user``, ``stream``,
   ``parallel_tool_calls`` as in chat; ``prompt_cache_key`` is the session id (prefix cache).
+- ``reasoning.effort`` -> chat's ``reasoning_effort`` (the chat template's: gpt-oss's reads it).
 - Accepted and echoed, no effect: ``store`` (always echoed ``false``: nothing is stored),
-  ``metadata``, ``reasoning``, ``truncation``, ``include``, ``service_tier``,
+  ``metadata``, ``reasoning``'s other fields, ``truncation``, ``include``, ``service_tier``,
   ``safety_identifier``, ``text.verbosity``, ``stream_options``.
 - Refused (400 naming the parameter): ``previous_response_id``, ``conversation``, ``prompt``,
   ``background: true``, ``n`` other than 1, ``max_tool_calls``, logprobs (``top_logprobs``,
@@ -316,6 +317,7 @@ def _rename(param: str, where: list[str]) -> str:
         ("response_format.json_schema", "text.format"),
         ("response_format", "text.format"),
         ("tool_choice.function.name", "tool_choice.name"),
+        ("reasoning_effort", "reasoning.effort"),
     ):
         if param == old or param.startswith(old + "."):
             return new + param[len(old) :]
@@ -366,6 +368,9 @@ def chat_body(body: dict) -> tuple[dict, list[str]]:
     rf = chat_format(body.get("text"))
     if rf is not None:
         out["response_format"] = rf
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
+        out["reasoning_effort"] = reasoning["effort"]  # the template's, as chat's (gpt-oss)
     return out, where
 
 

@@ -35,7 +35,9 @@ from pantheon.api.openai import protocol as oa
 from pantheon.api.openai import structured
 from pantheon.api.openai.protocol import ChatRequest
 from pantheon.chat.detokenize import IncrementalDetokenizer
-from pantheon.chat.emitter import Delta, Emitter
+from pantheon.chat.emitter import Delta
+from pantheon.chat.harmony import FINAL_OPENING, MESSAGE
+from pantheon.chat.output import HARMONY, output_parser
 from pantheon.chat.tools import JSON_TOOL_FORMAT, forced_call_prefix
 from pantheon.control.context import Prepared
 from pantheon.control.registry import Instance
@@ -78,6 +80,8 @@ class ForcedCall:
     ``<tool_call>\\n{"name": NAME, "arguments": `` so everything the model writes, up to the
     wrapper's closing ``}`` and ``</tool_call>``, is that call's arguments, streamed as it comes.
     Same interface as the emitter (``feed``, ``finish``, ``stopped``)."""
+
+    keep_special: frozenset[str] = frozenset()  # as the emitter's: it reads no special token
 
     _TAIL = re.compile(
         r"(?:\}\s*)?\s*(?:<(?:/(?:t(?:o(?:o(?:l(?:_(?:c(?:a(?:l(?:l(?:>)?)?)?)?)?)?)?)?)?)?)?)?$"
@@ -186,7 +190,8 @@ def tool_format(inst: Instance, prep: Prepared) -> str:
 def constraint_of(inst: Instance, req: ChatRequest, prep: Prepared) -> Constraint:
     """The grammar the output must match (a demanded tool call's, else the request's), and
     where it starts on a reasoning model: after ``</think>`` when the template opened the
-    block; when the model may open one itself, its ``<think>`` id (else -1)."""
+    block; when the model may open one itself, its ``<think>`` id (else -1); on a Harmony
+    model (gpt-oss), after ``<|channel|>final<|message|>``, as vLLM starts it."""
     assets = inst.model_assets
     grammar = req.grammar
     if req.tools and _forced_call(req):
@@ -198,6 +203,11 @@ def constraint_of(inst: Instance, req: ChatRequest, prep: Prepared) -> Constrain
             return grammar, [], -1
     if grammar is None or not assets.reasoning:
         return grammar, [], -1
+    if assets.template.output_format == HARMONY:
+        # after the analysis, in the final message, when the model writes its markers as the
+        # special tokens they are (a vocabulary without them starts the grammar at once)
+        marked = assets.tokenizer.token_to_id(MESSAGE) is not None
+        return grammar, assets.encode(FINAL_OPENING) if marked else [], -1
     close = assets.encode("</think>")
     if prep.think_open:
         return grammar, close, -1
@@ -312,7 +322,8 @@ class Generation:
         if self._streams_forced_arguments():
             assert prep.forced is not None
             return ForcedCall(prep.forced)
-        return Emitter(
+        return output_parser(
+            assets.template.output_format,
             reasoning=assets.reasoning,
             stop=req.stop,
             tools_enabled=req.tools_enabled,
@@ -325,9 +336,15 @@ class Generation:
         """The choice's output, one ``Piece`` per batch of tokens that arrived together."""
         req, prep, assets = self.req, self.prep, self.inst.model_assets
         emitter = self._emitter()
-        detok = IncrementalDetokenizer(assets.tokenizer, prompt_ids=prep.prompt_ids, skip_special_tokens=True)
+        # special tokens produce no text, except the markers the parser reads (Harmony's)
+        detok = IncrementalDetokenizer(
+            assets.tokenizer,
+            prompt_ids=prep.prompt_ids,
+            skip_special_tokens=True,
+            keep_special=emitter.keep_special,
+        )
         # The emitter reads the call's opening that the prompt holds as if the model wrote it.
-        pending = emitter.feed(prep.prefix) if prep.prefix and isinstance(emitter, Emitter) else []
+        pending = emitter.feed(prep.prefix) if prep.prefix and not isinstance(emitter, ForcedCall) else []
         seed = None if req.seed is None else req.seed + run.index
         grammar, after, opening = self.constraint
         params = req.sampling(

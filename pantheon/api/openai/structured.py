@@ -52,7 +52,7 @@ from typing import Any
 import llguidance as llg
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from pantheon.chat.tools import JSON_TOOL_FORMAT, XML_TOOL_FORMAT
+from pantheon.chat.tools import HARMONY_TOOL_FORMAT, JSON_TOOL_FORMAT, XML_TOOL_FORMAT
 from pantheon.chat.xml_tools import parameter_schemas, writes_as_text
 from pantheon.errors import invalid_param
 from pantheon.models.gguf import byte_alphabet
@@ -361,7 +361,13 @@ def tool_grammar(
     """The grammar of what the model writes after ``prefix`` (already in the prompt) when a
     call is demanded: ``forced`` named, only its arguments and the block's end; else one call
     of any of ``tools``, ``<tool_call>`` markers included where the prompt has none.
-    ``tool_format`` is the model's (``ChatTemplate.tool_format``)."""
+    ``tool_format`` is the model's (``ChatTemplate.tool_format``). Harmony's (gpt-oss): the
+    prompt holds the call's header, up to ``<|message|>`` for a forced function (its grammar is
+    the arguments alone; the request ends with them), up to ``to=functions.`` else (the grammar
+    names a function and ends the header in its special tokens, which only a matcher over the
+    model's own vocabulary knows: ``check_for_model`` checks it, not the byte-level ``check``)."""
+    if tool_format == HARMONY_TOOL_FORMAT:
+        return _harmony_call_grammar(tools, forced)
     if tool_format == XML_TOOL_FORMAT:
         return check(llg.LLMatcher.grammar_from_lark(_xml_call_lark(tools, forced, prefix)), "tools")
     if forced is not None:
@@ -384,6 +390,23 @@ def tool_grammar(
         opening = "" if prefix.endswith("<tool_call>\n") else '"<tool_call>\\n" '
         lark = f'start: {opening}call "\\n</tool_call>"\ncall: %json {json.dumps(calls)}\n'
     return check(llg.LLMatcher.grammar_from_lark(lark), "tools")
+
+
+def _harmony_call_grammar(tools: Sequence[dict], forced: str | None) -> str:
+    def args(tool: dict) -> str:
+        return "%json " + json.dumps(dict(_parameters(tool), **{"x-guidance": JSON_STYLE}))
+
+    if forced is not None:
+        tool = next(t for t in tools if t["function"]["name"] == forced)
+        return check(llg.LLMatcher.grammar_from_lark(f"start: {args(tool)}\n"), "tools")
+    # after the prompt's ``to=functions.``: a name, then the rest of the header as gpt-oss
+    # writes it (`` <|constrain|>json<|message|>``), then its arguments
+    rules = [
+        f'call{i}: {json.dumps(t["function"]["name"])} " " <|constrain|> "json" <|message|> {args(t)}'
+        for i, t in enumerate(tools)
+    ]
+    lark = "start: " + " | ".join(f"call{i}" for i in range(len(tools))) + "\n" + "\n".join(rules) + "\n"
+    return llg.LLMatcher.grammar_from_lark(lark)
 
 
 # ---------------------------------------------------------------- tool calls in Qwen3.5's XML
