@@ -24,12 +24,13 @@ A ``max_tokens`` no context can ever hold is the OpenAI 400 ``context_length_exc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
 from pantheon import errors
 from pantheon.chat.template import RENDER_TIMEOUT_S, TemplateError, render_budget, think_open
+from pantheon.chat.answer_form import with_answer_prompt
 from pantheon.chat.tools import forced_call_prefix, with_tool_prompt
 
 if TYPE_CHECKING:  # the request type only: control/ never imports api/ at run time
@@ -52,15 +53,38 @@ class Prepared:
     # model it was fitted for before any slot (api.openai.service.checked_constraint); None:
     # not checked yet
     constraint: tuple[str | None, list[int], int] | None = None
+    answer_form: bool = False  # the answer is call-or-reply JSON (pantheon.chat.answer_form)
 
 
-def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], str, bool, str | None]:
-    """The prompt token ids of ``messages`` under ``req``'s tools and options, and the forced
-    tool call's prefix (see ``ForcedCall``), whether the template opened a reasoning block, and
-    the forced function's name."""
+class Rendered(NamedTuple):
+    ids: list[int]
+    prefix: str  # a forced tool call's opening, written into the prompt (see ``ForcedCall``)
+    think_open: bool  # the template opened a reasoning block
+    forced: str | None  # the function a demanded call is forced to
+    answer_form: bool  # the answer is call-or-reply JSON (pantheon.chat.answer_form)
+
+
+def answers_in_form(assets, req: ChatRequest) -> bool:
+    """Whether ``req``'s answer on a model is call-or-reply JSON (``pantheon.chat.answer_form``):
+    tools under ``auto`` on a template that takes none, and no output constraint of the
+    request's own (it keeps that one, and the generic tool prompt)."""
+    return (
+        req.tools_enabled
+        and req.tool_choice == "auto"
+        and req.grammar is None
+        and not assets.template.takes_tools
+    )
+
+
+def render(assets, req: ChatRequest, messages: list[dict]) -> Rendered:
+    """The prompt token ids of ``messages`` under ``req``'s tools and options, and what the
+    output's reading needs to know of it (:class:`Rendered`)."""
     tools = req.tools if req.tools_enabled else None
     given = tools
-    if tools and not assets.template.takes_tools:
+    answer_form = answers_in_form(assets, req)
+    if tools and answer_form:
+        messages, given = with_answer_prompt(messages, tools, parallel=req.parallel_tool_calls), None
+    elif tools and not assets.template.takes_tools:
         # a template without a tools section (SmolLM2's) would drop them silently: the generic
         # tool prompt lists them in the system message instead, in the form the emitter reads
         messages, given = with_tool_prompt(messages, tools), None
@@ -82,7 +106,7 @@ def render(assets, req: ChatRequest, messages: list[dict]) -> tuple[list[int], s
             prompt += "\n</think>\n\n"
             opened = False
         prompt += prefix
-    return assets.encode(prompt), prefix, opened, forced
+    return Rendered(assets.encode(prompt), prefix, opened, forced, answer_form)
 
 
 def limit_of(inst) -> int:
@@ -107,9 +131,9 @@ def _fit_context(assets, req: ChatRequest, max_model_len: int, limit: int | None
     if req.max_tokens is not None and req.max_tokens >= limit:
         raise errors.max_tokens_too_large(limit, req.max_tokens)
     req = _trim_the_provably_long(assets, req, limit)
-    ids, prefix, opened, forced = render(assets, req, req.messages)
+    ids, prefix, opened, forced, form = render(assets, req, req.messages)
     if len(ids) + (req.max_tokens or 1) <= limit:
-        return Prepared(ids, prefix, opened, req.max_tokens or limit - len(ids), forced)
+        return Prepared(ids, prefix, opened, req.max_tokens or limit - len(ids), forced, answer_form=form)
     room = req.max_tokens or min(limit // 4, CAPPED_ROOM)
     return _cap(assets, req, limit, room, len(ids))
 
@@ -155,7 +179,7 @@ def _cap(assets, req: ChatRequest, limit: int, room: int, full_len: int) -> Prep
         kept = set(system) | {i for t in turns[k:] for i in t}
         return [m for i, m in enumerate(msgs) if i in kept]
 
-    def size(messages: list[dict]) -> tuple[int, tuple]:
+    def size(messages: list[dict]) -> tuple[int, Rendered]:
         out = render(assets, req, messages)
         return len(out[0]), out
 
@@ -170,9 +194,9 @@ def _cap(assets, req: ChatRequest, limit: int, room: int, full_len: int) -> Prep
         else:
             lo = mid + 1
     if best is not None:
-        k, (ids, prefix, opened, forced) = best
+        k, (ids, prefix, opened, forced, form) = best
         dropped = sum(len(t) for t in turns[:k])
-        return Prepared(ids, prefix, opened, room, forced, True, dropped, full_len - len(ids))
+        return Prepared(ids, prefix, opened, room, forced, True, dropped, full_len - len(ids), answer_form=form)
     # every older turn is gone and it still does not fit: drop the oldest tokens of the rest
     k = max(0, len(turns) - 1)
     messages = [dict(m) for m in keep(k)]
@@ -191,7 +215,9 @@ def _cap(assets, req: ChatRequest, limit: int, room: int, full_len: int) -> Prep
             if not m["content"]:
                 break
         if n <= budget:
-            ids, prefix, opened, forced = out
-            return Prepared(ids, prefix, opened, room, forced, True, dropped, full_len - len(ids))
+            ids, prefix, opened, forced, form = out
+            return Prepared(
+                ids, prefix, opened, room, forced, True, dropped, full_len - len(ids), answer_form=form
+            )
     param = "max_tokens" if req.max_tokens is not None else "messages"
     raise errors.context_too_long(limit, full_len, room, n, param)

@@ -63,6 +63,9 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str = "auto"  # none | auto | required | function
     tool_choice_name: str | None = None
+    # False: at most one call per answer (enforced only where the answer form is the router's:
+    # pantheon.chat.answer_form; other formats parse however many calls come)
+    parallel_tool_calls: bool = True
     response_format: str = "text"  # the constraint's kind: text | json_object | json_schema | regex | ...
     grammar: str | None = None  # its llguidance grammar (pantheon.api.openai.structured), checked
     user: str | None = None
@@ -497,7 +500,7 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     kw["logit_bias"] = _logit_bias(body.get("logit_bias")) or None
     for key in ("logprobs", "stream", "ignore_eos"):
         kw[key] = _bool(body, key)
-    _bool(body, "parallel_tool_calls")  # accepted; calls are parsed however many come
+    kw["parallel_tool_calls"] = _bool(body, "parallel_tool_calls")
     kw["top_logprobs"] = _int(body, "top_logprobs", 0, 20)
     if kw["top_logprobs"] and not kw["logprobs"]:
         raise invalid_param("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
