@@ -82,16 +82,31 @@ def render(assets, req: ChatRequest, messages: list[dict]) -> Rendered:
     tools = req.tools if req.tools_enabled else None
     given = tools
     answer_form = answers_in_form(assets, req)
+    fallback = None  # what to render when the template refuses ``messages``
     if tools and answer_form:
-        messages, given = with_answer_prompt(messages, tools, parallel=req.parallel_tool_calls), None
+        # call-or-reply JSON (pantheon.chat.answer_form): its own prompt and history
+        parallel = req.parallel_tool_calls
+        messages, fallback = (
+            with_answer_prompt(messages, tools, parallel=parallel),
+            with_answer_prompt(messages, tools, parallel=parallel, nudge=False),
+        )
+        given = None
     elif tools and not assets.template.takes_tools:
         # a template without a tools section (SmolLM2's) would drop them silently: the generic
         # tool prompt lists them in the system message instead, in the form the emitter reads
         messages, given = with_tool_prompt(messages, tools), None
     try:
-        prompt = assets.template.render(
-            messages, tools=given, add_generation_prompt=True, **req.chat_template_kwargs
-        )
+        try:
+            prompt = assets.template.render(
+                messages, tools=given, add_generation_prompt=True, **req.chat_template_kwargs
+            )
+        except TemplateError:
+            if fallback is None or len(fallback) == len(messages):
+                raise
+            # the template refuses the answer form's system line after the tool results
+            prompt = assets.template.render(
+                fallback, tools=given, add_generation_prompt=True, **req.chat_template_kwargs
+            )
     except TemplateError as e:
         raise errors.chat_template_refused(e.message) from None
     opened = assets.reasoning and think_open(prompt)
