@@ -8,9 +8,11 @@ after (call-or-reply JSON under a grammar: ``pantheon.chat.answer_form``), in on
 One ``pantheon serve``. "after" is the server's own ``auto``. "before" is what the server did
 until then, rebuilt on the client side: the same generic tool prompt in the system message
 (``with_tool_prompt``), no ``tools`` in the request (so no grammar), and the answer read by the
-emitter with ``<tool_call>`` parsing on, as the server read it. Printed: per prompt and mode,
-called / answered (in prose) / other (a call to the wrong function, an empty answer), and the
-totals: calls where a tool is needed, plain answers where none is.
+emitter with ``<tool_call>`` parsing on, as the server read it. Each prompt that needs a tool is
+also asked once more as an agent continues it: after the model's call and the tool's result,
+where the answer should be a reply. Printed: per prompt and mode, called / answered (in prose)
+/ other (a call to the wrong function, an empty answer), and the totals: calls where a tool is
+needed, plain answers where none is, replies after a result.
 """
 
 from __future__ import annotations
@@ -67,9 +69,28 @@ PROMPTS = [
 ]
 
 
-def ask(url: str, model: str, prompt: str, mode: str, args: argparse.Namespace, seed: int) -> dict:
+# what the tool answers in the "after a result" turns
+RESULTS = {"get_weather": "Sunny, 22 degrees Celsius.", "convert_currency": "The result is 92.5."}
+ARGUMENTS = {
+    "get_weather": {"city": "Paris"},
+    "convert_currency": {"amount": 100, "from_currency": "USD", "to_currency": "EUR"},
+}
+
+
+def conversation(prompt: str, need: str | None, after_result: bool, mode: str) -> list[dict]:
+    """The question, and after a result also the model's call of ``need`` and the tool's answer
+    (as an agent sends them; "before", the call is an empty turn, as SmolLM2's template renders
+    an assistant message's ``tool_calls``)."""
+    messages: list[dict] = [{"role": "user", "content": prompt}]
+    if after_result and need is not None:
+        call = {"id": "call_1", "type": "function", "function": {"name": need, "arguments": json.dumps(ARGUMENTS[need])}}
+        turn = {"role": "assistant", "content": ""} | ({"tool_calls": [call]} if mode == "after" else {})
+        messages += [turn, {"role": "tool", "tool_call_id": "call_1", "content": RESULTS[need]}]
+    return messages
+
+
+def ask(url: str, model: str, messages: list[dict], mode: str, args: argparse.Namespace, seed: int) -> dict:
     """The answer as {"content", "tool_calls"}."""
-    messages = [{"role": "user", "content": prompt}]
     body: dict = {
         "model": model,
         "max_tokens": args.max_tokens,
@@ -107,29 +128,37 @@ def main() -> None:
         cmd = ["--model", args.model] if args.model else []
         with serve(cmd, Path(tmp) / "serve.log") as url:
             model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            totals = {m: {"need": 0, "called": 0, "plain": 0, "answered": 0} for m in ("before", "after")}
-            for prompt, need in PROMPTS:
+            keys = ("need", "called", "plain", "answered", "results", "replied")
+            totals = {m: dict.fromkeys(keys, 0) for m in ("before", "after")}
+            turns = [(p, n, False) for p, n in PROMPTS] + [(p, n, True) for p, n in PROMPTS if n]
+            for prompt, need, after_result in turns:
                 row = []
                 for mode in ("before", "after"):
                     counts = {"called": 0, "answered": 0, "other": 0}
                     for seed in range(args.seeds):
-                        answer = ask(url, model, prompt, mode, args, seed)
+                        messages = conversation(prompt, need, after_result, mode)
+                        answer = ask(url, model, messages, mode, args, seed)
                         counts[verdict(answer, need)] += 1
                         if args.verbose:
                             print(f"  {mode} {prompt!r}: {json.dumps(answer)[:300]}")
                     t = totals[mode]
-                    if need:
+                    if after_result:
+                        t["results"] += args.seeds
+                        t["replied"] += counts["answered"]
+                    elif need:
                         t["need"] += args.seeds
                         t["called"] += counts["called"]
                     else:
                         t["plain"] += args.seeds
                         t["answered"] += counts["answered"]
                     row.append(f"{mode} {counts['called']}/{counts['answered']}/{counts['other']}")
-                print(f"{prompt!r:44} needs {need or '-':16} " + "  ".join(row) + "  (called/answered/other)")
+                label = ("after its result: " if after_result else "") + prompt
+                print(f"{label!r:62} needs {need or '-':16} " + "  ".join(row) + "  (called/answered/other)")
             for mode, t in totals.items():
                 print(
                     f"{mode}: called the tool on {t['called']}/{t['need']} prompts that need one, "
-                    f"answered plainly on {t['answered']}/{t['plain']} that do not"
+                    f"answered plainly on {t['answered']}/{t['plain']} that do not, "
+                    f"replied after the tool's result on {t['replied']}/{t['results']}"
                 )
 
 
