@@ -34,7 +34,11 @@ TOOLS = [
         "function": {
             "name": "get_weather",
             "description": "Get the current weather in a city.",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
         },
     },
     {
@@ -83,7 +87,11 @@ def conversation(prompt: str, need: str | None, after_result: bool, mode: str) -
     an assistant message's ``tool_calls``)."""
     messages: list[dict] = [{"role": "user", "content": prompt}]
     if after_result and need is not None:
-        call = {"id": "call_1", "type": "function", "function": {"name": need, "arguments": json.dumps(ARGUMENTS[need])}}
+        call = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": need, "arguments": json.dumps(ARGUMENTS[need])},
+        }
         turn = {"role": "assistant", "content": ""} | ({"tool_calls": [call]} if mode == "after" else {})
         messages += [turn, {"role": "tool", "tool_call_id": "call_1", "content": RESULTS[need]}]
     return messages

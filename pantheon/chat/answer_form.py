@@ -35,7 +35,14 @@ from typing import Any
 from .emitter import CONTENT, TOOL_CALL, Delta, Emitter
 from .tools import TOOLS_PREAMBLE, new_call_id, parse_tool_block, parse_unfinished_tool_block
 
-__all__ = ["AFTER_RESULTS", "AnswerReader", "CallOrReply", "answer_prompt", "past_answer", "with_answer_prompt"]
+__all__ = [
+    "AFTER_RESULTS",
+    "AnswerReader",
+    "CallOrReply",
+    "answer_prompt",
+    "past_answer",
+    "with_answer_prompt",
+]
 
 REPLY_KEY = "response"
 CALL_KEY = "tool_call"
@@ -61,9 +68,7 @@ def answer_prompt(tools: Sequence[Mapping[str, Any]], *, parallel: bool = True) 
     """The tools' definitions (one JSON object a line, as the generic tool prompt lists them) and
     the call-or-reply answer form."""
     listing = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
-    several = (
-        ', or {"tool_calls": [<call>, <call>, ...]} to call several at once' if parallel else ""
-    )
+    several = ', or {"tool_calls": [<call>, <call>, ...]} to call several at once' if parallel else ""
     return (
         TOOLS_PREAMBLE
         + listing

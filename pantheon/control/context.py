@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 
 from pantheon import errors
-from pantheon.chat.template import RENDER_TIMEOUT_S, TemplateError, render_budget, think_open
 from pantheon.chat.answer_form import with_answer_prompt
+from pantheon.chat.template import RENDER_TIMEOUT_S, TemplateError, render_budget, think_open
 from pantheon.chat.tools import forced_call_prefix, with_tool_prompt
 
 if TYPE_CHECKING:  # the request type only: control/ never imports api/ at run time
@@ -211,7 +211,9 @@ def _cap(assets, req: ChatRequest, limit: int, room: int, full_len: int) -> Prep
     if best is not None:
         k, (ids, prefix, opened, forced, form) = best
         dropped = sum(len(t) for t in turns[:k])
-        return Prepared(ids, prefix, opened, room, forced, True, dropped, full_len - len(ids), answer_form=form)
+        return Prepared(
+            ids, prefix, opened, room, forced, True, dropped, full_len - len(ids), answer_form=form
+        )
     # every older turn is gone and it still does not fit: drop the oldest tokens of the rest
     k = max(0, len(turns) - 1)
     messages = [dict(m) for m in keep(k)]

@@ -77,7 +77,9 @@ def test_tools_reach_a_template_without_a_tools_section(default_srv):
     c = default_srv.client()
     m = server_cli.DEFAULT_MODEL_NAME
     plain = c.chat.completions.create(model=m, messages=WEATHER_Q, max_tokens=4, temperature=0)
-    kw = dict(model=m, messages=WEATHER_Q, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=32, temperature=0)
+    kw = dict(
+        model=m, messages=WEATHER_Q, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=32, temperature=0
+    )
     auto = c.chat.completions.create(**kw)
     assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 100, (plain.usage, auto.usage)
     choice = auto.choices[0]

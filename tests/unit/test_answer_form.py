@@ -21,7 +21,6 @@ from pantheon.chat.answer_form import (
     with_answer_prompt,
 )
 from pantheon.chat.emitter import Delta, join_deltas
-from pantheon.chat.template import ChatTemplate
 from pantheon.control.context import fit_context
 from pantheon.models.assets import ModelAssets
 
@@ -48,14 +47,18 @@ CASES = [
         [],
     ),
     ('{"response": "\\udc00x"}', "\ufffdx", []),
-    ("{ \"response\" :\n \"spaced\" }", "spaced", []),
+    ('{ "response" :\n "spaced" }', "spaced", []),
     (CALL, "", [("get_weather", '{"city": "Paris"}')]),
     (CALLS, "", [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Zürich"}')]),
     # cut off (max_tokens, a stop string): what there is, never markup
     ('{"response": "It is sun', "It is sun", []),
     ('{"response": "caf\\u00', "caf", []),
     ('{"respo', "", []),
-    ('{"tool_call": {"name": "get_weather", "arguments": {"city": "Pa', "", [("get_weather", '{"city": "Pa')]),
+    (
+        '{"tool_call": {"name": "get_weather", "arguments": {"city": "Pa',
+        "",
+        [("get_weather", '{"city": "Pa')],
+    ),
     ('{"tool_call": {"name": "get_wea', "", []),
     (
         '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "argu',
@@ -127,7 +130,9 @@ def test_stop_strings_and_reasoning_go_through_the_emitter_first():
     assert got.stopped and join_deltas(deltas)["reasoning"] == "hm"
     assert join_deltas(deltas)["content"] == "It is "
     plain = CallOrReply(reasoning=False)
-    assert join_deltas(plain.feed(CALL) + plain.finish())["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert (
+        join_deltas(plain.feed(CALL) + plain.finish())["tool_calls"][0]["function"]["name"] == "get_weather"
+    )
 
 
 def test_the_prompt_and_the_history_in_the_form():
@@ -137,9 +142,17 @@ def test_the_prompt_and_the_history_in_the_form():
     called = {
         "role": "assistant",
         "content": "",
-        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
     }
-    assert json.loads(past_answer(called)) == {"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    assert json.loads(past_answer(called)) == {
+        "tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}
+    }
     assert json.loads(past_answer({"role": "assistant", "content": "Hi"})) == {"response": "Hi"}
     user = {"role": "user", "content": "Weather in Paris?"}
     result = {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}
@@ -168,7 +181,9 @@ def test_the_grammar_allows_a_call_or_a_reply_and_nothing_else():
         '{"tool_call": {"name": "get_weather", "arguments": {}}}',  # city is required
     ):
         assert not _accepts(grammar, text), text
-    assert not _accepts(structured.call_or_reply_grammar([WEATHER], parallel=False), CALLS.replace("Z\\u00fcrich", "Rome"))
+    assert not _accepts(
+        structured.call_or_reply_grammar([WEATHER], parallel=False), CALLS.replace("Z\\u00fcrich", "Rome")
+    )
 
 
 NO_TOOLS_TEMPLATE = (
@@ -225,9 +240,15 @@ def test_a_template_that_refuses_the_line_after_results_renders_without_it(asset
     assets = assets_with(SYSTEM_FIRST_ONLY)
     called = {
         "role": "assistant",
-        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}],
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+        ],
     }
-    msgs = [{"role": "user", "content": "Weather?"}, called, {"role": "tool", "content": "Sunny", "tool_call_id": "c1"}]
+    msgs = [
+        {"role": "user", "content": "Weather?"},
+        called,
+        {"role": "tool", "content": "Sunny", "tool_call_id": "c1"},
+    ]
     prep, text = _prompt(assets, {"messages": msgs, "tools": [WEATHER]})
     assert prep.answer_form and text.endswith("tool: Sunny\n") and AFTER_RESULTS not in text
     prep, text = _prompt(assets_with(NO_TOOLS_TEMPLATE), {"messages": msgs, "tools": [WEATHER]})

@@ -380,11 +380,7 @@ def call_or_reply_grammar(tools: Sequence[dict], *, parallel: bool = True) -> st
     forms = ['"{\\"response\\": " text "}"', '"{\\"tool_call\\": " call "}"']
     if parallel:
         forms.append('"{\\"tool_calls\\": [" call (", " call)* "]}"')
-    lark = (
-        f"start: {' | '.join(forms)}\n"
-        f"text: %json {text}\n"
-        f"call: %json {json.dumps(_call_schema(tools))}\n"
-    )
+    lark = f"start: {' | '.join(forms)}\ntext: %json {text}\ncall: %json {json.dumps(_call_schema(tools))}\n"
     return check(llg.LLMatcher.grammar_from_lark(lark), "tools")
 
 
