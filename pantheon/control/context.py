@@ -66,14 +66,10 @@ class Rendered(NamedTuple):
 
 def answers_in_form(assets, req: ChatRequest) -> bool:
     """Whether ``req``'s answer on a model is call-or-reply JSON (``pantheon.chat.answer_form``):
-    tools under ``auto`` on a template that takes none, and no output constraint of the
-    request's own (it keeps that one, and the generic tool prompt)."""
-    return (
-        req.tools_enabled
-        and req.tool_choice == "auto"
-        and req.grammar is None
-        and not assets.template.takes_tools
-    )
+    tools under ``auto`` on a template that takes none, with the grammar of that form made
+    (``ChatRequest.answer_grammar``: not when the request has an output constraint of its own,
+    which it keeps, with the generic tool prompt; nor when the tools' schemas do not compile)."""
+    return req.tools_enabled and req.answer_grammar is not None and not assets.template.takes_tools
 
 
 def render(assets, req: ChatRequest, messages: list[dict]) -> Rendered:

@@ -232,6 +232,16 @@ def test_auto_on_a_template_without_tools_answers_in_the_form_and_only_then(asse
     ):
         prep, text = _prompt(assets, {"messages": user, "tools": [WEATHER], **other})
         assert not prep.answer_form and '{"response"' not in text, other
+    # a schema llguidance cannot compile (a look-behind): free text in the generic form, no 400
+    bad = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"y": {"type": "string", "pattern": "(?<=a)b"}}},
+        },
+    }
+    prep, text = _prompt(assets, {"messages": user, "tools": [bad]})
+    assert not prep.answer_form and "<tool_call>" in text
     takes = assets_with("{% for t in tools or [] %}{{ t.function.name }}\n{% endfor %}" + NO_TOOLS_TEMPLATE)
     assert not _prompt(takes, {"messages": user, "tools": [WEATHER]})[0].answer_form
 

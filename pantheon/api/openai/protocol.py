@@ -25,7 +25,7 @@ import msgspec
 
 from pantheon.api.openai import structured
 from pantheon.config.values import KeepAliveError, parse_keep_alive
-from pantheon.errors import invalid_json, invalid_param, not_an_object
+from pantheon.errors import ApiError, invalid_json, invalid_param, not_an_object
 from pantheon.models import generation_defaults
 from pantheon.protocol import SamplingParams
 
@@ -68,6 +68,10 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool = True
     response_format: str = "text"  # the constraint's kind: text | json_object | json_schema | regex | ...
     grammar: str | None = None  # its llguidance grammar (pantheon.api.openai.structured), checked
+    # under tool_choice auto without a grammar of its own: the call-or-reply grammar a model whose
+    # template takes no tools answers in (pantheon.chat.answer_form); None when the tools'
+    # schemas cannot be compiled into one (such a model then answers free text, as before)
+    answer_grammar: str | None = None
     user: str | None = None
     # extensions
     top_k: int = 0
@@ -522,6 +526,13 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     if tools and kw["tool_choice"] in ("required", "function"):  # the call will be enforced
         forced = kw["tool_choice_name"]
         structured.check_tool_schemas(tools, None if forced is None else [forced])
+    elif tools and kw["tool_choice"] == "auto" and kw["grammar"] is None:
+        try:
+            kw["answer_grammar"] = structured.call_or_reply_grammar(
+                tools, parallel=kw["parallel_tool_calls"] is not False
+            )
+        except ApiError:
+            pass  # answer_grammar's comment
 
     kw["user"] = _str(body, "user")
     sid = _str(body, "session_id")

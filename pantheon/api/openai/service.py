@@ -197,8 +197,8 @@ def constraint_of(inst: Any, req: ChatRequest, prep: Prepared) -> Constraint:
         grammar = structured.tool_grammar(tools, prep.forced, prep.prefix, tool_format(inst, prep))
         if prep.prefix:  # the call is already open in the prompt: no reasoning first
             return grammar, [], -1
-    elif req.tools and prep.answer_form:
-        grammar = structured.call_or_reply_grammar(req.tools, parallel=req.parallel_tool_calls)
+    elif prep.answer_form:
+        grammar = req.answer_grammar
     if grammar is None or not assets.reasoning:
         return grammar, [], -1
     close = assets.encode("</think>")
