@@ -531,8 +531,8 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
             kw["answer_grammar"] = structured.call_or_reply_grammar(
                 tools, parallel=kw["parallel_tool_calls"] is not False
             )
-        except ApiError:
-            pass  # answer_grammar's comment
+        except (ApiError, ValueError):  # llguidance's refusal, or its converter's
+            pass  # free text then: see answer_grammar
 
     kw["user"] = _str(body, "user")
     sid = _str(body, "session_id")
