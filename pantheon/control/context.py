@@ -24,11 +24,12 @@ A ``max_tokens`` no context can ever hold is the OpenAI 400 ``context_length_exc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
 from pantheon import errors
+from pantheon.chat.answer_form import with_answer_prompt
 from pantheon.chat.template import RENDER_TIMEOUT_S, TemplateError, render_budget, think_open
 from pantheon.chat.tools import forced_call_prefix, with_tool_prompt
 from pantheon.models.assets import ModelAssets
@@ -54,24 +55,56 @@ class Prepared:
     # model it was fitted for before any slot (api.openai.service.checked_constraint); None:
     # not checked yet
     constraint: tuple[str | None, list[int], int] | None = None
+    answer_form: bool = False  # the answer is call-or-reply JSON (pantheon.chat.answer_form)
 
 
-def render(
-    assets: ModelAssets, req: ChatRequest, messages: list[dict]
-) -> tuple[list[int], str, bool, str | None]:
-    """The prompt token ids of ``messages`` under ``req``'s tools and options, and the forced
-    tool call's prefix (see ``ForcedCall``), whether the template opened a reasoning block, and
-    the forced function's name."""
+class Rendered(NamedTuple):
+    ids: list[int]
+    prefix: str  # a forced tool call's opening, written into the prompt (see ``ForcedCall``)
+    think_open: bool  # the template opened a reasoning block
+    forced: str | None  # the function a demanded call is forced to
+    answer_form: bool  # the answer is call-or-reply JSON (pantheon.chat.answer_form)
+
+
+def answers_in_form(assets: ModelAssets, req: ChatRequest) -> bool:
+    """Whether ``req``'s answer on a model is call-or-reply JSON (``pantheon.chat.answer_form``):
+    tools under ``auto`` on a template that takes none, with the grammar of that form made
+    (``ChatRequest.answer_grammar``: not when the request has an output constraint of its own,
+    which it keeps, with the generic tool prompt; nor when the tools' schemas do not compile)."""
+    return req.tools_enabled and req.answer_grammar is not None and not assets.template.takes_tools
+
+
+def render(assets: ModelAssets, req: ChatRequest, messages: list[dict]) -> Rendered:
+    """The prompt token ids of ``messages`` under ``req``'s tools and options, and what the
+    output's reading needs to know of it (:class:`Rendered`)."""
     tools = req.tools if req.tools_enabled else None
     given = tools
-    if tools and not assets.template.takes_tools:
+    answer_form = answers_in_form(assets, req)
+    fallback = None  # what to render when the template refuses ``messages``
+    if tools and answer_form:
+        # call-or-reply JSON (pantheon.chat.answer_form): its own prompt and history
+        parallel = req.parallel_tool_calls
+        messages, fallback = (
+            with_answer_prompt(messages, tools, parallel=parallel),
+            with_answer_prompt(messages, tools, parallel=parallel, nudge=False),
+        )
+        given = None
+    elif tools and not assets.template.takes_tools:
         # a template without a tools section (SmolLM2's) would drop them silently: the generic
         # tool prompt lists them in the system message instead, in the form the emitter reads
         messages, given = with_tool_prompt(messages, tools), None
     try:
-        prompt = assets.template.render(
-            messages, tools=given, add_generation_prompt=True, **req.chat_template_kwargs
-        )
+        try:
+            prompt = assets.template.render(
+                messages, tools=given, add_generation_prompt=True, **req.chat_template_kwargs
+            )
+        except TemplateError:
+            if fallback is None or len(fallback) == len(messages):
+                raise
+            # the template refuses the answer form's system line after the tool results
+            prompt = assets.template.render(
+                fallback, tools=given, add_generation_prompt=True, **req.chat_template_kwargs
+            )
     except TemplateError as e:
         raise errors.chat_template_refused(e.message) from None
     opened = assets.reasoning and think_open(prompt)
@@ -86,7 +119,7 @@ def render(
             prompt += "\n</think>\n\n"
             opened = False
         prompt += prefix
-    return assets.encode(prompt), prefix, opened, forced
+    return Rendered(assets.encode(prompt), prefix, opened, forced, answer_form)
 
 
 def limit_of(inst: Instance) -> int:
@@ -113,9 +146,9 @@ def _fit_context(assets: ModelAssets, req: ChatRequest, max_model_len: int, limi
     if req.max_tokens is not None and req.max_tokens >= limit:
         raise errors.max_tokens_too_large(limit, req.max_tokens)
     req = _trim_the_provably_long(assets, req, limit)
-    ids, prefix, opened, forced = render(assets, req, req.messages)
+    ids, prefix, opened, forced, form = render(assets, req, req.messages)
     if len(ids) + (req.max_tokens or 1) <= limit:
-        return Prepared(ids, prefix, opened, req.max_tokens or limit - len(ids), forced)
+        return Prepared(ids, prefix, opened, req.max_tokens or limit - len(ids), forced, answer_form=form)
     room = req.max_tokens or min(limit // 4, CAPPED_ROOM)
     return _cap(assets, req, limit, room, len(ids))
 
@@ -161,7 +194,7 @@ def _cap(assets: ModelAssets, req: ChatRequest, limit: int, room: int, full_len:
         kept = set(system) | {i for t in turns[k:] for i in t}
         return [m for i, m in enumerate(msgs) if i in kept]
 
-    def size(messages: list[dict]) -> tuple[int, tuple]:
+    def size(messages: list[dict]) -> tuple[int, Rendered]:
         out = render(assets, req, messages)
         return len(out[0]), out
 
@@ -176,9 +209,11 @@ def _cap(assets: ModelAssets, req: ChatRequest, limit: int, room: int, full_len:
         else:
             lo = mid + 1
     if best is not None:
-        k, (ids, prefix, opened, forced) = best
+        k, (ids, prefix, opened, forced, form) = best
         dropped = sum(len(t) for t in turns[:k])
-        return Prepared(ids, prefix, opened, room, forced, True, dropped, full_len - len(ids))
+        return Prepared(
+            ids, prefix, opened, room, forced, True, dropped, full_len - len(ids), answer_form=form
+        )
     # every older turn is gone and it still does not fit: drop the oldest tokens of the rest
     k = max(0, len(turns) - 1)
     messages = [dict(m) for m in keep(k)]
@@ -197,7 +232,9 @@ def _cap(assets: ModelAssets, req: ChatRequest, limit: int, room: int, full_len:
             if not m["content"]:
                 break
         if n <= budget:
-            ids, prefix, opened, forced = out
-            return Prepared(ids, prefix, opened, room, forced, True, dropped, full_len - len(ids))
+            ids, prefix, opened, forced, form = out
+            return Prepared(
+                ids, prefix, opened, room, forced, True, dropped, full_len - len(ids), answer_form=form
+            )
     param = "max_tokens" if req.max_tokens is not None else "messages"
     raise errors.context_too_long(limit, full_len, room, n, param)

@@ -69,21 +69,96 @@ WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @needs_smollm2
 def test_tools_reach_a_template_without_a_tools_section(default_srv):
-    """SmolLM2's template renders no tools: they go into the system message in the generic
-    form (issue 26 §2), which usage.prompt_tokens counts, and auto reads that form back. (Whether
-    a 135M model calls the tool is its own affair: on this prompt it answers in prose, greedy
-    and at temperature 0.7 over ten seeds.)"""
+    """SmolLM2's template renders no tools: they go into the system message (issue 26 §2), which
+    usage.prompt_tokens counts, and under auto the answer is call-or-reply JSON under a grammar
+    (pantheon.chat.answer_form): the 135M model, which answered this in prose before, calls the
+    tool, the same streamed and not; a question that needs none it answers in content, streamed
+    token by token."""
     c = default_srv.client()
     m = server_cli.DEFAULT_MODEL_NAME
     plain = c.chat.completions.create(model=m, messages=WEATHER_Q, max_tokens=4, temperature=0)
-    auto = c.chat.completions.create(
-        model=m, messages=WEATHER_Q, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=24, temperature=0
+    kw = dict(
+        model=m, messages=WEATHER_Q, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=32, temperature=0
     )
+    auto = c.chat.completions.create(**kw)
     assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 100, (plain.usage, auto.usage)
-    msg = auto.choices[0].message
-    assert "<tool_call" not in (msg.content or "")
-    for call in msg.tool_calls or []:  # a call it makes is parsed
-        assert call.function.name == "get_weather"
+    choice = auto.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+    [call] = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(**kw, stream=True) if ch.choices]
+    args = "".join(tc.function.arguments or "" for ch in chunks for tc in ch.delta.tool_calls or [])
+    assert args == call.function.arguments and chunks[-1].finish_reason == "tool_calls"
+    assert "".join(ch.delta.content or "" for ch in chunks) == ""
+
+    hello = dict(kw, messages=[{"role": "user", "content": "Hello! How are you?"}])
+    reply = c.chat.completions.create(**hello).choices[0]
+    assert reply.finish_reason == "stop" and reply.message.tool_calls is None
+    pieces = [
+        ch.choices[0].delta.content
+        for ch in c.chat.completions.create(**hello, stream=True)
+        if ch.choices and ch.choices[0].delta.content
+    ]
+    assert "".join(pieces) == reply.message.content and len(pieces) > 2 and "{" not in reply.message.content
+
+
+@needs_smollm2
+def test_a_pydantic_ai_agent_calls_its_tool_and_answers(default_srv):
+    """pydantic-ai's agent (tool_choice auto, as it sends it): the model calls get_weather for
+    Paris, gets the result, and answers with it (after the results the answer form asks for the
+    reply; without that line SmolLM2 called again until the request limit)."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.settings import ModelSettings
+    from pydantic_ai.usage import UsageLimits
+
+    provider = OpenAIProvider(base_url=default_srv.url + "/v1", api_key="unused")
+    agent = Agent(
+        OpenAIChatModel(server_cli.DEFAULT_MODEL_NAME, provider=provider),
+        model_settings=ModelSettings(temperature=0, max_tokens=32),
+    )
+    cities: list[str] = []
+
+    @agent.tool_plain
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        cities.append(city)
+        return f"Sunny, 22 degrees Celsius in {city}."
+
+    result = agent.run_sync(WEATHER_Q[0]["content"], usage_limits=UsageLimits(request_limit=3))
+    assert cities == ["Paris"]
+    assert "22" in result.output, result.output
+
+
+@needs_smollm2
+def test_langchain_bind_tools_makes_the_call(default_srv):
+    """LangChain's ``ChatOpenAI(...).bind_tools([...])`` (tool_choice auto): a call to get_weather
+    for Paris, invoked and streamed alike."""
+    pytest.importorskip("langchain_openai")
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        return "Sunny"
+
+    llm = ChatOpenAI(
+        model=server_cli.DEFAULT_MODEL_NAME,
+        base_url=default_srv.url + "/v1",
+        api_key="unused",  # pyright: ignore[reportArgumentType] - a str is what it takes
+        temperature=0,
+        max_tokens=32,  # pyright: ignore[reportCallIssue] - its alias of max_completion_tokens
+    ).bind_tools([get_weather])
+    got = llm.invoke(WEATHER_Q[0]["content"])
+    assert [(c["name"], c["args"]) for c in got.tool_calls] == [("get_weather", {"city": "Paris"})]
+    streamed = None
+    for chunk in llm.stream(WEATHER_Q[0]["content"]):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed is not None
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [("get_weather", {"city": "Paris"})]
 
 
 @needs_smollm2

@@ -1,6 +1,7 @@
 """The generic tool prompt (issue 26 §2): a chat template without a tools section (SmolLM2's)
-gets the tool definitions in its system message, in the ``<tool_call>`` form the emitter reads;
-a template that renders tools keeps its own format."""
+gets the tool definitions in its system message, in the ``<tool_call>`` form the emitter reads
+(under ``required`` and a named function; ``auto`` answers call-or-reply JSON:
+tests/unit/test_answer_form.py); a template that renders tools keeps its own format."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from pantheon import serve as server_cli
 from pantheon.api.openai.protocol import parse_chat_request
+from pantheon.chat.answer_form import answer_prompt
 from pantheon.chat.template import ChatTemplate
 from pantheon.chat.tools import generic_tool_prompt, with_tool_prompt
 from pantheon.control.context import fit_context
@@ -70,10 +72,17 @@ def test_smollm2_gets_the_generic_prompt_counted_in_its_tokens():
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
     plain = fit_context(assets, parse_chat_request({"messages": msgs}), 8192)
     auto = fit_context(assets, parse_chat_request({"messages": msgs, "tools": [WEATHER]}), 8192)
+    required = fit_context(
+        assets, parse_chat_request({"messages": msgs, "tools": [WEATHER], "tool_choice": "required"}), 8192
+    )
     none = fit_context(
         assets, parse_chat_request({"messages": msgs, "tools": [WEATHER], "tool_choice": "none"}), 8192
     )
-    text = assets.tokenizer.decode(auto.prompt_ids, skip_special_tokens=False)
+    text = assets.tokenizer.decode(required.prompt_ids, skip_special_tokens=False)
     assert "<|im_start|>system\nBe brief.\n\n" + PROMPT + "<|im_end|>" in text
-    assert len(auto.prompt_ids) > len(plain.prompt_ids) + 50  # what usage.prompt_tokens counts
+    # auto answers call-or-reply JSON instead (pantheon.chat.answer_form, tests/unit/test_answer_form.py)
+    text = assets.tokenizer.decode(auto.prompt_ids, skip_special_tokens=False)
+    assert auto.answer_form and "<|im_start|>system\nBe brief.\n\n" + answer_prompt([WEATHER]) in text
+    for prep in (auto, required):
+        assert len(prep.prompt_ids) > len(plain.prompt_ids) + 50  # what usage.prompt_tokens counts
     assert none.prompt_ids == plain.prompt_ids  # tool_choice none: no tools at all

@@ -475,7 +475,7 @@ def test_a_forced_call_opens_its_header_in_the_prompt(harmony_assets):
     }
     req = parse_chat_request(body)
     assert req.chat_template_kwargs == {"reasoning_effort": "low"}
-    ids, prefix, opened, forced = render(harmony_assets, req, req.messages)
+    ids, prefix, opened, forced, _ = render(harmony_assets, req, req.messages)
     prompt = harmony_assets.tokenizer.decode(ids, skip_special_tokens=False)
     assert "Reasoning: low" in prompt
     assert forced == "get_weather" and not opened
@@ -489,7 +489,7 @@ def test_a_forced_call_opens_its_header_in_the_prompt(harmony_assets):
     # "required" with several tools: the prompt opens the call, the grammar names a function
     # and ends the header in its special tokens, which the model's own vocabulary has
     req = parse_chat_request(dict(body, tool_choice="required"))
-    ids, prefix, _, forced = render(harmony_assets, req, req.messages)
+    ids, prefix, _, forced, _ = render(harmony_assets, req, req.messages)
     assert forced is None and prefix == "<|channel|>commentary to=functions."
     grammar = structured.tool_grammar([WEATHER_TOOL, other], None, prefix, HARMONY_TOOL_FORMAT)
     tok = harmony_assets.tokenizer

@@ -273,7 +273,7 @@ async def _place(s: AppState, creq: CompletionRequest, big: bool) -> tuple[Insta
     req.model = await s.residency.ensure(req.model)
     likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
     prep = await asyncio.to_thread(_prepare, likely, creq) if big else _prepare(likely, creq)
-    if needs_constraint(req):  # what the model cannot enforce is a 400 before any slot
+    if needs_constraint(req, prep):  # what the model cannot enforce is a 400 before any slot
         prep.constraint = await asyncio.to_thread(checked_constraint, likely, req, prep)
     inst = await s.registry.acquire_slot(req.model, req.session_id)
     try:

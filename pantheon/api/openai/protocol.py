@@ -25,7 +25,7 @@ import msgspec
 
 from pantheon.api.openai import structured
 from pantheon.config.values import KeepAliveError, parse_keep_alive
-from pantheon.errors import invalid_json, invalid_param, not_an_object
+from pantheon.errors import ApiError, invalid_json, invalid_param, not_an_object
 from pantheon.models import generation_defaults
 from pantheon.protocol import SamplingParams
 
@@ -63,8 +63,15 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str = "auto"  # none | auto | required | function
     tool_choice_name: str | None = None
+    # False: at most one call per answer (enforced only where the answer form is the router's:
+    # pantheon.chat.answer_form; other formats parse however many calls come)
+    parallel_tool_calls: bool = True
     response_format: str = "text"  # the constraint's kind: text | json_object | json_schema | regex | ...
     grammar: str | None = None  # its llguidance grammar (pantheon.api.openai.structured), checked
+    # under tool_choice auto without a grammar of its own: the call-or-reply grammar a model whose
+    # template takes no tools answers in (pantheon.chat.answer_form); None when the tools'
+    # schemas cannot be compiled into one (such a model then answers free text, as before)
+    answer_grammar: str | None = None
     user: str | None = None
     # extensions
     top_k: int = 0
@@ -513,7 +520,7 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     kw["logit_bias"] = _logit_bias(body.get("logit_bias")) or None
     for key in ("logprobs", "stream", "ignore_eos"):
         kw[key] = _bool(body, key)
-    _bool(body, "parallel_tool_calls")  # accepted; calls are parsed however many come
+    kw["parallel_tool_calls"] = _bool(body, "parallel_tool_calls")
     kw["top_logprobs"] = _int(body, "top_logprobs", 0, 20)
     if kw["top_logprobs"] and not kw["logprobs"]:
         raise invalid_param("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
@@ -535,6 +542,13 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     if tools and kw["tool_choice"] in ("required", "function"):  # the call will be enforced
         forced = kw["tool_choice_name"]
         structured.check_tool_schemas(tools, None if forced is None else [forced])
+    elif tools and kw["tool_choice"] == "auto" and kw["grammar"] is None:
+        try:
+            kw["answer_grammar"] = structured.call_or_reply_grammar(
+                tools, parallel=kw["parallel_tool_calls"] is not False
+            )
+        except (ApiError, ValueError):  # llguidance's refusal, or its converter's
+            pass  # free text then: see answer_grammar
 
     kw["user"] = _str(body, "user")
     sid = _str(body, "session_id")

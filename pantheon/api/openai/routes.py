@@ -130,7 +130,7 @@ async def _place(s: AppState, req: ChatRequest) -> tuple[Instance, Prepared]:
     likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
     check_token_ids(likely, req)
     prep = await _fit_context(likely, req)
-    if needs_constraint(req):  # what the model cannot enforce is a 400 before any slot
+    if needs_constraint(req, prep):  # what the model cannot enforce is a 400 before any slot
         prep.constraint = await asyncio.to_thread(checked_constraint, likely, req, prep)
     try:
         inst = await s.registry.acquire_slot(req.model, req.session_id)

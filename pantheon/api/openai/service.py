@@ -34,6 +34,7 @@ from pantheon.api import auth
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai import structured
 from pantheon.api.openai.protocol import ChatRequest
+from pantheon.chat.answer_form import CallOrReply
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Delta
 from pantheon.chat.harmony import FINAL_OPENING, MESSAGE
@@ -171,9 +172,10 @@ def _forced_call(req: ChatRequest) -> bool:
     return bool(req.tools) and req.tools_enabled and req.tool_choice in ("required", "function")
 
 
-def needs_constraint(req: ChatRequest) -> bool:
-    """Whether ``req``'s output is constrained: a grammar, or a demanded tool call."""
-    return req.grammar is not None or _forced_call(req)
+def needs_constraint(req: ChatRequest, prep: Prepared) -> bool:
+    """Whether ``req``'s output is constrained: a grammar, a demanded tool call, or a
+    call-or-reply answer (``prep.answer_form``)."""
+    return req.grammar is not None or _forced_call(req) or prep.answer_form
 
 
 def tool_format(inst: Instance, prep: Prepared) -> str:
@@ -201,6 +203,8 @@ def constraint_of(inst: Instance, req: ChatRequest, prep: Prepared) -> Constrain
         grammar = structured.tool_grammar(tools, prep.forced, prep.prefix, tool_format(inst, prep))
         if prep.prefix:  # the call is already open in the prompt: no reasoning first
             return grammar, [], -1
+    elif prep.answer_form:
+        grammar = req.answer_grammar
     if grammar is None or not assets.reasoning:
         return grammar, [], -1
     if assets.template.output_format == HARMONY:
@@ -220,12 +224,14 @@ def constraint_of(inst: Instance, req: ChatRequest, prep: Prepared) -> Constrain
 def checked_constraint(inst: Instance, req: ChatRequest, prep: Prepared) -> Constraint:
     """``constraint_of``, run on a matcher over ``inst``'s own vocabulary first: a 400 naming
     the parameter when the model cannot enforce it (up to 0.25 s: call it off the event loop)."""
-    if not needs_constraint(req):
+    if not needs_constraint(req, prep):
         return NO_CONSTRAINT
     c = constraint_of(inst, req, prep)
     if c[0] is not None:
         param = (
-            "tools" if _forced_call(req) else _CONSTRAINT_PARAMS.get(req.response_format, "response_format")
+            "tools"
+            if _forced_call(req) or prep.answer_form
+            else _CONSTRAINT_PARAMS.get(req.response_format, "response_format")
         )
         structured.check_for_model(c[0], model_tokenizer(inst), param)
     return c
@@ -322,6 +328,8 @@ class Generation:
         if self._streams_forced_arguments():
             assert prep.forced is not None
             return ForcedCall(prep.forced)
+        if prep.answer_form:  # call-or-reply JSON on a template without tools (auto)
+            return CallOrReply(reasoning=assets.reasoning, stop=req.stop, think_open=prep.think_open)
         return output_parser(
             assets.template.output_format,
             reasoning=assets.reasoning,

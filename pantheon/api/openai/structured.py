@@ -355,6 +355,38 @@ def check_tool_schemas(tools: Sequence[dict], names: Sequence[str] | None = None
             )
 
 
+def _call_schema(tools: Sequence[dict], *, lenient: bool = False) -> dict:
+    """One call of any of ``tools``: ``{"name": NAME, "arguments": {...}}``, the arguments of
+    that function's parameter schema (``lenient``: keywords llguidance lacks are ignored)."""
+    return {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ],
+        "x-guidance": dict(JSON_STYLE, lenient=True) if lenient else JSON_STYLE,
+    }
+
+
+def call_or_reply_grammar(tools: Sequence[dict], *, parallel: bool = True) -> str:
+    """The grammar of a call-or-reply answer (``pantheon.chat.answer_form``): one JSON object,
+    ``{"response": "..."}`` (a non-empty string), ``{"tool_call": CALL}`` or, with ``parallel``,
+    ``{"tool_calls": [CALL, ...]}``, each CALL one of ``tools`` with arguments of its schema.
+    The schemas are read leniently: the client asked for no enforcement, and an agent's schema
+    with a keyword llguidance lacks should still get its calls (``required`` checks them
+    strictly up front, ``protocol.parse_chat_request``)."""
+    text = json.dumps({"type": "string", "minLength": 1, "x-guidance": JSON_STYLE})
+    forms = ['"{\\"response\\": " text "}"', '"{\\"tool_call\\": " call "}"']
+    if parallel:
+        forms.append('"{\\"tool_calls\\": [" call (", " call)* "]}"')
+    lark = f"start: {' | '.join(forms)}\ntext: %json {text}\ncall: %json {json.dumps(_call_schema(tools, lenient=True))}\n"
+    return check(llg.LLMatcher.grammar_from_lark(lark), "tools")
+
+
 def tool_grammar(
     tools: Sequence[dict], forced: str | None, prefix: str, tool_format: str = JSON_TOOL_FORMAT
 ) -> str:
@@ -375,18 +407,7 @@ def tool_grammar(
         schema = json.dumps(dict(_parameters(tool), **{"x-guidance": JSON_STYLE}))
         lark = f'start: args "}}" "\\n</tool_call>"\nargs: %json {schema}\n'
     else:
-        calls = {
-            "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-                for t in tools
-            ],
-            "x-guidance": JSON_STYLE,
-        }
+        calls = _call_schema(tools)
         opening = "" if prefix.endswith("<tool_call>\n") else '"<tool_call>\\n" '
         lark = f'start: {opening}call "\\n</tool_call>"\ncall: %json {json.dumps(calls)}\n'
     return check(llg.LLMatcher.grammar_from_lark(lark), "tools")
