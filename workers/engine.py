@@ -27,8 +27,8 @@ from workers.errors import LoadError, RequestRejected
 from workers.grammar import Constraint, Grammars, apply_masks
 from workers.layers.moe import unread_expert_bytes
 from workers.loader import load_model, resolve_dtype
-from workers.prompt_logprobs import PromptLogprobsAcc
 from workers.model_config import load_config
+from workers.prompt_logprobs import PromptLogprobsAcc
 from workers.runner import ModelRunner
 from workers.sampler import SamplerState, sample
 from workers.scheduler import Scheduler, Sequence, StepPlan
