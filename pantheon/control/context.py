@@ -105,7 +105,7 @@ def fit_context(assets, req: ChatRequest, max_model_len: int, limit: int | None 
 def _fit_context(assets, req: ChatRequest, max_model_len: int, limit: int | None) -> Prepared:
     limit = min(limit or max_model_len, max_model_len)
     if req.max_tokens is not None and req.max_tokens >= limit:
-        raise errors.max_tokens_too_large(limit, req.max_tokens)
+        raise errors.max_tokens_too_large(limit, req.max_tokens, req.max_tokens_param)
     req = _trim_the_provably_long(assets, req, limit)
     ids, prefix, opened, forced = render(assets, req, req.messages)
     if len(ids) + (req.max_tokens or 1) <= limit:
@@ -193,5 +193,5 @@ def _cap(assets, req: ChatRequest, limit: int, room: int, full_len: int) -> Prep
         if n <= budget:
             ids, prefix, opened, forced = out
             return Prepared(ids, prefix, opened, room, forced, True, dropped, full_len - len(ids))
-    param = "max_tokens" if req.max_tokens is not None else "messages"
+    param = req.max_tokens_param if req.max_tokens is not None else "messages"
     raise errors.context_too_long(limit, full_len, room, n, param)

@@ -23,7 +23,8 @@ The request is the chat route's sampling fields (validated by the same parser: `
 - ``suffix`` (insertion) is a 400; ``best_of`` only as ``n``.
 
 No chat template: the prompt is tokenized as is (with the tokenizer's special tokens, as vLLM
-does for text). A prompt that does not fit the context is the OpenAI 400, never capped.
+does for text). A prompt that does not fit the context is the OpenAI 400 naming ``prompt``,
+never capped; a ``max_tokens`` no context holds, whatever the prompt, names ``max_tokens``.
 
 The sampling fields a request leaves out come from the model's defaults, as on the chat route
 (``pantheon.models.generation_defaults``). ``max_tokens`` left out: a default ``max_tokens``
@@ -192,6 +193,8 @@ def _prepare(inst: Instance, creq: CompletionRequest) -> Prepared:
     if not ids:
         raise errors.invalid_param("prompt", "'prompt' is empty")
     limit = limit_of(inst)
+    if creq.chat.max_tokens is not None and creq.chat.max_tokens >= limit:  # whatever the prompt
+        raise errors.max_tokens_too_large(limit, creq.chat.max_tokens)
     if creq.score_only:  # run as one token, which is dropped
         if len(ids) + 1 > limit:
             raise errors.prompt_too_long(limit, len(ids), 1)

@@ -50,6 +50,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     messages: list[dict[str, Any]]  # normalised for the chat template
     max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came from, for the errors naming it
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list[str] = []
@@ -479,6 +480,7 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     kw: dict[str, Any] = {"model": model, "messages": messages}
     mct = _int(body, "max_completion_tokens", 1)
     kw["max_tokens"] = mct if mct is not None else _int(body, "max_tokens", 1)
+    kw["max_tokens_param"] = "max_completion_tokens" if mct is not None else None
     for key, lo, hi in (
         ("temperature", 0.0, 2.0),
         ("top_p", 0.0, 1.0),
