@@ -259,7 +259,8 @@ class Engine:
         """Logits at every position of ``prompt``: [T, vocab] fp32, computed in one pass.
 
         Runs outside the scheduler on borrowed blocks (call it between steps); used by the
-        reference tests and for prompt logprobs.
+        reference tests (a request's prompt logprobs come from its own prefill instead:
+        ``Submit.prompt_logprobs``).
         """
         seq = Sequence("\0prompt", len(prompt), list(prompt), 1, use_cache=False)
         if not self.blocks.ensure(seq.block_table, len(prompt)):

@@ -18,6 +18,8 @@ import torch
 
 from pantheon.protocol import PromptLogprobs
 
+ROWS = 64  # rows log-softmaxed at once
+
 
 class PromptLogprobsAcc:
     """The prompt logprobs of one request so far; entry ``i`` is prompt position ``i + 1``."""
@@ -36,10 +38,13 @@ class PromptLogprobsAcc:
     @torch.inference_mode()
     def add(self, p0: int, logits: torch.Tensor) -> None:
         """``logits``: [n, V] of positions ``p0 .. p0 + n - 1`` (predicting ``p0 + 1 ..``)."""
-        n = logits.shape[0]
         del self.logprobs[p0:], self.ranks[p0:], self.top[p0:]  # a recompute after preemption
-        if n == 0:
-            return
+        # ROWS at a time: the log-softmax's copy stays ROWS x V, whatever the chunk
+        for a in range(0, logits.shape[0], ROWS):
+            self._add(p0 + a, logits[a : a + ROWS])
+
+    def _add(self, p0: int, logits: torch.Tensor) -> None:
+        n = logits.shape[0]
         lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
         targets = torch.tensor(self.prompt[p0 + 1 : p0 + 1 + n], dtype=torch.long, device=lp.device)
         chosen = lp.gather(1, targets[:, None])  # [n, 1]
