@@ -127,7 +127,7 @@ def test_streamed(srv):
         ({"prompt": "a", "echo": True, "logprobs": 1, "max_tokens": -1}, "max_tokens"),
         ({"prompt": "a", "best_of": 3}, "best_of"),
         ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
-        ({"prompt": "a", "max_tokens": 5000}, "prompt"),
+        ({"prompt": "a", "max_tokens": 5000}, "max_tokens"),  # no context holds it
     ],
 )
 def test_bad_requests_are_400s(srv, body, param):
