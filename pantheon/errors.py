@@ -29,7 +29,7 @@ not_an_object             400     invalid_request_error
 limit_exceeded            400     invalid_request_error  limit_exceeded
 chat_template_refused     400     invalid_request_error  (param messages)
 **context** (``pantheon.control.context``, the worker's rejections)
-max_tokens_too_large      400     invalid_request_error  context_length_exceeded (param max_tokens)
+max_tokens_too_large      400     invalid_request_error  context_length_exceeded (param max_tokens or its alias)
 context_length_exceeded   400     invalid_request_error  context_length_exceeded (param messages)
 request_rejected          400     invalid_request_error  the worker's kind
 context_too_long          400     invalid_request_error  context_length_exceeded (param max_tokens or messages)
@@ -248,14 +248,15 @@ def chat_template_refused(detail: str) -> ApiError:
 # ---------------------------------------------------------------- context
 
 
-def max_tokens_too_large(limit: int, max_tokens: int) -> ApiError:
-    """400: a ``max_tokens`` no context of this model can ever hold."""
+def max_tokens_too_large(limit: int, max_tokens: int, param: str = "max_tokens") -> ApiError:
+    """400: a ``max_tokens`` no context of this model can ever hold (``param``: the field it
+    came from, ``max_completion_tokens`` on the chat route when that was given)."""
     return ApiError(
         400,
         f"This model's maximum context length is {limit} tokens. "
         f"However, you requested at least {max_tokens + 1} tokens "
         f"({max_tokens} in the completion).",
-        param="max_tokens",
+        param=param,
         code="context_length_exceeded",
     )
 

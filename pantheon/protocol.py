@@ -159,6 +159,9 @@ class Submit(msgspec.Struct, tag=True, kw_only=True):
     session_id: str | None = None
     cache_salt: str | None = None  # requests share cached prefixes only under the same salt
     use_cache: bool = True  # False for a capped context: no prefix reuse for this turn
+    # K >= 0: the prompt's own logprobs (each position's token and the top K), computed in this
+    # request's prefill and carried on its first TokenOut (``PromptLogprobs``); None: not asked
+    prompt_logprobs: int | None = None
 
 
 class ResetCache(msgspec.Struct, tag=True, kw_only=True):
@@ -242,6 +245,16 @@ class Unloaded(msgspec.Struct, tag=True, kw_only=True):
     instance: str
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """The prompt's own logprobs (``Submit.prompt_logprobs``): entry ``i`` is prompt position
+    ``i + 1`` (position 0 has none: nothing predicts it), from the log-softmax (fp32) of the
+    logits at position ``i``. ``top``: the K most likely (token id, logprob) pairs, best first."""
+
+    logprobs: list[float]  # of the prompt's own token at each position
+    ranks: list[int]  # its rank there: 1 + the tokens more likely than it
+    top: list[list[tuple[int, float]]]
+
+
 class TokenOut(msgspec.Struct, array_like=True):
     """One new token of one request. ``top`` holds (token id, logprob) pairs when asked for."""
 
@@ -251,6 +264,7 @@ class TokenOut(msgspec.Struct, array_like=True):
     top: list[tuple[int, float]] | None = None
     finish: FinishReason | None = None  # None while running
     cached_tokens: int | None = None  # on a request's first token: prompt tokens the prefix cache gave
+    prompt_logprobs: PromptLogprobs | None = None  # on its first token, when the Submit asked
 
 
 class Rejected(msgspec.Struct, tag=True, kw_only=True):

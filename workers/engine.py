@@ -28,6 +28,7 @@ from workers.grammar import Constraint, Grammars, apply_masks
 from workers.layers.moe import unread_expert_bytes
 from workers.loader import load_model, resolve_dtype
 from workers.model_config import load_config
+from workers.prompt_logprobs import PromptLogprobsAcc
 from workers.runner import ModelRunner
 from workers.sampler import SamplerState, sample
 from workers.scheduler import Scheduler, Sequence, StepPlan
@@ -145,6 +146,8 @@ class Engine:
         self.state_bytes = self.runner.state_bytes  # the recurrent layers' state pools
         self._samplers: dict[str, SamplerState] = {}
         self._constraints: dict[str, Constraint] = {}  # request id -> its grammar, if any
+        # request id -> its prompt logprobs so far, until its first token carries them
+        self._prompt_lps: dict[str, PromptLogprobsAcc] = {}
         self.grammars = Grammars(model_path, cfg.vocab_size, self.eos_token_ids)
         self.grammars.warm()  # on a thread, while the first requests arrive
         # Test and debug hook: called with (sequences, fp32 logits [B, V]) before sampling.
@@ -163,11 +166,14 @@ class Engine:
         session_id: str | None = None,
         cache_salt: str | None = None,
         use_cache: bool = True,
+        prompt_logprobs: int | None = None,
     ) -> None:
         """Queue a request. Raises ``RequestRejected`` if it can never run here.
 
         Its leading prompt blocks are shared with earlier requests of the same ``cache_salt``
-        that had the same tokens (the prefix cache) unless ``use_cache`` is False.
+        that had the same tokens (the prefix cache) unless ``use_cache`` is False, or it asks
+        for ``prompt_logprobs`` (the top K of each prompt position, on its first ``TokenOut``:
+        ``workers/prompt_logprobs.py``), which every prompt position must be computed for.
         """
         if request_id in self._samplers:
             raise RequestRejected("duplicate", f"request id {request_id!r} is already running")
@@ -182,6 +188,8 @@ class Engine:
             raise RequestRejected(
                 "invalid", f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= min(20, self.vocab_size):
+            raise RequestRejected("invalid", "prompt_logprobs must be in [0, 20]")
         if len(prompt) >= self.max_model_len:
             raise RequestRejected(
                 "context_length",
@@ -204,6 +212,9 @@ class Engine:
                 params.grammar_after,
                 params.grammar_opening if params.grammar_opening >= 0 else None,
             )
+        if prompt_logprobs is not None:
+            self._prompt_lps[request_id] = PromptLogprobsAcc(list(prompt), prompt_logprobs)
+            use_cache = False  # a cache hit would skip the positions asked for
         self._samplers[request_id] = SamplerState.create(params, sorted(stop), self.devices[0])
         self.scheduler.add(
             Sequence(
@@ -227,6 +238,7 @@ class Engine:
     def _forget(self, request_id: str) -> None:
         self._samplers.pop(request_id, None)
         self._constraints.pop(request_id, None)
+        self._prompt_lps.pop(request_id, None)
 
     def request_tables(self) -> dict[str, int]:
         """The size of everything kept per request: all 0 once every request has ended
@@ -235,6 +247,7 @@ class Engine:
         return {
             "samplers": len(self._samplers),
             "constraints": len(self._constraints),
+            "prompt_logprobs": len(self._prompt_lps),
             "sequences": len(self.scheduler._by_id),
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running()),
@@ -246,7 +259,8 @@ class Engine:
         """Logits at every position of ``prompt``: [T, vocab] fp32, computed in one pass.
 
         Runs outside the scheduler on borrowed blocks (call it between steps); used by the
-        reference tests and for prompt logprobs.
+        reference tests (a request's prompt logprobs come from its own prefill instead:
+        ``Submit.prompt_logprobs``).
         """
         seq = Sequence("\0prompt", len(prompt), list(prompt), 1, use_cache=False)
         if not self.blocks.ensure(seq.block_table, len(prompt)):
@@ -285,7 +299,20 @@ class Engine:
         masks = self.grammars.start_masks([c for _i, c in guided]) if guided else None
         for slot, checkpoint in plan.restores:
             self.runner.load_state(slot, checkpoint)
-        logits = self.runner.run(plan)
+        # prompt logprobs: the rows of the chunks that predict prompt tokens (before commit
+        # moves num_computed past the chunk)
+        kept = {
+            s: (acc, s.num_computed, acc.rows_wanted(s.num_computed, n))
+            for s, n in plan.prefill
+            if (acc := self._prompt_lps.get(s.request_id)) is not None
+        }
+        logits = self.runner.run(plan, prompt_rows={s: rows for s, (_a, _p, rows) in kept.items()})
+        if kept:
+            at = len(seqs)
+            for acc, p0, rows in kept.values():
+                acc.add(p0, logits[at : at + rows])
+                at += rows
+            logits = logits[: len(seqs)]
         self.scheduler.commit(plan)
         if self.checkpoints is not None:
             self._checkpoint(plan)
@@ -302,7 +329,11 @@ class Engine:
                 complete = c is not None and c.advance(pick.token)
                 reason = self.scheduler.append_token(s, pick.token, complete=complete)
                 cached = s.cached_tokens if s.num_output == 1 else None
-                outs.append(TokenOut(s.request_id, pick.token, pick.logprob, pick.top, reason, cached))
+                acc = self._prompt_lps.pop(s.request_id, None) if s.num_output == 1 else None
+                prompt_lp = acc.result() if acc is not None else None
+                outs.append(
+                    TokenOut(s.request_id, pick.token, pick.logprob, pick.top, reason, cached, prompt_lp)
+                )
                 if reason:
                     self._forget(s.request_id)
         took = time.perf_counter() - t0

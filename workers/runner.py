@@ -9,6 +9,7 @@ knows nothing of requests beyond their tokens, positions, block tables and slots
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 
@@ -19,7 +20,7 @@ from workers.layers.rotary import Rotary, qk_tables
 from workers.layers.sliding import window_view
 from workers.model_config import ModelConfig
 from workers.models.base import DecoderLM
-from workers.scheduler import StepPlan
+from workers.scheduler import Sequence, StepPlan
 
 __all__ = ["ModelRunner", "kv_block_bytes"]
 
@@ -120,10 +121,15 @@ class ModelRunner:
         return rows.view(len(tables), nb * bs)[:, :length].to(self.main)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, all_rows: bool = False) -> torch.Tensor:
+    def run(
+        self, plan: StepPlan, all_rows: bool = False, prompt_rows: Mapping[Sequence, int] | None = None
+    ) -> torch.Tensor:
         """Compute the plan's tokens; return fp32 logits [len(plan.sampled()), vocab].
 
         ``all_rows``: logits of every computed token instead (prompt logits), [N, vocab].
+        ``prompt_rows``: prefilling sequences -> how many of their chunk's first rows to keep
+        (prompt logprobs, ``workers/prompt_logprobs.py``); those rows follow the sampled ones,
+        in the plan's prefill order.
         """
         ids: list[int] = []
         positions: list[int] = []
@@ -201,6 +207,8 @@ class ModelRunner:
         for (_start, end, _p0, p1, _t, _slot), (s, _n) in zip(chunks, plan.prefill):
             if p1 == len(s.tokens):
                 rows.append(end - 1)
+        for (start, _end, _p0, _p1, _t, _slot), (s, _n) in zip(chunks, plan.prefill):
+            rows += range(start, start + (prompt_rows or {}).get(s, 0))
         return self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
 
     def _cos_sin(self, pos_t, plan: StepPlan, n_decode: int, chunks):

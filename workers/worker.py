@@ -551,6 +551,7 @@ class Worker:
                 session_id=msg.session_id,
                 cache_salt=msg.cache_salt,
                 use_cache=msg.use_cache,
+                prompt_logprobs=msg.prompt_logprobs,
             )
         except RequestRejected as e:
             self.send(p.Rejected(request_id=msg.request_id, kind=cast(p.RejectKind, e.kind), reason=e.reason))

@@ -144,7 +144,7 @@ def fit_context(
 def _fit_context(assets: ModelAssets, req: ChatRequest, max_model_len: int, limit: int | None) -> Prepared:
     limit = min(limit or max_model_len, max_model_len)
     if req.max_tokens is not None and req.max_tokens >= limit:
-        raise errors.max_tokens_too_large(limit, req.max_tokens)
+        raise errors.max_tokens_too_large(limit, req.max_tokens, req.max_tokens_param)
     req = _trim_the_provably_long(assets, req, limit)
     ids, prefix, opened, forced, form = render(assets, req, req.messages)
     if len(ids) + (req.max_tokens or 1) <= limit:
@@ -236,5 +236,5 @@ def _cap(assets: ModelAssets, req: ChatRequest, limit: int, room: int, full_len:
             return Prepared(
                 ids, prefix, opened, room, forced, True, dropped, full_len - len(ids), answer_form=form
             )
-    param = "max_tokens" if req.max_tokens is not None else "messages"
+    param = req.max_tokens_param if req.max_tokens is not None else "messages"
     raise errors.context_too_long(limit, full_len, room, n, param)

@@ -1,5 +1,6 @@
 """``/v1/completions`` (the legacy text API) on a real server, through the official client and
-against OpenAI's schema: prompt forms, echo, logprobs, stop, n, seeds, streaming, and 400s."""
+against OpenAI's schema: prompt forms, echo, logprobs, stop, n, seeds, streaming, and 400s.
+(``echo`` with ``logprobs``, and prompt logprobs: tests/e2e/test_prompt_logprobs_served.py.)"""
 
 from __future__ import annotations
 
@@ -123,10 +124,10 @@ def test_streamed(srv):
         ({"prompt": 5}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": "a", "logprobs": 6}, "logprobs"),
-        ({"prompt": "a", "echo": True, "logprobs": 1}, "logprobs"),
+        ({"prompt": "a", "echo": True, "logprobs": 1, "max_tokens": -1}, "max_tokens"),
         ({"prompt": "a", "best_of": 3}, "best_of"),
         ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
-        ({"prompt": "a", "max_tokens": 5000}, "prompt"),
+        ({"prompt": "a", "max_tokens": 5000}, "max_tokens"),  # no context holds it
     ],
 )
 def test_bad_requests_are_400s(srv, body, param):

@@ -91,27 +91,41 @@ def test_a_die_without_room_for_the_full_context_gets_what_it_holds(model_factor
 
 
 # Every "request does not fit the model" case is the client's 400 naming the numbers, on both
-# routes (issue 26 §3); 503 stays for the server's own state. (route, extra body, param)
+# routes (issue 26 §3); 503 stays for the server's own state. (route, extra body, param, the
+# numbers the message says: "<N> in the <what>")
+LONG_TEXT = "x " * 20000  # 20,001 tokens of the tiny tokenizer: past LONG alone
+SYSTEM = [{"role": "system", "content": LONG_TEXT}, *MSG]  # a system message is never capped
 NOT_FITTING = [
-    ("chat", {"max_tokens": LONG - 4}, "max_tokens"),  # fits alone, not with the prompt
-    ("chat", {"max_completion_tokens": LONG - 4}, "max_tokens"),
-    ("chat", {"max_tokens": LONG - 4, "n": 2}, "max_tokens"),  # each choice is its own sequence
-    ("chat", {"max_tokens": LONG}, "max_tokens"),  # no context can hold it
-    ("completions", {"max_tokens": LONG - 1}, "prompt"),
-    ("completions", {"max_tokens": LONG - 1, "n": 2}, "prompt"),
-    ("completions", {"max_tokens": LONG}, "prompt"),
+    ("chat", {"max_tokens": LONG - 4}, "max_tokens", f"{LONG - 4} in the completion"),  # not with the prompt
+    ("chat", {"max_completion_tokens": LONG - 4}, "max_completion_tokens", f"{LONG - 4} in the completion"),
+    ("chat", {"max_tokens": LONG - 4, "n": 2}, "max_tokens", f"{LONG - 4} in the completion"),  # per choice
+    ("chat", {"max_tokens": LONG}, "max_tokens", f"{LONG} in the completion"),  # no context holds it
+    ("chat", {"max_completion_tokens": LONG}, "max_completion_tokens", f"{LONG} in the completion"),
+    ("chat", {"messages": SYSTEM}, "messages", "in the messages, 512 in the completion"),  # the prompt
+    ("chat", {"messages": SYSTEM, "max_tokens": 8}, "max_tokens", "in the messages, 8 in the completion"),
+    ("completions", {"max_tokens": LONG - 1}, "prompt", f"{LONG - 1} in the completion"),
+    ("completions", {"max_tokens": LONG - 1, "n": 2}, "prompt", f"{LONG - 1} in the completion"),
+    ("completions", {"max_tokens": LONG}, "max_tokens", f"{LONG} in the completion"),
+    (
+        "completions",
+        {"prompt": LONG_TEXT, "max_tokens": 8},
+        "prompt",
+        "20001 in the prompt, 8 in the completion",
+    ),
+    ("completions", {"prompt": LONG_TEXT}, "prompt", "20001 in the prompt, 16 in the completion"),
+    ("completions", {"prompt": LONG_TEXT, "echo": True, "max_tokens": 0}, "prompt", "20001 in the prompt"),
 ]
 
 
-@pytest.mark.parametrize(("route", "extra", "param"), NOT_FITTING)
-def test_a_request_that_does_not_fit_is_a_400_naming_the_numbers(srv, route, extra, param):
-    body: dict = {"model": "long", **extra}
+@pytest.mark.parametrize(("route", "extra", "param", "numbers"), NOT_FITTING)
+def test_a_request_that_does_not_fit_is_a_400_naming_the_numbers(srv, route, extra, param, numbers):
+    body: dict = {"model": "long"}
     if route == "chat":
         body["messages"] = MSG
     else:
         body["prompt"] = "Say something, and then something more."
+    body.update(extra)
     r = httpx.post(f"{srv.url}/v1/{'chat/' if route == 'chat' else ''}completions", json=body, timeout=30)
     err = check_error(r, 400, param=param, code="context_length_exceeded")
-    asked = extra.get("max_tokens", extra.get("max_completion_tokens"))
     assert f"This model's maximum context length is {LONG} tokens. However, you requested" in err["message"]
-    assert f"{asked} in the completion" in err["message"], err["message"]
+    assert numbers in err["message"], err["message"]

@@ -176,6 +176,7 @@ def test_messages_the_clients_see():
         "This model's maximum context length is 64 tokens. However, you requested at least 65 "
         "tokens (64 in the completion)."
     )
+    assert errors.max_tokens_too_large(64, 64, "max_completion_tokens").param == "max_completion_tokens"
 
 
 def test_load_failed_status_follows_the_kind():

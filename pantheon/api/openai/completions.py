@@ -8,14 +8,23 @@ The request is the chat route's sampling fields (validated by the same parser: `
 - ``prompt``: a string, token ids, or a list holding one of those. Several prompts in one
   request are refused with a 400 naming ``prompt`` (send one request per prompt; each gets its
   own slot and queue place);
-- ``echo``: the prompt's text comes first in each choice's ``text`` (with ``logprobs`` the
-  prompt's own logprobs are not computed: that combination is a 400);
+- ``echo``: the prompt's text comes first in each choice's ``text``; with ``logprobs`` the
+  prompt's tokens come first in its ``logprobs`` too, as OpenAI's did (the first token's
+  ``token_logprobs`` and ``top_logprobs`` entries are null: nothing predicts it). With ``echo``,
+  ``max_tokens: 0`` is pure scoring (lm-evaluation-harness's ``local-completions``): the choice
+  is the prompt alone, ``finish_reason`` ``length``, no completion tokens (the worker runs it
+  as one token, which is dropped, so the prompt must leave one position of room);
 - ``logprobs``: an integer 0..5, the completion API's ``{tokens, token_logprobs, top_logprobs,
-  text_offset}``;
+  text_offset}`` (``top_logprobs``: the ``logprobs`` most likely tokens at each position);
+- ``prompt_logprobs`` (vLLM's, 0..20, not with ``stream``): each choice's ``prompt_logprobs``,
+  null first, then per position ``{token_id: {logprob, rank, decoded_token}}`` with the prompt's
+  token and the top K. Prompt logprobs are computed in the request's own prefill
+  (``workers/prompt_logprobs.py``), so such a request does not use the prefix cache;
 - ``suffix`` (insertion) is a 400; ``best_of`` only as ``n``.
 
 No chat template: the prompt is tokenized as is (with the tokenizer's special tokens, as vLLM
-does for text). A prompt that does not fit the context is the OpenAI 400, never capped.
+does for text). A prompt that does not fit the context is the OpenAI 400 naming ``prompt``,
+never capped; a ``max_tokens`` no context holds, whatever the prompt, names ``max_tokens``.
 
 The sampling fields a request leaves out come from the model's defaults, as on the chat route
 (``pantheon.models.generation_defaults``). ``max_tokens`` left out: a default ``max_tokens``
@@ -39,9 +48,16 @@ from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.protocol import ChatRequest
 from pantheon.api.openai.routes import BIG_BODY, _Body, _through_recovery, check_token_ids
-from pantheon.api.openai.service import Generation, _pool_error, checked_constraint, needs_constraint
+from pantheon.api.openai.service import (
+    ChoiceRun,
+    Generation,
+    _pool_error,
+    checked_constraint,
+    needs_constraint,
+)
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
+from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Emitter
 from pantheon.control.context import Prepared, limit_of
 from pantheon.control.registry import Instance
@@ -76,6 +92,7 @@ _SHARED = (
     "session_id",
     "cache_salt",
     "keep_alive",
+    "prompt_logprobs",
     # output constraints (pantheon.api.openai.structured), vLLM's names
     "response_format",
     "structured_outputs",
@@ -87,10 +104,24 @@ _SHARED = (
 
 
 class CompletionRequest:
-    """A parsed ``/v1/completions`` body: the chat-shaped sampling request, and the prompt."""
+    """A parsed ``/v1/completions`` body: the chat-shaped sampling request, and the prompt.
 
-    def __init__(self, chat: ChatRequest, prompt: str | list[int], echo: bool, logprobs: int):
+    ``logprobs``: -1 when not asked; ``score_only``: ``echo`` with ``max_tokens: 0``;
+    ``prompt_logprobs``: the client's own (``chat.prompt_logprobs`` is what the worker is asked
+    for, which ``echo`` with ``logprobs`` needs too)."""
+
+    def __init__(
+        self,
+        chat: ChatRequest,
+        prompt: str | list[int],
+        echo: bool,
+        logprobs: int,
+        *,
+        score_only: bool = False,
+        prompt_logprobs: int | None = None,
+    ):
         self.chat, self.prompt, self.echo, self.logprobs = chat, prompt, echo, logprobs
+        self.score_only, self.prompt_logprobs = score_only, prompt_logprobs
 
 
 def parse_completion_request(raw: bytes | str) -> CompletionRequest:
@@ -127,17 +158,22 @@ def parse_completion_request(raw: bytes | str) -> CompletionRequest:
     lp = body.get("logprobs")
     if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
         raise errors.invalid_param("logprobs", f"'logprobs' must be an integer 0..{MAX_LOGPROBS}")
-    if echo and lp is not None:
-        raise errors.invalid_param(
-            "logprobs", "'logprobs' with 'echo' (the prompt's logprobs) is not supported"
-        )
     shared = {k: body[k] for k in _SHARED if k in body}
+    # echo with max_tokens 0: score the prompt, generate nothing (what OpenAI's took)
+    score_only = echo and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    if score_only:
+        del shared["max_tokens"]
     shared["messages"] = [{"role": "user", "content": "-"}]  # not used: there is no template
     if lp is not None:
         shared["logprobs"] = True
         shared["top_logprobs"] = lp
     chat = oa.parse_chat_request(shared)
-    return CompletionRequest(chat, prompt, echo, -1 if lp is None else lp)
+    asked = chat.prompt_logprobs
+    if echo and lp is not None:  # the prompt's tokens lead the logprobs: the worker computes them
+        chat.prompt_logprobs = max(lp, asked or 0)
+    return CompletionRequest(
+        chat, prompt, echo, -1 if lp is None else lp, score_only=score_only, prompt_logprobs=asked
+    )
 
 
 OPENAI_MAX_TOKENS = 16  # the completion API's default
@@ -157,6 +193,12 @@ def _prepare(inst: Instance, creq: CompletionRequest) -> Prepared:
     if not ids:
         raise errors.invalid_param("prompt", "'prompt' is empty")
     limit = limit_of(inst)
+    if creq.chat.max_tokens is not None and creq.chat.max_tokens >= limit:  # whatever the prompt
+        raise errors.max_tokens_too_large(limit, creq.chat.max_tokens)
+    if creq.score_only:  # run as one token, which is dropped
+        if len(ids) + 1 > limit:
+            raise errors.prompt_too_long(limit, len(ids), 1)
+        return Prepared(ids, "", False, 1)
     ceiling = generation_defaults.ceiling(creq.chat, defaults)
     if ceiling is not None:  # a default: what the context leaves, up to it
         max_tokens = min(ceiling, limit - len(ids))
@@ -193,6 +235,49 @@ class TextGeneration(Generation):
             at += len(d["token"])
         return out
 
+    def _echo_lp(self, run: ChoiceRun) -> dict:
+        """The prompt's tokens in the completion API's logprobs (``echo`` with ``logprobs``):
+        the first has null ``token_logprobs`` and ``top_logprobs`` entries, as OpenAI's did."""
+        piece = self.inst.model_assets.piece
+        got, k = run.prompt_logprobs, self.creq.logprobs
+        prompt = self.prep.prompt_ids
+        tokens = [piece(t)[0] for t in prompt]
+        # offsets into the echoed text: where each token's text starts in the prompt's decode
+        # (a token's own piece may be part of a character, or a special token's name)
+        detok = IncrementalDetokenizer(self.inst.model_assets.tokenizer, skip_special_tokens=False)
+        offsets, at, end = [], 0, len(self.prompt_text)
+        for t in prompt:
+            offsets.append(min(at, end))
+            at += len(detok.push(t))
+        lps: list[float | None] = [None] * len(prompt)
+        tops: list[dict[str, float] | None] = [None] * len(prompt)
+        if got is not None:
+            lps[1:] = [max(x, -9999.0) for x in got.logprobs]
+            tops[1:] = [{piece(t)[0]: max(v, -9999.0) for t, v in top[:k]} for top in got.top]
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _with_echo(self, run: ChoiceRun, lp: dict | None) -> dict | None:
+        """``lp`` (the completion's logprobs, or None) led by the prompt's, when echoed."""
+        if not (self.creq.echo and self.creq.logprobs >= 0):
+            return lp
+        head = self._echo_lp(run)
+        return head if lp is None else {k: head[k] + lp[k] for k in head}
+
+    def _choice(self, run: ChoiceRun, text: str, lp: dict | None, finish: str | None) -> dict:
+        out = {"index": run.index, "text": text, "logprobs": lp, "finish_reason": finish}
+        if self.creq.prompt_logprobs is not None:
+            piece = self.inst.model_assets.piece
+            out["prompt_logprobs"] = oa.prompt_logprobs(
+                self.prep.prompt_ids, run.prompt_logprobs, self.creq.prompt_logprobs, lambda t: piece(t)[0]
+            )
+        return out
+
+    def usage(self) -> dict:
+        if not self.creq.score_only:
+            return super().usage()
+        cached = max(r.cached_tokens for r in self.runs)
+        return oa.usage(len(self.prep.prompt_ids), 0, cached_tokens=cached)
+
     def _body(self, choices: list[dict], usage: dict | None) -> dict:
         body: dict[str, Any] = {
             "id": self.id,
@@ -209,54 +294,52 @@ class TextGeneration(Generation):
     async def complete(self) -> dict:
         texts = {r.index: [self.prompt_text] if self.creq.echo else [] for r in self.runs}
         lps: dict[int, list[dict]] = {r.index: [] for r in self.runs}
+        scoring = self.creq.score_only  # the one token run is dropped
         async with contextlib.aclosing(self._all_pieces()) as pieces:
             async for p in pieces:
-                texts[p.index] += [d.text or "" for d in p.deltas if d.kind == "content"]
-                lps[p.index] += p.logprobs or []
+                if not scoring:
+                    texts[p.index] += [d.text or "" for d in p.deltas if d.kind == "content"]
+                    lps[p.index] += p.logprobs or []
         start = len(self.prompt_text) if self.creq.echo else 0
         choices = [
-            {
-                "index": r.index,
-                "text": "".join(texts[r.index]),
-                "logprobs": self._lp(lps[r.index], start) if self.creq.logprobs >= 0 else None,
-                "finish_reason": r.finish_reason or "stop",
-            }
+            self._choice(
+                r,
+                "".join(texts[r.index]),
+                self._with_echo(r, self._lp(lps[r.index], start)) if self.creq.logprobs >= 0 else None,
+                "length" if scoring else r.finish_reason or "stop",
+            )
             for r in self.runs
         ]
         return self._body(choices, self.usage())
 
     async def stream_chunks(self) -> AsyncIterator[bytes]:
         offsets = {r.index: len(self.prompt_text) if self.creq.echo else 0 for r in self.runs}
-        if self.creq.echo:
+        # echo: the prompt's chunk; with logprobs it waits for the prompt's (the run's first piece)
+        echo_waits = self.creq.echo and self.creq.logprobs >= 0
+        echoed = set() if echo_waits else {r.index for r in self.runs}
+        if self.creq.echo and not echo_waits:
             for r in self.runs:
-                yield oa.sse(
-                    self._body(
-                        [
-                            {
-                                "index": r.index,
-                                "text": self.prompt_text,
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ],
-                        None,
-                    )
-                )
+                yield oa.sse(self._body([self._choice(r, self.prompt_text, None, None)], None))
         try:
             async with contextlib.aclosing(self._all_pieces()) as pieces:
                 async for p in pieces:
+                    run = self.runs[p.index]
+                    if p.index not in echoed:
+                        echoed.add(p.index)
+                        yield oa.sse(
+                            self._body([self._choice(run, self.prompt_text, self._echo_lp(run), None)], None)
+                        )
+                    if self.creq.score_only:  # the one token run is dropped
+                        if p.finish is not None:
+                            yield oa.sse(self._body([self._choice(run, "", None, "length")], None))
+                        continue
                     text = "".join(d.text or "" for d in p.deltas if d.kind == "content")
                     lp = None
                     if self.creq.logprobs >= 0 and p.logprobs:
                         lp = self._lp(p.logprobs, offsets[p.index])
                     offsets[p.index] += len(text)
                     if text or lp is not None or p.finish is not None:
-                        yield oa.sse(
-                            self._body(
-                                [{"index": p.index, "text": text, "logprobs": lp, "finish_reason": p.finish}],
-                                None,
-                            )
-                        )
+                        yield oa.sse(self._body([self._choice(run, text, lp, p.finish)], None))
             if self.req.include_usage:
                 yield oa.sse(self._body([], self.usage()))
         except ApiError as e:

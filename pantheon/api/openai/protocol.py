@@ -18,7 +18,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -27,10 +27,11 @@ from pantheon.api.openai import structured
 from pantheon.config.values import KeepAliveError, parse_keep_alive
 from pantheon.errors import ApiError, invalid_json, invalid_param, not_an_object
 from pantheon.models import generation_defaults
-from pantheon.protocol import SamplingParams
+from pantheon.protocol import PromptLogprobs, SamplingParams
 
 MAX_STOP = 4
 MAX_N = 128
+MAX_PROMPT_LOGPROBS = 20  # the top alternatives a prompt position may ask for, as top_logprobs
 # Every integer sent to a worker is packed by msgspec into msgpack: a signed 64-bit range (a
 # larger one is an OverflowError there, a 500 here). A request's integers are kept inside it.
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -49,6 +50,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     messages: list[dict[str, Any]]  # normalised for the chat template
     max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came from, for the errors naming it
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list[str] = []
@@ -58,6 +60,8 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     logprobs: bool = False
     top_logprobs: int = 0
+    # vLLM's prompt_logprobs: each prompt position's logprob and its top K (None: not asked)
+    prompt_logprobs: int | None = None
     stream: bool = False
     include_usage: bool = False
     tools: list[dict[str, Any]] | None = None
@@ -499,6 +503,7 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     kw: dict[str, Any] = {"model": model, "messages": messages}
     mct = _int(body, "max_completion_tokens", 1)
     kw["max_tokens"] = mct if mct is not None else _int(body, "max_tokens", 1)
+    kw["max_tokens_param"] = "max_completion_tokens" if mct is not None else None
     for key, lo, hi in (
         ("temperature", 0.0, 2.0),
         ("top_p", 0.0, 1.0),
@@ -525,6 +530,10 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     if kw["top_logprobs"] and not kw["logprobs"]:
         raise invalid_param("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
     kw["stop"] = _stop(body.get("stop"))
+    kw["prompt_logprobs"] = _int(body, "prompt_logprobs", 0, MAX_PROMPT_LOGPROBS)
+    if kw["prompt_logprobs"] is not None and kw.get("stream"):
+        # vLLM's rule too: they belong to no chunk (the chat stream's first is sent before any)
+        raise invalid_param("prompt_logprobs", "'prompt_logprobs' is not available when 'stream' is true")
 
     so = body.get("stream_options")
     if so is not None:
@@ -671,6 +680,27 @@ def token_logprob(
             {"token": t, "logprob": fin(lp), "bytes": None if b is None else list(b)} for t, lp, b in top
         ],
     }
+
+
+def prompt_logprobs(
+    prompt: Sequence[int], got: PromptLogprobs | None, k: int, piece: Callable[[int], str]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first position (nothing predicts it), then per
+    position ``{token_id: {logprob, rank, decoded_token}}`` holding the prompt's own token and
+    the top ``k`` (keys are strings in JSON)."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    if got is None:
+        return out + [None] * (len(prompt) - 1)
+    for i, tok in enumerate(prompt[1:]):
+        entry = {str(tok): _lp_entry(got.logprobs[i], got.ranks[i], piece(tok))}
+        for rank, (t, lp) in enumerate(got.top[i][:k], 1):
+            entry.setdefault(str(t), _lp_entry(lp, rank, piece(t)))
+        out.append(entry)
+    return out
+
+
+def _lp_entry(logprob: float, rank: int, decoded: str) -> dict[str, Any]:
+    return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": decoded}
 
 
 def model_object(

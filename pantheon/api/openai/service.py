@@ -43,7 +43,7 @@ from pantheon.chat.tools import JSON_TOOL_FORMAT, forced_call_prefix
 from pantheon.control.context import Prepared
 from pantheon.control.registry import Instance
 from pantheon.errors import ApiError
-from pantheon.protocol import Submit
+from pantheon.protocol import PromptLogprobs, Submit
 from pantheon.workerlink.pool import RequestRejectedError, WorkerDied, WorkerPool
 
 log = logging.getLogger("pantheon.api.openai.service")
@@ -257,6 +257,7 @@ class ChoiceRun:
     cached_tokens: int = 0
     tool_calls: bool = False
     call_ids: dict[int, str] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None  # from its first token, when the request asked
 
 
 class Generation:
@@ -372,6 +373,7 @@ class Generation:
             session_id=req.session_id,
             cache_salt=self.cache_salt,
             use_cache=not prep.capped,
+            prompt_logprobs=req.prompt_logprobs,
         )
         stream = None
         try:
@@ -398,6 +400,8 @@ class Generation:
                     run.completion_tokens += real
                     if tok.cached_tokens:
                         run.cached_tokens = tok.cached_tokens
+                    if tok.prompt_logprobs is not None:
+                        run.prompt_logprobs = tok.prompt_logprobs
                     text = detok.push(tok.token) if real else ""
                     new = emitter.feed(text) if text else []
                     if emitter.stopped:
@@ -623,6 +627,14 @@ class Generation:
                     run.index, msg, run.finish_reason or "stop", o["lps"] if self.req.logprobs else None
                 )
             )
-        return self._capped(
-            oa.chat_completion(self.id, self.created, self.model, self.fingerprint, choices, self.usage())
+        body = oa.chat_completion(self.id, self.created, self.model, self.fingerprint, choices, self.usage())
+        if self.req.prompt_logprobs is not None:  # vLLM's place: the response's, not a choice's
+            body["prompt_logprobs"] = self.prompt_logprobs(self.req.prompt_logprobs)
+        return self._capped(body)
+
+    def prompt_logprobs(self, k: int) -> list[dict[str, dict[str, Any]] | None]:
+        """The prompt's logprobs in vLLM's form, top ``k`` (every choice has the same prompt)."""
+        piece = self.inst.model_assets.piece
+        return oa.prompt_logprobs(
+            self.prep.prompt_ids, self.runs[0].prompt_logprobs, k, lambda t: piece(t)[0]
         )
