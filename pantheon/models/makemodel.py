@@ -494,7 +494,7 @@ GENERATION_DEFAULTS = dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95
 # sliding with a 16-token window, a global, two sliding, a global), and every text feature of the
 # family switched on at once, so that each test exercises all of them: global layers with their
 # own head dim and KV heads, K as V (attention_k_eq_v), proportional RoPE, per-layer embeddings
-# (P = 8), the last two layers sharing the KV of layers 3 and 2 with a double-wide MLP.
+# (P = 16), the last two layers sharing the KV of layers 3 and 2 with a double-wide MLP.
 # ``tiny-gemma4-moe`` adds the 26B-A4B's routed experts beside each dense MLP. The tokenizer is
 # ours plus Gemma 4's turn and channel markers (special, ids 4000-4004), and the chat template
 # writes Gemma 4's turn format (our text; ../shared/specs/gemma-4-31B-it.chat_template.jinja is
@@ -552,7 +552,7 @@ _TINY_GEMMA4 = dict(
     num_global_key_value_heads=1,
     attention_k_eq_v=True,
     sliding_window=16,
-    hidden_size_per_layer_input=8,
+    hidden_size_per_layer_input=16,  # (torch's int8 CPU kernel crashes on K = 8)
     vocab_size_per_layer_input=_TINY_VOCAB,
     num_kv_shared_layers=2,
     use_double_wide_mlp=True,

@@ -25,6 +25,7 @@ from pantheon.models import tokenizer_train as tt
 from pantheon.models.description import AttentionCache, SharedKV, read_description
 from pantheon.models.sizing import estimate
 from pantheon.protocol import SamplingParams
+from workers import cpu_paths
 from workers.cache import KVCache, SharedCache, StateCache
 from workers.engine import Engine
 
@@ -208,3 +209,63 @@ def test_the_template_writes_gemma4_turns(model_factory):
     )
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert ids.count(4000) == 5 and ids.count(4001) == 4  # the markers are single tokens
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma4", "tiny-gemma4-moe"])
+def test_sizing_counts_every_parameter(model_factory, preset):
+    """The description counts exactly the checkpoint's parameters (per-layer embeddings, KV-shared
+    layers without K/V projections, double-wide MLPs, every expert), and the worker holds what
+    sizing says on the fp32 path."""
+    from safetensors import safe_open
+
+    path = model_factory(preset, dtype="float32")
+    desc = read_description(path)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        numel = sum(_n(f.get_slice(k).get_shape()) for k in f.keys())
+    assert desc.total_params == numel
+    ex = desc.moe_experts
+    unread = 0 if ex is None else desc.num_layers * (ex.count - ex.top_k) * ex.per_expert
+    assert desc.active_params == numel - unread
+    est = estimate(desc, dtype="float32", cpu_path="fp32")
+    eng = Engine(str(path), dtype="float32", kv_budget_bytes=1 << 20, cpu_path="fp32")
+    assert eng.weight_bytes == est.weights == 4 * numel
+
+
+def _n(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_bf16_reference(model_factory):
+    """tiny-gemma4-moe's fp32 logits, and how far transformers' own bf16 run is from them (far:
+    a tiny random model whose every layer output is normed to full scale, and whose routing
+    flips under rounding)."""
+    path = model_factory("tiny-gemma4-moe", dtype="float32")
+    prompt = PROMPT[:24]
+
+    def hf(dt: torch.dtype) -> torch.Tensor:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).eval()
+        with torch.no_grad():
+            return model(torch.tensor([prompt])).logits[0].float()
+
+    ref = hf(torch.float32)
+    return path, prompt, ref, float((hf(torch.bfloat16) - ref).abs().max() / ref.abs().max())
+
+
+@pytest.mark.parametrize("name", [n for n in cpu_paths.PATHS if cpu_paths.probe(n) is None])
+def test_every_working_cpu_path_stays_near_fp32(moe_bf16_reference, name):
+    """The paths lay out the fused attention (q only, q+k, q+k+v), the per-layer-embedding
+    projections, the router and the experts: fp32 ones give transformers' fp32 logits, bf16 ones
+    stay as near them as transformers' own bf16 run, the lossy ones within a few times that."""
+    path, prompt, ref, hf_bf16 = moe_bf16_reference
+    lossy = cpu_paths.PATHS[name].lossy
+    got = Engine(str(path), kv_budget_bytes=1 << 20, cpu_path=name, quantize=lossy).prompt_logits(prompt)
+    err = float((got - ref).abs().max() / ref.abs().max())
+    if cpu_paths.PATHS[name].dtype == torch.float32:
+        assert err < 1e-4
+    else:
+        # int4's 16 levels a group of 32 cost this model's random weights the most (about 3x)
+        assert err < {"int8": 2.0, "int4": 3.0}.get(name, 1.25) * hf_bf16, (err, hf_bf16)
