@@ -269,3 +269,44 @@ def test_every_working_cpu_path_stays_near_fp32(moe_bf16_reference, name):
     else:
         # int4's 16 levels a group of 32 cost this model's random weights the most (about 3x)
         assert err < {"int8": 2.0, "int4": 3.0}.get(name, 1.25) * hf_bf16, (err, hf_bf16)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # transformers' defaults: per-layer embeddings (P = 256 over 262,144 ids), no sharing
+        dict(num_kv_shared_layers=12, use_double_wide_mlp=True, hidden_size_per_layer_input=0),
+        dict(
+            attention_k_eq_v=True,
+            num_global_key_value_heads=2,
+            hidden_size_per_layer_input=0,
+            enable_moe_block=True,
+            num_experts=128,
+            top_k_experts=8,
+            moe_intermediate_size=704,
+        ),
+    ],
+)
+def test_real_sized_configs_count_what_transformers_builds(overrides):
+    """Full-size configs (built on the meta device: nothing allocated): the description's
+    parameters are the checkpoint tensors transformers' Gemma4ForConditionalGeneration has for
+    its language model, through the Hub's multimodal config with only what differs from the
+    defaults written (as Google's configs are)."""
+    from pantheon.models.description import describe
+
+    text = transformers.Gemma4TextConfig(**overrides)
+    cfg = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)
+    with torch.device("meta"):
+        model = transformers.Gemma4ForConditionalGeneration(cfg)
+    state = model.state_dict()
+    want = sum(t.numel() for k, t in state.items() if k != "lm_head.weight")  # tied
+    hub = {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": overrides,
+    }
+    desc = describe(hub, {}, "config.json")
+    assert desc.total_params == want
+    shared = overrides.get("num_kv_shared_layers", 0)
+    assert sum(isinstance(s.cache, SharedKV) for s in desc.layers) == shared
+    assert desc.layers[5].cache == AttentionCache(overrides.get("num_global_key_value_heads") or 4, 512, None)
