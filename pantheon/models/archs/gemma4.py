@@ -174,7 +174,7 @@ def _layer_overrides(raw: dict, i: int) -> dict:
     per = raw.get("per_layer_config")
     if not isinstance(per, dict):
         return {}
-    got = per.get(str(i), per.get(i))  # pyright: ignore[reportArgumentType]
+    got = per.get(str(i), per.get(i))  # JSON keys are strings; a dict built in Python may use ints
     return got if isinstance(got, dict) else {}
 
 
