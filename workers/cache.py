@@ -10,7 +10,9 @@
   when a sequence leaves. A sliding-window attention layer's cache is such a state too: a ring of
   its ``window`` positions' K and V per slot (``"k"``, ``"v"``: ``[slots + 1, window, KV, D]``;
   position p in row ``p % window``), checkpointed like a recurrent state, and never cleared (a
-  query reads only positions its own sequence wrote: ``workers/layers/sliding.py``).
+  query reads only positions its own sequence wrote: ``workers/layers/sliding.py``);
+- ``SharedCache``: a KV-shared layer's (Gemma 4): the cache of the layer whose K/V it reads, no
+  tensor of its own (its bytes are that layer's, counted there).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pantheon.models.description import AttentionCache, ModelDescription, RecurrentState
+from pantheon.models.description import AttentionCache, ModelDescription, RecurrentState, SharedKV
 
 
 @dataclass
@@ -43,7 +45,19 @@ class StateCache:
         return sum(t.numel() * t.element_size() for t in ts)
 
 
-LayerCache = KVCache | StateCache
+@dataclass
+class SharedCache:
+    """A layer reading layer ``layer``'s K and V: ``source`` is that layer's cache."""
+
+    layer: int
+    source: KVCache | StateCache
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # the source's bytes
+
+
+LayerCache = KVCache | StateCache | SharedCache
 
 
 def make_caches(
@@ -86,6 +100,10 @@ def make_caches(
                 }
 
             out.append(StateCache(pool(num_slots + 1), pool(checkpoints)))
+        elif isinstance(c, SharedKV):
+            src = out[c.layer]  # an earlier layer: built already
+            assert not isinstance(src, SharedCache), "a shared layer reads a layer with its own cache"
+            out.append(SharedCache(c.layer, src))
         else:  # pragma: no cover - a new spec kind needs its cache here
             raise TypeError(f"no cache for {c!r}")
     return out

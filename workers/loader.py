@@ -186,10 +186,9 @@ def _empty_model(
         model = build(cfg)
     model.to(dt)  # still on meta: the storage below is allocated in ``dt`` at once
     model.layer_devices = layer_placement(cfg.num_layers, devs)
-    model.embed_tokens.to_empty(device=devs[0])
-    model.norm.to_empty(device=devs[0])
-    if model.lm_head is not None:
-        model.lm_head.to_empty(device=devs[0])
+    for name, child in model.named_children():  # embeddings, final norm, head (and a family's own)
+        if name != "layers":
+            child.to_empty(device=devs[0])
     for layer, dev in zip(model.layers, model.layer_devices):
         layer.to_empty(device=dev)
     return model

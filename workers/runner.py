@@ -184,6 +184,7 @@ class ModelRunner:
             pre.append(PrefillChunk(start, end, gather, mask, state_slot, fresh=p0 == 0))
 
         base = StepBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre, dec_slots, slot_run)
+        base.positions = pos_t  # for layers that build their own rotary tables (Gemma 4's full ones)
         if self.windows:
             rot = None
             if self.sliding_rotary is not None:

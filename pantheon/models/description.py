@@ -17,7 +17,9 @@ what sizing counts) and its **cache spec**:
   ``window`` rows per slot instead of the paged pool: a fixed size per running sequence, counted
   with the recurrent states (``state_bytes_per_slot``), not per token of context;
 - ``RecurrentState(tensors)``: a fixed-size state per running sequence (a slot), whatever the
-  context length: a linear-attention layer's conv window and its recurrent matrix.
+  context length: a linear-attention layer's conv window and its recurrent matrix;
+- ``SharedKV(layer)``: an attention layer that reads an earlier layer's K and V instead of its own
+  (Gemma 4's KV sharing): it has no cache, so nothing is booked or allocated for it.
 
 A mixture-of-experts layer also names its routed experts (``ExpertSpec``: count, top k, expert
 size): all of them are resident (sizing counts them), one token reads only its top k
@@ -95,7 +97,21 @@ class RecurrentState:
         return sum(t.nbytes(dtype_bytes) for t in self.tensors)
 
 
-CacheSpec = AttentionCache | RecurrentState
+@dataclass(frozen=True)
+class SharedKV:
+    """An attention layer that attends to the K and V of ``layer`` (an earlier attention layer of
+    the same kind: window, heads and head dim), as Gemma 4's KV-shared layers: no cache of its own."""
+
+    layer: int
+
+    def bytes_per_slot(self, dtype_bytes: int) -> int:
+        return 0
+
+    def bytes_per_token(self, dtype_bytes: int) -> int:
+        return 0
+
+
+CacheSpec = AttentionCache | RecurrentState | SharedKV
 
 
 @dataclass(frozen=True)
@@ -188,6 +204,9 @@ class ModelDescription:
     quantized_source: bool = False  # a GGUF file whose weights are all stored quantized
     int4_source: bool = False  # ... and its decoder linears in 4-bit groups of 32 (Q4_0/Q4_1/Q4_K)
     skipped: tuple[str, ...] = ()  # what of the checkpoint the engine leaves out, said in the load log
+    # Parameters outside the layers besides the embedding table, final norm and head (Gemma 4's
+    # per-layer embeddings and their projection), on the first die with the embeddings.
+    extra_params: int = 0
 
     @property
     def q_size(self) -> int:
@@ -260,7 +279,7 @@ class ModelDescription:
     def total_params(self) -> int:
         """Every parameter: embeddings, layers (all experts), final norm, an untied head."""
         table = self.vocab_size * self.hidden_size
-        top = table * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+        top = table * (1 if self.tie_word_embeddings else 2) + self.hidden_size + self.extra_params
         return top + sum(s.params for s in self.layers)
 
     @property
@@ -268,7 +287,7 @@ class ModelDescription:
         """The parameters one token's pass reads (a mixture of experts' ``top_k`` experts per
         layer; the embedding table counted whole, as the head reads it when tied)."""
         table = self.vocab_size * self.hidden_size
-        top = table * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+        top = table * (1 if self.tie_word_embeddings else 2) + self.hidden_size + self.extra_params
         return top + sum(s.active_params for s in self.layers)
 
 

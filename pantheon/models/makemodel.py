@@ -487,6 +487,228 @@ _DTYPES = {  # accepted spelling -> (config name, safetensors name, bytes per el
 
 GENERATION_DEFAULTS = dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
 
+
+# ------------------------------------------------------------------------------------- Gemma 4
+#
+# Gemma 4's text model (Gemma4ForCausalLM, transformers 5's gemma4_text), tiny: six layers (two
+# sliding with a 16-token window, a global, two sliding, a global), and every text feature of the
+# family switched on at once, so that each test exercises all of them: global layers with their
+# own head dim and KV heads, K as V (attention_k_eq_v), proportional RoPE, per-layer embeddings
+# (P = 16), the last two layers sharing the KV of layers 3 and 2 with a double-wide MLP.
+# ``tiny-gemma4-moe`` adds the 26B-A4B's routed experts beside each dense MLP. The tokenizer is
+# ours plus Gemma 4's turn and channel markers (special, ids 4000-4004), and the chat template
+# writes Gemma 4's turn format (our text; ../shared/specs/gemma-4-31B-it.chat_template.jinja is
+# the shipped one): <turn|> ends a turn and is the EOS, the assistant's role is "model", a system
+# turn first when there is a system message or thinking is on (then it starts with <|think|>),
+# and without thinking the generation prompt closes an empty thought channel.
+
+GEMMA4_MARKERS = ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>"]
+GEMMA4_TOKEN_IDS = {**tt.TOKEN_IDS, **{t: tt.VOCAB_SIZE + i for i, t in enumerate(GEMMA4_MARKERS)}}
+GEMMA4_VOCAB_SIZE = tt.VOCAB_SIZE + len(GEMMA4_MARKERS)  # 4005
+
+
+def _gemma4_text(**shapes) -> dict:
+    """A ``gemma4_text`` config in the Hub's spelling (``global_head_dim``,
+    ``num_global_key_value_heads``, ``rope_parameters`` by layer kind), keys sorted."""
+    config = dict(
+        architectures=["Gemma4ForCausalLM"],
+        model_type="gemma4_text",
+        attention_bias=False,
+        attention_dropout=0.0,
+        bos_token_id=tt.TOKEN_IDS[tt.BOS_TOKEN],
+        eos_token_id=GEMMA4_TOKEN_IDS["<turn|>"],
+        final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh",
+        initializer_range=0.02,
+        pad_token_id=tt.TOKEN_IDS[tt.PAD_TOKEN],
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+        use_bidirectional_attention=None,
+        use_cache=True,
+        **shapes,
+    )
+    return dict(sorted(config.items()))
+
+
+_S, _F = "sliding_attention", "full_attention"
+_TINY_GEMMA4 = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    layer_types=[_S, _S, _F, _S, _S, _F],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=16,
+    hidden_size_per_layer_input=16,  # (torch's int8 CPU kernel crashes on K = 8)
+    vocab_size_per_layer_input=_TINY_VOCAB,
+    num_kv_shared_layers=2,
+    use_double_wide_mlp=True,
+    enable_moe_block=False,
+    num_experts=None,
+    top_k_experts=None,
+    moe_intermediate_size=None,
+    vocab_size=_TINY_VOCAB,
+    max_position_embeddings=4096,
+)
+PRESETS["tiny-gemma4"] = _gemma4_text(**_TINY_GEMMA4)
+PRESETS["tiny-gemma4-moe"] = _gemma4_text(
+    **{
+        **_TINY_GEMMA4,
+        "enable_moe_block": True,
+        "num_experts": 8,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 32,
+    }
+)
+_NORM_JITTER.update({"tiny-gemma4": 0.1, "tiny-gemma4-moe": 0.1})
+
+
+def _is_gemma4(config: dict) -> bool:
+    return config["model_type"] in ("gemma4", "gemma4_text")
+
+
+def _gemma4_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """Gemma 4's text model (``Gemma4ForCausalLM`` names, transformers 5's stacked experts); every
+    norm is plain (``x * w``), and so are ``layer_scalar`` and the router's scales."""
+    from pantheon.models.archs.gemma4 import describe
+
+    d = describe(config, {}, "config", "gemma4")
+    h, nq, p, n = d.hidden_size, d.num_heads, d.ple_dim, d.num_layers
+    specs: list[tuple[str, tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", (d.vocab_size, h), "embed")
+    ]
+    if p:
+        specs += [
+            ("model.embed_tokens_per_layer.weight", (d.ple_vocab, n * p), "embed"),
+            ("model.per_layer_model_projection.weight", (n * p, h), "normal"),
+            ("model.per_layer_projection_norm.weight", (p,), "norm"),
+        ]
+    for i, a in enumerate(d.attn):
+        pre, hd, kv, inner = f"model.layers.{i}.", a.head_dim, a.kv_heads * a.head_dim, a.intermediate
+        layer = [
+            ("input_layernorm.weight", (h,), "norm"),
+            ("self_attn.q_proj.weight", (nq * hd, h), "normal"),
+        ]
+        if a.shares is None:
+            layer.append(("self_attn.k_proj.weight", (kv, h), "normal"))
+            if not a.k_eq_v:
+                layer.append(("self_attn.v_proj.weight", (kv, h), "normal"))
+        layer += [
+            ("self_attn.o_proj.weight", (h, nq * hd), "normal"),
+            ("self_attn.q_norm.weight", (hd,), "norm"),
+        ]
+        if a.shares is None:
+            layer.append(("self_attn.k_norm.weight", (hd,), "norm"))
+        layer += [
+            ("post_attention_layernorm.weight", (h,), "norm"),
+            ("pre_feedforward_layernorm.weight", (h,), "norm"),
+            ("mlp.gate_proj.weight", (inner, h), "normal"),
+            ("mlp.up_proj.weight", (inner, h), "normal"),
+            ("mlp.down_proj.weight", (h, inner), "normal"),
+            ("post_feedforward_layernorm.weight", (h,), "norm"),
+            ("layer_scalar", (1,), "norm"),
+        ]
+        ex = d.moe_experts
+        if ex is not None:
+            layer += [
+                ("router.proj.weight", (ex.count, h), "normal"),
+                ("router.scale", (h,), "norm"),
+                ("router.per_expert_scale", (ex.count,), "norm"),
+                ("experts.gate_up_proj", (ex.count, 2 * ex.intermediate, h), "normal"),
+                ("experts.down_proj", (ex.count, h, ex.intermediate), "normal"),
+                ("post_feedforward_layernorm_1.weight", (h,), "norm"),
+                ("pre_feedforward_layernorm_2.weight", (h,), "norm"),
+                ("post_feedforward_layernorm_2.weight", (h,), "norm"),
+            ]
+        if p:
+            layer += [
+                ("per_layer_input_gate.weight", (p, h), "normal"),
+                ("per_layer_projection.weight", (h, p), "normal"),
+                ("post_per_layer_input_norm.weight", (h,), "norm"),
+            ]
+        specs += [(pre + name, shape, kind) for name, shape, kind in layer]
+    specs.append(("model.norm.weight", (h,), "norm"))
+    if not d.tie_word_embeddings:
+        specs.append(("lm_head.weight", (d.vocab_size, h), "embed"))
+    return specs
+
+
+# Gemma 4's turn format in our own words (see the block's comment).
+GEMMA4_CHAT_TEMPLATE = """\
+{%- macro render(content) -%}
+  {%- if content is string -%}{{- content | trim -}}
+  {%- elif content is iterable and content is not mapping -%}
+    {%- for part in content -%}
+      {%- if 'text' in part -%}{{- part.text | trim -}}{%- endif -%}
+    {%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+{%- set thinking = enable_thinking is defined and enable_thinking -%}
+{{- bos_token -}}
+{%- set msgs = messages -%}
+{%- if thinking or (messages and messages[0].role in ['system', 'developer']) -%}
+  {{- '<|turn>system\\n' -}}
+  {%- if thinking -%}{{- '<|think|>\\n' -}}{%- endif -%}
+  {%- if messages and messages[0].role in ['system', 'developer'] -%}
+    {{- render(messages[0].content) -}}
+    {%- set msgs = messages[1:] -%}
+  {%- endif -%}
+  {{- '<turn|>\\n' -}}
+{%- endif -%}
+{%- for m in msgs -%}
+  {{- '<|turn>' + ('model' if m.role == 'assistant' else m.role) + '\\n' + render(m.content) + '<turn|>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|turn>model\\n' -}}
+  {%- if not thinking -%}{{- '<|channel>thought\\n<channel|>' -}}{%- endif -%}
+{%- endif -%}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def gemma4_tokenizer_json() -> str:
+    """Our trained tokenizer plus Gemma 4's markers (special, ids 4000-4004)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_str(tt.tokenizer_json())
+    for content in GEMMA4_MARKERS:  # one by one: ids in list order
+        tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
+    ids = {t: tok.token_to_id(t) for t in GEMMA4_TOKEN_IDS}
+    if ids != GEMMA4_TOKEN_IDS:
+        raise RuntimeError(f"added token ids {ids} differ from {GEMMA4_TOKEN_IDS}")
+    return tok.to_str(pretty=True)
+
+
+def gemma4_tokenizer_config(model_max_length: int) -> dict:
+    """``tokenizer_config.json`` of the Gemma 4 presets: the markers, <turn|> as EOS, the template."""
+    config = tt.tokenizer_config(model_max_length)
+    for content in GEMMA4_MARKERS:
+        config["added_tokens_decoder"][str(GEMMA4_TOKEN_IDS[content])] = {
+            "content": content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+    config["eos_token"] = "<turn|>"
+    config["chat_template"] = GEMMA4_CHAT_TEMPLATE
+    return config
+
+
 # --------------------------------------------------------------------------------------- tensors
 
 
@@ -507,6 +729,8 @@ def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
         return _qwen35_specs(config)
     if _is_gemma3(config):
         return _gemma3_specs(config)
+    if _is_gemma4(config):
+        return _gemma4_specs(config)
     if config["model_type"] == "qwen3_moe":
         return _qwen3_moe_specs(config)
     arch = config["model_type"]
@@ -1172,11 +1396,16 @@ def make_model(
     elif _is_gemma3(config):
         (out / "tokenizer.json").write_text(gemma3_tokenizer_json(), encoding="utf-8")
         _write_json(out / "tokenizer_config.json", gemma3_tokenizer_config(text["max_position_embeddings"]))
+    elif _is_gemma4(config):
+        (out / "tokenizer.json").write_text(gemma4_tokenizer_json(), encoding="utf-8")
+        _write_json(out / "tokenizer_config.json", gemma4_tokenizer_config(text["max_position_embeddings"]))
     else:
         tt.write_tokenizer(out, model_max_length=text["max_position_embeddings"])
     real_vocab = QWEN35_VOCAB_SIZE if qwen35 else tt.VOCAB_SIZE
     if _is_gemma3(config):
         real_vocab = GEMMA3_VOCAB_SIZE
+    if _is_gemma4(config):
+        real_vocab = GEMMA4_VOCAB_SIZE
     write_weights(
         out,
         config,

@@ -226,7 +226,7 @@ def estimate(
     # int8 rows plus a scale each (the int4 path's head too), else the table's bytes again.
     head_layout = layout if cpu else "dense"
     head = shape.vocab_size * (h + b) if head_layout in ("int8", "int4") else table
-    base = table + h * b  # embeddings and the final norm
+    base = table + h * b + shape.extra_params * b  # embeddings, the final norm (Gemma 4's PLE)
     if not shape.tie_word_embeddings:
         base += head  # the LM head (laid out in place of the checkpoint's)
     elif head_layout != "dense":

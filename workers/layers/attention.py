@@ -51,6 +51,7 @@ class StepBatch:
     # (workers/layers/sliding.py: each query reads at most the window; the masks band it); the
     # rotary tables are the sliding layers' (Gemma 3's local base). Built by the runner.
     windows: dict[int, StepBatch] = field(default_factory=dict)
+    positions: torch.Tensor | None = None  # [N] int64: each row's position (layers with their own RoPE)
 
     def to(self, dev: torch.device) -> StepBatch:
         """The same batch description on another device (layers split across dies)."""
@@ -72,6 +73,7 @@ class StepBatch:
             mv(self.decode_slots),
             self.decode_slot_run,
             {w: v.to(dev) for w, v in self.windows.items()},
+            mv(self.positions),
         )
 
 

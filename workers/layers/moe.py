@@ -101,6 +101,7 @@ def experts_forward(
     grouped_mm: bool | None = None,
     stats: list[int] | None = None,
     laid_out: tuple[nn.ModuleList, nn.ModuleList] | None = None,
+    act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
 ) -> torch.Tensor:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for every token n.
 
@@ -109,7 +110,8 @@ def experts_forward(
     The sum is accumulated in float32 and returned in x's dtype. ``stats``: the count of active
     experts is appended (the per-expert loop only: a benchmark's bytes read per step).
     ``laid_out``: each expert's gate_up and down as a CPU path laid them out (``MoE.lay_out``),
-    used in place of the stacked weights."""
+    used in place of the stacked weights. ``act``: the gate's activation (SiLU: SwiGLU experts;
+    Gemma 4's are GeGLU, tanh GELU)."""
     n, h = x.shape
     e, two_i, _ = gate_up.shape
     if laid_out is not None:
@@ -124,8 +126,8 @@ def experts_forward(
     if use_grouped:
         assert _GROUPED_MM is not None, "this torch has no grouped GEMM"
         gu = _GROUPED_MM(xs, gate_up.transpose(1, 2), offs=g.ends)  # [N k, 2I]
-        act = F.silu(gu[:, :inter]) * gu[:, inter:]
-        ys = _GROUPED_MM(act, down.transpose(1, 2), offs=g.ends)  # [N k, H]
+        a = act(gu[:, :inter]) * gu[:, inter:]
+        ys = _GROUPED_MM(a, down.transpose(1, 2), offs=g.ends)  # [N k, H]
     else:
         ys = torch.empty(xs.shape[0], h, dtype=x.dtype, device=x.device)
         active = g.active()
@@ -134,10 +136,10 @@ def experts_forward(
         for ex, s, t in active:
             if laid_out is not None:
                 gu = laid_out[0][ex](xs[s:t])
-                ys[s:t] = laid_out[1][ex](F.silu(gu[:, :inter]) * gu[:, inter:])
+                ys[s:t] = laid_out[1][ex](act(gu[:, :inter]) * gu[:, inter:])
                 continue
             gu = F.linear(xs[s:t], gate_up[ex])  # [c, 2I]
-            ys[s:t] = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down[ex])
+            ys[s:t] = F.linear(act(gu[:, :inter]) * gu[:, inter:], down[ex])
     # back to token order, then each token's k outputs weighted and summed in its own slot order
     # (a plain reduction: the same sum whatever else is in the batch, and no scatter, whose
     # threads stall on a busy host)

@@ -78,9 +78,14 @@ def ring_attention(
     b: StepBatch,
     k_ring: torch.Tensor,
     v_ring: torch.Tensor,
+    write_prefills: bool = True,
 ) -> torch.Tensor:
     """Sliding-window attention on a window view (``window_view``). q: [N, H, D] (pre-scaled),
-    k, v: [N, KV, D]; k_ring, v_ring: [slots + 1, window, KV, D] (a ring state) -> [N, H, D]."""
+    k, v: [N, KV, D]; k_ring, v_ring: [slots + 1, window, KV, D] (a ring state) -> [N, H, D].
+
+    ``write_prefills=False`` leaves the prefill chunks' K/V out of the ring, for a ring that later
+    layers of the same step read too (Gemma 4's KV sharing: a chunk's write may overwrite history
+    their queries still read); the caller writes them after the last reader (``ring_write_prefills``)."""
     nd, window = b.n_decode, k_ring.shape[1]
     k_ring, v_ring = k_ring.flatten(0, 1), v_ring.flatten(0, 1)  # views: [(slots + 1) * window, KV, D]
     if nd:
@@ -104,8 +109,24 @@ def ring_attention(
             enable_gqa=True,
             scale=1.0,
         )[0].transpose(0, 1)
-        # then its newest positions into the ring (at most a ring's worth: no row written twice)
-        tail = max(s, e - window)
-        k_ring.index_copy_(0, b.slot_mapping[tail:e], k[tail:e])
-        v_ring.index_copy_(0, b.slot_mapping[tail:e], v[tail:e])
+    if write_prefills:
+        _write_prefills(k, v, b, k_ring, v_ring, window)
     return out
+
+
+def _write_prefills(
+    k: torch.Tensor, v: torch.Tensor, b: StepBatch, k_ring: torch.Tensor, v_ring: torch.Tensor, window: int
+) -> None:
+    # each chunk's newest positions into the ring (at most a ring's worth: no row written twice)
+    for c in b.prefills:
+        tail = max(c.start, c.end - window)
+        k_ring.index_copy_(0, b.slot_mapping[tail : c.end], k[tail : c.end])
+        v_ring.index_copy_(0, b.slot_mapping[tail : c.end], v[tail : c.end])
+
+
+def ring_write_prefills(
+    k: torch.Tensor, v: torch.Tensor, b: StepBatch, k_ring: torch.Tensor, v_ring: torch.Tensor
+) -> None:
+    """The prefill chunks' K/V into the ring, as ``ring_attention`` writes them (after it, when it
+    was told not to). k, v: [N, KV, D]; k_ring, v_ring: [slots + 1, window, KV, D]."""
+    _write_prefills(k, v, b, k_ring.flatten(0, 1), v_ring.flatten(0, 1), k_ring.shape[1])

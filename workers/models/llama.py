@@ -15,7 +15,7 @@ from torch import nn
 
 from pantheon.models.archs.llama import LlamaDescription
 from pantheon.models.description import AttentionCache, ModelDescription
-from workers.cache import LayerCache, StateCache
+from workers.cache import KVCache, LayerCache, StateCache
 from workers.layers.attention import StepBatch, paged_attention
 from workers.layers.norms import RMSNorm
 from workers.layers.rotary import rotate
@@ -55,6 +55,7 @@ class Attention(nn.Module):
         if isinstance(cache, StateCache):  # a sliding layer's ring (workers/layers/sliding.py)
             out = ring_attention(qk[:, :h], qk[:, h:], v, b, cache.tensors["k"], cache.tensors["v"])
         else:
+            assert isinstance(cache, KVCache)  # not a SharedCache: this family shares no KV
             out = paged_attention(qk[:, :h], qk[:, h:], v, b, cache.k, cache.v)  # [N, H, D]
         return self.o_proj(out.reshape(n, self.q_size))
 
