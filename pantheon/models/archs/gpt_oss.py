@@ -80,9 +80,12 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> GptOssDescription:
         raise ModelError(
             "invalid", f"{where}: num_experts_per_tok {top_k} exceeds num_local_experts {experts}"
         )
-    window = raw.get("sliding_window", 128)
-    if window is not None:
-        window = pos_int(raw, "sliding_window", where)
+    # absent: transformers' 128; null: no window
+    window = (
+        None
+        if "sliding_window" in raw and raw["sliding_window"] is None
+        else pos_int(raw, "sliding_window", where, default=128)
+    )
     types = raw.get("layer_types")
     if types is None:
         types = [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
