@@ -350,3 +350,20 @@ def test_the_template_writes_harmony(model_factory):
         "<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>Hello.<|end|>"
     )
     assert tok(text, add_special_tokens=False)["input_ids"].count(ids["<|start|>"]) == 7
+
+
+@pytest.mark.parametrize("name", ["fp32-packed", "bf16", "bf16-packed", "int8"])
+def test_cpu_paths_match_the_fp32_reference(name, model_factory):
+    """Each CPU path's layout of gpt-oss (the packed ones prepack each expert without its biases,
+    which the block adds after) against the plain fp32 path."""
+    from workers import cpu_paths
+
+    if cpu_paths.probe(name) is not None:
+        pytest.skip(f"{name} does not work on this host")
+    path = str(model_factory("tiny-gpt-oss", dtype="float32"))
+    ref = Engine(path, devices=["cpu"], kv_budget_bytes=1 << 20, cpu_path="fp32").prompt_logits(PROMPT)
+    lossy = cpu_paths.PATHS[name].lossy
+    eng = Engine(path, devices=["cpu"], kv_budget_bytes=1 << 20, cpu_path=name, quantize=lossy)
+    assert eng.cpu_path == name
+    tol = {"fp32-packed": 1e-4}.get(name, 0.25 if lossy else 0.05)
+    assert float((eng.prompt_logits(PROMPT) - ref).abs().max() / ref.abs().max()) < tol
