@@ -14,8 +14,9 @@ the experts stacked, transposed and with gate and up *interleaved* (column ``2i`
 ``gate_up_proj_bias`` ``[E, 2I]``, ``down_proj`` ``[E, I, H]``, ``down_proj_bias`` ``[E, H]``;
 or, as the Hub ships them, MXFP4 ``mlp.experts.{gate_up,down}_proj_{blocks,scales}`` holding
 the untransposed ``[E, 2I, H]`` / ``[E, H, I]`` (``workers/mxfp4.py``), joined and dequantized
-one expert at a time at load (``joined`` / ``join``). Every expert tensor is split into the
-stacked layout's per-expert rows (gate rows, then up rows: ``stacked`` / ``unstack``).
+one expert at a time at load (``joined`` / ``join``); or llama.cpp's ``gpt-oss`` GGUF names
+(``gguf_name``). Every expert tensor is split into the stacked layout's per-expert rows (gate
+rows, then up rows: ``stacked`` / ``unstack``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from workers.layers.rotary import rotate
 from workers.layers.sinks import paged_sink_attention, ring_sink_attention
 from workers.models import Target
 from workers.models.base import DecoderLayer, DecoderLM
-from workers.models.llama import top_targets
+from workers.models.llama import GGUF_LAYER as GGUF_LLAMA_LAYER
+from workers.models.llama import GGUF_TOP, gguf_name_from, top_targets
 from workers.mxfp4 import dequantize
 
 
@@ -150,11 +152,12 @@ def checkpoint_name(name: str) -> str | None:
 
 
 _STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?")
+_GGUF_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate|up|down)_exps\.(weight|bias)")
 _JOINED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)")
 
 
 def stacked(name: str) -> bool:
-    return _STACKED.fullmatch(name) is not None
+    return _STACKED.fullmatch(name) is not None or _GGUF_STACKED.fullmatch(name) is not None
 
 
 def _gate_up(prefix: str, e: int, w: torch.Tensor, suffix: str) -> list[tuple[str, torch.Tensor]]:
@@ -165,6 +168,10 @@ def _gate_up(prefix: str, e: int, w: torch.Tensor, suffix: str) -> list[tuple[st
 def unstack(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """transformers' stacked experts -> each expert's gate / up / down weight and bias (views):
     ``gate_up_proj`` ``[E, H, 2I]`` and ``down_proj`` ``[E, I, H]`` transposed back to rows."""
+    g = _GGUF_STACKED.fullmatch(name)
+    if g is not None:  # llama.cpp's: already rows, one stack per projection
+        prefix, x, w = g.groups()
+        return [(f"{prefix}{e}.{x}_proj.{w}", tensor[e]) for e in range(tensor.shape[0])]
     m = _STACKED.fullmatch(name)
     assert m is not None  # the loader asks only for stacked() names
     prefix, kind, bias = m.groups()
@@ -208,9 +215,28 @@ def join(key: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.
     return pieces()
 
 
+# llama.cpp's ``gpt-oss`` names. Its converter splits the interleaved gate/up into separate
+# ``ffn_gate_exps`` / ``ffn_up_exps`` stacks and stores every expert stack in row layout
+# (``[E, I, H]``, ``[E, H, I]``); those get names of their own here (``*_exps``), split per expert
+# by ``unstack`` as they are.
+GGUF_LAYER = {k: v for k, v in GGUF_LLAMA_LAYER.items() if not k.startswith("ffn_")} | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+    **{
+        f"ffn_{x}_exps.{w}": f"mlp.experts.{x}_exps.{w}"
+        for x in ("gate", "up", "down")
+        for w in ("weight", "bias")
+    },
+}
+
+
 def gguf_name(name: str) -> str | None:
-    return None  # no GGUF gpt-oss yet (pantheon.models.archs.gpt_oss lists no GGUF architecture)
+    return gguf_name_from(name, GGUF_TOP, GGUF_LAYER)
 
 
 def from_gguf(name: str, tensor: torch.Tensor, desc: ModelDescription, arch: str) -> torch.Tensor:
+    """``gpt-oss`` files keep the Hugging Face row order (no q/k permutation); the experts'
+    layout is undone by ``unstack``."""
     return tensor

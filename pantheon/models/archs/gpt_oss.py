@@ -25,6 +25,7 @@ from pantheon.models.description import (
     decoder_fields,
     pos_int,
 )
+from pantheon.models.gguf import GGUFFile, _field
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_THETA = 150_000.0  # transformers' GptOssConfig.default_theta
@@ -136,10 +137,35 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> GptOssDescription:
     )
 
 
+def gguf_config(g: GGUFFile, raw: dict) -> None:
+    """A ``gpt-oss`` GGUF file's own fields, as llama.cpp reads them (``src/models/openai-moe-iswa``):
+    the experts (``expert_count``, ``expert_used_count``, ``expert_feed_forward_length``), the
+    window (``attention.sliding_window``) on every other layer from the first (its SWA pattern 2),
+    the SwiGLU's alpha and limit as its constants (1.702, 7.0: not stored). The YaRN fields are
+    read with every family's (``rope.scaling.*``); the converter drops ``truncate``, false in every
+    gpt-oss config, so it is set back."""
+    a = g.arch
+    n = raw["num_hidden_layers"]
+    window = g.meta.get(f"{a}.attention.sliding_window") or None
+    raw.update(
+        num_local_experts=_field(g, f"{a}.expert_count"),
+        num_experts_per_tok=_field(g, f"{a}.expert_used_count"),
+        intermediate_size=_field(g, f"{a}.expert_feed_forward_length"),
+        sliding_window=window,
+        layer_types=[SLIDING if i % 2 == 0 else FULL for i in range(n)],
+        attention_bias=True,
+        swiglu_alpha=1.702,
+        swiglu_limit=7.0,
+    )
+    if isinstance(raw.get("rope_scaling"), dict) and raw["rope_scaling"].get("rope_type") == "yarn":
+        raw["rope_scaling"]["truncate"] = False
+
+
 FAMILY = Family(
     name="gpt_oss",
     hf_architectures={"GptOssForCausalLM": "gpt_oss"},
     model_types={"gpt_oss": "gpt_oss"},
-    gguf_architectures={},
+    gguf_architectures={"gpt-oss": ("GptOssForCausalLM", "gpt_oss")},
     describe=describe,
+    gguf_config=gguf_config,
 )
