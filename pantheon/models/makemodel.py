@@ -1228,7 +1228,8 @@ def _mxfp4_quantize(w):
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     scaled = x / torch.exp2(exp)
     levels = torch.tensor(_FP4_LEVELS)
-    code = (scaled.abs().unsqueeze(-1) - levels).abs().argmin(dim=-1)  # nearest magnitude
+    # the nearest magnitude (a tie to the smaller): the midpoints between levels as bucket edges
+    code = torch.bucketize(scaled.abs(), (levels[1:] + levels[:-1]) / 2)
     code = code + 8 * (scaled < 0)
     code = code.to(torch.uint8)
     blocks = code[..., 0::2] | (code[..., 1::2] << 4)
@@ -1239,17 +1240,21 @@ def _mxfp4_quantize(w):
 def _write_mxfp4(out: Path, config: dict) -> None:
     """Rewrite a written gpt-oss folder's experts as MXFP4 (``gate_up_proj`` / ``down_proj`` ->
     ``*_blocks`` and ``*_scales`` of their untransposed ``[E, 2I, H]`` / ``[E, H, I]``, as the Hub
-    ships gpt-oss) and add its ``quantization_config``. The whole file passes through memory:
-    meant for tiny and layer-cut folders."""
+    ships gpt-oss) and add its ``quantization_config``. The whole file passes through memory
+    (quantized one expert at a time): meant for tiny and layer-cut folders."""
     from safetensors.torch import load_file, save_file
 
     path = out / "model.safetensors"
     if not path.is_file():
         raise ValueError("mxfp4 folders are written unsharded")
+    import torch
+
     tensors = load_file(str(path))
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        blocks, scales = _mxfp4_quantize(tensors.pop(name).transpose(-1, -2))
-        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        w = tensors.pop(name)
+        parts = [_mxfp4_quantize(w[e].transpose(-1, -2)) for e in range(w.shape[0])]  # an expert at a time
+        tensors[f"{name}_blocks"] = torch.stack([b for b, _ in parts])
+        tensors[f"{name}_scales"] = torch.stack([s for _, s in parts])
     save_file(dict(sorted(tensors.items())), str(path), metadata={"format": "pt"})
     config["quantization_config"] = dict(MXFP4_QUANTIZATION)
     _write_json(out / "config.json", dict(sorted(config.items())))
