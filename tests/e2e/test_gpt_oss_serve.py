@@ -3,7 +3,8 @@ one, 8 experts top 4, Harmony template) through ``pantheon serve`` and the offic
 client, with a conversation longer than the window, streamed and not.
 
 Random weights, so the text is noise: the checks are token counts, finish reasons, a seeded
-stream equal to the whole answer, and the admin view's total and active parameters. (The Harmony
+stream equal to the whole answer (through the prefix the first request cached), and the admin
+view's total and active parameters. (The Harmony
 output parser's reasoning and tool calls are tested where it lives.)
 """
 
@@ -59,6 +60,9 @@ def test_a_chat_past_the_window_streams_what_the_whole_answer_says(oss):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     usage = next(ch.usage for ch in chunks if ch.usage is not None)
     assert usage.completion_tokens == 8 and usage.prompt_tokens == whole.usage.prompt_tokens
+    # the second request restored the first's prefix (full layers' blocks, the ring's checkpoint)
+    # and still wrote the same seeded answer
+    assert usage.prompt_tokens_details is not None and (usage.prompt_tokens_details.cached_tokens or 0) > 16
 
 
 def test_admin_shows_total_and_active_parameters(oss, oss_path):
