@@ -1223,7 +1223,7 @@ def _mxfp4_quantize(w):
     import torch
 
     *lead, r, c = w.shape
-    x = w.float().reshape(*lead, r, c // 32, 32)
+    x = w.float().contiguous().reshape(*lead, r, c // 32, 32)
     amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-126)
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     scaled = x / torch.exp2(exp)
