@@ -6,6 +6,7 @@
     python bench/decode.py --model FILE.gguf [--hf-dir DIR] [--no-peer] [--json OUT]
     python bench/decode.py --qwen35 [--outtype q8_0]   # Qwen3.5-0.8B shapes (random weights)
     python bench/decode.py --moe [--moe-layers 2]     # Qwen3-30B-A3B shapes cut to 2 layers
+    python bench/decode.py --moe --moe-preset gpt-oss-20b   # gpt-oss-20b shapes, MXFP4 experts
 
 Folder mode prints tokens/s for each batch size (aggregate over the batch, decode only:
 prefill is timed apart and left out), transformers' figure, their ratio, and the fraction of
@@ -47,7 +48,10 @@ way, then GGUF mode (transformers skipped: its per-expert Python loop is no comp
 mixture of experts the weight bytes a decode step really reads are measured (the experts the
 step's tokens ran, counted by the MoE layers) at 1 and ``--streams`` sequences, beside the
 active-parameter bound (one token's experts) and all experts' bytes, against a measured copy
-bandwidth.
+bandwidth. ``--moe-preset gpt-oss-20b``: gpt-oss-20b's shapes (32 experts, 4 per token, biases,
+sinks, alternating 128-token windows) with its experts in MXFP4 as the Hub ships them
+(``make_model(mxfp4=True)``): llama.cpp's converter keeps them MXFP4, our engine dequantizes them
+to the path's dtype at load, so its experts' bytes read per step are ~4x llama.cpp's.
 """
 
 from __future__ import annotations
@@ -104,18 +108,21 @@ def qwen35_files(outtype: str = "bf16") -> tuple[Path, Path]:
 
 
 MOE_PRESET = "qwen3-30b-a3b"
+MOE_PRESETS = (MOE_PRESET, "gpt-oss-20b")
 
 
-def moe_files(layers: int = 2, outtype: str = "bf16") -> tuple[Path, Path]:
-    """The Qwen3-30B-A3B preset cut to ``layers`` layers, and its GGUF beside it (llama.cpp's
-    converter), written on first use."""
+def moe_files(layers: int = 2, outtype: str = "bf16", preset: str = MOE_PRESET) -> tuple[Path, Path]:
+    """A mixture-of-experts preset (Qwen3-30B-A3B's or gpt-oss-20b's shapes) cut to ``layers``
+    layers, and its GGUF beside it (llama.cpp's converter), written on first use; gpt-oss's
+    experts in MXFP4, as the Hub ships them."""
     from pantheon.models.makemodel import make_model
 
     cache = Path(os.environ.get("PANTHEON_CACHE", Path.home() / ".cache" / "pantheon")) / "models"
-    folder = cache / f"{MOE_PRESET}-{layers}l"
+    folder = cache / f"{preset}-{layers}l"
     if not (folder / "model.safetensors").exists():
-        print(f"writing the {MOE_PRESET} preset cut to {layers} layers to {folder} ...", flush=True)
-        make_model(MOE_PRESET, folder, num_hidden_layers=layers)
+        print(f"writing the {preset} preset cut to {layers} layers to {folder} ...", flush=True)
+        extra = {"mxfp4": True} if preset.startswith("gpt-oss") else {}
+        make_model(preset, folder, num_hidden_layers=layers, **extra)
     gguf = folder.parent / f"{folder.name}-{outtype}.gguf"
     if not gguf.is_file():
         sys.path.insert(0, str(ROOT / "tests"))
@@ -672,10 +679,16 @@ def main() -> int:
     g.add_argument(
         "--moe",
         action="store_true",
-        help=f"the {MOE_PRESET} preset (random weights) cut to --moe-layers layers, as a GGUF "
+        help="the --moe-preset preset (random weights) cut to --moe-layers layers, as a GGUF "
         "converted beside the folder on first use; transformers skipped",
     )
     g.add_argument("--moe-layers", type=int, default=2, help="--moe: decoder layers kept (default 2)")
+    g.add_argument(
+        "--moe-preset",
+        default=MOE_PRESET,
+        choices=MOE_PRESETS,
+        help=f"--moe: the preset (default {MOE_PRESET})",
+    )
     g.add_argument("--streams", type=int, default=8, help="concurrent streams (default 8)")
     g.add_argument("--rounds", type=int, default=3, help="measured HTTP rounds, best kept (3)")
     g.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
@@ -692,7 +705,7 @@ def main() -> int:
     if args.moe:
         if args.model:
             ap.error("--moe makes its own model; leave out --model")
-        folder, gguf = moe_files(args.moe_layers, args.outtype)
+        folder, gguf = moe_files(args.moe_layers, args.outtype, args.moe_preset)
         args.model = str(gguf)
         args.no_transformers = True
     if args.peer or (args.model and args.model.endswith(".gguf")):

@@ -17,6 +17,8 @@ Block layouts (ggml's, all little-endian, ``d``/``m``/``dmin`` are fp16):
 - Q4_K (256): d, dmin, 12 bytes of 8 6-bit scales and 8 6-bit mins, 128 bytes of nibbles
 - Q5_K (256): as Q4_K plus 32 bytes of high bits (bit s of byte l for sub-block s)
 - Q6_K (256): 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d
+- MXFP4 (32): e (an e8m0 exponent byte), 16 bytes of e2m1 nibbles; x = 2 * fp4(q) * 2 ** (e - 128)
+  (ggml's doubled levels times half the scale), low nibbles are x[0:16] (gpt-oss's experts)
 
 Tensor names and the converter's transformations (llama's q/k row order, ...) are the family's
 (``workers/models/<family>.py``: ``gguf_name``, ``from_gguf``).
@@ -158,6 +160,15 @@ def _q6_k(b, out):
     torch.mul(d, q.view(n, 16, 16), out=out.view(n, 16, 16))
 
 
+# ggml's kvalues_mxfp4: the e2m1 levels doubled (its scales are halved to match)
+_MXFP4_LEVELS = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
+
+
+def _mxfp4(b, out):
+    exp = b[:, :1].to(torch.int32) - 128  # [n, 1]
+    out[:] = torch.ldexp(_MXFP4_LEVELS[_nibbles(b[:, 1:]).long()], exp)
+
+
 # Blocks are unpacked a chunk of values at a time: a chunk's temporaries stay in the CPU's cache,
 # and every op stays under torch's parallel grain (32768 values), so none waits for threads that a
 # busy machine (other models' workers) may not schedule soon. The chunks are few: one per 16k
@@ -175,6 +186,7 @@ _BLOCKS = {
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "MXFP4": _mxfp4,
 }
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _LAYOUT = {name: (block, nbytes) for name, block, nbytes in TENSOR_TYPES.values()}

@@ -23,7 +23,7 @@ from pantheon.models.gguf import find_gguf, read_gguf
 from workers.errors import LoadError
 from workers.gguf_weights import iter_tensors
 from workers.model_config import ModelConfig, gguf_config, gguf_errors, load_config
-from workers.models import Family, Target, family, is_stacked, unstacked
+from workers.models import Family, Target, family, is_stacked, joined_part, joined_pieces, unstacked
 from workers.models.base import DecoderLM
 
 _COPY_VALUES = 1 << 14  # values per copy into a parameter (see _fill)
@@ -205,12 +205,33 @@ class _Wanted:
         self.targets, self.fam = targets, fam
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and (name in self.targets or is_stacked(self.fam, name))
+        return isinstance(name, str) and (
+            name in self.targets or is_stacked(self.fam, name) or joined_part(self.fam, name) is not None
+        )
 
 
 def _pieces(tensors: Tensors, fam: Family, targets: dict[str, Target]) -> Tensors:
-    """Stacked tensors split into the targets they fill (others pass as they are)."""
+    """Stacked tensors split into the targets they fill, parts of one weight (MXFP4 blocks and
+    scales) joined first (``workers.models.joined_part``); others pass as they are."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
     for f, label, name, src in tensors:
+        part = joined_part(fam, name)
+        if part is not None:
+            key, which = part
+            parts = pending.setdefault(key, {})
+            parts[which] = src
+            pieces = joined_pieces(fam, key, parts)
+            if pieces is None:
+                continue
+            del pending[key]
+            for piece, t in pieces:
+                if piece not in targets:
+                    raise LoadError(
+                        "invalid",
+                        f"{f}: weight {key!r}: piece {piece!r} is not part of the model its config describes",
+                    )
+                yield f, f"{key!r} ({piece})", piece, t
+            continue
         if not is_stacked(fam, name):
             yield f, label, name, src
             continue
@@ -222,6 +243,8 @@ def _pieces(tensors: Tensors, fam: Family, targets: dict[str, Target]) -> Tensor
                     "the model its config describes",
                 )
             yield f, f"{label} ({piece})", piece, t
+    for key, parts in pending.items():
+        raise LoadError("invalid", f"weight {key!r}: the checkpoint has only its {', '.join(sorted(parts))}")
 
 
 def _safetensors_tensors(

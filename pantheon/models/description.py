@@ -117,7 +117,8 @@ CacheSpec = AttentionCache | RecurrentState | SharedKV
 @dataclass(frozen=True)
 class ExpertSpec:
     """A mixture-of-experts MLP's routed experts: ``count`` SwiGLU experts of ``intermediate``
-    rows each (gate, up ``[I, H]`` and down ``[H, I]``), stacked ``[count, ...]``; each token
+    rows each (gate, up ``[I, H]`` and down ``[H, I]``, biases when ``bias``), stacked
+    ``[count, ...]``; each token
     runs ``top_k`` of them. All are resident; a token reads only its ``top_k``. The router
     (``[count, H]``) and a shared expert, when there is one, are ordinary linears of the layer."""
 
@@ -125,11 +126,12 @@ class ExpertSpec:
     top_k: int
     intermediate: int
     hidden: int
+    bias: bool = False  # each expert's gate, up and down have biases (gpt-oss)
 
     @property
     def per_expert(self) -> int:
-        """Parameters of one expert: gate, up and down."""
-        return 3 * self.intermediate * self.hidden
+        """Parameters of one expert: gate, up and down (and their biases)."""
+        return 3 * self.intermediate * self.hidden + (2 * self.intermediate + self.hidden if self.bias else 0)
 
     @property
     def params(self) -> int:

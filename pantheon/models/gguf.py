@@ -49,6 +49,7 @@ TENSOR_TYPES: dict[int, tuple[str, int, int]] = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
     30: ("BF16", 1, 2),
+    39: ("MXFP4", 32, 17),
 }
 SUPPORTED_TYPES = ", ".join(name for name, _, _ in TENSOR_TYPES.values())
 

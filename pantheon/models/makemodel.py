@@ -733,6 +733,8 @@ def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
         return _gemma4_specs(config)
     if config["model_type"] == "qwen3_moe":
         return _qwen3_moe_specs(config)
+    if _is_gpt_oss(config):
+        return _gpt_oss_specs(config)
     arch = config["model_type"]
     h, inner = config["hidden_size"], config["intermediate_size"]
     nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -1288,6 +1290,309 @@ def gemma3_tokenizer_config(model_max_length: int) -> dict:
     return config
 
 
+# ------------------------------------------------------------------------------------- gpt-oss
+#
+# gpt-oss (GptOssForCausalLM): alternating sliding-window (128 tokens; 16 in the tiny preset) and
+# full attention layers with q/k/v/o biases and a learned sink per head, YaRN RoPE, and a mixture
+# of experts in every layer (router with a bias, top k, experts with biases, clamped SwiGLU). The
+# experts stacked as transformers' GptOssExperts holds them: gate_up_proj [E, H, 2I] with gate and
+# up columns interleaved, down_proj [E, I, H], and their biases; ``make_model(..., mxfp4=True)``
+# stores gate_up_proj and down_proj as the Hub does, MXFP4 blocks and scales (_write_mxfp4).
+# The tokenizer is ours plus Harmony's markers (special, ids 4000..4006; the real ones are
+# 200002..200012), with a short Harmony chat template of our own; <|return|> and <|call|> end a
+# turn (EOS), as in gpt-oss's generation_config.
+
+GPT_OSS_TOKENS = [
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|return|>",
+    "<|call|>",
+    "<|constrain|>",
+]
+GPT_OSS_TOKEN_IDS = {**tt.TOKEN_IDS, **{t: tt.VOCAB_SIZE + i for i, t in enumerate(GPT_OSS_TOKENS)}}
+GPT_OSS_VOCAB_SIZE = tt.VOCAB_SIZE + len(GPT_OSS_TOKENS)  # 4007
+GPT_OSS_EOS = [GPT_OSS_TOKEN_IDS["<|return|>"], GPT_OSS_TOKEN_IDS["<|call|>"]]
+
+
+def _gpt_oss(**shapes) -> dict:
+    """A ``gpt_oss`` config as the Hub writes gpt-oss-20b's (without its quantization_config,
+    which ``mxfp4=True`` adds), keys sorted."""
+    n = shapes["num_hidden_layers"]
+    config = dict(
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        attention_bias=True,
+        attention_dropout=0.0,
+        bos_token_id=tt.TOKEN_IDS[tt.BOS_TOKEN],
+        eos_token_id=GPT_OSS_TOKEN_IDS["<|return|>"],
+        hidden_act="silu",
+        initializer_range=0.02,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+        output_router_logits=False,
+        pad_token_id=tt.TOKEN_IDS[tt.PAD_TOKEN],
+        rms_norm_eps=1e-5,
+        rope_theta=150000.0,
+        router_aux_loss_coef=0.9,
+        swiglu_limit=7.0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        use_cache=True,
+        **shapes,
+    )
+    return dict(sorted(config.items()))
+
+
+_GPT_OSS_ROPE = dict(
+    beta_fast=32.0,
+    beta_slow=1.0,
+    factor=32.0,
+    original_max_position_embeddings=4096,
+    rope_type="yarn",
+    truncate=False,
+)
+# Tiny: 2 layers (sliding, full), a 16-token window, 8 experts (top 4) of 64 rows, YaRN over
+# 1024 original positions (so that its ramp and attention factor matter at the tiny head dim).
+PRESETS["tiny-gpt-oss"] = _gpt_oss(
+    hidden_size=64,
+    intermediate_size=64,  # a multiple of 32: MXFP4 blocks along the down projection's rows
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=_TINY_VOCAB + 64,  # 4096: room for the Harmony markers
+    max_position_embeddings=4096,
+    sliding_window=16,
+    num_local_experts=8,
+    num_experts_per_tok=4,
+    rope_scaling={**_GPT_OSS_ROPE, "factor": 4.0, "original_max_position_embeddings": 1024},
+)
+# Exactly gpt-oss-20b's shapes (24 layers of 32 experts, 4 per token; tokenizer ours): the decode
+# benchmark cuts it to a few layers with num_hidden_layers (layer_types follow, see
+# _apply_overrides).
+PRESETS["gpt-oss-20b"] = _gpt_oss(
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_hidden_layers=24,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=201088,
+    max_position_embeddings=131072,
+    sliding_window=128,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    rope_scaling=dict(_GPT_OSS_ROPE),
+)
+_NORM_JITTER["tiny-gpt-oss"] = 0.1
+
+
+def _is_gpt_oss(config: dict) -> bool:
+    return config["model_type"] == "gpt_oss"
+
+
+def _gpt_oss_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """gpt-oss under transformers' names (experts stacked and transposed, biases everywhere)."""
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    nq, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    e = config["num_local_experts"]
+    specs: list[tuple[str, tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", (config["vocab_size"], h), "embed")
+    ]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        specs += [
+            (p + "input_layernorm.weight", (h,), "norm"),
+            (p + "self_attn.q_proj.weight", (nq * hd, h), "normal"),
+            (p + "self_attn.q_proj.bias", (nq * hd,), "normal"),
+            (p + "self_attn.k_proj.weight", (nkv * hd, h), "normal"),
+            (p + "self_attn.k_proj.bias", (nkv * hd,), "normal"),
+            (p + "self_attn.v_proj.weight", (nkv * hd, h), "normal"),
+            (p + "self_attn.v_proj.bias", (nkv * hd,), "normal"),
+            (p + "self_attn.o_proj.weight", (h, nq * hd), "normal"),
+            (p + "self_attn.o_proj.bias", (h,), "normal"),
+            (p + "self_attn.sinks", (nq,), "normal"),
+            (p + "post_attention_layernorm.weight", (h,), "norm"),
+            (p + "mlp.router.weight", (e, h), "normal"),
+            (p + "mlp.router.bias", (e,), "normal"),
+            (p + "mlp.experts.gate_up_proj", (e, h, 2 * inter), "normal"),
+            (p + "mlp.experts.gate_up_proj_bias", (e, 2 * inter), "normal"),
+            (p + "mlp.experts.down_proj", (e, inter, h), "normal"),
+            (p + "mlp.experts.down_proj_bias", (e, h), "normal"),
+        ]
+    specs.append(("model.norm.weight", (h,), "norm"))
+    if not config.get("tie_word_embeddings"):
+        specs.append(("lm_head.weight", (config["vocab_size"], h), "embed"))
+    return specs
+
+
+MXFP4_QUANTIZATION = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}
+_FP4_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes, codes 0..7 (8..15: negative)
+
+
+def _mxfp4_quantize(w):
+    """``[..., R, C]`` float -> (blocks ``[..., R, C / 32, 16]`` uint8, scales ``[..., R, C / 32]``
+    uint8) as transformers' ``integrations/mxfp4.py`` reads them: per 32 values an e8m0 exponent
+    (the smallest power of two that brings the block's largest magnitude within 6), each value
+    the nearest e2m1 level of its scaled value, two a byte, the even column in the low nibble."""
+    import torch
+
+    *lead, r, c = w.shape
+    x = w.float().contiguous().reshape(*lead, r, c // 32, 32)
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = x / torch.exp2(exp)
+    levels = torch.tensor(_FP4_LEVELS)
+    # the nearest magnitude (a tie to the smaller): the midpoints between levels as bucket edges
+    code = torch.bucketize(scaled.abs(), (levels[1:] + levels[:-1]) / 2)
+    code = code + 8 * (scaled < 0)
+    code = code.to(torch.uint8)
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)
+    scales = (exp.squeeze(-1) + 127).to(torch.uint8)
+    return blocks.contiguous(), scales.contiguous()
+
+
+def _write_mxfp4(out: Path, config: dict) -> None:
+    """Rewrite a written gpt-oss folder's experts as MXFP4 (``gate_up_proj`` / ``down_proj`` ->
+    ``*_blocks`` and ``*_scales`` of their untransposed ``[E, 2I, H]`` / ``[E, H, I]``, as the Hub
+    ships gpt-oss) and add its ``quantization_config``. The whole file passes through memory
+    (quantized one expert at a time): meant for tiny and layer-cut folders."""
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    if not path.is_file():
+        raise ValueError("mxfp4 folders are written unsharded")
+    import torch
+
+    tensors = load_file(str(path))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name)
+        parts = [_mxfp4_quantize(w[e].transpose(-1, -2)) for e in range(w.shape[0])]  # an expert at a time
+        tensors[f"{name}_blocks"] = torch.stack([b for b, _ in parts])
+        tensors[f"{name}_scales"] = torch.stack([s for _, s in parts])
+    save_file(dict(sorted(tensors.items())), str(path), metadata={"format": "pt"})
+    config["quantization_config"] = dict(MXFP4_QUANTIZATION)
+    _write_json(out / "config.json", dict(sorted(config.items())))
+
+
+# Harmony, gpt-oss's message format, in our own shorter text: every message is
+# <|start|>ROLE<|channel|>CHANNEL<|message|>TEXT<|end|>. A system message says the reasoning
+# effort and the channels; the request's system/developer text and its tools go into a developer
+# message (tools as TypeScript-like signatures in the `functions` namespace, parameters as JSON
+# schema); an assistant turn after the last user message keeps its reasoning (analysis channel),
+# its tool calls go to the commentary channel addressed `to=functions.NAME` and end in <|call|>,
+# its answer to the final channel; tool results come from `functions.NAME` to the assistant. The
+# generation prompt opens an assistant message.
+GPT_OSS_CHAT_TEMPLATE = """\
+{%- macro render(content) -%}
+  {%- if content is string -%}{{- content -}}
+  {%- elif content is iterable and content is not mapping -%}
+    {%- for part in content -%}{%- if 'text' in part -%}{{- part.text -}}{%- endif -%}{%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+{{- '<|start|>system<|message|>You are a large language model.\\nReasoning: '
+    + (reasoning_effort if reasoning_effort is defined and reasoning_effort else 'medium')
+    + '\\n\\n# Valid channels: analysis, commentary, final. Every message names its channel.' -}}
+{%- if tools -%}{{- '\\nTool calls go to the commentary channel.' -}}{%- endif -%}
+{{- '<|end|>' -}}
+{%- set msgs = messages -%}
+{%- set instructions = '' -%}
+{%- if messages and messages[0].role in ('system', 'developer') -%}
+  {%- set instructions = render(messages[0].content) -%}
+  {%- set msgs = messages[1:] -%}
+{%- endif -%}
+{%- if instructions or tools -%}
+  {{- '<|start|>developer<|message|>' -}}
+  {%- if instructions -%}{{- '# Instructions\\n\\n' + instructions -}}{%- endif -%}
+  {%- if tools -%}
+    {%- if instructions -%}{{- '\\n\\n' -}}{%- endif -%}
+    {{- '# Tools\\n\\n## functions\\n\\nnamespace functions {\\n' -}}
+    {%- for tool in tools -%}
+      {%- set f = tool.function if tool.function is defined else tool -%}
+      {{- '\\n// ' + (f.description or '') + '\\ntype ' + f.name + ' = (_: '
+          + ((f.parameters or {}) | tojson) + ') => any;\\n' -}}
+    {%- endfor -%}
+    {{- '\\n} // namespace functions' -}}
+  {%- endif -%}
+  {{- '<|end|>' -}}
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in msgs -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- for m in msgs -%}
+  {%- if m.role == 'user' or m.role == 'system' or m.role == 'developer' -%}
+    {{- '<|start|>' + m.role + '<|message|>' + render(m.content) + '<|end|>' -}}
+  {%- elif m.role == 'assistant' -%}
+    {%- set reasoning = m.reasoning_content if m.reasoning_content is string else '' -%}
+    {%- if reasoning and loop.index0 > ns.last_user -%}
+      {{- '<|start|>assistant<|channel|>analysis<|message|>' + reasoning + '<|end|>' -}}
+    {%- endif -%}
+    {%- for call in m.tool_calls or [] -%}
+      {%- set f = call.function if call.function is defined else call -%}
+      {{- '<|start|>assistant<|channel|>commentary to=functions.' + f.name + ' <|constrain|>json<|message|>'
+          + (f.arguments if f.arguments is string else (f.arguments | tojson)) + '<|call|>' -}}
+    {%- endfor -%}
+    {%- set content = render(m.content) -%}
+    {%- if content or not m.tool_calls -%}
+      {{- '<|start|>assistant<|channel|>final<|message|>' + content + '<|end|>' -}}
+    {%- endif -%}
+  {%- elif m.role == 'tool' -%}
+    {%- set tool = namespace(name=m.name if m.name is defined and m.name else 'tool') -%}
+    {%- for prev in msgs[:loop.index0] -%}
+      {%- for call in prev.tool_calls or [] -%}
+        {%- if call.id is defined and call.id == m.tool_call_id -%}
+          {%- set tool.name = (call.function if call.function is defined else call).name -%}
+        {%- endif -%}
+      {%- endfor -%}
+    {%- endfor -%}
+    {{- '<|start|>functions.' + tool.name + ' to=assistant<|channel|>commentary<|message|>'
+        + render(m.content) + '<|end|>' -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|start|>assistant' -}}{%- endif -%}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def gpt_oss_tokenizer_json() -> str:
+    """Our trained tokenizer plus Harmony's markers (special, ids 4000..4006)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_str(tt.tokenizer_json())
+    for content in GPT_OSS_TOKENS:  # one by one: ids in list order
+        tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
+    ids = {t: tok.token_to_id(t) for t in GPT_OSS_TOKEN_IDS}
+    if ids != GPT_OSS_TOKEN_IDS:
+        raise RuntimeError(f"added token ids {ids} differ from {GPT_OSS_TOKEN_IDS}")
+    return tok.to_str(pretty=True)
+
+
+def gpt_oss_tokenizer_config(model_max_length: int) -> dict:
+    """``tokenizer_config.json`` of the gpt-oss presets: Harmony's markers, <|return|> as EOS,
+    the short Harmony template."""
+    config = tt.tokenizer_config(model_max_length)
+    for content in GPT_OSS_TOKENS:
+        config["added_tokens_decoder"][str(GPT_OSS_TOKEN_IDS[content])] = {
+            "content": content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+    config["eos_token"] = "<|return|>"
+    config["chat_template"] = GPT_OSS_CHAT_TEMPLATE
+    return config
+
+
 # ------------------------------------------------------------------------------------ the folder
 
 
@@ -1323,6 +1628,9 @@ def _apply_overrides(config: dict, overrides: dict) -> None:
         else:
             config[key] = value
             given.add(key)
+    if _is_gpt_oss(config) and "num_hidden_layers" in given and "layer_types" not in given:
+        n = config["num_hidden_layers"]  # gpt-oss alternates, sliding first
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     if not _is_qwen35(config):
         return
     shapes = ("num_hidden_layers", "full_attention_interval")
@@ -1364,6 +1672,7 @@ def make_model(
     seed: int = 0,
     dtype: str | None = None,
     shard_bytes: int | None = None,
+    mxfp4: bool = False,
     **config_overrides,
 ) -> Path:
     """Write the preset's folder into `out` (created if missing) and return it (as a Path).
@@ -1371,7 +1680,8 @@ def make_model(
     ``seed`` seeds the weights (same seed, same bytes). ``dtype`` (bfloat16 / float16 / float32)
     replaces the preset's. ``shard_bytes`` splits the weights into ``model-0000i-of-0000n``
     shards of at most that many bytes, with ``model.safetensors.index.json``.
-    ``config_overrides`` replace (or add) keys of the preset's HF config, e.g.
+    ``mxfp4``: a gpt-oss folder's experts stored as MXFP4 blocks and scales, as the Hub ships them
+    (``_write_mxfp4``). ``config_overrides`` replace (or add) keys of the preset's HF config, e.g.
     ``num_hidden_layers=3``, ``tie_word_embeddings=False``, ``rope_scaling={...}``; for a nested
     (Qwen3.5 VLM) config see ``_apply_overrides``.
     """
@@ -1389,6 +1699,8 @@ def make_model(
         pad_token_id=endoftext,
         **GENERATION_DEFAULTS,
     )
+    if _is_gpt_oss(config):  # <|return|> and <|call|> end a turn, as gpt-oss's
+        generation["eos_token_id"] = [*GPT_OSS_EOS, endoftext]
     _write_json(out / "generation_config.json", generation)
     if qwen35:
         (out / "tokenizer.json").write_text(qwen35_tokenizer_json(), encoding="utf-8")
@@ -1399,6 +1711,9 @@ def make_model(
     elif _is_gemma4(config):
         (out / "tokenizer.json").write_text(gemma4_tokenizer_json(), encoding="utf-8")
         _write_json(out / "tokenizer_config.json", gemma4_tokenizer_config(text["max_position_embeddings"]))
+    elif _is_gpt_oss(config):
+        (out / "tokenizer.json").write_text(gpt_oss_tokenizer_json(), encoding="utf-8")
+        _write_json(out / "tokenizer_config.json", gpt_oss_tokenizer_config(text["max_position_embeddings"]))
     else:
         tt.write_tokenizer(out, model_max_length=text["max_position_embeddings"])
     real_vocab = QWEN35_VOCAB_SIZE if qwen35 else tt.VOCAB_SIZE
@@ -1406,6 +1721,10 @@ def make_model(
         real_vocab = GEMMA3_VOCAB_SIZE
     if _is_gemma4(config):
         real_vocab = GEMMA4_VOCAB_SIZE
+    if _is_gpt_oss(config):
+        real_vocab = GPT_OSS_VOCAB_SIZE
+    if mxfp4 and not _is_gpt_oss(config):
+        raise ValueError("mxfp4 folders are gpt-oss's only")
     write_weights(
         out,
         config,
@@ -1414,6 +1733,8 @@ def make_model(
         shard_bytes=shard_bytes,
         real_vocab=real_vocab,
     )
+    if mxfp4:
+        _write_mxfp4(out, config)
     return out
 
 
@@ -1450,6 +1771,7 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="weight dtype")
     parser.add_argument("--shard-bytes", type=int, help="split weights into shards of this size")
+    parser.add_argument("--mxfp4", action="store_true", help="gpt-oss: experts as MXFP4 blocks and scales")
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -1474,6 +1796,7 @@ def cli(argv: list[str]) -> int:
         seed=args.seed,
         dtype=args.dtype,
         shard_bytes=args.shard_bytes,
+        mxfp4=args.mxfp4,
         **dict(args.overrides),
     )
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())

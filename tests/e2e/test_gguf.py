@@ -213,6 +213,7 @@ QUANTIZED = {
     QT.Q4_K: (0, 2),
     QT.Q5_K: (0, 2),
     QT.Q6_K: (208,),
+    QT.MXFP4: (),  # its scale is an e8m0 byte: every value is a power of two
 }
 
 

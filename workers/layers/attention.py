@@ -172,12 +172,18 @@ def _prefill_split(
 
 
 def decode_attention(
-    q: torch.Tensor, b: StepBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+    q: torch.Tensor,
+    b: StepBatch,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One (pre-scaled) query per sequence against its cached keys. q: [B, H, D] -> [B, H, D].
 
     Plain matmuls rather than SDPA: with one query row the fused CPU kernel's setup costs
     more than the arithmetic. Grouped heads share their K/V without copying them.
+    ``sinks`` [H]: learned attention sinks (gpt-oss, ``workers/layers/sinks.py``), one more
+    logit per head in the softmax, with no value.
     """
     assert b.decode_gather is not None  # a batch with decode rows has its gather
     bsz, h, d = q.shape
@@ -190,5 +196,10 @@ def decode_attention(
     scores = torch.matmul(qg, k.transpose(2, 3))  # [B, KV, G, T]
     if b.decode_bias is not None:
         scores = scores + b.decode_bias  # fp32 from here; bias: [B, 1, 1, T]
+    if sinks is not None:
+        sink = sinks.float().view(1, kv, h // kv, 1).expand(bsz, -1, -1, 1)
+        scores = torch.cat((scores.float(), sink), dim=-1)  # [B, KV, G, T + 1]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]  # the sink's share goes nowhere
     return torch.matmul(probs, v).view(bsz, h, d)  # [B, KV, G, D]

@@ -1,6 +1,11 @@
 """A mixture-of-experts MLP: router -> top-k experts (SwiGLU, weights stacked ``[E, ...]``) ->
 weighted sum, plus an optional shared expert behind a sigmoid gate (Qwen3.5-MoE's).
 
+The experts' gated activation (``GLU``) is ``silu(gate) * up`` unless a family says otherwise:
+gpt-oss's ``ClampedSwiGLU`` (gate clamped above at ``limit``, up to +-``limit``,
+``(up + 1) * gate * sigmoid(alpha * gate)``); gpt-oss's experts also have biases
+(``expert_bias``: ``gate_up_bias [E, 2I]``, ``down_bias [E, H]``), added after each product.
+
 Routing (``route``), the variants the families need:
 
 - ``softmax``: softmax over all experts' logits, then the top k, renormalised to sum to 1 when
@@ -26,13 +31,45 @@ built yet).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 ROUTINGS = ("softmax", "topk_softmax")
+
+
+class GLU(Protocol):
+    """An expert's gated activation: ``[M, 2I]`` (gate columns, then up columns) -> ``[M, I]``."""
+
+    def __call__(self, gu: torch.Tensor) -> torch.Tensor: ...
+
+
+def silu_glu(gu: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: ``silu(gate) * up`` (Qwen3-MoE, Qwen3.5-MoE, Mixtral)."""
+    inter = gu.shape[-1] // 2
+    return F.silu(gu[:, :inter]) * gu[:, inter:]
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's experts' activation (transformers' ``GptOssExperts._apply_gate``): the gate
+    clamped above at ``limit``, up clamped to +-``limit``, ``(up + 1) * gate * sigmoid(alpha *
+    gate)``. (The checkpoints interleave gate and up columns; the loader de-interleaves them into
+    the stacked gate-then-up layout.)"""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gu: torch.Tensor) -> torch.Tensor:
+        inter = gu.shape[-1] // 2
+        gate = gu[:, :inter].clamp(max=self.limit)
+        up = gu[:, inter:].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 # torch's grouped GEMM (private, CUDA bf16; this torch also runs it on CPU): None where absent
 _GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(torch, "_grouped_mm", None)
 
@@ -101,7 +138,9 @@ def experts_forward(
     grouped_mm: bool | None = None,
     stats: list[int] | None = None,
     laid_out: tuple[nn.ModuleList, nn.ModuleList] | None = None,
-    act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+    glu: GLU = silu_glu,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for every token n.
 
@@ -110,13 +149,12 @@ def experts_forward(
     The sum is accumulated in float32 and returned in x's dtype. ``stats``: the count of active
     experts is appended (the per-expert loop only: a benchmark's bytes read per step).
     ``laid_out``: each expert's gate_up and down as a CPU path laid them out (``MoE.lay_out``),
-    used in place of the stacked weights. ``act``: the gate's activation (SiLU: SwiGLU experts;
-    Gemma 4's are GeGLU, tanh GELU)."""
+    used in place of the stacked weights. ``glu``: the experts' gated activation (SwiGLU);
+    ``gate_up_bias`` [E, 2I], ``down_bias`` [E, H]: the experts' biases, when they have them."""
     n, h = x.shape
-    e, two_i, _ = gate_up.shape
+    e = gate_up.shape[0]
     if laid_out is not None:
-        e, two_i = len(laid_out[0]), cast(int, laid_out[0][0].out_features)
-    inter = two_i // 2
+        e = len(laid_out[0])
     k = ids.shape[1]
     g = Groups(ids, e)
     xs = x[g.tokens]  # [N k, H], grouped by expert
@@ -126,20 +164,27 @@ def experts_forward(
     if use_grouped:
         assert _GROUPED_MM is not None, "this torch has no grouped GEMM"
         gu = _GROUPED_MM(xs, gate_up.transpose(1, 2), offs=g.ends)  # [N k, 2I]
-        a = act(gu[:, :inter]) * gu[:, inter:]
-        ys = _GROUPED_MM(a, down.transpose(1, 2), offs=g.ends)  # [N k, H]
+        expert = ids.reshape(-1)[g.order]  # each sorted row's expert
+        if gate_up_bias is not None:
+            gu = gu + gate_up_bias[expert]
+        ys = _GROUPED_MM(glu(gu), down.transpose(1, 2), offs=g.ends)  # [N k, H]
+        if down_bias is not None:
+            ys = ys + down_bias[expert]
     else:
         ys = torch.empty(xs.shape[0], h, dtype=x.dtype, device=x.device)
         active = g.active()
         if stats is not None:
             stats.append(len(active))
         for ex, s, t in active:
-            if laid_out is not None:
+            gb = None if gate_up_bias is None else gate_up_bias[ex]
+            db = None if down_bias is None else down_bias[ex]
+            if laid_out is not None:  # prepacked linears without biases: added here
                 gu = laid_out[0][ex](xs[s:t])
-                ys[s:t] = laid_out[1][ex](act(gu[:, :inter]) * gu[:, inter:])
+                y = laid_out[1][ex](glu(gu if gb is None else gu + gb))
+                ys[s:t] = y if db is None else y + db
                 continue
-            gu = F.linear(xs[s:t], gate_up[ex])  # [c, 2I]
-            ys[s:t] = F.linear(act(gu[:, :inter]) * gu[:, inter:], down[ex])
+            gu = F.linear(xs[s:t], gate_up[ex], gb)  # [c, 2I]
+            ys[s:t] = F.linear(glu(gu), down[ex], db)
     # back to token order, then each token's k outputs weighted and summed in its own slot order
     # (a plain reduction: the same sum whatever else is in the batch, and no scatter, whose
     # threads stall on a busy host)
@@ -162,7 +207,8 @@ class SwiGLU(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router, stacked routed experts, optional shared expert with its sigmoid gate.
+    """Router, stacked routed experts (with biases when ``expert_bias``, activated by ``glu``),
+    optional shared expert with its sigmoid gate.
 
     ``forward(x [N, H]) -> [N, H]``."""
 
@@ -177,6 +223,8 @@ class MoE(nn.Module):
         routing: str = "softmax",
         router_bias: bool = False,
         shared_inter: int = 0,
+        expert_bias: bool = False,
+        glu: GLU = silu_glu,
     ):
         super().__init__()
         if routing not in ROUTINGS:
@@ -186,6 +234,10 @@ class MoE(nn.Module):
         self.gate = nn.Linear(hidden, num_experts, bias=router_bias)  # the router
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        # the experts' biases (gpt-oss), in the stacked layout: gate then up, per expert
+        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * inter)) if expert_bias else None
+        self.down_bias = nn.Parameter(torch.empty(num_experts, hidden)) if expert_bias else None
+        self.glu = glu
         self.shared_expert = SwiGLU(hidden, shared_inter) if shared_inter else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
         self.stats: list[int] | None = None  # set to a list to collect active-expert counts
@@ -197,9 +249,15 @@ class MoE(nn.Module):
         """Bytes of one routed expert's weights (gate, up and down) as held."""
         if self._per_expert_bytes:
             return self._per_expert_bytes
+        biases = 0
+        if self.gate_up_bias is not None and self.down_bias is not None:
+            biases = (
+                self.gate_up_bias[0].numel() + self.down_bias[0].numel()
+            ) * self.down_bias.element_size()
         return (
             self.gate_up[0].numel() * self.gate_up.element_size()
             + self.down[0].numel() * self.down.element_size()
+            + biases
         )
 
     def lay_out(self, make: Callable[[torch.Tensor], nn.Module]) -> None:
@@ -221,7 +279,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.routing, self.norm_topk_prob)
         out = experts_forward(
-            x, weights, ids, self.gate_up, self.down, stats=self.stats, laid_out=self.laid_out
+            x,
+            weights,
+            ids,
+            self.gate_up,
+            self.down,
+            stats=self.stats,
+            laid_out=self.laid_out,
+            glu=self.glu,
+            gate_up_bias=self.gate_up_bias,
+            down_bias=self.down_bias,
         )
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -14,13 +14,18 @@ A family module provides:
 - optionally ``stacked(name) -> bool`` and ``unstack(name, tensor) -> [(name, tensor)]``: a
   checkpoint tensor that stacks several targets along its first dimension (a mixture of experts'
   experts, as transformers 5 fuses them or llama.cpp merges them), and its pieces under
-  ``targets``' names (views, no copy). ``unstacked`` and ``is_stacked`` apply them.
+  ``targets``' names (views, no copy). ``unstacked`` and ``is_stacked`` apply them;
+- optionally ``joined(name) -> (key, part) | None`` and ``join(key, parts) -> pieces | None``:
+  checkpoint tensors that are parts of one weight together (MXFP4's ``*_blocks`` and
+  ``*_scales``): the loader holds a key's parts (``{part: tensor}``) until ``join`` gives the
+  weight's pieces under ``targets``' names (an iterator, so a large stack is made one piece at a
+  time), None while parts are missing. ``joined_part`` and ``joined_pieces`` apply them.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import NamedTuple, Protocol, cast
 
@@ -65,3 +70,20 @@ def unstacked(fam: Family, name: str, tensor: torch.Tensor) -> list[tuple[str, t
     """A stacked checkpoint tensor's pieces under ``targets``' names; any other tensor as it is."""
     f = cast("Unstack | None", getattr(fam, "unstack", None))
     return f(name, tensor) if f is not None and is_stacked(fam, name) else [(name, tensor)]
+
+
+Join = Callable[[str, dict[str, torch.Tensor]], "Iterator[tuple[str, torch.Tensor]] | None"]
+
+
+def joined_part(fam: Family, name: str) -> tuple[str, str] | None:
+    """(the weight's key, which part) when checkpoint tensor ``name`` is a part of one weight."""
+    f = cast("Callable[[str], tuple[str, str] | None] | None", getattr(fam, "joined", None))
+    return None if f is None else f(name)
+
+
+def joined_pieces(
+    fam: Family, key: str, parts: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """The pieces of weight ``key`` once ``parts`` holds all it needs; None before."""
+    f = cast("Join | None", getattr(fam, "join", None))
+    return None if f is None else f(key, parts)

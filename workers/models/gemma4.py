@@ -57,6 +57,12 @@ class Norm(RMSNorm):
         return (_rms(x, self.eps) * self.weight.float()).to(x.dtype)
 
 
+def _gelu_glu(gu: torch.Tensor) -> torch.Tensor:
+    """Gemma 4's experts: GeGLU, ``gelu_tanh(gate) * up``. gu: [M, 2I] -> [M, I]."""
+    inter = gu.shape[-1] // 2
+    return _gelu(gu[:, :inter]) * gu[:, inter:]
+
+
 def _gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
@@ -162,7 +168,7 @@ class SparseBlock(nn.Module):
             m.down,
             stats=m.stats,
             laid_out=m.laid_out,
-            act=_gelu,
+            glu=_gelu_glu,
         )
         return self.post_feedforward_layernorm_2(y)
 
