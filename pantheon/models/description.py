@@ -29,10 +29,13 @@ from these specs, never from a formula for one architecture.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pantheon.models.embedding import EmbeddingError, EmbeddingSpec, read_sentence_transformers
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 ROPE_TYPES = {"default", "linear", "dynamic", "llama3", "yarn"}
@@ -188,6 +191,10 @@ class ModelDescription:
     quantized_source: bool = False  # a GGUF file whose weights are all stored quantized
     int4_source: bool = False  # ... and its decoder linears in 4-bit groups of 32 (Q4_0/Q4_1/Q4_K)
     skipped: tuple[str, ...] = ()  # what of the checkpoint the engine leaves out, said in the load log
+    # how the model embeds when it is an embedding model (a sentence-transformers folder, BERT;
+    # pantheon.models.embedding), None for a plain language model
+    embedding: EmbeddingSpec | None = None
+    can_generate: bool = True  # False: an encoder that only embeds (BERT)
 
     @property
     def q_size(self) -> int:
@@ -409,7 +416,12 @@ def read_description(path: str | Path) -> ModelDescription:
     raw = _read_json(cfg_path)
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
-    return describe(raw, gen if isinstance(gen, dict) else {}, str(cfg_path))
+    desc = describe(raw, gen if isinstance(gen, dict) else {}, str(cfg_path))
+    try:
+        spec = read_sentence_transformers(folder, raw)
+    except EmbeddingError as e:
+        raise ModelError(e.kind, e.reason) from None
+    return dataclasses.replace(desc, embedding=spec) if spec is not None else desc
 
 
 def _read_json(path: Path) -> Any:
