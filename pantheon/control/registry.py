@@ -83,6 +83,7 @@ class Instance:
     last_grant: int = 0  # when it last got a request (a sequence number): ties go to the oldest
     max_model_len: int | None = None
     quantize: bool = False
+    embeddings: bool = False  # its load asked for /v1/embeddings (a chat model: mean pooling)
     assets: Any = None  # the router-side tokenizer/template bundle (ModelAssets)
     loaded: Any = None  # the worker's protocol.Loaded
     estimate: Any = None  # sizing.Estimate, for admission and bookings

@@ -32,9 +32,9 @@ class Family:
 
 
 def _families() -> tuple[Family, ...]:
-    from pantheon.models.archs import gemma3, llama, qwen3_5, qwen3_5_moe, qwen3_moe
+    from pantheon.models.archs import bert, gemma3, llama, qwen3_5, qwen3_5_moe, qwen3_moe
 
-    return (llama.FAMILY, qwen3_5.FAMILY, gemma3.FAMILY, qwen3_moe.FAMILY, qwen3_5_moe.FAMILY)
+    return (llama.FAMILY, qwen3_5.FAMILY, gemma3.FAMILY, qwen3_moe.FAMILY, qwen3_5_moe.FAMILY, bert.FAMILY)
 
 
 FAMILIES: tuple[Family, ...] = _families()
