@@ -117,10 +117,12 @@ def check_dimensions(inst: Instance, spec: EmbeddingSpec, dims: int | None) -> N
         raise errors.invalid_param("dimensions", f"'dimensions' must be one of {sizes} for '{inst.name}'")
 
 
-def tokenize_inputs(inst: Instance, inputs: list[str | list[int]], param: str = "input") -> list[list[int]]:
+def tokenize_inputs(
+    inst: Instance, inputs: list[str | list[int]], param: str = "input", truncate: bool = False
+) -> list[list[int]]:
     """Every input as token ids for ``inst`` (strings with the tokenizer's special tokens, as
     sentence-transformers encodes them); 400 for an empty one, an id outside the vocabulary or
-    one past the model's context."""
+    one past the model's context (``truncate``: cut to the context instead, Ollama's default)."""
     tok, vocab, limit = inst.assets.tokenizer, vocab_size(inst), limit_of(inst)
     out: list[list[int]] = []
     for i, x in enumerate(inputs):
@@ -130,6 +132,8 @@ def tokenize_inputs(inst: Instance, inputs: list[str | list[int]], param: str = 
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise errors.invalid_param(param, f"'{param}' {i}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if len(ids) > limit and truncate:
+            ids = ids[:limit]
         if len(ids) > limit:
             raise errors.input_too_long(limit, len(ids), i)
         out.append(ids)
@@ -137,7 +141,13 @@ def tokenize_inputs(inst: Instance, inputs: list[str | list[int]], param: str = 
 
 
 async def _place(
-    s: AppState, model: str | None, inputs: list[str | list[int]], dims: int | None, big: bool, param: str
+    s: AppState,
+    model: str | None,
+    inputs: list[str | list[int]],
+    dims: int | None,
+    big: bool,
+    param: str,
+    truncate: bool,
 ) -> tuple[Instance, tuple[EmbeddingSpec, list[list[int]]]]:
     """Route, check and tokenize, then acquire a slot (a refused request never waits)."""
     name = await s.residency.ensure(model)
@@ -148,7 +158,7 @@ async def _place(
         if spec is None:
             raise errors.model_cannot_embed(inst.name)
         check_dimensions(inst, spec, dims)
-        return spec, tokenize_inputs(inst, inputs, param)
+        return spec, tokenize_inputs(inst, inputs, param, truncate)
 
     ready = await asyncio.to_thread(prepare, likely) if big else prepare(likely)
     inst = await s.registry.acquire_slot(name)
@@ -170,12 +180,13 @@ async def embed_inputs(
     keep_alive: float | None = None,
     big: bool = False,
     param: str = "input",
+    truncate: bool = False,
 ) -> tuple[Instance, list[list[float]], int]:
     """Admit, embed every input on one instance (its worker batches them beside generation),
     release: ``(instance, vectors, prompt tokens)``; ``dims`` truncates and renormalises."""
 
     async def place() -> tuple[Instance, Prepared]:
-        inst, ready = await _place(s, model, inputs, dims, big, param)
+        inst, ready = await _place(s, model, inputs, dims, big, param, truncate)
         box.append(ready)
         return inst, Prepared([], "", False, 0)
 
