@@ -27,8 +27,8 @@ from workers.errors import LoadError, RequestRejected
 from workers.grammar import Constraint, Grammars, apply_masks
 from workers.layers.moe import unread_expert_bytes
 from workers.loader import load_model, resolve_dtype
-from workers.pooling import Pooled
 from workers.model_config import load_config
+from workers.pooling import Pooled
 from workers.runner import ModelRunner
 from workers.sampler import SamplerState, sample
 from workers.scheduler import Scheduler, Sequence, StepPlan
@@ -276,7 +276,9 @@ class Engine:
                 done = s.num_computed >= s.prompt_len  # committed: num_computed includes this chunk
                 pooled.add(hidden[row : row + n], s.num_computed - n, done)
                 if done:
-                    self.embedded.append(EmbedOut(request_id=s.request_id, vector=pooled.vector(), prompt_tokens=s.prompt_len))
+                    self.embedded.append(
+                        EmbedOut(request_id=s.request_id, vector=pooled.vector(), prompt_tokens=s.prompt_len)
+                    )
                     self.scheduler.finish(s)
                     self._forget(s.request_id)
             row += n

@@ -88,9 +88,7 @@ class StepPlan:
 
         Fixed when the plan is made: a prefill chunk samples only if it reaches the last token.
         """
-        return list(self.decode) + [
-            s for s, _n in self.prefill if s in self._completing and s.embed is None
-        ]
+        return list(self.decode) + [s for s, _n in self.prefill if s in self._completing and s.embed is None]
 
     _completing: list[Sequence] = field(default_factory=list)
 

@@ -77,13 +77,18 @@ def read_sentence_transformers(folder: Path, raw: dict) -> EmbeddingSpec | None:
     try:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise EmbeddingError("invalid", f"{cfg_path}: the Pooling module's config cannot be read ({e})") from None
-    on = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v is True] if isinstance(cfg, dict) else []
+        raise EmbeddingError(
+            "invalid", f"{cfg_path}: the Pooling module's config cannot be read ({e})"
+        ) from None
+    on = (
+        [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v is True]
+        if isinstance(cfg, dict)
+        else []
+    )
     if len(on) != 1 or on[0] not in _ST_MODES:
         raise EmbeddingError(
             "unsupported",
-            f"{cfg_path}: pooling {', '.join(on) or 'none'} is not supported "
-            f"(one of {', '.join(_ST_MODES)})",
+            f"{cfg_path}: pooling {', '.join(on) or 'none'} is not supported (one of {', '.join(_ST_MODES)})",
         )
     if cfg.get("include_prompt", True) is not True:
         raise EmbeddingError("unsupported", f"{cfg_path}: include_prompt false is not supported")

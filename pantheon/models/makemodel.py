@@ -570,7 +570,14 @@ def write_sentence_transformers(out: Path, preset: str, config: dict) -> None:
         )
         (out / "2_Normalize").mkdir(exist_ok=True)
     (out / "modules.json").write_text(json.dumps(modules, indent=2) + "\n", encoding="utf-8")
-    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+    modes = (
+        "cls_token",
+        "mean_tokens",
+        "max_tokens",
+        "mean_sqrt_len_tokens",
+        "weightedmean_tokens",
+        "lasttoken",
+    )
     pooling = {f"pooling_mode_{m}": f"pooling_mode_{m}" == mode for m in modes}
     (out / "1_Pooling").mkdir(exist_ok=True)
     _write_json(
@@ -581,6 +588,7 @@ def write_sentence_transformers(out: Path, preset: str, config: dict) -> None:
         out / "sentence_bert_config.json",
         {"max_seq_length": config["max_position_embeddings"], "do_lower_case": False},
     )
+
 
 # --------------------------------------------------------------------------------------- tensors
 

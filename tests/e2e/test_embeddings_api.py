@@ -153,9 +153,11 @@ def test_dimensions(client, srv):
     """``dimensions`` truncates and renormalises on a Matryoshka model; elsewhere, or past the
     model's size, it is a 400 naming it."""
     full = client.embeddings.create(model="q3emb", input=TEXTS[0], encoding_format="float").data[0].embedding
-    short = client.embeddings.create(
-        model="q3emb", input=TEXTS[0], dimensions=16, encoding_format="float"
-    ).data[0].embedding
+    short = (
+        client.embeddings.create(model="q3emb", input=TEXTS[0], dimensions=16, encoding_format="float")
+        .data[0]
+        .embedding
+    )
     assert len(short) == 16
     want = np.asarray(full[:16]) / np.linalg.norm(full[:16])
     assert np.allclose(short, want, atol=1e-5)
@@ -176,7 +178,10 @@ def test_errors(srv):
     err = check_error(r, 400, param="input", code="context_length_exceeded")
     assert "512" in err["message"]
     err = check_error(
-        httpx.post(url, json={"model": "chat", "input": "x"}, timeout=30), 400, param="model", code="model_not_embedding"
+        httpx.post(url, json={"model": "chat", "input": "x"}, timeout=30),
+        400,
+        param="model",
+        code="model_not_embedding",
     )
     assert "chat" in err["message"]
     r = httpx.post(

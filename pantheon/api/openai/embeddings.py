@@ -131,7 +131,9 @@ def tokenize_inputs(
             raise errors.invalid_param(param, f"'{param}' {i} is empty")
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise errors.invalid_param(param, f"'{param}' {i}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            raise errors.invalid_param(
+                param, f"'{param}' {i}: token id {bad} is outside the vocabulary (0..{vocab - 1})"
+            )
         if len(ids) > limit and truncate:
             ids = ids[:limit]
         if len(ids) > limit:

@@ -41,10 +41,14 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> BertDescription:
     layers = pos_int(raw, "num_hidden_layers", where)
     act = raw.get("hidden_act", "gelu")
     if act not in ACTIVATIONS:
-        raise ModelError("unsupported", f"{where}: hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})")
+        raise ModelError(
+            "unsupported", f"{where}: hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})"
+        )
     kind = raw.get("position_embedding_type", "absolute")
     if kind != "absolute":
-        raise ModelError("unsupported", f"{where}: position_embedding_type {kind!r} is not supported (absolute)")
+        raise ModelError(
+            "unsupported", f"{where}: position_embedding_type {kind!r} is not supported (absolute)"
+        )
     # q, k, v fused; output; MLP up and down. small: their biases and the two LayerNorms.
     small = 3 * hidden + hidden + inter + hidden + 4 * hidden
     spec = LayerSpec(
