@@ -143,3 +143,25 @@ def test_long_input_pooled_over_chunks_and_beside_decoding(q3):
         return toks
 
     assert decode(chunked, "alone", False) == decode(chunked, "beside", True)
+
+
+def test_base_model_checkpoint(q3, tmp_path):
+    """A checkpoint saved from the base model (Qwen3-Embedding's: ``layers.*``, no ``model.``
+    prefix) embeds as the preset's own."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(q3, tmp_path, dirs_exist_ok=True)
+    weights = load_file(f"{q3}/model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
+    prompts = _ids(q3, TEXTS[:2])
+    a = _embed(Engine(q3, dtype="float32", cpu_path="fp32", kv_budget_bytes=4 << 20), prompts, "last", True)
+    b = _embed(
+        Engine(str(tmp_path), dtype="float32", cpu_path="fp32", kv_budget_bytes=4 << 20),
+        prompts,
+        "last",
+        True,
+    )
+    for x, y in zip(a, b):
+        assert np.array_equal(x, y)
