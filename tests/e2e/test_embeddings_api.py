@@ -222,3 +222,6 @@ def test_ollama_embed(srv, client):
     with pytest.raises(ollama.ResponseError) as e:
         o.embed(model="chat", input="x")
     assert e.value.status_code == 400
+    assert o.show("bert").capabilities == ["embedding"]
+    assert "embedding" in (o.show("q3emb").capabilities or [])
+    assert "embedding" not in (o.show("chat").capabilities or [])
