@@ -35,7 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pantheon.models.embedding import EmbeddingError, EmbeddingSpec, read_sentence_transformers
+from pantheon.models.embedding import (
+    EmbeddingError,
+    EmbeddingSpec,
+    gguf_embedding,
+    read_sentence_transformers,
+)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 ROPE_TYPES = {"default", "linear", "dynamic", "llama3", "yarn"}
@@ -404,7 +409,10 @@ def read_description(path: str | Path) -> ModelDescription:
     try:
         found = find_gguf(path)
         if found is not None:
-            return describe(hf_config(read_gguf(found)), {}, f"{found} (GGUF metadata)")
+            g = read_gguf(found)
+            desc = describe(hf_config(g), {}, f"{found} (GGUF metadata)")
+            spec = gguf_embedding(g.meta)
+            return dataclasses.replace(desc, embedding=spec) if spec is not None else desc
     except GGUFError as e:
         raise ModelError(e.kind, e.reason) from None
     folder = Path(path)

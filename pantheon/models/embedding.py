@@ -6,6 +6,8 @@ both call it through ``description.read_description``).
   (last token), all-MiniLM (mean), bge (CLS). That pooling and normalisation are the model's.
 - A **BERT** checkpoint without that layout: mean pooling, not normalised (sentence-transformers'
   default for a plain Hugging Face model).
+- A **GGUF file** whose ``<arch>.pooling_type`` says how (llama.cpp's: 1 mean, 2 CLS, 3 last;
+  0 none and 4 rank are not embeddings): normalised, as llama.cpp's server answers by default.
 - **Any chat model** whose load asks for it (``embeddings: true``): mean pooling, normalised.
 
 ``dimensions`` (truncation then renormalisation, OpenAI's Matryoshka parameter) is allowed only
@@ -94,6 +96,18 @@ def read_sentence_transformers(folder: Path, raw: dict) -> EmbeddingSpec | None:
         raise EmbeddingError("unsupported", f"{cfg_path}: include_prompt false is not supported")
     normalize = any(m.get("type") == _ST_NORMALIZE for m in modules)
     return EmbeddingSpec(_ST_MODES[on[0]], normalize, matryoshka_of(raw))
+
+
+_GGUF_POOLING: dict[int, Pooling] = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's LLAMA_POOLING_TYPE_*
+
+
+def gguf_embedding(meta: dict) -> EmbeddingSpec | None:
+    """The embedding a GGUF file's metadata declares (``<arch>.pooling_type``), else None."""
+    arch = meta.get("general.architecture", "")
+    kind = meta.get(f"{arch}.pooling_type")
+    if not isinstance(kind, int) or isinstance(kind, bool) or kind not in _GGUF_POOLING:
+        return None
+    return EmbeddingSpec(_GGUF_POOLING[kind], True)
 
 
 ASKED = EmbeddingSpec("mean", True)

@@ -165,3 +165,21 @@ def test_base_model_checkpoint(q3, tmp_path):
     )
     for x, y in zip(a, b):
         assert np.array_equal(x, y)
+
+
+def test_gguf_pooling_type(tmp_path):
+    """A GGUF file's ``<arch>.pooling_type`` (llama.cpp's numbers) says how it embeds."""
+    gguf = pytest.importorskip("gguf")
+    from pantheon.models.embedding import gguf_embedding
+    from pantheon.models.gguf import read_gguf
+
+    for kind, want in ((1, "mean"), (2, "cls"), (3, "last"), (0, None), (4, None)):
+        path = tmp_path / f"m{kind}.gguf"
+        w = gguf.GGUFWriter(str(path), "qwen3")
+        w.add_uint32("qwen3.pooling_type", kind)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        spec = gguf_embedding(read_gguf(path).meta)
+        assert (spec and spec.pooling) == want and (spec is None or spec.normalize)
