@@ -30,9 +30,9 @@ times the target.
 
 A step that prefills only a few tokens (fewer than ``MIN_MEASURED_TOKENS``) is not measured:
 its time is mostly what any step costs (the weights read once, the step's own work), so divided
-by its few tokens it overstates a token's cost many times. Counted, a run of short prompts
-(embeddings one at a time) shrank the budget to a prompt or two per step, and a batch of them
-arriving after was then prefilled one prompt a step (32 texts of 40 tokens: 6.1 -> 1.8 texts/s).
+by its few tokens it overstates a token's cost. Counted, a run of short prompts (embeddings
+one at a time) shrinks the budget, and a batch of them arriving after is prefilled a prompt or
+two a step, where one step could take the whole batch.
 
 While sequences decode, a step that also prefills costs at most ``DECODE_SHARE`` decode-only
 steps (and never more than the target): a stream beside a long prompt keeps about a quarter of
