@@ -33,8 +33,11 @@ max_tokens_too_large      400     invalid_request_error  context_length_exceeded
 context_length_exceeded   400     invalid_request_error  context_length_exceeded (param messages)
 request_rejected          400     invalid_request_error  the worker's kind
 context_too_long          400     invalid_request_error  context_length_exceeded (param max_tokens or messages)
+input_too_long            400     invalid_request_error  context_length_exceeded (param input: embeddings)
 **routing** (``pantheon.control.registry``, the OpenAI routes)
 model_not_found           404     invalid_request_error  model_not_found (param model)
+model_cannot_embed        400     invalid_request_error  model_not_embedding (param model)
+model_cannot_generate     400     invalid_request_error  model_not_generative (param model)
 no_model_loaded           503     server_error           model_not_ready             Retry-After: 1
 model_loading             503     server_error           model_not_ready             Retry-After: 1
 model_gone                503     server_error           model_not_ready             Retry-After: 1
@@ -302,12 +305,46 @@ def context_too_long(
     )
 
 
+def input_too_long(limit: int, tokens: int, index: int) -> ApiError:
+    """400: an embedding input longer than the model takes (never truncated silently); vLLM's
+    wording, with the numbers and which input."""
+    return ApiError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{tokens} tokens in input {index} for embedding generation. Please reduce the length "
+        f"of the input.",
+        param="input",
+        code="context_length_exceeded",
+    )
+
+
 # ---------------------------------------------------------------- routing
 
 
 def model_not_found(name: str | None) -> ApiError:
     """404: no resident model has that name."""
     return ApiError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+
+
+def model_cannot_embed(name: str) -> ApiError:
+    """400: ``/v1/embeddings`` (or Ollama's ``/api/embed``) names a model that does not embed."""
+    return ApiError(
+        400,
+        f"The model '{name}' does not serve embeddings: it is not an embedding model (a "
+        f"sentence-transformers folder, BERT) and was not loaded with 'embeddings: true'",
+        param="model",
+        code="model_not_embedding",
+    )
+
+
+def model_cannot_generate(name: str) -> ApiError:
+    """400: a generating route names a model that only embeds (BERT)."""
+    return ApiError(
+        400,
+        f"The model '{name}' only serves embeddings (/v1/embeddings): it cannot generate text",
+        param="model",
+        code="model_not_generative",
+    )
 
 
 def no_model_loaded() -> ApiError:

@@ -16,7 +16,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: EmbedRequest / EmbedOut
 
 # ---------------------------------------------------------------- codes
 # A value outside its Literal makes the whole message fail to decode, so a new code must be added
@@ -35,6 +35,11 @@ SlotState = Literal["idle", "prefill", "decode"]
 """What one engine slot is doing (``SlotInfo.state``)."""
 
 DieKind = Literal["cpu", "cuda"]
+
+Pooling = Literal["last", "mean", "cls"]
+"""How an embedding is pooled from the final hidden states (``EmbedRequest.pooling``): the last
+token's row (decoder embedding models: Qwen3-Embedding), the mean of every row, or the first row
+(BERT's [CLS])."""
 
 
 # ---------------------------------------------------------------- worker exit codes
@@ -164,6 +169,21 @@ class Submit(msgspec.Struct, tag=True, kw_only=True):
     prompt_logprobs: int | None = None
 
 
+class EmbedRequest(msgspec.Struct, tag=True, kw_only=True):
+    """Embed one input: a prefill of ``prompt`` with no decode, nothing kept in the prefix cache,
+    scheduled beside generation (the same slots, steps and FIFO). The worker answers with one
+    ``EmbedOut`` (or ``Rejected``); ``Abort`` takes its request id like a ``Submit``'s.
+
+    A message of its own rather than a flag on ``Submit``: none of ``Submit``'s sampling,
+    session or cache fields applies, and its answer is a vector, not tokens."""
+
+    request_id: str
+    instance: str
+    prompt: list[int]
+    pooling: Pooling
+    normalize: bool = True  # L2-normalise the pooled vector in the worker
+
+
 class ResetCache(msgspec.Struct, tag=True, kw_only=True):
     """Forget the cached prefixes of one instance, or of all when ``instance`` is None."""
 
@@ -267,6 +287,15 @@ class TokenOut(msgspec.Struct, array_like=True):
     prompt_logprobs: PromptLogprobs | None = None  # on its first token, when the Submit asked
 
 
+class EmbedOut(msgspec.Struct, tag=True, kw_only=True):
+    """An ``EmbedRequest``'s vector: float32 little-endian bytes (``hidden_size`` of them), pooled
+    from the final hidden states (after the model's final norm), normalised when asked."""
+
+    request_id: str
+    vector: bytes
+    prompt_tokens: int
+
+
 class Rejected(msgspec.Struct, tag=True, kw_only=True):
     """A Submit the engine could not take (prompt too long for the pool, unknown instance)."""
 
@@ -319,9 +348,19 @@ class Pong(msgspec.Struct, tag=True, kw_only=True):
     sent_at: float
 
 
-RouterMsg = LoadModel | UnloadModel | Submit | Abort | ResetCache | Ping | Shutdown
+RouterMsg = LoadModel | UnloadModel | Submit | EmbedRequest | Abort | ResetCache | Ping | Shutdown
 WorkerMsg = (
-    Hello | Beat | LoadProgress | Loaded | LoadFailed | Unloaded | Rejected | StepOutput | Stats | Pong
+    Hello
+    | Beat
+    | LoadProgress
+    | Loaded
+    | LoadFailed
+    | Unloaded
+    | Rejected
+    | StepOutput
+    | EmbedOut
+    | Stats
+    | Pong
 )
 
 _encoder = msgspec.msgpack.Encoder()

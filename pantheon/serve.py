@@ -268,6 +268,7 @@ async def serve(cfg: ServeConfig) -> int:
                     slots=m.slots,
                     max_context=m.max_context,
                     params=m.params,
+                    embeddings=m.embeddings,
                 )
                 print(
                     f"pantheon: model {inst.name} ready on {','.join(inst.dies)} ({inst.instance_id})",

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from pantheon.models.sizing import state_checkpoints
-from pantheon.protocol import InstanceStats, SamplingParams, SlotInfo, TokenOut
+from pantheon.protocol import EmbedOut, InstanceStats, Pooling, SamplingParams, SlotInfo, TokenOut
 from workers import cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
 from workers.cache import kv_block_bytes
@@ -28,6 +28,7 @@ from workers.grammar import Constraint, Grammars, apply_masks
 from workers.layers.moe import unread_expert_bytes
 from workers.loader import load_model, resolve_dtype
 from workers.model_config import load_config
+from workers.pooling import Pooled
 from workers.prompt_logprobs import PromptLogprobsAcc
 from workers.runner import ModelRunner
 from workers.sampler import SamplerState, sample
@@ -98,6 +99,8 @@ class Engine:
         self.model, self.cfg = load_model(model_path, devices, dtype, progress, cfg)
         if self.cpu_path is not None:
             cpu_paths.apply(self.model, self.cpu_path)
+            if getattr(self.model, "embed_only", False):
+                self.model.lm_head = None  # a model that only embeds is never asked for logits
         elif quantize:
             from workers.quant import quantize_int8
 
@@ -118,8 +121,15 @@ class Engine:
             self.checkpoints = CheckpointIndex(n) if n else None
         self.prefix_cache = prefix_cache and (not cfg.slot_state_layers or self.checkpoints is not None)
         self.blocks = BlockManager(num_blocks, block_size, enable_cache=self.prefix_cache)
+        # a model that only embeds (BERT): bidirectional attention, a prompt is never split
+        self.embed_only = bool(getattr(self.model, "embed_only", False))
         self.scheduler = Scheduler(
-            self.blocks, num_slots, prefill_chunk, self.max_model_len, self.checkpoints
+            self.blocks,
+            num_slots,
+            prefill_chunk,
+            self.max_model_len,
+            self.checkpoints,
+            whole_prompts=self.embed_only,
         )
         # Prefill per step: at most prefill_chunk, fewer when measured steps would outgrow the
         # target (a slow CPU, a big model), so decoding streams keep flowing past long prompts.
@@ -148,6 +158,8 @@ class Engine:
         self._constraints: dict[str, Constraint] = {}  # request id -> its grammar, if any
         # request id -> its prompt logprobs so far, until its first token carries them
         self._prompt_lps: dict[str, PromptLogprobsAcc] = {}
+        self._embeds: dict[str, Pooled] = {}  # embedding request id -> its pooling so far
+        self.embedded: list[EmbedOut] = []  # finished embeddings, taken by take_embedded()
         self.grammars = Grammars(model_path, cfg.vocab_size, self.eos_token_ids)
         self.grammars.warm()  # on a thread, while the first requests arrive
         # Test and debug hook: called with (sequences, fp32 logits [B, V]) before sampling.
@@ -175,8 +187,10 @@ class Engine:
         for ``prompt_logprobs`` (the top K of each prompt position, on its first ``TokenOut``:
         ``workers/prompt_logprobs.py``), which every prompt position must be computed for.
         """
-        if request_id in self._samplers:
+        if request_id in self._samplers or request_id in self._embeds:
             raise RequestRejected("duplicate", f"request id {request_id!r} is already running")
+        if self.embed_only:
+            raise RequestRejected("invalid", "this model only embeds: it cannot generate")
         if not prompt:
             raise RequestRejected("invalid", "the prompt is empty")
         if any(t < 0 or t >= self.vocab_size for t in prompt):
@@ -230,6 +244,56 @@ class Engine:
             )
         )
 
+    def submit_embed(self, request_id: str, prompt: list[int], pooling: Pooling, normalize: bool) -> None:
+        """Queue an embedding: a prefill of ``prompt`` with no decode, scheduled beside
+        generation, nothing kept in the prefix cache; its vector comes out of ``take_embedded``
+        after the step that computes its last token. Raises ``RequestRejected``."""
+        if request_id in self._samplers or request_id in self._embeds:
+            raise RequestRejected("duplicate", f"request id {request_id!r} is already running")
+        if not prompt:
+            raise RequestRejected("invalid", "the input is empty")
+        if any(t < 0 or t >= self.vocab_size for t in prompt):
+            raise RequestRejected("invalid", f"input token ids must be in [0, {self.vocab_size})")
+        limit = min(self.max_model_len, self.blocks.num_blocks * self.blocks.block_size)
+        if len(prompt) > limit:
+            raise RequestRejected(
+                "context_length", f"the input has {len(prompt)} tokens; this model takes at most {limit}"
+            )
+        self._embeds[request_id] = Pooled(pooling, normalize)
+        self.scheduler.add(
+            Sequence(
+                request_id=request_id,
+                prompt_len=len(prompt),
+                tokens=list(prompt),
+                max_tokens=1,
+                use_cache=False,
+                embed=pooling,
+            )
+        )
+
+    def take_embedded(self) -> list[EmbedOut]:
+        """The embeddings finished since the last call."""
+        out, self.embedded = self.embedded, []
+        return out
+
+    def _pool(self, plan: StepPlan) -> None:
+        """Feed each embedding's prefill chunk of this step to its pooling; end the ones whose
+        prompt is now computed (their vectors go to ``embedded``)."""
+        hidden = self.runner.last_hidden
+        row = len(plan.decode)  # the step's rows: decode rows first, then each chunk's
+        for s, n in plan.prefill:
+            pooled = self._embeds.get(s.request_id) if s.embed is not None else None
+            if pooled is not None and hidden is not None:
+                done = s.num_computed >= s.prompt_len  # committed: num_computed includes this chunk
+                pooled.add(hidden[row : row + n], s.num_computed - n, done)
+                if done:
+                    self.embedded.append(
+                        EmbedOut(request_id=s.request_id, vector=pooled.vector(), prompt_tokens=s.prompt_len)
+                    )
+                    self.scheduler.finish(s)
+                    self._forget(s.request_id)
+            row += n
+
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its slot and blocks. Unknown ids are ignored."""
         self.scheduler.abort(request_id)
@@ -239,6 +303,7 @@ class Engine:
         self._samplers.pop(request_id, None)
         self._constraints.pop(request_id, None)
         self._prompt_lps.pop(request_id, None)
+        self._embeds.pop(request_id, None)
 
     def request_tables(self) -> dict[str, int]:
         """The size of everything kept per request: all 0 once every request has ended
@@ -248,6 +313,7 @@ class Engine:
             "samplers": len(self._samplers),
             "constraints": len(self._constraints),
             "prompt_logprobs": len(self._prompt_lps),
+            "embeds": len(self._embeds),
             "sequences": len(self.scheduler._by_id),
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running()),
@@ -314,6 +380,8 @@ class Engine:
                 at += rows
             logits = logits[: len(seqs)]
         self.scheduler.commit(plan)
+        if self._embeds:
+            self._pool(plan)
         if self.checkpoints is not None:
             self._checkpoint(plan)
         if seqs:

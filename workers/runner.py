@@ -51,6 +51,9 @@ class ModelRunner:
             None if local is None else Rotary(dataclasses.replace(cfg, rope=local), self.main)
         )
         self.compiled = None  # a workers.compiled.CompiledDecode for pure decode steps, opt-in
+        # the last eager step's final hidden states [N, hidden] (decode rows, then each prefill
+        # chunk's): what the engine pools embeddings from
+        self.last_hidden: torch.Tensor | None = None
 
     def compile_decode(self) -> str | None:
         """Compile the pure decode step (see workers/compiled.py); None when it worked, else
@@ -200,13 +203,14 @@ class ModelRunner:
                 return logits
         batches = {d: base if d == dev else base.to(d) for d in self.devices}
         hidden = self.model(input_ids, batches, self.caches)  # [N, hidden]
+        self.last_hidden = hidden
 
         if all_rows:
             return self.model.logits(hidden)
         # Only the last row of each sampled sequence needs logits.
         rows = list(range(n_decode))
         for (_start, end, _p0, p1, _t, _slot), (s, _n) in zip(chunks, plan.prefill):
-            if p1 == len(s.tokens):
+            if p1 == len(s.tokens) and s.embed is None:  # an embedding is pooled, not sampled
                 rows.append(end - 1)
         for (start, _end, _p0, _p1, _t, _slot), (s, _n) in zip(chunks, plan.prefill):
             rows += range(start, start + (prompt_rows or {}).get(s, 0))

@@ -11,6 +11,12 @@ A model with recurrent layers (``checkpoints`` given) reuses a cached prefix onl
 longest block boundary whose state checkpoint is kept too (``workers/state_checkpoints.py``), and
 its prefill chunks end on block boundaries (the prompt's last one included), where the engine
 takes those checkpoints.
+
+An embedding (``Sequence.embed`` set) is a sequence that only prefills: it takes a slot and
+prefill budget like any prompt, is never sampled, and the engine ends it (``finish``) once its
+prompt is computed. A model whose attention is bidirectional (BERT: ``whole_prompts``) cannot
+split a prompt across steps: each prefill is the whole prompt, alone in a step when it is larger
+than the step's budget.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class Sequence:
     preemptions: int = 0
     restore: int | None = None  # a state checkpoint to load into the slot before its first chunk
     decode_checkpoint: bytes | None = None  # the hash of its newest decode-time state checkpoint
+    embed: str | None = None  # an embedding's pooling (protocol.Pooling): prefill only, never sampled
 
     @property
     def num_output(self) -> int:
@@ -81,7 +88,7 @@ class StepPlan:
 
         Fixed when the plan is made: a prefill chunk samples only if it reaches the last token.
         """
-        return list(self.decode) + [s for s, _n in self.prefill if s in self._completing]
+        return list(self.decode) + [s for s, _n in self.prefill if s in self._completing and s.embed is None]
 
     _completing: list[Sequence] = field(default_factory=list)
 
@@ -94,8 +101,10 @@ class Scheduler:
         prefill_chunk: int = 128,
         max_model_len: int = 4096,
         checkpoints: CheckpointIndex | None = None,
+        whole_prompts: bool = False,
     ):
         self.blocks = blocks
+        self.whole_prompts = whole_prompts  # bidirectional attention: a prompt is one chunk
         self.checkpoints = checkpoints
         self.slots: list[Sequence | None] = [None] * num_slots
         self.prefill_chunk = prefill_chunk
@@ -151,13 +160,15 @@ class Scheduler:
                 break
             if seq.slot is None or seq.decoding or seq.finish:
                 continue
-            n = self._chunk(seq, min(budget, seq.pending))
+            if self.whole_prompts and seq.pending > budget and plan.prefill:
+                break  # a bidirectional pass is never split: it gets a step of its own
+            n = seq.pending if self.whole_prompts else self._chunk(seq, min(budget, seq.pending))
             if not self.blocks.ensure(seq.block_table, seq.num_computed + n):
                 break  # wait for decoders to finish; never preempt a decoder for a joiner
             plan.prefill.append((seq, n))
             if n == seq.pending:
                 plan._completing.append(seq)
-            budget -= n
+            budget = max(0, budget - n)  # a whole prompt may pass the budget
         return plan
 
     def _chunk(self, seq: Sequence, n: int) -> int:
@@ -281,6 +292,10 @@ class Scheduler:
         if reason:
             self._release(seq, reason)
         return reason
+
+    def finish(self, seq: Sequence) -> None:
+        """End a sequence that needs no sampled token (an embedding whose prompt is computed)."""
+        self._release(seq, "stop")
 
     def _release(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish = reason

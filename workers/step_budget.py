@@ -28,6 +28,12 @@ gets the ``n`` whose ``n * base_s * (1 + (context + n / 2) / crossover)`` fills 
 this the average of short-context steps let an 8k-token prompt's late chunks run at several
 times the target.
 
+A step that prefills only a few tokens (fewer than ``MIN_MEASURED_TOKENS``) is not measured:
+its time is mostly what any step costs (the weights read once, the step's own work), so divided
+by its few tokens it overstates a token's cost. Counted, a run of short prompts (embeddings
+one at a time) shrinks the budget, and a batch of them arriving after is prefilled a prompt or
+two a step, where one step could take the whole batch.
+
 While sequences decode, a step that also prefills costs at most ``DECODE_SHARE`` decode-only
 steps (and never more than the target): a stream beside a long prompt keeps about a quarter of
 its speed, and the prompt gets the rest of the time. With the target alone a stream beside an
@@ -46,6 +52,7 @@ DEFAULT_TARGET_S = 0.5  # CPU: a decode stream waits at most about this long for
 MIN_PREFILL_TOKENS = 16  # one KV block: a prompt always moves forward
 DECODE_SHARE = 4  # while sequences decode, a prefilling step costs at most this many decode steps
 _ALPHA = 0.3  # weight of the newest measurement in the moving averages
+MIN_MEASURED_TOKENS = 64  # a step that prefills fewer says little of a token's cost (see above)
 
 
 @dataclass
@@ -72,6 +79,8 @@ class StepBudget:
             return
         if n_prefill == 0:
             self.decode_s = _ewma(self.decode_s, seconds)
+            return
+        if n_prefill < MIN_MEASURED_TOKENS:
             return
         decode = self.decode_s if n_decode and self.decode_s is not None else 0.0
         # A step shorter than our decode estimate still says prefill was cheap, not free.

@@ -459,6 +459,8 @@ class Worker:
     def _handle(self, msg: p.RouterMsg) -> None:
         if isinstance(msg, p.Submit):
             self._submit(msg)
+        elif isinstance(msg, p.EmbedRequest):
+            self._embed(msg)
         elif isinstance(msg, p.Abort):
             for rid in msg.request_ids:
                 inst = self.instances.get(self.owner.pop(rid, ""))
@@ -504,6 +506,9 @@ class Worker:
                 for t in tokens:
                     if t.finish is not None:
                         self.owner.pop(t.request_id, None)
+            for out in inst.engine.take_embedded():  # embeddings whose prompt this step finished
+                self.send(out)
+                self.owner.pop(out.request_id, None)
             for rid, error in failed.items():
                 if self.owner.pop(rid, None) is not None:
                     reason = f"the output constraint could not be enforced: {error}"
@@ -560,6 +565,19 @@ class Worker:
             grammars = getattr(inst.engine, "grammars", None)
             if msg.params.grammar is not None and grammars is not None:
                 grammars.label(msg.request_id)  # its matcher's failure ends this request
+
+    def _embed(self, msg: p.EmbedRequest) -> None:
+        inst = self.instances.get(msg.instance)
+        if inst is None:
+            reason = f"instance {msg.instance!r} is not loaded on {self.die.id}"
+            self.send(p.Rejected(request_id=msg.request_id, kind="no_instance", reason=reason))
+            return
+        try:
+            inst.engine.submit_embed(msg.request_id, msg.prompt, msg.pooling, msg.normalize)
+        except RequestRejected as e:
+            self.send(p.Rejected(request_id=msg.request_id, kind=cast(p.RejectKind, e.kind), reason=e.reason))
+        else:
+            self.owner[msg.request_id] = msg.instance
 
     # ------------------------------------------------------------------ load / unload
 

@@ -28,6 +28,7 @@ from pantheon.api import middleware as ops
 from pantheon.api.admin.routes import bp as admin_bp
 from pantheon.api.ollama.routes import bp as ollama_bp
 from pantheon.api.openai.completions import bp as completions_bp
+from pantheon.api.openai.embeddings import bp as embeddings_bp
 from pantheon.api.openai.responses import bp as responses_bp
 from pantheon.api.openai.routes import bp as openai_bp
 from pantheon.api.openai.tokenize import bp as tokenize_bp
@@ -112,6 +113,7 @@ def _entries(config: ServeConfig) -> list[CatalogEntry]:
             quantize=m.quantize,
             slots=m.slots,
             max_context=m.max_context,
+            embeddings=m.embeddings,
             origin=CONFIGURED,
         )
         for m in config.models
@@ -144,6 +146,7 @@ def create_app(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Qua
     app.register_blueprint(openai_bp)
     app.register_blueprint(tokenize_bp)
     app.register_blueprint(completions_bp)
+    app.register_blueprint(embeddings_bp)
     app.register_blueprint(responses_bp)
     app.register_blueprint(ollama_bp)
     app.register_blueprint(admin_bp)

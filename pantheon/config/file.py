@@ -28,7 +28,8 @@ setting's variables is set (``pantheon.config.resolve`` applies that precedence)
 A ``[[models]]`` table takes ``path`` (required), ``name``, ``dies``, ``aliases``, ``preload``
 (default true), ``keep_alive`` (seconds or a duration such as "5m"; negative: forever), ``pin``,
 ``params`` (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
-``max_tokens``) and the admin load's options ``quantize``, ``slots``, ``max_context``.
+``max_tokens``) and the admin load's options ``quantize``, ``slots``, ``max_context``,
+``embeddings`` (a chat model also serves ``/v1/embeddings``, mean pooling).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ MODEL_KEYS = (
     "quantize",
     "slots",
     "max_context",
+    "embeddings",
 )
 PARAM_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
@@ -91,7 +93,7 @@ def _model_table(where: str, m: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"{where}: 'aliases' must be a list of names")
     if aliases:
         out["aliases"] = tuple(aliases)
-    for key in ("preload", "pin", "quantize"):
+    for key in ("preload", "pin", "quantize", "embeddings"):
         if key in m:
             if not isinstance(m[key], bool):
                 raise ConfigError(f"{where}: {key!r} must be true or false")

@@ -46,6 +46,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     quantize: bool = False
     slots: int | None = None
     max_context: int | None = None
+    embeddings: bool = False  # serve /v1/embeddings from it (mean pooling) when it is no embedding model
 
 
 class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,7 +140,17 @@ def _models(raw: Any, cpu_dies: int) -> tuple[ModelSpec, ...]:
     return tuple(out)
 
 
-_SPEC_EXTRAS = ("aliases", "preload", "keep_alive", "pin", "params", "quantize", "slots", "max_context")
+_SPEC_EXTRAS = (
+    "aliases",
+    "preload",
+    "keep_alive",
+    "pin",
+    "params",
+    "quantize",
+    "slots",
+    "max_context",
+    "embeddings",
+)
 
 
 def _default_name(path: str) -> str:

@@ -55,6 +55,7 @@ class CatalogEntry:
     quantize: bool = False
     slots: int | None = None
     max_context: int | None = None
+    embeddings: bool = False  # the load's option: a chat model serves /v1/embeddings too
     origin: str = DISCOVERED
     error: str | None = None  # why it cannot be served (read at scan time)
     context_limit: int | None = None  # the model's own context length, when it could be read

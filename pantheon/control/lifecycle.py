@@ -159,6 +159,7 @@ class Models:
         background: bool = False,
         worker_path: str | None = None,
         params: dict[str, float | int] | None = None,
+        embeddings: bool = False,
     ) -> tuple[Instance, asyncio.Task]:
         """Phases 1 and 2 (raise ``ApiError`` at once); phase 3 and 4 run in the returned task,
         which ends with the instance published or raises the load's ``ApiError``.
@@ -292,6 +293,7 @@ class Models:
                 raise
         inst.quantize, inst.max_model_len, inst.load_progress = quantize, mml, 0.0
         inst.params = params
+        inst.embeddings = embeddings
         inst.estimate, inst.shape = sized(inst.die), shape
         kv_bytes = sum(b[1] for b in need(inst.dies).values())  # the KV pool alone
         inst.load_msg = LoadModel(

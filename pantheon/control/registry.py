@@ -86,6 +86,7 @@ class Instance:
     last_grant: int = 0  # when it last got a request (a sequence number): ties go to the oldest
     max_model_len: int | None = None
     quantize: bool = False
+    embeddings: bool = False  # its load asked for /v1/embeddings (a chat model: mean pooling)
     assets: ModelAssets | None = None  # the router-side tokenizer/template bundle
     loaded: Loaded | None = None  # what the worker said when it finished loading
     estimate: Estimate | None = None  # for admission and bookings

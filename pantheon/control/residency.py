@@ -130,6 +130,7 @@ class Residency:
             slots=entry.slots,
             max_context=entry.max_context,
             params=dict(entry.params),
+            embeddings=entry.embeddings,
         )
         self._kept[inst.instance_id] = _Kept(self._until(entry, None, on_demand=True), on_demand=True)
         self._failed.pop(entry.name, None)

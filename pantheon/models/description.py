@@ -31,10 +31,18 @@ from these specs, never from a formula for one architecture.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pantheon.models.embedding import (
+    EmbeddingError,
+    EmbeddingSpec,
+    gguf_embedding,
+    read_sentence_transformers,
+)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 ROPE_TYPES = {"default", "linear", "dynamic", "llama3", "yarn"}
@@ -209,6 +217,10 @@ class ModelDescription:
     # Parameters outside the layers besides the embedding table, final norm and head (Gemma 4's
     # per-layer embeddings and their projection), on the first die with the embeddings.
     extra_params: int = 0
+    # how the model embeds when it is an embedding model (a sentence-transformers folder, BERT;
+    # pantheon.models.embedding), None for a plain language model
+    embedding: EmbeddingSpec | None = None
+    can_generate: bool = True  # False: an encoder that only embeds (BERT)
 
     @property
     def q_size(self) -> int:
@@ -418,7 +430,10 @@ def read_description(path: str | Path) -> ModelDescription:
     try:
         found = find_gguf(path)
         if found is not None:
-            return describe(hf_config(read_gguf(found)), {}, f"{found} (GGUF metadata)")
+            g = read_gguf(found)
+            desc = describe(hf_config(g), {}, f"{found} (GGUF metadata)")
+            spec = gguf_embedding(g.meta)
+            return dataclasses.replace(desc, embedding=spec) if spec is not None else desc
     except GGUFError as e:
         raise ModelError(e.kind, e.reason) from None
     folder = Path(path)
@@ -430,7 +445,12 @@ def read_description(path: str | Path) -> ModelDescription:
     raw = _read_json(cfg_path)
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
-    return describe(raw, gen if isinstance(gen, dict) else {}, str(cfg_path))
+    desc = describe(raw, gen if isinstance(gen, dict) else {}, str(cfg_path))
+    try:
+        spec = read_sentence_transformers(folder, raw)
+    except EmbeddingError as e:
+        raise ModelError(e.kind, e.reason) from None
+    return dataclasses.replace(desc, embedding=spec) if spec is not None else desc
 
 
 def _read_json(path: Path) -> Any:

@@ -709,6 +709,108 @@ def gemma4_tokenizer_config(model_max_length: int) -> dict:
     return config
 
 
+# ------------------------------------------------------------------------------ embedding models
+#
+# Folders in the sentence-transformers layout (modules.json: the Transformer at the root, a
+# Pooling module in 1_Pooling/ and, when it normalises, a Normalize module), loadable as they are
+# by sentence-transformers' SentenceTransformer: tiny-qwen3-embedding is a Qwen3 decoder with
+# last-token pooling and normalisation, as Qwen3-Embedding (and trained for Matryoshka sizes);
+# tiny-bert is BertModel (absolute and token-type embeddings, post-LayerNorm, GELU) with mean
+# pooling, as all-MiniLM. Both use the trained byte-level tokenizer.
+
+PRESETS["tiny-qwen3-embedding"] = {**_qwen3(**_TINY_SHAPES), "is_matryoshka": True}
+PRESETS["tiny-bert"] = dict(
+    architectures=["BertModel"],
+    model_type="bert",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=_TINY_VOCAB,
+    max_position_embeddings=512,
+    type_vocab_size=2,
+    hidden_act="gelu",
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    layer_norm_eps=1e-12,
+    initializer_range=0.02,
+    pad_token_id=tt.TOKEN_IDS[tt.PAD_TOKEN],
+    torch_dtype="float32",
+    **_IDS,
+)
+_NORM_JITTER.update({"tiny-qwen3-embedding": 0.1, "tiny-bert": 0.1})
+# preset -> (sentence-transformers pooling mode, normalised)
+SENTENCE_TRANSFORMERS = {
+    "tiny-qwen3-embedding": ("pooling_mode_lasttoken", True),
+    "tiny-bert": ("pooling_mode_mean_tokens", False),
+}
+
+
+def _bert_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """BertModel's tensors (its own names: ``embeddings.*``, ``encoder.layer.N.*``, ``pooler.*``)."""
+    h, inner = config["hidden_size"], config["intermediate_size"]
+    specs: list[tuple[str, tuple[int, ...], str]] = [
+        ("embeddings.word_embeddings.weight", (config["vocab_size"], h), "embed"),
+        ("embeddings.position_embeddings.weight", (config["max_position_embeddings"], h), "normal"),
+        ("embeddings.token_type_embeddings.weight", (config["type_vocab_size"], h), "normal"),
+        ("embeddings.LayerNorm.weight", (h,), "norm"),
+        ("embeddings.LayerNorm.bias", (h,), "norm0"),
+    ]
+    for i in range(config["num_hidden_layers"]):
+        p = f"encoder.layer.{i}."
+        for x in ("query", "key", "value"):
+            specs += [(f"{p}attention.self.{x}.weight", (h, h), "normal")]
+            specs += [(f"{p}attention.self.{x}.bias", (h,), "normal")]
+        specs += [
+            (f"{p}attention.output.dense.weight", (h, h), "normal"),
+            (f"{p}attention.output.dense.bias", (h,), "normal"),
+            (f"{p}attention.output.LayerNorm.weight", (h,), "norm"),
+            (f"{p}attention.output.LayerNorm.bias", (h,), "norm0"),
+            (f"{p}intermediate.dense.weight", (inner, h), "normal"),
+            (f"{p}intermediate.dense.bias", (inner,), "normal"),
+            (f"{p}output.dense.weight", (h, inner), "normal"),
+            (f"{p}output.dense.bias", (h,), "normal"),
+            (f"{p}output.LayerNorm.weight", (h,), "norm"),
+            (f"{p}output.LayerNorm.bias", (h,), "norm0"),
+        ]
+    return specs + [("pooler.dense.weight", (h, h), "normal"), ("pooler.dense.bias", (h,), "normal")]
+
+
+def write_sentence_transformers(out: Path, preset: str, config: dict) -> None:
+    """The sentence-transformers files of an embedding preset (none for other presets)."""
+    if preset not in SENTENCE_TRANSFORMERS:
+        return
+    mode, normalize = SENTENCE_TRANSFORMERS[preset]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+        )
+        (out / "2_Normalize").mkdir(exist_ok=True)
+    (out / "modules.json").write_text(json.dumps(modules, indent=2) + "\n", encoding="utf-8")
+    modes = (
+        "cls_token",
+        "mean_tokens",
+        "max_tokens",
+        "mean_sqrt_len_tokens",
+        "weightedmean_tokens",
+        "lasttoken",
+    )
+    pooling = {f"pooling_mode_{m}": f"pooling_mode_{m}" == mode for m in modes}
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    _write_json(
+        out / "1_Pooling" / "config.json",
+        {"word_embedding_dimension": config["hidden_size"], **pooling, "include_prompt": True},
+    )
+    _write_json(
+        out / "sentence_bert_config.json",
+        {"max_seq_length": config["max_position_embeddings"], "do_lower_case": False},
+    )
+
+
 # --------------------------------------------------------------------------------------- tensors
 
 
@@ -727,6 +829,8 @@ def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """
     if config["model_type"] in QWEN35_TYPES:
         return _qwen35_specs(config)
+    if config["model_type"] == "bert":
+        return _bert_specs(config)
     if _is_gemma3(config):
         return _gemma3_specs(config)
     if _is_gemma4(config):
@@ -1735,6 +1839,7 @@ def make_model(
     )
     if mxfp4:
         _write_mxfp4(out, config)
+    write_sentence_transformers(out, preset, config)
     return out
 
 

@@ -91,6 +91,10 @@ class WorkerPeer:
             pass  # last_seen is all a Pong is for
         elif self.state != "ready":
             log.warning("dropped %s from %s before its Hello", type(msg).__name__, self.die)
+        elif isinstance(msg, p.EmbedOut):
+            stream = self.streams.pop(msg.request_id, None)
+            if stream is not None:
+                stream.end_with(msg)
         elif isinstance(msg, p.Rejected):
             stream = self.streams.pop(msg.request_id, None)
             if stream is not None:

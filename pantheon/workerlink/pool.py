@@ -321,8 +321,9 @@ class WorkerPool:
         w.send(p.UnloadModel(instance=instance))
         await fut
 
-    def submit(self, die: str, msg: p.Submit) -> RequestStream:
-        """Send a request to ``die``'s worker; raises ``WorkerDied`` at once if that worker is dead."""
+    def submit(self, die: str, msg: p.Submit | p.EmbedRequest) -> RequestStream:
+        """Send a request (a generation, or an embedding: its stream's ``result()``) to ``die``'s
+        worker; raises ``WorkerDied`` at once if that worker is dead."""
         w = self._ready(die)
         if msg.request_id in w.streams:
             raise ValueError(f"request id {msg.request_id!r} is already running on {die}")

@@ -102,6 +102,16 @@ class RequestStream:
                 self._take_end(item)
         return out
 
+    async def result(self) -> p.EmbedOut | p.TokenOut | None:
+        """An embedding's answer: its ``EmbedOut`` (a ``TokenOut`` when the worker ended it
+        otherwise, None when it was aborted here). Raises like ``__anext__``."""
+        await self._wait()
+        item = self._items.popleft()
+        self._done = True
+        if isinstance(item, BaseException):
+            raise item
+        return item if isinstance(item, (p.EmbedOut, p.TokenOut)) else None
+
     def abort(self) -> None:
         """Stop the request. Idempotent; sends ``Abort`` unless the request already ended."""
         if not self._open:

@@ -145,6 +145,10 @@ def targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
 
 
 def checkpoint_name(name: str) -> str | None:
+    """A base model's checkpoint (Qwen3-Embedding is saved from ``Qwen3Model``: no ``model.``
+    prefix, no head) reads as the causal LM's."""
+    if name.startswith(("embed_tokens.", "layers.", "norm.")):
+        return "model." + name
     return name
 
 

@@ -3,7 +3,8 @@ prefix cache reset, and the dashboard's feed.
 
 =======  ======================  ==========================================================
 POST     /admin/models/load      ``{path, name?, dies?, quantize?, slots?, max_context?, wait?,
-                                 worker_path?}`` (``worker_path``: remote dies only)
+                                 worker_path?, embeddings?}`` (``worker_path``: remote dies
+                                 only; ``embeddings``: a chat model serves /v1/embeddings too)
                                  200 with the instance once ready; 202 at once with
                                  ``wait: false`` (progress in GET /admin/models); 404 no such
                                  folder, 400 bad request or unsupported architecture, 403
@@ -105,6 +106,7 @@ async def load():
     max_context = _typed(body, "max_context", int, "an integer")
     if max_context is not None and max_context < 16:
         raise errors.invalid_param("max_context", "'max_context' must be at least 16 tokens")
+    embeddings = _typed(body, "embeddings", bool, "a boolean", False)
     wait = _typed(body, "wait", bool, "a boolean", True)
     # a die on another host may hold the weights at another path than the router's copy (which
     # gives the tokenizer, the template and the size)
@@ -125,6 +127,7 @@ async def load():
         max_context=max_context,
         background=not wait,
         worker_path=worker_path or None,
+        embeddings=embeddings,
     )
     if not wait:
         return json_response({"status": "loading", **instance_view(facts_of(s.project(), inst, s.dies))}, 202)

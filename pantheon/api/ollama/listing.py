@@ -9,7 +9,8 @@ that decides it), and each one's details, ``model_info``, capabilities, size, di
   (``general.architecture``, ``<arch>.context_length``, ``.embedding_length``, ...);
 - capabilities: ``completion``; ``tools`` when the model's chat template writes ``<tool_call>``
   blocks (what our emitter reads back) or Harmony calls (gpt-oss); ``thinking`` when it reasons
-  in ``<think>`` blocks or Harmony's analysis channel;
+  in ``<think>`` blocks or Harmony's analysis channel; ``embedding`` when it serves ``/api/embed``
+  (a model that only embeds, BERT, has only that);
 - size and ``modified_at``: the model's files on disk; ``digest``: a SHA-256 of where they are,
   their size and time, stable while the files do not change (Ollama's is its manifest's). No
   path is shown: a model's location is the admin API's to tell;
@@ -35,6 +36,7 @@ from pantheon.api.state import AppState
 from pantheon.control.context import limit_of
 from pantheon.control.registry import Instance
 from pantheon.models.description import ModelDescription, ModelError, read_description
+from pantheon.models.embedding import served_embedding
 from pantheon.models.gguf import GGUFError, find_gguf, read_gguf
 
 LATEST = ":latest"  # Ollama's default tag: "tiny:latest" names "tiny"
@@ -269,7 +271,14 @@ def model_info(files: Files, shape: ModelDescription | None) -> dict[str, Any]:
 def capabilities(served: Served) -> list[str]:
     """What the model's chat template supports (a model not loaded: ``completion`` only)."""
     assets = next((i.assets for i in served.instances if i.assets is not None), None)
-    caps = ["completion"]
+    inst = served.instances[0] if served.instances else None
+    embeds = (
+        inst is not None
+        and served_embedding(getattr(inst.shape, "embedding", None), inst.embeddings) is not None
+    )
+    if inst is not None and not getattr(inst.shape, "can_generate", True):
+        return ["embedding"]
+    caps = ["completion"] + (["embedding"] if embeds else [])
     if assets is not None and getattr(assets, "tool_call_markup", False):
         caps.append("tools")
     if assets is not None and getattr(assets, "reasoning", False):

@@ -10,6 +10,9 @@ POST     /api/show        ``{model}``: details, ``model_info``, template, parame
                           capabilities
 POST     /api/chat        ``messages`` -> NDJSON lines (``stream: false``: one object)
 POST     /api/generate    ``prompt`` (+ ``system``, or ``raw``) -> the same, ``response``
+POST     /api/embed       ``input`` (a string or strings; ``truncate``, ``dimensions``,
+                          ``keep_alive``) -> ``embeddings``: the ``/v1/embeddings`` path
+POST     /api/embeddings  the legacy form: ``prompt`` -> ``embedding``
 POST     /api/pull, /api/push, /api/create, /api/copy, /api/blobs/<d>; DELETE /api/delete:
                           501: models come from the server's configuration
 =======  ===============  ==================================================================
@@ -43,6 +46,8 @@ from pantheon.api import middleware as ops
 from pantheon.api.ollama import listing
 from pantheon.api.ollama import protocol as ol
 from pantheon.api.ollama.generation import OllamaGeneration
+from pantheon.api.openai import embeddings as oe
+from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.protocol import ChatRequest
 from pantheon.api.openai.routes import BIG_BODY, _Body, _place, admit
 from pantheon.api.responses import json_response
@@ -186,6 +191,71 @@ bp.add_url_rule(
     methods=["HEAD", "POST"],
     provide_automatic_options=False,
 )
+
+
+@bp.post("/api/embed", provide_automatic_options=False)
+async def embed():
+    """Ollama's ``/api/embed``: the ``/v1/embeddings`` path (same slots, pooling and checks)."""
+    return await _embed(legacy=False)
+
+
+@bp.post("/api/embeddings", provide_automatic_options=False)
+async def embeddings_legacy():
+    """The deprecated ``/api/embeddings``: one ``prompt``, one ``embedding`` (empty for an
+    empty prompt, as Ollama answers it)."""
+    return await _embed(legacy=True)
+
+
+async def _embed(legacy: bool) -> Response:
+    s = app_state()
+    t0 = time.monotonic_ns()
+    raw = await request.get_data(cache=False)
+    big = len(raw) > BIG_BODY
+    body = await asyncio.to_thread(oa.load_json, raw) if big else oa.load_json(raw)
+    del raw
+    ops.body_done()
+    if not isinstance(body, dict):
+        raise errors.not_an_object()
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise errors.invalid_param("model", "model is required")
+    name = name.removesuffix(":latest")
+    field = "prompt" if legacy else "input"
+    value = body.get(field)
+    if legacy and value == "":
+        return json_response({"embedding": []})
+    inputs = oe.parse_inputs(value, field)
+    truncate = body.get("truncate", True)
+    dims = body.get("dimensions")
+    if not isinstance(truncate, bool):
+        raise errors.invalid_param("truncate", "'truncate' must be a boolean")
+    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
+        raise errors.invalid_param("dimensions", "'dimensions' must be a positive integer")
+    try:
+        inst, vectors, tokens = await oe.embed_inputs(
+            s,
+            name,
+            inputs,
+            dims=dims,
+            keep_alive=ol.keep_alive(body.get("keep_alive")),
+            big=big,
+            param=field,
+            truncate=truncate,
+        )
+    except ApiError as e:
+        raise _ollama_error(e, name, []) from None
+    if legacy:
+        return json_response({"embedding": vectors[0]})
+    took = time.monotonic_ns() - t0
+    return json_response(
+        {
+            "model": inst.name,
+            "embeddings": vectors,
+            "total_duration": took,
+            "load_duration": 0,
+            "prompt_eval_count": tokens,
+        }
+    )
 
 
 @bp.route(

@@ -92,7 +92,10 @@ def vocab_size(inst: Instance) -> int:
 
 def check_token_ids(inst: Instance, req: ChatRequest, prompt: list[int] | None = None) -> None:
     """A 400 naming the field for a token id ``inst``'s model does not have (``logit_bias``'s
-    keys, a completion prompt's ids), before any slot: a stream would only have an error event."""
+    keys, a completion prompt's ids), before any slot: a stream would only have an error event.
+    A model that only embeds (BERT) is a 400 here: every generating route comes through."""
+    if not getattr(inst.shape, "can_generate", True):
+        raise errors.model_cannot_generate(inst.name)
     vocab = vocab_size(inst)
     if prompt is not None:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)

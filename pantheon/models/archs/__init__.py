@@ -32,7 +32,7 @@ class Family:
 
 
 def _families() -> tuple[Family, ...]:
-    from pantheon.models.archs import gemma3, gemma4, gpt_oss, llama, qwen3_5, qwen3_5_moe, qwen3_moe
+    from pantheon.models.archs import bert, gemma3, gemma4, gpt_oss, llama, qwen3_5, qwen3_5_moe, qwen3_moe
 
     return (
         llama.FAMILY,
@@ -42,6 +42,7 @@ def _families() -> tuple[Family, ...]:
         qwen3_moe.FAMILY,
         qwen3_5_moe.FAMILY,
         gpt_oss.FAMILY,
+        bert.FAMILY,
     )
 
 

@@ -1,0 +1,277 @@
+"""``POST /v1/embeddings``: OpenAI's embeddings API, on the same slots and queue as generation.
+
+A request, in order: parse it (``input`` a string, a list of strings, token ids or a list of
+those; ``encoding_format`` float | base64; ``dimensions``; ``user`` ignored; ``keep_alive`` as on
+the other routes) -> route it (``Registry.route``: 404 / 503; a catalog model is loaded first)
+-> check the model embeds (``embedding_of``: 400 naming it) and ``dimensions`` (400 unless the
+model was trained for Matryoshka sizes, and at most its size) -> tokenize every input (400 for
+an empty one or one past the model's context, naming the numbers) -> acquire one slot for the
+request (``Registry.acquire_slot``: the FIFO queue, 429 / 503) -> one ``EmbedRequest`` per input
+to the instance's worker, where each is a prefill beside the running generations (pooled and
+normalised there) -> gather the vectors, truncate and renormalise for ``dimensions``, encode.
+
+``usage.prompt_tokens`` (= ``total_tokens``) counts every input's tokens. ``embedding_of`` and
+``embed_inputs`` are shared with Ollama's ``/api/embed`` (``pantheon/api/ollama/``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+
+from quart import Blueprint, request
+
+from pantheon import errors
+from pantheon.api import middleware as ops
+from pantheon.api.openai import protocol as oa
+from pantheon.api.openai.routes import BIG_BODY, _through_recovery, vocab_size
+from pantheon.api.openai.service import _pool_error
+from pantheon.api.responses import json_response
+from pantheon.api.state import AppState, app_state
+from pantheon.control.context import Prepared, limit_of
+from pantheon.control.registry import Instance
+from pantheon.errors import ApiError
+from pantheon.models.embedding import EmbeddingSpec, served_embedding
+from pantheon.protocol import EmbedOut, EmbedRequest
+
+bp = Blueprint("embeddings", __name__)
+
+MAX_INPUTS = 2048  # OpenAI's own ceiling on inputs per request
+
+
+@dataclass
+class EmbeddingsRequest:
+    model: str | None
+    inputs: list[str | list[int]]
+    base64: bool = False
+    dimensions: int | None = None
+    keep_alive: float | None = None
+
+
+def _is_ids(x: object) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def parse_inputs(value: object, param: str = "input") -> list[str | list[int]]:
+    """``input`` -> one entry per input (a string or token ids); 400 naming ``param``."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and _is_ids(value):
+        return [list(value)]
+    if isinstance(value, list) and value and all(isinstance(x, str) or _is_ids(x) for x in value):
+        if len(value) > MAX_INPUTS:
+            raise errors.invalid_param(param, f"'{param}' holds {len(value)} inputs; at most {MAX_INPUTS}")
+        return list(value)
+    if value == []:
+        raise errors.invalid_param(param, f"'{param}' is empty")
+    raise errors.invalid_param(
+        param, f"'{param}' must be a string, a list of strings, token ids or a list of token-id lists"
+    )
+
+
+def parse_embeddings_request(raw: bytes | str) -> EmbeddingsRequest:
+    """Bytes -> ``EmbeddingsRequest``; raises ``ApiError`` (400)."""
+    body = oa.load_json(raw)
+    if not isinstance(body, dict):
+        raise errors.not_an_object()
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise errors.invalid_param("model", "'model' must be a string")
+    if "input" not in body:
+        raise errors.invalid_param("input", "'input' is required")
+    inputs = parse_inputs(body["input"])
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64", None):
+        raise errors.invalid_param("encoding_format", "'encoding_format' must be 'float' or 'base64'")
+    dims = body.get("dimensions")
+    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
+        raise errors.invalid_param("dimensions", "'dimensions' must be a positive integer")
+    return EmbeddingsRequest(model, inputs, fmt == "base64", dims, oa.keep_alive_field(body))
+
+
+def embedding_of(inst: Instance) -> EmbeddingSpec | None:
+    """How ``inst`` embeds (its model's own way, or mean pooling when its load asked), or None."""
+    return served_embedding(getattr(inst.shape, "embedding", None), inst.embeddings)
+
+
+def check_dimensions(inst: Instance, spec: EmbeddingSpec, dims: int | None) -> None:
+    """A 400 naming ``dimensions`` when the model was not trained for it, or past its size."""
+    if dims is None:
+        return
+    size = int(getattr(inst.shape, "hidden_size", 0) or 0)
+    if spec.matryoshka is None:
+        raise errors.invalid_param(
+            "dimensions", f"the model '{inst.name}' does not support 'dimensions' (no Matryoshka training)"
+        )
+    if dims > size:
+        raise errors.invalid_param(
+            "dimensions", f"'dimensions' {dims} is larger than the model's embedding size {size}"
+        )
+    if spec.matryoshka and dims not in spec.matryoshka:
+        sizes = ", ".join(map(str, spec.matryoshka))
+        raise errors.invalid_param("dimensions", f"'dimensions' must be one of {sizes} for '{inst.name}'")
+
+
+def tokenize_inputs(
+    inst: Instance, inputs: list[str | list[int]], param: str = "input", truncate: bool = False
+) -> list[list[int]]:
+    """Every input as token ids for ``inst`` (strings with the tokenizer's special tokens, as
+    sentence-transformers encodes them); 400 for an empty one, an id outside the vocabulary or
+    one past the model's context (``truncate``: cut to the context instead, Ollama's default)."""
+    tok, vocab, limit = inst.model_assets.tokenizer, vocab_size(inst), limit_of(inst)
+    out: list[list[int]] = []
+    for i, x in enumerate(inputs):
+        ids = tok.encode(x, add_special_tokens=True).ids if isinstance(x, str) else list(x)
+        if not ids:
+            raise errors.invalid_param(param, f"'{param}' {i} is empty")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise errors.invalid_param(
+                param, f"'{param}' {i}: token id {bad} is outside the vocabulary (0..{vocab - 1})"
+            )
+        if len(ids) > limit and truncate:
+            ids = ids[:limit]
+        if len(ids) > limit:
+            raise errors.input_too_long(limit, len(ids), i)
+        out.append(ids)
+    return out
+
+
+async def _place(
+    s: AppState,
+    model: str | None,
+    inputs: list[str | list[int]],
+    dims: int | None,
+    big: bool,
+    param: str,
+    truncate: bool,
+) -> tuple[Instance, tuple[EmbeddingSpec, list[list[int]]]]:
+    """Route, check and tokenize, then acquire a slot (a refused request never waits)."""
+    name = await s.residency.ensure(model)
+    likely = s.registry.route(name)  # 404 / 503 before any work
+
+    def prepare(inst: Instance) -> tuple[EmbeddingSpec, list[list[int]]]:
+        spec = embedding_of(inst)
+        if spec is None:
+            raise errors.model_cannot_embed(inst.name)
+        check_dimensions(inst, spec, dims)
+        return spec, tokenize_inputs(inst, inputs, param, truncate)
+
+    ready = await asyncio.to_thread(prepare, likely) if big else prepare(likely)
+    inst = await s.registry.acquire_slot(name)
+    try:
+        if inst.path != likely.path or limit_of(inst) != limit_of(likely):
+            ready = prepare(inst)  # another replica, another model
+    except BaseException:
+        s.registry.leave(inst)
+        raise
+    return inst, ready
+
+
+async def embed_inputs(
+    s: AppState,
+    model: str | None,
+    inputs: list[str | list[int]],
+    *,
+    dims: int | None = None,
+    keep_alive: float | None = None,
+    big: bool = False,
+    param: str = "input",
+    truncate: bool = False,
+) -> tuple[Instance, list[list[float]], int]:
+    """Admit, embed every input on one instance (its worker batches them beside generation),
+    release: ``(instance, vectors, prompt tokens)``; ``dims`` truncates and renormalises."""
+
+    async def place() -> tuple[Instance, Prepared]:
+        inst, ready = await _place(s, model, inputs, dims, big, param, truncate)
+        box.append(ready)
+        return inst, Prepared([], "", False, 0)
+
+    box: list[tuple[EmbeddingSpec, list[list[int]]]] = []
+    try:
+        inst, _ = await _through_recovery(s, place, model)
+    except ApiError as e:
+        s.feed.reject(e.status, model, e.code, e.message)  # counts 429s and 503s
+        raise
+    spec, ids = box[-1]
+    t0 = time.monotonic()
+    try:
+        vectors = await _run(s, inst, spec, ids)
+    finally:
+        s.registry.leave(inst)
+        s.residency.keep(inst.name, keep_alive)
+        s.feed.request_done(time.monotonic() - t0)
+    if dims is not None:
+        vectors = [_renormalised(v[:dims]) for v in vectors]
+    return inst, vectors, sum(len(x) for x in ids)
+
+
+async def _run(s: AppState, inst: Instance, spec: EmbeddingSpec, ids: list[list[int]]) -> list[list[float]]:
+    """One ``EmbedRequest`` per input, all at once; their vectors in input order. Every stream
+    is aborted when the client goes away."""
+    base = f"embd-{uuid.uuid4().hex[:16]}"
+    streams = []
+    try:
+        for i, prompt in enumerate(ids):
+            msg = EmbedRequest(
+                request_id=f"{base}-{i}",
+                instance=inst.instance_id,
+                prompt=prompt,
+                pooling=spec.pooling,
+                normalize=spec.normalize,
+            )
+            streams.append(s.pool.submit(inst.die, msg))
+        outs = await asyncio.gather(*(st.result() for st in streams))
+    except (GeneratorExit, asyncio.CancelledError):
+        raise
+    except BaseException as e:
+        raise _pool_error(e, base) from None
+    finally:
+        for st in streams:
+            st.abort()  # a no-op once the worker answered
+    vectors = []
+    for out in outs:
+        if not isinstance(out, EmbedOut):
+            raise errors.worker_no_finish()  # the pool could not hold it, or it was aborted
+        n = len(out.vector) // 4
+        vectors.append(list(struct.unpack(f"<{n}f", out.vector)))
+    return vectors
+
+
+def _renormalised(v: list[float]) -> list[float]:
+    norm = math.sqrt(sum(x * x for x in v))
+    return [x / norm for x in v] if norm > 0 else v
+
+
+def encode_base64(v: list[float]) -> str:
+    """OpenAI's base64 form: the float32 little-endian bytes."""
+    return base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode("ascii")
+
+
+@bp.post("/v1/embeddings", provide_automatic_options=False)
+async def embeddings():
+    s = app_state()
+    raw = await request.get_data(cache=False)
+    big = len(raw) > BIG_BODY
+    req = await asyncio.to_thread(parse_embeddings_request, raw) if big else parse_embeddings_request(raw)
+    del raw
+    ops.body_done()  # the body's bytes leave the --max-body-in-flight count
+    inst, vectors, tokens = await embed_inputs(
+        s, req.model, req.inputs, dims=req.dimensions, keep_alive=req.keep_alive, big=big
+    )
+    data = [
+        {"object": "embedding", "index": i, "embedding": encode_base64(v) if req.base64 else v}
+        for i, v in enumerate(vectors)
+    ]
+    body = {
+        "object": "list",
+        "data": data,
+        "model": inst.name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return json_response(body, headers={"X-Pantheon-Instance": inst.instance_id})

@@ -1,0 +1,153 @@
+"""The BERT family (``BertModel``: all-MiniLM, bge, e5) in plain torch: an encoder that only
+embeds, as transformers 5.25's ``models/bert/modeling_bert.py`` computes it for one unpadded
+input (token type 0 everywhere, as sentence-transformers encodes a single text).
+
+Embeddings: word + absolute position + token type, then LayerNorm. Every layer: bidirectional
+self-attention over the whole input (q/k/v fused, with biases; each query sees every key of its
+own input, no KV cache), output dense, residual, LayerNorm; then intermediate dense, GELU,
+output dense, residual, LayerNorm (post-norm). No final norm and no head: the last layer's
+output is what pooling reads. The engine never splits an input across steps for it
+(``Scheduler(whole_prompts=True)``), so each prefill chunk is one whole input starting at
+position 0. Description: ``pantheon/models/archs/bert.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pantheon.models.archs.bert import BertDescription
+from pantheon.models.description import ModelDescription
+from workers.cache import LayerCache
+from workers.layers.attention import StepBatch
+from workers.models import Target
+from workers.models.base import DecoderLayer, DecoderLM
+
+
+class BertEmbeddings(nn.Embedding):
+    """The word embedding table (what the engine reads as ``embed_tokens``), holding the
+    position and token-type tables and the embeddings' LayerNorm beside it, so the loader gives
+    them storage with it."""
+
+    def __init__(self, desc: BertDescription):
+        super().__init__(desc.vocab_size, desc.hidden_size)
+        self.position_embeddings = nn.Embedding(desc.max_position_embeddings, desc.hidden_size)
+        self.token_type_embeddings = nn.Embedding(desc.type_vocab_size, desc.hidden_size)
+        self.LayerNorm = nn.LayerNorm(desc.hidden_size, eps=desc.layer_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(input_ids, self.weight) + self.position_embeddings(positions)
+        h = h + self.token_type_embeddings.weight[0]  # token type 0: one segment
+        return self.LayerNorm(h)
+
+
+class BertLayer(DecoderLayer):
+    def __init__(self, desc: BertDescription):
+        super().__init__()
+        h = desc.hidden_size
+        self.n_heads, self.head_dim = desc.num_heads, desc.head_dim
+        self.qkv = nn.Linear(h, 3 * h)
+        self.attn_out = nn.Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=desc.layer_norm_eps)
+        self.up = nn.Linear(h, desc.intermediate_size)
+        self.down = nn.Linear(desc.intermediate_size, h)
+        self.out_norm = nn.LayerNorm(h, eps=desc.layer_norm_eps)
+        self.approximate = "none" if desc.hidden_act == "gelu" else "tanh"
+
+    def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
+        n, hd, d = x.shape[0], self.n_heads, self.head_dim
+        qkv = self.qkv(x).view(n, 3, hd, d)
+        out = x.new_empty(n, hd * d)
+        for c in b.prefills:  # one whole input each: every query sees every key of its input
+            q, k, v = (qkv[c.start : c.end, i].transpose(0, 1) for i in range(3))  # [H, T, D]
+            # no mask: bidirectional; 4-D, which takes torch's fused CPU kernel (3-D inputs ran
+            # its reference path, ~5x slower at 40 tokens)
+            a = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+            out[c.start : c.end] = a.transpose(0, 1).reshape(c.end - c.start, hd * d)
+        x = self.attn_norm(x + self.attn_out(out))
+        return self.out_norm(x + self.down(F.gelu(self.up(x), approximate=self.approximate)))
+
+
+class BertModel(DecoderLM):
+    embed_only = True  # the engine never samples from it (workers/engine.py)
+
+    def __init__(self, desc: BertDescription):
+        layers: list[nn.Module] = [BertLayer(desc) for _ in range(desc.num_layers)]
+        super().__init__(desc.vocab_size, desc.hidden_size, layers, nn.Identity(), tied=True)
+        self.embed_tokens = BertEmbeddings(desc)
+
+    def forward(
+        self, input_ids: torch.Tensor, batches: dict[torch.device, StepBatch], caches: list[LayerCache]
+    ) -> torch.Tensor:
+        """input_ids: [N] (whole inputs, each from position 0) -> the last layer's output [N, hidden]."""
+        emb = self.embed_tokens
+        assert isinstance(emb, BertEmbeddings)
+        dev = emb.weight.device
+        b = batches[dev]
+        positions = torch.zeros(input_ids.shape[0], dtype=torch.long, device=dev)
+        for c in b.prefills:
+            positions[c.start : c.end] = torch.arange(c.end - c.start, device=dev)
+        h = emb.embed(input_ids, positions)
+        for i, layer in enumerate(self.layers):
+            ldev = self.layer_devices[i]
+            if h.device != ldev:
+                h = h.to(ldev)
+            h = layer(h, batches[ldev], caches[i])
+        return h.to(dev)
+
+
+def build(desc: ModelDescription) -> DecoderLM:
+    assert isinstance(desc, BertDescription)
+    return BertModel(desc)
+
+
+def targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
+    """Checkpoint tensor name (``BertModel``'s, without a ``bert.`` prefix) -> parameter rows."""
+    assert isinstance(desc, BertDescription)
+    emb = model.embed_tokens
+    assert isinstance(emb, BertEmbeddings)
+    h = desc.hidden_size
+    t = {
+        "embeddings.word_embeddings.weight": Target(emb.weight, 0, desc.vocab_size),
+        "embeddings.position_embeddings.weight": Target(
+            emb.position_embeddings.weight, 0, desc.max_position_embeddings
+        ),
+        "embeddings.token_type_embeddings.weight": Target(
+            emb.token_type_embeddings.weight, 0, desc.type_vocab_size
+        ),
+        "embeddings.LayerNorm.weight": Target(emb.LayerNorm.weight, 0, h),
+        "embeddings.LayerNorm.bias": Target(emb.LayerNorm.bias, 0, h),
+    }
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, BertLayer)
+        p = f"encoder.layer.{i}."
+        for j, x in enumerate(("query", "key", "value")):
+            t[f"{p}attention.self.{x}.weight"] = Target(layer.qkv.weight, j * h, h)
+            t[f"{p}attention.self.{x}.bias"] = Target(layer.qkv.bias, j * h, h)
+        own = {
+            "attention.output.dense": layer.attn_out,
+            "attention.output.LayerNorm": layer.attn_norm,
+            "intermediate.dense": layer.up,
+            "output.dense": layer.down,
+            "output.LayerNorm": layer.out_norm,
+        }
+        for name, m in own.items():
+            t[f"{p}{name}.weight"] = Target(m.weight, 0, m.weight.shape[0])
+            t[f"{p}{name}.bias"] = Target(m.bias, 0, m.bias.shape[0])
+    return t
+
+
+def checkpoint_name(name: str) -> str | None:
+    """``bert.``-prefixed checkpoints (a ``BertFor*`` model's encoder) read as ``BertModel``'s;
+    the pooler (not used by pooling) and anything else are skipped."""
+    name = name.removeprefix("bert.")
+    return name if name.startswith(("embeddings.", "encoder.")) else None
+
+
+def gguf_name(name: str) -> str | None:
+    return None  # GGUF BERT files are not read yet
+
+
+def from_gguf(name: str, tensor: torch.Tensor, desc: ModelDescription, arch: str) -> torch.Tensor:
+    return tensor
