@@ -16,7 +16,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 4  # 4: EmbedRequest / EmbedOut
+PROTOCOL_VERSION = 4  # 4: EmbedRequest / EmbedOut, Submit.prompt_logprobs and TokenOut.prompt_logprobs
 
 # ---------------------------------------------------------------- codes
 # A value outside its Literal makes the whole message fail to decode, so a new code must be added
