@@ -30,6 +30,8 @@ from pantheon.workerlink.errors import RequestRejectedError
 from workers import grammar as wg
 from workers.worker import Worker
 
+from helpers.instances import ready_instance
+
 MSG = [{"role": "user", "content": "hi"}]
 BIG_LARK = "start: " + " | ".join(json.dumps(f"w{i:05d}") for i in range(5500)) + "\n"  # 60 KB
 BIG_SCHEMA = {"type": "object", "properties": {f"p{i:03d}": {"type": "integer"} for i in range(2000)}}
@@ -165,7 +167,7 @@ def test_the_red_team_choice_on_smollm2_is_a_400():
     from pantheon.models.assets import ModelAssets
 
     assets = ModelAssets(str(server_cli.smollm2_file()))
-    inst = SimpleNamespace(assets=assets, loaded=None)
+    inst = ready_instance(assets)
     odd = structured.choice_grammar(["\U00050000"], "guided_choice")
     with pytest.raises(ApiError) as ei:
         structured.check_for_model(odd, service.model_tokenizer(inst), "guided_choice")
@@ -206,7 +208,7 @@ def _generation(assets, body, pool):
 
     req = oa.parse_chat_request({"messages": MSG, **body})
     prep = fit_context(assets, req, 4096)
-    inst = SimpleNamespace(name="tiny", instance_id="i0", die="cpu:0", assets=assets, loaded=None)
+    inst = ready_instance(assets)
     return service.Generation(pool, inst, req, prep, "fp")
 
 
@@ -272,6 +274,9 @@ class _Engine:
 
     def abort(self, rid: str) -> None:
         self.aborted.append(rid)
+
+    def take_embedded(self) -> list:
+        return []  # it serves no embeddings
 
 
 def test_the_worker_ends_a_failed_matcher_with_rejected_not_stop(tiny_grammars):

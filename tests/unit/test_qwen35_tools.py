@@ -10,7 +10,6 @@ import asyncio
 import json
 import random
 import re
-from types import SimpleNamespace
 
 import pytest
 from test_structured_router import accepts
@@ -30,6 +29,7 @@ from pantheon.chat.tools import (
 from pantheon.chat.xml_tools import convert_value, parse_xml_tool_block
 from pantheon.protocol import TokenOut
 
+from helpers.instances import ready_instance
 from helpers.paths import SPECS, need_specs
 
 QWEN35 = SPECS / "qwen3.5-4B.chat_template.jinja"
@@ -437,7 +437,7 @@ def _generate(assets, body, answer, *, prep=None, stream=False):
     req = oa.parse_chat_request({"messages": [{"role": "user", "content": "weather in Paris?"}], **body})
     prep = prep or fit_context(assets, req, 4096)
     pool = _Pool(assets, answer)
-    inst = SimpleNamespace(name="qwen35", instance_id="i0", die="cpu:0", assets=assets)
+    inst = ready_instance(assets, "qwen35")
     gen = Generation(pool, inst, req, prep, "fp")
 
     async def collect():
