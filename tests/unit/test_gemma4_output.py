@@ -317,3 +317,67 @@ def test_the_forced_call_grammar_accepts_what_the_template_writes(template):
     # what a grammar-held output ends with (the call's "}", no <tool_call|>) is a whole call
     out = whole(forced_call_prefix(GEMMA4_TOOL_FORMAT, None) + plan)
     assert calls(out) == [("plan", NESTED_ARGS)]
+
+
+# ------------------------------------------------------------------ a model folder with it
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, template):
+    """tiny-gemma4's tokenizer (its channel and turn markers special tokens) with the real
+    template: what ``ModelAssets`` makes of a Gemma 4 folder (no weights needed)."""
+    from pantheon.models.assets import ModelAssets
+    from pantheon.models.makemodel import gemma4_tokenizer_config, gemma4_tokenizer_json
+
+    folder = tmp_path_factory.mktemp("gemma4-assets")
+    (folder / "tokenizer.json").write_text(gemma4_tokenizer_json(), encoding="utf-8")
+    cfg = gemma4_tokenizer_config(4096)
+    cfg["chat_template"] = template.source
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    return ModelAssets(folder)
+
+
+def test_a_gemma4_folder_reasons_calls_and_ends_at_its_turn(assets):
+    assert assets.template.output_format == GEMMA4
+    assert assets.reasoning and assets.tool_call_markup
+    assert assets.tokenizer.token_to_id("<turn|>") in assets.eos_ids
+
+
+def test_the_detokenizer_keeps_the_markers_the_parser_reads(assets):
+    from pantheon.chat.detokenize import IncrementalDetokenizer
+
+    tid = assets.tokenizer.token_to_id
+    ids = [
+        tid("<|channel>"),
+        *assets.encode("thought\nHm."),
+        tid("<channel|>"),
+        *assets.encode("Hi"),
+        tid("<turn|>"),
+    ]
+    parser = Gemma4Parser()
+    detok = IncrementalDetokenizer(assets.tokenizer, keep_special=parser.keep_special)
+    deltas = [d for i in ids for d in parser.feed(detok.push(i))]
+    deltas += parser.feed(detok.flush()) + parser.finish()
+    assert join_deltas(deltas) == {"reasoning": "Hm.", "content": "Hi", "tool_calls": []}
+    plain = IncrementalDetokenizer(assets.tokenizer)  # without them the channel is lost in the text
+    assert "".join(plain.push(i) for i in ids) + plain.flush() == "thought\nHm.Hi"
+
+
+def test_a_response_format_starts_after_the_thought_channel_when_thinking_is_on(assets):
+    from types import SimpleNamespace
+
+    from pantheon.api.openai.service import constraint_of
+
+    inst = SimpleNamespace(model_assets=assets)
+    prep = SimpleNamespace(prefix="", forced=None, answer_form=False, think_open=False)
+
+    def req(**kwargs):
+        return SimpleNamespace(
+            grammar="G", tools=None, tools_enabled=False, tool_choice=None, chat_template_kwargs=kwargs
+        )
+
+    tid = assets.tokenizer.token_to_id
+    on = constraint_of(inst, req(enable_thinking=True), prep)  # pyright: ignore[reportArgumentType]
+    assert on == ("G", [tid("<channel|>")], tid("<|channel>"))
+    assert constraint_of(inst, req(reasoning_effort="high"), prep) == on  # pyright: ignore[reportArgumentType]
+    assert constraint_of(inst, req(), prep) == ("G", [], -1)  # pyright: ignore[reportArgumentType]
