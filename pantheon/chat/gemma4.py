@@ -14,12 +14,13 @@ turn as optional thinking, tool calls and text::
 - ``<|tool_call>call:NAME{ARGS}<tool_call|>`` -> a tool call. ``ARGS`` are in the template's own
   syntax (its ``format_argument`` macro), not JSON: bare keys, strings between ``<|"|>`` markers
   (nothing escaped inside), ``true``/``false``, numbers as Python writes them, ``None``, nested
-  ``{...}`` and ``[...]``. :func:`gemma4_arguments` turns them back into a JSON arguments string.
-  Several calls may follow each other (or share one block). A block the output ends inside
-  (``max_tokens``, a stop string) is returned as what it is: its name and the arguments so far as
-  JSON text (``{"city": "Pa``, as OpenAI cuts arguments at ``length``), or nothing when not even
-  the name was written; never markup in the content. A closed block that does not read as a call
-  is content, written out as the model wrote it (the emitter's rule).
+  ``{...}`` and ``[...]``. :func:`gemma4_arguments` turns them back into a JSON arguments string,
+  streamed as it grows (a call's first delta once its name is whole). Several calls may follow each
+  other (or share one block). A call the output ends inside (``max_tokens``, a stop string), or
+  that strays from the syntax, is returned as what it is: its name and the arguments so far as
+  JSON text (``{"city": "Pa``, as OpenAI cuts arguments at ``length``); never markup in the
+  content. A block in which not even a name was written is dropped, or, closed, is content as the
+  model wrote it (the emitter's rule).
 - the rest -> content, leading whitespace after a closed channel or call dropped.
 
 ``<|tool_response>`` (what follows a turn's calls: the tool's answer comes next) and ``<turn|>``
@@ -55,7 +56,7 @@ __all__ = [
     "Gemma4Parser",
     "QUOTE",
     "gemma4_arguments",
-    "parse_gemma4_calls",
+    "read_gemma4_calls",
 ]
 
 CHANNEL_OPEN = "<|channel>"
@@ -255,7 +256,10 @@ def gemma4_arguments(text: str) -> tuple[str, bool]:
     """The JSON of an arguments object in Gemma 4's syntax (``{city:<|"|>Paris<|"|>}``, from its
     ``{``), and whether it was whole. A cut-off one gives the JSON text so far (a key or a bare
     word still being written held back); text after the object is ignored. Raises ValueError when
-    ``text`` is not that syntax."""
+    ``text`` is not that syntax.
+
+    The JSON so far only grows as the text does (a key, a word, the start of a closing ``<|"|>``
+    wait until they are whole), so a stream of it is the difference from the last."""
     out: list[str] = []
     i = _skip_ws(text, 0)
     if i >= len(text):
@@ -268,41 +272,35 @@ def gemma4_arguments(text: str) -> tuple[str, bool]:
         return "".join(out), False
     except _Bad:
         raise ValueError("not Gemma 4's argument syntax") from None
-    return json.dumps(json.loads("".join(out)), ensure_ascii=False), True
+    return "".join(out), True
 
 
 _CALL_HEAD = re.compile(r"\s*call:([^{}\s<]+)\s*(?=\{)")
 
 
-def parse_gemma4_calls(block: str, *, closed: bool) -> list[ParsedToolCall] | None:
-    """The calls inside one ``<|tool_call>`` block (``call:NAME{ARGS}``, one or more). ``closed``:
-    the block ended with ``<tool_call|>``, so every call must be whole (else None: not a call);
-    not closed (the output ended inside it), the last call is returned cut off (its arguments
-    so far) and one without a whole name (``call:get_wea``) is dropped."""
+def read_gemma4_calls(block: str) -> tuple[list[ParsedToolCall], bool]:
+    """The calls in the inside of a ``<|tool_call>`` block (``call:NAME{ARGS}``, one or more),
+    so far: each one whose name is whole (its ``{`` written) with its arguments' JSON so far
+    (:func:`gemma4_arguments`), up to the end of the text or the first thing that is not that
+    syntax (the call it stands in ends there, as it is); and whether every call read was whole
+    and nothing else follows them (``<tool_call|>`` may come next)."""
     calls: list[ParsedToolCall] = []
     pos = 0
     while True:
         while pos < len(block) and (block[pos].isspace() or block[pos] == ","):
             pos += 1
         if pos >= len(block):
-            return calls if (calls or not closed) else None
+            return calls, bool(calls)
         head = _CALL_HEAD.match(block, pos)
         if head is None:
-            # (a name is whole once its ``{`` follows: a cut-off one is dropped)
-            return None if closed else calls
+            return calls, False
         out: list[str] = []
         try:
-            end = _members(block, head.end() + 1, out, 0)
-        except _Cut:
-            if closed:
-                return None
+            pos = _members(block, head.end() + 1, out, 0)
+        except (_Cut, _Bad):
             calls.append(ParsedToolCall(name=head.group(1), arguments="".join(out)))
-            return calls
-        except _Bad:
-            return None if closed else calls
-        args = json.dumps(json.loads("".join(out)), ensure_ascii=False)
-        calls.append(ParsedToolCall(name=head.group(1), arguments=args))
-        pos = end
+            return calls, False
+        calls.append(ParsedToolCall(name=head.group(1), arguments="".join(out)))
 
 
 # ------------------------------------------------------------------ the parser
@@ -334,6 +332,7 @@ class Gemma4Parser:
         self._state = _CONTENT
         self._buf = ""  # the carry
         self._block = ""  # the inside of the open call block
+        self._block_calls: list[int] = []  # the indexes (in tool_calls) of its calls so far
         self._skip_ws = True  # drop leading whitespace of the next text
         self._pending_ws = ""  # trailing whitespace held in case a marker follows
         self._had_thought = False
@@ -437,7 +436,7 @@ class Gemma4Parser:
         elif marker == CALL_OPEN:  # (in a thought too: the call ends it)
             self._pending_ws = ""
             self._state = _CALL
-            self._block = ""
+            self._block, self._block_calls = "", []
         elif marker == CALL_CLOSE and self._state == _CALL:
             self._state = _CONTENT
             self._close_call(closed=True)
@@ -448,6 +447,7 @@ class Gemma4Parser:
             return
         if self._state == _CALL:
             self._block += text
+            self._read_block()
             return
         kind = REASONING if self._state == _THOUGHT else CONTENT
         if self._skip_ws:
@@ -465,27 +465,39 @@ class Gemma4Parser:
         if body:
             self._emit(kind, body)
 
+    def _read_block(self) -> None:
+        """Stream the open block's calls: a call's first delta once its name is whole, then its
+        arguments' JSON as it grows."""
+        calls, _ = read_gemma4_calls(self._block)
+        for k, call in enumerate(calls):
+            if k == len(self._block_calls):
+                index, call_id = len(self.tool_calls), new_call_id()
+                fn = {"name": call.name, "arguments": ""}
+                self.tool_calls.append({"id": call_id, "type": "function", "function": fn})
+                self._block_calls.append(index)
+                self._out.append(Delta(TOOL_CALL, index=index, id=call_id, name=call.name, arguments=""))
+            index = self._block_calls[k]
+            fn = self.tool_calls[index]["function"]
+            sent = fn["arguments"]
+            if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
+                more = call.arguments[len(sent) :]
+                fn["arguments"] = call.arguments
+                last = self._out[-1] if self._out else None
+                if last is not None and last.kind == TOOL_CALL and last.index == index and last.id is None:
+                    last.arguments = (last.arguments or "") + more  # one delta per piece
+                else:
+                    self._out.append(Delta(TOOL_CALL, index=index, arguments=more))
+
     def _close_call(self, *, closed: bool) -> None:
-        calls = parse_gemma4_calls(self._block, closed=closed)
-        if calls is None:  # not a call: content, as the model wrote it
-            raw = CALL_OPEN + self._block + (CALL_CLOSE if closed else "")
+        """The block ended (``<tool_call|>``, or the output: ``closed`` False). Its calls went
+        out as they came; a closed block in which no call was read is content, as written."""
+        if not self._block_calls and closed:
+            raw = CALL_OPEN + self._block + CALL_CLOSE
             self._block = ""
             self._skip_ws = False
             self._text(raw)
             return
-        for call in calls:
-            index = len(self.tool_calls)
-            call_id = new_call_id()
-            self.tool_calls.append(
-                {
-                    "id": call_id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
-                }
-            )
-            self._out.append(Delta(TOOL_CALL, index=index, id=call_id, name=call.name, arguments=""))
-            self._out.append(Delta(TOOL_CALL, index=index, arguments=call.arguments))
-        self._block = ""
+        self._block, self._block_calls = "", []
         self._skip_ws = True
 
     def _end_of_text(self) -> None:

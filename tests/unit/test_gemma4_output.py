@@ -12,7 +12,7 @@ from test_structured_router import accepts
 
 from pantheon.api.openai import structured
 from pantheon.chat.emitter import Delta, Emitter, join_deltas
-from pantheon.chat.gemma4 import GEMMA4_MARKERS, Gemma4Parser, gemma4_arguments, parse_gemma4_calls
+from pantheon.chat.gemma4 import GEMMA4_MARKERS, Gemma4Parser, gemma4_arguments, read_gemma4_calls
 from pantheon.chat.output import GEMMA4, TAGGED, output_parser
 from pantheon.chat.template import ChatTemplate, gemma4_thinks
 from pantheon.chat.tools import GEMMA4_TOOL_FORMAT, JSON_TOOL_FORMAT, forced_call_prefix, tool_call_format
@@ -116,9 +116,11 @@ def test_the_argument_syntax_reads_back_as_json():
     with pytest.raises(ValueError):
         gemma4_arguments("{a:1 b:2}")
     # several calls in one block
-    (a, b) = parse_gemma4_calls("call:f{x:1}call:g{}", closed=True) or []
-    assert (a.name, a.arguments, b.name, b.arguments) == ("f", '{"x": 1}', "g", "{}")
-    assert parse_gemma4_calls("call:f{x:1", closed=True) is None
+    (a, b), whole_ = read_gemma4_calls("call:f{x:1}call:g{}")
+    assert (a.name, a.arguments, b.name, b.arguments, whole_) == ("f", '{"x": 1}', "g", "{}", True)
+    (c,), whole_ = read_gemma4_calls("call:f{x:1 y:2} more")  # strays from the syntax: as it is
+    assert (c.name, c.arguments, whole_) == ("f", '{"x": 1', False)
+    assert read_gemma4_calls("call:get_wea") == ([], False)
 
 
 def test_cut_off_arguments_are_the_json_so_far():
@@ -381,3 +383,37 @@ def test_a_response_format_starts_after_the_thought_channel_when_thinking_is_on(
     assert on == ("G", [tid("<channel|>")], tid("<|channel>"))
     assert constraint_of(inst, req(reasoning_effort="high"), prep) == on  # pyright: ignore[reportArgumentType]
     assert constraint_of(inst, req(), prep) == ("G", [], -1)  # pyright: ignore[reportArgumentType]
+
+
+def _random_value(rng: random.Random, depth: int = 0):
+    kinds = ["str", "int", "float", "bool", "none"] + (["list", "dict"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "str":
+        return "".join(rng.choice('ab Z,:{}[]"\\\n\tü🌧<|>') for _ in range(rng.randrange(0, 8)))
+    if kind == "int":
+        return rng.randrange(-(10**12), 10**12)
+    if kind == "float":
+        return rng.choice([0.5, -2.25, 1e-05, 3.0e16, rng.uniform(-1e3, 1e3)])
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "none":
+        return None
+    if kind == "list":
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(0, 4))]
+    return {f"k{j}_{rng.randrange(99)}": _random_value(rng, depth + 1) for j in range(rng.randrange(0, 4))}
+
+
+def test_random_arguments_round_trip_through_the_template_and_stream_as_they_grow(template):
+    rng = random.Random(4)
+    head = template.render([{"role": "user", "content": "Go."}], add_generation_prompt=False)
+    for case in range(40):
+        args = {f"a{j}": _random_value(rng) for j in range(rng.randrange(1, 5))}
+        text = template.render(
+            [{"role": "user", "content": "Go."}, _assistant([("f", args)])], add_generation_prompt=False
+        )
+        model = text[len(head) :].removeprefix("<|turn>model\n")
+        out, _, deltas = run(list(model))  # one character at a time
+        assert calls(out) == [("f", args)], (case, model)
+        assert out == whole(model)
+        pieces = [d.arguments for d in deltas if d.kind == "tool_call" and d.id is None]
+        assert len(pieces) > 1 or len(model) < 40, case  # streamed as it grew, not at the close
