@@ -133,21 +133,42 @@ def test_a_call_cut_off_by_max_tokens_is_no_markup(srv):
     assert "<|" not in (msg.content or "") and "<|" not in streamed["content"]
 
 
+PICK = {
+    "type": "function",
+    "function": {
+        "name": "pick_city",
+        "description": "Pick a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Oslo", "Paris"]}, "metric": {"type": "boolean"}},
+            "required": ["city", "metric"],
+        },
+    },
+}
+SWITCH = {
+    "type": "function",
+    "function": {
+        "name": "switch",
+        "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]},
+    },
+}
+
+
+def test_required_with_two_tools_writes_one_of_them(srv):
+    """The prompt opens ``<|tool_call>call:``; the grammar names one of the tools and holds its
+    arguments (the schemas here are bounded, so a random model ends its call quickly)."""
+    client = srv.client()
+    body = dict(model=NAME, messages=MESSAGES, max_tokens=40, tools=[PICK, SWITCH], tool_choice="required")
+    (ch,) = client.chat.completions.create(**body).choices
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls is not None and not ch.message.content
+    ((name, args),) = [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls]
+    assert (name, sorted(args)) in (("pick_city", ["city", "metric"]), ("switch", ["on"]))
+
+
 def test_a_named_tool_choice_writes_the_call(srv):
     """The prompt opens ``<|tool_call>call:pick_city{``; the grammar holds the arguments to the
     schema, in Gemma 4's syntax; they come back as JSON."""
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "pick_city",
-            "description": "Pick a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"enum": ["Oslo", "Paris"]}, "metric": {"type": "boolean"}},
-                "required": ["city", "metric"],
-            },
-        },
-    }
+    tool = PICK
     choice = {"type": "function", "function": {"name": "pick_city"}}
     client = srv.client()
     body = dict(model=NAME, messages=MESSAGES, max_tokens=40, tools=[WEATHER, tool], tool_choice=choice)
