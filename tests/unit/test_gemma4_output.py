@@ -417,3 +417,37 @@ def test_random_arguments_round_trip_through_the_template_and_stream_as_they_gro
         assert out == whole(model)
         pieces = [d.arguments for d in deltas if d.kind == "tool_call" and d.id is None]
         assert len(pieces) > 1 or len(model) < 40, case  # streamed as it grew, not at the close
+
+
+def test_a_vocabulary_with_the_quote_token_gets_it_in_the_call_grammar():
+    """Gemma 4's tokenizer has ``<|"|>`` as a special token, which llguidance never matches
+    against text: the grammar names the token there (and the text literal elsewhere)."""
+    import llguidance as llg
+    from tokenizers import AddedToken, Tokenizer
+
+    from pantheon.models.makemodel import gemma4_tokenizer_json
+
+    tok = Tokenizer.from_str(gemma4_tokenizer_json())
+    tok.add_special_tokens([AddedToken('<|"|>', special=True, normalized=False)])
+    n, q = tok.get_vocab_size(with_added_tokens=True), tok.token_to_id('<|"|>')
+    model = structured.ModelTokenizer(tok.to_str(), n, [tok.token_to_id("<turn|>")])
+    prefix = forced_call_prefix(GEMMA4_TOOL_FORMAT, "get_weather")
+    text_form = structured.tool_grammar(TOOLS, "get_weather", prefix, "gemma4")
+    with pytest.raises(Exception, match="cannot be enforced with this model"):
+        structured.check_for_model(text_form, model, "tools")
+    for forced in ("get_weather", None):
+        g = structured.tool_grammar(TOOLS, forced, prefix, "gemma4", quote_token=True)
+        structured.check_for_model(g, model, "tools")
+
+    def consumes(grammar, pieces) -> bool:
+        m = llg.LLMatcher(model.tokenizer, grammar, log_level=0)
+        ids = [
+            i for p in pieces for i in ([q] if p == '<|"|>' else tok.encode(p, add_special_tokens=False).ids)
+        ]
+        return m.consume_tokens(ids) and m.is_accepting()
+
+    named = structured.tool_grammar(TOOLS, "get_weather", prefix, "gemma4", quote_token=True)
+    assert consumes(named, ["city:", '<|"|>', 'Zürich, "CH"', '<|"|>', ",unit:", '<|"|>', "f", '<|"|>', "}"])
+    assert consumes(named, ["city:", '<|"|>', '<|"|>', "}"])  # an empty string
+    assert not consumes(named, ["city:", '<|"|>', "Paris", '<|"|>', ",unit:", '<|"|>', "k", '<|"|>', "}"])
+    assert not consumes(named, ["city:<|", '"|>Paris<|', '"|>}'])  # the marker spelled in plain tokens

@@ -38,6 +38,7 @@ from pantheon.chat.answer_form import CallOrReply
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Delta
 from pantheon.chat.gemma4 import CHANNEL_CLOSE, CHANNEL_OPEN
+from pantheon.chat.gemma4 import QUOTE as GEMMA4_QUOTE
 from pantheon.chat.harmony import FINAL_OPENING, MESSAGE
 from pantheon.chat.output import GEMMA4, HARMONY, output_parser
 from pantheon.chat.template import gemma4_thinks
@@ -203,7 +204,13 @@ def constraint_of(inst: Instance, req: ChatRequest, prep: Prepared) -> Constrain
         tools = req.tools
         if req.tool_choice_name is not None:
             tools = [t for t in tools if t["function"]["name"] == req.tool_choice_name]
-        grammar = structured.tool_grammar(tools, prep.forced, prep.prefix, tool_format(inst, prep))
+        grammar = structured.tool_grammar(
+            tools,
+            prep.forced,
+            prep.prefix,
+            tool_format(inst, prep),
+            quote_token=assets.tokenizer.token_to_id(GEMMA4_QUOTE) is not None,  # Gemma 4's vocabulary
+        )
         if prep.prefix:  # the call is already open in the prompt: no reasoning first
             return grammar, [], -1
     elif prep.answer_form:

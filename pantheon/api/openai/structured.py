@@ -389,7 +389,12 @@ def call_or_reply_grammar(tools: Sequence[dict], *, parallel: bool = True) -> st
 
 
 def tool_grammar(
-    tools: Sequence[dict], forced: str | None, prefix: str, tool_format: str = JSON_TOOL_FORMAT
+    tools: Sequence[dict],
+    forced: str | None,
+    prefix: str,
+    tool_format: str = JSON_TOOL_FORMAT,
+    *,
+    quote_token: bool = False,
 ) -> str:
     """The grammar of what the model writes after ``prefix`` (already in the prompt) when a
     call is demanded: ``forced`` named, only its arguments and the block's end; else one call
@@ -402,7 +407,9 @@ def tool_grammar(
     if tool_format == HARMONY_TOOL_FORMAT:
         return _harmony_call_grammar(tools, forced)
     if tool_format == GEMMA4_TOOL_FORMAT:
-        return check(llg.LLMatcher.grammar_from_lark(_gemma4_call_lark(tools, forced)), "tools")
+        grammar = llg.LLMatcher.grammar_from_lark(_gemma4_call_lark(tools, forced, quote_token=quote_token))
+        # (a grammar naming the <|"|> token is checked against the model's vocabulary only)
+        return grammar if quote_token else check(grammar, "tools")
     if tool_format == XML_TOOL_FORMAT:
         return check(llg.LLMatcher.grammar_from_lark(_xml_call_lark(tools, forced, prefix)), "tools")
     if forced is not None:
@@ -439,29 +446,34 @@ def _harmony_call_grammar(tools: Sequence[dict], forced: str | None) -> str:
 # sorted order, as its ``dictsort`` writes them): ``NAME{key:value,...}``, strings between
 # ``<|"|>`` markers, numbers, ``true`` / ``false``, nested ``{...}`` and ``[...]``. The prompt
 # holds ``<|tool_call>call:`` and, for a forced function, ``NAME{``; the grammar ends at the
-# call's ``}`` (the request ends there, and the parser reads the call whole). The markers are
-# spelled as text: a vocabulary that has ``<|"|>`` as a special token writes it in plain tokens,
-# which the detokenizer turns into the same text.
+# call's ``}`` (the request ends there, and the parser reads the call whole). A vocabulary that
+# has ``<|"|>`` as a token (Gemma 4's: a special one) gets it as a token reference (``quote_token``;
+# llguidance matches no special token against text, so the text literal would be refused there);
+# one without it, as text.
 
 _GEMMA4_RULES = r"""
 g_any: g_str | G_NUM | "true" | "false" | "None" | g_obj | g_arr
 g_obj: "{" (G_KEY ":" g_any ("," G_KEY ":" g_any)*)? "}"
 g_arr: "[" (g_any ("," g_any)*)? "]"
-g_str: "<|\"|>" g_text
 g_text[lazy]: /(?s:.*)<\|"\|>/
+G_TEXT: /(?s:.+)/
 G_KEY: /[A-Za-z_][A-Za-z0-9_]*/
 G_NUM: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/
 G_INT: /-?(0|[1-9][0-9]*)/
 """
 
 _GEMMA4_QUOTE = '"<|\\"|>"'  # ``<|"|>`` as a Lark string literal
+_GEMMA4_QUOTE_TOKEN = '<|"|>'  # ... and as a reference to the token
 
 
 class _Gemma4Lark:
     """The Lark rules of values of JSON schemas in Gemma 4's argument syntax."""
 
-    def __init__(self) -> None:
-        self.rules: list[str] = []
+    def __init__(self, quote_token: bool) -> None:
+        self.quote = q = _GEMMA4_QUOTE_TOKEN if quote_token else _GEMMA4_QUOTE
+        # a string: as text, a lazy match up to the first closing marker; as a token, any text
+        # between two of them (no text is that token)
+        self.rules: list[str] = [f"g_str: {q} G_TEXT? {q}" if quote_token else f"g_str: {q} g_text"]
 
     def _rule(self, body: str) -> str:
         name = f"g{len(self.rules)}"
@@ -492,10 +504,9 @@ class _Gemma4Lark:
             return self._rule('"{" ' + self.members(schema) + ' "}"')
         return "g_any"
 
-    @staticmethod
-    def _literal(v: str | bool | float) -> str:
+    def _literal(self, v: str | bool | float) -> str:
         if isinstance(v, str):
-            return f"{_GEMMA4_QUOTE} {json.dumps(v)} {_GEMMA4_QUOTE}"
+            return f"{self.quote} {json.dumps(v)} {self.quote}" if v else f"{self.quote} {self.quote}"
         return json.dumps("true" if v is True else "false" if v is False else str(v))
 
     def members(self, schema: dict) -> str:
@@ -519,10 +530,10 @@ class _Gemma4Lark:
         return s_next or ""
 
 
-def _gemma4_call_lark(tools: Sequence[dict], forced: str | None) -> str:
+def _gemma4_call_lark(tools: Sequence[dict], forced: str | None, *, quote_token: bool = False) -> str:
     """The Lark grammar of one demanded call in Gemma 4's syntax, after the prompt's
     ``<|tool_call>call:`` (and ``NAME{`` for a forced function)."""
-    g = _Gemma4Lark()
+    g = _Gemma4Lark(quote_token)
     if forced is not None:
         tool = next(t for t in tools if t["function"]["name"] == forced)
         start = g.members(_parameters(tool)) + ' "}"'
