@@ -336,14 +336,14 @@ class Gemma4Parser:
         self._skip_ws = True  # drop leading whitespace of the next text
         self._pending_ws = ""  # trailing whitespace held in case a marker follows
         self._had_thought = False
-        self.finished_text = False  # an end marker was read: nothing after it is output
+        self._ended = False  # an end marker was read: nothing after it is output
         self._out: list[Delta] = []
 
     # -------------------------------------------------------------- public
 
     def feed(self, text: str) -> list[Delta]:
         """Add model text; return the deltas that are final now."""
-        if self.stopped or self.finished or self.finished_text or not text:
+        if self.stopped or self.finished or self._ended or not text:
             return []
         self._buf += text
         self._process(final=False)
@@ -376,7 +376,7 @@ class Gemma4Parser:
         return needles + [(m, False) for m in markers]
 
     def _process(self, *, final: bool) -> None:
-        while not self.stopped and not self.finished_text:
+        while not self.stopped and not self._ended:
             if self._state == _NAME:
                 if not self._channel_name(final):
                     return
@@ -423,7 +423,7 @@ class Gemma4Parser:
         if marker in END_MARKERS:
             self._buf = ""
             self._end_of_text()
-            self.finished_text = True
+            self._ended = True
         elif marker == CHANNEL_OPEN:
             if self._state == _CONTENT:  # (one inside a thought is dropped)
                 self._pending_ws = ""
