@@ -8,7 +8,7 @@ goes through it like this::
     prompt = template.render(messages, tools=policy.template_tools, **chat_template_kwargs)
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
 
-    emitter = output_parser(template.output_format,            # Harmony (gpt-oss) or tags
+    emitter = output_parser(template.output_format,            # Harmony (gpt-oss), Gemma 4 or tags
                             reasoning=template.reasoning, stop=stop, tools_enabled=policy.parse,
                             think_open=think_open(prompt), tool_format=template.tool_format,
                             tools=policy.template_tools)       # JSON or Qwen3.5's XML calls
@@ -23,6 +23,7 @@ goes through it like this::
 
 from .detokenize import IncrementalDetokenizer
 from .emitter import MAX_STOP, Delta, Emitter, finish_reason, join_deltas
+from .gemma4 import Gemma4Parser
 from .harmony import HarmonyParser
 from .output import OutputParser, output_parser
 from .template import ChatTemplate, TemplateError, normalize_messages, render_chatml, think_open
@@ -46,6 +47,7 @@ __all__ = [
     "ChatTemplate",
     "Delta",
     "Emitter",
+    "Gemma4Parser",
     "HarmonyParser",
     "IncrementalDetokenizer",
     "MAX_STOP",

@@ -39,7 +39,7 @@ import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .output import HARMONY, output_format
+from .output import GEMMA4, HARMONY, output_format
 from .tools import TOOLS_POSTAMBLE, TOOLS_PREAMBLE, tool_call_format
 
 __all__ = [
@@ -620,6 +620,23 @@ def _harmony_inputs(
     return out, tools
 
 
+def _gemma4_kwargs(template_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4's template thinks when ``enable_thinking`` is on and reads no
+    ``reasoning_effort``: a request's ``reasoning_effort`` (chat's, Responses'
+    ``reasoning.effort``) turns it on, ``"none"`` off, unless the client's
+    ``chat_template_kwargs`` set ``enable_thinking`` themselves."""
+    effort = template_kwargs.get("reasoning_effort")
+    if effort is None or "enable_thinking" in template_kwargs:
+        return template_kwargs
+    return {**template_kwargs, "enable_thinking": effort != "none"}
+
+
+def gemma4_thinks(template_kwargs: Mapping[str, Any]) -> bool:
+    """Whether Gemma 4's template, given a request's ``chat_template_kwargs``, turns thinking on
+    (else its generation prompt closes an empty thought channel)."""
+    return bool(_gemma4_kwargs(dict(template_kwargs)).get("enable_thinking"))
+
+
 # ------------------------------------------------------------------ the ChatML fallback
 
 
@@ -765,7 +782,8 @@ class ChatTemplate:
     def output_format(self) -> str:
         """How the model's output is written, so which parser reads it
         (:func:`pantheon.chat.output.output_parser`): ``"harmony"`` for gpt-oss's template (it
-        renders ``<|channel|>`` messages), ``"tagged"`` (``<think>`` / ``<tool_call>``) else."""
+        renders ``<|channel|>`` messages), ``"gemma4"`` for Gemma 4's (``<|tool_call>call:``),
+        ``"tagged"`` (``<think>`` / ``<tool_call>``) else."""
         return output_format(self.tool_format)
 
     @functools.cached_property
@@ -888,6 +906,8 @@ class ChatTemplate:
         tools = list(tools) if tools is not None else None
         if self.output_format == HARMONY:
             msgs, tools = _harmony_inputs(msgs, tools)
+        elif self.output_format == GEMMA4:
+            template_kwargs = _gemma4_kwargs(template_kwargs)
         clash = _RESERVED_KWARGS.intersection(template_kwargs)
         if clash:
             raise TemplateError(f"chat_template_kwargs may not set {sorted(clash)}")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "GEMMA4_TOOL_FORMAT",
     "HARMONY_TOOL_FORMAT",
     "JSON_TOOL_FORMAT",
     "XML_TOOL_FORMAT",
@@ -53,6 +54,11 @@ XML_TOOL_FORMAT = "xml"
 # gpt-oss writes no block: a Harmony message to ``functions.NAME`` whose body is the arguments'
 # JSON (read by :mod:`pantheon.chat.harmony`, not by the emitter).
 HARMONY_TOOL_FORMAT = "harmony"
+
+# Gemma 4 writes ``<|tool_call>call:NAME{key:value,...}<tool_call|>``, the arguments in its
+# template's own syntax (read by :mod:`pantheon.chat.gemma4`, not by the emitter).
+GEMMA4_TOOL_FORMAT = "gemma4"
+GEMMA4_CALL_OPEN = "<|tool_call>call:"
 
 # The header of a Harmony call message up to its function's name, and after it: what a forced
 # call's prompt ends with (the template's ``<|constrain|>`` form, as gpt-oss writes calls).
@@ -98,11 +104,15 @@ def tool_call_format(template_source: str | None) -> str:
     turn, and render past calls in it) gets :data:`XML_TOOL_FORMAT`; every other template, and the
     ChatML fallback (None), the JSON format. All three markers must be there: some templates mention
     ``<function=`` alone for a different syntax (Llama 3.1's custom tools). A Harmony template
-    (gpt-oss's: it renders ``<|channel|>``) gets :data:`HARMONY_TOOL_FORMAT`.
+    (gpt-oss's: it renders ``<|channel|>``) gets :data:`HARMONY_TOOL_FORMAT`; Gemma 4's (it
+    renders past calls as ``<|tool_call>call:`` and closes them with ``<tool_call|>``)
+    :data:`GEMMA4_TOOL_FORMAT`.
     """
     src = template_source or ""
     if "<|channel|>" in src and "<|message|>" in src:
         return HARMONY_TOOL_FORMAT
+    if GEMMA4_CALL_OPEN in src and "<tool_call|>" in src:
+        return GEMMA4_TOOL_FORMAT
     if all(marker in src for marker in (TOOL_OPEN, "<function=", "<parameter=")):
         return XML_TOOL_FORMAT
     return JSON_TOOL_FORMAT
@@ -113,9 +123,12 @@ def forced_call_prefix(tool_format: str, name: str | None) -> str:
     model only fills in the rest: ``<tool_call>`` and, when one function is forced, its name in the
     model's own format (the JSON form leaves the arguments object open). Harmony's is the call
     message's header: up to ``functions.`` (the model names the function), or whole, up to
-    ``<|message|>``, for a forced one (the model writes the arguments)."""
+    ``<|message|>``, for a forced one (the model writes the arguments). Gemma 4's is
+    ``<|tool_call>call:`` and, for a forced function, its name and the arguments' ``{``."""
     if tool_format == HARMONY_TOOL_FORMAT:
         return HARMONY_CALL_OPEN + ("" if name is None else name + HARMONY_CALL_BODY)
+    if tool_format == GEMMA4_TOOL_FORMAT:
+        return GEMMA4_CALL_OPEN + ("" if name is None else name + "{")
     prefix = TOOL_OPEN + "\n"
     if name is None:
         return prefix

@@ -172,12 +172,15 @@ def test_tools_and_past_calls_render_as_the_template_expects(qwen35):
 def test_the_format_is_chosen_from_the_template(qwen35):
     need_specs()
     assert qwen35.tool_format == XML_TOOL_FORMAT
-    for other in ("qwen3-0.6B", "llama-3.3-70B-Instruct", "gemma-4-31B-it"):
+    for other in ("qwen3-0.6B", "llama-3.3-70B-Instruct"):
         source = (SPECS / f"{other}.chat_template.jinja").read_text(encoding="utf-8")
         assert ChatTemplate(source).tool_format == JSON_TOOL_FORMAT, other
     # gpt-oss writes no <tool_call> block at all: Harmony messages (tests/unit/test_harmony.py)
     source = (SPECS / "gpt-oss-120b.chat_template.jinja").read_text(encoding="utf-8")
     assert ChatTemplate(source).tool_format == HARMONY_TOOL_FORMAT
+    # nor does Gemma 4: <|tool_call>call:NAME{...} in its own syntax (tests/unit/test_gemma4_output.py)
+    source = (SPECS / "gemma-4-31B-it.chat_template.jinja").read_text(encoding="utf-8")
+    assert ChatTemplate(source).tool_format == "gemma4"
     assert ChatTemplate().tool_format == JSON_TOOL_FORMAT  # the ChatML fallback
     # a tool_use template is the one that renders tools, so it decides
     assert ChatTemplate("{{ messages }}", tool_use_template=qwen35.source).tool_format == XML_TOOL_FORMAT

@@ -8,9 +8,10 @@ that decides it), and each one's details, ``model_info``, capabilities, size, di
   emptied, the name and chat template left out), else the same keys made from ``config.json``
   (``general.architecture``, ``<arch>.context_length``, ``.embedding_length``, ...);
 - capabilities: ``completion``; ``tools`` when the model's chat template writes ``<tool_call>``
-  blocks (what our emitter reads back) or Harmony calls (gpt-oss); ``thinking`` when it reasons
-  in ``<think>`` blocks or Harmony's analysis channel; ``embedding`` when it serves ``/api/embed``
-  (a model that only embeds, BERT, has only that);
+  blocks (what our emitter reads back), Harmony calls (gpt-oss) or Gemma 4's ``<|tool_call>``;
+  ``thinking`` when it reasons in ``<think>`` blocks, Harmony's analysis channel or Gemma 4's
+  thought channel; ``embedding`` when it serves ``/api/embed`` (a model that only embeds, BERT,
+  has only that);
 - size and ``modified_at``: the model's files on disk; ``digest``: a SHA-256 of where they are,
   their size and time, stable while the files do not change (Ollama's is its manifest's). No
   path is shown: a model's location is the admin API's to tell;

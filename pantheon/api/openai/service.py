@@ -37,8 +37,11 @@ from pantheon.api.openai.protocol import ChatRequest
 from pantheon.chat.answer_form import CallOrReply
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Delta
+from pantheon.chat.gemma4 import CHANNEL_CLOSE, CHANNEL_OPEN
+from pantheon.chat.gemma4 import QUOTE as GEMMA4_QUOTE
 from pantheon.chat.harmony import FINAL_OPENING, MESSAGE
-from pantheon.chat.output import HARMONY, output_parser
+from pantheon.chat.output import GEMMA4, HARMONY, output_parser
+from pantheon.chat.template import gemma4_thinks
 from pantheon.chat.tools import JSON_TOOL_FORMAT, forced_call_prefix
 from pantheon.control.context import Prepared
 from pantheon.control.registry import Instance
@@ -193,14 +196,21 @@ def constraint_of(inst: Instance, req: ChatRequest, prep: Prepared) -> Constrain
     """The grammar the output must match (a demanded tool call's, else the request's), and
     where it starts on a reasoning model: after ``</think>`` when the template opened the
     block; when the model may open one itself, its ``<think>`` id (else -1); on a Harmony
-    model (gpt-oss), after ``<|channel|>final<|message|>``, as vLLM starts it."""
+    model (gpt-oss), after ``<|channel|>final<|message|>``, as vLLM starts it; on Gemma 4 with
+    thinking on, after ``<channel|>`` when the model opens ``<|channel>``."""
     assets = inst.model_assets
     grammar = req.grammar
     if req.tools and _forced_call(req):
         tools = req.tools
         if req.tool_choice_name is not None:
             tools = [t for t in tools if t["function"]["name"] == req.tool_choice_name]
-        grammar = structured.tool_grammar(tools, prep.forced, prep.prefix, tool_format(inst, prep))
+        grammar = structured.tool_grammar(
+            tools,
+            prep.forced,
+            prep.prefix,
+            tool_format(inst, prep),
+            quote_token=assets.tokenizer.token_to_id(GEMMA4_QUOTE) is not None,  # Gemma 4's vocabulary
+        )
         if prep.prefix:  # the call is already open in the prompt: no reasoning first
             return grammar, [], -1
     elif prep.answer_form:
@@ -212,6 +222,13 @@ def constraint_of(inst: Instance, req: ChatRequest, prep: Prepared) -> Constrain
         # special tokens they are (a vocabulary without them starts the grammar at once)
         marked = assets.tokenizer.token_to_id(MESSAGE) is not None
         return grammar, assets.encode(FINAL_OPENING) if marked else [], -1
+    if assets.template.output_format == GEMMA4:
+        # thinking on, the model may open a thought channel first (its <|channel> token): the
+        # grammar starts after its <channel|>; off, the prompt closed an empty one
+        opening = assets.encode(CHANNEL_OPEN)
+        if gemma4_thinks(req.chat_template_kwargs) and len(opening) == 1:
+            return grammar, assets.encode(CHANNEL_CLOSE), opening[0]
+        return grammar, [], -1
     close = assets.encode("</think>")
     if prep.think_open:
         return grammar, close, -1

@@ -10,7 +10,8 @@ What a request may constrain its output with (at most one of them):
   same under ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``).
 - tools: ``tool_choice`` ``"required"`` or a named function constrain the output to a call of
   the tools' parameter schemas in the model's ``<tool_call>`` format (:func:`tool_grammar`): JSON,
-  or Qwen3.5's XML (``<function=NAME>`` and one ``<parameter=P>`` element per argument).
+  or Qwen3.5's XML (``<function=NAME>`` and one ``<parameter=P>`` element per argument), or
+  Gemma 4's ``call:NAME{key:value,...}`` (its template's argument syntax).
 
 JSON is written compactly, with ``", "`` and ``": "`` as separators and no other whitespace: a
 small model given free whitespace can spend its whole budget on newlines.
@@ -52,7 +53,7 @@ from typing import Any
 import llguidance as llg
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from pantheon.chat.tools import HARMONY_TOOL_FORMAT, JSON_TOOL_FORMAT, XML_TOOL_FORMAT
+from pantheon.chat.tools import GEMMA4_TOOL_FORMAT, HARMONY_TOOL_FORMAT, JSON_TOOL_FORMAT, XML_TOOL_FORMAT
 from pantheon.chat.xml_tools import parameter_schemas, writes_as_text
 from pantheon.errors import invalid_param
 from pantheon.models.gguf import byte_alphabet
@@ -388,7 +389,12 @@ def call_or_reply_grammar(tools: Sequence[dict], *, parallel: bool = True) -> st
 
 
 def tool_grammar(
-    tools: Sequence[dict], forced: str | None, prefix: str, tool_format: str = JSON_TOOL_FORMAT
+    tools: Sequence[dict],
+    forced: str | None,
+    prefix: str,
+    tool_format: str = JSON_TOOL_FORMAT,
+    *,
+    quote_token: bool = False,
 ) -> str:
     """The grammar of what the model writes after ``prefix`` (already in the prompt) when a
     call is demanded: ``forced`` named, only its arguments and the block's end; else one call
@@ -400,6 +406,10 @@ def tool_grammar(
     model's own vocabulary knows: ``check_for_model`` checks it, not the byte-level ``check``)."""
     if tool_format == HARMONY_TOOL_FORMAT:
         return _harmony_call_grammar(tools, forced)
+    if tool_format == GEMMA4_TOOL_FORMAT:
+        grammar = llg.LLMatcher.grammar_from_lark(_gemma4_call_lark(tools, forced, quote_token=quote_token))
+        # (a grammar naming the <|"|> token is checked against the model's vocabulary only)
+        return grammar if quote_token else check(grammar, "tools")
     if tool_format == XML_TOOL_FORMAT:
         return check(llg.LLMatcher.grammar_from_lark(_xml_call_lark(tools, forced, prefix)), "tools")
     if forced is not None:
@@ -428,6 +438,110 @@ def _harmony_call_grammar(tools: Sequence[dict], forced: str | None) -> str:
     ]
     lark = "start: " + " | ".join(f"call{i}" for i in range(len(tools))) + "\n" + "\n".join(rules) + "\n"
     return llg.LLMatcher.grammar_from_lark(lark)
+
+
+# ---------------------------------------------------------------- tool calls in Gemma 4's syntax
+#
+# The grammar spells a call as Gemma 4's template renders a past one (``format_argument``, keys in
+# sorted order, as its ``dictsort`` writes them): ``NAME{key:value,...}``, strings between
+# ``<|"|>`` markers, numbers, ``true`` / ``false``, nested ``{...}`` and ``[...]``. The prompt
+# holds ``<|tool_call>call:`` and, for a forced function, ``NAME{``; the grammar ends at the
+# call's ``}`` (the request ends there, and the parser reads the call whole). A vocabulary that
+# has ``<|"|>`` as a token (Gemma 4's: a special one) gets it as a token reference (``quote_token``;
+# llguidance matches no special token against text, so the text literal would be refused there);
+# one without it, as text.
+
+_GEMMA4_RULES = r"""
+g_any: g_str | G_NUM | "true" | "false" | "None" | g_obj | g_arr
+g_obj: "{" (G_KEY ":" g_any ("," G_KEY ":" g_any)*)? "}"
+g_arr: "[" (g_any ("," g_any)*)? "]"
+g_text[lazy]: /(?s:.*)<\|"\|>/
+G_TEXT: /(?s:.+)/
+G_KEY: /[A-Za-z_][A-Za-z0-9_]*/
+G_NUM: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/
+G_INT: /-?(0|[1-9][0-9]*)/
+"""
+
+_GEMMA4_QUOTE = '"<|\\"|>"'  # ``<|"|>`` as a Lark string literal
+_GEMMA4_QUOTE_TOKEN = '<|"|>'  # ... and as a reference to the token
+
+
+class _Gemma4Lark:
+    """The Lark rules of values of JSON schemas in Gemma 4's argument syntax."""
+
+    def __init__(self, quote_token: bool) -> None:
+        self.quote = q = _GEMMA4_QUOTE_TOKEN if quote_token else _GEMMA4_QUOTE
+        # a string: as text, a lazy match up to the first closing marker; as a token, any text
+        # between two of them (no text is that token)
+        self.rules: list[str] = [f"g_str: {q} G_TEXT? {q}" if quote_token else f"g_str: {q} g_text"]
+
+    def _rule(self, body: str) -> str:
+        name = f"g{len(self.rules)}"
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def value(self, schema: Any) -> str:
+        if not isinstance(schema, dict):
+            return "g_any"
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum and all(isinstance(v, (str, bool, int, float)) for v in enum):
+            return "(" + " | ".join(self._literal(v) for v in dict.fromkeys(enum)) + ")"
+        kind = schema.get("type")
+        if kind == "string":
+            return "g_str"
+        if kind == "integer":
+            return "G_INT"
+        if kind == "number":
+            return "G_NUM"
+        if kind == "boolean":
+            return '("true" | "false")'
+        if kind == "null":
+            return '"None"'
+        if kind == "array":
+            item = self.value(schema.get("items"))
+            return self._rule(f'"[" ({item} ("," {item})*)? "]"')
+        if kind == "object" or (kind is None and isinstance(schema.get("properties"), dict)):
+            return self._rule('"{" ' + self.members(schema) + ' "}"')
+        return "g_any"
+
+    def _literal(self, v: str | bool | float) -> str:
+        if isinstance(v, str):
+            return f"{self.quote} {json.dumps(v)} {self.quote}" if v else f"{self.quote} {self.quote}"
+        return json.dumps("true" if v is True else "false" if v is False else str(v))
+
+    def members(self, schema: dict) -> str:
+        """An object's members, in sorted key order, the required ones always, each optional one
+        at most once: ``s_i`` (none written yet from key i on) and ``r_i`` (one was: each next is
+        preceded by a comma)."""
+        props = schema.get("properties")
+        if not isinstance(props, dict) or not props:
+            return '(G_KEY ":" g_any ("," G_KEY ":" g_any)*)?'
+        required = set(schema.get("required") or [])
+        keys = [k for k in sorted(props) if props[k] is not False]
+        s_next, r_next = "", ""
+        for k in reversed(keys):
+            member = f"{json.dumps(k + ':')} {self.value(props[k])}"
+            if k in required:
+                s_body, r_body = f"{member} {r_next}", f'"," {member} {r_next}'
+            else:
+                s_body = f"{member} {r_next} | {s_next}" if s_next else f"({member} {r_next})?"
+                r_body = f'("," {member})? {r_next}'
+            s_next, r_next = self._rule(s_body.strip()), self._rule(r_body.strip())
+        return s_next or ""
+
+
+def _gemma4_call_lark(tools: Sequence[dict], forced: str | None, *, quote_token: bool = False) -> str:
+    """The Lark grammar of one demanded call in Gemma 4's syntax, after the prompt's
+    ``<|tool_call>call:`` (and ``NAME{`` for a forced function)."""
+    g = _Gemma4Lark(quote_token)
+    if forced is not None:
+        tool = next(t for t in tools if t["function"]["name"] == forced)
+        start = g.members(_parameters(tool)) + ' "}"'
+    else:
+        start = " | ".join(
+            f'{json.dumps(t["function"]["name"] + "{")} {g.members(_parameters(t))} "}}"' for t in tools
+        )
+    return "\n".join([f"start: {start}", *g.rules, _GEMMA4_RULES])
 
 
 # ---------------------------------------------------------------- tool calls in Qwen3.5's XML
