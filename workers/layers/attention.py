@@ -23,7 +23,9 @@ class PrefillChunk:
     start: int  # first row of the chunk in the flat batch
     end: int  # one past its last row
     gather: torch.Tensor  # [T] int64: cache rows of positions 0..T-1 of this sequence
-    mask: torch.Tensor | None  # [1, 1, C, T] bool (True = attend), None when plain causal
+    # [1, 1, C, T] bool (True = attend). None: plain causal over the gather's last C positions
+    # after its first T - C (a paged chunk; ``paged_attention`` builds the mask only if it needs it)
+    mask: torch.Tensor | None
     slot: int = 0  # the sequence's slot: where a recurrent layer keeps its state
     fresh: bool = True  # the chunk starts the sequence: recurrent states start from zero
     windowed: bool = False  # a sliding window's view: ``gather`` is the ring's history, ``mask`` bands it
@@ -98,9 +100,11 @@ def paged_attention(
     for c in b.prefills:
         qp = q[c.start : c.end]  # [C, H, D]
         hist = c.gather.shape[0] - (c.end - c.start)  # positions before the chunk
-        if hist and _SPLIT and _SPLIT_OK.get(q.device.type, False):
+        if hist and c.mask is None and _SPLIT_OK.get(q.device.type, False):
             o = _prefill_split(qp, k[c.start : c.end], v[c.start : c.end], c.gather[:hist], k_cache, v_cache)
         else:
+            if hist and c.mask is None:  # built once per step, then every layer's call reuses it
+                c.mask = offset_causal_mask(hist, c.end - c.start, q.device)
             kk = k_cache.index_select(0, c.gather).transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]
             vv = v_cache.index_select(0, c.gather).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
@@ -116,13 +120,15 @@ def paged_attention(
     return out
 
 
+def offset_causal_mask(hist: int, n: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, n, hist + n] bool: query row i (position hist + i) sees keys 0..hist + i."""
+    q_pos = torch.arange(hist, hist + n, device=device)[:, None]
+    return (torch.arange(hist + n, device=device)[None, :] <= q_pos)[None, None]
+
+
 # Devices where a prefill chunk after cached history attends in two parts (``_prefill_split``):
-# the CPU, whose fused SDPA kernel returns the log-sum-exp the merge needs. fp32 only: in bf16 the
-# two halves are each rounded before the merge, and SmolLM2's greedy answer to a cached prompt
-# then differed from the uncached one (tests/e2e/test_default_model.py), and in fp32 a streamed
-# request of the tiny model ended early (tests/e2e/test_guarantees.py): off until both are
-# understood; the one masked call serves (its tests force it on: tests/unit/test_prefill_attention.py).
-_SPLIT = False
+# the CPU, whose fused SDPA kernel returns the log-sum-exp the merge needs. Elsewhere the one
+# masked call serves.
 _SPLIT_OK = {"cpu": hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")}
 
 
@@ -139,33 +145,39 @@ def _prefill_split(
     causally. q: [C, H, D] (pre-scaled); k, v: [C, KV, D], the chunk's own (just written to the
     cache); hist: [P] cache rows of the history -> [C, H, D].
 
-    The one-call form needs a [C, P + C] boolean mask, which the fused CPU kernel turns into a
-    float bias it reads block by block, and it attends to the whole gather with grouped heads
-    expanded. Here the history part folds each group's query heads into the query rows (the
-    kernel sees KV heads and G * C queries, so the history's K/V are never repeated), only the
-    history is gathered, and the chunk part is the kernel's causal case.
+    The one-call form needs a [C, P + C] boolean mask, which SDPA turns into a float bias the
+    fused CPU kernel reads block by block (a fifth of the call at 8k positions, on SmolLM2), and
+    it gathers and attends to the whole sequence with grouped heads expanded. Here the history
+    part folds each group's query heads into the query rows (the kernel sees KV heads and G * C
+    queries, so the history's K/V are never repeated), only the history is gathered, and the
+    chunk part is the kernel's causal case.
+
+    Both parts run in fp32 and are merged there, so the result is rounded to the model's dtype
+    once, like the one-call form's: with each bf16 half rounded before the merge, SmolLM2's
+    greedy answer to a prefix-cached prompt differed from the uncached one. On the CPU the fp32
+    kernel is as fast as the bf16 one (both accumulate in fp32); the casts are of [P, KV, D].
     """
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     c, h, d = q.shape
     kv = k.shape[1]
     g = h // kv
+    f32 = torch.float32
     # History: [1, KV, G * C, D] queries (group-major) against [1, KV, P, D] keys.
-    qh = q.view(c, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * c, d)
-    kh = k_cache.index_select(0, hist).transpose(0, 1).unsqueeze(0)
-    vh = v_cache.index_select(0, hist).transpose(0, 1).unsqueeze(0)
+    qh = q.to(f32).view(c, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * c, d)
+    kh = k_cache.index_select(0, hist).to(f32).transpose(0, 1).unsqueeze(0)
+    vh = v_cache.index_select(0, hist).to(f32).transpose(0, 1).unsqueeze(0)
     o1, l1 = flash(qh, kh, vh, 0.0, False, scale=1.0)  # [1, KV, G*C, D], [1, KV, G*C]
     o1 = o1.reshape(h, c, d)
-    l1 = l1.reshape(h, c)
+    l1 = l1.reshape(h, c, 1)
     # The chunk itself, causal; its K/V heads repeated for the group (C rows only).
-    kc = k.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, C, D]
-    vc = v.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
-    o2, l2 = flash(q.transpose(0, 1).unsqueeze(0), kc, vc, 0.0, True, scale=1.0)
+    kc = k.to(f32).repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, C, D]
+    vc = v.to(f32).repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+    o2, l2 = flash(q.to(f32).transpose(0, 1).unsqueeze(0), kc, vc, 0.0, True, scale=1.0)
     o2 = o2.reshape(h, c, d)
-    l2 = l2.reshape(h, c)
-    m = torch.maximum(l1, l2)
-    w1 = torch.exp(l1 - m).unsqueeze(-1)  # [H, C, 1] fp32
-    w2 = torch.exp(l2 - m).unsqueeze(-1)
-    o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+    l2 = l2.reshape(h, c, 1)
+    # o = (o1 e^l1 + o2 e^l2) / (e^l1 + e^l2) = o2 + (o1 - o2) * sigmoid(l1 - l2)
+    w1 = torch.sigmoid(l1 - l2)
+    o = torch.lerp(o2, o1, w1)
     return o.to(q.dtype).transpose(0, 1)  # [C, H, D]
 
 
