@@ -1,6 +1,7 @@
-"""A prefill chunk after cached history: the two-part attention (history unmasked, chunk causal,
-merged by log-sum-exp in fp32) and the one masked call, each against one SDPA call over the whole
-gather in fp32 (the reference), in fp32 and in bf16."""
+"""Prefill attention after cached history: by pages (the full pages before a row unmasked, its
+own page causal, merged by log-sum-exp in fp32) and the one masked call, each against one SDPA
+call over the whole gather in fp32 (the reference), in fp32 and in bf16; and by pages, a row's
+result whatever its chunk (cached prefix == uncached)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch.nn.functional as F
 
 from workers.layers import attention as A
 
-SHAPES = [(16, 48, 9, 3), (33, 200, 4, 4), (1, 7, 8, 2), (64, 1000, 9, 3)]
-needs_split = pytest.mark.skipif(not A._SPLIT_OK["cpu"], reason="no fused CPU SDPA kernel with log-sum-exp")
+SHAPES = [(16, 48, 9, 3), (33, 200, 4, 4), (1, 7, 8, 2), (64, 1000, 9, 3), (300, 0, 9, 3), (600, 250, 9, 3)]
+needs_pages = pytest.mark.skipif(not A._PAGES_OK["cpu"], reason="no fused CPU SDPA kernel with log-sum-exp")
 
 
 def _case(chunk: int, hist: int, heads: int, kv: int, dtype: torch.dtype):
@@ -42,22 +43,22 @@ def test_the_offset_mask_is_causal_after_the_history() -> None:
     ]
 
 
-@needs_split
+@needs_pages
 @pytest.mark.parametrize(("chunk", "hist", "heads", "kv"), SHAPES)
-def test_split_matches_the_reference_in_fp32(chunk: int, hist: int, heads: int, kv: int) -> None:
+def test_pages_match_the_reference_in_fp32(chunk: int, hist: int, heads: int, kv: int) -> None:
     q, k_cache, v_cache, rows, _mask, ref = _case(chunk, hist, heads, kv, torch.float32)
-    got = A._prefill_split(q, k_cache[rows[hist:]], v_cache[rows[hist:]], rows[:hist], k_cache, v_cache)
+    got = A._prefill_by_pages(q, rows, k_cache, v_cache)
     assert got.shape == ref.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-@needs_split
+@needs_pages
 @pytest.mark.parametrize(("chunk", "hist", "heads", "kv"), SHAPES)
-def test_split_in_bf16_is_rounded_once(chunk: int, hist: int, heads: int, kv: int) -> None:
-    """bf16 inputs: the result is the fp32 reference rounded to bf16 (its halves merged in fp32),
-    at least as close to it as the one masked bf16 call that the uncached path's kernel uses."""
+def test_pages_in_bf16_are_rounded_once(chunk: int, hist: int, heads: int, kv: int) -> None:
+    """bf16 inputs: the result is the fp32 reference rounded to bf16 (its parts merged in fp32),
+    at least as close to it as the one masked bf16 call."""
     q, k_cache, v_cache, rows, mask, ref = _case(chunk, hist, heads, kv, torch.bfloat16)
-    got = A._prefill_split(q, k_cache[rows[hist:]], v_cache[rows[hist:]], rows[:hist], k_cache, v_cache)
+    got = A._prefill_by_pages(q, rows, k_cache, v_cache)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref.to(torch.bfloat16).float(), atol=1e-2, rtol=8e-3)
     one_call = F.scaled_dot_product_attention(
@@ -68,9 +69,9 @@ def test_split_in_bf16_is_rounded_once(chunk: int, hist: int, heads: int, kv: in
         enable_gqa=True,
         scale=1.0,
     )[0].transpose(0, 1)
-    err_split = (got.float() - ref).abs().max()
+    err_pages = (got.float() - ref).abs().max()
     err_one = (one_call.float() - ref).abs().max()
-    assert err_split <= err_one * 1.05 + 1e-6, (err_split, err_one)
+    assert err_pages <= err_one * 1.05 + 1e-6, (err_pages, err_one)
 
 
 def _batch(q: torch.Tensor, rows: torch.Tensor, hist: int) -> A.StepBatch:
@@ -80,16 +81,16 @@ def _batch(q: torch.Tensor, rows: torch.Tensor, hist: int) -> A.StepBatch:
     return A.StepBatch(empty, empty, rows[hist:], 0, None, None, [chunk])
 
 
-@pytest.mark.parametrize("split", [True, False], ids=["split", "masked"])
+@pytest.mark.parametrize("pages", [True, False], ids=["pages", "masked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_paged_attention_of_a_chunk_after_history(
-    split: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    pages: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Through ``paged_attention`` (the chunk's K/V written into the cache first), on both paths:
-    the two-part one where the CPU kernel has it, the masked call (built once, kept on the chunk)."""
-    if split and not A._SPLIT_OK["cpu"]:
+    by pages where the CPU kernel has it, the masked call (built once, kept on the chunk)."""
+    if pages and not A._PAGES_OK["cpu"]:
         pytest.skip("no fused CPU SDPA kernel with log-sum-exp")
-    monkeypatch.setitem(A._SPLIT_OK, "cpu", split)
+    monkeypatch.setitem(A._PAGES_OK, "cpu", pages)
     chunk, hist = 40, 300
     q, k_cache, v_cache, rows, _mask, ref = _case(chunk, hist, 9, 3, dtype)
     k_new, v_new = k_cache[rows[hist:]].clone(), v_cache[rows[hist:]].clone()
@@ -97,6 +98,32 @@ def test_paged_attention_of_a_chunk_after_history(
     v_cache[rows[hist:]] = 0
     b = _batch(q, rows, hist)
     got = A.paged_attention(q, k_new, v_new, b, k_cache, v_cache)
-    assert (b.prefills[0].mask is None) == split  # the split path needs no mask
+    assert (b.prefills[0].mask is None) == pages  # by pages, no [C, T] mask
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got.float(), ref, **tol)
+
+
+@needs_pages
+def test_a_row_is_the_same_whatever_its_chunk() -> None:
+    """bf16, by pages: rows computed as the tail of a prompt after a cached prefix (any length,
+    1-row chunks included) are bit for bit the rows of the whole prompt in one chunk: a
+    prefix-cached prompt gets the uncached one's hidden states."""
+    torch.manual_seed(0)
+    t, kv, heads, d = 700, 3, 9, 64
+    k_cache = torch.randn(t, kv, d).bfloat16()
+    v_cache = torch.randn(t, kv, d).bfloat16()
+    q = (torch.randn(t, heads, d) * 0.4).bfloat16()
+    rows = torch.arange(t)
+    for end in (241, 700):
+        whole = A._prefill_by_pages(q[:end], rows[:end], k_cache, v_cache)
+        for hist in (0, 16, 160, 256, 300, 512, end - 3, end - 1):
+            for cut in sorted({hist + 1, hist + 7, hist + 300, end}):
+                if hist < cut <= end:
+                    part = A._prefill_by_pages(q[hist:cut], rows[:cut], k_cache, v_cache)
+                    assert torch.equal(part, whole[hist:cut]), (end, hist, cut)
+
+
+def test_zero_rows_pad_the_kernels_last_query_block() -> None:
+    for m in range(1, 2000):
+        e = A._pad_rows(torch.zeros(1, m, 1)).shape[1] - m
+        assert e < 4 and not 0 < (m + e) % A._q_block(m + e) < 4, m

@@ -100,8 +100,8 @@ def paged_attention(
     for c in b.prefills:
         qp = q[c.start : c.end]  # [C, H, D]
         hist = c.gather.shape[0] - (c.end - c.start)  # positions before the chunk
-        if hist and c.mask is None and _SPLIT_OK.get(q.device.type, False):
-            o = _prefill_split(qp, k[c.start : c.end], v[c.start : c.end], c.gather[:hist], k_cache, v_cache)
+        if c.mask is None and _PAGES_OK.get(q.device.type, False):
+            o = _prefill_by_pages(qp, c.gather, k_cache, v_cache)
         else:
             if hist and c.mask is None:  # built once per step, then every layer's call reuses it
                 c.mask = offset_causal_mask(hist, c.end - c.start, q.device)
@@ -126,59 +126,97 @@ def offset_causal_mask(hist: int, n: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(hist + n, device=device)[None, :] <= q_pos)[None, None]
 
 
-# Devices where a prefill chunk after cached history attends in two parts (``_prefill_split``):
-# the CPU, whose fused SDPA kernel returns the log-sum-exp the merge needs. Elsewhere the one
-# masked call serves.
-_SPLIT_OK = {"cpu": hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")}
+# Devices where prefill attention goes by pages (``_prefill_by_pages``): the CPU, whose fused
+# SDPA kernel returns the log-sum-exp the merge needs. Elsewhere the one masked call serves.
+_PAGES_OK = {"cpu": hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")}
+PAGE = 256  # positions of a page: a query's keys split at the last multiple of this before it
 
 
-def _prefill_split(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    hist: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+def _prefill_by_pages(
+    q: torch.Tensor, gather: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 ) -> torch.Tensor:
-    """Attention of a prefill chunk that follows ``P`` cached positions, in two parts merged by
-    their log-sum-exp: every query sees all of the history (no mask), and the chunk's own keys
-    causally. q: [C, H, D] (pre-scaled); k, v: [C, KV, D], the chunk's own (just written to the
-    cache); hist: [P] cache rows of the history -> [C, H, D].
+    """Causal attention of a prefill chunk, the last C of the T positions in ``gather`` (their
+    K/V already in the cache). q: [C, H, D] (pre-scaled); gather: [T] cache rows -> [C, H, D].
 
-    The one-call form needs a [C, P + C] boolean mask, which SDPA turns into a float bias the
-    fused CPU kernel reads block by block (a fifth of the call at 8k positions, on SmolLM2), and
-    it gathers and attends to the whole sequence with grouped heads expanded. Here the history
-    part folds each group's query heads into the query rows (the kernel sees KV heads and G * C
-    queries, so the history's K/V are never repeated), only the history is gathered, and the
-    chunk part is the kernel's causal case.
+    A query at position p in page j (``PAGE`` positions from j * PAGE) attends in two parts,
+    merged by their log-sum-exp: the full pages before its own (keys 0 .. j * PAGE - 1, no
+    mask) and its own page (keys j * PAGE .. p under a [n, PAGE] mask). The chunk's rows are
+    taken page by page.
 
-    Both parts run in fp32 and are merged there, so the result is rounded to the model's dtype
-    once, like the one-call form's: with each bf16 half rounded before the merge, SmolLM2's
-    greedy answer to a prefix-cached prompt differed from the uncached one. On the CPU the fp32
-    kernel is as fast as the bf16 one (both accumulate in fp32); the casts are of [P, KV, D].
+    Against the one masked call over the whole gather: no [C, T] mask (which SDPA turns into a
+    float bias the fused kernel reads block by block: a fifth of the call at 8k positions on
+    SmolLM2), and the history part folds each group's query heads into the query rows (the
+    kernel sees KV heads and G * n queries), so the history's K/V are never repeated.
+
+    A row's arithmetic depends on its position only, never on where its chunk starts or ends:
+    the same calls over the same number of keys (its own page always whole, the positions not
+    written yet zero and masked), so a prefix-cached prompt gets bit for bit the hidden states,
+    and the greedy answer, of the uncached one. (The fused kernel's sums depend on how many
+    keys and queries a call has: split at the chunk's start instead, SmolLM2's greedy answers to
+    random prompts differed cached and uncached in 4 of 6 cases in bf16.) Both parts run in
+    fp32 and merge there, so the output is rounded to the model's dtype once; the CPU's fp32
+    kernel is as fast as its bf16 one (both accumulate in fp32).
     """
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     c, h, d = q.shape
-    kv = k.shape[1]
+    t = gather.shape[0]
+    p0 = t - c
+    kv = k_cache.shape[1]
     g = h // kv
     f32 = torch.float32
-    # History: [1, KV, G * C, D] queries (group-major) against [1, KV, P, D] keys.
-    qh = q.to(f32).view(c, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * c, d)
-    kh = k_cache.index_select(0, hist).to(f32).transpose(0, 1).unsqueeze(0)
-    vh = v_cache.index_select(0, hist).to(f32).transpose(0, 1).unsqueeze(0)
-    o1, l1 = flash(qh, kh, vh, 0.0, False, scale=1.0)  # [1, KV, G*C, D], [1, KV, G*C]
-    o1 = o1.reshape(h, c, d)
-    l1 = l1.reshape(h, c, 1)
-    # The chunk itself, causal; its K/V heads repeated for the group (C rows only).
-    kc = k.to(f32).repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, C, D]
-    vc = v.to(f32).repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
-    o2, l2 = flash(q.to(f32).transpose(0, 1).unsqueeze(0), kc, vc, 0.0, True, scale=1.0)
-    o2 = o2.reshape(h, c, d)
-    l2 = l2.reshape(h, c, 1)
-    # o = (o1 e^l1 + o2 e^l2) / (e^l1 + e^l2) = o2 + (o1 - o2) * sigmoid(l1 - l2)
-    w1 = torch.sigmoid(l1 - l2)
-    o = torch.lerp(o2, o1, w1)
-    return o.to(q.dtype).transpose(0, 1)  # [C, H, D]
+    padded = -(-t // PAGE) * PAGE
+    kf = torch.zeros(padded, kv, d, dtype=f32, device=q.device)  # [T, KV, D] then zeros
+    vf = torch.zeros(padded, kv, d, dtype=f32, device=q.device)
+    kf[:t] = k_cache.index_select(0, gather)
+    vf[:t] = v_cache.index_select(0, gather)
+    qf = q.to(f32)
+    keys = torch.arange(PAGE, device=q.device)
+    out = torch.empty_like(q)
+    pos = p0
+    while pos < t:
+        start = pos // PAGE * PAGE  # this page's first position
+        end = min(t, start + PAGE)
+        n = end - pos
+        qs = qf[pos - p0 : end - p0]  # [n, H, D]: positions pos .. end - 1
+        # Its own page, whole: grouped heads repeated (PAGE rows), causal by a bias.
+        kp = kf[start : start + PAGE].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, PAGE, D]
+        vp = vf[start : start + PAGE].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+        bias = torch.zeros(n, PAGE, dtype=f32, device=q.device)
+        bias.masked_fill_(keys[None, :] > torch.arange(pos - start, end - start, device=q.device)[:, None], float("-inf"))
+        qp, bias = _pad_rows(qs.transpose(0, 1).unsqueeze(0)), _pad_rows(bias)  # [1, H, n', D], [n', PAGE]
+        o, lse = flash(qp, kp, vp, 0.0, False, attn_mask=bias[None, None], scale=1.0)
+        o, lse = o[:, :, :n].reshape(h, n, d), lse[:, :, :n].reshape(h, n, 1)
+        if start:  # the full pages before: [1, KV, G * n, D] queries (group-major), no mask
+            qh = _pad_rows(qs.view(n, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * n, d))
+            kh = kf[:start].transpose(0, 1).unsqueeze(0)  # [1, KV, start, D]
+            vh = vf[:start].transpose(0, 1).unsqueeze(0)
+            oh, lh = flash(qh, kh, vh, 0.0, False, scale=1.0)
+            oh, lh = oh[:, :, : g * n].reshape(h, n, d), lh[:, :, : g * n].reshape(h, n, 1)
+            # (oh e^lh + o e^lse) / (e^lh + e^lse) = o + (oh - o) * sigmoid(lh - lse)
+            o = torch.lerp(o, oh, torch.sigmoid(lh - lse))
+        out[pos - p0 : end - p0] = o.transpose(0, 1)  # rounded to q's dtype here, once
+        pos = end
+    return out
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with zero rows appended along dim -2 so that the fused CPU kernel's last block of
+    query rows holds at least 4 (it takes them in blocks of 32, 64 or 256, by their count): a
+    block of 1-3 rows goes through another GEMM path whose sums differ in the last bit, and a
+    row's result would depend on how many rows its call had. A zero query row attends evenly
+    and is dropped; a mask's padding row is zeros (it sees every key)."""
+    m = x.shape[-2]
+    e = 0
+    while 0 < (m + e) % _q_block(m + e) < 4:
+        e += 1
+    if not e:
+        return x
+    return torch.cat((x, x.new_zeros(*x.shape[:-2], e, x.shape[-1])), dim=-2)
+
+
+def _q_block(m: int) -> int:
+    """The fused CPU kernel's query block for ``m`` query rows (aten FlashAttentionKernel.cpp)."""
+    return 256 if m >= 768 else 64 if m >= 192 else 32
 
 
 def decode_attention(
