@@ -116,8 +116,8 @@ def test_a_row_is_the_same_whatever_its_chunk() -> None:
     rows = torch.arange(t)
     for end in (241, 700):
         whole = A._prefill_by_pages(q[:end], rows[:end], k_cache, v_cache)
-        for hist in (0, 16, 160, 256, 300, 512, end - 3, end - 1):
-            for cut in sorted({hist + 1, hist + 7, hist + 300, end}):
+        for hist in (0, 16, 127, 128, 160, 256, 300, 512, end - 5, end - 3, end - 1):
+            for cut in sorted({hist + 1, hist + 2, hist + 3, hist + 7, hist + 300, end}):
                 if hist < cut <= end:
                     part = A._prefill_by_pages(q[hist:cut], rows[:cut], k_cache, v_cache)
                     assert torch.equal(part, whole[hist:cut]), (end, hist, cut)

@@ -129,7 +129,7 @@ def offset_causal_mask(hist: int, n: int, device: torch.device) -> torch.Tensor:
 # Devices where prefill attention goes by pages (``_prefill_by_pages``): the CPU, whose fused
 # SDPA kernel returns the log-sum-exp the merge needs. Elsewhere the one masked call serves.
 _PAGES_OK = {"cpu": hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")}
-PAGE = 256  # positions of a page: a query's keys split at the last multiple of this before it
+PAGE = 128  # positions of a page: a query's keys split at the last multiple of this before it
 
 
 def _prefill_by_pages(
@@ -140,7 +140,7 @@ def _prefill_by_pages(
 
     A query at position p in page j (``PAGE`` positions from j * PAGE) attends in two parts,
     merged by their log-sum-exp: the full pages before its own (keys 0 .. j * PAGE - 1, no
-    mask) and its own page (keys j * PAGE .. p under a [n, PAGE] mask). The chunk's rows are
+    mask) and its own page (keys j * PAGE .. p, the kernel's causal case). The chunk's rows are
     taken page by page.
 
     Against the one masked call over the whole gather: no [C, T] mask (which SDPA turns into a
@@ -149,8 +149,9 @@ def _prefill_by_pages(
     kernel sees KV heads and G * n queries), so the history's K/V are never repeated.
 
     A row's arithmetic depends on its position only, never on where its chunk starts or ends:
-    the same calls over the same number of keys (its own page always whole, the positions not
-    written yet zero and masked), so a prefix-cached prompt gets bit for bit the hidden states,
+    its own page's call always the same shape (the page's keys, zero past the written ones),
+    the history's over the same keys (its query rows padded so that the kernel's last block of
+    them is never 1-3 rows, ``_pad_rows``), so a prefix-cached prompt gets bit for bit the hidden states,
     and the greedy answer, of the uncached one. (The fused kernel's sums depend on how many
     keys and queries a call has: split at the chunk's start instead, SmolLM2's greedy answers to
     random prompts differed cached and uncached in 4 of 6 cases in bf16.) Both parts run in
@@ -165,12 +166,13 @@ def _prefill_by_pages(
     g = h // kv
     f32 = torch.float32
     padded = -(-t // PAGE) * PAGE
-    kf = torch.zeros(padded, kv, d, dtype=f32, device=q.device)  # [T, KV, D] then zeros
-    vf = torch.zeros(padded, kv, d, dtype=f32, device=q.device)
+    kf = torch.empty(padded, kv, d, dtype=f32, device=q.device)  # [T, KV, D] then zeros
+    vf = torch.empty(padded, kv, d, dtype=f32, device=q.device)
     kf[:t] = k_cache.index_select(0, gather)
     vf[:t] = v_cache.index_select(0, gather)
+    kf[t:] = 0
+    vf[t:] = 0
     qf = q.to(f32)
-    keys = torch.arange(PAGE, device=q.device)
     out = torch.empty_like(q)
     pos = p0
     while pos < t:
@@ -178,25 +180,37 @@ def _prefill_by_pages(
         end = min(t, start + PAGE)
         n = end - pos
         qs = qf[pos - p0 : end - p0]  # [n, H, D]: positions pos .. end - 1
-        # Its own page, whole: grouped heads repeated (PAGE rows), causal by a bias.
+        # Its own page, causal, always as one [PAGE x PAGE] call: the chunk's queries at their
+        # rows in the page (the others zero; the kernel's causal case aligns query row i with
+        # key i) against the page's keys (zero past the written ones), grouped heads repeated.
         kp = kf[start : start + PAGE].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, PAGE, D]
         vp = vf[start : start + PAGE].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
-        bias = torch.zeros(n, PAGE, dtype=f32, device=q.device)
-        bias.masked_fill_(keys[None, :] > torch.arange(pos - start, end - start, device=q.device)[:, None], float("-inf"))
-        qp, bias = _pad_rows(qs.transpose(0, 1).unsqueeze(0)), _pad_rows(bias)  # [1, H, n', D], [n', PAGE]
-        o, lse = flash(qp, kp, vp, 0.0, False, attn_mask=bias[None, None], scale=1.0)
-        o, lse = o[:, :, :n].reshape(h, n, d), lse[:, :, :n].reshape(h, n, 1)
+        qp = qf.new_zeros(1, h, PAGE, d)
+        qp[0, :, pos - start : end - start] = qs.transpose(0, 1)
+        o, lse = flash(qp, kp, vp, 0.0, True, scale=1.0)
+        o, lse = o[:, :, pos - start : end - start], lse[:, :, pos - start : end - start]
+        o, lse = o.reshape(h, n, d), lse.reshape(h, n)
         if start:  # the full pages before: [1, KV, G * n, D] queries (group-major), no mask
             qh = _pad_rows(qs.view(n, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * n, d))
             kh = kf[:start].transpose(0, 1).unsqueeze(0)  # [1, KV, start, D]
             vh = vf[:start].transpose(0, 1).unsqueeze(0)
             oh, lh = flash(qh, kh, vh, 0.0, False, scale=1.0)
-            oh, lh = oh[:, :, : g * n].reshape(h, n, d), lh[:, :, : g * n].reshape(h, n, 1)
+            oh, lh = oh[:, :, : g * n].reshape(h, n, d), lh[:, :, : g * n].reshape(h, n)
             # (oh e^lh + o e^lse) / (e^lh + e^lse) = o + (oh - o) * sigmoid(lh - lse)
-            o = torch.lerp(o, oh, torch.sigmoid(lh - lse))
+            o = o + (oh - o) * _sigmoid_exact((lh - lse).view(h, n, 1))
         out[pos - p0 : end - p0] = o.transpose(0, 1)  # rounded to q's dtype here, once
         pos = end
     return out
+
+
+def _sigmoid_exact(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` with every element through the vectorized kernel: an elementwise loop
+    does its last few elements with the scalar ``exp``, whose result can differ from the
+    vector one in the last bit, so an element's value would depend on where it sits in the
+    tensor (on the chunk's length). Padded to whole vectors first."""
+    flat = x.reshape(-1)
+    pad = -flat.shape[0] % 64
+    return torch.sigmoid(F.pad(flat, (0, pad)))[: flat.shape[0]].view(x.shape)
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -204,7 +218,7 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     query rows holds at least 4 (it takes them in blocks of 32, 64 or 256, by their count): a
     block of 1-3 rows goes through another GEMM path whose sums differ in the last bit, and a
     row's result would depend on how many rows its call had. A zero query row attends evenly
-    and is dropped; a mask's padding row is zeros (it sees every key)."""
+    and is dropped."""
     m = x.shape[-2]
     e = 0
     while 0 < (m + e) % _q_block(m + e) < 4:
