@@ -149,14 +149,20 @@ def _prefill_by_pages(
     kernel sees KV heads and G * n queries), so the history's K/V are never repeated.
 
     A row's arithmetic depends on its position only, never on where its chunk starts or ends:
-    its own page's call always the same shape (the page's keys, zero past the written ones),
-    the history's over the same keys (its query rows padded so that the kernel's last block of
-    them is never 1-3 rows, ``_pad_rows``), so a prefix-cached prompt gets bit for bit the hidden states,
-    and the greedy answer, of the uncached one. (The fused kernel's sums depend on how many
-    keys and queries a call has: split at the chunk's start instead, SmolLM2's greedy answers to
-    random prompts differed cached and uncached in 4 of 6 cases in bf16.) Both parts run in
-    fp32 and merge there, so the output is rounded to the model's dtype once; the CPU's fp32
-    kernel is as fast as its bf16 one (both accumulate in fp32).
+    its own page's call always has the same shape (the page's keys, zero past the written
+    ones), the history's the same keys (its query rows padded so that the kernel's last block
+    of them is never 1-3 rows, ``_pad_rows``), and the merge runs on whole vectors
+    (``_sigmoid_exact``). So a prefix-cached prompt gets bit for bit the hidden states, and the
+    greedy answer, of the uncached one, however either was chunked. The one masked call does
+    not: its sums depend on how many keys and queries the call has (SmolLM2's bf16 logits of a
+    prompt computed in two chunks differed from one chunk's by up to 0.9), nor does a split at
+    the chunk's start (greedy answers to random prompts differed cached and uncached in 4 of 6).
+
+    Each part runs in the model's dtype, as the one call did (the parts' outputs rounded to it,
+    their log-sum-exps fp32), and the merge in fp32: a row of the first page gets the kernel's
+    causal result in the model's dtype, unmerged. (With both parts in fp32 the default model's greedy answer to
+    tests/e2e/test_default_model.py's question changed, on the int4 path, from Paris to another;
+    the CPU kernel is no faster in either dtype.)
     """
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     c, h, d = q.shape
@@ -164,15 +170,14 @@ def _prefill_by_pages(
     p0 = t - c
     kv = k_cache.shape[1]
     g = h // kv
-    f32 = torch.float32
     padded = -(-t // PAGE) * PAGE
-    kf = torch.empty(padded, kv, d, dtype=f32, device=q.device)  # [T, KV, D] then zeros
-    vf = torch.empty(padded, kv, d, dtype=f32, device=q.device)
-    kf[:t] = k_cache.index_select(0, gather)
-    vf[:t] = v_cache.index_select(0, gather)
+    kf = k_cache.new_empty(padded, kv, d)  # [T, KV, D] then zeros
+    vf = v_cache.new_empty(padded, kv, d)
+    torch.index_select(k_cache, 0, gather, out=kf[:t])
+    torch.index_select(v_cache, 0, gather, out=vf[:t])
     kf[t:] = 0
     vf[t:] = 0
-    qf = q.to(f32)
+    qf = q
     out = torch.empty_like(q)
     pos = p0
     while pos < t:
@@ -183,7 +188,9 @@ def _prefill_by_pages(
         # Its own page, causal, always as one [PAGE x PAGE] call: the chunk's queries at their
         # rows in the page (the others zero; the kernel's causal case aligns query row i with
         # key i) against the page's keys (zero past the written ones), grouped heads repeated.
-        kp = kf[start : start + PAGE].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, PAGE, D]
+        kp = (
+            kf[start : start + PAGE].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+        )  # [1, H, PAGE, D]
         vp = vf[start : start + PAGE].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
         qp = qf.new_zeros(1, h, PAGE, d)
         qp[0, :, pos - start : end - start] = qs.transpose(0, 1)
@@ -196,9 +203,10 @@ def _prefill_by_pages(
             vh = vf[:start].transpose(0, 1).unsqueeze(0)
             oh, lh = flash(qh, kh, vh, 0.0, False, scale=1.0)
             oh, lh = oh[:, :, : g * n].reshape(h, n, d), lh[:, :, : g * n].reshape(h, n)
-            # (oh e^lh + o e^lse) / (e^lh + e^lse) = o + (oh - o) * sigmoid(lh - lse)
+            # (oh e^lh + o e^lse) / (e^lh + e^lse) = o + (oh - o) * sigmoid(lh - lse), in fp32
+            o, oh = o.float(), oh.float()
             o = o + (oh - o) * _sigmoid_exact((lh - lse).view(h, n, 1))
-        out[pos - p0 : end - p0] = o.transpose(0, 1)  # rounded to q's dtype here, once
+        out[pos - p0 : end - p0] = o.transpose(0, 1)  # (a merged row rounded to q's dtype here)
         pos = end
     return out
 
