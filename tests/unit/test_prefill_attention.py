@@ -99,8 +99,8 @@ def test_paged_attention_of_a_chunk_after_history(
     b = _batch(q, rows, hist)
     got = A.paged_attention(q, k_new, v_new, b, k_cache, v_cache)
     assert (b.prefills[0].mask is None) == pages  # by pages, no [C, T] mask
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    torch.testing.assert_close(got.float(), ref, **tol)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
 @needs_pages
