@@ -179,12 +179,8 @@ class ModelRunner:
         pre = []
         for start, end, p0, p1, table, state_slot in chunks:
             gather = self._gather([table], p1)[0]  # [T]
-            mask = None
-            if p0:
-                # Query row i sits at position p0 + i and sees keys 0..p0 + i.
-                q_pos = torch.arange(p0, p1, device=dev)[:, None]
-                mask = (torch.arange(p1, device=dev)[None, :] <= q_pos)[None, None]  # [1, 1, C, T]
-            pre.append(PrefillChunk(start, end, gather, mask, state_slot, fresh=p0 == 0))
+            # No mask: causal after p0 cached positions (paged_attention builds one if it needs it)
+            pre.append(PrefillChunk(start, end, gather, None, state_slot, fresh=p0 == 0))
 
         base = StepBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre, dec_slots, slot_run)
         base.positions = pos_t  # for layers that build their own rotary tables (Gemma 4's full ones)

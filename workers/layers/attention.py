@@ -23,7 +23,9 @@ class PrefillChunk:
     start: int  # first row of the chunk in the flat batch
     end: int  # one past its last row
     gather: torch.Tensor  # [T] int64: cache rows of positions 0..T-1 of this sequence
-    mask: torch.Tensor | None  # [1, 1, C, T] bool (True = attend), None when plain causal
+    # [1, 1, C, T] bool (True = attend). None: plain causal over the gather's last C positions
+    # after its first T - C (a paged chunk; ``paged_attention`` builds the mask only if it needs it)
+    mask: torch.Tensor | None
     slot: int = 0  # the sequence's slot: where a recurrent layer keeps its state
     fresh: bool = True  # the chunk starts the sequence: recurrent states start from zero
     windowed: bool = False  # a sliding window's view: ``gather`` is the ring's history, ``mask`` bands it
@@ -100,9 +102,11 @@ def paged_attention(
     for c in b.prefills:
         qp = q[c.start : c.end]  # [C, H, D]
         hist = c.gather.shape[0] - (c.end - c.start)  # positions before the chunk
-        if hist and _SPLIT and _SPLIT_OK.get(q.device.type, False):
-            o = _prefill_split(qp, k[c.start : c.end], v[c.start : c.end], c.gather[:hist], k_cache, v_cache)
+        if c.mask is None and _PAGES_OK.get(q.device.type, False):
+            o = _prefill_by_pages(qp, c.gather, k_cache, v_cache)
         else:
+            if hist and c.mask is None:  # built once per step, then every layer's call reuses it
+                c.mask = offset_causal_mask(hist, c.end - c.start, q.device)
             kk = k_cache.index_select(0, c.gather).transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]
             vv = v_cache.index_select(0, c.gather).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
@@ -118,57 +122,125 @@ def paged_attention(
     return out
 
 
-# Devices where a prefill chunk after cached history attends in two parts (``_prefill_split``):
-# the CPU, whose fused SDPA kernel returns the log-sum-exp the merge needs. fp32 only: in bf16 the
-# two halves are each rounded before the merge, and SmolLM2's greedy answer to a cached prompt
-# then differed from the uncached one (tests/e2e/test_default_model.py), and in fp32 a streamed
-# request of the tiny model ended early (tests/e2e/test_guarantees.py): off until both are
-# understood; the one masked call serves (its tests force it on: tests/unit/test_prefill_attention.py).
-_SPLIT = False
-_SPLIT_OK = {"cpu": hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")}
+def offset_causal_mask(hist: int, n: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, n, hist + n] bool: query row i (position hist + i) sees keys 0..hist + i."""
+    q_pos = torch.arange(hist, hist + n, device=device)[:, None]
+    return (torch.arange(hist + n, device=device)[None, :] <= q_pos)[None, None]
 
 
-def _prefill_split(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    hist: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+# Devices where prefill attention goes by pages (``_prefill_by_pages``): the CPU, whose fused
+# SDPA kernel returns the log-sum-exp the merge needs. Elsewhere the one masked call serves.
+_PAGES_OK = {"cpu": hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")}
+PAGE = 128  # positions of a page: a query's keys split at the last multiple of this before it
+
+
+def _prefill_by_pages(
+    q: torch.Tensor, gather: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 ) -> torch.Tensor:
-    """Attention of a prefill chunk that follows ``P`` cached positions, in two parts merged by
-    their log-sum-exp: every query sees all of the history (no mask), and the chunk's own keys
-    causally. q: [C, H, D] (pre-scaled); k, v: [C, KV, D], the chunk's own (just written to the
-    cache); hist: [P] cache rows of the history -> [C, H, D].
+    """Causal attention of a prefill chunk, the last C of the T positions in ``gather`` (their
+    K/V already in the cache). q: [C, H, D] (pre-scaled); gather: [T] cache rows -> [C, H, D].
 
-    The one-call form needs a [C, P + C] boolean mask, which the fused CPU kernel turns into a
-    float bias it reads block by block, and it attends to the whole gather with grouped heads
-    expanded. Here the history part folds each group's query heads into the query rows (the
-    kernel sees KV heads and G * C queries, so the history's K/V are never repeated), only the
-    history is gathered, and the chunk part is the kernel's causal case.
+    A query at position p in page j (``PAGE`` positions from j * PAGE) attends in two parts,
+    merged by their log-sum-exp: the full pages before its own (keys 0 .. j * PAGE - 1, no
+    mask) and its own page (keys j * PAGE .. p, the kernel's causal case). The chunk's rows are
+    taken page by page.
+
+    Against the one masked call over the whole gather: no [C, T] mask (which SDPA turns into a
+    float bias the fused kernel reads block by block: a fifth of the call at 8k positions on
+    SmolLM2), and the history part folds each group's query heads into the query rows (the
+    kernel sees KV heads and G * n queries), so the history's K/V are never repeated.
+
+    A row's arithmetic depends on its position only, never on where its chunk starts or ends:
+    its own page's call always has the same shape (the page's keys, zero past the written
+    ones), the history's the same keys (its query rows padded so that the kernel's last block
+    of them is never 1-3 rows, ``_pad_rows``), and the merge runs on whole vectors
+    (``_sigmoid_exact``). So a prefix-cached prompt gets bit for bit the hidden states, and the
+    greedy answer, of the uncached one, however either was chunked. The one masked call does
+    not: its sums depend on how many keys and queries the call has (SmolLM2's bf16 logits of a
+    prompt computed in two chunks differed from one chunk's by up to 0.9), nor does a split at
+    the chunk's start (greedy answers to random prompts differed cached and uncached in 4 of 6).
+
+    Each part runs in the model's dtype, as the one call did (the parts' outputs rounded to it,
+    their log-sum-exps fp32), and the merge in fp32: a row of the first page gets the kernel's
+    causal result in the model's dtype, unmerged. (With both parts in fp32 the default model's greedy answer to
+    tests/e2e/test_default_model.py's question changed, on the int4 path, from Paris to another;
+    the CPU kernel is no faster in either dtype.)
     """
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     c, h, d = q.shape
-    kv = k.shape[1]
+    t = gather.shape[0]
+    p0 = t - c
+    kv = k_cache.shape[1]
     g = h // kv
-    # History: [1, KV, G * C, D] queries (group-major) against [1, KV, P, D] keys.
-    qh = q.view(c, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * c, d)
-    kh = k_cache.index_select(0, hist).transpose(0, 1).unsqueeze(0)
-    vh = v_cache.index_select(0, hist).transpose(0, 1).unsqueeze(0)
-    o1, l1 = flash(qh, kh, vh, 0.0, False, scale=1.0)  # [1, KV, G*C, D], [1, KV, G*C]
-    o1 = o1.reshape(h, c, d)
-    l1 = l1.reshape(h, c)
-    # The chunk itself, causal; its K/V heads repeated for the group (C rows only).
-    kc = k.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, C, D]
-    vc = v.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
-    o2, l2 = flash(q.transpose(0, 1).unsqueeze(0), kc, vc, 0.0, True, scale=1.0)
-    o2 = o2.reshape(h, c, d)
-    l2 = l2.reshape(h, c)
-    m = torch.maximum(l1, l2)
-    w1 = torch.exp(l1 - m).unsqueeze(-1)  # [H, C, 1] fp32
-    w2 = torch.exp(l2 - m).unsqueeze(-1)
-    o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
-    return o.to(q.dtype).transpose(0, 1)  # [C, H, D]
+    padded = -(-t // PAGE) * PAGE
+    kf = k_cache.new_empty(padded, kv, d)  # [T, KV, D] then zeros
+    vf = v_cache.new_empty(padded, kv, d)
+    torch.index_select(k_cache, 0, gather, out=kf[:t])
+    torch.index_select(v_cache, 0, gather, out=vf[:t])
+    kf[t:] = 0
+    vf[t:] = 0
+    qf = q
+    out = torch.empty_like(q)
+    pos = p0
+    while pos < t:
+        start = pos // PAGE * PAGE  # this page's first position
+        end = min(t, start + PAGE)
+        n = end - pos
+        qs = qf[pos - p0 : end - p0]  # [n, H, D]: positions pos .. end - 1
+        # Its own page, causal, always as one [PAGE x PAGE] call: the chunk's queries at their
+        # rows in the page (the others zero; the kernel's causal case aligns query row i with
+        # key i) against the page's keys (zero past the written ones), grouped heads repeated.
+        kp = (
+            kf[start : start + PAGE].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+        )  # [1, H, PAGE, D]
+        vp = vf[start : start + PAGE].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+        qp = qf.new_zeros(1, h, PAGE, d)
+        qp[0, :, pos - start : end - start] = qs.transpose(0, 1)
+        o, lse = flash(qp, kp, vp, 0.0, True, scale=1.0)
+        o, lse = o[:, :, pos - start : end - start], lse[:, :, pos - start : end - start]
+        o, lse = o.reshape(h, n, d), lse.reshape(h, n)
+        if start:  # the full pages before: [1, KV, G * n, D] queries (group-major), no mask
+            qh = _pad_rows(qs.view(n, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * n, d))
+            kh = kf[:start].transpose(0, 1).unsqueeze(0)  # [1, KV, start, D]
+            vh = vf[:start].transpose(0, 1).unsqueeze(0)
+            oh, lh = flash(qh, kh, vh, 0.0, False, scale=1.0)
+            oh, lh = oh[:, :, : g * n].reshape(h, n, d), lh[:, :, : g * n].reshape(h, n)
+            # (oh e^lh + o e^lse) / (e^lh + e^lse) = o + (oh - o) * sigmoid(lh - lse), in fp32
+            o, oh = o.float(), oh.float()
+            o = o + (oh - o) * _sigmoid_exact((lh - lse).view(h, n, 1))
+        out[pos - p0 : end - p0] = o.transpose(0, 1)  # (a merged row rounded to q's dtype here)
+        pos = end
+    return out
+
+
+def _sigmoid_exact(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` with every element through the vectorized kernel: an elementwise loop
+    does its last few elements with the scalar ``exp``, whose result can differ from the
+    vector one in the last bit, so an element's value would depend on where it sits in the
+    tensor (on the chunk's length). Padded to whole vectors first."""
+    flat = x.reshape(-1)
+    pad = -flat.shape[0] % 64
+    return torch.sigmoid(F.pad(flat, (0, pad)))[: flat.shape[0]].view(x.shape)
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with zero rows appended along dim -2 so that the fused CPU kernel's last block of
+    query rows holds at least 4 (it takes them in blocks of 32, 64 or 256, by their count): a
+    block of 1-3 rows goes through another GEMM path whose sums differ in the last bit, and a
+    row's result would depend on how many rows its call had. A zero query row attends evenly
+    and is dropped."""
+    m = x.shape[-2]
+    e = 0
+    while 0 < (m + e) % _q_block(m + e) < 4:
+        e += 1
+    if not e:
+        return x
+    return torch.cat((x, x.new_zeros(*x.shape[:-2], e, x.shape[-1])), dim=-2)
+
+
+def _q_block(m: int) -> int:
+    """The fused CPU kernel's query block for ``m`` query rows (aten FlashAttentionKernel.cpp)."""
+    return 256 if m >= 768 else 64 if m >= 192 else 32
 
 
 def decode_attention(
