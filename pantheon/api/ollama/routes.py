@@ -17,7 +17,7 @@ POST     /api/pull, /api/push, /api/create, /api/copy, /api/blobs/<d>; DELETE /a
                           501: models come from the server's configuration
 =======  ===============  ==================================================================
 
-Generating requests go through the chat route's ``admit`` (limits, routing, context, slot,
+Generating requests go through ``pantheon.api.flow``'s ``admit`` (limits, routing, context, slot,
 recovery, the live generation and its ``done()``); the request mapping is ``protocol``'s. An empty
 ``messages`` / ``prompt`` only loads the model (``residency.ensure``; ``done_reason: "load"``),
 or with ``keep_alive: 0`` lets it go (``residency.keep(name, 0)``; ``done_reason: "unload"``),
@@ -36,12 +36,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from quart import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
 
 from pantheon import errors
+from pantheon.api import flow
 from pantheon.api import middleware as ops
 from pantheon.api.ollama import listing
 from pantheon.api.ollama import protocol as ol
@@ -49,7 +50,7 @@ from pantheon.api.ollama.generation import OllamaGeneration
 from pantheon.api.openai import embeddings as oe
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.protocol import ChatRequest
-from pantheon.api.openai.routes import BIG_BODY, _Body, _place, admit
+from pantheon.api.openai.routes import BIG_BODY, place_chat
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
 from pantheon.control.context import Prepared, fit_context, limit_of
@@ -279,7 +280,7 @@ async def _body(kind: type[ol.BodyT]) -> tuple[ol.BodyT, bool]:
 
 async def _peek(s: AppState, name: str) -> Instance | None:
     """The instance a request for ``name`` would go to, for what its template supports (a
-    model the catalog knows is loaded first); None when routing fails: ``admit`` answers it."""
+    model the catalog knows is loaded first); None when routing fails: ``flow.admit`` answers it."""
     await s.residency.ensure(name)
     try:
         return s.registry.route(name)
@@ -319,7 +320,7 @@ def _ollama_error(e: ApiError, name: str | None, where: list[str]) -> ApiError:
 async def _place_chat(s: AppState, req: ChatRequest, num_ctx: int | None) -> tuple[Instance, Prepared]:
     """The chat route's placement; with a ``num_ctx`` below the instance's limit the context is
     fitted to it instead (capped as a longer conversation is)."""
-    inst, prep = await _place(s, req)
+    inst, prep = await place_chat(s, req)
     if num_ctx is None or num_ctx >= limit_of(inst):
         return inst, prep
     try:
@@ -347,32 +348,14 @@ def _prepare_raw(inst: Instance, req: ChatRequest, prompt: str, num_ctx: int | N
 async def _place_raw(
     s: AppState, req: ChatRequest, prompt: str, num_ctx: int | None
 ) -> tuple[Instance, Prepared]:
-    """Route, tokenize and check the raw prompt, then acquire a slot (as ``/v1/completions``)."""
-    req.model = await s.residency.ensure(req.model)  # an alias becomes its model's name
-    likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
-    prep = await asyncio.to_thread(_prepare_raw, likely, req, prompt, num_ctx)
-    inst = await s.registry.acquire_slot(req.model, req.session_id)
-    try:
-        if inst.path != likely.path or limit_of(inst) != limit_of(likely):
-            prep = await asyncio.to_thread(_prepare_raw, inst, req, prompt, num_ctx)
-    except BaseException:
-        s.registry.leave(inst)
-        raise
+    """Place a raw prompt (``pantheon.api.flow.place``), tokenized and checked for the instance
+    (as ``/v1/completions``)."""
+
+    async def prepare(inst: Instance) -> Prepared:
+        return await asyncio.to_thread(_prepare_raw, inst, req, prompt, num_ctx)
+
+    req.model, inst, prep = await flow.place(s, req.model, req.session_id, prepare)
     return inst, prep
-
-
-def ndjson_response(
-    body: AsyncIterator[bytes], done: Callable[[], None], headers: dict[str, str]
-) -> Response:
-    """A 200 ``application/x-ndjson`` stream of ``body`` that calls ``done()`` when closed."""
-    resp = Response(
-        _Body(body, done),
-        status=200,
-        content_type="application/x-ndjson",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
-    )
-    resp.timeout = None
-    return resp
 
 
 async def _generate(s: AppState, oreq: ol.Request, kind: str, arrived: float) -> Response:
@@ -383,7 +366,7 @@ async def _generate(s: AppState, oreq: ol.Request, kind: str, arrived: float) ->
     else:
         place = lambda: _place_chat(s, req, oreq.num_ctx)
     try:
-        gen, inst, prep, done = await admit(
+        adm = await flow.admit(
             s,
             req,
             place,
@@ -401,16 +384,7 @@ async def _generate(s: AppState, oreq: ol.Request, kind: str, arrived: float) ->
         )
     except ApiError as e:
         raise _ollama_error(e, req.model, oreq.where) from None
-    headers = {"X-Pantheon-Instance": inst.instance_id}
-    if prep.capped:
-        headers["X-Context-Capped"] = "true"
-    if not req.stream:
-        try:
-            out = await gen.complete()
-        finally:
-            done()
-        return json_response(out, headers=headers)
-    return ndjson_response(gen.stream_chunks(), done, headers)
+    return await flow.respond(adm, req.stream, flow.NDJSON)
 
 
 @bp.post("/api/chat", provide_automatic_options=False)

@@ -41,13 +41,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from quart import Blueprint, Response, request
+from quart import Blueprint, request
 
 from pantheon import errors
+from pantheon.api import flow
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.protocol import ChatRequest
-from pantheon.api.openai.routes import BIG_BODY, _Body, _through_recovery, check_token_ids
+from pantheon.api.openai.routes import BIG_BODY, check_token_ids
 from pantheon.api.openai.service import (
     ChoiceRun,
     Generation,
@@ -55,7 +56,6 @@ from pantheon.api.openai.service import (
     checked_constraint,
     needs_constraint,
 )
-from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Emitter
@@ -350,25 +350,17 @@ class TextGeneration(Generation):
 
 
 async def _place(s: AppState, creq: CompletionRequest, big: bool) -> tuple[Instance, Prepared]:
-    """Route, tokenize and check the prompt, then acquire a slot (as the chat route does)."""
+    """Place the request (``pantheon.api.flow.place``): its prompt tokenized and checked, its
+    constraint checked, for the instance, before any slot."""
     req = creq.chat
-    # a catalog model not loaded yet is loaded first; an alias becomes its model's name
-    req.model = await s.residency.ensure(req.model)
-    likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
-    prep = await asyncio.to_thread(_prepare, likely, creq) if big else _prepare(likely, creq)
-    if needs_constraint(req, prep):  # what the model cannot enforce is a 400 before any slot
-        prep.constraint = await asyncio.to_thread(checked_constraint, likely, req, prep)
-    inst = await s.registry.acquire_slot(req.model, req.session_id)
-    try:
-        if (
-            inst.path != likely.path
-            or limit_of(inst) != limit_of(likely)
-            or generation_defaults.in_force(inst) != generation_defaults.in_force(likely)
-        ):
-            prep = _prepare(inst, creq)  # another replica, another context
-    except BaseException:
-        s.registry.leave(inst)
-        raise
+
+    async def prepare(inst: Instance) -> Prepared:
+        prep = await asyncio.to_thread(_prepare, inst, creq) if big else _prepare(inst, creq)
+        if needs_constraint(req, prep):  # what the model cannot enforce is a 400 before any slot
+            prep.constraint = await asyncio.to_thread(checked_constraint, inst, req, prep)
+        return prep
+
+    req.model, inst, prep = await flow.place(s, req.model, req.session_id, prepare)
     return inst, prep
 
 
@@ -382,19 +374,14 @@ async def completions():
     del raw
     ops.body_done()  # the body's bytes leave the --max-body-in-flight count
     req = creq.chat
-    ops.check_request(req)  # the request limits (400), and the model for the trace
-    try:
-        inst, prep = await _through_recovery(s, lambda: _place(s, creq, big), req.model)
-    except ApiError as e:
-        s.feed.reject(e.status, req.model, e.code, e.message)
-        raise
-    try:
+
+    def make(inst: Instance, prep: Prepared) -> TextGeneration:
         text = (
             creq.prompt
             if isinstance(creq.prompt, str)
             else inst.model_assets.tokenizer.decode(list(creq.prompt), skip_special_tokens=False)
         )
-        gen = TextGeneration(
+        return TextGeneration(
             s.pool,
             inst,
             req,
@@ -405,30 +392,6 @@ async def completions():
             creq=creq,
             prompt_text=text,
         )
-    except BaseException:
-        s.registry.leave(inst)
-        raise
-    s.live.add(gen)
-    ops.attach(gen)
 
-    def done() -> None:
-        s.live.discard(gen)
-        s.registry.leave(inst)
-        s.residency.keep(inst.name, req.keep_alive)
-        s.feed.request_done(gen.ttft_s)
-
-    headers = {"X-Pantheon-Instance": inst.instance_id}
-    if not req.stream:
-        try:
-            out = await gen.complete()
-        finally:
-            done()
-        return json_response(out, headers=headers)
-    resp = Response(
-        _Body(gen.stream_chunks(), done),
-        status=200,
-        content_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
-    )
-    resp.timeout = None
-    return resp
+    adm = await flow.admit(s, req, lambda: _place(s, creq, big), make)
+    return await flow.respond(adm, req.stream)

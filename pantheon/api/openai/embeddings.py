@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from quart import Blueprint, request
 
 from pantheon import errors
+from pantheon.api import flow
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.routes import BIG_BODY, _through_recovery, vocab_size
+from pantheon.api.openai.routes import BIG_BODY, vocab_size
 from pantheon.api.openai.service import _pool_error
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
@@ -151,25 +152,20 @@ async def _place(
     param: str,
     truncate: bool,
 ) -> tuple[Instance, tuple[EmbeddingSpec, list[list[int]]]]:
-    """Route, check and tokenize, then acquire a slot (a refused request never waits)."""
-    name = await s.residency.ensure(model)
-    likely = s.registry.route(name)  # 404 / 503 before any work
+    """Place the request (``pantheon.api.flow.place``): the model checked to embed, the inputs
+    tokenized and checked for the instance, before any slot."""
 
-    def prepare(inst: Instance) -> tuple[EmbeddingSpec, list[list[int]]]:
+    def check(inst: Instance) -> tuple[EmbeddingSpec, list[list[int]]]:
         spec = embedding_of(inst)
         if spec is None:
             raise errors.model_cannot_embed(inst.name)
         check_dimensions(inst, spec, dims)
         return spec, tokenize_inputs(inst, inputs, param, truncate)
 
-    ready = await asyncio.to_thread(prepare, likely) if big else prepare(likely)
-    inst = await s.registry.acquire_slot(name)
-    try:
-        if inst.path != likely.path or limit_of(inst) != limit_of(likely):
-            ready = prepare(inst)  # another replica, another model
-    except BaseException:
-        s.registry.leave(inst)
-        raise
+    async def prepare(inst: Instance) -> tuple[EmbeddingSpec, list[list[int]]]:
+        return await asyncio.to_thread(check, inst) if big else check(inst)
+
+    _, inst, ready = await flow.place(s, model, None, prepare)
     return inst, ready
 
 
@@ -194,7 +190,7 @@ async def embed_inputs(
 
     box: list[tuple[EmbeddingSpec, list[list[int]]]] = []
     try:
-        inst, _ = await _through_recovery(s, place, model)
+        inst, _ = await flow.through_recovery(s, place, model)
     except ApiError as e:
         s.feed.reject(e.status, model, e.code, e.message)  # counts 429s and 503s
         raise

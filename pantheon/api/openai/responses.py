@@ -48,12 +48,12 @@ from typing import Any
 from quart import Blueprint, request
 
 from pantheon import errors
+from pantheon.api import flow
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.protocol import ChatRequest
-from pantheon.api.openai.routes import BIG_BODY, _place, admit, sse_response
+from pantheon.api.openai.routes import BIG_BODY, place_chat
 from pantheon.api.openai.service import Generation, _pool_error
-from pantheon.api.responses import json_response
 from pantheon.api.state import app_state
 from pantheon.errors import ApiError, invalid_param
 
@@ -719,10 +719,10 @@ async def responses():
     ops.body_done()  # the body's bytes leave the --max-body-in-flight count
     req = rreq.chat
     try:
-        gen, inst, prep, done = await admit(
+        adm = await flow.admit(
             s,
             req,
-            lambda: _place(s, req),
+            lambda: place_chat(s, req),
             lambda inst, prep: ResponseGeneration(
                 s.pool,
                 inst,
@@ -736,13 +736,4 @@ async def responses():
         )
     except ApiError as e:
         raise renamed(e, rreq.where) from None
-    headers = {"X-Pantheon-Instance": inst.instance_id}
-    if prep.capped:
-        headers["X-Context-Capped"] = "true"
-    if not req.stream:
-        try:
-            out = await gen.complete()
-        finally:
-            done()
-        return json_response(out, headers=headers)
-    return sse_response(gen.stream_chunks(), done, headers)
+    return await flow.respond(adm, req.stream)

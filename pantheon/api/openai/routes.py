@@ -8,20 +8,20 @@ pressure: 429 / 503; while its model restarts after a worker death ``Supervisor.
 holds it) -> submit a ``Generation`` to the instance's worker -> emit one JSON body or an SSE
 stream -> release the slot, even when the client went away first.
 
-``admit`` (limits, placement through recovery, the live generation and its ``done()``) and
-``sse_response`` are shared with the other generating routes (``responses.py``).
+The steps between parsing and rendering are ``pantheon.api.flow``'s, which every model-serving
+route shares; ``place_chat`` is the chat request's placement (the Responses and Ollama chat
+routes use it too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import NamedTuple
 
-from quart import Blueprint, Response, request
+from quart import Blueprint, request
 
 from pantheon import errors
+from pantheon.api import flow
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.protocol import ChatRequest
@@ -30,7 +30,6 @@ from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
 from pantheon.control.context import Prepared, fit_context, limit_of
 from pantheon.control.registry import Instance
-from pantheon.errors import ApiError
 from pantheon.models import generation_defaults
 
 bp = Blueprint("openai", __name__)
@@ -125,101 +124,21 @@ async def _fit_context(inst: Instance, req: ChatRequest) -> Prepared:
     return prep
 
 
-async def _place(s: AppState, req: ChatRequest) -> tuple[Instance, Prepared]:
-    """Route, fill the request's defaults and fit the context, then acquire a slot: a denied
-    request never waits in the queue. Returns ``(instance, Prepared)`` holding the slot."""
-    # a catalog model not loaded yet is loaded first; an alias becomes its model's name
-    req.model = await s.residency.ensure(req.model)
-    likely = s.registry.route(req.model, req.session_id)  # 404 / 503 before any work
-    check_token_ids(likely, req)
-    prep = await _fit_context(likely, req)
-    if needs_constraint(req, prep):  # what the model cannot enforce is a 400 before any slot
-        prep.constraint = await asyncio.to_thread(checked_constraint, likely, req, prep)
-    try:
-        inst = await s.registry.acquire_slot(req.model, req.session_id)
-    except ApiError as e:
-        # let go since ensure() (an idle unload, an eviction): a catalog model loads again, once
-        if e.code != "model_not_ready" or not s.residency.catalog.known(req.model or ""):
-            raise
-        await s.residency.ensure(req.model)
-        inst = await s.registry.acquire_slot(req.model, req.session_id)
-    try:
-        if (
-            inst.path != likely.path
-            or limit_of(inst) != limit_of(likely)
-            or generation_defaults.in_force(inst) != generation_defaults.in_force(likely)
-        ):
-            check_token_ids(inst, req)
-            prep = await _fit_context(inst, req)  # another replica, another context
-    except BaseException:
-        s.registry.leave(inst)
-        raise
+async def place_chat(s: AppState, req: ChatRequest) -> tuple[Instance, Prepared]:
+    """Place a chat request (``pantheon.api.flow.place``): its token ids checked, its defaults
+    filled, its context fitted and its constraint checked for the instance, all before a slot;
+    ``req.model`` becomes the model's name (an alias resolved). Returns the instance holding a
+    slot and the request's ``Prepared``."""
+
+    async def prepare(inst: Instance) -> Prepared:
+        check_token_ids(inst, req)
+        prep = await _fit_context(inst, req)
+        if needs_constraint(req, prep):  # what the model cannot enforce is a 400 before any slot
+            prep.constraint = await asyncio.to_thread(checked_constraint, inst, req, prep)
+        return prep
+
+    req.model, inst, prep = await flow.place(s, req.model, req.session_id, prepare)
     return inst, prep
-
-
-async def _through_recovery(
-    s: AppState, place: Callable[[], Awaitable[tuple[Instance, Prepared]]], model: str | None
-) -> tuple[Instance, Prepared]:
-    """``place()``, waiting while the model restarts after a worker death when a supervisor
-    runs (``pantheon.control.supervisor``)."""
-    if s.supervisor is None:
-        return await place()
-    return await s.supervisor.await_recovery(place, model, s.registry.queue_timeout_s)
-
-
-class Admitted(NamedTuple):
-    """A request that holds a slot: its generation, instance, context, and ``done()``, which
-    releases the slot (call it exactly once: ``_Body`` does for a stream)."""
-
-    gen: Generation
-    inst: Instance
-    prep: Prepared
-    done: Callable[[], None]
-
-
-async def admit(
-    s: AppState,
-    req: ChatRequest,
-    place: Callable[[], Awaitable[tuple[Instance, Prepared]]],
-    make: Callable[[Instance, Prepared], Generation],
-) -> Admitted:
-    """The request limits (400), ``place()`` through a model's recovery (429 / 503 counted),
-    then ``make(inst, prep)`` the generation and register it live. The slot is released if
-    any of it fails; after it, by the caller's ``done()``."""
-    ops.check_request(req)  # the request limits (400), and the model for the trace
-    try:
-        inst, prep = await _through_recovery(s, place, req.model)
-    except ApiError as e:
-        s.feed.reject(e.status, req.model, e.code, e.message)  # counts 429s and 503s
-        raise
-    try:
-        gen = make(inst, prep)
-    except BaseException:
-        s.registry.leave(inst)
-        raise
-    s.live.add(gen)
-    ops.attach(gen)  # per-request log and metrics; ended at once past the drain deadline
-
-    def done() -> None:
-        s.live.discard(gen)
-        s.registry.leave(inst)
-        s.residency.keep(inst.name, req.keep_alive)
-        s.feed.request_done(gen.ttft_s)
-
-    return Admitted(gen, inst, prep, done)
-
-
-def sse_response(body: AsyncIterator[bytes], done: Callable[[], None], headers: dict[str, str]) -> Response:
-    """A 200 ``text/event-stream`` of ``body`` that calls ``done()`` when it is closed (the
-    client went away, or the stream ended) or never started."""
-    resp = Response(
-        _Body(body, done),
-        status=200,
-        content_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
-    )
-    resp.timeout = None
-    return resp
 
 
 @bp.post("/v1/chat/completions", provide_automatic_options=False)
@@ -235,49 +154,12 @@ async def chat():
         req = oa.parse_chat_request(raw, header_session=session)
     del raw
     ops.body_done()  # the body's bytes leave the --max-body-in-flight count
-    gen, inst, prep, done = await admit(
+    adm = await flow.admit(
         s,
         req,
-        lambda: _place(s, req),
+        lambda: place_chat(s, req),
         lambda inst, prep: Generation(
             s.pool, inst, req, prep, s.config.fingerprint, arrived=arrived, on_tokens=s.feed.tokens
         ),
     )
-    headers = {"X-Pantheon-Instance": inst.instance_id}
-    if prep.capped:
-        headers["X-Context-Capped"] = "true"
-    if not req.stream:
-        try:
-            out = await gen.complete()
-        finally:
-            done()
-        return json_response(out, headers=headers)
-    return sse_response(gen.stream_chunks(), done, headers)
-
-
-class _Body:
-    """The SSE body: releases the instance when closed, even if it never started."""
-
-    def __init__(self, agen, on_close):
-        self._agen = agen
-        self._on_close = on_close
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> bytes:
-        return await self._agen.__anext__()
-
-    async def aclose(self) -> None:
-        try:
-            await self._agen.aclose()
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        cb, self._on_close = self._on_close, None
-        if cb is not None:
-            cb()
-
-    def __del__(self):
-        self._release()
+    return await flow.respond(adm, req.stream)
