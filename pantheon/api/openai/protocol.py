@@ -206,7 +206,17 @@ def _str(body: dict, key: str, param: str | None = None) -> str | None:
 
 # Content parts that carry an image, audio or a file (OpenAI's and vLLM's names): no model this
 # server runs reads them (a checkpoint's vision tower is left out at load).
-_MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "audio", "file", "video_url")
+MEDIA_PARTS = (
+    "image_url",
+    "input_image",
+    "image",
+    "input_audio",
+    "audio_url",
+    "audio",
+    "file",
+    "input_file",
+    "video_url",
+)
 
 
 def _text(content: Any, param: str, *, allow_null: bool = False, model: Any = None) -> str | None:
@@ -216,6 +226,15 @@ def _text(content: Any, param: str, *, allow_null: bool = False, model: Any = No
         if allow_null:
             return None
         raise invalid_param(param, f"'{param}' is required")
+    who = f"model {model!r}" if isinstance(model, str) and model else "this server's models"
+    return parts_text(content, param, ("text",), f"{who} serves text only (content parts of type 'text')")
+
+
+def parts_text(content: Any, param: str, text_kinds: tuple[str, ...], text_only: str) -> str:
+    """``content``: a string, or a list of text parts (of ``text_kinds``) joined by newlines,
+    refusals skipped; anything else is a 400 naming the part (a media part's message ends with
+    ``text_only``, what the model takes). Chat messages and Responses input items both read
+    their content through this."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -228,21 +247,17 @@ def _text(content: Any, param: str, *, allow_null: bool = False, model: Any = No
         if not isinstance(part, dict):
             raise invalid_param(p, f"'{p}' must be an object")
         kind = part.get("type")
-        if kind == "text":
+        if kind in text_kinds:
             if not isinstance(part.get("text"), str):
                 raise invalid_param(f"{p}.text", f"'{p}.text' must be a string")
             parts.append(part["text"])
         elif kind == "refusal":
             continue
-        elif kind in _MEDIA_PARTS:
-            who = f"model {model!r}" if isinstance(model, str) and model else "this server's models"
-            raise invalid_param(
-                f"{p}.type",
-                f"content part type {kind!r} is not supported: {who} serves text only "
-                f"(content parts of type 'text')",
-            )
+        elif kind in MEDIA_PARTS:
+            raise invalid_param(f"{p}.type", f"content part type {kind!r} is not supported: {text_only}")
         else:
-            raise invalid_param(f"{p}.type", f"content part type {kind!r} is not supported (only 'text')")
+            known = ", ".join(repr(k) for k in text_kinds)
+            raise invalid_param(f"{p}.type", f"content part type {kind!r} is not supported (only {known})")
     return "\n".join(parts)
 
 

@@ -79,7 +79,6 @@ _EXTRAS = (
 )
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
-_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 
 
 def _new_id(prefix: str) -> str:
@@ -91,35 +90,7 @@ def _new_id(prefix: str) -> str:
 
 def _parts_text(content: Any, p: str, *, media_word: str = "inputs") -> str:
     """A string, or a list of text parts joined by newlines; media parts are a 400."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid_param(p, f"'{p}' must be a string or an array of content parts")
-    if not content:
-        raise invalid_param(p, f"'{p}' must not be an empty array")
-    texts = []
-    for j, part in enumerate(content):
-        q = f"{p}[{j}]"
-        if not isinstance(part, dict):
-            raise invalid_param(q, f"'{q}' must be an object")
-        kind = part.get("type")
-        if kind in _TEXT_PARTS:
-            if not isinstance(part.get("text"), str):
-                raise invalid_param(f"{q}.text", f"'{q}.text' must be a string")
-            texts.append(part["text"])
-        elif kind == "refusal":
-            continue
-        elif kind in _MEDIA_PARTS:
-            raise invalid_param(
-                f"{q}.type",
-                f"'{q}.type': content part type {kind!r} is not supported: this server takes text {media_word} only",
-            )
-        else:
-            raise invalid_param(
-                f"{q}.type",
-                f"'{q}.type': content part type {kind!r} is not supported (input_text, output_text)",
-            )
-    return "\n".join(texts)
+    return oa.parts_text(content, p, _TEXT_PARTS, f"this server takes text {media_word} only")
 
 
 def _req_str(item: dict, key: str, p: str) -> str:
