@@ -2,6 +2,7 @@
 
     python bench/prefill.py                          # SmolLM2-135M Q4_1 GGUF, 512 .. 8192 tokens
     python bench/prefill.py --model FILE.gguf --lengths 512,2048 --threads 2 [--no-peer] [--json OUT]
+    python bench/prefill.py --budget-fit off     # the step budget without its measured crossover
 
 For each prompt length (random token ids in the vocabulary; the longest is clamped to the
 model's context less one, so that one token can be generated), the engine is given the prompt
@@ -108,6 +109,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2, help="llama-bench repetitions (fastest kept)")
     ap.add_argument("--no-peer", action="store_true", help="skip llama-bench")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument(
+        "--budget-fit",
+        choices=("on", "off"),
+        default="on",
+        help="off: the step budget plans with the shapes' crossover only (the comparison run)",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -123,6 +130,8 @@ def main() -> int:
         prefill_chunk=args.prefill_chunk,
         **kw,
     )
+    if args.budget_fit == "off":
+        eng.budget.fit.line = lambda: None  # type: ignore[method-assign]
     vocab = eng.vocab_size
     cap = eng.max_model_len - 1
     rng = random.Random(0)
@@ -156,6 +165,11 @@ def main() -> int:
             f"tokens/s at {rows[-1]['tokens']} over tokens/s at {rows[0]['tokens']}: "
             f"{rows[-1]['tok_s'] / rows[0]['tok_s']:.2f} (1.0 = linear cost in the prompt)"
         )
+    base, crossover = eng.budget.model()
+    print(
+        f"step budget: crossover from the shapes {eng.budget.crossover:.0f}, planned with "
+        f"{crossover:.0f} (context fit {args.budget_fit}); a token at no context {base or 0:.2e} s"
+    )
     if args.json:
         Path(args.json).write_text(
             json.dumps({"model": model, "threads": args.threads, "rows": rows}, indent=1)

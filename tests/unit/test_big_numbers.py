@@ -8,7 +8,6 @@ field on every route that reads it (chat, completions, responses, tokenize), nev
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -19,8 +18,11 @@ from pantheon.api.openai.completions import CompletionRequest, _prepare, parse_c
 from pantheon.api.openai.responses import parse_responses_request
 from pantheon.api.openai.routes import check_token_ids, vocab_size
 from pantheon.api.openai.tokenize import _tokenize
+from pantheon.control.registry import Instance
 from pantheon.errors import ApiError
-from pantheon.protocol import SamplingParams
+from pantheon.protocol import Loaded, SamplingParams
+
+from helpers.instances import ready_instance
 
 MSG = [{"role": "user", "content": "hi"}]
 HUGE = (2**64, 2**63, -(2**64), -(2**63) - 1, 10**400)
@@ -139,37 +141,52 @@ def test_completion_prompt_ids_past_int64_are_a_400(prompt):
 # ---------------------------------------------------------------- the vocabulary, once routed
 
 
-def _inst(vocab: int | None, tokenizer_vocab: int = 100) -> Any:
-    tok = SimpleNamespace(get_vocab_size=lambda with_added_tokens=True: tokenizer_vocab)
-    return SimpleNamespace(
-        loaded=None if vocab is None else SimpleNamespace(vocab_size=vocab),
-        assets=SimpleNamespace(tokenizer=tok),
-        max_model_len=64,
-        params={},
-    )
+@pytest.fixture(scope="module")
+def tiny_assets(model_factory):
+    from pantheon.models.assets import ModelAssets
+
+    return ModelAssets(model_factory("tiny"))
 
 
-def test_the_vocabulary_is_the_workers_else_the_tokenizers():
-    assert vocab_size(_inst(128, 100)) == 128
-    assert vocab_size(_inst(None, 100)) == 100
+def _inst(assets, vocab: int | None) -> Instance:
+    """The tiny model's published instance; ``vocab``: what its worker reported (None: no
+    report yet, so the tokenizer's vocabulary counts)."""
+    inst = ready_instance(assets)
+    if vocab is not None:
+        inst.loaded = Loaded(
+            instance=inst.instance_id,
+            weight_bytes=0,
+            kv_bytes=0,
+            max_model_len=64,
+            num_slots=1,
+            vocab_size=vocab,
+            eos_token_ids=[],
+        )
+    return inst
+
+
+def test_the_vocabulary_is_the_workers_else_the_tokenizers(tiny_assets):
+    assert vocab_size(_inst(tiny_assets, 128)) == 128
+    tokenizer = tiny_assets.tokenizer.get_vocab_size(with_added_tokens=True)
+    assert tokenizer != 128 and vocab_size(_inst(tiny_assets, None)) == tokenizer
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_completion_prompt_ids_outside_the_vocabulary_are_a_400_before_any_slot(stream):
+def test_completion_prompt_ids_outside_the_vocabulary_are_a_400_before_any_slot(stream, tiny_assets):
     creq = _completions({"prompt": [1, 2, 128], "stream": stream})
     with pytest.raises(ApiError) as e:
-        _prepare(_inst(128), creq)  # runs before acquire_slot, streamed or not
+        _prepare(_inst(tiny_assets, 128), creq)  # runs before acquire_slot, streamed or not
     assert e.value.status == 400 and e.value.param == "prompt" and "128" in e.value.message
     ok = _completions({"prompt": [1, 2, 127], "stream": stream})
-    check_token_ids(_inst(128), ok.chat, list(ok.prompt))  # the last id is in
+    check_token_ids(_inst(tiny_assets, 128), ok.chat, list(ok.prompt))  # the last id is in
 
 
-def test_logit_bias_outside_the_vocabulary_is_a_400_on_every_route():
+def test_logit_bias_outside_the_vocabulary_is_a_400_on_every_route(tiny_assets):
     for route in ROUTES.values():
         got = route({"logit_bias": {"128": 1}})
         chat = got.chat if isinstance(got, (CompletionRequest,)) or hasattr(got, "chat") else got
         with pytest.raises(ApiError) as e:
-            check_token_ids(_inst(128), chat)
+            check_token_ids(_inst(tiny_assets, 128), chat)
         assert e.value.status == 400 and e.value.param == "logit_bias"
         inside = route({"logit_bias": {"127": 1}})
-        check_token_ids(_inst(128), inside.chat if hasattr(inside, "chat") else inside)
+        check_token_ids(_inst(tiny_assets, 128), inside.chat if hasattr(inside, "chat") else inside)
