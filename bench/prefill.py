@@ -2,7 +2,6 @@
 
     python bench/prefill.py                          # SmolLM2-135M Q4_1 GGUF, 512 .. 8192 tokens
     python bench/prefill.py --model FILE.gguf --lengths 512,2048 --threads 2 [--no-peer] [--json OUT]
-    python bench/prefill.py --budget-fit off     # the step budget without its measured crossover
 
 For each prompt length (random token ids in the vocabulary; the longest is clamped to the
 model's context less one, so that one token can be generated), the engine is given the prompt
@@ -110,10 +109,11 @@ def main() -> int:
     ap.add_argument("--no-peer", action="store_true", help="skip llama-bench")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument(
-        "--budget-fit",
-        choices=("on", "off"),
-        default="on",
-        help="off: the step budget plans with the shapes' crossover only (the comparison run)",
+        "--cached-tail",
+        type=int,
+        default=512,
+        help="then the longest prompt again plus this many new tokens: its prefix is cached, "
+        "so its first chunk starts deep (0: skip)",
     )
     args = ap.parse_args()
 
@@ -130,8 +130,6 @@ def main() -> int:
         prefill_chunk=args.prefill_chunk,
         **kw,
     )
-    if args.budget_fit == "off":
-        eng.budget.fit.line = lambda: None  # type: ignore[method-assign]
     vocab = eng.vocab_size
     cap = eng.max_model_len - 1
     rng = random.Random(0)
@@ -148,9 +146,11 @@ def main() -> int:
         f"{'chunks':>9} {'llama-bench':>11} {'ratio':>6}",
         flush=True,
     )
+    prompt: list[int] = []
     for i, n in enumerate(lengths):
         n = min(n, cap)
-        r = prefill_once(eng, [rng.randrange(vocab) for _ in range(n)], f"p{i}")
+        prompt = [rng.randrange(vocab) for _ in range(n)]
+        r = prefill_once(eng, prompt, f"p{i}")
         lb = None if args.no_peer else llama_bench_pp(model, args.threads, n, args.reps)
         r["llama_bench_tok_s"] = lb
         rows.append(r)
@@ -165,11 +165,16 @@ def main() -> int:
             f"tokens/s at {rows[-1]['tokens']} over tokens/s at {rows[0]['tokens']}: "
             f"{rows[-1]['tok_s'] / rows[0]['tok_s']:.2f} (1.0 = linear cost in the prompt)"
         )
-    base, crossover = eng.budget.model()
-    print(
-        f"step budget: crossover from the shapes {eng.budget.crossover:.0f}, planned with "
-        f"{crossover:.0f} (context fit {args.budget_fit}); a token at no context {base or 0:.2e} s"
-    )
+    if args.cached_tail and prompt:
+        tail = [rng.randrange(vocab) for _ in range(args.cached_tail)]
+        full = (prompt + tail)[:cap]
+        r = prefill_once(eng, full, "tail")
+        new = len(full) - len(prompt)
+        print(
+            f"the longest prompt again + {new} new tokens (its prefix cached): {r['steps']} steps, "
+            f"first {r['step_times'][0]:.3f} s ({r['chunks'][0]} tokens at context {len(prompt)}), "
+            f"max {r['step_max_s']:.3f} s against the {eng.budget.target_s:.2f} s target"
+        )
     if args.json:
         Path(args.json).write_text(
             json.dumps({"model": model, "threads": args.threads, "rows": rows}, indent=1)

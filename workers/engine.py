@@ -349,7 +349,7 @@ class Engine:
         """Run one step: decode every running sequence, plus at most one prefill chunk's worth."""
         t0 = time.perf_counter()
         decoding = any(s.decoding for s in self.scheduler.running())
-        plan = self.scheduler.schedule(self.budget.tokens(decoding, self._next_context()))
+        plan = self.scheduler.schedule(lambda context: self.budget.tokens(decoding, context))
         outs = [TokenOut(s.request_id, -1, finish="length") for s in plan.truncated]
         for s in plan.truncated:
             self._forget(s.request_id)
@@ -412,11 +412,6 @@ class Engine:
         self.steps += 1
         self.step_seconds += took
         return outs
-
-    def _next_context(self) -> int:
-        """Positions already computed of the sequence the next step prefills first (0 if none)."""
-        pre = [s for s in self.scheduler.running() if s.slot is not None and not s.decoding and not s.finish]
-        return min(pre, key=lambda s: s.arrival).num_computed if pre else 0
 
     def _checkpoint(self, plan: StepPlan) -> None:
         """Keep the recurrent states of the block boundaries this step reached: a prompt's last

@@ -22,6 +22,7 @@ than the step's budget.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pantheon.protocol import FinishReason
@@ -142,11 +143,17 @@ class Scheduler:
 
     # ------------------------------------------------------------ the step
 
-    def schedule(self, prefill_tokens: int | None = None) -> StepPlan:
-        """Plan the next step; it prefills at most ``prefill_tokens`` (default ``prefill_chunk``)."""
+    def schedule(self, prefill_tokens: int | Callable[[int], int] | None = None) -> StepPlan:
+        """Plan the next step; it prefills at most ``prefill_tokens`` (default ``prefill_chunk``).
+        A function is given the context of the sequence the step prefills first (its positions
+        already computed, a cached prefix included), once this step's joiners have their slots
+        and their prefixes: a joiner that finds 7k positions cached starts 7k deep."""
         plan = StepPlan(decode=[], prefill=[])
         self._admit(plan)
         running = sorted(self.running(), key=lambda s: s.arrival)
+        if callable(prefill_tokens):
+            first = next((s for s in running if s.slot is not None and not s.decoding and not s.finish), None)
+            prefill_tokens = prefill_tokens(first.num_computed if first is not None else 0)
 
         for seq in running:
             if seq.slot is None or not seq.decoding:

@@ -40,61 +40,19 @@ its speed, and the prompt gets the rest of the time. With the target alone a str
 8k-token prefill got one token per 0.5 s step (SmolLM2 on two cores: 44.6 tok/s alone, 2.0 beside
 it; ``bench/beside.py``). Without decoding sequences the whole target is prefill.
 
-The crossover from the shapes counts FLOPs, but a CPU's attention kernel does far fewer FLOPs a
-second than its matrix products (torch's CPU attention ~65 GFLOP/s against ~200 for the bf16
-linears on a Zen 4 core): on SmolLM2 attention costs as much as the rest at ~1.2k positions, not
-the ~3k the FLOPs say, and an 8k prompt's late chunks ran 0.7-0.9 s against the 0.5 s target.
-So the budget also fits the line ``per_token_s = base + slope * context`` to its own steps
-(``ContextFit``: moving moments, newest weighted most) and, once the steps have spanned enough
-context to tell a slope from noise, plans with the measured ``base`` and ``base / slope`` instead.
-
 No torch here: the scheduler and its tests use it as plain numbers.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DEFAULT_TARGET_S = 0.5  # CPU: a decode stream waits at most about this long for a joiner
 MIN_PREFILL_TOKENS = 16  # one KV block: a prompt always moves forward
 DECODE_SHARE = 4  # while sequences decode, a prefilling step costs at most this many decode steps
 _ALPHA = 0.3  # weight of the newest measurement in the moving averages
 MIN_MEASURED_TOKENS = 64  # a step that prefills fewer says little of a token's cost (see above)
-FIT_ALPHA = 0.05  # weight of the newest step in the context fit's moments (it needs many steps)
-FIT_MIN_SPREAD = 512.0  # positions: the fit's contexts must spread this much (std) to be used
-FIT_MIN_STEPS = 8
-
-
-@dataclass
-class ContextFit:
-    """A weighted least-squares line ``cost = base + slope * context`` over moving moments."""
-
-    steps: int = 0
-    x: float = 0.0
-    y: float = 0.0
-    xx: float = 0.0
-    xy: float = 0.0
-
-    def add(self, context: float, cost: float) -> None:
-        w = 1.0 if self.steps == 0 else FIT_ALPHA
-        self.steps += 1
-        self.x += w * (context - self.x)
-        self.y += w * (cost - self.y)
-        self.xx += w * (context * context - self.xx)
-        self.xy += w * (context * cost - self.xy)
-
-    def line(self) -> tuple[float, float] | None:
-        """``(base, slope)``, or None until enough steps over a wide enough spread of contexts
-        give a line with a positive base and slope."""
-        var = self.xx - self.x * self.x
-        if self.steps < FIT_MIN_STEPS or var < FIT_MIN_SPREAD**2:
-            return None
-        slope = (self.xy - self.x * self.y) / var
-        base = self.y - slope * self.x
-        if base <= 0 or slope <= 0:
-            return None
-        return base, slope
 
 
 @dataclass
@@ -108,7 +66,6 @@ class StepBudget:
     decode_s: float | None = None  # EWMA of a step that only decodes
     per_token_s: float | None = None  # EWMA of the cost of one prefill token at no context
     crossover: float = math.inf  # context at which a token's attention costs as much as the rest
-    fit: ContextFit = field(default_factory=ContextFit)  # the same, measured (see the module doc)
 
     def __post_init__(self) -> None:
         if self.target_s <= 0:
@@ -129,32 +86,22 @@ class StepBudget:
         # A step shorter than our decode estimate still says prefill was cheap, not free.
         per_token = max(seconds - decode, seconds * 0.1) / n_prefill
         self.per_token_s = _ewma(self.per_token_s, per_token / (1 + max(0.0, context) / self.crossover))
-        self.fit.add(max(0.0, context), per_token)
-
-    def model(self) -> tuple[float | None, float]:
-        """``(a token's cost at no context, crossover)`` the next step is planned with: the
-        measured line once there is one, else the moving average and the shapes' crossover."""
-        line = self.fit.line()
-        if line is not None:
-            base, slope = line
-            return base, base / slope
-        return self.per_token_s, self.crossover
 
     def tokens(self, decoding: bool = True, context: int = 0) -> int:
         """Prefill tokens for the next step; ``decoding``: some sequence decodes in it too;
         ``context``: positions already computed of the sequence it prefills."""
-        a, crossover = self.model()
-        if a is None or a <= 0:
+        if self.per_token_s is None or self.per_token_s <= 0:
             return self.ceiling
         target = self.target_s
         if decoding and self.decode_s:  # streams beside a prefill keep ~1/DECODE_SHARE of their speed
             target = min(target, DECODE_SHARE * self.decode_s)
         room = target - ((self.decode_s or 0.0) if decoding else 0.0)
-        if math.isinf(crossover) or crossover <= 0:
+        a = self.per_token_s
+        if math.isinf(self.crossover) or self.crossover <= 0:
             n = int(room / a)
         else:  # n * a * (1 + (context + n / 2) / crossover) = room, for n >= 0
-            qa = a / (2 * crossover)
-            qb = a * (1 + max(0, context) / crossover)
+            qa = a / (2 * self.crossover)
+            qb = a * (1 + max(0, context) / self.crossover)
             n = int((-qb + math.sqrt(qb * qb + 4 * qa * max(room, 0.0))) / (2 * qa))
         return max(self.floor, min(self.ceiling, n))
 

@@ -112,7 +112,9 @@ def test_streamed(srv):
         json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "stream": True},
     ) as r:
         lines = [x for x in r.iter_lines() if x.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]" and len(lines) >= 2  # a chunk at least (tokens may come in one), [DONE]
+    assert (
+        lines[-1] == "data: [DONE]" and len(lines) >= 2
+    )  # a chunk at least (tokens may come in one), [DONE]
     assert all(json.loads(x[6:])["object"] == "text_completion" for x in lines[:-1])
 
 

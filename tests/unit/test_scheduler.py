@@ -176,6 +176,32 @@ def test_prefix_blocks_are_shared_then_kept_lru_then_evicted():
     assert bm.match([h0, h1]) == [0]
 
 
+def test_the_budget_is_asked_at_the_context_a_joiner_starts_from():
+    """A budget that depends on the context (the engine's: a token attends to every position
+    before it) is asked once the step's joiner has its slot and its cached prefix: a joiner that
+    finds 8 positions cached starts 8 deep, not at 0 (8k deep on SmolLM2, where planning at 0
+    made a 1.4 s step of a 0.5 s target)."""
+    s = Scheduler(BlockManager(32, 4), num_slots=2, prefill_chunk=100)
+    a = seq("a", 10, max_tokens=3)
+    s.add(a)
+    asked: list[int] = []
+
+    def budget(context: int) -> int:
+        asked.append(context)
+        return 100
+
+    while not a.finish:
+        plan = s.schedule(budget)
+        s.commit(plan)
+        for q in plan.sampled():
+            s.append_token(q, 500)
+    assert asked[0] == 0  # a fresh prompt
+    s.add(Sequence("b", 10, list(range(1, 11)), 3))  # its first 8 positions are cached
+    asked.clear()
+    plan = s.schedule(budget)
+    assert asked == [8] and [(q.request_id, n) for q, n in plan.prefill] == [("b", 2)]
+
+
 def test_scheduler_reuses_prefix_and_publishes_full_blocks():
     s = Scheduler(BlockManager(32, 4), num_slots=2, prefill_chunk=100)
     a = seq("a", 10, max_tokens=3)
