@@ -678,35 +678,14 @@ GEMMA4_CHAT_TEMPLATE = """\
 """
 
 
-@functools.lru_cache(maxsize=1)
 def gemma4_tokenizer_json() -> str:
     """Our trained tokenizer plus Gemma 4's markers (special, ids 4000-4004)."""
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_str(tt.tokenizer_json())
-    for content in GEMMA4_MARKERS:  # one by one: ids in list order
-        tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
-    ids = {t: tok.token_to_id(t) for t in GEMMA4_TOKEN_IDS}
-    if ids != GEMMA4_TOKEN_IDS:
-        raise RuntimeError(f"added token ids {ids} differ from {GEMMA4_TOKEN_IDS}")
-    return tok.to_str(pretty=True)
+    return _tokenizer_with_specials(tuple(GEMMA4_MARKERS))
 
 
 def gemma4_tokenizer_config(model_max_length: int) -> dict:
     """``tokenizer_config.json`` of the Gemma 4 presets: the markers, <turn|> as EOS, the template."""
-    config = tt.tokenizer_config(model_max_length)
-    for content in GEMMA4_MARKERS:
-        config["added_tokens_decoder"][str(GEMMA4_TOKEN_IDS[content])] = {
-            "content": content,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-    config["eos_token"] = "<turn|>"
-    config["chat_template"] = GEMMA4_CHAT_TEMPLATE
-    return config
+    return _tokenizer_config_with_specials(model_max_length, GEMMA4_MARKERS, "<turn|>", GEMMA4_CHAT_TEMPLATE)
 
 
 # ------------------------------------------------------------------------------ embedding models
@@ -1298,34 +1277,14 @@ def _is_qwen35(config: dict) -> bool:
     return config["model_type"] in QWEN35_TYPES
 
 
-@functools.lru_cache(maxsize=1)
 def qwen35_tokenizer_json() -> str:
     """Our trained tokenizer plus Qwen's vision markers (special, ids 4000..4004)."""
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_str(tt.tokenizer_json())
-    for content in QWEN35_VISION_TOKENS:  # one by one: ids in list order
-        tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
-    ids = {t: tok.token_to_id(t) for t in QWEN35_TOKEN_IDS}
-    if ids != QWEN35_TOKEN_IDS:
-        raise RuntimeError(f"added token ids {ids} differ from {QWEN35_TOKEN_IDS}")
-    return tok.to_str(pretty=True)
+    return _tokenizer_with_specials(tuple(QWEN35_VISION_TOKENS))
 
 
 def qwen35_tokenizer_config(model_max_length: int) -> dict:
     """``tokenizer_config.json`` of the Qwen3.5 presets: the vision markers, Qwen3.5's template."""
-    config = tt.tokenizer_config(model_max_length)
-    for content in QWEN35_VISION_TOKENS:
-        config["added_tokens_decoder"][str(QWEN35_TOKEN_IDS[content])] = {
-            "content": content,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-    config["chat_template"] = QWEN35_CHAT_TEMPLATE
-    return config
+    return _tokenizer_config_with_specials(model_max_length, QWEN35_VISION_TOKENS, None, QWEN35_CHAT_TEMPLATE)
 
 
 # Gemma 3's turn format, our own text: an optional system message is folded into the first user
@@ -1362,36 +1321,17 @@ def _is_gemma3(config: dict) -> bool:
     return config["model_type"] in ("gemma3", "gemma3_text")
 
 
-@functools.lru_cache(maxsize=1)
 def gemma3_tokenizer_json() -> str:
     """Our trained tokenizer plus Gemma's turn markers (special, ids 4000, 4001)."""
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_str(tt.tokenizer_json())
-    for content in GEMMA3_TURN_TOKENS:  # one by one: ids in list order
-        tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
-    ids = {t: tok.token_to_id(t) for t in GEMMA3_TOKEN_IDS}
-    if ids != GEMMA3_TOKEN_IDS:
-        raise RuntimeError(f"added token ids {ids} differ from {GEMMA3_TOKEN_IDS}")
-    return tok.to_str(pretty=True)
+    return _tokenizer_with_specials(tuple(GEMMA3_TURN_TOKENS))
 
 
 def gemma3_tokenizer_config(model_max_length: int) -> dict:
     """``tokenizer_config.json`` of the Gemma 3 presets: the turn markers, <end_of_turn> as EOS,
     the Gemma 3 turn-format template."""
-    config = tt.tokenizer_config(model_max_length)
-    for content in GEMMA3_TURN_TOKENS:
-        config["added_tokens_decoder"][str(GEMMA3_TOKEN_IDS[content])] = {
-            "content": content,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-    config["eos_token"] = "<end_of_turn>"
-    config["chat_template"] = GEMMA3_CHAT_TEMPLATE
-    return config
+    return _tokenizer_config_with_specials(
+        model_max_length, GEMMA3_TURN_TOKENS, "<end_of_turn>", GEMMA3_CHAT_TEMPLATE
+    )
 
 
 # ------------------------------------------------------------------------------------- gpt-oss
@@ -1665,26 +1605,43 @@ GPT_OSS_CHAT_TEMPLATE = """\
 """
 
 
-@functools.lru_cache(maxsize=1)
 def gpt_oss_tokenizer_json() -> str:
     """Our trained tokenizer plus Harmony's markers (special, ids 4000..4006)."""
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_str(tt.tokenizer_json())
-    for content in GPT_OSS_TOKENS:  # one by one: ids in list order
-        tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
-    ids = {t: tok.token_to_id(t) for t in GPT_OSS_TOKEN_IDS}
-    if ids != GPT_OSS_TOKEN_IDS:
-        raise RuntimeError(f"added token ids {ids} differ from {GPT_OSS_TOKEN_IDS}")
-    return tok.to_str(pretty=True)
+    return _tokenizer_with_specials(tuple(GPT_OSS_TOKENS))
 
 
 def gpt_oss_tokenizer_config(model_max_length: int) -> dict:
     """``tokenizer_config.json`` of the gpt-oss presets: Harmony's markers, <|return|> as EOS,
     the short Harmony template."""
+    return _tokenizer_config_with_specials(
+        model_max_length, GPT_OSS_TOKENS, "<|return|>", GPT_OSS_CHAT_TEMPLATE
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_with_specials(tokens: tuple[str, ...]) -> str:
+    """Our trained tokenizer plus ``tokens`` as special tokens, ids from ``tt.VOCAB_SIZE`` on in
+    their order (what each family's ``*_TOKEN_IDS`` table says)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_str(tt.tokenizer_json())
+    for content in tokens:  # one by one: ids in list order
+        tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
+    want = {t: tt.VOCAB_SIZE + i for i, t in enumerate(tokens)}
+    ids = {t: tok.token_to_id(t) for t in tokens}
+    if ids != want:
+        raise RuntimeError(f"added token ids {ids} differ from {want}")
+    return tok.to_str(pretty=True)
+
+
+def _tokenizer_config_with_specials(
+    model_max_length: int, tokens: list[str], eos: str | None, template: str
+) -> dict:
+    """``tokenizer_config.json`` for ``_tokenizer_with_specials(tokens)``: the tokens as special
+    added tokens, ``eos`` as the EOS token (None: ours), the chat template."""
     config = tt.tokenizer_config(model_max_length)
-    for content in GPT_OSS_TOKENS:
-        config["added_tokens_decoder"][str(GPT_OSS_TOKEN_IDS[content])] = {
+    for i, content in enumerate(tokens):
+        config["added_tokens_decoder"][str(tt.VOCAB_SIZE + i)] = {
             "content": content,
             "lstrip": False,
             "normalized": False,
@@ -1692,8 +1649,9 @@ def gpt_oss_tokenizer_config(model_max_length: int) -> dict:
             "single_word": False,
             "special": True,
         }
-    config["eos_token"] = "<|return|>"
-    config["chat_template"] = GPT_OSS_CHAT_TEMPLATE
+    if eos is not None:
+        config["eos_token"] = eos
+    config["chat_template"] = template
     return config
 
 
