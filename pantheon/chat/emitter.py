@@ -118,7 +118,68 @@ def carry_len(buf: str, needles: Sequence[tuple[str, bool]]) -> int:
     return 0
 
 
-class Emitter:
+class OutputScanner:
+    """What every output parser shares (the emitter, Harmony's, Gemma 4's): text in through
+    :meth:`feed` (the deltas final now), :meth:`finish` at the end, :meth:`finish_reason`; the
+    stop strings checked once; :attr:`stopped`, :attr:`stop_string`, :attr:`tool_calls`
+    (OpenAI-shaped, for non-streamed responses). A parser scans the carry ``_buf`` in
+    ``_process(final=...)``, settles what is open in ``_end_of_text()``, and emits into ``_out``.
+    """
+
+    # The special tokens whose text the detokenizer must keep for this parser (none: markers are
+    # ordinary added tokens; Harmony's and Gemma 4's parsers name theirs).
+    keep_special: frozenset[str] = frozenset()
+
+    def __init__(self, stop: Iterable[str] = ()):
+        stops = list(dict.fromkeys(s for s in (stop or ()) if s))
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+        self._stops = tuple(stops)
+        self.stopped = False
+        self.stop_string: str | None = None  # the stop string that matched
+        self.finished = False
+        self.tool_calls: list[dict[str, Any]] = []
+        self._buf = ""  # the carry: raw text not yet decided
+        self._out: list[Delta] = []
+
+    def _accepting(self) -> bool:
+        """Whether more text can still change the output."""
+        return not (self.stopped or self.finished)
+
+    def feed(self, text: str) -> list[Delta]:
+        """Add model text; return the deltas that are final now."""
+        if not self._accepting() or not text:
+            return []
+        self._buf += text
+        self._process(final=False)
+        return self._take()
+
+    def finish(self) -> list[Delta]:
+        """End of output: decide the carry, settle what is open; return the last deltas."""
+        if self.finished:
+            return []
+        self.finished = True
+        if not self.stopped:
+            self._process(final=True)
+            self._end_of_text()
+        return self._take()
+
+    def finish_reason(self, reason: str) -> str:
+        """Return "tool_calls" if this output made any tool call, else ``reason``."""
+        return finish_reason(bool(self.tool_calls), reason)
+
+    def _process(self, *, final: bool) -> None:
+        raise NotImplementedError
+
+    def _end_of_text(self) -> None:
+        raise NotImplementedError
+
+    def _take(self) -> list[Delta]:
+        out, self._out = self._out, []
+        return out
+
+
+class Emitter(OutputScanner):
     """Splits a model's output text into reasoning, content and tool calls; applies stop strings.
 
     ``reasoning``: the model may open its output with ``<think>`` (Qwen3 and the like).
@@ -134,10 +195,6 @@ class Emitter:
     feeding returns nothing.
     """
 
-    # The special tokens whose text the detokenizer must keep for this parser: none (its markers
-    # are ordinary added tokens); Harmony's parser names its own.
-    keep_special: frozenset[str] = frozenset()
-
     def __init__(
         self,
         *,
@@ -148,52 +205,19 @@ class Emitter:
         tool_format: str = JSON_TOOL_FORMAT,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ):
-        stops = list(dict.fromkeys(s for s in (stop or ()) if s))
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
-        self._stops = tuple(stops)
+        super().__init__(stop)
         self.reasoning = reasoning
         self.tools_enabled = tools_enabled
         if tool_format not in (JSON_TOOL_FORMAT, XML_TOOL_FORMAT):
             raise ValueError(f"unknown tool call format {tool_format!r}")
         self.tool_format = tool_format
         self._tools = list(tools or ())
-        self.stopped = False
-        self.stop_string: str | None = None  # the stop string that matched
-        self.finished = False
-        self.tool_calls: list[dict[str, Any]] = []  # OpenAI-shaped, for non-streamed responses
 
         self._state = _THINK if think_open else (_START if reasoning else _CONTENT)
-        self._buf = ""  # the carry: raw text not yet decided
         self._skip_ws = think_open  # drop leading whitespace of the next channel text
         self._pending_ws = ""  # trailing whitespace held in case a channel edge follows
         self._tool_raw = ""  # the inside of the open <tool_call> block
         self._ws_before_tool = ""  # whitespace dropped before <tool_call>, restored if it is not a call
-        self._out: list[Delta] = []
-
-    # -------------------------------------------------------------- public
-
-    def feed(self, text: str) -> list[Delta]:
-        """Add model text; return the deltas that are final now."""
-        if self.stopped or self.finished or not text:
-            return []
-        self._buf += text
-        self._process(final=False)
-        return self._take()
-
-    def finish(self) -> list[Delta]:
-        """End of output: decide the carry, close an open tool block; return the last deltas."""
-        if self.finished:
-            return []
-        self.finished = True
-        if not self.stopped:
-            self._process(final=True)
-            self._close_state()
-        return self._take()
-
-    def finish_reason(self, reason: str) -> str:
-        """Return "tool_calls" if this output made any tool call, else ``reason``."""
-        return finish_reason(bool(self.tool_calls), reason)
 
     # -------------------------------------------------------------- the scanner
 
@@ -298,9 +322,9 @@ class Emitter:
         self.stopped = True
         self.stop_string = stop
         self._buf = ""
-        self._close_state()
+        self._end_of_text()
 
-    def _close_state(self) -> None:
+    def _end_of_text(self) -> None:
         """End of the text (stop string or finish): settle what is still open."""
         if self._state == _TOOL:
             self._state = _CONTENT
@@ -367,10 +391,6 @@ class Emitter:
             self._out[-1].text += text  # one delta per channel run keeps SSE chunks few
         else:
             self._out.append(Delta(kind, text=text))
-
-    def _take(self) -> list[Delta]:
-        out, self._out = self._out, []
-        return out
 
 
 def join_deltas(deltas: Iterable[Delta]) -> dict[str, Any]:

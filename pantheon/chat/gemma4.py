@@ -44,7 +44,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from .emitter import MAX_STOP, Delta, carry_len, finish_reason, first_match
+from .emitter import Delta, OutputScanner, carry_len, first_match
 from .tools import ParsedToolCall, new_call_id
 
 __all__ = [
@@ -306,7 +306,7 @@ def read_gemma4_calls(block: str) -> tuple[list[ParsedToolCall], bool]:
 # ------------------------------------------------------------------ the parser
 
 
-class Gemma4Parser:
+class Gemma4Parser(OutputScanner):
     """Splits a Gemma 4 output into reasoning, content and tool calls; applies stop strings.
 
     The emitter's interface (:class:`pantheon.chat.emitter.Emitter`): :meth:`feed` each new piece
@@ -319,15 +319,8 @@ class Gemma4Parser:
     keep_special: frozenset[str] = GEMMA4_MARKERS
 
     def __init__(self, *, stop: Iterable[str] = (), tools_enabled: bool = True):
-        stops = list(dict.fromkeys(s for s in (stop or ()) if s))
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
-        self._stops = tuple(stops)
+        super().__init__(stop)
         self.tools_enabled = tools_enabled
-        self.stopped = False
-        self.stop_string: str | None = None
-        self.finished = False
-        self.tool_calls: list[dict[str, Any]] = []
 
         self._state = _CONTENT
         self._buf = ""  # the carry
@@ -337,31 +330,9 @@ class Gemma4Parser:
         self._pending_ws = ""  # trailing whitespace held in case a marker follows
         self._had_thought = False
         self._ended = False  # an end marker was read: nothing after it is output
-        self._out: list[Delta] = []
 
-    # -------------------------------------------------------------- public
-
-    def feed(self, text: str) -> list[Delta]:
-        """Add model text; return the deltas that are final now."""
-        if self.stopped or self.finished or self._ended or not text:
-            return []
-        self._buf += text
-        self._process(final=False)
-        return self._take()
-
-    def finish(self) -> list[Delta]:
-        """End of output: decide the carry, settle an open block; return the last deltas."""
-        if self.finished:
-            return []
-        self.finished = True
-        if not self.stopped:
-            self._process(final=True)
-            self._end_of_text()
-        return self._take()
-
-    def finish_reason(self, reason: str) -> str:
-        """Return "tool_calls" if this output made any tool call, else ``reason``."""
-        return finish_reason(bool(self.tool_calls), reason)
+    def _accepting(self) -> bool:
+        return super()._accepting() and not self._ended  # nothing after an end marker is output
 
     # -------------------------------------------------------------- the scanner
 
@@ -518,7 +489,3 @@ class Gemma4Parser:
             self._out[-1].text += text  # one delta per run keeps SSE chunks few
         else:
             self._out.append(Delta(kind, text=text))
-
-    def _take(self) -> list[Delta]:
-        out, self._out = self._out, []
-        return out

@@ -48,7 +48,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from .emitter import MAX_STOP, Delta, carry_len, finish_reason, first_match
+from .emitter import Delta, OutputScanner, carry_len, first_match
 from .tools import new_call_id
 
 __all__ = ["FINAL_OPENING", "HARMONY_MARKERS", "HarmonyParser", "MAX_HEADER"]
@@ -111,7 +111,7 @@ def _call_name(recipient: str) -> str:
     return recipient.removeprefix("functions.") or recipient
 
 
-class HarmonyParser:
+class HarmonyParser(OutputScanner):
     """Splits a Harmony output into reasoning, content and tool calls; applies stop strings.
 
     The emitter's interface (:class:`pantheon.chat.emitter.Emitter`): :meth:`feed` each new piece
@@ -124,15 +124,8 @@ class HarmonyParser:
     keep_special: frozenset[str] = HARMONY_MARKERS
 
     def __init__(self, *, stop: Iterable[str] = (), tools_enabled: bool = True):
-        stops = list(dict.fromkeys(s for s in (stop or ()) if s))
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
-        self._stops = tuple(stops)
+        super().__init__(stop)
         self.tools_enabled = tools_enabled
-        self.stopped = False
-        self.stop_string: str | None = None
-        self.finished = False
-        self.tool_calls: list[dict[str, Any]] = []
 
         self._state = _HEADER
         self._buf = ""  # in a body: the carry; in a header: the header so far
@@ -142,31 +135,6 @@ class HarmonyParser:
         self._role_next = False  # the header follows a <|start|>: it begins with a role
         self._had: set[str] = set()  # the kinds an earlier message emitted text of
         self._pending_ws = ""  # a call's trailing whitespace, held until more arguments come
-        self._out: list[Delta] = []
-
-    # -------------------------------------------------------------- public
-
-    def feed(self, text: str) -> list[Delta]:
-        """Add model text; return the deltas that are final now."""
-        if self.stopped or self.finished or not text:
-            return []
-        self._buf += text
-        self._process(final=False)
-        return self._take()
-
-    def finish(self) -> list[Delta]:
-        """End of output: decide the carry, settle an open message; return the last deltas."""
-        if self.finished:
-            return []
-        self.finished = True
-        if not self.stopped:
-            self._process(final=True)
-            self._end_of_text()
-        return self._take()
-
-    def finish_reason(self, reason: str) -> str:
-        """Return "tool_calls" if this output made any tool call, else ``reason``."""
-        return finish_reason(bool(self.tool_calls), reason)
 
     # -------------------------------------------------------------- the scanner
 
@@ -321,7 +289,3 @@ class HarmonyParser:
         """The output ended (its end or a stop string): an open body ends where it is."""
         if self._state == _BODY:
             self._close_message()
-
-    def _take(self) -> list[Delta]:
-        out, self._out = self._out, []
-        return out

@@ -35,8 +35,10 @@ class OutputParser(Protocol):
 
     keep_special: frozenset[str]
     stopped: bool
-    stop_string: str | None
     tool_calls: list[dict[str, Any]]
+
+    @property
+    def stop_string(self) -> str | None: ...  # read here, set by the parser
 
     def feed(self, text: str) -> list[Delta]: ...
 
