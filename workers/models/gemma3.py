@@ -26,7 +26,7 @@ from workers.layers.sliding import ring_attention
 from workers.models import Target
 from workers.models.base import DecoderLayer, DecoderLM
 from workers.models.llama import GGUF_LAYER as LLAMA_GGUF_LAYER
-from workers.models.llama import GGUF_TOP, gguf_name_from, mlp_targets, top_targets
+from workers.models.llama import GGUF_TOP, attention_targets, gguf_name_from, mlp_targets, top_targets
 
 
 class Attention(nn.Module):
@@ -134,18 +134,12 @@ def targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
     """Checkpoint tensor name (``Gemma3ForCausalLM`` layout) -> the parameter rows it fills."""
     assert isinstance(desc, Gemma3Description)
     t = top_targets(model, desc)
-    q, kv, hidden = desc.q_size, desc.kv_size, desc.hidden_size
+    hidden = desc.hidden_size
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, Gemma3Layer)
         p = f"model.layers.{i}."
         a = layer.self_attn
-        for kind, (off, rows) in {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}.items():
-            t[f"{p}self_attn.{kind}_proj.weight"] = Target(a.qkv_proj.weight, off, rows)
-            if desc.attention_bias:
-                t[f"{p}self_attn.{kind}_proj.bias"] = Target(a.qkv_proj.bias, off, rows)
-        t[f"{p}self_attn.o_proj.weight"] = Target(a.o_proj.weight, 0, hidden)
-        if desc.attention_bias:
-            t[f"{p}self_attn.o_proj.bias"] = Target(a.o_proj.bias, 0, hidden)
+        attention_targets(t, p, a, desc, qkv_bias=desc.attention_bias, o_bias=desc.attention_bias)
         t[f"{p}self_attn.q_norm.weight"] = Target(a.q_norm.weight, 0, desc.head_dim)
         t[f"{p}self_attn.k_norm.weight"] = Target(a.k_norm.weight, 0, desc.head_dim)
         mlp_targets(t, p, layer.mlp, hidden)  # pyright: ignore[reportArgumentType]  # same fused shape as the Llama MLP

@@ -38,7 +38,7 @@ from workers.layers.sinks import paged_sink_attention, ring_sink_attention
 from workers.models import Target
 from workers.models.base import DecoderLayer, DecoderLM
 from workers.models.llama import GGUF_LAYER as GGUF_LLAMA_LAYER
-from workers.models.llama import GGUF_TOP, gguf_name_from, top_targets
+from workers.models.llama import GGUF_TOP, attention_targets, gguf_name_from, top_targets
 from workers.mxfp4 import dequantize
 
 
@@ -117,18 +117,12 @@ def targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
     (``mlp.experts.{e}.{gate,up,down}_proj.{weight,bias}``) that ``unstack`` / ``join`` give."""
     assert isinstance(desc, GptOssDescription)
     t = top_targets(model, desc)
-    q, kv, hidden = desc.q_size, desc.kv_size, desc.hidden_size
+    hidden = desc.hidden_size
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, GptOssLayer)
         p = f"model.layers.{i}."
         a = layer.self_attn
-        for kind, (off, rows) in {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}.items():
-            t[f"{p}self_attn.{kind}_proj.weight"] = Target(a.qkv_proj.weight, off, rows)
-            if desc.attention_bias:
-                t[f"{p}self_attn.{kind}_proj.bias"] = Target(a.qkv_proj.bias, off, rows)
-        t[f"{p}self_attn.o_proj.weight"] = Target(a.o_proj.weight, 0, hidden)
-        if desc.attention_bias:
-            t[f"{p}self_attn.o_proj.bias"] = Target(a.o_proj.bias, 0, hidden)
+        attention_targets(t, p, a, desc, qkv_bias=desc.attention_bias, o_bias=desc.attention_bias)
         t[f"{p}self_attn.sinks"] = Target(a.sinks, 0, desc.num_heads)
         moe = layer.mlp
         assert moe.gate.bias is not None and moe.gate_up_bias is not None and moe.down_bias is not None

@@ -8,6 +8,7 @@ products per layer. Description: ``pantheon/models/archs/llama.py``.
 from __future__ import annotations
 
 import re
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +107,28 @@ def mlp_targets(t: dict[str, Target], p: str, mlp: MLP, hidden: int) -> None:
     t[f"{p}mlp.down_proj.weight"] = Target(mlp.down_proj.weight, 0, hidden)
 
 
+class FusedAttention(Protocol):
+    """An attention whose q, k and v projections are one matrix (as this engine lays them out)."""
+
+    qkv_proj: nn.Linear
+    o_proj: nn.Linear
+
+
+def attention_targets(
+    t: dict[str, Target], p: str, a: FusedAttention, desc: ModelDescription, *, qkv_bias: bool, o_bias: bool
+) -> None:
+    """q_proj, k_proj and v_proj (and their biases) fill the fused qkv matrix in that order;
+    o_proj its own. ``a``: a layer's attention with ``qkv_proj`` and ``o_proj`` linears."""
+    q, kv = desc.q_size, desc.kv_size
+    for kind, (off, rows) in {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}.items():
+        t[f"{p}self_attn.{kind}_proj.weight"] = Target(a.qkv_proj.weight, off, rows)
+        if qkv_bias:
+            t[f"{p}self_attn.{kind}_proj.bias"] = Target(a.qkv_proj.bias, off, rows)
+    t[f"{p}self_attn.o_proj.weight"] = Target(a.o_proj.weight, 0, desc.hidden_size)
+    if o_bias:
+        t[f"{p}self_attn.o_proj.bias"] = Target(a.o_proj.bias, 0, desc.hidden_size)
+
+
 def top_targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
     """The embedding table, the final norm and an untied LM head."""
     norm = model.norm.weight
@@ -123,18 +146,12 @@ def targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
     """Checkpoint tensor name -> the parameter rows it fills."""
     assert isinstance(desc, LlamaDescription)
     t = top_targets(model, desc)
-    q, kv, hidden = desc.q_size, desc.kv_size, desc.hidden_size
+    hidden = desc.hidden_size
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, LlamaLayer)
         p = f"model.layers.{i}."
         a = layer.self_attn
-        for kind, (off, rows) in {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}.items():
-            t[f"{p}self_attn.{kind}_proj.weight"] = Target(a.qkv_proj.weight, off, rows)
-            if desc.attention_bias:
-                t[f"{p}self_attn.{kind}_proj.bias"] = Target(a.qkv_proj.bias, off, rows)
-        t[f"{p}self_attn.o_proj.weight"] = Target(a.o_proj.weight, 0, hidden)
-        if desc.o_bias:
-            t[f"{p}self_attn.o_proj.bias"] = Target(a.o_proj.bias, 0, hidden)
+        attention_targets(t, p, a, desc, qkv_bias=desc.attention_bias, o_bias=desc.o_bias)
         if a.q_norm is not None and a.k_norm is not None:
             t[f"{p}self_attn.q_norm.weight"] = Target(a.q_norm.weight, 0, desc.head_dim)
             t[f"{p}self_attn.k_norm.weight"] = Target(a.k_norm.weight, 0, desc.head_dim)

@@ -27,7 +27,7 @@ from workers.layers.norms import RMSNorm
 from workers.models import Target
 from workers.models import llama as _llama
 from workers.models.base import DecoderLayer, DecoderLM
-from workers.models.llama import MLP, Attention, gguf_name_from, mlp_targets, top_targets
+from workers.models.llama import MLP, Attention, attention_targets, gguf_name_from, mlp_targets, top_targets
 
 
 class Qwen3MoeLayer(DecoderLayer):
@@ -79,18 +79,12 @@ def targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
     """Checkpoint tensor name -> the parameter rows it fills (experts by their per-expert names)."""
     assert isinstance(desc, Qwen3MoeDescription)
     t = top_targets(model, desc)
-    q, kv, hidden = desc.q_size, desc.kv_size, desc.hidden_size
+    hidden = desc.hidden_size
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, Qwen3MoeLayer)
         p = f"model.layers.{i}."
         a = layer.self_attn
-        for kind, (off, rows) in {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}.items():
-            t[f"{p}self_attn.{kind}_proj.weight"] = Target(a.qkv_proj.weight, off, rows)
-            if desc.attention_bias:
-                t[f"{p}self_attn.{kind}_proj.bias"] = Target(a.qkv_proj.bias, off, rows)
-        t[f"{p}self_attn.o_proj.weight"] = Target(a.o_proj.weight, 0, hidden)
-        if desc.o_bias:
-            t[f"{p}self_attn.o_proj.bias"] = Target(a.o_proj.bias, 0, hidden)
+        attention_targets(t, p, a, desc, qkv_bias=desc.attention_bias, o_bias=desc.o_bias)
         assert a.q_norm is not None and a.k_norm is not None  # Qwen3's q/k norms
         t[f"{p}self_attn.q_norm.weight"] = Target(a.q_norm.weight, 0, desc.head_dim)
         t[f"{p}self_attn.k_norm.weight"] = Target(a.k_norm.weight, 0, desc.head_dim)
