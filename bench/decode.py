@@ -72,7 +72,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.pantheon_server import cpu_info, serve  # noqa: E402
-from pantheon.protocol import SamplingParams  # noqa: E402
+from pantheon.core.protocol import SamplingParams  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 
 

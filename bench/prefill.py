@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import peer  # noqa: E402
-from pantheon.protocol import SamplingParams  # noqa: E402
+from pantheon.core.protocol import SamplingParams  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 
 LENGTHS = (512, 1024, 2048, 4096, 8192)

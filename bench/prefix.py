@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import default_model  # noqa: E402
-from pantheon.protocol import SamplingParams  # noqa: E402
+from pantheon.core.protocol import SamplingParams  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 
 

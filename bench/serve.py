@@ -97,7 +97,7 @@ def summary(name: str, tokens: int, wall: float, ttft: list[float], itl: list[fl
 def bench_engine(path: Path, args) -> dict:
     import torch
 
-    from pantheon.protocol import SamplingParams
+    from pantheon.core.protocol import SamplingParams
     from workers.engine import Engine
 
     if args.threads:

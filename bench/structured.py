@@ -21,8 +21,8 @@ import time
 import torch
 
 from pantheon.api.openai import structured
+from pantheon.core.protocol import SamplingParams
 from pantheon.models.assets import ModelAssets
-from pantheon.protocol import SamplingParams
 from pantheon.serve import smollm2_file
 from workers.engine import Engine
 

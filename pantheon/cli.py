@@ -14,7 +14,7 @@ _COMMANDS = {
         "workers.worker",
         "run one worker process (spawned by serve, or joining one from another host)",
     ),
-    "keys": ("pantheon.workerlink.curve", "CURVE keys for workers on other hosts ('keys new DIR')"),
+    "keys": ("pantheon.core.curve", "CURVE keys for workers on other hosts ('keys new DIR')"),
     "make-model": ("pantheon.models.makemodel", "write a random-weight model folder from a preset"),
     "tui": ("tui.app", "the live dashboard"),
 }

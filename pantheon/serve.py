@@ -136,7 +136,7 @@ def _check_worker_listen(cfg: ServeConfig) -> None:
     """Refuse ``--worker-listen`` without usable CURVE keys (ConfigError). Checked here, where
     the endpoint is used, so that ``pantheon.config`` never imports ``pantheon.workerlink``."""
     if cfg.ops.worker_listen is not None:
-        from pantheon.workerlink.curve import check_listen
+        from pantheon.core.curve import check_listen
 
         check_listen(cfg.ops.worker_listen, cfg.ops.curve_dir, cfg.ops.worker_insecure)
 
@@ -311,7 +311,7 @@ def cli(argv: list[str] | None = None) -> int:
     args = {k: v for k, v in vars(ns).items() if v is not None}
     try:
         if args.get("curve_keygen"):
-            from pantheon.workerlink.curve import keygen
+            from pantheon.core.curve import keygen
 
             pub, sec = keygen(args["curve_keygen"])
             print(f"pantheon: wrote {pub} and {sec} (and a worker keypair)")

@@ -1,5 +1,5 @@
 """The engine's cache tensors, one entry per decoder layer, built from the layers' cache specs
-(``pantheon.models.description``):
+(``pantheon.core.description``):
 
 - ``KVCache``: an attention layer's paged K and V, ``[num_blocks * block_size, KV, D]`` each; the
   block manager (``workers/block_manager.py``) says which rows each sequence holds;
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pantheon.models.description import AttentionCache, ModelDescription, RecurrentState, SharedKV
+from pantheon.core.description import AttentionCache, ModelDescription, RecurrentState, SharedKV
 
 
 @dataclass

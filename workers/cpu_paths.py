@@ -16,7 +16,7 @@ bf16 dot products), where fp32 wins. So nothing is assumed from flags or ``hasat
 - ``apply(model, name)`` lays the loaded model out for that path.
 
 ``PANTHEON_CPU_PATH`` (``--cpu-path``) forces one, so every host runs the tests of every path it
-can. The bytes each path allocates are what ``pantheon.models.sizing.estimate`` counts.
+can. The bytes each path allocates are what ``pantheon.core.sizing.estimate`` counts.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pantheon.models.description import ModelDescription
-from pantheon.models.sizing import CPU_PATHS, cpu_path_names
+from pantheon.core.description import ModelDescription
+from pantheon.core.sizing import CPU_PATHS, cpu_path_names
 from workers.cpu_pack import PackedLinear
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class PathSpec:
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-# The table lives in pantheon.models.sizing (torch-free), so the router's estimate and the engine's
+# The table lives in pantheon.core.sizing (torch-free), so the router's estimate and the engine's
 # layout can never disagree on what a path allocates.
 PATHS: dict[str, PathSpec] = {
     name: PathSpec(name, _DTYPES[dt], layout, lossy) for name, (dt, layout, lossy) in CPU_PATHS.items()

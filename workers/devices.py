@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import psutil
 
 # Die ids are parsed by the protocol's parser, the one the router uses too (re-exported here).
-from pantheon.protocol import normalize_die, parse_die
+from pantheon.core.protocol import normalize_die, parse_die
 
 __all__ = ["Die", "engine_device", "normalize_die", "open_die", "parse_die"]
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from pantheon.models.sizing import state_checkpoints
-from pantheon.protocol import EmbedOut, InstanceStats, Pooling, SamplingParams, SlotInfo, TokenOut
+from pantheon.core.protocol import EmbedOut, InstanceStats, Pooling, SamplingParams, SlotInfo, TokenOut
+from pantheon.core.sizing import state_checkpoints
 from workers import cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
 from workers.cache import kv_block_bytes

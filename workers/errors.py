@@ -6,7 +6,7 @@ they are, and the router refuses a message whose kind is not in its list.
 
 from __future__ import annotations
 
-from pantheon.protocol import LoadFailKind, RejectKind
+from pantheon.core.protocol import LoadFailKind, RejectKind
 
 
 class LoadError(Exception):

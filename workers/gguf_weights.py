@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pantheon.models.gguf import TENSOR_TYPES, GGUFFile, GGUFTensor
+from pantheon.core.gguf import TENSOR_TYPES, GGUFFile, GGUFTensor
 from workers.errors import LoadError
 from workers.model_config import ModelConfig
 from workers.models import family

@@ -42,8 +42,8 @@ from pathlib import Path
 import llguidance as llg
 import torch
 
-from pantheon.models.gguf import find_gguf, read_gguf, tokenizer_json
-from pantheon.models.grammar_vocab import LIMIT_VALUES, grammar_tokenizer_json
+from pantheon.core.gguf import find_gguf, read_gguf, tokenizer_json
+from pantheon.core.grammar_vocab import LIMIT_VALUES, grammar_tokenizer_json
 from workers.errors import RequestRejected
 
 log = logging.getLogger("pantheon.worker.grammar")

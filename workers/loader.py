@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
 
-from pantheon.models.gguf import find_gguf, read_gguf
+from pantheon.core.gguf import find_gguf, read_gguf
 from workers.errors import LoadError
 from workers.gguf_weights import iter_tensors
 from workers.model_config import ModelConfig, gguf_config, gguf_errors, load_config

@@ -1,4 +1,4 @@
-"""The worker's view of a model's description (``pantheon.models.description``, shared with the
+"""The worker's view of a model's description (``pantheon.core.description``, shared with the
 router's sizing: one parser), with its errors as ``LoadError``. No torch here."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
 
-from pantheon.models.description import ModelDescription, ModelError, RopeConfig, describe, read_description
-from pantheon.models.gguf import GGUFError, GGUFFile, hf_config
-from pantheon.protocol import LoadFailKind
+from pantheon.core.description import ModelDescription, ModelError, RopeConfig, describe, read_description
+from pantheon.core.gguf import GGUFError, GGUFFile, hf_config
+from pantheon.core.protocol import LoadFailKind
 from workers.errors import LoadError
 
 ModelConfig = ModelDescription  # the name the engine's modules use for it

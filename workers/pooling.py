@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pantheon.protocol import Pooling
+from pantheon.core.protocol import Pooling
 
 
 class Pooled:

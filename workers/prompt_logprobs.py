@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pantheon.protocol import PromptLogprobs
+from pantheon.core.protocol import PromptLogprobs
 
 ROWS = 64  # rows log-softmaxed at once
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pantheon.models.sizing import INT4_GROUP, int4_fits
+from pantheon.core.sizing import INT4_GROUP, int4_fits
 
 
 class Int8Linear(nn.Module):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pantheon.protocol import SamplingParams
+from pantheon.core.protocol import SamplingParams
 
 
 @dataclass

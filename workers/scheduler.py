@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pantheon.protocol import FinishReason
+from pantheon.core.protocol import FinishReason
 from workers.block_manager import BlockManager, block_hash
 from workers.state_checkpoints import CheckpointIndex
 

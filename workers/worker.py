@@ -70,8 +70,8 @@ from typing import TYPE_CHECKING, cast
 import msgspec
 import zmq
 
-from pantheon import protocol as p
-from pantheon.models.description import shape_digest
+from pantheon.core import protocol as p
+from pantheon.core.description import shape_digest
 from workers.devices import Die, engine_device, open_die
 from workers.errors import LoadError, RequestRejected
 from workers.native_memory import DebugReport, Trimmer, cap_caches, request_tables
@@ -81,7 +81,7 @@ if TYPE_CHECKING:  # the engine imports torch: the worker imports it on first us
 
 log = logging.getLogger("pantheon.worker")
 
-# The exit codes (and what the router says they mean) are in pantheon.protocol: EXIT_*.
+# The exit codes (and what the router says they mean) are in pantheon.core.protocol: EXIT_*.
 
 BUSY_STATS_S = 0.25
 IDLE_STATS_S = 1.0
@@ -824,7 +824,7 @@ def _name(args: argparse.Namespace) -> str:
 
 def _remote(args: argparse.Namespace) -> Remote:
     """``--router`` and its keys -> ``Remote``; ValueError says what is wrong."""
-    from pantheon.workerlink.curve import check_listen, load_worker_keys
+    from pantheon.core.curve import check_listen, load_worker_keys
 
     if args.parent_pid is not None:
         raise ValueError(

@@ -154,6 +154,6 @@ _SPEC_EXTRAS = (
 
 
 def _default_name(path: str) -> str:
-    from pantheon.models.gguf import served_name  # a folder's name; a .gguf file's stem, lower-cased
+    from pantheon.core.gguf import served_name  # a folder's name; a .gguf file's stem, lower-cased
 
     return served_name(path)

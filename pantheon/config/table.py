@@ -185,7 +185,7 @@ def _http_url(v: str, what: str) -> str:
 
 
 def _cpu_path(v: str, what: str) -> str:
-    from pantheon.models.sizing import CPU_PATHS  # torch-free; lazy: only when the flag is used
+    from pantheon.core.sizing import CPU_PATHS  # torch-free; lazy: only when the flag is used
 
     if v != "auto" and v not in CPU_PATHS:
         raise ConfigError(f"{what} {v!r}: use auto or one of {', '.join(CPU_PATHS)}")

@@ -1,7 +1,7 @@
 """``ConfigError`` and the value parsers every settings source shares (flag, variable, TOML file).
 
 This module imports nothing from ``pantheon`` but the wire protocol (msgspec only; its die-id
-parser): ``pantheon.workerlink.curve`` and the admin API
+parser): ``pantheon.core.curve`` and the admin API
 import ``ConfigError`` from here without pulling in the rest of the configuration (and without
 the old ``config`` -> ``curve`` -> ``config`` import cycle). Every parser takes ``what``, the
 name of the source the value came from (``--port``, ``PANTHEON_PORT``, ``--config FILE: port``),
@@ -14,12 +14,8 @@ import math
 import re
 from typing import Any
 
-from pantheon.protocol import normalize_die
-
-
-class ConfigError(ValueError):
-    """A flag or environment variable has a value the server cannot run with."""
-
+from pantheon.core.errors import ConfigError  # its home: the core raises it too
+from pantheon.core.protocol import normalize_die
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {

@@ -31,9 +31,9 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from pantheon.models.description import ModelError
-from pantheon.models.gguf import GGUFError, find_gguf, served_name
-from pantheon.models.sizing import read_shape
+from pantheon.core.description import ModelError
+from pantheon.core.gguf import GGUFError, find_gguf, served_name
+from pantheon.core.sizing import read_shape
 
 log = logging.getLogger("pantheon.control.catalog")
 

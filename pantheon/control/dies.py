@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pantheon import errors
-from pantheon.protocol import die_host, die_kind, parse_die
+from pantheon.core.protocol import die_host, die_kind, parse_die
 
 GiB = 1 << 30
 DEFAULT_CUDA_RESERVE = 1 * GiB

@@ -46,13 +46,13 @@ from pantheon.config.settings import ServeConfig
 from pantheon.control.dies import Booking, DieManager, booked_of, booking
 from pantheon.control.feed import Feed
 from pantheon.control.registry import DRAINING, FAILED, LOADING, READY, Instance, Registry
+from pantheon.core.description import ModelDescription, shape_digest
+from pantheon.core.gguf import GGUFError, find_gguf, served_name
+from pantheon.core.protocol import Loaded, LoadModel, die_host, die_kind
+from pantheon.core.sizing import SizingError, estimate, read_shape, state_checkpoints, state_pool_slots
 from pantheon.errors import ApiError
 from pantheon.models import generation_defaults
 from pantheon.models.assets import ModelAssets
-from pantheon.models.description import ModelDescription, shape_digest
-from pantheon.models.gguf import GGUFError, find_gguf, served_name
-from pantheon.models.sizing import SizingError, estimate, read_shape, state_checkpoints, state_pool_slots
-from pantheon.protocol import Loaded, LoadModel, die_host, die_kind
 from pantheon.workerlink.pool import LoadFailedError, PoolError, WorkerPool
 
 log = logging.getLogger("pantheon.control.lifecycle")

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # types only: this module needs none of them at run time
     from pantheon.control.dies import Die, DieManager
     from pantheon.control.pressure import PressureSource
     from pantheon.control.registry import Instance, ModelQueue, Registry
-    from pantheon.protocol import InstanceStats
+    from pantheon.core.protocol import InstanceStats
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 import psutil
 
 from pantheon.config.values import parse_thresholds  # noqa: F401 - re-exported; it lives with the other settings parsers
-from pantheon.protocol import die_host, die_kind
+from pantheon.core.protocol import die_host, die_kind
 
 NORMAL, ELEVATED, HIGH, CRITICAL = 0, 1, 2, 3
 NAMES = ("normal", "elevated", "high", "critical")

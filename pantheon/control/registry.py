@@ -49,10 +49,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pantheon import errors
+from pantheon.core.description import ModelDescription
+from pantheon.core.protocol import Loaded, LoadModel
+from pantheon.core.sizing import Estimate
 from pantheon.models.assets import ModelAssets
-from pantheon.models.description import ModelDescription
-from pantheon.models.sizing import Estimate
-from pantheon.protocol import Loaded, LoadModel
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
 CRITICAL = 3

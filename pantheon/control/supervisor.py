@@ -46,8 +46,8 @@ from typing import Any
 
 from pantheon import errors
 from pantheon.control.dies import booked_of
+from pantheon.core.protocol import die_host
 from pantheon.errors import ApiError
-from pantheon.protocol import die_host
 
 log = logging.getLogger("pantheon.control.supervisor")
 

@@ -1,5 +1,5 @@
 """``ModelAssets``: what the router itself reads of a model folder (tokenizer, chat template, EOS
-ids, token pieces for logprobs, the sampling defaults its authors recommend) or of a GGUF file (the same, from its metadata: ``pantheon.models.gguf``).
+ids, token pieces for logprobs, the sampling defaults its authors recommend) or of a GGUF file (the same, from its metadata: ``pantheon.core.gguf``).
 The worker reads the weights; the router never does.
 """
 
@@ -18,8 +18,7 @@ from pantheon.chat.harmony import CALL as HARMONY_CALL
 from pantheon.chat.harmony import RETURN as HARMONY_RETURN
 from pantheon.chat.output import GEMMA4, HARMONY
 from pantheon.chat.template import ChatTemplate
-from pantheon.models import generation_defaults
-from pantheon.models.gguf import (
+from pantheon.core.gguf import (
     byte_alphabet,
     chat_template,
     eos_token_ids,
@@ -28,6 +27,7 @@ from pantheon.models.gguf import (
     special_tokens,
     tokenizer_json,
 )
+from pantheon.models import generation_defaults
 
 LONG_TEXT = 65536  # characters: a text this long is encoded without holding the GIL
 

@@ -583,7 +583,7 @@ def _is_gemma4(config: dict) -> bool:
 def _gemma4_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """Gemma 4's text model (``Gemma4ForCausalLM`` names, transformers 5's stacked experts); every
     norm is plain (``x * w``), and so are ``layer_scalar`` and the router's scales."""
-    from pantheon.models.archs.gemma4 import describe
+    from pantheon.core.archs.gemma4 import describe
 
     d = describe(config, {}, "config", "gemma4")
     h, nq, p, n = d.hidden_size, d.num_heads, d.ple_dim, d.num_layers
@@ -868,7 +868,7 @@ def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
 def _qwen3_moe_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """Qwen3-MoE: Qwen3's tensors, with each sparse layer's MLP replaced by the router and the
     experts (per-expert names, as the Hub's checkpoints)."""
-    from pantheon.models.archs.qwen3_moe import sparse_layers
+    from pantheon.core.archs.qwen3_moe import sparse_layers
 
     h, n = config["hidden_size"], config["num_hidden_layers"]
     experts, inter = config["num_experts"], config["moe_intermediate_size"]

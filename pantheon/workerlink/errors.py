@@ -6,7 +6,7 @@ WorkerDied`` and the like keep working.
 
 from __future__ import annotations
 
-from pantheon.protocol import LoadFailKind, RejectKind
+from pantheon.core.protocol import LoadFailKind, RejectKind
 
 
 class PoolError(Exception):

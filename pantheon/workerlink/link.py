@@ -20,7 +20,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pantheon import protocol as p
+from pantheon.core import protocol as p
 from pantheon.workerlink.errors import PoolError
 
 log = logging.getLogger("pantheon.workerlink.pool")  # one logger for the whole link, as before

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pantheon import protocol as p
+from pantheon.core import protocol as p
 from pantheon.workerlink.errors import LoadFailedError, RequestRejectedError, WorkerDied
 from pantheon.workerlink.link import Link
 from pantheon.workerlink.process import WorkerProcess

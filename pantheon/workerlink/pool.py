@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pantheon import protocol as p
+from pantheon.core import protocol as p
 from pantheon.workerlink.errors import (
     LoadFailedError,
     PoolError,

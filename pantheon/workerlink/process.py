@@ -17,7 +17,7 @@ import site
 import sys
 from pathlib import Path
 
-from pantheon import protocol as p
+from pantheon.core import protocol as p
 
 OUTPUT_LINES = 40  # the last lines of a worker's output kept for error messages
 _READ_LIMIT = 1 << 20  # the longest output line read whole (a longer one is skipped)

@@ -27,7 +27,7 @@ import logging
 import zmq
 import zmq.asyncio
 
-from pantheon.workerlink.curve import Authorizer, load_server_keys
+from pantheon.core.curve import Authorizer, load_server_keys
 from pantheon.workerlink.errors import PoolError
 from pantheon.workerlink.link import Link
 

@@ -11,7 +11,7 @@ import asyncio
 import collections
 from collections.abc import Callable
 
-from pantheon import protocol as p
+from pantheon.core import protocol as p
 
 END = object()
 """Queued into a stream to end it without a finish token (an abort)."""

@@ -419,7 +419,7 @@ def test_a_replica_split_over_two_dies_books_on_each(adm, model_factory):
 
 
 def test_dies_show_the_isa_the_working_cpu_paths_and_each_choice(adm):
-    from pantheon.models.sizing import CPU_PATHS
+    from pantheon.core.sizing import CPU_PATHS
 
     dies = {d["die"]: d for d in httpx.get(adm.url + "/admin/dies").json()["data"]}
     d = dies["cpu:0"]

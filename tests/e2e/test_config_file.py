@@ -218,7 +218,7 @@ def test_worker_listen_needs_curve_keys(tmp_path):
     assert (keys / "server.key").is_file() and (keys / "server.key_secret").is_file()
     assert (keys / "authorized" / "worker.key").is_file()
     assert (keys / "server.key_secret").stat().st_mode & 0o077 == 0
-    from pantheon.workerlink.curve import load_server_keys
+    from pantheon.core.curve import load_server_keys
 
     pub, sec = load_server_keys(str(keys))
     assert len(pub) == 40 and len(sec) == 40  # Z85 text of 32-byte keys
@@ -283,7 +283,7 @@ def test_served_from_a_config_file(model_factory, tmp_path):
 def test_ops_modules_never_import_torch():
     code = (
         "import sys; import pantheon.api.middleware, pantheon.api.auth, pantheon.api.metrics, pantheon.logs, "
-        "pantheon.control.registration, pantheon.control.supervisor, pantheon.config.ops, pantheon.workerlink.curve; "
+        "pantheon.control.registration, pantheon.control.supervisor, pantheon.config.ops, pantheon.core.curve; "
         "bad = [m for m in ('torch', 'textual') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -2,7 +2,7 @@
 
 The random-weight ``tiny-gemma3`` folder (every norm jittered) is converted by the real
 ``convert_hf_to_gguf.py`` (``helpers.llama_convert``) to f32 and q8_0. What the converter does that
-the engine undoes or re-reads (``pantheon.models.archs.gemma3.gguf_config``,
+the engine undoes or re-reads (``pantheon.core.archs.gemma3.gguf_config``,
 ``workers.models.gemma3.gguf_name`` / ``from_gguf``): norms stored as 1 + w; the window kept
 (``attention.sliding_window``) but not the pattern (llama.cpp's default period 6) nor
 ``query_pre_attn_scalar`` (the head dim); the local RoPE base as ``rope.freq_base_swa``; the
@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pantheon.models.archs.gemma3 import FULL, SLIDING, gguf_config
-from pantheon.models.gguf import GGUFFile, read_gguf
-from pantheon.protocol import SamplingParams
+from pantheon.core.archs.gemma3 import FULL, SLIDING, gguf_config
+from pantheon.core.gguf import GGUFFile, read_gguf
+from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
 from workers.gguf_weights import iter_tensors
 from workers.model_config import load_config

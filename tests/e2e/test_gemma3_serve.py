@@ -15,7 +15,7 @@ import json
 import httpx
 import pytest
 
-from pantheon.models.sizing import estimate, read_shape
+from pantheon.core.sizing import estimate, read_shape
 
 from helpers.serve import Server
 

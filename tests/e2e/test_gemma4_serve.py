@@ -14,7 +14,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pantheon.models.sizing import estimate, read_shape
+from pantheon.core.sizing import estimate, read_shape
 
 from helpers.serve import Server
 

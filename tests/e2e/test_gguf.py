@@ -29,11 +29,11 @@ from gguf.quants import dequantize as ref_dequantize  # noqa: E402
 from gguf.quants import quantize as ref_quantize  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
-from pantheon.models import gguf as pg  # noqa: E402
+from pantheon.core import gguf as pg  # noqa: E402
+from pantheon.core.protocol import SamplingParams  # noqa: E402
+from pantheon.core.sizing import SizingError, read_shape  # noqa: E402
 from pantheon.models import tokenizer_train as tt  # noqa: E402
 from pantheon.models.assets import ModelAssets  # noqa: E402
-from pantheon.models.sizing import SizingError, read_shape  # noqa: E402
-from pantheon.protocol import SamplingParams  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.errors import LoadError  # noqa: E402
 from workers.gguf_weights import dequantize  # noqa: E402
@@ -572,8 +572,8 @@ def test_router_reads_gguf_without_torch(files):
     path = files("tiny", QT.Q8_0)
     code = (
         "import sys\n"
-        "from pantheon.models.gguf import read_gguf, hf_config, tokenizer_json\n"
-        "from pantheon.models.sizing import read_shape, estimate\n"
+        "from pantheon.core.gguf import read_gguf, hf_config, tokenizer_json\n"
+        "from pantheon.core.sizing import read_shape, estimate\n"
         "from pantheon.models.assets import ModelAssets\n"
         f"p = {str(path)!r}\n"
         "g = read_gguf(p); hf_config(g); tokenizer_json(g)\n"

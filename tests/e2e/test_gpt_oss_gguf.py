@@ -5,7 +5,7 @@ f32, once from the plain folder (the converter splits the interleaved gate/up in
 ``ffn_gate_exps`` / ``ffn_up_exps`` and transposes every expert stack to rows) and once from the
 MXFP4 folder (``make_model(mxfp4=True)``: the converter keeps the experts MXFP4, repacked into
 ggml's blocks, which ``workers/gguf_weights.py`` dequantizes). What the file does not say and
-``pantheon.models.archs.gpt_oss.gguf_config`` supplies: the layer pattern (llama.cpp's: sliding
+``pantheon.core.archs.gpt_oss.gguf_config`` supplies: the layer pattern (llama.cpp's: sliding
 from the first layer, every other one), the SwiGLU's constants, YaRN's ``truncate: false``.
 Checked as the description and the logits (a 40-token prompt past the 16-token window, then
 greedy decode steps) against the folder's.
@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pantheon.models.archs.gpt_oss import FULL, SLIDING, gguf_config
-from pantheon.models.description import read_description
-from pantheon.models.gguf import GGUFFile, read_gguf
-from pantheon.protocol import SamplingParams
+from pantheon.core.archs.gpt_oss import FULL, SLIDING, gguf_config
+from pantheon.core.description import read_description
+from pantheon.core.gguf import GGUFFile, read_gguf
+from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
 
 from helpers.llama_convert import convert

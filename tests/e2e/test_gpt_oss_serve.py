@@ -13,7 +13,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pantheon.models.sizing import read_shape
+from pantheon.core.sizing import read_shape
 
 from helpers.serve import Server
 

@@ -7,7 +7,7 @@ converter's default: it becomes block 4, ``nextn_predict_layers`` 1), f32 with `
 q8_0. Both presets hold the same text model (same seeds), with 2 key and 4 value heads in linear
 attention, so the converter's value-head re-tiling shows, and every norm jittered. What
 ``tests/unit/test_llama_convert.py`` pins about the converter's output is what the engine undoes here
-(``pantheon.models.archs.qwen3_5.gguf_config``, ``workers.models.qwen3_5.gguf_name`` /
+(``pantheon.core.archs.qwen3_5.gguf_config``, ``workers.models.qwen3_5.gguf_name`` /
 ``from_gguf``), checked three ways: the description, every tensor, and the logits.
 
 Each conversion is a subprocess of ~5 s (torch and transformers imports) made once per module
@@ -23,9 +23,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pantheon.models.archs.qwen3_5 import FULL, LINEAR, gguf_config
-from pantheon.models.gguf import GGUFError, GGUFFile, GGUFTensor, read_gguf
-from pantheon.protocol import SamplingParams
+from pantheon.core.archs.qwen3_5 import FULL, LINEAR, gguf_config
+from pantheon.core.gguf import GGUFError, GGUFFile, GGUFTensor, read_gguf
+from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
 from workers.errors import LoadError
 from workers.gguf_weights import iter_tensors

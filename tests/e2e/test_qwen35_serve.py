@@ -21,7 +21,7 @@ import jsonschema
 import openai
 import pytest
 
-from pantheon.models.sizing import estimate, read_shape
+from pantheon.core.sizing import estimate, read_shape
 from pantheon.snapshot import decode_snapshot
 
 from helpers.serve import Server, check_error

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pantheon.models.gguf import read_gguf
-from pantheon.protocol import SamplingParams
+from pantheon.core.gguf import read_gguf
+from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
 from workers.gguf_weights import iter_tensors
 from workers.model_config import load_config

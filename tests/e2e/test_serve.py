@@ -129,7 +129,7 @@ class ScriptedStream:
         self.aborted = False
 
     async def next_batch(self):
-        from pantheon.protocol import TokenOut
+        from pantheon.core.protocol import TokenOut
         from pantheon.workerlink.pool import WorkerDied
 
         await asyncio.sleep(0)

@@ -16,7 +16,7 @@ import time
 import pytest
 import zmq
 
-from pantheon import protocol as p
+from pantheon.core import protocol as p
 from workers import devices
 
 BUDGET = 256 << 20

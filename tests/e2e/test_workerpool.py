@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import pytest_asyncio
 
-from pantheon import protocol as p
+from pantheon.core import protocol as p
 from pantheon.workerlink.pool import (
     LoadFailedError,
     RequestRejectedError,
@@ -360,7 +360,7 @@ async def test_nothing_is_sent_before_hello(tmp_path):
     out = tmp_path / "seen.txt"
     body = f"""
         import os, sys, zmq
-        from pantheon import protocol as p
+        from pantheon.core import protocol as p
         a = sys.argv
         die, ep = a[a.index("--die") + 1], a[a.index("--endpoint") + 1]
         s = zmq.Context().socket(zmq.DEALER)

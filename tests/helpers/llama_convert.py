@@ -97,9 +97,9 @@ def converter_dir() -> Path:
 
 def pre_tokenizer_name(hf_folder: Path) -> str | None:
     """llama.cpp's ``tokenizer.ggml.pre`` name for the folder's ``tokenizer.json``, from its Split
-    regex (the names Pantheon's GGUF reader knows, ``pantheon.models.gguf.PRE_TOKENIZERS``); None
+    regex (the names Pantheon's GGUF reader knows, ``pantheon.core.gguf.PRE_TOKENIZERS``); None
     when there is no tokenizer.json or its regex is not one of them."""
-    from pantheon.models.gguf import PRE_TOKENIZERS
+    from pantheon.core.gguf import PRE_TOKENIZERS
 
     path = Path(hf_folder) / "tokenizer.json"
     if not path.is_file():

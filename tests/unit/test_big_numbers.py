@@ -19,8 +19,8 @@ from pantheon.api.openai.responses import parse_responses_request
 from pantheon.api.openai.routes import check_token_ids, vocab_size
 from pantheon.api.openai.tokenize import _tokenize
 from pantheon.control.registry import Instance
+from pantheon.core.protocol import Loaded, SamplingParams
 from pantheon.errors import ApiError
-from pantheon.protocol import Loaded, SamplingParams
 
 from helpers.instances import ready_instance
 

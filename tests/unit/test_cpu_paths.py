@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pantheon.control.dies import GiB, default_cpu_budget
-from pantheon.models.sizing import CPU_PATHS, cpu_path_names, estimate, read_shape
-from pantheon.protocol import SamplingParams
+from pantheon.core.protocol import SamplingParams
+from pantheon.core.sizing import CPU_PATHS, cpu_path_names, estimate, read_shape
 from workers import cpu_paths
 from workers.engine import Engine
 from workers.errors import LoadError
@@ -198,8 +198,8 @@ def test_the_qwen3_preset_fits_a_24_gib_machine_with_no_flags():
     import copy
 
     from pantheon.control.dies import DieManager
+    from pantheon.core.sizing import shape_from_config
     from pantheon.models.makemodel import PRESETS
-    from pantheon.models.sizing import shape_from_config
 
     raw = copy.deepcopy(PRESETS["qwen3-0.6b"])
     raw["torch_dtype"] = "bfloat16"

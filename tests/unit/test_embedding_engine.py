@@ -14,9 +14,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from pantheon.models.description import ModelError, read_description
-from pantheon.models.embedding import EmbeddingSpec
-from pantheon.protocol import SamplingParams
+from pantheon.core.description import ModelError, read_description
+from pantheon.core.embedding import EmbeddingSpec
+from pantheon.core.protocol import SamplingParams
 from workers.block_manager import BlockManager
 from workers.engine import Engine, RequestRejected
 from workers.scheduler import Scheduler, Sequence
@@ -170,8 +170,8 @@ def test_base_model_checkpoint(q3, tmp_path):
 def test_gguf_pooling_type(tmp_path):
     """A GGUF file's ``<arch>.pooling_type`` (llama.cpp's numbers) says how it embeds."""
     gguf = pytest.importorskip("gguf")
-    from pantheon.models.embedding import gguf_embedding
-    from pantheon.models.gguf import read_gguf
+    from pantheon.core.embedding import gguf_embedding
+    from pantheon.core.gguf import read_gguf
 
     for kind, want in ((1, "mean"), (2, "cls"), (3, "last"), (0, None), (4, None)):
         path = tmp_path / f"m{kind}.gguf"

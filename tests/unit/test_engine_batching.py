@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from pantheon.protocol import SamplingParams
+from pantheon.core.protocol import SamplingParams
 from workers.cache import kv_block_bytes
 from workers.engine import Engine, RequestRejected
 from workers.model_config import load_config

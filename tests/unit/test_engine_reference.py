@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pantheon.protocol import SamplingParams
+from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
 
 transformers = pytest.importorskip("transformers")

@@ -20,11 +20,11 @@ import pytest
 import torch
 from unit.test_engine_reference import assert_matches
 
+from pantheon.core.description import AttentionCache, SharedKV, read_description
+from pantheon.core.protocol import SamplingParams
+from pantheon.core.sizing import estimate
 from pantheon.models import makemodel
 from pantheon.models import tokenizer_train as tt
-from pantheon.models.description import AttentionCache, SharedKV, read_description
-from pantheon.models.sizing import estimate
-from pantheon.protocol import SamplingParams
 from workers import cpu_paths
 from workers.cache import KVCache, SharedCache, StateCache
 from workers.engine import Engine
@@ -292,7 +292,7 @@ def test_real_sized_configs_count_what_transformers_builds(overrides):
     parameters are the checkpoint tensors transformers' Gemma4ForConditionalGeneration has for
     its language model, through the Hub's multimodal config with only what differs from the
     defaults written (as Google's configs are)."""
-    from pantheon.models.description import describe
+    from pantheon.core.description import describe
 
     text = transformers.Gemma4TextConfig(**overrides)
     cfg = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)

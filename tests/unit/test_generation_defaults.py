@@ -16,9 +16,9 @@ from pantheon.api.openai.completions import parse_completion_request
 from pantheon.api.openai.protocol import ChatRequest, parse_chat_request
 from pantheon.config.settings import ConfigError, build_config
 from pantheon.control.registry import Instance, Slots
+from pantheon.core.gguf import read_gguf
 from pantheon.models import generation_defaults as gd
 from pantheon.models.assets import ModelAssets
-from pantheon.models.gguf import read_gguf
 
 MSG = [{"role": "user", "content": "hi"}]
 QWEN3 = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": [1, 2]}

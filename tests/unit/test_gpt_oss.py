@@ -23,11 +23,11 @@ import torch
 from unit.test_engine_batching import PROMPTS, drain, greedy
 from unit.test_engine_reference import assert_matches
 
+from pantheon.core.description import ModelError, describe, read_description
+from pantheon.core.sizing import estimate, shape_from_config
 from pantheon.models import makemodel
 from pantheon.models import tokenizer_train as tt
-from pantheon.models.description import ModelError, describe, read_description
 from pantheon.models.makemodel import build_config
-from pantheon.models.sizing import estimate, shape_from_config
 from workers.engine import Engine
 from workers.layers.moe import ClampedSwiGLU, MoE, experts_forward, route
 from workers.layers.rotary import inv_freq_for

@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer
 
 from pantheon.api.openai import structured
-from pantheon.protocol import SamplingParams
+from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine, RequestRejected
 from workers.grammar import Constraint, _bit, apply_masks
 

@@ -20,12 +20,12 @@ from types import SimpleNamespace
 import llguidance as llg
 import pytest
 
-from pantheon import protocol as p
 from pantheon import serve as server_cli
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai import service, structured
+from pantheon.core import protocol as p
+from pantheon.core.gguf import byte_alphabet
 from pantheon.errors import ApiError
-from pantheon.models.gguf import byte_alphabet
 from pantheon.workerlink.errors import RequestRejectedError
 from workers import grammar as wg
 from workers.worker import Worker

@@ -1,6 +1,6 @@
 """The grammar engine sees a tokenizer's plain added tokens (Qwen's ``<tool_call>``) as text:
 otherwise a grammar's literal ``<tool_call>`` is spelled with the added token, which llguidance
-then refuses (pantheon/models/grammar_vocab.py)."""
+then refuses (pantheon/core/grammar_vocab.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import llguidance as llg
 
 from pantheon.api.openai import structured
-from pantheon.models.grammar_vocab import grammar_tokenizer_json
+from pantheon.core.grammar_vocab import grammar_tokenizer_json
 
 TOOLS = [
     {

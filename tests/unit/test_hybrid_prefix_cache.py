@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pantheon.protocol import SamplingParams
+from pantheon.core.protocol import SamplingParams
 from workers.cache import kv_block_bytes
 from workers.engine import Engine
 from workers.model_config import load_config

@@ -8,11 +8,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pantheon import protocol as p
 from pantheon.api.openai.protocol import parse_chat_request
 from pantheon.control.dies import DieManager, booked_of, booking
+from pantheon.core import protocol as p
+from pantheon.core.sizing import Estimate
 from pantheon.errors import ApiError
-from pantheon.models.sizing import Estimate
 from pantheon.snapshot import DieState
 
 # two recurrent layers (a state each) and two attention layers (K and V per token)

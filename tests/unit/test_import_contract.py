@@ -29,18 +29,9 @@ RULES = {
     "pantheon": {"forbidden": {"torch", "workers", "textual"}, "pantheon_allowed": None},
     "workers": {
         "forbidden": {"quart", "hypercorn", "textual", "httpx", "jinja2", "tokenizers", "tui"},
-        # curve: the CURVE key files a remote worker reads as the router does (zmq.auth and
-        # config.values' ConfigError only); description and archs: the model description both
-        # processes read (torch-free)
-        "pantheon_allowed": {
-            "pantheon.protocol",
-            "pantheon.models.description",
-            "pantheon.models.archs",
-            "pantheon.models.grammar_vocab",
-            "pantheon.models.sizing",
-            "pantheon.models.gguf",
-            "pantheon.workerlink.curve",
-        },
+        # from pantheon only its core: what both processes share (the wire, model descriptions,
+        # GGUF metadata, sizing, CURVE keys), which imports nothing else of pantheon (below)
+        "pantheon_allowed": {"pantheon.core"},
     },
     "tui": {
         "forbidden": {"torch", "zmq", "quart", "hypercorn", "workers", "msgspec.msgpack"},
@@ -60,7 +51,7 @@ def imports(path: Path) -> list[tuple[str, bool]]:
         if isinstance(node, ast.Import):
             out += [(a.name, id(node) in top) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # "from pantheon import protocol" imports pantheon.protocol (for an attribute the
+            # "from pantheon.core import protocol" imports pantheon.core.protocol (for an attribute the
             # name is not a module, but its first part still is)
             out += [(f"{node.module}.{a.name}", id(node) in top) for a in node.names]
     return out
@@ -103,7 +94,7 @@ def test_the_checker_sees_lazy_and_nested_imports(tmp_path):
 # never above (so control/ cannot reach into api/, nor config/ into control/). An import of a
 # higher layer under ``if TYPE_CHECKING:`` is a type annotation only and allowed.
 LAYERS = [
-    {"protocol", "snapshot", "errors", "logs"},  # the wire and the vocabulary: msgspec at most
+    {"core", "snapshot", "errors", "logs"},  # what both processes share, the wire, the vocabulary
     {"chat"},
     {"models"},
     {"config"},
@@ -150,3 +141,21 @@ def test_the_router_packages_only_import_downwards():
                     broken.append(f"{rel.as_posix()} imports {name} (a higher layer)")
     assert not broken, "\n".join(broken)
     assert ("api", "control") in seen and ("control", "workerlink") in seen  # the walk works
+
+
+def test_the_core_both_processes_share_imports_only_itself():
+    """``pantheon/core`` (what the router and the workers both import) takes nothing else of
+    pantheon, so a worker that imports it pulls in nothing of the router; and neither torch nor
+    the HTTP side."""
+    broken = []
+    for path in modules("pantheon"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[1] != "core":
+            continue
+        for name, _top in imports(path):
+            head = name.split(".")[0]
+            if head in {"torch", "quart", "hypercorn", "textual", "jinja2", "tokenizers", "workers"}:
+                broken.append(f"{rel} imports {name}")
+            if head == "pantheon" and not (name == "pantheon.core" or name.startswith("pantheon.core.")):
+                broken.append(f"{rel} imports {name} (pantheon/core imports only itself)")
+    assert not broken, "\n".join(broken)

@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from pantheon.protocol import SamplingParams
+from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
 from workers.errors import LoadError
 from workers.loader import load_model

@@ -67,7 +67,7 @@ print(json.dumps({{"code": code, "env": {{k: os.environ.get(k) for k in {list(CA
     plain = SHAPES + "\nimport json\nprint(json.dumps({'growth': growth()}))\n"
     capped, uncapped = _run(worker, tmp_path), _run(plain, tmp_path)
     assert capped["env"] == dict.fromkeys(CACHE_VARIABLES, str(CACHE_CAPACITY))
-    from pantheon import protocol as p
+    from pantheon.core import protocol as p
 
     assert capped["code"] == p.EXIT_ROUTER_SILENT
     mib = 1 << 20

@@ -25,8 +25,8 @@ from pantheon.api.openai.service import Piece, _pool_error
 from pantheon.chat.emitter import Delta
 from pantheon.control.context import Prepared
 from pantheon.control.residency import FOREVER
+from pantheon.core.description import read_description
 from pantheon.errors import ApiError
-from pantheon.models.description import read_description
 
 USER = [{"role": "user", "content": "hi"}]
 

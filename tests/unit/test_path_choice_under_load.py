@@ -12,7 +12,7 @@ from typing import cast
 
 import pytest
 
-from pantheon.models.description import ModelDescription
+from pantheon.core.description import ModelDescription
 from workers import cpu_paths
 
 NAMES = ["bf16-packed", "bf16", "fp32-packed", "fp32"]

@@ -55,7 +55,7 @@ def test_edges_stay_in_range():
 
 
 def test_the_kv_pool_is_the_full_context_unless_memory_says_less():
-    from pantheon.models.sizing import BLOCK_TOKENS, Estimate
+    from pantheon.core.sizing import BLOCK_TOKENS, Estimate
 
     est = Estimate(
         base=0, layer_bytes=(0,), kv_layer_bytes=(1000,), state_layer_bytes=(0,), context_limit=40960

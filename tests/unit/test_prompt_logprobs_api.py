@@ -7,8 +7,8 @@ import pytest
 
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.completions import parse_completion_request
+from pantheon.core.protocol import PromptLogprobs
 from pantheon.errors import ApiError
-from pantheon.protocol import PromptLogprobs
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pantheon.protocol import SamplingParams, TokenOut
+from pantheon.core.protocol import SamplingParams, TokenOut
 from workers.engine import Engine
 
 transformers = pytest.importorskip("transformers")

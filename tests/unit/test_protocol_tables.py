@@ -1,4 +1,4 @@
-"""What router and worker agree on outside the messages themselves (pantheon.protocol): the die-id
+"""What router and worker agree on outside the messages themselves (pantheon.core.protocol): the die-id
 parser, the worker exit codes and their meanings, and the code fields checked on decode.
 Pure functions: no process, no socket."""
 
@@ -9,7 +9,7 @@ import typing
 import msgspec
 import pytest
 
-from pantheon import protocol as p
+from pantheon.core import protocol as p
 from pantheon.workerlink.link import verdict
 from pantheon.workerlink.process import describe_exit
 

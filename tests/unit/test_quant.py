@@ -2,7 +2,7 @@
 
 import torch
 
-from pantheon.protocol import SamplingParams
+from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
 
 
@@ -53,7 +53,7 @@ def _grid_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
 def test_int4_gives_a_4_bit_file_its_own_levels_back():
     """Int4Linear on weights already on a 4-bit grid: only bf16 rounding is lost; on arbitrary
     weights it is a 4-bit quantization (a few percent). A quarter of bf16's bytes and a bit."""
-    from pantheon.models.sizing import int4_fits
+    from pantheon.core.sizing import int4_fits
     from workers.cpu_paths import PATHS, make_linear, probe
     from workers.quant import Int4Linear, Int8Linear
 
@@ -83,7 +83,7 @@ def test_the_int4_path_on_smollm2_is_exact_to_its_file_and_booked_right():
     its logits at least as close to the file's fp32 dequantization as int8 rows get."""
     import pytest
 
-    from pantheon.models.sizing import cpu_path_names, estimate, read_shape
+    from pantheon.core.sizing import cpu_path_names, estimate, read_shape
     from pantheon.serve import smollm2_file
     from workers.cpu_paths import probe
     from workers.model_config import load_config

@@ -27,7 +27,7 @@ from pantheon.chat.tools import (
     tool_call_format,
 )
 from pantheon.chat.xml_tools import convert_value, parse_xml_tool_block
-from pantheon.protocol import TokenOut
+from pantheon.core.protocol import TokenOut
 
 from helpers.instances import ready_instance
 from helpers.paths import SPECS, need_specs

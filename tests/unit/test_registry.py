@@ -280,7 +280,7 @@ def test_die_budgets_reserve_and_bookings():
 
 
 def test_placement_auto_most_free_explicit_split_and_507_naming_the_die():
-    from pantheon.models.sizing import Estimate
+    from pantheon.core.sizing import Estimate
 
     est = Estimate(
         base=4 << 20,
@@ -348,7 +348,7 @@ def test_estimate_matches_the_engine(model_factory, preset, quantize, path):
     """The router's estimate from config.json against what a real engine allocates, for every
     CPU path forced (skipped where the path does not work on this host) and for the auto choice
     (sized with the path the engine chose; unsized, the estimate is the upper bound of all)."""
-    from pantheon.models.sizing import estimate, read_shape, state_pool_slots
+    from pantheon.core.sizing import estimate, read_shape, state_pool_slots
     from workers import cpu_paths
     from workers.engine import Engine
 
@@ -380,7 +380,7 @@ def test_estimate_matches_the_engine(model_factory, preset, quantize, path):
 def test_sizing_refuses_unsupported_and_invalid(tmp_path):
     import json
 
-    from pantheon.models.sizing import SizingError, read_shape
+    from pantheon.core.sizing import SizingError, read_shape
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(SizingError) as ei:

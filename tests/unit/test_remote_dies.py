@@ -8,11 +8,11 @@ import os
 
 import pytest
 
-from pantheon import protocol as p
 from pantheon.config.values import ConfigError
 from pantheon.control.dies import DieManager
+from pantheon.core import curve
+from pantheon.core import protocol as p
 from pantheon.errors import ApiError
-from pantheon.workerlink import curve
 from workers import worker as worker_mod
 
 GiB = 1 << 30
@@ -92,7 +92,7 @@ def test_the_authorizer_reads_authorized_at_each_handshake(tmp_path, caplog):
     pub1, _, _ = curve.load_worker_keys(keys, "w1")
     auth = curve.Authorizer(keys)
     assert auth.callback("*", pub1)
-    with caplog.at_level("ERROR", logger="pantheon.workerlink.curve"):
+    with caplog.at_level("ERROR", logger="pantheon.core.curve"):
         assert not auth.callback("*", pub9)
     assert pub9.decode() in caplog.text and "authorized" in caplog.text and auth.refused == 1
     # an operator copies w9's public key in: the next handshake lets it in, no restart

@@ -5,7 +5,7 @@ per slot per step at a 150k vocabulary, and synced once per row)."""
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pantheon.protocol import SamplingParams
+from pantheon.core.protocol import SamplingParams
 from workers.sampler import SamplerState, sample
 
 V = 4096

@@ -255,7 +255,7 @@ def test_config_never_imports_workerlink():
         "import sys; import pantheon.config.settings, pantheon.config.cli, "
         "pantheon.config.file, pantheon.config.ops; "
         "bad = [m for m in sys.modules if m.startswith('pantheon.workerlink')]; "
-        "assert not bad, bad; import pantheon.workerlink.curve"
+        "assert not bad, bad; import pantheon.core.curve"
     )
     subprocess.run(
         [sys.executable, "-c", code], check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT))

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pantheon.models.archs.gemma3 import FULL, SLIDING, Gemma3Description
-from pantheon.models.description import AttentionCache, ModelError, RopeConfig, describe
-from pantheon.models.sizing import estimate
+from pantheon.core.archs.gemma3 import FULL, SLIDING, Gemma3Description
+from pantheon.core.description import AttentionCache, ModelError, RopeConfig, describe
+from pantheon.core.sizing import estimate
 from workers.layers.attention import PrefillChunk, StepBatch
 from workers.layers.sliding import ring_attention, window_view
 from workers.models.gemma3 import checkpoint_name

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pantheon.protocol import SamplingParams
+from pantheon.core.protocol import SamplingParams
 from workers.cache import StateCache
 from workers.engine import Engine
 

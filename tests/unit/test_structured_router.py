@@ -11,8 +11,8 @@ import pytest
 
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai import structured
+from pantheon.core.gguf import byte_alphabet
 from pantheon.errors import ApiError
-from pantheon.models.gguf import byte_alphabet
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 import zmq
 
-from pantheon import protocol as p
 from pantheon.api.openai import structured
+from pantheon.core import protocol as p
 from workers.cache import kv_block_bytes
 from workers.devices import open_die
 from workers.engine import Engine

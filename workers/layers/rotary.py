@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from pantheon.models.description import ModelDescription as ModelConfig
+from pantheon.core.description import ModelDescription as ModelConfig
 
 
 def _base_inv_freq(base: float, dim: int, device=None) -> torch.Tensor:

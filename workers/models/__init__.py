@@ -1,5 +1,5 @@
 """The torch side of each architecture family, one module per family, found by the family's name
-(``pantheon.models.archs`` holds the one list of architectures and their descriptions).
+(``pantheon.core.archs`` holds the one list of architectures and their descriptions).
 
 A family module provides:
 
@@ -31,7 +31,7 @@ from typing import NamedTuple, Protocol, cast
 
 import torch
 
-from pantheon.models.description import ModelDescription
+from pantheon.core.description import ModelDescription
 from workers.models.base import DecoderLM
 
 

@@ -8,7 +8,7 @@ own input, no KV cache), output dense, residual, LayerNorm; then intermediate de
 output dense, residual, LayerNorm (post-norm). No final norm and no head: the last layer's
 output is what pooling reads. The engine never splits an input across steps for it
 (``Scheduler(whole_prompts=True)``), so each prefill chunk is one whole input starting at
-position 0. Description: ``pantheon/models/archs/bert.py``.
+position 0. Description: ``pantheon/core/archs/bert.py``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pantheon.models.archs.bert import BertDescription
-from pantheon.models.description import ModelDescription
+from pantheon.core.archs.bert import BertDescription
+from pantheon.core.description import ModelDescription
 from workers.cache import LayerCache
 from workers.layers.attention import StepBatch
 from workers.models import Target

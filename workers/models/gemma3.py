@@ -1,4 +1,4 @@
-"""Gemma 3, the text model, in plain torch. Description: ``pantheon/models/archs/gemma3.py``.
+"""Gemma 3, the text model, in plain torch. Description: ``pantheon/core/archs/gemma3.py``.
 
 Every layer: zero-centred RMSNorm, attention (q/k/v fused, per-head q/k zero-centred RMSNorm,
 RoPE, GQA over the paged KV cache: the sliding layers through the step's window view, which
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pantheon.models.archs.gemma3 import SLIDING, Gemma3Description
-from pantheon.models.description import ModelDescription
+from pantheon.core.archs.gemma3 import SLIDING, Gemma3Description
+from pantheon.core.description import ModelDescription
 from workers.cache import KVCache, LayerCache, StateCache
 from workers.layers.attention import StepBatch, paged_attention
 from workers.layers.norms import ZeroCenteredRMSNorm

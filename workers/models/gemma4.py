@@ -1,5 +1,5 @@
 """Gemma 4, the text model, in plain torch. Description (and the list of what differs from
-Gemma 3): ``pantheon/models/archs/gemma4.py``.
+Gemma 3): ``pantheon/core/archs/gemma4.py``.
 
 Every layer: RMSNorm, attention, RMSNorm of its output, residual; RMSNorm, GeGLU MLP (beside it,
 in the 26B-A4B, a routed mixture of GeGLU experts on the layer's input: ``workers/layers/moe.py``'s
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pantheon.models.archs.gemma4 import SLIDING, Gemma4Description
-from pantheon.models.description import ModelDescription
+from pantheon.core.archs.gemma4 import SLIDING, Gemma4Description
+from pantheon.core.description import ModelDescription
 from workers.cache import KVCache, LayerCache, SharedCache, StateCache
 from workers.layers.attention import StepBatch, paged_attention
 from workers.layers.moe import MoE, experts_forward, route

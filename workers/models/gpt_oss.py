@@ -1,4 +1,4 @@
-"""gpt-oss in plain torch. Description: ``pantheon/models/archs/gpt_oss.py``.
+"""gpt-oss in plain torch. Description: ``pantheon/core/archs/gpt_oss.py``.
 
 Every layer: RMSNorm (the product with its weight in fp32, as transformers keeps gpt-oss's norms),
 attention (q/k/v fused, with biases; YaRN RoPE with its attention factor in the rotary tables;
@@ -27,8 +27,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from pantheon.models.archs.gpt_oss import SLIDING, GptOssDescription
-from pantheon.models.description import ModelDescription
+from pantheon.core.archs.gpt_oss import SLIDING, GptOssDescription
+from pantheon.core.description import ModelDescription
 from workers.cache import KVCache, LayerCache, StateCache
 from workers.layers.attention import StepBatch
 from workers.layers.moe import ClampedSwiGLU, MoE

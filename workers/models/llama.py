@@ -2,7 +2,7 @@
 
 Every layer: RMSNorm, attention over the paged KV cache (q/k/v fused into one matrix, Qwen2's
 biases, Qwen3's per-head q/k RMSNorm), RMSNorm, SwiGLU MLP (gate/up fused): fewer, larger matrix
-products per layer. Description: ``pantheon/models/archs/llama.py``.
+products per layer. Description: ``pantheon/core/archs/llama.py``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pantheon.models.archs.llama import LlamaDescription
-from pantheon.models.description import AttentionCache, ModelDescription
+from pantheon.core.archs.llama import LlamaDescription
+from pantheon.core.description import AttentionCache, ModelDescription
 from workers.cache import KVCache, LayerCache, StateCache
 from workers.layers.attention import StepBatch, paged_attention
 from workers.layers.norms import RMSNorm

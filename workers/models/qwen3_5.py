@@ -1,7 +1,7 @@
 """Qwen3.5 / Qwen3.6 (dense), the text model, in plain torch: Gated DeltaNet layers (linear
 attention with a recurrent state per slot) and gated full-attention layers over the paged KV
 cache, each followed by a SwiGLU MLP; zero-centred RMSNorms (``x̂ * (1 + w)``) throughout.
-Description: ``pantheon/models/archs/qwen3_5.py``; the DeltaNet math: ``workers/layers/gated_delta.py``.
+Description: ``pantheon/core/archs/qwen3_5.py``; the DeltaNet math: ``workers/layers/gated_delta.py``.
 
 Linear-attention layer, per token: ``in_proj`` (q, k, v, the output gate z, b and a fused into
 one matrix) -> depthwise causal conv1d over q/k/v (its last K-1 inputs are the conv state) with
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pantheon.models.archs.qwen3_5 import FULL, Qwen35Description
-from pantheon.models.description import ModelDescription
+from pantheon.core.archs.qwen3_5 import FULL, Qwen35Description
+from pantheon.core.description import ModelDescription
 from workers.cache import KVCache, LayerCache, StateCache
 from workers.layers.attention import StepBatch, paged_attention
 from workers.layers.gated_delta import (

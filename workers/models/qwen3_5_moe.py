@@ -1,7 +1,7 @@
 """Qwen3.5-MoE / Qwen3.6-MoE (Qwen3.6-35B-A3B) in plain torch: Qwen3.5's hybrid layers
 (``workers/models/qwen3_5.py``) with the shared mixture-of-experts block (``workers/layers/moe.py``)
 as every layer's MLP: softmax router, top k renormalised, stacked experts run per active expert,
-and a shared expert behind a sigmoid gate. Description: ``pantheon/models/archs/qwen3_5_moe.py``.
+and a shared expert behind a sigmoid gate. Description: ``pantheon/core/archs/qwen3_5_moe.py``.
 
 Checkpoint names: the text model's (``model.language_model.*`` in the Hub's multimodal layout,
 vision tower and MTP head skipped as for Qwen3.5), experts either fused as transformers 5 and the
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pantheon.models.archs.qwen3_5_moe import Qwen35MoeDescription
-from pantheon.models.description import ModelDescription
+from pantheon.core.archs.qwen3_5_moe import Qwen35MoeDescription
+from pantheon.core.description import ModelDescription
 from workers.layers.moe import MoE
 from workers.layers.norms import ZeroCenteredRMSNorm
 from workers.models import Target

@@ -2,7 +2,7 @@
 per-head q/k RMSNorm) and, in its sparse layers, the shared mixture-of-experts block
 (``workers/layers/moe.py``: softmax router, top-k, renormalised when ``norm_topk_prob``, experts
 stacked ``[E, ...]`` and run per active expert); a dense SwiGLU MLP in ``mlp_only_layers``.
-Description: ``pantheon/models/archs/qwen3_moe.py``.
+Description: ``pantheon/core/archs/qwen3_moe.py``.
 
 Checkpoint names: the Hub's per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (what
 transformers 5 writes back too), transformers 5's fused ``mlp.experts.gate_up_proj`` /
@@ -18,8 +18,8 @@ import re
 import torch
 from torch import nn
 
-from pantheon.models.archs.qwen3_moe import Qwen3MoeDescription
-from pantheon.models.description import ModelDescription
+from pantheon.core.archs.qwen3_moe import Qwen3MoeDescription
+from pantheon.core.description import ModelDescription
 from workers.cache import KVCache, LayerCache
 from workers.layers.attention import StepBatch
 from workers.layers.moe import MoE

@@ -36,9 +36,9 @@ from pantheon.api.ollama.protocol import ModelDetails
 from pantheon.api.state import AppState
 from pantheon.control.context import limit_of
 from pantheon.control.registry import Instance
-from pantheon.models.description import ModelDescription, ModelError, read_description
-from pantheon.models.embedding import served_embedding
-from pantheon.models.gguf import GGUFError, find_gguf, read_gguf
+from pantheon.core.description import ModelDescription, ModelError, read_description
+from pantheon.core.embedding import served_embedding
+from pantheon.core.gguf import GGUFError, find_gguf, read_gguf
 
 LATEST = ":latest"  # Ollama's default tag: "tiny:latest" names "tiny"
 

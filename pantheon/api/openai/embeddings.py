@@ -36,9 +36,9 @@ from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
 from pantheon.control.context import Prepared, limit_of
 from pantheon.control.registry import Instance
+from pantheon.core.embedding import EmbeddingSpec, served_embedding
+from pantheon.core.protocol import EmbedOut, EmbedRequest
 from pantheon.errors import ApiError
-from pantheon.models.embedding import EmbeddingSpec, served_embedding
-from pantheon.protocol import EmbedOut, EmbedRequest
 
 bp = Blueprint("embeddings", __name__)
 

@@ -25,9 +25,9 @@ import msgspec
 
 from pantheon.api.openai import structured
 from pantheon.config.values import KeepAliveError, parse_keep_alive
+from pantheon.core.protocol import PromptLogprobs, SamplingParams
 from pantheon.errors import ApiError, invalid_json, invalid_param, not_an_object
 from pantheon.models import generation_defaults
-from pantheon.protocol import PromptLogprobs, SamplingParams
 
 MAX_STOP = 4
 MAX_N = 128

@@ -45,8 +45,8 @@ from pantheon.chat.template import gemma4_thinks
 from pantheon.chat.tools import JSON_TOOL_FORMAT, forced_call_prefix
 from pantheon.control.context import Prepared
 from pantheon.control.registry import Instance
+from pantheon.core.protocol import PromptLogprobs, Submit
 from pantheon.errors import ApiError
-from pantheon.protocol import PromptLogprobs, Submit
 from pantheon.workerlink.pool import RequestRejectedError, WorkerDied, WorkerPool
 
 log = logging.getLogger("pantheon.api.openai.service")

@@ -55,9 +55,9 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from pantheon.chat.tools import GEMMA4_TOOL_FORMAT, HARMONY_TOOL_FORMAT, JSON_TOOL_FORMAT, XML_TOOL_FORMAT
 from pantheon.chat.xml_tools import parameter_schemas, writes_as_text
+from pantheon.core.gguf import byte_alphabet
+from pantheon.core.grammar_vocab import LIMIT_VALUES, grammar_tokenizer_json
 from pantheon.errors import invalid_param
-from pantheon.models.gguf import byte_alphabet
-from pantheon.models.grammar_vocab import LIMIT_VALUES, grammar_tokenizer_json
 
 MAX_GRAMMAR_BYTES = 65536  # a schema / regex / grammar longer than this is a 400
 MAX_CHOICES = 256

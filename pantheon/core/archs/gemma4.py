@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pantheon.models.archs import Family
-from pantheon.models.archs.qwen3_5 import text_config
-from pantheon.models.description import (
+from pantheon.core.archs import Family
+from pantheon.core.archs.qwen3_5 import text_config
+from pantheon.core.description import (
     AttentionCache,
     ExpertSpec,
     LayerSpec,

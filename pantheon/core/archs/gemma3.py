@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pantheon.models.archs import Family
-from pantheon.models.archs.llama import attention_head_shape
-from pantheon.models.archs.qwen3_5 import text_config
-from pantheon.models.description import (
+from pantheon.core.archs import Family
+from pantheon.core.archs.llama import attention_head_shape
+from pantheon.core.archs.qwen3_5 import text_config
+from pantheon.core.description import (
     AttentionCache,
     LayerSpec,
     ModelDescription,
@@ -27,7 +27,7 @@ from pantheon.models.description import (
     pos_int,
     rope_from,
 )
-from pantheon.models.gguf import GGUFFile, _field
+from pantheon.core.gguf import GGUFFile, _field
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0  # transformers' Gemma3TextConfig.default_theta

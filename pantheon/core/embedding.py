@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-Pooling = Literal["last", "mean", "cls"]  # the same names as pantheon.protocol.Pooling
+Pooling = Literal["last", "mean", "cls"]  # the same names as pantheon.core.protocol.Pooling
 
 # sentence-transformers' pooling_mode_* keys -> ours (the others: max, mean_sqrt_len, weightedmean)
 _ST_MODES: dict[str, Pooling] = {

@@ -4,14 +4,14 @@ is kept between steps, so its cache spec is an empty per-slot state) and a GELU 
 followed by a LayerNorm (post-norm); absolute position and token-type embeddings are added to
 the word embeddings, then normalised. Its embedding is sentence-transformers' (the folder's
 ``modules.json``) or, without that layout, mean pooling as sentence-transformers defaults to
-(``pantheon/models/embedding.py``). Torch side: ``workers/models/bert.py``."""
+(``pantheon/core/embedding.py``). Torch side: ``workers/models/bert.py``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pantheon.models.archs import Family
-from pantheon.models.description import (
+from pantheon.core.archs import Family
+from pantheon.core.description import (
     LayerSpec,
     ModelDescription,
     ModelError,
@@ -20,7 +20,7 @@ from pantheon.models.description import (
     pos_int,
     torch_dtype,
 )
-from pantheon.models.embedding import EmbeddingSpec
+from pantheon.core.embedding import EmbeddingSpec
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 

@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pantheon.models.description import ModelDescription, ModelError
+from pantheon.core.description import ModelDescription, ModelError
 
 if TYPE_CHECKING:
-    from pantheon.models.gguf import GGUFFile
+    from pantheon.core.gguf import GGUFFile
 
 
 @dataclass(frozen=True)
@@ -27,12 +27,12 @@ class Family:
     gguf_architectures: Mapping[str, tuple[str, str]]  # GGUF arch -> (class name, model_type)
     describe: Callable[[dict, dict, str, str], ModelDescription]  # raw, gen, where, arch
     # Fields of the family's own that a GGUF file's metadata holds, added to the config.json dict
-    # that pantheon.models.gguf.hf_config builds from the fields every family has.
+    # that pantheon.core.gguf.hf_config builds from the fields every family has.
     gguf_config: Callable[[GGUFFile, dict], None] | None = None
 
 
 def _families() -> tuple[Family, ...]:
-    from pantheon.models.archs import bert, gemma3, gemma4, gpt_oss, llama, qwen3_5, qwen3_5_moe, qwen3_moe
+    from pantheon.core.archs import bert, gemma3, gemma4, gpt_oss, llama, qwen3_5, qwen3_5_moe, qwen3_moe
 
     return (
         llama.FAMILY,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pantheon.models.archs import Family
-from pantheon.models.archs.llama import LlamaDescription, attention_head_shape
-from pantheon.models.description import (
+from pantheon.core.archs import Family
+from pantheon.core.archs.llama import LlamaDescription, attention_head_shape
+from pantheon.core.description import (
     AttentionCache,
     ExpertSpec,
     LayerSpec,
@@ -21,7 +21,7 @@ from pantheon.models.description import (
     decoder_fields,
     pos_int,
 )
-from pantheon.models.gguf import GGUFFile, _field
+from pantheon.core.gguf import GGUFFile, _field
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -369,8 +369,8 @@ def eos_token_ids(g: GGUFFile) -> list[int]:
 
 def hf_config(g: GGUFFile) -> dict:
     """The ``config.json`` a Hugging Face folder of this model would have (checked by the same
-    code as a real one: ``workers.model_config.config_from_dict``, ``pantheon.models.sizing``)."""
-    from pantheon.models import archs  # the families import this module's types
+    code as a real one: ``workers.model_config.config_from_dict``, ``pantheon.core.sizing``)."""
+    from pantheon.core import archs  # the families import this module's types
 
     a = g.arch
     family = archs.gguf_family(a)

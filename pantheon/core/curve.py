@@ -28,9 +28,9 @@ import re
 import shutil
 import stat
 
-from pantheon.config.values import ConfigError  # a leaf module: no import cycle
+from pantheon.core.errors import ConfigError
 
-log = logging.getLogger("pantheon.workerlink.curve")
+log = logging.getLogger("pantheon.core.curve")
 
 SERVER = "server"
 WORKER = "worker"

@@ -33,7 +33,7 @@ LIMIT_VALUES: dict[str, Any] = {
 
 def _byte_level(text: str) -> str:
     """``text`` in GPT-2's byte-to-unicode alphabet (what a byte-level BPE vocabulary holds)."""
-    from pantheon.models.gguf import byte_alphabet
+    from pantheon.core.gguf import byte_alphabet
 
     alphabet = byte_alphabet()
     return "".join(alphabet[b] for b in text.encode("utf-8"))

@@ -1,8 +1,8 @@
 """A model's description: what the router sizes and the worker builds, read once per load.
 
 Parsed from a Hugging Face ``config.json`` (plus ``generation_config.json`` for EOS ids) or from a
-GGUF file's metadata (``pantheon.models.gguf.hf_config`` turns it into the same dict), by the
-architecture family that claims it (``pantheon.models.archs``, the one list of architectures).
+GGUF file's metadata (``pantheon.core.gguf.hf_config`` turns it into the same dict), by the
+architecture family that claims it (``pantheon.core.archs``, the one list of architectures).
 No torch here: the router imports it.
 
 A description is the family's own frozen dataclass (``LlamaDescription``, ``Qwen35Description``)
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pantheon.models.embedding import (
+from pantheon.core.embedding import (
     EmbeddingError,
     EmbeddingSpec,
     gguf_embedding,
@@ -194,7 +194,7 @@ class RopeConfig:
 class ModelDescription:
     """What every decoder-only model has; families subclass it with their own fields."""
 
-    family: str  # the pantheon.models.archs family that built it (and workers.models.<family>)
+    family: str  # the pantheon.core.archs family that built it (and workers.models.<family>)
     arch: str  # the member of the family: llama | qwen2 | qwen3 | qwen3_5
     vocab_size: int
     hidden_size: int
@@ -218,7 +218,7 @@ class ModelDescription:
     # per-layer embeddings and their projection), on the first die with the embeddings.
     extra_params: int = 0
     # how the model embeds when it is an embedding model (a sentence-transformers folder, BERT;
-    # pantheon.models.embedding), None for a plain language model
+    # pantheon.core.embedding), None for a plain language model
     embedding: EmbeddingSpec | None = None
     can_generate: bool = True  # False: an encoder that only embeds (BERT)
 
@@ -413,7 +413,7 @@ def decoder_fields(
 def describe(raw: Any, gen: dict, where: str) -> ModelDescription:
     """The description of a ``config.json`` dict (``gen``: ``generation_config.json``, for EOS
     ids); errors name ``where``."""
-    from pantheon.models import archs
+    from pantheon.core import archs
 
     if not isinstance(raw, dict):
         raise ModelError("invalid", f"{where}: not a JSON object")
@@ -425,7 +425,7 @@ def read_description(path: str | Path) -> ModelDescription:
     """Read and check a model's description: a Hugging Face folder's ``config.json`` (and
     ``generation_config.json`` for EOS ids), or a GGUF file's metadata (the file, or the one
     ``.gguf`` in a folder). Raises ``ModelError``."""
-    from pantheon.models.gguf import GGUFError, find_gguf, hf_config, read_gguf
+    from pantheon.core.gguf import GGUFError, find_gguf, hf_config, read_gguf
 
     try:
         found = find_gguf(path)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pantheon.models.archs import Family
-from pantheon.models.description import (
+from pantheon.core.archs import Family
+from pantheon.core.description import (
     AttentionCache,
     LayerSpec,
     ModelDescription,

@@ -1,5 +1,5 @@
 """Qwen3.5-MoE / Qwen3.6-MoE (Qwen3.6-35B-A3B: ``Qwen3_5MoeForConditionalGeneration``, and the text-only
-``Qwen3_5MoeForCausalLM``): Qwen3.5's hybrid layers (``pantheon/models/archs/qwen3_5.py``: Gated
+``Qwen3_5MoeForCausalLM``): Qwen3.5's hybrid layers (``pantheon/core/archs/qwen3_5.py``: Gated
 DeltaNet and gated full attention) with a mixture-of-experts MLP in every layer: ``num_experts``
 routed SwiGLU experts of ``moe_intermediate_size`` (softmax over all, top ``num_experts_per_tok``,
 always renormalised) plus a shared expert of ``shared_expert_intermediate_size`` behind a sigmoid
@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pantheon.models.archs import Family
-from pantheon.models.archs import qwen3_5 as _qwen35
-from pantheon.models.archs.qwen3_5 import Qwen35Description, text_config
-from pantheon.models.description import ExpertSpec, ModelError, pos_int
-from pantheon.models.gguf import GGUFFile, _field
+from pantheon.core.archs import Family
+from pantheon.core.archs import qwen3_5 as _qwen35
+from pantheon.core.archs.qwen3_5 import Qwen35Description, text_config
+from pantheon.core.description import ExpertSpec, ModelError, pos_int
+from pantheon.core.gguf import GGUFFile, _field
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pantheon.models.archs import Family
-from pantheon.models.archs.llama import attention_head_shape
-from pantheon.models.description import (
+from pantheon.core.archs import Family
+from pantheon.core.archs.llama import attention_head_shape
+from pantheon.core.description import (
     AttentionCache,
     ExpertSpec,
     LayerSpec,
@@ -25,7 +25,7 @@ from pantheon.models.description import (
     decoder_fields,
     pos_int,
 )
-from pantheon.models.gguf import GGUFFile, _field
+from pantheon.core.gguf import GGUFFile, _field
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_THETA = 150_000.0  # transformers' GptOssConfig.default_theta

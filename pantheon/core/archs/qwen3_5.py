@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pantheon.models.archs import Family
-from pantheon.models.archs.llama import attention_head_shape
-from pantheon.models.description import (
+from pantheon.core.archs import Family
+from pantheon.core.archs.llama import attention_head_shape
+from pantheon.core.description import (
     AttentionCache,
     LayerSpec,
     ModelDescription,
@@ -21,7 +21,7 @@ from pantheon.models.description import (
     decoder_fields,
     pos_int,
 )
-from pantheon.models.gguf import GGUFError, GGUFFile, _field
+from pantheon.core.gguf import GGUFError, GGUFFile, _field
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -131,7 +131,7 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> Qwen35Description:
 
 def gguf_config(g: GGUFFile, raw: dict) -> None:
     """A ``qwen35`` GGUF file's own fields, added to the ``config.json`` dict that
-    ``pantheon.models.gguf.hf_config`` builds (``partial_rotary_factor`` it sets from
+    ``pantheon.core.gguf.hf_config`` builds (``partial_rotary_factor`` it sets from
     ``rope.dimension_count``). llama.cpp's converter counts the multi-token-prediction blocks in
     ``block_count`` (``nextn_predict_layers`` of them, last; absent with ``--no-mtp``) and lists
     them in ``attention.recurrent_layers`` (as full attention); both are dropped here. Without

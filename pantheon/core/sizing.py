@@ -2,7 +2,7 @@
 
 The router admits a load against the dies' budgets *before* any worker touches the weights, so it
 needs an estimate: the weights, the KV cache's bytes per token and the recurrent states' bytes per
-slot, all from the model's description (``pantheon.models.description``: one ``LayerSpec`` per
+slot, all from the model's description (``pantheon.core.description``: one ``LayerSpec`` per
 layer, with the shapes of its linear matrices as the engine fuses them and its cache spec). After
 the load the worker reports the real figures (``Loaded.weight_bytes``/``kv_bytes``) and those are
 booked instead.
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pantheon.models.description import (
+from pantheon.core.description import (
     DTYPE_BYTES,
     AttentionCache,
     ModelDescription,
