@@ -25,7 +25,7 @@ from pantheon.api import flow
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.protocol import ChatRequest
-from pantheon.api.openai.service import Generation, checked_constraint, needs_constraint
+from pantheon.api.openai.service import Generation, checked_constraint, needs_constraint, vocab_size
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
 from pantheon.control.context import Prepared, fit_context, limit_of
@@ -78,15 +78,6 @@ async def get_model(model_id: str):
         if m["id"] == name:
             return json_response(m)
     raise errors.model_not_found(model_id)
-
-
-def vocab_size(inst: Instance) -> int:
-    """The number of token ids ``inst``'s model takes: its worker's (the embedding's rows, what
-    the worker checks a request's ids against), else its tokenizer's."""
-    n = getattr(inst.loaded, "vocab_size", None)
-    if isinstance(n, int) and n > 0:
-        return n
-    return int(inst.model_assets.tokenizer.get_vocab_size(with_added_tokens=True))
 
 
 def check_token_ids(inst: Instance, req: ChatRequest, prompt: list[int] | None = None) -> None:

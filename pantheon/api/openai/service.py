@@ -154,13 +154,19 @@ _model_tokenizers: weakref.WeakKeyDictionary[Any, dict[int, structured.ModelToke
 )
 
 
+def vocab_size(inst: Instance) -> int:
+    """The number of token ids ``inst``'s model takes: its worker's (the embedding's rows, what
+    the worker checks a request's ids against), else its tokenizer's."""
+    if inst.loaded is not None and inst.loaded.vocab_size > 0:
+        return inst.loaded.vocab_size
+    return int(inst.model_assets.tokenizer.get_vocab_size(with_added_tokens=True))
+
+
 def model_tokenizer(inst: Instance) -> structured.ModelTokenizer:
     """``inst``'s vocabulary for llguidance, as its worker builds it (the same tokenizer JSON,
     the worker's vocabulary size, the eos ids), made once per model."""
     assets = inst.model_assets
-    n = inst.loaded.vocab_size if inst.loaded is not None else 0
-    if n <= 0:
-        n = int(assets.tokenizer.get_vocab_size(with_added_tokens=True))
+    n = vocab_size(inst)
     per = _model_tokenizers.setdefault(assets, {})
     if n not in per:
         per[n] = structured.ModelTokenizer(assets.tokenizer.to_str(), n, assets.eos_ids)
