@@ -68,6 +68,7 @@ unload_in_progress        409     invalid_request_error  conflict (param name)
 duplicate_replica         409     invalid_request_error  duplicate (param dies)
 table_full                507     server_error           table_full
 insufficient_memory       507     server_error           insufficient_memory
+kv_cache_dtype_refused    400     invalid_request_error  invalid (param kv_cache_dtype)
 no_die_available          507     server_error           no_die
 models_max_reached        507     server_error           models_max
 model_unavailable         400     invalid_request_error  model_unavailable (param model)
@@ -591,6 +592,11 @@ def table_full(max_instances: int) -> ApiError:
 def insufficient_memory(message: str) -> ApiError:
     """507: no die (or not the given ones) has room; ``message`` says which lacks how much."""
     return ApiError(507, message, type=SERVER, code="insufficient_memory")
+
+
+def kv_cache_dtype_refused(value: str, why: str) -> ApiError:
+    """400: a load's KV cache type is not one, or the model's heads cannot be stored in it."""
+    return ApiError(400, f"kv_cache_dtype {value!r}: {why}", param="kv_cache_dtype", code="invalid")
 
 
 def models_max_reached(limit: int, holders: str) -> ApiError:

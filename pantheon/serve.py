@@ -269,6 +269,7 @@ async def serve(cfg: ServeConfig) -> int:
                     max_context=m.max_context,
                     params=m.params,
                     embeddings=m.embeddings,
+                    kv_cache_dtype=m.kv_cache_dtype,
                 )
                 print(
                     f"pantheon: model {inst.name} ready on {','.join(inst.dies)} ({inst.instance_id})",

@@ -36,6 +36,7 @@ class InstanceState(msgspec.Struct, kw_only=True):
     kv_bytes: int = 0
     state_bytes: int = 0  # recurrent layers' state pools (hybrid models; 0 for others)
     quantized: bool = False
+    kv_cache_dtype: str = "auto"  # its KV cache's types ("q8_0", or "K/V" when they differ)
     max_model_len: int = 0
     slots: list[SlotState] = []
     in_flight: int = 0

@@ -114,6 +114,7 @@ def _entries(config: ServeConfig) -> list[CatalogEntry]:
             slots=m.slots,
             max_context=m.max_context,
             embeddings=m.embeddings,
+            kv_cache_dtype=m.kv_cache_dtype,
             origin=CONFIGURED,
         )
         for m in config.models

@@ -18,6 +18,7 @@ setting's variables is set (``pantheon.config.resolve`` applies that precedence)
     dies = "cpu:0"
     aliases = ["qwen3", "default"]
     pin = true                  # never unloaded by keep-alive or eviction
+    kv_cache_dtype = "q8_0"     # its KV cache in 8-bit blocks: ~1.9x the context of bf16
     params = { temperature = 0.6, top_k = 20 }   # a request's unset sampling fields
 
     [[models]]
@@ -29,7 +30,8 @@ A ``[[models]]`` table takes ``path`` (required), ``name``, ``dies``, ``aliases`
 (default true), ``keep_alive`` (seconds or a duration such as "5m"; negative: forever), ``pin``,
 ``params`` (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
 ``max_tokens``) and the admin load's options ``quantize``, ``slots``, ``max_context``,
-``embeddings`` (a chat model also serves ``/v1/embeddings``, mean pooling).
+``embeddings`` (a chat model also serves ``/v1/embeddings``, mean pooling) and
+``kv_cache_dtype`` (``"q8_0"``, or K and V apart as ``"q8_0/q4_0"``; over ``--kv-cache-dtype``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any
 
 from pantheon.config.resolve import FILE_VALUES
 from pantheon.config.table import toml_keys
-from pantheon.config.values import ConfigError, KeepAliveError, parse_keep_alive
+from pantheon.config.values import ConfigError, KeepAliveError, parse_keep_alive, parse_kv_types
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -67,6 +69,7 @@ MODEL_KEYS = (
     "slots",
     "max_context",
     "embeddings",
+    "kv_cache_dtype",
 )
 PARAM_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
@@ -103,6 +106,8 @@ def _model_table(where: str, m: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(m[key], int) or isinstance(m[key], bool) or m[key] < 1:
                 raise ConfigError(f"{where}: {key!r} must be a positive integer")
             out[key] = m[key]
+    if "kv_cache_dtype" in m:
+        out["kv_cache_dtype"] = parse_kv_types(m["kv_cache_dtype"], f"{where}: kv_cache_dtype")
     if "keep_alive" in m:
         try:
             out["keep_alive"] = parse_keep_alive(m["keep_alive"])

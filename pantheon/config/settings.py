@@ -23,7 +23,8 @@ from pantheon.config.ops import OpsConfig, build_ops
 from pantheon.config.resolve import refuse_env, resolve
 from pantheon.config.table import SETTINGS
 from pantheon.config.table import field_default as _d
-from pantheon.config.values import ConfigError, parse_dies, parse_size
+from pantheon.config.values import ConfigError, parse_dies, parse_kv_types, parse_size
+from pantheon.core.kv_types import KvCacheTypes
 from pantheon.models import generation_defaults
 
 __all__ = ["ConfigError", "ModelSpec", "ServeConfig", "build_config", "parse_dies", "parse_size"]
@@ -47,6 +48,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     slots: int | None = None
     max_context: int | None = None
     embeddings: bool = False  # serve /v1/embeddings from it (mean pooling) when it is no embedding model
+    # its KV cache's types ("q8_0", or "q8_0/q4_0" for K/V apart); None: the server's
+    kv_cache_dtype: KvCacheTypes | None = None
 
 
 class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,6 +73,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     test_hooks: bool = _d("test_hooks")  # the admin test seams (forced pressure)
     max_model_len: int | None = _d("max_model_len")
     dtype: str = _d("dtype")
+    kv_cache_dtype: str = _d("kv_cache_dtype")  # K and V (QWEN35_KV_Q4=1 is q4_0)
+    kv_cache_dtype_k: str | None = _d("kv_cache_dtype_k")  # None: kv_cache_dtype
+    kv_cache_dtype_v: str | None = _d("kv_cache_dtype_v")
     max_body_bytes: int = _d("max_body_bytes")
     max_body_in_flight_bytes: int | None = _d("max_body_in_flight_bytes")  # None: 4 x max_body_bytes
     hello_timeout_s: float = _d("hello_timeout_s")
@@ -91,6 +97,13 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     def single_user(self) -> bool:
         return self.slots <= 1
 
+    @property
+    def kv_types(self) -> KvCacheTypes:
+        """The KV cache types a load gets unless its model says otherwise."""
+        return KvCacheTypes(
+            self.kv_cache_dtype_k or self.kv_cache_dtype, self.kv_cache_dtype_v or self.kv_cache_dtype
+        )
+
 
 def build_config(args: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> ServeConfig:
     """Merge flags (``args``: argparse dests, None means not given; ``merge_config_file``
@@ -106,9 +119,13 @@ def build_config(args: Mapping[str, Any] | None = None, env: Mapping[str, str] |
     ops = build_ops(got.values)
     if not ops.prefill_batch and "prefill_chunk" not in got.sources:  # QWEN35_BS_PREFILL_BATCH=0
         kw["prefill_chunk"] = 1
+    if "kv_q4" in got.sources and "kv_cache_dtype" not in got.sources:  # the spec's QWEN35_KV_Q4
+        kw["kv_cache_dtype"] = "q4_0" if ops.kv_q4 else "auto"
     models = _models(args.get("models") or (), kw["cpu_dies"])
     cfg = ServeConfig(models=models, ops=ops, **kw)
     key = repr((cfg.slots, cfg.prefill_chunk, cfg.dtype, [(m.path, m.name) for m in models]))
+    if cfg.kv_types.quantized or any(m.kv_cache_dtype for m in models):  # outputs differ
+        key += repr((str(cfg.kv_types), [str(m.kv_cache_dtype) for m in models]))
     fp = "fp_" + hashlib.sha256(key.encode()).hexdigest()[:10]
     return msgspec.structs.replace(cfg, fingerprint=fp)
 
@@ -123,6 +140,10 @@ def _models(raw: Any, cpu_dies: int) -> tuple[ModelSpec, ...]:
             name = item.get("name") or _default_name(path)
             dies = item.get("dies")
             extra = {k: item[k] for k in _SPEC_EXTRAS if item.get(k) is not None}
+            if isinstance(extra.get("kv_cache_dtype"), str):
+                extra["kv_cache_dtype"] = parse_kv_types(
+                    extra["kv_cache_dtype"], f"model {name}: kv_cache_dtype"
+                )
             try:
                 params = generation_defaults.check_params(item.get("params"))
             except ValueError as e:
@@ -150,6 +171,7 @@ _SPEC_EXTRAS = (
     "slots",
     "max_context",
     "embeddings",
+    "kv_cache_dtype",
 )
 
 

@@ -12,7 +12,7 @@ TOML key; everything else is derived from the rows:
 Adding a setting is adding a row (and, for a new config field, the field on its struct, whose
 default is read from here); ``tests/unit/test_settings_table.py`` checks every row end to end.
 
-Why ~730 lines: it is the table, one row per setting (53 rows) and their checks, nothing
+Why ~730 lines: it is the table, one row per setting (63 rows) and their checks, nothing
 else; the formatter gives each row's fields lines of their own.
 """
 
@@ -189,6 +189,15 @@ def _cpu_path(v: str, what: str) -> str:
 
     if v != "auto" and v not in CPU_PATHS:
         raise ConfigError(f"{what} {v!r}: use auto or one of {', '.join(CPU_PATHS)}")
+    return v
+
+
+def _kv_type(v: str, what: str) -> str:
+    from pantheon.core.kv_types import KV_TYPES  # torch-free
+
+    v = v.strip().lower()
+    if v not in KV_TYPES:
+        raise ConfigError(f"{what} {v!r}: use {', '.join(KV_TYPES[:-1])} or {KV_TYPES[-1]}")
     return v
 
 
@@ -767,18 +776,51 @@ SETTINGS: tuple[Setting, ...] = (
         ("PANTHEON_STEP_STATS", "QWEN35_BS_STATS"),
         field="ops.step_stats",
     ),
+    # the KV cache's element types (pantheon/core/kv_types.py: llama.cpp's names and layouts)
+    Setting(
+        "kv_cache_dtype",
+        "str",
+        "auto",
+        "the KV cache's type, K and V: auto (the compute dtype), q8_0 (~1.9x the tokens of "
+        "bf16 in the same bytes), q4_0 (~3.6x) or fp8_e4m3 (CUDA dies only); a [[models]] "
+        "table or an admin load's kv_cache_dtype beats it for that model",
+        ("PANTHEON_KV_CACHE_DTYPE",),
+        metavar="TYPE",
+        empty="next",
+        check=_kv_type,
+    ),
+    Setting(
+        "kv_cache_dtype_k",
+        "str",
+        None,
+        "the K cache's type alone (K is the more sensitive of the two)",
+        ("PANTHEON_KV_CACHE_DTYPE_K",),
+        metavar="TYPE",
+        default_doc="--kv-cache-dtype",
+        empty="unset",
+        check=_kv_type,
+    ),
+    Setting(
+        "kv_cache_dtype_v",
+        "str",
+        None,
+        "the V cache's type alone",
+        ("PANTHEON_KV_CACHE_DTYPE_V",),
+        metavar="TYPE",
+        default_doc="--kv-cache-dtype",
+        empty="unset",
+        check=_kv_type,
+    ),
+    # the spec's switch: 1 is --kv-cache-dtype q4_0, 0 is auto; a --kv-cache-dtype given beats it
     Setting(
         "kv_q4",
         "bool",
         False,
-        "Q4 KV cache: not built, so 1 is refused; the engine keeps "
-        "the KV cache at full width and sizes and admits by that",
+        "1: the Q4 KV cache, q4_0 for K and V (as --kv-cache-dtype q4_0, which beats it when "
+        "given); 0: auto (full width)",
         ("PANTHEON_KV_Q4", "QWEN35_KV_Q4"),
         flag=None,
         field="ops.kv_q4",
-        check=only(
-            False, "a Q4 KV cache is not built: the engine keeps KV at full width (unset it, or set 0)"
-        ),
     ),
     # CPU dies' linear-layer path (workers/cpu_paths.py)
     Setting(

@@ -1,7 +1,7 @@
 """``ConfigError`` and the value parsers every settings source shares (flag, variable, TOML file).
 
 This module imports nothing from ``pantheon`` but the wire protocol (msgspec only; its die-id
-parser): ``pantheon.core.curve`` and the admin API
+parser) and the KV cache type names (``pantheon.core.kv_types``, plain Python): ``pantheon.core.curve`` and the admin API
 import ``ConfigError`` from here without pulling in the rest of the configuration (and without
 the old ``config`` -> ``curve`` -> ``config`` import cycle). Every parser takes ``what``, the
 name of the source the value came from (``--port``, ``PANTHEON_PORT``, ``--config FILE: port``),
@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from pantheon.core.errors import ConfigError  # its home: the core raises it too
+from pantheon.core.kv_types import KV_TYPES, KvCacheTypes
 from pantheon.core.protocol import normalize_die
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -201,3 +202,16 @@ def parse_keep_alive(value: object) -> float | None:
             f'keep_alive {value!r} is not a duration (a number of seconds, or such as "5m", "1h30m", "-1")'
         )
     return FOREVER if sign < 0 else total
+
+
+def parse_kv_types(raw: object, what: str) -> KvCacheTypes:
+    """A model's KV cache types: one type name for K and V (``q8_0``), or ``K/V`` apart
+    (``q8_0/q4_0``, as ``KvCacheTypes`` prints itself); names from ``KV_TYPES``."""
+    if not isinstance(raw, str) or not raw.strip():
+        raise ConfigError(f"{what} {raw!r}: a KV cache type ({', '.join(KV_TYPES)}), or K/V as q8_0/q4_0")
+    parts = [p.strip().lower() for p in raw.split("/")]
+    if len(parts) > 2 or any(p not in KV_TYPES for p in parts):
+        raise ConfigError(
+            f"{what} {raw!r}: use {', '.join(KV_TYPES[:-1])} or {KV_TYPES[-1]}, or K/V apart as q8_0/q4_0"
+        )
+    return KvCacheTypes(parts[0], parts[-1])

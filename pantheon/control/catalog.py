@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from pantheon.core.description import ModelError
 from pantheon.core.gguf import GGUFError, find_gguf, served_name
+from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.sizing import read_shape
 
 log = logging.getLogger("pantheon.control.catalog")
@@ -56,6 +57,7 @@ class CatalogEntry:
     slots: int | None = None
     max_context: int | None = None
     embeddings: bool = False  # the load's option: a chat model serves /v1/embeddings too
+    kv_cache_dtype: KvCacheTypes | None = None  # the load's option (None: --kv-cache-dtype)
     origin: str = DISCOVERED
     error: str | None = None  # why it cannot be served (read at scan time)
     context_limit: int | None = None  # the model's own context length, when it could be read

@@ -165,6 +165,7 @@ def instance_state(f: InstanceFacts) -> st.InstanceState:
         kv_bytes=f.kv_bytes,
         state_bytes=f.state_bytes,
         quantized=bool(inst.quantize),
+        kv_cache_dtype=str(inst.kv_types),
         max_model_len=int(inst.max_model_len or 0),
         slots=slots,
         in_flight=inst.refs,

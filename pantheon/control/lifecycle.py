@@ -48,6 +48,7 @@ from pantheon.control.feed import Feed
 from pantheon.control.registry import DRAINING, FAILED, LOADING, READY, Instance, Registry
 from pantheon.core.description import ModelDescription, shape_digest
 from pantheon.core.gguf import GGUFError, find_gguf, served_name
+from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import Loaded, LoadModel, die_host, die_kind
 from pantheon.core.sizing import SizingError, estimate, read_shape, state_checkpoints, state_pool_slots
 from pantheon.errors import ApiError
@@ -160,6 +161,7 @@ class Models:
         worker_path: str | None = None,
         params: dict[str, float | int] | None = None,
         embeddings: bool = False,
+        kv_cache_dtype: KvCacheTypes | None = None,
     ) -> tuple[Instance, asyncio.Task]:
         """Phases 1 and 2 (raise ``ApiError`` at once); phase 3 and 4 run in the returned task,
         which ends with the instance published or raises the load's ``ApiError``.
@@ -169,7 +171,8 @@ class Models:
         ``worker_path``: where the worker finds the weights when its host keeps them elsewhere
         (a remote die); the router reads ``path``. ``params``: the catalog entry's sampling
         defaults (``Instance.params``, over the model's own: ``generation_defaults``); a
-        value no request could hold is a 400 naming it."""
+        value no request could hold is a 400 naming it. ``kv_cache_dtype``: the KV cache's
+        types (None: ``--kv-cache-dtype``); sizing and admission count their real bytes."""
         name = name or served_name(path)
         try:
             params = generation_defaults.check_params(params)
@@ -194,6 +197,10 @@ class Models:
             shape = read_shape(path)
         except SizingError as e:
             raise errors.unreadable_model(e.kind, e.reason) from None
+        kv_types = kv_cache_dtype or self.config.kv_types
+        why = shape.kv_types_problem(kv_types)
+        if why:
+            raise errors.kv_cache_dtype_refused(str(kv_types), why)
         dies = tuple(self.dies.check(d) for d in dies)
         self._check_new(name, dies)
         try:
@@ -220,6 +227,7 @@ class Models:
                 quantize=quantize,
                 cpu=die_kind(first) == "cpu",
                 cpu_works=works.get(first),
+                kv_types=kv_types,
             )
 
         n_slots = slots or cfg.slots
@@ -292,6 +300,7 @@ class Models:
                 self.registry.discard(inst)
                 raise
         inst.quantize, inst.max_model_len, inst.load_progress = quantize, mml, 0.0
+        inst.kv_types = kv_types
         inst.params = params
         inst.embeddings = embeddings
         inst.estimate, inst.shape = sized(inst.die), shape
@@ -308,6 +317,8 @@ class Models:
             max_model_len=mml,
             quantize=quantize,
             state_checkpoints=checkpoints,
+            kv_cache_k=kv_types.k,
+            kv_cache_v=kv_types.v,
         )
         self.feed.event(
             "load",
@@ -406,7 +417,9 @@ class Models:
         assert inst.shape is not None and inst.estimate is not None  # sized when it was placed
         if loaded.cpu_path:  # the path is known now: size with it, not the upper bound
             inst.cpu_path = loaded.cpu_path
-            inst.estimate = estimate(inst.shape, quantize=inst.quantize, cpu_path=loaded.cpu_path)
+            inst.estimate = estimate(
+                inst.shape, quantize=inst.quantize, cpu_path=loaded.cpu_path, kv_types=inst.kv_types
+            )
         self.dies.book(inst.instance_id, booked_of(inst.estimate, inst.dies, loaded))
         if inst.estimate.kv_per_token:  # the KV pool alone: the state pools hold no tokens
             inst.kv_pool_tokens = loaded.kv_bytes // inst.estimate.kv_per_token

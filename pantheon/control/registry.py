@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 from pantheon import errors
 from pantheon.core.description import ModelDescription
+from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import Loaded, LoadModel
 from pantheon.core.sizing import Estimate
 from pantheon.models.assets import ModelAssets
@@ -86,6 +87,7 @@ class Instance:
     last_grant: int = 0  # when it last got a request (a sequence number): ties go to the oldest
     max_model_len: int | None = None
     quantize: bool = False
+    kv_types: KvCacheTypes = field(default_factory=KvCacheTypes)  # its KV cache's K and V types
     embeddings: bool = False  # its load asked for /v1/embeddings (a chat model: mean pooling)
     assets: ModelAssets | None = None  # the router-side tokenizer/template bundle
     loaded: Loaded | None = None  # what the worker said when it finished loading
@@ -149,6 +151,7 @@ class Instance:
             "served": self.served,
             "max_model_len": self.max_model_len,
             "quantize": self.quantize,
+            "kv_cache_dtype": str(self.kv_types),  # "q8_0", or "K/V" when they differ
             "load_progress": self.load_progress,
             "restarts": self.restarts,
             "cpu_path": self.cpu_path or None,

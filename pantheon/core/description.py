@@ -43,6 +43,7 @@ from pantheon.core.embedding import (
     gguf_embedding,
     read_sentence_transformers,
 )
+from pantheon.core.kv_types import KvCacheTypes, width_problem
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 ROPE_TYPES = {"default", "linear", "dynamic", "llama3", "yarn"}
@@ -74,8 +75,12 @@ class AttentionCache:
         """A sliding layer's ring: its ``window`` positions' K and V, per slot (0 for a full layer)."""
         return 0 if self.window is None else self.window * self.bytes_per_token(dtype_bytes)
 
-    def bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.kv_heads * self.head_dim * dtype_bytes
+    def bytes_per_token(self, dtype_bytes: int, kv_types: KvCacheTypes | None = None) -> int:
+        """K and V of one token: full width (``dtype_bytes`` a value), or stored as ``kv_types``
+        (``pantheon.core.kv_types``: blocks along each head's values)."""
+        if kv_types is None:
+            return 2 * self.kv_heads * self.head_dim * dtype_bytes
+        return kv_types.token_bytes(self.kv_heads, self.head_dim, dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -277,13 +282,26 @@ class ModelDescription:
             if isinstance(s.cache, RecurrentState) or (isinstance(s.cache, AttentionCache) and s.cache.window)
         ]
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one token over the attention layers of the paged pool (not the sliding ones)."""
+    def kv_bytes_per_token(self, dtype_bytes: int, kv_types: KvCacheTypes | None = None) -> int:
+        """K and V of one token over the attention layers of the paged pool (not the sliding ones,
+        whose rings stay full width: ``state_bytes_per_slot``), stored as ``kv_types`` (None:
+        full width)."""
         return sum(
-            s.cache.bytes_per_token(dtype_bytes)
+            s.cache.bytes_per_token(dtype_bytes, kv_types)
             for s in self.layers
             if isinstance(s.cache, AttentionCache) and not s.cache.window
         )
+
+    def kv_types_problem(self, kv_types: KvCacheTypes) -> str | None:
+        """Why this model's paged K/V rows cannot be stored as ``kv_types`` (a head width that is
+        not whole quantization blocks), or None when they can."""
+        for s in self.layers:
+            if isinstance(s.cache, AttentionCache) and not s.cache.window:
+                for kind in dict.fromkeys((kv_types.k, kv_types.v)):
+                    why = width_problem(kind, s.cache.head_dim)
+                    if why:
+                        return why
+        return None
 
     def state_bytes_per_slot(self, dtype_bytes: int) -> int:
         """The states of one running sequence: recurrent layers' and sliding layers' rings."""

@@ -16,7 +16,9 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 4  # 4: EmbedRequest / EmbedOut, Submit.prompt_logprobs and TokenOut.prompt_logprobs
+# 4: EmbedRequest / EmbedOut, Submit.prompt_logprobs and TokenOut.prompt_logprobs;
+# 5: LoadModel.kv_cache_k / kv_cache_v (the KV cache's types)
+PROTOCOL_VERSION = 5
 
 # ---------------------------------------------------------------- codes
 # A value outside its Literal makes the whole message fail to decode, so a new code must be added
@@ -150,6 +152,10 @@ class LoadModel(msgspec.Struct, tag=True, kw_only=True):
     max_model_len: int | None = None
     quantize: bool = False
     state_checkpoints: int = 0  # a hybrid model's prefix-cache state checkpoints (router-sized)
+    # the K and the V cache's types (pantheon.core.kv_types: auto | q8_0 | q4_0 | fp8_e4m3); the
+    # router sized kv_budget_bytes with them, the worker lays its pool out in them
+    kv_cache_k: str = "auto"
+    kv_cache_v: str = "auto"
 
 
 class UnloadModel(msgspec.Struct, tag=True, kw_only=True):

@@ -28,6 +28,9 @@ from pantheon.core.description import (
     describe,
     read_description,
 )
+from pantheon.core.kv_types import KvCacheTypes
+
+AUTO_KV = KvCacheTypes()  # the compute dtype's full width: today's cache
 
 BLOCK_TOKENS = 16  # the engine's KV block size: pools are whole blocks
 
@@ -202,10 +205,15 @@ def estimate(
     cpu: bool = True,
     cpu_path: str | None = None,
     cpu_works: dict[str, str] | None = None,
+    kv_types: KvCacheTypes = AUTO_KV,
 ) -> Estimate:
     """What the engine allocates for this model. On a CPU die that is the given ``cpu_path``'s
     layout; with none (the worker picks by timing at load) the largest of the paths it may pick
-    (``cpu_path_names``), so the booking is an upper bound until ``Loaded`` gives the real one."""
+    (``cpu_path_names``), so the booking is an upper bound until ``Loaded`` gives the real one.
+
+    ``kv_types``: the paged K and V rows' types (``--kv-cache-dtype``): a quantized type counts
+    its blocks' bytes; ``auto`` the path's dtype. Sliding-window rings stay full width (the engine
+    keeps them in the compute dtype: state, not the paged pool)."""
     if cpu and cpu_path is None:
         q, q4 = shape.quantized_source, shape.int4_source
         names = cpu_path_names(quantize, dtype, cpu_works, q, q4) or cpu_path_names(
@@ -213,7 +221,7 @@ def estimate(
         )
         if not names:
             names = list(CPU_PATHS)
-        ests = [estimate(shape, quantize=quantize, cpu_path=n) for n in names]
+        ests = [estimate(shape, quantize=quantize, cpu_path=n, kv_types=kv_types) for n in names]
         return max(ests, key=lambda e: (e.weights, e.kv_per_token))
     layout = "int8" if quantize else "dense"
     if cpu:
@@ -240,7 +248,9 @@ def estimate(
         ),
         # a sliding-window layer keeps a ring of its window per slot: state, not per-token KV
         kv_layer_bytes=tuple(
-            s.cache.bytes_per_token(b) if isinstance(s.cache, AttentionCache) and not s.cache.window else 0
+            s.cache.bytes_per_token(b, kv_types)
+            if isinstance(s.cache, AttentionCache) and not s.cache.window
+            else 0
             for s in shape.layers
         ),
         state_layer_bytes=tuple(s.cache.bytes_per_slot(b) for s in shape.layers),

@@ -81,6 +81,7 @@ CASES = {
     "no_model_folder": (("/x", "nothing there"), 404, INVALID, "path", "not_found"),
     "unreadable_assets": ((OSError("x"),), 400, INVALID, "path", "invalid"),
     "load_in_progress": (("m", "m#1"), 409, INVALID, "name", "conflict"),
+    "kv_cache_dtype_refused": (("q8_0", "a head of 16 values"), 400, INVALID, "kv_cache_dtype", "invalid"),
     "unload_in_progress": (("m", "m#1"), 409, INVALID, "name", "conflict"),
     "duplicate_replica": (("m#1", "m", ("cpu:0",)), 409, INVALID, "dies", "duplicate"),
     "table_full": ((16,), 507, SERVER, None, "table_full"),

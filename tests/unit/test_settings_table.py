@@ -21,6 +21,7 @@ from pantheon.config.file import merge_config_file
 from pantheon.config.ops import Limits, OpsConfig
 from pantheon.config.settings import ConfigError, ServeConfig, build_config
 from pantheon.config.table import BY_NAME, SETTINGS, Setting
+from pantheon.core.kv_types import KvCacheTypes
 from pantheon.serve import build_parser
 
 from helpers.paths import REPO_ROOT
@@ -84,7 +85,10 @@ def samples(tmp: Path) -> dict[str, tuple[str, object]]:
         "driver_sample": ("1", True),
         "prefill_batch": ("0", False),
         "step_stats": ("1", True),
-        "kv_q4": ("0", False),
+        "kv_cache_dtype": ("q8_0", "q8_0"),
+        "kv_cache_dtype_k": ("q4_0", "q4_0"),
+        "kv_cache_dtype_v": ("Q8_0", "q8_0"),
+        "kv_q4": ("1", True),
         "cpu_path": ("fp32", "fp32"),
         "compile": ("1", True),
         "async_poll_us": ("2000", 2000),
@@ -100,6 +104,9 @@ BAD_BY_NAME = {
     "cpu_path": "nope",
     "models_dir": "/no/such/folder/at/all",
     "keep_alive": "soon",
+    "kv_cache_dtype": "q5_1",
+    "kv_cache_dtype_k": "int4",
+    "kv_cache_dtype_v": "fp16",
 }
 # the spec's aliases that mean something of their own
 ENV_EXPECT = {"QWEN35_BATCH_SLOTS": 8}  # 1 (here: any n > 0) turns on batching: 8 slots
@@ -260,3 +267,32 @@ def test_config_never_imports_workerlink():
     subprocess.run(
         [sys.executable, "-c", code], check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT))
     )
+
+
+def test_kv_cache_types_resolve_k_and_v(tmp_path):
+    """--kv-cache-dtype sets K and V, -k/-v set one apart; the spec's QWEN35_KV_Q4=1 is q4_0 for
+    both (0: auto) unless --kv-cache-dtype is given; a model's kv_cache_dtype takes "q8_0" or
+    "K/V"; a bad one is refused naming where it came from."""
+    assert str(build_config({}, {}).kv_types) == "auto"
+    for env in ({"QWEN35_KV_Q4": "1"}, {"PANTHEON_KV_Q4": "1"}):
+        assert build_config({}, env).kv_types == KvCacheTypes("q4_0", "q4_0")
+    assert build_config({}, {"QWEN35_KV_Q4": "0"}).kv_types == KvCacheTypes()
+    # a --kv-cache-dtype from any source beats the spec's switch; -k / -v beat both
+    assert build_config({"kv_cache_dtype": "q8_0"}, {"QWEN35_KV_Q4": "1"}).kv_types.k == "q8_0"
+    assert build_config({}, {"QWEN35_KV_Q4": "1", "PANTHEON_KV_CACHE_DTYPE": "auto"}).kv_types.v == "auto"
+    c = build_config({"kv_cache_dtype_k": "q8_0"}, {"QWEN35_KV_Q4": "1"})
+    assert c.kv_types == KvCacheTypes("q8_0", "q4_0") and str(c.kv_types) == "q8_0/q4_0"
+    assert build_config({"kv_cache_dtype_v": "q4_0"}, {}).kv_types == KvCacheTypes("auto", "q4_0")
+    # the fingerprint changes with a quantized cache (its outputs differ), not without one
+    assert build_config({}, {}).fingerprint == build_config({}, {"QWEN35_KV_Q4": "0"}).fingerprint
+    assert build_config({}, {}).fingerprint != build_config({}, {"QWEN35_KV_Q4": "1"}).fingerprint
+    f = tmp_path / "m.toml"
+    f.write_text('[[models]]\npath = "/m"\nkv_cache_dtype = "q8_0/q4_0"\n\n[[models]]\npath = "/n"\n')
+    c = build_config(merge_config_file({"config": str(f)}, {}), {})
+    assert [m.kv_cache_dtype for m in c.models] == [KvCacheTypes("q8_0", "q4_0"), None]
+    for bad in ('"q3_k"', '"q8_0/q4_0/q4_0"', "8"):
+        f.write_text(f'[[models]]\npath = "/m"\nkv_cache_dtype = {bad}\n')
+        with pytest.raises(ConfigError, match=re.escape(f"--config {f}: [[models]] #1: kv_cache_dtype")):
+            build_config(merge_config_file({"config": str(f)}, {}), {})
+    with pytest.raises(ConfigError, match="PANTHEON_KV_CACHE_DTYPE_K 'q5': use auto, q8_0, q4_0 or fp8_e4m3"):
+        build_config({}, {"PANTHEON_KV_CACHE_DTYPE_K": "q5"})

@@ -83,6 +83,8 @@ class SlotGrid(AutoHeight):
         )
         if inst.quantized:
             head.append("  int8", "magenta")
+        if inst.kv_cache_dtype != "auto":  # a quantized KV cache: more tokens, a little less exact
+            head.append(f"  KV {inst.kv_cache_dtype}", "magenta")
         lines = [head]
         if inst.state == "loading":
             lines.append(Text("  loading ") + load_bar(inst.load_progress or 0.0, 20))

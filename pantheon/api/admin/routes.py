@@ -3,8 +3,10 @@ prefix cache reset, and the dashboard's feed.
 
 =======  ======================  ==========================================================
 POST     /admin/models/load      ``{path, name?, dies?, quantize?, slots?, max_context?, wait?,
-                                 worker_path?, embeddings?}`` (``worker_path``: remote dies
-                                 only; ``embeddings``: a chat model serves /v1/embeddings too)
+                                 worker_path?, embeddings?, kv_cache_dtype?}`` (``worker_path``:
+                                 remote dies only; ``embeddings``: a chat model serves
+                                 /v1/embeddings too; ``kv_cache_dtype``: "q8_0", or K/V apart
+                                 "q8_0/q4_0", over ``--kv-cache-dtype``)
                                  200 with the instance once ready; 202 at once with
                                  ``wait: false`` (progress in GET /admin/models); 404 no such
                                  folder, 400 bad request or unsupported architecture, 403
@@ -44,6 +46,8 @@ from pantheon.api.admin.views import die_view, facts_of, instance_view
 from pantheon.api.openai import protocol as oa
 from pantheon.api.state import app_state
 from pantheon.config.settings import ConfigError, parse_dies
+from pantheon.config.values import parse_kv_types
+from pantheon.core.kv_types import KvCacheTypes
 
 bp = Blueprint("admin", __name__)
 MIN_INTERVAL_S = 0.05
@@ -85,6 +89,16 @@ def _dies(raw: Any) -> tuple[str, ...]:
         raise errors.invalid_param("dies", str(e)) from None
 
 
+def _kv_types(raw: Any) -> KvCacheTypes | None:
+    """The load's ``kv_cache_dtype`` ("q8_0", or K/V apart: "q8_0/q4_0"); None: the server's."""
+    if raw is None:
+        return None
+    try:
+        return parse_kv_types(raw, "kv_cache_dtype")
+    except ConfigError as e:
+        raise errors.kv_cache_dtype_refused(str(raw), str(e).split(": ", 1)[-1]) from None
+
+
 # ---------------------------------------------------------------- routes
 
 
@@ -107,6 +121,7 @@ async def load():
     if max_context is not None and max_context < 16:
         raise errors.invalid_param("max_context", "'max_context' must be at least 16 tokens")
     embeddings = _typed(body, "embeddings", bool, "a boolean", False)
+    kv_cache_dtype = _kv_types(body.get("kv_cache_dtype"))
     wait = _typed(body, "wait", bool, "a boolean", True)
     # a die on another host may hold the weights at another path than the router's copy (which
     # gives the tokenizer, the template and the size)
@@ -128,6 +143,7 @@ async def load():
         background=not wait,
         worker_path=worker_path or None,
         embeddings=embeddings,
+        kv_cache_dtype=kv_cache_dtype,
     )
     if not wait:
         return json_response({"status": "loading", **instance_view(facts_of(s.project(), inst, s.dies))}, 202)

@@ -51,8 +51,10 @@ def _model_objects(s: AppState) -> list[dict]:
         inst = ready.get(e.name)
         if inst is not None:  # what a request can really get: the context its KV pool holds
             obj = oa.model_object(e.name, inst.created, limit_of(inst), generation_defaults.in_force(inst))
+            obj["kv_cache_dtype"] = str(inst.kv_types)
         else:
             obj = oa.model_object(e.name, e.modified, e.context_limit)
+            obj["kv_cache_dtype"] = str(e.kv_cache_dtype or s.config.kv_types)  # what a load gets
         obj["status"] = s.residency.status(e.name)
         if e.aliases:
             obj["aliases"] = list(e.aliases)
@@ -60,6 +62,7 @@ def _model_objects(s: AppState) -> list[dict]:
     for name, inst in ready.items():
         if name not in seen:
             obj = oa.model_object(name, inst.created, limit_of(inst), generation_defaults.in_force(inst))
+            obj["kv_cache_dtype"] = str(inst.kv_types)
             obj["status"] = {"value": "loaded"}
             out.append(obj)
     return out
