@@ -17,11 +17,12 @@ from collections.abc import Callable
 
 import torch
 
+from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import EmbedOut, InstanceStats, Pooling, SamplingParams, SlotInfo, TokenOut
 from pantheon.core.sizing import state_checkpoints
 from workers import cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
-from workers.cache import kv_block_bytes
+from workers.cache import check_kv_types, kv_block_bytes
 from workers.compiled import wanted as compiled_wanted
 from workers.errors import LoadError, RequestRejected
 from workers.grammar import Constraint, Grammars, apply_masks
@@ -58,11 +59,16 @@ class Engine:
         prefix_cache: bool = True,
         state_checkpoint_count: int | None = None,
         progress: Callable[[int, int], None] | None = None,
+        kv_types: KvCacheTypes = KvCacheTypes(),
     ):
         if num_slots < 1 or prefill_chunk < 1 or block_size < 1:
             raise LoadError("invalid", "num_slots, prefill_chunk and block_size must be at least 1")
         devices = devices or ["cpu"]
         cfg = load_config(model_path)  # fail fast on config errors before touching weights
+        try:  # a KV cache type this model's heads or these devices cannot hold: refused before the weights
+            check_kv_types(cfg, kv_types, [torch.device(d) for d in devices])
+        except ValueError as e:
+            raise LoadError("invalid", str(e)) from None
         # On a CPU die the path (kernel layout and compute dtype) is chosen before the weights
         # are read: forced by ``cpu_path`` / PANTHEON_CPU_PATH, else timed on this model's shapes.
         self.cpu_path: str | None = None
@@ -82,7 +88,9 @@ class Engine:
             self.cpu_note = choice.note  # disturbed timings discarded, or the static order kept
             dtype = cpu_paths.DTYPE_NAMES[cpu_paths.PATHS[choice.name].dtype]
         dt = resolve_dtype(dtype, cfg, torch.device(devices[0]))
-        block_bytes = kv_block_bytes(cfg, block_size, dt)
+        # the bytes the KV rows really take as stored (quantized types: their blocks and scales)
+        block_bytes = kv_block_bytes(cfg, block_size, dt, kv_types)
+        self.kv_types = kv_types
         if block_bytes:
             num_blocks = kv_budget_bytes // block_bytes
         else:
@@ -137,7 +145,13 @@ class Engine:
             target_s=step_target_s, ceiling=prefill_chunk, crossover=_attention_crossover(cfg)
         )
         self.runner: ModelRunner = ModelRunner(
-            self.model, cfg, self.blocks, dt, num_slots, self.checkpoints.capacity if self.checkpoints else 0
+            self.model,
+            cfg,
+            self.blocks,
+            dt,
+            num_slots,
+            self.checkpoints.capacity if self.checkpoints else 0,
+            kv_types,
         )
         # Opt-in (PANTHEON_COMPILE=1): minutes of compile at load for faster decode steps
         self.compile_error: str | None = None

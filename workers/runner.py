@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
+from pantheon.core.kv_types import KvCacheTypes
 from workers.block_manager import BlockManager
 from workers.cache import KVCache, LayerCache, StateCache, kv_block_bytes, make_caches
 from workers.layers.attention import PrefillChunk, StepBatch
@@ -34,14 +35,16 @@ class ModelRunner:
         dtype: torch.dtype,
         num_slots: int = 8,
         checkpoints: int = 0,
+        kv_types: KvCacheTypes = KvCacheTypes(),
     ):
         self.model, self.cfg, self.blocks, self.dtype = model, cfg, blocks, dtype
         self.devices = list(dict.fromkeys(model.layer_devices))
         self.main = model.embed_tokens.weight.device
         rows = blocks.num_blocks * blocks.block_size
         self.caches: list[LayerCache] = make_caches(
-            cfg, model.layer_devices, rows, num_slots, dtype, checkpoints
+            cfg, model.layer_devices, rows, num_slots, dtype, checkpoints, kv_types
         )
+        self.kv_types = kv_types
         self.scratch_slot = num_slots  # the state slot of prompt logits computed outside the scheduler
         self.rotary = Rotary(cfg, self.main)
         # Sliding-window layers: their windows, and their own RoPE when it differs (Gemma 3)
@@ -66,6 +69,8 @@ class ModelRunner:
             return "not built yet for models with sliding-window layers"
         if any(isinstance(c, StateCache) for c in self.caches):
             return "not built yet for models with recurrent layers"
+        if self.kv_types.quantized:
+            return "not built yet for quantized KV caches (their decode runs eager)"
         c = CompiledDecode(self.model, self.caches)
 
         def tables(pos):
@@ -118,10 +123,16 @@ class ModelRunner:
         into block 0 and must be masked by the caller.
         """
         bs = self.blocks.block_size
-        nb = -(-length // bs)
-        tab = torch.tensor([t[:nb] + [0] * (nb - len(t[:nb])) for t in tables], dtype=torch.long)
+        tab = self._block_tab(tables, length)
+        nb = tab.shape[1]
         rows = tab[:, :, None] * bs + torch.arange(bs)  # [B, nb, bs]
         return rows.view(len(tables), nb * bs)[:, :length].to(self.main)
+
+    def _block_tab(self, tables: list[list[int]], length: int) -> torch.Tensor:
+        """The blocks holding positions 0..length-1 of each table: [B, nb] int64 on the CPU
+        (padding: block 0, masked by the caller)."""
+        nb = -(-length // self.blocks.block_size)
+        return torch.tensor([t[:nb] + [0] * (nb - len(t[:nb])) for t in tables], dtype=torch.long)
 
     @torch.inference_mode()
     def run(
@@ -162,7 +173,7 @@ class ModelRunner:
         cos, sin = self._cos_sin(pos_t, plan, n_decode, chunks)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
 
-        dec_gather = dec_bias = dec_slots = slot_run = None
+        dec_gather = dec_bias = dec_slots = slot_run = dec_blocks = None
         if n_decode:
             slot_ids = [s.slot for s in plan.decode]
             dec_slots = torch.tensor(slot_ids, dtype=torch.long, device=dev)
@@ -171,7 +182,12 @@ class ModelRunner:
                 slot_run = first  # recurrent layers update these states in place
             lens = [s.num_computed + 1 for s in plan.decode]
             t = max(lens)
-            dec_gather = self._gather([s.block_table for s in plan.decode], t)  # [B, T]
+            dec_tables = [s.block_table for s in plan.decode]
+            dec_blocks = self._block_tab(dec_tables, t)  # [B, nb]: attention reads whole blocks
+            bs = self.blocks.block_size
+            rows = dec_blocks[:, :, None] * bs + torch.arange(bs)
+            dec_gather = rows.view(n_decode, -1)[:, :t].to(dev)  # [B, T]
+            dec_blocks = dec_blocks.to(dev)
             if min(lens) < t:  # some rows are padded: mask their tail
                 pad = torch.arange(t, device=dev)[None, :] >= torch.tensor(lens, device=dev)[:, None]
                 dec_bias = torch.zeros(pad.shape, dtype=torch.float32, device=dev)
@@ -184,6 +200,7 @@ class ModelRunner:
 
         base = StepBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre, dec_slots, slot_run)
         base.positions = pos_t  # for layers that build their own rotary tables (Gemma 4's full ones)
+        base.decode_blocks, base.block_size = dec_blocks, self.blocks.block_size
         if self.windows:
             rot = None
             if self.sliding_rotary is not None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from workers.layers.kv_quant import KvRows, read_blocks, read_rows, write_rows
+
 
 @dataclass
 class PrefillChunk:
@@ -54,6 +56,11 @@ class StepBatch:
     # rotary tables are the sliding layers' (Gemma 3's local base). Built by the runner.
     windows: dict[int, StepBatch] = field(default_factory=dict)
     positions: torch.Tensor | None = None  # [N] int64: each row's position (layers with their own RoPE)
+    # The decode rows' block tables, [B, ceil(T / block_size)] int64 (padding: block 0), for
+    # attention that reads the paged pool by whole blocks (``decode_attention``). None: read
+    # ``decode_gather``'s rows (a ring's view, the compiled step).
+    decode_blocks: torch.Tensor | None = None
+    block_size: int = 0
 
     def to(self, dev: torch.device) -> StepBatch:
         """The same batch description on another device (layers split across dies)."""
@@ -76,6 +83,8 @@ class StepBatch:
             self.decode_slot_run,
             {w: v.to(dev) for w, v in self.windows.items()},
             mv(self.positions),
+            mv(self.decode_blocks),
+            self.block_size,
         )
 
 
@@ -87,13 +96,14 @@ def paged_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     b: StepBatch,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KvRows,
+    v_cache: KvRows,
 ) -> torch.Tensor:
     """Write the step's K/V into the cache, then attend. q: [N, H, D] (pre-scaled), k, v:
-    [N, KV, D]; k_cache, v_cache: [rows, KV, D] -> [N, H, D]."""
-    k_cache.index_copy_(0, b.slot_mapping, k)
-    v_cache.index_copy_(0, b.slot_mapping, v)
+    [N, KV, D]; k_cache, v_cache: [rows, KV, D] (or their quantized rows: written quantized,
+    read back dequantized to q's dtype) -> [N, H, D]."""
+    write_rows(k_cache, b.slot_mapping, k)
+    write_rows(v_cache, b.slot_mapping, v)
     if not b.prefills:  # the pure decode step: no copy into a shared output
         return decode_attention(q, b, k_cache, v_cache)
     out = torch.empty_like(q)  # [N, H, D]
@@ -107,8 +117,8 @@ def paged_attention(
         else:
             if hist and c.mask is None:  # built once per step, then every layer's call reuses it
                 c.mask = offset_causal_mask(hist, c.end - c.start, q.device)
-            kk = k_cache.index_select(0, c.gather).transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]
-            vv = v_cache.index_select(0, c.gather).transpose(0, 1).unsqueeze(0)
+            kk = read_rows(k_cache, c.gather, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KV, T, D]
+            vv = read_rows(v_cache, c.gather, q.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qp.transpose(0, 1).unsqueeze(0),  # [1, H, C, D]
                 kk,
@@ -135,7 +145,7 @@ PAGE = 128  # positions of a page: a query's keys split at the last multiple of 
 
 
 def _prefill_by_pages(
-    q: torch.Tensor, gather: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    q: torch.Tensor, gather: torch.Tensor, k_cache: KvRows, v_cache: KvRows
 ) -> torch.Tensor:
     """Causal attention of a prefill chunk, the last C of the T positions in ``gather`` (their
     K/V already in the cache). q: [C, H, D] (pre-scaled); gather: [T] cache rows -> [C, H, D].
@@ -154,7 +164,8 @@ def _prefill_by_pages(
     its own page's call always has the same shape (the page's keys, zero past the written
     ones), the history's the same keys (its query rows padded so that the kernel's last block
     of them is never 1-3 rows, ``_pad_rows``), and the merge runs on whole vectors
-    (``_sigmoid_exact``). So a prefix-cached prompt gets bit for bit the hidden states, and the
+    (``_sigmoid_exact``). A quantized cache's rows are dequantized into the chunk's
+    scratch K/V page by page (``PAGE`` rows at a time). So a prefix-cached prompt gets bit for bit the hidden states, and the
     greedy answer, of the uncached one, however either was chunked. The one masked call does
     not: its sums depend on how many keys and queries the call has (SmolLM2's bf16 logits of a
     prompt computed in two chunks differed from one chunk's by up to 0.9), nor does a split at
@@ -173,10 +184,14 @@ def _prefill_by_pages(
     kv = k_cache.shape[1]
     g = h // kv
     padded = -(-t // PAGE) * PAGE
-    kf = k_cache.new_empty(padded, kv, d)  # [T, KV, D] then zeros
-    vf = v_cache.new_empty(padded, kv, d)
-    torch.index_select(k_cache, 0, gather, out=kf[:t])
-    torch.index_select(v_cache, 0, gather, out=vf[:t])
+    kf = q.new_empty(padded, kv, d)  # [T, KV, D] then zeros
+    vf = q.new_empty(padded, kv, d)
+    for cache, dst in ((k_cache, kf), (v_cache, vf)):
+        if isinstance(cache, torch.Tensor):
+            torch.index_select(cache, 0, gather, out=dst[:t])
+        else:  # dequantized a page at a time: no full-width temporary beside the scratch
+            for a in range(0, t, PAGE):
+                dst[a : min(t, a + PAGE)] = read_rows(cache, gather[a : a + PAGE], q.dtype)
     kf[t:] = 0
     vf[t:] = 0
     qf = q
@@ -243,11 +258,16 @@ def _q_block(m: int) -> int:
     return 256 if m >= 768 else 64 if m >= 192 else 32
 
 
+# Positions of the paged pool a decode step reads at once (whole blocks, rounded up): the
+# group's K/V (dequantized, for a quantized cache) is the only full-width copy a decode step makes.
+DECODE_GROUP = 1024
+
+
 def decode_attention(
     q: torch.Tensor,
     b: StepBatch,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KvRows,
+    v_cache: KvRows,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One (pre-scaled) query per sequence against its cached keys. q: [B, H, D] -> [B, H, D].
@@ -256,22 +276,79 @@ def decode_attention(
     more than the arithmetic. Grouped heads share their K/V without copying them.
     ``sinks`` [H]: learned attention sinks (gpt-oss, ``workers/layers/sinks.py``), one more
     logit per head in the softmax, with no value.
+
+    With the step's block tables (``b.decode_blocks``: the paged pool) the cache is read by
+    whole blocks, ``DECODE_GROUP`` positions of every sequence at a time, in two passes: the
+    scores of each group (then one softmax over the whole row: the scores are [B, H, T], a
+    ``D``-th of the keys' size), then each group's values weighted by its probabilities,
+    summed in fp32. So no step copies (or dequantizes) a sequence's whole context at full
+    width, only one group; a context within one group takes the single-pass path, as before.
+    Without them (a sliding ring's view, the compiled step) the rows of ``b.decode_gather`` are
+    gathered at once (a ring holds at most its window).
     """
     assert b.decode_gather is not None  # a batch with decode rows has its gather
+    if b.decode_blocks is None:
+        return _decode_by_rows(q, b, k_cache, v_cache, sinks)
+    bsz, h, d = q.shape
+    kv = k_cache.shape[1]
+    g = h // kv
+    t = b.decode_gather.shape[1]
+    bs = b.block_size
+    tab = b.decode_blocks  # [B, nb]
+    nb = tab.shape[1]
+    per = max(1, DECODE_GROUP // bs)  # blocks per group
+    qg = q.reshape(bsz, kv, g, d)  # [B, KV, G, D]
+    parts = []
+    for j in range(0, nb, per):
+        blk = tab[:, j : j + per]
+        n = blk.shape[1] * bs
+        kb = read_blocks(k_cache, blk.reshape(-1), bs, q.dtype).view(bsz, n, kv, d).transpose(1, 2)
+        parts.append(torch.matmul(qg, kb.transpose(2, 3)))  # [B, KV, G, n]
+    scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))[..., :t]  # [B, KV, G, T]
+    probs = _softmax(scores, b, sinks, kv, g).to(q.dtype)
+    if nb * bs > t:  # the last block's rows past the longest sequence weigh nothing
+        probs = F.pad(probs, (0, nb * bs - t))
+    out: torch.Tensor | None = None
+    for j in range(0, nb, per):
+        blk = tab[:, j : j + per]
+        n = blk.shape[1] * bs
+        vb = read_blocks(v_cache, blk.reshape(-1), bs, q.dtype).view(bsz, n, kv, d).transpose(1, 2)
+        o = torch.matmul(probs[..., j * bs : j * bs + n], vb)  # [B, KV, G, D]
+        if nb <= per:
+            return o.view(bsz, h, d)
+        out = o.float() if out is None else out.add_(o)
+    assert out is not None
+    return out.to(q.dtype).view(bsz, h, d)
+
+
+def _softmax(scores: torch.Tensor, b: StepBatch, sinks: torch.Tensor | None, kv: int, g: int) -> torch.Tensor:
+    """fp32 probabilities of ``scores`` [B, KV, G, T] under the step's padding bias and the
+    heads' sinks (whose share goes nowhere)."""
+    if b.decode_bias is not None:
+        scores = scores + b.decode_bias  # fp32 from here; bias: [B, 1, 1, T]
+    if sinks is not None:
+        sink = sinks.float().view(1, kv, g, 1).expand(scores.shape[0], -1, -1, 1)
+        scores = torch.cat((scores.float(), sink), dim=-1)  # [B, KV, G, T + 1]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return probs[..., :-1] if sinks is not None else probs
+
+
+def _decode_by_rows(
+    q: torch.Tensor,
+    b: StepBatch,
+    k_cache: KvRows,
+    v_cache: KvRows,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``decode_attention`` over ``b.decode_gather``'s rows, gathered at once."""
+    assert b.decode_gather is not None
     bsz, h, d = q.shape
     kv = k_cache.shape[1]
     flat = b.decode_gather.reshape(-1)  # index_select: several times faster than k_cache[gather]
     t = b.decode_gather.shape[1]
-    k = k_cache.index_select(0, flat).view(bsz, t, kv, d).transpose(1, 2)  # [B, KV, T, D]
-    v = v_cache.index_select(0, flat).view(bsz, t, kv, d).transpose(1, 2)
+    k = read_rows(k_cache, flat, q.dtype).view(bsz, t, kv, d).transpose(1, 2)  # [B, KV, T, D]
+    v = read_rows(v_cache, flat, q.dtype).view(bsz, t, kv, d).transpose(1, 2)
     qg = q.reshape(bsz, kv, h // kv, d)  # [B, KV, G, D]
     scores = torch.matmul(qg, k.transpose(2, 3))  # [B, KV, G, T]
-    if b.decode_bias is not None:
-        scores = scores + b.decode_bias  # fp32 from here; bias: [B, 1, 1, T]
-    if sinks is not None:
-        sink = sinks.float().view(1, kv, h // kv, 1).expand(bsz, -1, -1, 1)
-        scores = torch.cat((scores.float(), sink), dim=-1)  # [B, KV, G, T + 1]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    if sinks is not None:
-        probs = probs[..., :-1]  # the sink's share goes nowhere
+    probs = _softmax(scores, b, sinks, kv, h // kv).to(q.dtype)
     return torch.matmul(probs, v).view(bsz, h, d)  # [B, KV, G, D]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from workers.layers.attention import StepBatch, decode_attention
+from workers.layers.kv_quant import KvRows, read_rows, write_rows
 
 _SCORES = 1 << 24  # fp32 scores per block of query rows (64 MiB)
 
@@ -59,14 +60,15 @@ def paged_sink_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     b: StepBatch,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KvRows,
+    v_cache: KvRows,
     sinks: torch.Tensor,
 ) -> torch.Tensor:
     """``paged_attention`` with sinks: write the step's K/V into the pool, then attend.
-    q: [N, H, D] (pre-scaled), k, v: [N, KV, D]; k_cache, v_cache: [rows, KV, D] -> [N, H, D]."""
-    k_cache.index_copy_(0, b.slot_mapping, k)
-    v_cache.index_copy_(0, b.slot_mapping, v)
+    q: [N, H, D] (pre-scaled), k, v: [N, KV, D]; k_cache, v_cache: [rows, KV, D] (or their
+    quantized rows) -> [N, H, D]."""
+    write_rows(k_cache, b.slot_mapping, k)
+    write_rows(v_cache, b.slot_mapping, v)
     nd = b.n_decode
     if not b.prefills:
         return decode_attention(q, b, k_cache, v_cache, sinks)
@@ -74,8 +76,8 @@ def paged_sink_attention(
     if nd:
         out[:nd] = decode_attention(q[:nd], b, k_cache, v_cache, sinks)
     for c in b.prefills:
-        kk = k_cache.index_select(0, c.gather)  # [T, KV, D]
-        vv = v_cache.index_select(0, c.gather)
+        kk = read_rows(k_cache, c.gather, q.dtype)  # [T, KV, D]
+        vv = read_rows(v_cache, c.gather, q.dtype)
         mask = None if c.mask is None else c.mask[0, 0]
         out[c.start : c.end] = attend_with_sinks(q[c.start : c.end], kk, vv, mask, sinks)
     return out
