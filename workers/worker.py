@@ -72,6 +72,7 @@ import zmq
 
 from pantheon.core import protocol as p
 from pantheon.core.description import shape_digest
+from pantheon.core.kv_types import KvCacheTypes
 from workers.devices import Die, engine_device, open_die
 from workers.errors import LoadError, RequestRejected
 from workers.native_memory import DebugReport, Trimmer, cap_caches, request_tables
@@ -622,6 +623,7 @@ class Worker:
                     quantize=msg.quantize,
                     state_checkpoint_count=msg.state_checkpoints,
                     progress=self._on_progress,
+                    kv_types=KvCacheTypes(msg.kv_cache_k, msg.kv_cache_v),  # the router sized with them
                 )
             except LoadError as e:
                 result = p.LoadFailed(
