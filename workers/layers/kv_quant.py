@@ -9,8 +9,11 @@ counts the router books; these tensors take exactly those bytes):
   each value ``min(15, trunc(x / d + 8.5))`` as a nibble, read back as ``(n - 8) * d``; two
   nibbles a byte, value i of a block in byte i's low nibble and value i + 16 in its high one
   (llama.cpp's ``block_q4_0``): data ``[rows, KV, D / 2]`` uint8;
-- ``fp8_e4m3``: one ``float8_e4m3fn`` per value, no scale (CUDA dies: ``workers/cache.py``
+- ``fp8_e4m3``: one ``float8_e4m3fn`` per value (kept as uint8 bytes), no scale (CUDA dies: ``workers/cache.py``
   refuses it elsewhere).
+
+Values are rounded against the scale as stored (fp16), which keeps each value within half a
+step of what is read back (llama.cpp rounds against the fp32 scale, then stores it rounded).
 
 Pure torch and vectorized (one pass over the rows, no Python loop over blocks), so the same
 code runs on CPUs and CUDA dies. Writing a token quantizes its rows straight into the cache
@@ -34,19 +37,20 @@ def quantize(kind: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [..., D] (any float dtype) as ``kind``: (data, scales [..., D / 32] fp16).
     fp8 has no scales: an empty tensor stands for them."""
     if kind == "fp8_e4m3":
-        return x.to(torch.float8_e4m3fn), x.new_empty(0, dtype=torch.float16)
+        # kept as its bytes: index_copy_ / index_select know uint8 on every device
+        return x.to(torch.float8_e4m3fn).view(torch.uint8), x.new_empty(0, dtype=torch.float16)
     *lead, d = x.shape
     xb = x.float().reshape(*lead, d // QBLOCK, QBLOCK)  # [..., nb, 32]
     if kind == "q8_0":
         amax = xb.abs().amax(dim=-1, keepdim=True)
-        scale = amax / 127.0
+        scale = (amax / 127.0).half().float()  # the stored scale: values rounded against it
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         q = torch.round(xb * inv).clamp_(-127, 127).to(torch.int8)
         return q.reshape(*lead, d), scale.squeeze(-1).to(torch.float16)
     if kind == "q4_0":
         idx = xb.abs().argmax(dim=-1, keepdim=True)
         m = torch.gather(xb, -1, idx)  # the block's value of largest magnitude, signed
-        scale = m / -8.0
+        scale = (m / -8.0).half().float()
         inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
         # trunc of a value >= 0.5 - tiny: floor, as llama.cpp's (int8_t) cast of a positive value
         q = torch.floor(xb * inv + 8.5).clamp_(0, 15).to(torch.uint8)  # [..., nb, 32]
@@ -58,16 +62,18 @@ def quantize(kind: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(kind: str, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``quantize``'s inverse: data [..., D or D / 2], scales [..., D / 32] -> [..., D] in ``dtype``."""
     if kind == "fp8_e4m3":
-        return data.to(dtype)
+        return data.view(torch.float8_e4m3fn).to(dtype)
     *lead, w = data.shape
     nb = scales.shape[-1]
     s = scales.float().unsqueeze(-1)  # [..., nb, 1]
+    # in place after the one fp32 copy: each fresh temporary of a group's size costs page faults
+    # (several times the arithmetic, measured on a CPU)
     if kind == "q8_0":
-        return (data.view(*lead, nb, QBLOCK).float() * s).to(dtype).view(*lead, w)
+        return data.view(*lead, nb, QBLOCK).float().mul_(s).to(dtype).view(*lead, w)
     if kind == "q4_0":
         p = data.view(*lead, nb, QBLOCK // 2)
         q = torch.cat((p & 0x0F, p >> 4), dim=-1)  # [..., nb, 32]
-        return ((q.float() - 8.0) * s).to(dtype).view(*lead, 2 * w)
+        return q.float().sub_(8.0).mul_(s).to(dtype).view(*lead, 2 * w)
     raise ValueError(f"not a quantized KV cache type: {kind!r}")
 
 
@@ -85,7 +91,7 @@ class QuantRows:
     @staticmethod
     def empty(kind: str, rows: int, kv_heads: int, dim: int, device: torch.device) -> QuantRows:
         if kind == "fp8_e4m3":
-            data = torch.zeros((rows, kv_heads, dim), dtype=torch.float8_e4m3fn, device=device)
+            data = torch.zeros((rows, kv_heads, dim), dtype=torch.uint8, device=device)  # fp8 bytes
             return QuantRows(kind, data, torch.empty(0, dtype=torch.float16, device=device), dim)
         width = dim if kind == "q8_0" else dim // 2
         dt = torch.int8 if kind == "q8_0" else torch.uint8
