@@ -2,7 +2,7 @@
 real bytes per token (``KvCacheTypes.token_bytes`` for the paged layers, sliding rings at full
 width), a head width that is not whole blocks is refused, and admission with real numbers
 (Qwen3-0.6B's shapes on a die of a fixed budget) gives a quantized cache the tokens, and so the
-sequences, that its bytes buy."""
+sequences, that its bytes buy. The last test imports torch: the worker's pool layout agrees."""
 
 from __future__ import annotations
 
@@ -102,3 +102,16 @@ def test_the_load_message_carries_k_and_v():
     assert (msg.kv_cache_k, msg.kv_cache_v) == ("q8_0", "q4_0")
     plain = LoadModel(instance="m#1", path="/m")
     assert (plain.kv_cache_k, plain.kv_cache_v) == ("auto", "auto")  # today's full-width cache
+
+
+def test_the_workers_pool_takes_the_bytes_the_router_books():
+    """The router's figure (torch-free) and the worker's layout (``workers/cache.py``) agree per
+    type, so ``kv_pool_tokens = Loaded.kv_bytes // kv_per_token`` is the pool's real size."""
+    import torch
+
+    from workers.cache import kv_block_bytes
+
+    for kv in (AUTO, Q8, Q4, KvCacheTypes("q8_0", "q4_0")):
+        for path, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            est = estimate(QWEN3_06B, cpu_path=path, kv_types=kv)
+            assert kv_block_bytes(QWEN3_06B, 16, dt, kv) == 16 * est.kv_per_token, (kv, path)
