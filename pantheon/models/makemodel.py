@@ -688,6 +688,60 @@ def gemma4_tokenizer_config(model_max_length: int) -> dict:
     return _tokenizer_config_with_specials(model_max_length, GEMMA4_MARKERS, "<turn|>", GEMMA4_CHAT_TEMPLATE)
 
 
+# Gemma's own kind of tokenizer, for the Gemma 4 presets written with ``gemma_tokenizer=True``:
+# llama.cpp's converter reads a Gemma 4 vocabulary only as one (``gguf.LlamaHfVocab``: a BPE with
+# byte fallback and a Sequence decoder) and stores it as its ``gemma4`` tokenizer model, which it
+# runs as SentencePiece-style BPE: spaces become U+2581 ("▁"), the text is split only at newline
+# runs, merges run over raw UTF-8, and a piece outside the vocabulary falls back to its <0xHH>
+# byte tokens. This one is that pipeline trained on our corpus, with the same ids as the default
+# one where it matters: ids 0-255 are the byte tokens, the learned pieces run up to
+# ``tt.BPE_VOCAB_SIZE``, then ours and Gemma 4's added tokens as in ``gemma4_tokenizer_json``.
+GEMMA_BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
+
+
+@functools.lru_cache(maxsize=1)
+def gemma4_spm_tokenizer_json() -> str:
+    """Gemma-style tokenizer (see above): deterministic, trained in a fraction of a second."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+
+    from pantheon.core.gguf import GEMMA4_SPLIT  # the split llama.cpp's gemma4 tokenizer makes
+
+    def pipeline(tok: Tokenizer) -> Tokenizer:
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(GEMMA4_SPLIT), behavior="isolated")
+        return tok
+
+    learned = pipeline(Tokenizer(models.BPE(byte_fallback=True)))
+    trainer = trainers.BpeTrainer(
+        vocab_size=tt.BPE_VOCAB_SIZE - 256, min_frequency=2, show_progress=False, special_tokens=[]
+    )
+    learned.train_from_iterator(tt.corpus_documents(), trainer)
+    model = json.loads(learned.to_str())["model"]
+    if len(model["vocab"]) != tt.BPE_VOCAB_SIZE - 256:
+        raise RuntimeError(f"BPE learned {len(model['vocab'])} tokens, wanted {tt.BPE_VOCAB_SIZE - 256}")
+    vocab = {t: i for i, t in enumerate(GEMMA_BYTE_TOKENS)}
+    vocab.update((t, 256 + i) for t, i in model["vocab"].items())
+    merges = [tuple(m) for m in model["merges"]]
+    tok = pipeline(Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=True)))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    for content, special in [*tt.ADDED_TOKENS, *((t, True) for t in GEMMA4_MARKERS)]:
+        token = AddedToken(content, special=special, normalized=False)
+        (tok.add_special_tokens if special else tok.add_tokens)([token])
+    want = {**tt.TOKEN_IDS, **GEMMA4_TOKEN_IDS}
+    if (ids := {t: tok.token_to_id(t) for t in want}) != want:
+        raise RuntimeError(f"added token ids {ids} differ from {want}")
+    return tok.to_str(pretty=True)
+
+
 # ------------------------------------------------------------------------------ embedding models
 #
 # Folders in the sentence-transformers layout (modules.json: the Transformer at the root, a
@@ -1735,6 +1789,7 @@ def make_model(
     dtype: str | None = None,
     shard_bytes: int | None = None,
     mxfp4: bool = False,
+    gemma_tokenizer: bool = False,
     **config_overrides,
 ) -> Path:
     """Write the preset's folder into `out` (created if missing) and return it (as a Path).
@@ -1745,7 +1800,8 @@ def make_model(
     ``mxfp4``: a gpt-oss folder's experts stored as MXFP4 blocks and scales, as the Hub ships them
     (``_write_mxfp4``). ``config_overrides`` replace (or add) keys of the preset's HF config, e.g.
     ``num_hidden_layers=3``, ``tie_word_embeddings=False``, ``rope_scaling={...}``; for a nested
-    (Qwen3.5 VLM) config see ``_apply_overrides``.
+    (Qwen3.5 VLM) config see ``_apply_overrides``. ``gemma_tokenizer``: a Gemma 4 folder with
+    Gemma's kind of tokenizer (``gemma4_spm_tokenizer_json``), which llama.cpp's converter takes.
     """
     config = build_config(preset, dtype=dtype, **config_overrides)
     text = text_config(config)
@@ -1771,7 +1827,8 @@ def make_model(
         (out / "tokenizer.json").write_text(gemma3_tokenizer_json(), encoding="utf-8")
         _write_json(out / "tokenizer_config.json", gemma3_tokenizer_config(text["max_position_embeddings"]))
     elif _is_gemma4(config):
-        (out / "tokenizer.json").write_text(gemma4_tokenizer_json(), encoding="utf-8")
+        spm = gemma4_spm_tokenizer_json() if gemma_tokenizer else gemma4_tokenizer_json()
+        (out / "tokenizer.json").write_text(spm, encoding="utf-8")
         _write_json(out / "tokenizer_config.json", gemma4_tokenizer_config(text["max_position_embeddings"]))
     elif _is_gpt_oss(config):
         (out / "tokenizer.json").write_text(gpt_oss_tokenizer_json(), encoding="utf-8")
@@ -1787,6 +1844,8 @@ def make_model(
         real_vocab = GPT_OSS_VOCAB_SIZE
     if mxfp4 and not _is_gpt_oss(config):
         raise ValueError("mxfp4 folders are gpt-oss's only")
+    if gemma_tokenizer and not _is_gemma4(config):
+        raise ValueError("gemma_tokenizer is for the Gemma 4 presets")
     write_weights(
         out,
         config,
