@@ -710,6 +710,7 @@ def gemma4_spm_tokenizer_json() -> str:
         models,
         normalizers,
         pre_tokenizers,
+        processors,
         trainers,
     )
 
@@ -739,7 +740,26 @@ def gemma4_spm_tokenizer_json() -> str:
     want = {**tt.TOKEN_IDS, **GEMMA4_TOKEN_IDS}
     if (ids := {t: tok.token_to_id(t) for t in want}) != want:
         raise RuntimeError(f"added token ids {ids} differ from {want}")
+    bos = tt.BOS_TOKEN  # prepended, as Gemma's tokenizer (and llama.cpp's gemma4) does
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, tt.TOKEN_IDS[bos])]
+    )
     return tok.to_str(pretty=True)
+
+
+def gemma4_spm_tokenizer_config(model_max_length: int) -> dict:
+    """``tokenizer_config.json`` for ``gemma4_spm_tokenizer_json``: Gemma's tokenizer class (so
+    transformers keeps the file's pipeline), BOS added, no mask token, and the special added
+    tokens listed (``extra_special_tokens``: what transformers, and so the converter, counts as
+    special; it still marks Gemma 4's channel markers user-defined, as for the real model)."""
+    config = gemma4_tokenizer_config(model_max_length)
+    special = [t for t, s in tt.ADDED_TOKENS if s] + GEMMA4_MARKERS
+    return config | {
+        "tokenizer_class": "GemmaTokenizer",
+        "add_bos_token": True,
+        "mask_token": None,
+        "extra_special_tokens": [t for t in special if t not in (tt.BOS_TOKEN, "<turn|>")],
+    }
 
 
 # ------------------------------------------------------------------------------ embedding models
@@ -1827,9 +1847,13 @@ def make_model(
         (out / "tokenizer.json").write_text(gemma3_tokenizer_json(), encoding="utf-8")
         _write_json(out / "tokenizer_config.json", gemma3_tokenizer_config(text["max_position_embeddings"]))
     elif _is_gemma4(config):
-        spm = gemma4_spm_tokenizer_json() if gemma_tokenizer else gemma4_tokenizer_json()
-        (out / "tokenizer.json").write_text(spm, encoding="utf-8")
-        _write_json(out / "tokenizer_config.json", gemma4_tokenizer_config(text["max_position_embeddings"]))
+        tok_json, tok_config = (
+            (gemma4_spm_tokenizer_json, gemma4_spm_tokenizer_config)
+            if gemma_tokenizer
+            else (gemma4_tokenizer_json, gemma4_tokenizer_config)
+        )
+        (out / "tokenizer.json").write_text(tok_json(), encoding="utf-8")
+        _write_json(out / "tokenizer_config.json", tok_config(text["max_position_embeddings"]))
     elif _is_gpt_oss(config):
         (out / "tokenizer.json").write_text(gpt_oss_tokenizer_json(), encoding="utf-8")
         _write_json(out / "tokenizer_config.json", gpt_oss_tokenizer_config(text["max_position_embeddings"]))

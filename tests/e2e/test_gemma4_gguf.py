@@ -21,6 +21,7 @@ The three conversions (~5 s each on an idle host, subprocesses) run at once, onc
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -258,7 +259,15 @@ def test_the_files_tokenizer_is_the_folders(files):
         a, b = ours.encode(text, add_special_tokens=False).ids, src.encode(text, add_special_tokens=False).ids
         assert a == b, text
         assert ours.decode(a, skip_special_tokens=False) == src.decode(b, skip_special_tokens=False) == text
-        assert ours.encode(text).ids == [3991, *a]  # <|endoftext|>, the folder's BOS
+        assert ours.encode(text).ids == src.encode(text).ids == [3991, *a]  # BOS: <|endoftext|>
+        assert ours.decode(a) == src.decode(b)  # the special tokens skipped alike
+    # the turn markers special, as in the folder; the channel markers plain (the converter keeps
+    # them visible for llama.cpp's chat parser)
+    special = {
+        t["content"] for t in json.loads(tokenizer_json(read_gguf(path)))["added_tokens"] if t["special"]
+    }
+    assert {"<|turn>", "<turn|>", "<|think|>", "<|im_start|>", "<|im_end|>"} <= special
+    assert not {"<|channel>", "<channel|>", "<tool_call>"} & special
 
 
 # ---------------------------------------------------------------- served
@@ -281,6 +290,8 @@ def test_a_served_q8_0_file_is_described_and_answers(files, tmp_path):
             est.kv_per_token > 0 and inst["kv_pool_tokens"] == booked["kv_bytes"] // est.kv_per_token >= 4096
         )
         assert booked["state_bytes"] > 0 and booked["state_bytes"] % est.state_per_slot == 0
+        assert inst["params"] == {"total": est.total_params, "active": est.active_params}
+        assert est.active_params < est.total_params  # two of eight experts a token
         r = s.client().chat.completions.create(
             model=name,
             messages=[{"role": "user", "content": "Say something."}],
