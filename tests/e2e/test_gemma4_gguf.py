@@ -270,6 +270,45 @@ def test_the_files_tokenizer_is_the_folders(files):
     assert not {"<|channel>", "<channel|>", "<tool_call>"} & special
 
 
+def split_gate_up(src: Path, dst: Path) -> Path:
+    """``src`` rewritten with each ``ffn_gate_up_exps`` as two stacks, ``ffn_gate_exps`` and
+    ``ffn_up_exps`` (the other layout llama.cpp's gemma4 loader takes), everything else as is."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(src)
+    w = GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if f.types[0] == GGUFValueType.ARRAY:
+            w.add_array(name, f.contents())
+        else:
+            w.add_key_value(name, f.contents(), f.types[0])
+    for t in r.tensors:
+        data = np.array(t.data)
+        if t.name.endswith("ffn_gate_up_exps.weight"):  # [E, 2I, H] in torch order: gate, then up
+            half = data.shape[1] // 2
+            w.add_tensor(t.name.replace("gate_up", "gate"), np.ascontiguousarray(data[:, :half]))
+            w.add_tensor(t.name.replace("gate_up", "up"), np.ascontiguousarray(data[:, half:]))
+        else:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.slow
+def test_separate_gate_and_up_stacks_are_the_fused_one(files, tmp_path):
+    _folder, path = files[("moe", "f32")]
+    split = split_gate_up(path, tmp_path / "split.gguf")
+    assert "blk.0.ffn_gate_exps.weight" in read_gguf(split).tensors
+    got, want = engine(split).prompt_logits(PROMPT), engine(path).prompt_logits(PROMPT)
+    assert (got - want).abs().max().item() < F32_TOL  # the same weights
+
+
 # ---------------------------------------------------------------- served
 
 

@@ -22,6 +22,8 @@ history that a later reader's queries still need (``ring_attention(write_prefill
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -417,6 +419,8 @@ GGUF_LAYER = {k: v for k, v in LLAMA_GGUF_LAYER.items() if k != "ffn_norm.weight
     "ffn_gate_inp.scale": "router.scale",
     "ffn_down_exps.scale": "router.per_expert_scale",
     "ffn_gate_up_exps.weight": "experts.gate_up_proj",  # [E, 2I, hidden]: gate rows, then up
+    "ffn_gate_exps.weight": "experts.gate_proj",  # or the two halves ([E, I, hidden]): ``join``
+    "ffn_up_exps.weight": "experts.up_proj",
     "ffn_down_exps.weight": "experts.down_proj",
     "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
     "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
@@ -426,6 +430,24 @@ GGUF_LAYER = {k: v for k, v in LLAMA_GGUF_LAYER.items() if k != "ffn_norm.weight
 
 def gguf_name(name: str) -> str | None:
     return gguf_name_from(name, GGUF_TOP, GGUF_LAYER)
+
+
+_HALVES = re.compile(r"(model\.layers\.\d+\.experts\.)(gate|up)_proj")
+
+
+def joined(name: str) -> tuple[str, str] | None:
+    """A ``gemma4`` file's experts may hold gate and up as two stacks (``ffn_gate_exps``,
+    ``ffn_up_exps``, which llama.cpp reads when there is no ``ffn_gate_up_exps``): the two parts
+    of the checkpoint's ``experts.gate_up_proj``."""
+    m = _HALVES.fullmatch(name)
+    return None if m is None else (m.group(1) + "gate_up_proj", m.group(2))
+
+
+def join(key: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """Once both halves are there: ``[E, I, H]`` gate and up stacked as ``[E, 2I, H]``."""
+    if "gate" not in parts or "up" not in parts:
+        return None
+    return iter([(key, torch.cat((parts["gate"], parts["up"]), dim=1))])
 
 
 def from_gguf(name: str, tensor: torch.Tensor, desc: ModelDescription, arch: str) -> torch.Tensor:
