@@ -552,7 +552,7 @@ _TINY_GEMMA4 = dict(
     num_global_key_value_heads=1,
     attention_k_eq_v=True,
     sliding_window=16,
-    hidden_size_per_layer_input=16,  # (torch's int8 CPU kernel crashes on K = 8)
+    hidden_size_per_layer_input=16,  # a multiple of 16: int8 layers keep torch's kernel (workers/quant.py)
     vocab_size_per_layer_input=_TINY_VOCAB,
     num_kv_shared_layers=2,
     use_double_wide_mlp=True,
@@ -1826,6 +1826,8 @@ def make_model(
     config = build_config(preset, dtype=dtype, **config_overrides)
     text = text_config(config)
     qwen35 = _is_qwen35(config)
+    if gemma_tokenizer and not _is_gemma4(config):
+        raise ValueError("gemma_tokenizer is for the Gemma 4 presets")
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1868,8 +1870,6 @@ def make_model(
         real_vocab = GPT_OSS_VOCAB_SIZE
     if mxfp4 and not _is_gpt_oss(config):
         raise ValueError("mxfp4 folders are gpt-oss's only")
-    if gemma_tokenizer and not _is_gemma4(config):
-        raise ValueError("gemma_tokenizer is for the Gemma 4 presets")
     write_weights(
         out,
         config,
@@ -1919,6 +1919,11 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--shard-bytes", type=int, help="split weights into shards of this size")
     parser.add_argument("--mxfp4", action="store_true", help="gpt-oss: experts as MXFP4 blocks and scales")
     parser.add_argument(
+        "--gemma-tokenizer",
+        action="store_true",
+        help="Gemma 4: Gemma's kind of tokenizer (what llama.cpp's converter takes)",
+    )
+    parser.add_argument(
         "--set",
         dest="overrides",
         type=_override,
@@ -1943,6 +1948,7 @@ def cli(argv: list[str]) -> int:
         dtype=args.dtype,
         shard_bytes=args.shard_bytes,
         mxfp4=args.mxfp4,
+        gemma_tokenizer=args.gemma_tokenizer,
         **dict(args.overrides),
     )
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
