@@ -34,6 +34,7 @@ from pantheon.core.archs.gemma4 import FULL, SLIDING, gguf_config
 from pantheon.core.gguf import GGUFError, GGUFFile, read_gguf, tokenizer_json
 from pantheon.core.protocol import SamplingParams
 from pantheon.core.sizing import estimate, read_shape
+from pantheon.models.assets import ModelAssets
 from workers.engine import Engine
 from workers.gguf_weights import iter_tensors
 from workers.model_config import load_config
@@ -263,6 +264,11 @@ def test_the_files_tokenizer_is_the_folders(files):
         assert ours.decode(a) == src.decode(b)  # the special tokens skipped alike
     # the turn markers special, as in the folder; the channel markers plain (the converter keeps
     # them visible for llama.cpp's chat parser)
+    # a token's own text and bytes (logprobs): U+2581 as a space, raw UTF-8, <0xHH> as its byte
+    assets = ModelAssets(path)
+    for piece, raw in (("\u2581the\u2581", b" the "), ("af\u00e9", "afé".encode()), ("<0xF0>", b"\xf0")):
+        tid = ours.token_to_id(piece)
+        assert tid is not None and assets.piece(tid)[1] == raw, piece
     special = {
         t["content"] for t in json.loads(tokenizer_json(read_gguf(path)))["added_tokens"] if t["special"]
     }
