@@ -2,8 +2,9 @@
 
 - ``Int8Linear``: each output row gets one scale (absmax / 127), so a [N, K] bf16 weight becomes
   an int8 [N, K] matrix plus N scales: about half the bytes, and decode on a CPU is bound by
-  bytes read. The CPU path uses ``torch._weight_int8pack_mm`` (int8 weights, bf16 activations);
-  elsewhere the weight is widened per call, which keeps the memory saving if not the speed.
+  bytes read. The CPU path uses ``torch._weight_int8pack_mm`` (int8 weights, bf16 activations)
+  when K (in-features) is a multiple of ``INT8_KERNEL_K``; elsewhere, and for other K, the weight
+  is widened per call, which keeps the memory saving if not the speed.
 - ``Int4Linear`` (CPU only): every 32 weights of a row get a scale and a zero (4-bit affine
   groups, what GGUF's Q4_0 / Q4_1 / Q4_K blocks are), run by torch's int4 CPU kernel
   (``_weight_int4pack_mm_for_cpu``): about a quarter of bf16's bytes. Requantizing a 4-bit
@@ -21,6 +22,11 @@ from torch import nn
 
 from pantheon.core.sizing import INT4_GROUP, int4_fits
 
+# torch's int8 CPU kernel (2.13, AVX-512) reads K in steps of 16 with no tail: probed in
+# subprocesses over K = 8..4000, it is right for every multiple of 16 (16 included) and for no other
+# K: wrong sums (K = 8, 24, 40, 136, ...) or a segfault (K = 12, 31, 100). N and M do not matter.
+INT8_KERNEL_K = 16
+
 
 class Int8Linear(nn.Module):
     weight: torch.Tensor  # buffers, declared for the type checker (nn.Module's getattr is untyped)
@@ -35,10 +41,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.to(weight.dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.kernel = self.in_features % INT8_KERNEL_K == 0  # see INT8_KERNEL_K
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, K] -> [M, N]
-        if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        if self.kernel and x.device.type == "cpu" and x.dtype == torch.bfloat16:
             y = torch._weight_int8pack_mm(x, self.weight, self.scale)  # pyright: ignore[reportPrivateImportUsage]  # the int8 CPU kernel
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scale

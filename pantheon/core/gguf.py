@@ -315,12 +315,15 @@ def _field(g: GGUFFile, key: str, kind: type = int, default: Any = ...) -> Any:
     return v
 
 
-def _per_layer(g: GGUFFile, key: str, default: Any = ...) -> int:
-    """A count that a file may also give per layer (a list): ours must all be the same."""
+def _per_layer(g: GGUFFile, key: str, default: Any = ..., *, first: bool = False) -> int:
+    """A count that a file may also give per layer (a list): ours must all be the same, unless
+    ``first`` (the family reads the list itself): then the first layer's."""
     v = g.meta.get(key)
     if not isinstance(v, list):
         return _field(g, key, default=default)
-    if len(set(v)) != 1:
+    if not v:
+        raise GGUFError("invalid", f"{g.path}: metadata field {key!r} is an empty list")
+    if len(set(v)) != 1 and not first:
         raise GGUFError(
             "unsupported", f"{g.path}: metadata field {key!r} varies per layer ({sorted(set(v))})"
         )
@@ -385,7 +388,8 @@ def hf_config(g: GGUFFile) -> dict:
         raise GGUFError(
             "unsupported", f"{g.path}: split GGUF files ({split} parts) are not supported; merge them first"
         )
-    if "rope_freqs.weight" in g.tensors:
+    own = family.gguf_own
+    if "rope_freqs.weight" in g.tensors and "rope_freqs.weight" not in own:
         raise GGUFError(
             "unsupported",
             f"{g.path}: tensor 'rope_freqs.weight' (per-dimension RoPE "
@@ -394,7 +398,9 @@ def hf_config(g: GGUFFile) -> dict:
         )
     hidden = _field(g, f"{a}.embedding_length")
     heads = _per_layer(g, f"{a}.attention.head_count")
-    kv_heads = _per_layer(g, f"{a}.attention.head_count_kv", default=heads)
+    kv_heads = _per_layer(
+        g, f"{a}.attention.head_count_kv", default=heads, first="attention.head_count_kv" in own
+    )
     head_dim = _field(g, f"{a}.attention.key_length", default=hidden // heads)
     value_dim = _field(g, f"{a}.attention.value_length", default=head_dim)
     if value_dim != head_dim:
@@ -444,7 +450,7 @@ def hf_config(g: GGUFFile) -> dict:
         "architectures": [arch_name],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": _field(g, ffn),
+        "intermediate_size": _per_layer(g, ffn, first=ffn.split(".", 1)[1] in own),
         "num_hidden_layers": _field(g, f"{a}.block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -467,6 +473,21 @@ def hf_config(g: GGUFFile) -> dict:
     if family.gguf_config is not None:
         family.gguf_config(g, raw)  # the family's own fields
     return raw
+
+
+def read_f32(g: GGUFFile, name: str) -> list[float]:
+    """A small F32 tensor's values (``rope_freqs.weight``: the family's config reads them)."""
+    t = g.tensors.get(name)
+    if t is None:
+        raise GGUFError("invalid", f"{g.path}: missing tensor {name!r}")
+    if t.type_name != "F32":
+        raise GGUFError("unsupported", f"{g.path}: tensor {name!r} is {t.type_name}, not F32")
+    with open(g.path, "rb") as f:
+        f.seek(t.offset)
+        raw = f.read(t.nbytes)
+    if len(raw) != t.nbytes:
+        raise GGUFError("invalid", f"{g.path}: truncated GGUF file: tensor {name!r}")
+    return list(struct.unpack(f"<{t.nbytes // 4}f", raw))
 
 
 # ---------------------------------------------------------------- tokenizer.json
@@ -516,6 +537,10 @@ PRE_TOKENIZERS: dict[str, str | None] = {
 }
 
 
+# llama.cpp's gemma4 pre-tokenizer: lines and newline runs
+GEMMA4_SPLIT = r"[^\n]+|[\n]+"
+
+
 def _byte_level(use_regex: bool) -> dict:
     return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
 
@@ -553,17 +578,19 @@ def _tokens(g: GGUFFile) -> list[str]:
 
 
 def tokenizer_json(g: GGUFFile) -> str:
-    """A ``tokenizers`` JSON for the file's vocabulary (``tokenizer.ggml.model`` "gpt2": byte-level
-    BPE), with the ids transformers gives it (``AutoTokenizer.from_pretrained(gguf_file=...)``):
-    tokens outside the byte alphabet respelled into it, CONTROL tokens added as special tokens and
-    USER_DEFINED ones as plain added tokens."""
+    """A ``tokenizers`` JSON for the file's vocabulary, with the ids transformers gives it
+    (``AutoTokenizer.from_pretrained(gguf_file=...)``): CONTROL tokens added as special tokens and
+    USER_DEFINED ones as plain added tokens. ``tokenizer.ggml.model`` "gpt2": byte-level BPE,
+    tokens outside the byte alphabet respelled into it; "gemma4": SentencePiece-style BPE with
+    byte fallback, tokens as they are (raw UTF-8, U+2581 for spaces, <0xHH> bytes)."""
     model = g.meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in ("gpt2", "gemma4"):
         raise GGUFError(
             "unsupported",
             f"{g.path}: metadata field 'tokenizer.ggml.model' is "
-            f"{model!r}; only 'gpt2' (byte-level BPE) is supported",
+            f"{model!r}; supported: 'gpt2' (byte-level BPE), 'gemma4' (SentencePiece-style BPE)",
         )
+    spm = model == "gemma4"
     tokens = _tokens(g)
     merges_raw = g.meta.get("tokenizer.ggml.merges")
     if not isinstance(merges_raw, list):
@@ -579,7 +606,7 @@ def tokenizer_json(g: GGUFFile) -> str:
     alphabet = set(spell.values())
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
-        key = t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))
+        key = t if spm or set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))
         vocab[key] = i
     merges = []
     for i, m in enumerate(merges_raw):
@@ -592,7 +619,11 @@ def tokenizer_json(g: GGUFFile) -> str:
         merges.append(parts)
     added = []
     for i, (t, kind) in enumerate(zip(tokens, types or ())):
-        if kind == TOKEN_CONTROL and set(t) <= alphabet or (kind == TOKEN_USER_DEFINED and vocab.get(t) == i):
+        if (
+            kind == TOKEN_CONTROL
+            and (spm or set(t) <= alphabet)
+            or (kind == TOKEN_USER_DEFINED and vocab.get(t) == i)
+        ):
             added.append(
                 {
                     "id": i,
@@ -623,34 +654,51 @@ def tokenizer_json(g: GGUFFile) -> str:
                 single.insert(0, {"SpecialToken": {"id": tok, "type_id": 0}})
                 pair.insert(0, {"SpecialToken": {"id": tok, "type_id": 0}})
                 pair.insert(2, {"SpecialToken": {"id": tok, "type_id": 1}})
+    if spm:
+        # llama.cpp's gemma4 model: spaces as U+2581, split only at newline runs, merges over raw
+        # UTF-8, pieces outside the vocabulary as their <0xHH> byte tokens (src/llama-vocab.cpp)
+        normalizer: dict | None = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+        pre_tokenizer = {
+            "type": "Split",
+            "pattern": {"Regex": GEMMA4_SPLIT},
+            "behavior": "Isolated",
+            "invert": False,
+        }
+        decoder: dict = {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+            ],
+        }
+    else:
+        normalizer, pre_tokenizer = None, _pre_tokenizer(g)
+        decoder = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    unk = _token_id(g, "unknown_token_id")
     return json.dumps(
         {
             "version": "1.0",
             "truncation": None,
             "padding": None,
             "added_tokens": added,
-            "normalizer": None,
-            "pre_tokenizer": _pre_tokenizer(g),
+            "normalizer": normalizer,
+            "pre_tokenizer": pre_tokenizer,
             "post_processor": {
                 "type": "TemplateProcessing",
                 "single": single,
                 "pair": pair,
                 "special_tokens": specials,
             },
-            "decoder": {
-                "type": "ByteLevel",
-                "add_prefix_space": True,
-                "trim_offsets": True,
-                "use_regex": True,
-            },
+            "decoder": decoder,
             "model": {
                 "type": "BPE",
                 "dropout": None,
-                "unk_token": None,
+                "unk_token": tokens[unk] if spm and unk is not None and unk < len(tokens) else None,
                 "continuing_subword_prefix": "",
                 "end_of_word_suffix": "",
-                "fuse_unk": False,
-                "byte_fallback": False,
+                "fuse_unk": spm,
+                "byte_fallback": spm,
                 "ignore_merges": False,
                 "vocab": vocab,
                 "merges": merges,

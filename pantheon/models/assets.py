@@ -71,7 +71,7 @@ class ModelAssets:
             )
             eos = eos_token_ids(g)
             self.generation_defaults = generation_defaults.from_gguf(g.meta, str(gguf_file))
-            self._byte_level = True  # the only kind tokenizer_json builds
+            self._byte_level = g.meta.get("tokenizer.ggml.model") == "gpt2"  # else gemma4's: raw UTF-8
         else:
             self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
             self.template = ChatTemplate.from_model_dir(self.path)

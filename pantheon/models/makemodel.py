@@ -552,7 +552,7 @@ _TINY_GEMMA4 = dict(
     num_global_key_value_heads=1,
     attention_k_eq_v=True,
     sliding_window=16,
-    hidden_size_per_layer_input=16,  # (torch's int8 CPU kernel crashes on K = 8)
+    hidden_size_per_layer_input=16,  # a multiple of 16: int8 layers keep torch's kernel (workers/quant.py)
     vocab_size_per_layer_input=_TINY_VOCAB,
     num_kv_shared_layers=2,
     use_double_wide_mlp=True,
@@ -686,6 +686,80 @@ def gemma4_tokenizer_json() -> str:
 def gemma4_tokenizer_config(model_max_length: int) -> dict:
     """``tokenizer_config.json`` of the Gemma 4 presets: the markers, <turn|> as EOS, the template."""
     return _tokenizer_config_with_specials(model_max_length, GEMMA4_MARKERS, "<turn|>", GEMMA4_CHAT_TEMPLATE)
+
+
+# Gemma's own kind of tokenizer, for the Gemma 4 presets written with ``gemma_tokenizer=True``:
+# llama.cpp's converter reads a Gemma 4 vocabulary only as one (``gguf.LlamaHfVocab``: a BPE with
+# byte fallback and a Sequence decoder) and stores it as its ``gemma4`` tokenizer model, which it
+# runs as SentencePiece-style BPE: spaces become U+2581 ("▁"), the text is split only at newline
+# runs, merges run over raw UTF-8, and a piece outside the vocabulary falls back to its <0xHH>
+# byte tokens. This one is that pipeline trained on our corpus, with the same ids as the default
+# one where it matters: ids 0-255 are the byte tokens, the learned pieces run up to
+# ``tt.BPE_VOCAB_SIZE``, then ours and Gemma 4's added tokens as in ``gemma4_tokenizer_json``.
+GEMMA_BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
+
+
+@functools.lru_cache(maxsize=1)
+def gemma4_spm_tokenizer_json() -> str:
+    """Gemma-style tokenizer (see above): deterministic, trained in a fraction of a second."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    from pantheon.core.gguf import GEMMA4_SPLIT  # the split llama.cpp's gemma4 tokenizer makes
+
+    def pipeline(tok: Tokenizer) -> Tokenizer:
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(GEMMA4_SPLIT), behavior="isolated")
+        return tok
+
+    learned = pipeline(Tokenizer(models.BPE(byte_fallback=True)))
+    trainer = trainers.BpeTrainer(
+        vocab_size=tt.BPE_VOCAB_SIZE - 256, min_frequency=2, show_progress=False, special_tokens=[]
+    )
+    learned.train_from_iterator(tt.corpus_documents(), trainer)
+    model = json.loads(learned.to_str())["model"]
+    if len(model["vocab"]) != tt.BPE_VOCAB_SIZE - 256:
+        raise RuntimeError(f"BPE learned {len(model['vocab'])} tokens, wanted {tt.BPE_VOCAB_SIZE - 256}")
+    vocab = {t: i for i, t in enumerate(GEMMA_BYTE_TOKENS)}
+    vocab.update((t, 256 + i) for t, i in model["vocab"].items())
+    merges = [tuple(m) for m in model["merges"]]
+    tok = pipeline(Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=True)))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    for content, special in [*tt.ADDED_TOKENS, *((t, True) for t in GEMMA4_MARKERS)]:
+        token = AddedToken(content, special=special, normalized=False)
+        (tok.add_special_tokens if special else tok.add_tokens)([token])
+    want = {**tt.TOKEN_IDS, **GEMMA4_TOKEN_IDS}
+    if (ids := {t: tok.token_to_id(t) for t in want}) != want:
+        raise RuntimeError(f"added token ids {ids} differ from {want}")
+    bos = tt.BOS_TOKEN  # prepended, as Gemma's tokenizer (and llama.cpp's gemma4) does
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, tt.TOKEN_IDS[bos])]
+    )
+    return tok.to_str(pretty=True)
+
+
+def gemma4_spm_tokenizer_config(model_max_length: int) -> dict:
+    """``tokenizer_config.json`` for ``gemma4_spm_tokenizer_json``: Gemma's tokenizer class (so
+    transformers keeps the file's pipeline), BOS added, no mask token, and the special added
+    tokens listed (``extra_special_tokens``: what transformers, and so the converter, counts as
+    special; it still marks Gemma 4's channel markers user-defined, as for the real model)."""
+    config = gemma4_tokenizer_config(model_max_length)
+    special = [t for t, s in tt.ADDED_TOKENS if s] + GEMMA4_MARKERS
+    return config | {
+        "tokenizer_class": "GemmaTokenizer",
+        "add_bos_token": True,
+        "mask_token": None,
+        "extra_special_tokens": [t for t in special if t not in (tt.BOS_TOKEN, "<turn|>")],
+    }
 
 
 # ------------------------------------------------------------------------------ embedding models
@@ -1735,6 +1809,7 @@ def make_model(
     dtype: str | None = None,
     shard_bytes: int | None = None,
     mxfp4: bool = False,
+    gemma_tokenizer: bool = False,
     **config_overrides,
 ) -> Path:
     """Write the preset's folder into `out` (created if missing) and return it (as a Path).
@@ -1745,11 +1820,14 @@ def make_model(
     ``mxfp4``: a gpt-oss folder's experts stored as MXFP4 blocks and scales, as the Hub ships them
     (``_write_mxfp4``). ``config_overrides`` replace (or add) keys of the preset's HF config, e.g.
     ``num_hidden_layers=3``, ``tie_word_embeddings=False``, ``rope_scaling={...}``; for a nested
-    (Qwen3.5 VLM) config see ``_apply_overrides``.
+    (Qwen3.5 VLM) config see ``_apply_overrides``. ``gemma_tokenizer``: a Gemma 4 folder with
+    Gemma's kind of tokenizer (``gemma4_spm_tokenizer_json``), which llama.cpp's converter takes.
     """
     config = build_config(preset, dtype=dtype, **config_overrides)
     text = text_config(config)
     qwen35 = _is_qwen35(config)
+    if gemma_tokenizer and not _is_gemma4(config):
+        raise ValueError("gemma_tokenizer is for the Gemma 4 presets")
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1771,8 +1849,13 @@ def make_model(
         (out / "tokenizer.json").write_text(gemma3_tokenizer_json(), encoding="utf-8")
         _write_json(out / "tokenizer_config.json", gemma3_tokenizer_config(text["max_position_embeddings"]))
     elif _is_gemma4(config):
-        (out / "tokenizer.json").write_text(gemma4_tokenizer_json(), encoding="utf-8")
-        _write_json(out / "tokenizer_config.json", gemma4_tokenizer_config(text["max_position_embeddings"]))
+        tok_json, tok_config = (
+            (gemma4_spm_tokenizer_json, gemma4_spm_tokenizer_config)
+            if gemma_tokenizer
+            else (gemma4_tokenizer_json, gemma4_tokenizer_config)
+        )
+        (out / "tokenizer.json").write_text(tok_json(), encoding="utf-8")
+        _write_json(out / "tokenizer_config.json", tok_config(text["max_position_embeddings"]))
     elif _is_gpt_oss(config):
         (out / "tokenizer.json").write_text(gpt_oss_tokenizer_json(), encoding="utf-8")
         _write_json(out / "tokenizer_config.json", gpt_oss_tokenizer_config(text["max_position_embeddings"]))
@@ -1836,6 +1919,11 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--shard-bytes", type=int, help="split weights into shards of this size")
     parser.add_argument("--mxfp4", action="store_true", help="gpt-oss: experts as MXFP4 blocks and scales")
     parser.add_argument(
+        "--gemma-tokenizer",
+        action="store_true",
+        help="Gemma 4: Gemma's kind of tokenizer (what llama.cpp's converter takes)",
+    )
+    parser.add_argument(
         "--set",
         dest="overrides",
         type=_override,
@@ -1860,6 +1948,7 @@ def cli(argv: list[str]) -> int:
         dtype=args.dtype,
         shard_bytes=args.shard_bytes,
         mxfp4=args.mxfp4,
+        gemma_tokenizer=args.gemma_tokenizer,
         **dict(args.overrides),
     )
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())

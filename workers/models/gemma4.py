@@ -22,6 +22,8 @@ history that a later reader's queries still need (``ring_attention(write_prefill
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -40,7 +42,9 @@ from workers.layers.sliding import ring_attention, ring_write_prefills
 from workers.models import Target
 from workers.models.base import DecoderLM
 from workers.models.gemma3 import GeGLU
-from workers.models.llama import mlp_targets, top_targets
+from workers.models.llama import GGUF_LAYER as LLAMA_GGUF_LAYER
+from workers.models.llama import GGUF_TOP as LLAMA_GGUF_TOP
+from workers.models.llama import gguf_name_from, mlp_targets, top_targets
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -393,9 +397,60 @@ def checkpoint_name(name: str) -> str | None:
     return name
 
 
+# llama.cpp's gemma4 names (its converter's Gemma4Model over the tensor map of gguf-py).
+# ``rope_freqs.weight`` is read by the description (``pantheon.core.archs.gemma4.gguf_config``);
+# it is named here so the loader knows it, and no parameter wants it.
+GGUF_TOP = {
+    **LLAMA_GGUF_TOP,
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+    "rope_freqs.weight": "rope_freqs.weight",
+}
+GGUF_LAYER = {k: v for k, v in LLAMA_GGUF_LAYER.items() if k != "ffn_norm.weight"} | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "layer_output_scale.weight": "layer_scalar",
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",  # [E, 2I, hidden]: gate rows, then up
+    "ffn_gate_exps.weight": "experts.gate_proj",  # or the two halves ([E, I, hidden]): ``join``
+    "ffn_up_exps.weight": "experts.up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+}
+
+
 def gguf_name(name: str) -> str | None:
-    return None  # no GGUF layout for Gemma 4 yet
+    return gguf_name_from(name, GGUF_TOP, GGUF_LAYER)
+
+
+_HALVES = re.compile(r"(model\.layers\.\d+\.experts\.)(gate|up)_proj")
+
+
+def joined(name: str) -> tuple[str, str] | None:
+    """A ``gemma4`` file's experts may hold gate and up as two stacks (``ffn_gate_exps``,
+    ``ffn_up_exps``, which llama.cpp reads when there is no ``ffn_gate_up_exps``): the two parts
+    of the checkpoint's ``experts.gate_up_proj``."""
+    m = _HALVES.fullmatch(name)
+    return None if m is None else (m.group(1) + "gate_up_proj", m.group(2))
+
+
+def join(key: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """Once both halves are there: ``[E, I, H]`` gate and up stacked as ``[E, 2I, H]``."""
+    if "gate" not in parts or "up" not in parts:
+        return None
+    return iter([(key, torch.cat((parts["gate"], parts["up"]), dim=1))])
 
 
 def from_gguf(name: str, tensor: torch.Tensor, desc: ModelDescription, arch: str) -> torch.Tensor:
+    """llama.cpp's ``gemma4`` conversion keeps every tensor as the checkpoint has it: its norms
+    are plain (no 1 + w, unlike Gemma 3), q and k keep their row order, the experts stay stacked."""
     return tensor

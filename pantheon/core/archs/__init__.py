@@ -29,6 +29,10 @@ class Family:
     # Fields of the family's own that a GGUF file's metadata holds, added to the config.json dict
     # that pantheon.core.gguf.hf_config builds from the fields every family has.
     gguf_config: Callable[[GGUFFile, dict], None] | None = None
+    # What that function reads itself, which hf_config would otherwise refuse: per-layer arrays of
+    # these metadata keys (without the "ARCH." prefix; hf_config then takes their first value), and
+    # these tensors (``rope_freqs.weight``).
+    gguf_own: frozenset[str] = frozenset()
 
 
 def _families() -> tuple[Family, ...]:

@@ -46,6 +46,7 @@ from pantheon.core.description import (
     pos_int,
     rope_from,
 )
+from pantheon.core.gguf import GGUFError, GGUFFile, _field, read_f32
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma4TextConfig defaults: a Hub config writes only what differs from them
@@ -317,6 +318,131 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> Gemma4Description:
     )
 
 
+_UNROTATED = 1e29  # a rope_freqs factor this large (the converter's 1e30) stops the rotation
+
+
+def gguf_config(g: GGUFFile, raw: dict) -> None:
+    """A ``gemma4`` GGUF file's own fields, as llama.cpp's converter writes them (its
+    ``Gemma4Model``) and ``src/models/gemma4*.cpp`` reads them:
+
+    - per-layer arrays: ``attention.head_count_kv`` (the full layers' KV heads) and
+      ``feed_forward_length`` (twice as wide in the KV-shared layers with ``use_double_wide_mlp``),
+      both written as ``per_layer_config`` overrides / the flag here;
+    - ``attention.key_length`` is the full layers' head dim, ``key_length_swa`` the sliding ones';
+    - the layer kinds from ``attention.sliding_window_pattern`` (booleans);
+    - the full layers' proportional RoPE as the tensor ``rope_freqs.weight``: a factor per
+      frequency, 1 for the rotated ones and 1e30 for the rest (frequency ~0: they pass through),
+      so ``partial_rotary_factor`` is the count of ones over head_dim / 2; its base
+      ``rope.freq_base``, the sliding layers' ``rope.freq_base_swa``;
+    - ``attention_k_eq_v``: no ``attn_v`` tensor in a full layer that owns its KV;
+    - ``attention.shared_kv_layers``, ``embedding_length_per_layer_input`` (0: none; the table's
+      rows are ``vocab_size_per_layer_input``), the experts (``expert_count``,
+      ``expert_used_count``, ``expert_feed_forward_length``: the 26B-A4B's MoE block)."""
+    a = g.arch
+    n = raw["num_hidden_layers"]
+    where = f"{g.path}: metadata field"
+
+    def per_layer(key: str) -> list[int]:
+        v = g.meta.get(f"{a}.{key}")
+        if isinstance(v, list):
+            if len(v) != n or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v):
+                raise GGUFError("invalid", f"{where} '{a}.{key}' must list {n} positive counts, got {v!r}")
+            return v
+        return [_field(g, f"{a}.{key}")] * n
+
+    pattern = g.meta.get(f"{a}.attention.sliding_window_pattern")
+    if not (isinstance(pattern, list) and len(pattern) == n and all(isinstance(p, bool) for p in pattern)):
+        raise GGUFError(
+            "invalid",
+            f"{where} '{a}.attention.sliding_window_pattern' must list {n} booleans, got {pattern!r}",
+        )
+    types = [SLIDING if p else FULL for p in pattern]
+    head_full = _field(g, f"{a}.attention.key_length")
+    head_swa = _field(g, f"{a}.attention.key_length_swa", default=head_full)
+    for key, want in (("value_length", head_full), ("value_length_swa", head_swa)):
+        if _field(g, f"{a}.attention.{key}", default=want) != want:
+            raise GGUFError("unsupported", f"{where} '{a}.attention.{key}' differs from the key length")
+    if _field(g, f"{a}.rope.dimension_count_swa", default=head_swa) != head_swa:
+        raise GGUFError(
+            "unsupported", f"{where} '{a}.rope.dimension_count_swa': partial RoPE on sliding layers"
+        )
+    kv = per_layer("attention.head_count_kv")
+    ffn = per_layer("feed_forward_length")
+    shared = g.meta.get(f"{a}.attention.shared_kv_layers", 0)
+    if not isinstance(shared, int) or isinstance(shared, bool) or not 0 <= shared < n:
+        raise GGUFError(
+            "invalid", f"{where} '{a}.attention.shared_kv_layers' must be in [0, {n}), got {shared!r}"
+        )
+    first_shared = n - shared
+    double = any(ffn[i] != ffn[0] for i in range(first_shared, n))
+    want_ffn = [ffn[0] * (2 if double and i >= first_shared else 1) for i in range(n)]
+    if ffn != want_ffn:
+        raise GGUFError(
+            "unsupported",
+            f"{where} '{a}.feed_forward_length' {ffn} (only the KV-shared layers may differ, twice as wide)",
+        )
+    owners = [i for i in range(first_shared) if types[i] == FULL]
+    k_eq_v = bool(owners) and all(f"blk.{i}.attn_v.weight" not in g.tensors for i in owners)
+    partial = 1.0
+    if "rope_freqs.weight" in g.tensors:
+        freqs = read_f32(g, "rope_freqs.weight")
+        rotated = sum(1 for f in freqs if f == 1.0)
+        if len(freqs) != head_full // 2 or any(f < _UNROTATED for f in freqs[rotated:]):
+            raise GGUFError(
+                "unsupported",
+                f"{g.path}: tensor 'rope_freqs.weight' is not proportional RoPE's "
+                f"(ones, then 1e30 over the rest of {head_full // 2} frequencies)",
+            )
+        partial = rotated / len(freqs)
+    ple = g.meta.get(f"{a}.embedding_length_per_layer_input", 0)
+    if not isinstance(ple, int) or isinstance(ple, bool) or ple < 0:
+        raise GGUFError(
+            "invalid", f"{where} '{a}.embedding_length_per_layer_input' must be a count, got {ple!r}"
+        )
+    ple_table = g.tensors.get("per_layer_token_embd.weight")
+    experts = g.meta.get(f"{a}.expert_count", 0)
+    raw.update(
+        layer_types=types,
+        sliding_window=_field(g, f"{a}.attention.sliding_window"),
+        head_dim=head_swa,
+        global_head_dim=head_full,
+        num_key_value_heads=kv[types.index(SLIDING)] if SLIDING in types else kv[0],
+        num_global_key_value_heads=None,
+        per_layer_config={
+            str(i): {"head_dim": head_full if t == FULL else head_swa, "num_key_value_heads": kv[i]}
+            for i, t in enumerate(types)
+        },
+        intermediate_size=ffn[0],
+        use_double_wide_mlp=double,
+        num_kv_shared_layers=shared,
+        attention_k_eq_v=k_eq_v,
+        rope_parameters={
+            SLIDING: {
+                "rope_type": "default",
+                "rope_theta": float(_field(g, f"{a}.rope.freq_base_swa", float, 10_000.0)),
+            },
+            FULL: {
+                "rope_type": "proportional",
+                "partial_rotary_factor": partial,
+                "rope_theta": raw["rope_theta"],
+            },
+        },
+        final_logit_softcapping=g.meta.get(f"{a}.final_logit_softcapping") or None,
+        hidden_activation="gelu_pytorch_tanh",
+        hidden_size_per_layer_input=ple or None,
+        vocab_size_per_layer_input=ple_table.shape[0] if ple and ple_table is not None else raw["vocab_size"],
+        enable_moe_block=bool(experts),
+    )
+    if experts:
+        raw.update(
+            num_experts=_field(g, f"{a}.expert_count"),
+            top_k_experts=_field(g, f"{a}.expert_used_count"),
+            moe_intermediate_size=_field(g, f"{a}.expert_feed_forward_length"),
+        )
+    raw.pop("rope_scaling", None)
+    raw.pop("partial_rotary_factor", None)
+
+
 FAMILY = Family(
     name="gemma4",
     hf_architectures={
@@ -324,6 +450,8 @@ FAMILY = Family(
         "Gemma4ForConditionalGeneration": "gemma4",
     },
     model_types={"gemma4": "gemma4", "gemma4_text": "gemma4"},
-    gguf_architectures={},
+    gguf_architectures={"gemma4": ("Gemma4ForCausalLM", "gemma4_text")},
     describe=describe,
+    gguf_config=gguf_config,
+    gguf_own=frozenset({"rope_freqs.weight", "attention.head_count_kv", "feed_forward_length"}),
 )
