@@ -26,12 +26,20 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pantheon.config import cli as config_cli
 from pantheon.config import ops as opsconfig
 from pantheon.config.file import merge_config_file
 from pantheon.config.settings import ConfigError, ServeConfig, build_config
+
+if TYPE_CHECKING:  # imported where used: `pantheon serve --help` and config errors stay quick
+    from hypercorn.config import Config as HcConfig
+
+    from pantheon.api.state import AppState
+    from pantheon.control.lifecycle import Models
+    from pantheon.control.registration import Registration
+    from pantheon.workerlink.pool import WorkerPool
 
 log = logging.getLogger("pantheon.serve")
 
@@ -163,127 +171,110 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(cfg: ServeConfig) -> int:
-    from hypercorn.asyncio import serve as hc_serve
-    from hypercorn.config import Config as HcConfig
-
-    from pantheon.api.app import create_app
-    from pantheon.api.state import app_state
+def _pool(cfg: ServeConfig) -> WorkerPool:
+    """The worker pool the config asks for (not started)."""
     from pantheon.control.dies import default_worker_threads
-    from pantheon.control.registration import from_config as register_from_config
-    from pantheon.control.registry import Registry
-    from pantheon.control.supervisor import Supervisor
-    from pantheon.workerlink.pool import PoolError, WorkerPool
+    from pantheon.workerlink.pool import WorkerPool
 
-    stop = asyncio.Event()  # hypercorn's shutdown trigger
-    loop = asyncio.get_running_loop()
-
-    _worker_env(cfg)
-    sock = _bind(cfg.host, cfg.port)
-    host, port = sock.getsockname()[:2]
-    registry = Registry(slots=cfg.slots, queue_depth=cfg.queue_depth, queue_timeout_s=cfg.queue_timeout_s)
-    # several CPU dies share the cores: each worker gets its share unless told otherwise
-    threads = default_worker_threads(cfg.cpu_dies, cfg.worker_threads)
-    pool = WorkerPool(
+    return WorkerPool(
         hello_timeout=cfg.hello_timeout_s,
         heartbeat_interval=cfg.heartbeat_s,
         dead_after=cfg.ops.worker_dead_after_s,
         step_timeout=cfg.ops.step_timeout_s,
-        worker_threads=threads,
+        # several CPU dies share the cores: each worker gets its share unless told otherwise
+        worker_threads=default_worker_threads(cfg.cpu_dies, cfg.worker_threads),
         remote_listen=cfg.ops.worker_listen,
         curve_dir=None if cfg.ops.worker_insecure else cfg.ops.curve_dir,
     )
-    try:
-        await pool.start()
-    except PoolError as e:  # --worker-listen's address is taken or cannot be bound
-        print(f"pantheon serve: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    if pool.remote_endpoint:
-        print(f"pantheon: remote workers join on {pool.remote_endpoint}", file=sys.stderr, flush=True)
-    app = create_app(cfg, pool, registry)
-    state = app_state(app)
-    supervisor = Supervisor(
-        state.models,
-        registry,
-        pool,
-        max_restarts=cfg.ops.worker_restarts,
-        backoff_s=cfg.ops.restart_backoff_s,
-        metrics=state.metrics,
-        feed=state.feed,
-    )
-    state.supervisor = supervisor  # requests wait for a model that restarts
-    state.models.failed_dies = lambda: supervisor.failed_dies  # no load goes round its limit
-    pool.on_worker_dead = supervisor.worker_dead
-    pool.on_worker_joined = state.models.worker_joined
-    status: dict[str, Any] = {"rc": 0}
-    registration = register_from_config(cfg, registry, host, port)
-    if registration is not None:
-        registration.start()
 
-    async def drain_and_stop() -> None:
+
+class _Stopping:
+    """How the server stops: ``stop`` is hypercorn's shutdown trigger; a first SIGINT or SIGTERM
+    drains (``drain_and_stop``), a second one leaves at once, workers too; ``rc`` is the exit code."""
+
+    def __init__(self, cfg: ServeConfig, state: AppState, registration: Registration | None):
+        self.cfg, self.state, self.registration = cfg, state, registration
+        self.stop = asyncio.Event()
+        self.rc = 0
+        self.stopping = False
+        self.drain: asyncio.Task | None = None
+
+    def fail(self) -> None:
+        self.rc = 1
+        self.stop.set()
+
+    async def drain_and_stop(self) -> None:
         # deregister first (the router stops sending), then stop admitting and let the requests
         # in flight finish up to the deadline; the rest end with an error event and [DONE]
         try:
-            if registration is not None:
-                await registration.stop()
-            registry.shut_down()  # requests still queued for a slot get 503 shutting_down now
-            await state.drain.run(state.live, cfg.ops.drain_timeout_s)
+            if self.registration is not None:
+                await self.registration.stop()
+            self.state.registry.shut_down()  # requests still queued for a slot get 503 shutting_down now
+            await self.state.drain.run(self.state.live, self.cfg.ops.drain_timeout_s)
         finally:
-            stop.set()
+            self.stop.set()
 
-    def on_signal(signum: int) -> None:
-        if status.get("stopping"):  # a second signal: leave now, workers too
-            for d in pool.dies():
+    def on_signal(self, signum: int) -> None:
+        if self.stopping:  # a second signal: leave now, workers too
+            for d in self.state.pool.dies():
                 if d.pid and not d.host:  # a remote worker's pid is not a process of this host
                     with contextlib.suppress(OSError):
                         os.kill(d.pid, signal.SIGKILL)
             os._exit(128 + signum)
-        status["stopping"] = True
+        self.stopping = True
         print(
             f"pantheon: {signal.Signals(signum).name}: draining (up to "
-            f"{cfg.ops.drain_timeout_s:g} s; a second signal exits at once)",
+            f"{self.cfg.ops.drain_timeout_s:g} s; a second signal exits at once)",
             file=sys.stderr,
             flush=True,
         )
-        status["drain"] = loop.create_task(drain_and_stop())
+        self.drain = asyncio.get_running_loop().create_task(self.drain_and_stop())
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
+    def install(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.on_signal, sig)
 
-    async def bring_up() -> None:
-        try:
-            dies = [f"cpu:{i}" for i in range(cfg.cpu_dies)]
-            if not dies:  # a GPU server: discover every device (its worker's Hello sizes it)
-                dies = [f"cuda:{i}" for i in range(_gpu_count())]
-            dies += [m.dies[0] for m in cfg.models if m.dies and m.dies[0] not in dies]
-            await asyncio.gather(*(state.models.ensure_worker(d) for d in dies))
-            for m in cfg.models:
-                if not m.preload:  # in the catalog: loaded on its first request
-                    continue
-                inst = await state.models.load(
-                    m.path,
-                    m.name,
-                    m.dies,
-                    m.quantize,
-                    slots=m.slots,
-                    max_context=m.max_context,
-                    params=m.params,
-                    embeddings=m.embeddings,
-                    kv_cache_dtype=m.kv_cache_dtype,
-                )
-                print(
-                    f"pantheon: model {inst.name} ready on {','.join(inst.dies)} ({inst.instance_id})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            print("pantheon: all models ready", file=sys.stderr, flush=True)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - report and stop the server
-            msg = getattr(e, "message", None) or str(e)
-            print(f"pantheon serve: error: startup failed: {msg}", file=sys.stderr, flush=True)
-            status["rc"] = 1
-            stop.set()
+
+async def _bring_up(cfg: ServeConfig, models: Models, stopping: _Stopping) -> None:
+    """Start a worker for every die, then load the models to preload; a failure stops the
+    server with exit code 1."""
+    try:
+        dies = [f"cpu:{i}" for i in range(cfg.cpu_dies)]
+        if not dies:  # a GPU server: discover every device (its worker's Hello sizes it)
+            dies = [f"cuda:{i}" for i in range(_gpu_count())]
+        dies += [m.dies[0] for m in cfg.models if m.dies and m.dies[0] not in dies]
+        await asyncio.gather(*(models.ensure_worker(d) for d in dies))
+        for m in cfg.models:
+            if not m.preload:  # in the catalog: loaded on its first request
+                continue
+            inst = await models.load(
+                m.path,
+                m.name,
+                m.dies,
+                m.quantize,
+                slots=m.slots,
+                max_context=m.max_context,
+                params=m.params,
+                embeddings=m.embeddings,
+                kv_cache_dtype=m.kv_cache_dtype,
+            )
+            print(
+                f"pantheon: model {inst.name} ready on {','.join(inst.dies)} ({inst.instance_id})",
+                file=sys.stderr,
+                flush=True,
+            )
+        print("pantheon: all models ready", file=sys.stderr, flush=True)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - report and stop the server
+        msg = getattr(e, "message", None) or str(e)
+        print(f"pantheon serve: error: startup failed: {msg}", file=sys.stderr, flush=True)
+        stopping.fail()
+
+
+def _hypercorn_config(sock: socket.socket) -> HcConfig:
+    from hypercorn.config import Config as HcConfig
 
     hc = HcConfig()
     hc.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the bound socket from here
@@ -293,17 +284,52 @@ async def serve(cfg: ServeConfig) -> int:
     hc.graceful_timeout = 2.0
     hc.keep_alive_timeout = 30.0
     hc.h2_max_inbound_frame_size = 1 << 20
-    print(f"pantheon: serving on http://{host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
-    loader = asyncio.create_task(bring_up())
+    return hc
+
+
+async def serve(cfg: ServeConfig) -> int:
+    """Bind, start the pool, build the app (with its supervisor), bring the workers and models
+    up behind the open socket, and serve until a signal drains us or the start-up fails."""
+    from hypercorn.asyncio import serve as hc_serve
+
+    from pantheon.api.app import create_app
+    from pantheon.api.state import app_state
+    from pantheon.control.registration import from_config as register_from_config
+    from pantheon.control.registry import Registry
+    from pantheon.workerlink.pool import PoolError
+
+    _worker_env(cfg)
+    sock = _bind(cfg.host, cfg.port)
+    host, port = sock.getsockname()[:2]
+    registry = Registry(slots=cfg.slots, queue_depth=cfg.queue_depth, queue_timeout_s=cfg.queue_timeout_s)
+    pool = _pool(cfg)
     try:
-        await hc_serve(app, hc, shutdown_trigger=stop.wait)
+        await pool.start()
+    except PoolError as e:  # --worker-listen's address is taken or cannot be bound
+        print(f"pantheon serve: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    if pool.remote_endpoint:
+        print(f"pantheon: remote workers join on {pool.remote_endpoint}", file=sys.stderr, flush=True)
+    app = create_app(cfg, pool, registry, supervised=True)
+    state = app_state(app)
+    registration = register_from_config(cfg, registry, host, port)
+    if registration is not None:
+        registration.start()
+    stopping = _Stopping(cfg, state, registration)
+    stopping.install()
+    hc = _hypercorn_config(sock)
+    print(f"pantheon: serving on http://{host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    loader = asyncio.create_task(_bring_up(cfg, state.models, stopping))
+    try:
+        await hc_serve(app, hc, shutdown_trigger=stopping.stop.wait)
     finally:
         loader.cancel()
         await asyncio.gather(loader, return_exceptions=True)
-        await supervisor.close()  # no restarts while the workers are stopped
+        if state.supervisor is not None:
+            await state.supervisor.close()  # no restarts while the workers are stopped
         await pool.close()
     print("pantheon: stopped", file=sys.stderr, flush=True)
-    return status["rc"]
+    return stopping.rc
 
 
 def cli(argv: list[str] | None = None) -> int:

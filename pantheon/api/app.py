@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from quart import Quart, request
 from werkzeug.exceptions import HTTPException
@@ -26,6 +27,8 @@ from werkzeug.exceptions import HTTPException
 from pantheon import errors
 from pantheon.api import middleware as ops
 from pantheon.api.admin.routes import bp as admin_bp
+from pantheon.api.auth import Guard
+from pantheon.api.metrics import Metrics
 from pantheon.api.ollama.routes import bp as ollama_bp
 from pantheon.api.openai.completions import bp as completions_bp
 from pantheon.api.openai.embeddings import bp as embeddings_bp
@@ -33,7 +36,7 @@ from pantheon.api.openai.responses import bp as responses_bp
 from pantheon.api.openai.routes import bp as openai_bp
 from pantheon.api.openai.tokenize import bp as tokenize_bp
 from pantheon.api.responses import error_response, json_response
-from pantheon.api.state import AppState, app_state, install_state
+from pantheon.api.state import AppState, LiveView, app_state, install_state
 from pantheon.config.settings import ServeConfig
 from pantheon.control.catalog import CONFIGURED, Catalog, CatalogEntry
 from pantheon.control.dies import DieManager
@@ -43,6 +46,7 @@ from pantheon.control.pressure import NAMES as LEVEL_NAMES
 from pantheon.control.pressure import PressureSource
 from pantheon.control.registry import Registry
 from pantheon.control.residency import Residency
+from pantheon.control.supervisor import Supervisor
 from pantheon.errors import ApiError
 from pantheon.workerlink.pool import WorkerPool
 
@@ -51,8 +55,12 @@ log = logging.getLogger("pantheon.server")
 TICK_S = 0.25  # how often the queues re-run and the dies' figures refresh
 
 
-def build_state(config: ServeConfig, pool: WorkerPool, registry: Registry) -> AppState:
-    """The app's state around ``pool`` and ``registry``: dies, pressure, feed, loads."""
+def build_state(
+    config: ServeConfig, pool: WorkerPool, registry: Registry, *, supervised: bool = False
+) -> AppState:
+    """The app's state around ``pool`` and ``registry``: every part made first (dies, pressure,
+    feed, loads, access guard, metrics, drain, body budget; with ``supervised``, the supervisor
+    that restarts dead workers, as ``pantheon serve`` has), then the state with all of them."""
     measured: dict[str, tuple[int, int]] = {}  # die -> (total, free) as its worker last measured
     pressure = PressureSource(config.pressure_thresholds, die_probe=measured.get)
     dies = DieManager(
@@ -65,17 +73,15 @@ def build_state(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Ap
     registry.pressure = pressure.level
     feed = Feed()
     live: set = set()
-    models = Models(config, pool, registry, dies, feed, live)
-    level_seen = [0]
-
-    def note_pressure() -> None:
-        """A change of the overall pressure level becomes an event (the tick, the test seam)."""
-        level = pressure.level(d.id for d in dies.dies())
-        if level != level_seen[0]:
-            feed.event("pressure", f"memory pressure {LEVEL_NAMES[level_seen[0]]} -> {LEVEL_NAMES[level]}")
-            level_seen[0] = level
-
-    state = AppState(
+    failed_dies: set[str] = set()  # the supervisor adds the dies it gives up on
+    models = Models(config, pool, registry, dies, feed, live, failed_dies=failed_dies)
+    view = LiveView(registry, pool, dies, pressure, failed_dies)
+    bodies = ops.BodyBudget(config.body_in_flight_limit, config.max_body_bytes)
+    metrics = Metrics(view, bodies)
+    supervisor = (
+        _supervisor(config, pool, registry, models, metrics, feed, failed_dies) if supervised else None
+    )
+    return AppState(
         config=config,
         pool=pool,
         registry=registry,
@@ -84,7 +90,7 @@ def build_state(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Ap
         feed=feed,
         models=models,
         live=live,
-        note_pressure=note_pressure,
+        note_pressure=_pressure_notes(pressure, dies, feed),
         measured=measured,
         residency=Residency(
             Catalog(_entries(config), config.ops.models_dirs),
@@ -94,8 +100,53 @@ def build_state(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Ap
             keep_alive_s=config.keep_alive_s,
             models_max=config.models_max,
         ),
+        view=view,
+        guard=Guard(config.ops),
+        metrics=metrics,
+        drain=ops.Drain(),
+        bodies=bodies,
+        supervisor=supervisor,
     )
-    return state
+
+
+def _pressure_notes(pressure: PressureSource, dies: DieManager, feed: Feed) -> Callable[[], None]:
+    """``note_pressure``: a change of the overall pressure level becomes an event (the tick,
+    the test seam)."""
+    level_seen = [0]
+
+    def note_pressure() -> None:
+        level = pressure.level(d.id for d in dies.dies())
+        if level != level_seen[0]:
+            feed.event("pressure", f"memory pressure {LEVEL_NAMES[level_seen[0]]} -> {LEVEL_NAMES[level]}")
+            level_seen[0] = level
+
+    return note_pressure
+
+
+def _supervisor(
+    config: ServeConfig,
+    pool: WorkerPool,
+    registry: Registry,
+    models: Models,
+    metrics: Metrics,
+    feed: Feed,
+    failed_dies: set[str],
+) -> Supervisor:
+    """The supervisor of ``pantheon serve``: requests wait for a model that restarts, and no load
+    goes round its restart limit (``failed_dies``). The pool, made before, reports to it."""
+    supervisor = Supervisor(
+        models,
+        registry,
+        pool,
+        max_restarts=config.ops.worker_restarts,
+        backoff_s=config.ops.restart_backoff_s,
+        metrics=metrics,
+        feed=feed,
+        failed_dies=failed_dies,
+    )
+    pool.on_worker_dead = supervisor.worker_dead
+    pool.on_worker_joined = models.worker_joined
+    return supervisor
 
 
 def _entries(config: ServeConfig) -> list[CatalogEntry]:
@@ -137,12 +188,14 @@ async def _tick(state: AppState) -> None:
             log.exception("the registry tick failed")
 
 
-def create_app(config: ServeConfig, pool: WorkerPool, registry: Registry) -> Quart:
+def create_app(
+    config: ServeConfig, pool: WorkerPool, registry: Registry, *, supervised: bool = False
+) -> Quart:
     app = Quart("pantheon")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60
-    state = build_state(config, pool, registry)
+    state = build_state(config, pool, registry, supervised=supervised)
     install_state(app, state)
     app.register_blueprint(openai_bp)
     app.register_blueprint(tokenize_bp)

@@ -39,7 +39,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pantheon.logs import RequestTrace
 
 if TYPE_CHECKING:
-    from pantheon.api.state import AppState
+    from pantheon.api.middleware import BodyBudget
+    from pantheon.api.state import LiveView
     from pantheon.control.live import Projection
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so percentiles line up across servers.
@@ -131,18 +132,17 @@ class _ModelSums:
 class _Live:
     """The collector of the gauges, read from the app's state at scrape time."""
 
-    def __init__(self, state: AppState, metrics: Metrics):
+    def __init__(self, state: LiveView, metrics: Metrics):
         self.state, self.metrics = state, metrics
 
     def describe(self):
         return []
 
     def collect(self):
-        bodies = getattr(self.state, "bodies", None)  # set by the middleware
         held = GaugeMetricFamily(
             "pantheon_body_bytes_in_flight",
             "Request-body bytes the router holds (received, not yet parsed).",
-            value=bodies.in_flight if bodies is not None else 0,
+            value=self.metrics.bodies.in_flight,
         )
         yield held
         live = self.state.project()
@@ -303,8 +303,8 @@ class _Live:
 class Metrics:
     """The app's metrics: ``render()`` for the route, ``observe()`` per finished request."""
 
-    def __init__(self, state: AppState):
-        self.state = state
+    def __init__(self, state: LiveView, bodies: BodyBudget):
+        self.state, self.bodies = state, bodies
         r = self.registry = CollectorRegistry(auto_describe=True)
         m = ["model_name"]
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", m, registry=r)

@@ -370,8 +370,7 @@ class OpsMiddleware:
 
     def __init__(self, inner, state: AppState, origins: Origins):
         self.inner, self.state, self.origins = inner, state, origins
-        cfg = state.config
-        self.bodies = state.bodies = BodyBudget(cfg.body_in_flight_limit, cfg.max_body_bytes)
+        self.bodies = state.bodies
         self.trimmer = Trimmer()
 
     async def __call__(self, scope, receive, send):
@@ -494,9 +493,7 @@ async def _drop_body(receive) -> None:
 def install(app: Quart) -> None:
     """Wire the access rules, /metrics, the middleware and the feed follower into ``app``."""
     state = app_state(app)
-    guard = state.guard = auth.Guard(state.config.ops)
-    metrics = state.metrics = Metrics(state)
-    state.drain = Drain()
+    guard, metrics = state.guard, state.metrics
 
     origins = Origins(state.config.cors_origins, state.config.host, state.config.ops.admin_key is not None)
 

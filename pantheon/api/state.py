@@ -1,13 +1,13 @@
 """``AppState``: everything one router app holds, typed, built once by ``create_app``.
 
 A route, the middleware or ``pantheon serve`` reaches it through ``app_state()`` (inside a
-request) or ``app_state(app)``; nothing else is kept on the Quart app. Who sets what:
-
-- ``create_app`` (``pantheon.api.app``): the config, the pool and registry it was given, and
-  the die manager, pressure source, feed and loads/unloads (``Models``) it makes for them;
-- ``middleware.install``: the access guard, the metrics and the drain (graceful shutdown);
-- ``pantheon serve``: the supervisor, once the workers are up (tests without one leave it None:
-  a worker death then fails the requests on it and nothing restarts it).
+request) or ``app_state(app)``; nothing else is kept on the Quart app. ``build_state``
+(``pantheon.api.app``) makes every part first, then the ``AppState`` with all of them: the
+config, the pool and registry it was given; the die manager, pressure source, feed and
+loads/unloads (``Models``) around them; the access guard, the metrics, the drain (graceful
+shutdown) and the request-body budget that ``middleware.install`` wires into the app; and, for
+``pantheon serve``, the supervisor (tests without one leave it None: a worker death then fails
+the requests on it and nothing restarts it).
 """
 
 from __future__ import annotations
@@ -41,6 +41,21 @@ if TYPE_CHECKING:
 _KEY = "pantheon"
 
 
+@dataclass(frozen=True, eq=False)
+class LiveView:
+    """The live parts read together (``project()``): what the admin views, the snapshot and
+    the metrics show. ``failed_dies``: the dies the supervisor gave up on (it adds to the set)."""
+
+    registry: Registry
+    pool: WorkerPool
+    dies: DieManager
+    pressure: PressureSource
+    failed_dies: set[str]
+
+    def project(self) -> Projection:
+        return project(self.registry, self.pool, self.dies, self.pressure, self.failed_dies)
+
+
 @dataclass(eq=False)
 class AppState:
     config: ServeConfig
@@ -53,22 +68,20 @@ class AppState:
     live: set[Generation]  # generations in flight, ended at once on shutdown
     note_pressure: Callable[[], None]  # a change of the overall pressure level becomes an event
     residency: Residency  # load on first request, keep-alive, eviction
+    view: LiveView
+    guard: Guard
+    metrics: Metrics
+    drain: Drain
+    bodies: BodyBudget  # request-body bytes in flight (--max-body-in-flight)
     # die -> (total, free) bytes as its worker last measured (the tick copies them from the
     # pool): what the pressure of a CUDA die is computed from
     measured: dict[str, tuple[int, int]] = field(default_factory=dict)
-    # set by middleware.install:
-    guard: Guard = field(init=False)
-    metrics: Metrics = field(init=False)
-    drain: Drain = field(init=False)
-    bodies: BodyBudget = field(init=False)  # request-body bytes in flight (--max-body-in-flight)
-    # set by pantheon serve:
-    supervisor: Supervisor | None = None
+    supervisor: Supervisor | None = None  # pantheon serve's: restarts dead workers
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)  # background tasks by name
 
     def project(self) -> Projection:
         """The live state read once: what the admin views, the snapshot and metrics show."""
-        failed = self.supervisor.failed_dies if self.supervisor is not None else frozenset()
-        return project(self.registry, self.pool, self.dies, self.pressure, failed)
+        return self.view.project()
 
     def snapshot(self) -> st.Snapshot:
         return snapshot(self.project(), self.feed, self.pressure, self.registry.queue_depth, self.residency)

@@ -169,6 +169,59 @@ class OutputScanner:
         return finish_reason(bool(self.tool_calls), reason)
 
     def _process(self, *, final: bool) -> None:
+        """Scan the carry: a parser's own step first (``_step``: a part read its own way, such
+        as a header), then the first of ``_needles()`` in it: the text before it is emitted
+        (``_text``), a stop string stops, a marker goes to ``_marker``. With none, emit all but
+        what could still begin a needle; at the end, all but a marker the output was cut in
+        (``_cut_marker``: markup, not text)."""
+        while not self.stopped:
+            step = self._step(final)
+            if step is False:
+                return
+            if step:
+                continue
+            needles = self._needles()
+            match = first_match(self._buf, needles)
+            if match is not None:
+                start, needle, is_stop = match
+                self._text(self._buf[:start])
+                self._buf = self._buf[start + len(needle) :]
+                if is_stop:
+                    self._stop(needle)
+                    return
+                self._marker(needle)
+                continue
+            if final:
+                self._buf = self._buf[: len(self._buf) - self._cut_marker(needles)]
+            keep = 0 if final else carry_len(self._buf, needles)
+            self._text(self._buf[: len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep :]
+            return
+
+    def _step(self, final: bool) -> bool | None:
+        """A parser's own reading of the carry before the needles: None when the state has none,
+        True when it read something (scan again), False while it waits for more text."""
+        return None
+
+    def _cut_marker(self, needles: Sequence[tuple[str, bool]]) -> int:
+        """How many characters at the end of the carry begin one of the markers (2 or more)."""
+        markers = [n for n, is_stop in needles if not is_stop]
+        return max((k for m in markers for k in range(2, len(m)) if self._buf.endswith(m[:k])), default=0)
+
+    def _stop(self, stop: str) -> None:
+        self.stopped = True
+        self.stop_string = stop
+        self._buf = ""
+        self._end_of_text()
+
+    def _needles(self) -> list[tuple[str, bool]]:
+        """The strings that change something in the current state, with whether each is a stop."""
+        raise NotImplementedError
+
+    def _text(self, text: str) -> None:
+        raise NotImplementedError
+
+    def _marker(self, marker: str) -> None:
         raise NotImplementedError
 
     def _end_of_text(self) -> None:
@@ -232,33 +285,14 @@ class Emitter(OutputScanner):
             needles.append((TOOL_CLOSE, False))
         return needles
 
-    def _process(self, *, final: bool) -> None:
-        while not self.stopped:
-            if self._state == _START:
-                if not self._decide_start(final):
-                    return
-                continue
-            needles = self._needles()
-            match = first_match(self._buf, needles)
-            if match is not None:
-                start, needle, is_stop = match
-                self._text(self._buf[:start])
-                self._buf = self._buf[start + len(needle) :]
-                if is_stop:
-                    self._stop(needle)
-                    return
-                self._marker(needle)
-                continue
-            if final and self._state == _CONTENT and self.tools_enabled:
-                # the output ended inside the marker itself (``<tool_ca``): markup, not content
-                tail = next(
-                    (k for k in range(len(TOOL_OPEN) - 1, 1, -1) if self._buf.endswith(TOOL_OPEN[:k])), 0
-                )
-                self._buf = self._buf[: len(self._buf) - tail]
-            keep = 0 if final else carry_len(self._buf, needles)
-            self._text(self._buf[: len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep :]
-            return
+    def _step(self, final: bool) -> bool | None:
+        return self._decide_start(final) if self._state == _START else None
+
+    def _cut_marker(self, needles: Sequence[tuple[str, bool]]) -> int:
+        # the output ended inside the marker itself (``<tool_ca``): markup, not content
+        if self._state != _CONTENT or not self.tools_enabled:
+            return 0
+        return max((k for k in range(2, len(TOOL_OPEN)) if self._buf.endswith(TOOL_OPEN[:k])), default=0)
 
     def _decide_start(self, final: bool) -> bool:
         """A reasoning model's output may begin (after whitespace) with ``<think>``. Returns False
@@ -317,12 +351,6 @@ class Emitter(OutputScanner):
             self._state = _CONTENT
             if self._close_tool(closed=True):
                 self._skip_ws = True
-
-    def _stop(self, stop: str) -> None:
-        self.stopped = True
-        self.stop_string = stop
-        self._buf = ""
-        self._end_of_text()
 
     def _end_of_text(self) -> None:
         """End of the text (stop string or finish): settle what is still open."""

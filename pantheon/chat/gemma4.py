@@ -44,7 +44,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from .emitter import Delta, OutputScanner, carry_len, first_match
+from .emitter import Delta, OutputScanner
 from .tools import ParsedToolCall, new_call_id
 
 __all__ = [
@@ -346,34 +346,10 @@ class Gemma4Parser(OutputScanner):
             markers += [CALL_OPEN, CALL_CLOSE, QUOTE]
         return needles + [(m, False) for m in markers]
 
-    def _process(self, *, final: bool) -> None:
-        while not self.stopped and not self._ended:
-            if self._state == _NAME:
-                if not self._channel_name(final):
-                    return
-                continue
-            needles = self._needles()
-            match = first_match(self._buf, needles)
-            if match is not None:
-                start, needle, is_stop = match
-                self._text(self._buf[:start])
-                self._buf = self._buf[start + len(needle) :]
-                if is_stop:
-                    self.stopped, self.stop_string, self._buf = True, needle, ""
-                    self._end_of_text()
-                    return
-                self._marker(needle)
-                continue
-            if final:  # the output ended inside a marker (``<|tool_ca``): markup, not text
-                markers = [n for n, is_stop in needles if not is_stop]
-                tail = max(
-                    (k for m in markers for k in range(2, len(m)) if self._buf.endswith(m[:k])), default=0
-                )
-                self._buf = self._buf[: len(self._buf) - tail]
-            keep = 0 if final else carry_len(self._buf, needles)
-            self._text(self._buf[: len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep :]
-            return
+    def _step(self, final: bool) -> bool | None:
+        if self._ended:
+            return False
+        return self._channel_name(final) if self._state == _NAME else None
 
     def _channel_name(self, final: bool) -> bool:
         """After ``<|channel>``: drop the channel's name line. False while it is still open."""

@@ -48,7 +48,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from .emitter import Delta, OutputScanner, carry_len, first_match
+from .emitter import Delta, OutputScanner, first_match
 from .tools import new_call_id
 
 __all__ = ["FINAL_OPENING", "HARMONY_MARKERS", "HarmonyParser", "MAX_HEADER"]
@@ -138,34 +138,15 @@ class HarmonyParser(OutputScanner):
 
     # -------------------------------------------------------------- the scanner
 
-    def _process(self, *, final: bool) -> None:
-        while not self.stopped:
-            if self._state == _HEADER:
-                if not self._header_step(final):
-                    return
-                continue
-            needles = [(s, True) for s in self._stops] + [(m, False) for m in _BODY_ENDS]
-            match = first_match(self._buf, needles)
-            if match is not None:
-                start, needle, is_stop = match
-                self._text(self._buf[:start])
-                self._buf = self._buf[start + len(needle) :]
-                if is_stop:
-                    self.stopped, self.stop_string, self._buf = True, needle, ""
-                    self._end_of_text()
-                    return
-                self._close_message()
-                self._role_next = needle == START
-                continue
-            if final:  # the output ended inside an end marker (``<|en``): markup, not text
-                tail = max(
-                    (k for m in _BODY_ENDS for k in range(2, len(m)) if self._buf.endswith(m[:k])), default=0
-                )
-                self._buf = self._buf[: len(self._buf) - tail]
-            keep = 0 if final else carry_len(self._buf, needles)
-            self._text(self._buf[: len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep :]
-            return
+    def _step(self, final: bool) -> bool | None:
+        return self._header_step(final) if self._state == _HEADER else None
+
+    def _needles(self) -> list[tuple[str, bool]]:
+        return [(s, True) for s in self._stops] + [(m, False) for m in _BODY_ENDS]
+
+    def _marker(self, marker: str) -> None:
+        self._close_message()
+        self._role_next = marker == START
 
     def _header_step(self, final: bool) -> bool:
         """Read the header in the carry. Returns False while it is still open."""

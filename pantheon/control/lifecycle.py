@@ -43,14 +43,15 @@ from typing import Protocol
 
 from pantheon import errors
 from pantheon.config.settings import ServeConfig
-from pantheon.control.dies import Booking, DieManager, booked_of, booking
+from pantheon.control.dies import DieManager, booked_of
 from pantheon.control.feed import Feed
+from pantheon.control.load_sizing import LoadSizing
 from pantheon.control.registry import DRAINING, FAILED, LOADING, READY, Instance, Registry
 from pantheon.core.description import ModelDescription, shape_digest
 from pantheon.core.gguf import GGUFError, find_gguf, served_name
 from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import Loaded, LoadModel, die_host, die_kind
-from pantheon.core.sizing import SizingError, estimate, read_shape, state_checkpoints, state_pool_slots
+from pantheon.core.sizing import SizingError, estimate, read_shape, state_checkpoints
 from pantheon.errors import ApiError
 from pantheon.models import generation_defaults
 from pantheon.models.assets import ModelAssets
@@ -62,6 +63,31 @@ DEFAULT_DRAIN_S = 30.0
 _END_GRACE_S = 2.0  # after ending the requests past the deadline, how long their ends may take
 FAILURES_KEPT = 16
 FAILURE_SHOWN_S = 600.0  # a failed load stays visible in GET /admin/models this long
+
+
+def _read_model(path: str) -> ModelDescription:
+    """The description of the model at ``path`` (a folder with a ``config.json``, a ``.gguf``
+    file or a folder with one); a path that is none of those is a 404, one that does not read
+    a 400."""
+    try:
+        gguf_file = find_gguf(path)
+    except GGUFError as e:  # a folder with several .gguf files
+        raise errors.unreadable_model(e.kind, e.reason) from None
+    if gguf_file is None and (
+        not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json"))
+    ):
+        why = (
+            "it is a file but not a .gguf file"
+            if os.path.isfile(path)
+            else "it needs a config.json or a .gguf file"
+            if os.path.isdir(path)
+            else "nothing there; give a folder with a config.json, a .gguf file or a folder with one"
+        )
+        raise errors.no_model_folder(path, why)
+    try:
+        return read_shape(path)
+    except SizingError as e:
+        raise errors.unreadable_model(e.kind, e.reason) from None
 
 
 class Endable(Protocol):
@@ -83,6 +109,7 @@ class Models:
         dies: DieManager,
         feed: Feed,
         live: Collection[Endable],
+        failed_dies: Collection[str] = (),
     ):
         self.config, self.pool, self.registry = config, pool, registry
         self.dies, self.feed, self.live = dies, feed, live
@@ -98,7 +125,7 @@ class Models:
         self.holders: Callable[[str], str] = lambda name: ""
         # dies the supervisor gave up on (more deaths than --worker-restarts): nothing is
         # placed there, or a load would start their worker again round the restart limit
-        self.failed_dies: Callable[[], Collection[str]] = lambda: ()
+        self.failed_dies = failed_dies
 
     # ------------------------------------------------------------ workers
 
@@ -178,25 +205,7 @@ class Models:
             params = generation_defaults.check_params(params)
         except ValueError as e:
             raise errors.invalid_param("params", f"'params': {e}") from None
-        try:
-            gguf_file = find_gguf(path)
-        except GGUFError as e:  # a folder with several .gguf files
-            raise errors.unreadable_model(e.kind, e.reason) from None
-        if gguf_file is None and (
-            not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json"))
-        ):
-            why = (
-                "it is a file but not a .gguf file"
-                if os.path.isfile(path)
-                else "it needs a config.json or a .gguf file"
-                if os.path.isdir(path)
-                else "nothing there; give a folder with a config.json, a .gguf file or a folder with one"
-            )
-            raise errors.no_model_folder(path, why)
-        try:
-            shape = read_shape(path)
-        except SizingError as e:
-            raise errors.unreadable_model(e.kind, e.reason) from None
+        shape = _read_model(path)
         kv_types = kv_cache_dtype or self.config.kv_types
         why = shape.kv_types_problem(kv_types)
         if why:
@@ -211,115 +220,14 @@ class Models:
         for die in dies:
             if die_kind(die) == "cuda" or die_host(die):  # its worker's Hello tells the die's size
                 await self._start(die)
-        cfg = self.config
-        limit = shape.context_limit
-        mml = min(max_context or cfg.max_model_len or limit, limit)
-        ctx = min(cfg.admit_ctx, mml)
-
-        works = {d.die: d.cpu_paths for d in self.pool.dies() if d.cpu_paths}
-
-        def sized(first: str):
-            # On a CPU die the worker picks the path at load: book the largest it may pick
-            # (phase 4 sizes with the real one)
-            return estimate(
-                shape,
-                dtype=cfg.dtype,
-                quantize=quantize,
-                cpu=die_kind(first) == "cpu",
-                cpu_works=works.get(first),
-                kv_types=kv_types,
-            )
-
-        n_slots = slots or cfg.slots
-        checkpoints = state_checkpoints(n_slots, cfg.state_checkpoints)
-        needs: dict[tuple[str, ...], dict[str, Booking]] = {}
-
-        def need(ds: tuple[str, ...]) -> dict[str, Booking]:
-            """What a load books on ``ds`` (weights, KV pool, state pool), decided once per die
-            set (booking it must not shrink the next answer)."""
-            if ds not in needs:
-                est = sized(ds[0])
-                # the state pools: a state per slot, a scratch one and the prefix cache's
-                # checkpoints (0 bytes for a model without recurrent layers)
-                state = state_pool_slots(n_slots, checkpoints) * est.state_per_slot
-                kv = cfg.kv_budget or est.kv_for(
-                    context=mml, floor=ctx, room_tokens=room_tokens(est, ds, state)
-                )
-                needs[ds] = booking(est, ds, kv=kv, state=state)
-            return needs[ds]
-
-        def room_tokens(est, ds: tuple[str, ...], state: int) -> int:
-            """KV tokens the dies can give this load: each die's free memory less its share of
-            the weights and of the state pools, times the KV fraction, over its share of the
-            pool."""
-            full = booking(est, ds, kv=est.kv_pool(mml), state=state)
-            tokens = mml
-            for die_id, (w, kv, st) in full.items():
-                d = self.dies.get(die_id)
-                if d is None or not d.known or not kv:
-                    continue  # a CUDA die learns its size from its worker's Hello
-                room = max(0, int((self.dies.free(d) - w - st) * cfg.kv_fraction))
-                tokens = min(tokens, room * mml // kv)
-            return tokens
-
-        while True:
-            await self._room_by_count(name)
-            self._check_new(name, dies)  # an eviction awaited: another load may have started
-            # phase 1: the name is taken (507 when the table is full)
-            inst = self.registry.reserve(name, path, dies, slots=n_slots)
-            try:
-                # phase 2: place and book, synchronously: no other load can take the same bytes
-                alive = {d.die for d in self.pool.dies() if d.alive}
-                failed = set(self.failed_dies())
-                cands = [
-                    d.id
-                    for d in self.dies.dies()
-                    if d.known
-                    and d.id not in failed
-                    and ((d.kind == "cpu" and not d.remote) or d.id in alive)
-                ]
-                inst.dies = self.dies.place(need, dies, cands)
-                local = [d for d in inst.dies if not die_host(d)]
-                if worker_path and local:  # the router's own workers read the router's own files
-                    raise errors.invalid_param(
-                        "worker_path",
-                        f"'worker_path' applies to dies on other hosts only; this load is placed on "
-                        f"{', '.join(local)}: leave it out (or name remote dies in 'dies')",
-                    )
-                self.dies.book(inst.instance_id, need(inst.dies))
-                break
-            except ApiError as e:
-                self.registry.discard(inst)
-                if e.status != 507 or e.code == "table_full":
-                    raise
-                # no die has room: unload an idle model and try again, else say what holds it
-                if self.make_room is None or not await self.make_room(name):
-                    raise self._no_room(e, name) from None
-                needs.clear()  # the free memory changed: size again
-            except BaseException:
-                self.registry.discard(inst)
-                raise
-        inst.quantize, inst.max_model_len, inst.load_progress = quantize, mml, 0.0
+        sizing = self._sizing(shape, quantize, slots, max_context, kv_types)
+        inst = await self._reserve_and_place(name, path, dies, sizing, worker_path)
+        inst.quantize, inst.max_model_len, inst.load_progress = quantize, sizing.mml, 0.0
         inst.kv_types = kv_types
         inst.params = params
         inst.embeddings = embeddings
-        inst.estimate, inst.shape = sized(inst.die), shape
-        kv_bytes = sum(b[1] for b in need(inst.dies).values())  # the KV pool alone
-        inst.load_msg = LoadModel(
-            instance=inst.instance_id,
-            path=worker_path or os.path.abspath(path),  # worker_path: the worker's host's copy
-            dtype=cfg.dtype,
-            devices=list(inst.dies),
-            kv_budget_bytes=kv_bytes,
-            num_slots=inst.gate.slots,
-            prefill_chunk=cfg.prefill_chunk,
-            step_target_s=cfg.ops.step_target_s,
-            max_model_len=mml,
-            quantize=quantize,
-            state_checkpoints=checkpoints,
-            kv_cache_k=kv_types.k,
-            kv_cache_v=kv_types.v,
-        )
+        inst.estimate, inst.shape = sizing.estimate(inst.die), shape
+        inst.load_msg = self._load_message(inst, worker_path or os.path.abspath(path), sizing)
         self.feed.event(
             "load",
             f"loading {path} as {inst.instance_id} on {','.join(inst.dies)}",
@@ -333,6 +241,96 @@ class Models:
         self._pending[name] = task
         task.add_done_callback(self._load_done)
         return inst, task
+
+    def _sizing(
+        self,
+        shape: ModelDescription,
+        quantize: bool,
+        slots: int | None,
+        max_context: int | None,
+        kv_types: KvCacheTypes,
+    ) -> LoadSizing:
+        """How this load is sized: its context, its slots, what the workers' CPU paths allow."""
+        cfg = self.config
+        limit = shape.context_limit
+        mml = min(max_context or cfg.max_model_len or limit, limit)
+        n_slots = slots or cfg.slots
+        return LoadSizing(
+            shape=shape,
+            config=cfg,
+            dies=self.dies,
+            quantize=quantize,
+            mml=mml,
+            floor=min(cfg.admit_ctx, mml),
+            n_slots=n_slots,
+            checkpoints=state_checkpoints(n_slots, cfg.state_checkpoints),
+            cpu_works={d.die: d.cpu_paths for d in self.pool.dies() if d.cpu_paths},
+            kv_types=kv_types,
+        )
+
+    async def _reserve_and_place(
+        self, name: str, path: str, dies: tuple[str, ...], sizing: LoadSizing, worker_path: str | None
+    ) -> Instance:
+        """Phases 1 and 2: reserve the name, place the instance and book its bytes; with no
+        room, evict an idle model (``make_room``) and try again, else say what holds it."""
+        while True:
+            await self._room_by_count(name)
+            self._check_new(name, dies)  # an eviction awaited: another load may have started
+            # phase 1: the name is taken (507 when the table is full)
+            inst = self.registry.reserve(name, path, dies, slots=sizing.n_slots)
+            try:
+                # phase 2: place and book, synchronously: no other load can take the same bytes
+                inst.dies = self.dies.place(sizing.need, dies, self._candidates())
+                local = [d for d in inst.dies if not die_host(d)]
+                if worker_path and local:  # the router's own workers read the router's own files
+                    raise errors.invalid_param(
+                        "worker_path",
+                        f"'worker_path' applies to dies on other hosts only; this load is placed on "
+                        f"{', '.join(local)}: leave it out (or name remote dies in 'dies')",
+                    )
+                self.dies.book(inst.instance_id, sizing.need(inst.dies))
+                return inst
+            except ApiError as e:
+                self.registry.discard(inst)
+                if e.status != 507 or e.code == "table_full":
+                    raise
+                # no die has room: unload an idle model and try again, else say what holds it
+                if self.make_room is None or not await self.make_room(name):
+                    raise self._no_room(e, name) from None
+                sizing.clear()  # the free memory changed: size again
+            except BaseException:
+                self.registry.discard(inst)
+                raise
+
+    def _candidates(self) -> list[str]:
+        """The dies a load may be placed on: known, not given up on, and a live worker's (a
+        local CPU die's worker starts with the load)."""
+        alive = {d.die for d in self.pool.dies() if d.alive}
+        failed = set(self.failed_dies)
+        return [
+            d.id
+            for d in self.dies.dies()
+            if d.known and d.id not in failed and ((d.kind == "cpu" and not d.remote) or d.id in alive)
+        ]
+
+    def _load_message(self, inst: Instance, worker_path: str, sizing: LoadSizing) -> LoadModel:
+        """What the worker is asked: ``worker_path`` is the model as the worker's host has it."""
+        cfg = self.config
+        return LoadModel(
+            instance=inst.instance_id,
+            path=worker_path,
+            dtype=cfg.dtype,
+            devices=list(inst.dies),
+            kv_budget_bytes=sizing.kv_bytes(inst.dies),
+            num_slots=inst.gate.slots,
+            prefill_chunk=cfg.prefill_chunk,
+            step_target_s=cfg.ops.step_target_s,
+            max_model_len=sizing.mml,
+            quantize=sizing.quantize,
+            state_checkpoints=sizing.checkpoints,
+            kv_cache_k=sizing.kv_types.k,
+            kv_cache_v=sizing.kv_types.v,
+        )
 
     async def _room_by_count(self, name: str) -> None:
         """Below ``models_max`` instances (loading or loaded), evicting idle ones if need be."""

@@ -68,13 +68,15 @@ class Supervisor:
         backoff_s: float = 0.5,
         metrics: Any = None,
         feed: Any = None,
+        failed_dies: set[str] | None = None,
     ):
         self.models, self.registry, self.pool = models, registry, pool
         self.max_restarts, self.backoff_s = max_restarts, backoff_s
         self.metrics, self.feed = metrics, feed
         self.deaths: dict[str, int] = {}  # die -> its deaths within the window
         self._death_times: dict[str, collections.deque[float]] = {}
-        self.failed_dies: set[str] = set()  # given up on: more deaths than --worker-restarts
+        # given up on: more deaths than --worker-restarts (a set the loads and the views share)
+        self.failed_dies: set[str] = failed_dies if failed_dies is not None else set()
         self._recovering: dict[str, Any] = {}  # instance id -> Instance, until it is back
         self._tasks: dict[str, asyncio.Task] = {}
         self._changed = asyncio.Event()  # set whenever a recovery ends (back or given up)

@@ -13,12 +13,11 @@ syntax.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
+from helpers.one_model import ask_both, served, streamed_call, with_template
 from helpers.paths import need_specs
-from helpers.serve import Server
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -57,48 +56,14 @@ MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
 def srv(model_factory, tmp_path_factory):
     template = (need_specs() / "gemma-4-31B-it.chat_template.jinja").read_text(encoding="utf-8")
     base = tmp_path_factory.mktemp("gemma4chat")
-    folder = base / NAME
-    shutil.copytree(model_factory("tiny-gemma4"), folder)
-    cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    cfg.pop("chat_template", None)
-    for t in cfg["added_tokens_decoder"].values():
-        t["special"] = t["special"] and t["content"] not in CHANNEL_MARKERS
-    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    for t in tok["added_tokens"]:
-        t["special"] = t["special"] and t["content"] not in CHANNEL_MARKERS
-    (folder / "tokenizer.json").write_text(json.dumps(tok))
-    (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
-    s = Server(
-        ["--model", str(folder), "--name", NAME, "--dies", "cpu:0", "--cpu-dies", "1"], base / "serve.log"
-    )
-    try:
-        s.wait_ready((NAME,))
-        yield s
-    finally:
-        s.stop()
+    folder = with_template(model_factory("tiny-gemma4"), base / NAME, template, CHANNEL_MARKERS)
+    args = ["--model", str(folder), "--name", NAME, "--dies", "cpu:0", "--cpu-dies", "1"]
+    yield from served(args, base / "serve.log", (NAME,))
 
 
 def _ask(srv, text: str, **kw):
     """The same request whole and streamed: (message, finish_reason, joined stream)."""
-    client = srv.client()
-    body = dict(
-        model=NAME, messages=MESSAGES, extra_body={"guided_choice": [text]}, **{"max_tokens": 200, **kw}
-    )
-    whole = client.chat.completions.create(**body)
-    (choice,) = whole.choices
-    streamed = {"reasoning_content": "", "content": "", "calls": {}, "finish": None}
-    for chunk in client.chat.completions.create(stream=True, **body):
-        for ch in chunk.choices:
-            extra = ch.delta.model_extra or {}
-            streamed["reasoning_content"] += extra.get("reasoning_content") or ""
-            streamed["content"] += ch.delta.content or ""
-            for tc in ch.delta.tool_calls or []:
-                call = streamed["calls"].setdefault(tc.index, {"name": "", "arguments": ""})
-                call["name"] += (tc.function and tc.function.name) or ""
-                call["arguments"] += (tc.function and tc.function.arguments) or ""
-            streamed["finish"] = ch.finish_reason or streamed["finish"]
-    return choice.message, choice.finish_reason, streamed
+    return ask_both(srv, NAME, MESSAGES, text, **kw)
 
 
 def test_thinking_and_an_answer(srv):
@@ -177,10 +142,5 @@ def test_a_named_tool_choice_writes_the_call(srv):
     ((name, args),) = [(c.function.name, c.function.arguments) for c in ch.message.tool_calls]
     args = json.loads(args)
     assert name == "pick_city" and args["city"] in ("Oslo", "Paris") and isinstance(args["metric"], bool)
-    streamed = {"name": "", "arguments": ""}
-    for chunk in client.chat.completions.create(stream=True, **body):
-        for c in chunk.choices:
-            for tc in c.delta.tool_calls or []:
-                streamed["name"] += (tc.function and tc.function.name) or ""
-                streamed["arguments"] += (tc.function and tc.function.arguments) or ""
+    streamed = streamed_call(srv, body)
     assert streamed["name"] == "pick_city" and json.loads(streamed["arguments"])["city"] in ("Oslo", "Paris")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 
 import pytest
 
@@ -17,22 +16,13 @@ from pantheon.chat.tools import (
     resolve_tool_choice,
 )
 
-CALL_ID = re.compile(r"call_[A-Za-z0-9]{24}")
+from helpers.parsers import CALL_ID, run_parser
 
 
 def run(chunks, **kw):
     """Feed ``chunks``; return (joined result without ids, emitter, all deltas)."""
     kw.setdefault("reasoning", True)
-    em = Emitter(**kw)
-    deltas: list[Delta] = []
-    for c in chunks:
-        deltas += em.feed(c)
-    deltas += em.finish()
-    out = join_deltas(deltas)
-    for call in out["tool_calls"]:
-        assert CALL_ID.fullmatch(call["id"])
-        call["id"] = "ID"
-    return out, em, deltas
+    return run_parser(Emitter, chunks, **kw)
 
 
 def whole(text, **kw):

@@ -29,9 +29,10 @@ from workers import cpu_paths
 from workers.cache import KVCache, SharedCache, StateCache
 from workers.engine import Engine
 
+from helpers.window_reference import PROMPT, prompt_logits_match
+
 transformers = pytest.importorskip("transformers")
 
-PROMPT = [7, 300, 12, 99, 5, 1000, 42, 17, 256, 3, 77, 1500, 8, 64, 900, 11, 23, 400, 6, 88] * 2
 CASES = {
     "all": ("tiny-gemma4", {}),
     # Gemma 4 31B's kind: K as V on the global layers, no KV sharing, no per-layer embeddings
@@ -45,20 +46,11 @@ CASES = {
 }
 
 
-def _hf_logits(path) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.tensor([PROMPT])).logits[0].float()
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers_past_the_window(model_factory, case):
     preset, overrides = CASES[case]
     path = model_factory(preset, dtype="float32", **overrides)
-    ours = Engine(str(path), dtype="float32").prompt_logits(PROMPT)  # [T, V]
-    ref = _hf_logits(path)
-    assert ours.shape == ref.shape
-    assert (ours - ref).abs().max().item() < 1e-4
+    ref = prompt_logits_match(path)
     assert ref[:, : tt.VOCAB_SIZE].std().item() > 1e-2  # logits that tell tokens apart
     assert_matches(path, prompt=PROMPT)
 

@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import json
 import random
-import re
 
 import pytest
 from test_structured_router import accepts
 
 from pantheon.api.openai import structured
-from pantheon.chat.emitter import Delta, Emitter, join_deltas
+from pantheon.chat.emitter import Emitter, join_deltas
 from pantheon.chat.gemma4 import GEMMA4_MARKERS, Gemma4Parser, gemma4_arguments, read_gemma4_calls
 from pantheon.chat.output import GEMMA4, TAGGED, output_parser
 from pantheon.chat.template import ChatTemplate, gemma4_thinks
 from pantheon.chat.tools import GEMMA4_TOOL_FORMAT, JSON_TOOL_FORMAT, forced_call_prefix, tool_call_format
 
+from helpers.parsers import run_parser
 from helpers.paths import SPECS, need_specs
-
-CALL_ID = re.compile(r"call_[A-Za-z0-9]{24}")
 
 THOUGHT = "<|channel>thought\nThe user wants the weather in Zürich 🌧.\n<channel|>"
 CALL = '<|tool_call>call:get_weather{city:<|"|>Zürich<|"|>,days:2}<tool_call|>'
@@ -38,16 +36,7 @@ ANSWER = "It is sunny, 22 °C."
 
 def run(chunks, **kw):
     """Feed ``chunks``; return (joined result with ids checked and blanked, parser, deltas)."""
-    p = Gemma4Parser(**kw)
-    deltas: list[Delta] = []
-    for c in chunks:
-        deltas += p.feed(c)
-    deltas += p.finish()
-    out = join_deltas(deltas)
-    for call in out["tool_calls"]:
-        assert CALL_ID.fullmatch(call["id"])
-        call["id"] = "ID"
-    return out, p, deltas
+    return run_parser(Gemma4Parser, chunks, **kw)
 
 
 def whole(text, **kw):

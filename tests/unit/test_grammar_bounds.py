@@ -28,7 +28,7 @@ from pantheon.core.gguf import byte_alphabet
 from pantheon.errors import ApiError
 from pantheon.workerlink.errors import RequestRejectedError
 from workers import grammar as wg
-from workers.worker import Worker
+from workers.stepping import Stepper
 
 from helpers.instances import ready_instance
 
@@ -283,14 +283,13 @@ def test_the_worker_ends_a_failed_matcher_with_rejected_not_stop(tiny_grammars):
     c = tiny_grammars.constraint(_regex("a{1000000}"), [0])
     tiny_grammars.label("r1")
     engine = _Engine(tiny_grammars, c)
-    w = Worker.__new__(Worker)
     sent: list = []
-    w.instances = {"tiny": SimpleNamespace(engine=engine)}  # type: ignore[assignment]
-    w.owner = {"r1": "tiny", "r2": "tiny"}
-    w.steps, w.window_steps, w.window_ms, w.step_stats = 0, 0, 0.0, False
-    w.send = sent.append  # type: ignore[method-assign]
+    instances = SimpleNamespace(
+        loaded={"tiny": SimpleNamespace(engine=engine)}, owner={"r1": "tiny", "r2": "tiny"}
+    )
+    w = Stepper(instances, sent.append)  # type: ignore[arg-type]
     for _ in range(10):
-        w._step_all()
+        w.step_all()
         if any(isinstance(m, p.Rejected) for m in sent):
             break
     rejected = [m for m in sent if isinstance(m, p.Rejected)]
@@ -302,7 +301,7 @@ def test_the_worker_ends_a_failed_matcher_with_rejected_not_stop(tiny_grammars):
         len([t for m in sent if isinstance(m, p.StepOutput) for t in m.tokens if t.request_id == "r2"])
         == engine.n
     )
-    assert engine.aborted == ["r1"] and "r1" not in w.owner and "r2" in w.owner
+    assert engine.aborted == ["r1"] and "r1" not in instances.owner and "r2" in instances.owner
 
 
 def test_a_failure_after_an_earlier_take_is_still_reported(tiny_grammars):

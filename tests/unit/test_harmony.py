@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import random
-import re
 
 import pytest
 
-from pantheon.chat.emitter import Delta, join_deltas
+from pantheon.chat.emitter import join_deltas
 from pantheon.chat.harmony import HARMONY_MARKERS, MAX_HEADER, HarmonyParser
 
-CALL_ID = re.compile(r"call_[A-Za-z0-9]{24}")
+from helpers.parsers import CALL_ID, run_parser
 
 ANALYSIS = "<|channel|>analysis<|message|>The user wants the weather in Zürich 🌧.<|end|>"
 FINAL = "<|start|>assistant<|channel|>final<|message|>It is sunny, 22 °C.<|return|>"
@@ -29,16 +28,7 @@ PREAMBLE = "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end
 
 def run(chunks, **kw):
     """Feed ``chunks``; return (joined result with ids checked and blanked, parser, deltas)."""
-    p = HarmonyParser(**kw)
-    deltas: list[Delta] = []
-    for c in chunks:
-        deltas += p.feed(c)
-    deltas += p.finish()
-    out = join_deltas(deltas)
-    for call in out["tool_calls"]:
-        assert CALL_ID.fullmatch(call["id"])
-        call["id"] = "ID"
-    return out, p, deltas
+    return run_parser(HarmonyParser, chunks, **kw)
 
 
 def whole(text, **kw):

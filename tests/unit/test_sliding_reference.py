@@ -17,9 +17,10 @@ from unit.test_engine_reference import assert_matches
 
 from workers.engine import Engine
 
+from helpers.window_reference import PROMPT, prompt_logits_match
+
 transformers = pytest.importorskip("transformers")
 
-PROMPT = [7, 300, 12, 99, 5, 1000, 42, 17, 256, 3, 77, 1500, 8, 64, 900, 11, 23, 400, 6, 88] * 2
 MISTRAL = dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=8)
 # Gemma 3's options the preset leaves at their defaults: a scalar other than the head dim, a final
 # soft cap, linear RoPE scaling on the global layers, and a period of 3 (two global layers).
@@ -38,20 +39,11 @@ CASES = {
 }
 
 
-def _hf_logits(path) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.tensor([PROMPT])).logits[0].float()
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers_past_the_window(model_factory, case):
     preset, overrides = CASES[case]
     path = model_factory(preset, dtype="float32", **overrides)
-    ours = Engine(str(path), dtype="float32").prompt_logits(PROMPT)  # [T, V]
-    ref = _hf_logits(path)
-    assert ours.shape == ref.shape
-    assert (ours - ref).abs().max().item() < 1e-4
+    prompt_logits_match(path)
     assert_matches(path, prompt=PROMPT)
 
 

@@ -46,22 +46,22 @@ def wired(path, tmp_path):
     endpoint = f"ipc://{tmp_path}/router.sock"
     router.bind(endpoint)
     w = Worker(open_die("cpu:0"), endpoint)
-    w._connect()
+    w.link.connect()
     block = kv_block_bytes(load_config(path), 4, torch.float32)
     # 40 blocks of 4 tokens: two 60-token prompts that grow run it dry (preemption), and one
     # prompt of 150 tokens that asks for 100 more is cut at its size
     engine = Engine(
         path, dtype="float32", cpu_path="fp32", num_slots=2, block_size=4, kv_budget_bytes=block * 40
     )
-    w._register("tiny", engine)
+    w.instances.register("tiny", engine)
     yield w, router
-    w._close_engine(engine)
-    w._close()
+    w.instances.close_engine(engine)
+    w.link.close()
     router.close(0)
 
 
 def _submit(w: Worker, rid: str, prompt: list[int], **params) -> None:
-    w._handle(p.Submit(request_id=rid, instance="tiny", prompt=prompt, params=p.SamplingParams(**params)))
+    w.handle(p.Submit(request_id=rid, instance="tiny", prompt=prompt, params=p.SamplingParams(**params)))
 
 
 def _received(router: zmq.Socket, wait_ms: int = 0) -> list[p.WorkerMsg]:
@@ -85,7 +85,7 @@ def test_every_per_request_table_is_empty_once_requests_end(wired):
     for i in range(4):  # two at a time fill the pool as they grow
         _submit(w, f"grow{i}", list(range(100 + i, 160 + i)), max_tokens=20, **greedy)
     _submit(w, "cut", list(range(200, 350)), max_tokens=100, **greedy)
-    w._handle(p.Abort(request_ids=["queued"]))
+    w.handle(p.Abort(request_ids=["queued"]))
 
     msgs: list[p.WorkerMsg] = []
     tokens: dict[str, list[p.TokenOut]] = {}
@@ -97,17 +97,17 @@ def test_every_per_request_table_is_empty_once_requests_end(wired):
             for t in m.tokens if isinstance(m, p.StepOutput) else []:
                 tokens.setdefault(t.request_id, []).append(t)
 
-    while w._step_all():
+    while w.stepper.step_all():
         turns += 1
         assert turns < 2000
         take()
-        if len(tokens.get("decoding", [])) >= 2 and "decoding" in w.owner:
-            w._handle(p.Abort(request_ids=["decoding"]))
+        if len(tokens.get("decoding", [])) >= 2 and "decoding" in w.instances.owner:
+            w.handle(p.Abort(request_ids=["decoding"]))
     take(wait_ms=200)  # the last steps' messages may still be on their way
 
     tables = w.request_tables()
     assert tables and all(n == 0 for n in tables.values()), tables
-    engine = w.instances["tiny"].engine
+    engine = w.instances.loaded["tiny"].engine
     assert all(s is None for s in engine.scheduler.slots)
     # and each request did end the way it was meant to
     rejected = {m.request_id: m.kind for m in msgs if isinstance(m, p.Rejected)}

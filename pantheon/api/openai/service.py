@@ -10,9 +10,9 @@ turned into SSE chunks (``stream_chunks``) or one completion body (``complete``)
   that ended the choice), not what the worker may have generated past a stop string.
 - ``n > 1`` runs n worker requests; a seeded request gives choice i the seed ``seed + i``.
 
-Why one module of ~480 lines: it is one ``Generation`` and the small types it is made of
-(``ForcedCall``, ``Piece``, ``ChoiceRun``); the streamed and the collected output share its
-choice loop, which splitting would copy.
+A choice runs as named steps: ``Generation._submission`` (its ``Submit``), ``_next_batch`` (the
+worker's tokens, traced and counted) and ``ChoiceDecoder.piece`` (tokens -> text -> the output
+parser's deltas, and how the choice finished); the streamed and the collected output share them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import uuid
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pantheon import errors
 from pantheon.api import auth
@@ -45,9 +45,10 @@ from pantheon.chat.template import gemma4_thinks
 from pantheon.chat.tools import JSON_TOOL_FORMAT, forced_call_prefix
 from pantheon.control.context import Prepared
 from pantheon.control.registry import Instance
-from pantheon.core.protocol import PromptLogprobs, Submit
+from pantheon.core.protocol import PromptLogprobs, Submit, TokenOut
 from pantheon.errors import ApiError
 from pantheon.workerlink.pool import RequestRejectedError, WorkerDied, WorkerPool
+from pantheon.workerlink.streams import RequestStream
 
 log = logging.getLogger("pantheon.api.openai.service")
 
@@ -283,6 +284,79 @@ class ChoiceRun:
     prompt_logprobs: PromptLogprobs | None = None  # from its first token, when the request asked
 
 
+class OutputReader(Protocol):
+    """What a choice reads its text with: a chat output parser (``output_parser``), a
+    ``ForcedCall`` or a ``CallOrReply``."""
+
+    @property
+    def keep_special(self) -> frozenset[str]: ...
+
+    @property
+    def stopped(self) -> bool: ...
+
+    def feed(self, text: str) -> list[Delta]: ...
+
+    def finish(self) -> list[Delta]: ...
+
+
+class ChoiceDecoder:
+    """One choice's tokens -> its ``Piece``s: detokenize incrementally, feed the output parser
+    (``emitter``), count what the client receives, and say how the choice finished (a stop
+    string the parser found is ``stop``; a stop after a tool call is ``tool_calls``).
+
+    ``pending``: deltas the parser gave for the prompt's opening, sent with the first piece;
+    ``logprob``: a token's logprobs entry, when the request asked for them."""
+
+    def __init__(
+        self,
+        run: ChoiceRun,
+        emitter: OutputReader,
+        detok: IncrementalDetokenizer,
+        pending: list[Delta],
+        logprob: Callable[[TokenOut], dict] | None,
+    ):
+        self.run, self.emitter, self.detok, self.pending, self.logprob = run, emitter, detok, pending, logprob
+
+    def piece(self, toks: list[TokenOut]) -> Piece:
+        run, emitter, detok = self.run, self.emitter, self.detok
+        deltas, lps, finish = self.pending, [] if self.logprob is not None else None, None
+        self.pending = []
+        for tok in toks:
+            if tok.finish == "abort":
+                raise errors.worker_aborted()
+            real = tok.token >= 0  # -1: a finish without a token (truncated)
+            run.completion_tokens += real
+            if tok.cached_tokens:
+                run.cached_tokens = tok.cached_tokens
+            if tok.prompt_logprobs is not None:
+                run.prompt_logprobs = tok.prompt_logprobs
+            text = detok.push(tok.token) if real else ""
+            new = emitter.feed(text) if text else []
+            if emitter.stopped:
+                finish = "stop"
+            elif tok.finish is not None:
+                tail = detok.flush()
+                if tail:
+                    new += emitter.feed(tail)
+                if not emitter.stopped:
+                    new += emitter.finish()
+                finish = "stop" if emitter.stopped else tok.finish
+            if any(d.kind == "reasoning" for d in new):
+                run.reasoning_tokens += 1
+            deltas += new
+            if lps is not None and real and self.logprob is not None:
+                lps.append(self.logprob(tok))
+            if finish is not None:
+                break
+        if any(d.kind == "tool_call" for d in deltas):
+            run.tool_calls = True
+        if finish is not None:
+            if finish == "stop" and run.tool_calls:
+                finish = "tool_calls"
+            run.finish_reason = finish
+        return Piece(run.index, deltas, lps, finish)
+
+
 class Generation:
     """One chat request on one instance: ``n`` choices, streamed or collected."""
 
@@ -347,7 +421,7 @@ class Generation:
         them as they come. (An XML call forced open goes through the emitter, fed the opening.)"""
         return self.prep.forced is not None and self._tool_format() == JSON_TOOL_FORMAT
 
-    def _emitter(self):
+    def _emitter(self) -> OutputReader:
         req, prep, assets = self.req, self.prep, self.inst.model_assets
         if self._streams_forced_arguments():
             assert prep.forced is not None
@@ -366,38 +440,8 @@ class Generation:
 
     async def _pieces(self, run: ChoiceRun) -> AsyncGenerator[Piece, None]:
         """The choice's output, one ``Piece`` per batch of tokens that arrived together."""
-        req, prep, assets = self.req, self.prep, self.inst.model_assets
-        emitter = self._emitter()
-        # special tokens produce no text, except the markers the parser reads (Harmony's)
-        detok = IncrementalDetokenizer(
-            assets.tokenizer,
-            prompt_ids=prep.prompt_ids,
-            skip_special_tokens=True,
-            keep_special=emitter.keep_special,
-        )
-        # The emitter reads the call's opening that the prompt holds as if the model wrote it.
-        pending = emitter.feed(prep.prefix) if prep.prefix and not isinstance(emitter, ForcedCall) else []
-        seed = None if req.seed is None else req.seed + run.index
-        grammar, after, opening = self.constraint
-        params = req.sampling(
-            max_tokens=prep.max_tokens,
-            seed=seed,
-            stop_token_ids=[] if req.ignore_eos else assets.eos_ids,
-            grammar=grammar,
-            grammar_after=after,
-            grammar_opening=opening,
-        )
-        rid = f"{self.id}-{run.index}-{uuid.uuid4().hex[:6]}"
-        sub = Submit(
-            request_id=rid,
-            instance=self.inst.instance_id,
-            prompt=prep.prompt_ids,
-            params=params,
-            session_id=req.session_id,
-            cache_salt=self.cache_salt,
-            use_cache=not prep.capped,
-            prompt_logprobs=req.prompt_logprobs,
-        )
+        decoder = self._decoder(run)
+        sub = self._submission(run)
         stream = None
         try:
             if self.closing:
@@ -405,55 +449,10 @@ class Generation:
             stream = self.pool.submit(self.inst.die, sub)
             self._streams.append(stream)
             while True:
-                toks = await stream.next_batch()
-                if self.trace is not None and toks:
-                    self.trace.tokens(run.index, toks)
-                if toks:
-                    self._count(toks)
-                if not toks and self.closing:
-                    raise self.ending or errors.shutting_down()
-                if not toks:
-                    raise errors.worker_no_finish()
-                deltas, lps, finish = pending, [] if req.logprobs else None, None
-                pending = []
-                for tok in toks:
-                    if tok.finish == "abort":
-                        raise errors.worker_aborted()
-                    real = tok.token >= 0  # -1: a finish without a token (truncated)
-                    run.completion_tokens += real
-                    if tok.cached_tokens:
-                        run.cached_tokens = tok.cached_tokens
-                    if tok.prompt_logprobs is not None:
-                        run.prompt_logprobs = tok.prompt_logprobs
-                    text = detok.push(tok.token) if real else ""
-                    new = emitter.feed(text) if text else []
-                    if emitter.stopped:
-                        finish = "stop"
-                    elif tok.finish is not None:
-                        tail = detok.flush()
-                        if tail:
-                            new += emitter.feed(tail)
-                        if not emitter.stopped:
-                            new += emitter.finish()
-                        finish = "stop" if emitter.stopped else tok.finish
-                    for d in new:
-                        if d.kind == "reasoning":
-                            run.reasoning_tokens += 1
-                            break
-                    deltas += new
-                    if lps is not None and real:
-                        lps.append(self._logprob(tok))
-                    if finish is not None:
-                        break
-                if any(d.kind == "tool_call" for d in deltas):
-                    run.tool_calls = True
-                if finish is not None:
-                    if finish == "stop" and run.tool_calls:
-                        finish = "tool_calls"
-                    run.finish_reason = finish
-                    yield Piece(run.index, deltas, lps, finish)
+                piece = decoder.piece(await self._next_batch(stream, run))
+                yield piece
+                if piece.finish is not None:
                     return
-                yield Piece(run.index, deltas, lps)
         except (GeneratorExit, asyncio.CancelledError):
             raise
         except BaseException as e:
@@ -465,6 +464,58 @@ class Generation:
             if stream is not None:
                 stream.abort()  # a no-op once the worker finished it
 
+    def _decoder(self, run: ChoiceRun) -> ChoiceDecoder:
+        prep, assets = self.prep, self.inst.model_assets
+        emitter = self._emitter()
+        # special tokens produce no text, except the markers the parser reads (Harmony's)
+        detok = IncrementalDetokenizer(
+            assets.tokenizer,
+            prompt_ids=prep.prompt_ids,
+            skip_special_tokens=True,
+            keep_special=emitter.keep_special,
+        )
+        # The emitter reads the call's opening that the prompt holds as if the model wrote it.
+        pending = emitter.feed(prep.prefix) if prep.prefix and not isinstance(emitter, ForcedCall) else []
+        return ChoiceDecoder(run, emitter, detok, pending, self._logprob if self.req.logprobs else None)
+
+    def _submission(self, run: ChoiceRun) -> Submit:
+        """The worker request of choice ``run``: a seeded request gives choice i ``seed + i``."""
+        req, prep, assets = self.req, self.prep, self.inst.model_assets
+        seed = None if req.seed is None else req.seed + run.index
+        grammar, after, opening = self.constraint
+        params = req.sampling(
+            max_tokens=prep.max_tokens,
+            seed=seed,
+            stop_token_ids=[] if req.ignore_eos else assets.eos_ids,
+            grammar=grammar,
+            grammar_after=after,
+            grammar_opening=opening,
+        )
+        return Submit(
+            request_id=f"{self.id}-{run.index}-{uuid.uuid4().hex[:6]}",
+            instance=self.inst.instance_id,
+            prompt=prep.prompt_ids,
+            params=params,
+            session_id=req.session_id,
+            cache_salt=self.cache_salt,
+            use_cache=not prep.capped,
+            prompt_logprobs=req.prompt_logprobs,
+        )
+
+    async def _next_batch(self, stream: RequestStream, run: ChoiceRun) -> list[TokenOut]:
+        """The next tokens the worker sent for ``run`` (traced and counted); an empty batch
+        means the stream ended without a finish: our ``end()``, else the worker's fault."""
+        toks = await stream.next_batch()
+        if self.trace is not None and toks:
+            self.trace.tokens(run.index, toks)
+        if toks:
+            self._count(toks)
+        if not toks and self.closing:
+            raise self.ending or errors.shutting_down()
+        if not toks:
+            raise errors.worker_no_finish()
+        return toks
+
     def _count(self, toks: list) -> None:
         real = sum(1 for t in toks if t.token >= 0)
         if real and self.first_token_at is None:
@@ -472,7 +523,7 @@ class Generation:
         if real and self.on_tokens is not None:
             self.on_tokens(real)
 
-    def _logprob(self, tok: Any) -> dict:
+    def _logprob(self, tok: TokenOut) -> dict:
         assets = self.inst.model_assets
         text, raw = assets.piece(tok.token)
         top = [(assets.piece(t)[0], lp, assets.piece(t)[1]) for t, lp in (tok.top or [])]

@@ -89,21 +89,26 @@ def _ropes(raw: dict, where: str, head_dim: int) -> tuple[RopeConfig, RopeConfig
     return glob, loc
 
 
+def layer_windows(raw: dict, n: int, where: str, every: int) -> tuple[list[str], int]:
+    """Each of the ``n`` layers' kind (``layer_types``, else every ``every``-th layer full, the
+    rest sliding) and the sliding window (Gemma 3's and Gemma 4's configs alike)."""
+    types = raw.get("layer_types")
+    if types is None:
+        types = [SLIDING if (i + 1) % every else FULL for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in (SLIDING, FULL) for t in types):
+        raise ModelError(
+            "invalid", f"{where}: layer_types must list {n} of {SLIDING!r} / {FULL!r}, got {types!r}"
+        )
+    return types, pos_int(raw, "sliding_window", where)
+
+
 def describe(raw: dict, gen: dict, where: str, arch: str) -> Gemma3Description:
     multimodal = isinstance(raw.get("text_config"), dict)
     raw = {**DEFAULTS, **{k: v for k, v in text_config(raw).items() if v is not None}}
     hidden, heads, kv_heads, head_dim = attention_head_shape(raw, where)
     inter = pos_int(raw, "intermediate_size", where)
     n = pos_int(raw, "num_hidden_layers", where)
-    types = raw.get("layer_types")
-    if types is None:
-        every = pos_int(raw, "sliding_window_pattern", where, default=6)
-        types = [SLIDING if (i + 1) % every else FULL for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in (SLIDING, FULL) for t in types):
-        raise ModelError(
-            "invalid", f"{where}: layer_types must list {n} of {SLIDING!r} / {FULL!r}, got {types!r}"
-        )
-    window = pos_int(raw, "sliding_window", where)
+    types, window = layer_windows(raw, n, where, pos_int(raw, "sliding_window_pattern", where, default=6))
     for key in ("attn_logit_softcapping",):
         if raw.get(key) is not None:
             raise ModelError("unsupported", f"{where}: {key} {raw[key]!r} is not supported (Gemma 2's)")

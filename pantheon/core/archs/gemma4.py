@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pantheon.core.archs import Family
+from pantheon.core.archs.gemma3 import FULL, SLIDING, layer_windows
 from pantheon.core.archs.qwen3_5 import text_config
 from pantheon.core.description import (
     AttentionCache,
@@ -48,7 +49,6 @@ from pantheon.core.description import (
 )
 from pantheon.core.gguf import GGUFError, GGUFFile, _field, read_f32
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma4TextConfig defaults: a Hub config writes only what differs from them
 DEFAULTS: dict[str, object] = dict(
     vocab_size=262_144,
@@ -189,15 +189,8 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> Gemma4Description:
     head_dim = pos_int(raw, "head_dim", where)
     inter = pos_int(raw, "intermediate_size", where)
     n = pos_int(raw, "num_hidden_layers", where)
-    types = raw.get("layer_types")
-    if types is None:
-        types = [SLIDING if (i + 1) % 6 else FULL for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in (SLIDING, FULL) for t in types):
-        raise ModelError(
-            "invalid", f"{where}: layer_types must list {n} of {SLIDING!r} / {FULL!r}, got {types!r}"
-        )
+    types, window = layer_windows(raw, n, where, every=6)
     types = [*types[:-1], FULL]  # transformers forces the last layer to full attention
-    window = pos_int(raw, "sliding_window", where)
     if raw.get("use_bidirectional_attention"):
         raise ModelError("unsupported", f"{where}: use_bidirectional_attention (an embedding model)")
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
