@@ -31,8 +31,9 @@ from workers.model_config import load_config
 from workers.pooling import Pooled
 from workers.prompt_logprobs import PromptLogprobsAcc
 from workers.runner import ModelRunner
-from workers.sampler import SamplerState, sample
+from workers.sampler import SamplerState, sample, verify
 from workers.scheduler import Scheduler, Sequence, StepPlan
+from workers.speculation import SpecStats, propose
 from workers.state_checkpoints import CheckpointIndex
 from workers.step_budget import DEFAULT_TARGET_S, StepBudget
 
@@ -144,6 +145,12 @@ class Engine:
         if compile_decode if compile_decode is not None else compiled_wanted():
             self.compile_error = self.runner.compile_decode()
         self.compiled = self.runner.compiled is not None
+        # Speculation (workers/speculation.py) needs every position's K/V paged and rows that can
+        # be taken back: no recurrent state, no sliding ring, no length-dependent RoPE.
+        self.spec_supported = not (
+            cfg.slot_state_layers or self.runner.windows or self.runner.rotary.dynamic or self.embed_only
+        )
+        self.spec = SpecStats()
         self.weight_bytes = _weight_bytes(self.model)
         # Bytes one decode step streams: everything but the embedding table, of which a step
         # reads only a few rows (unless the head is the table itself, untied and unpacked).
@@ -230,6 +237,7 @@ class Engine:
             self._prompt_lps[request_id] = PromptLogprobsAcc(list(prompt), prompt_logprobs)
             use_cache = False  # a cache hit would skip the positions asked for
         self._samplers[request_id] = SamplerState.create(params, sorted(stop), self.devices[0])
+        spec = params.speculative if self.spec_supported and _speculates(params) else 0
         self.scheduler.add(
             Sequence(
                 request_id=request_id,
@@ -241,6 +249,7 @@ class Engine:
                 session_id=session_id,
                 cache_salt=cache_salt,
                 use_cache=use_cache,
+                spec_tokens=spec,
             )
         )
 
@@ -348,7 +357,15 @@ class Engine:
     def step(self) -> list[TokenOut]:
         """Run one step: decode every running sequence, plus at most one prefill chunk's worth."""
         t0 = time.perf_counter()
-        decoding = any(s.decoding for s in self.scheduler.running())
+        decoding = False
+        for s in self.scheduler.running():
+            decoding = decoding or s.decoding
+            if s.spec_tokens and s.decoding:
+                # drafts beyond what the request may still emit (max_tokens, the context) are waste
+                k = min(
+                    s.spec_tokens, s.max_tokens - s.num_output - 1, self.max_model_len - 1 - s.num_computed
+                )
+                s.draft = propose(s.tokens, k) if k > 0 else []
         plan = self.scheduler.schedule(lambda context: self.budget.tokens(decoding, context))
         outs = [TokenOut(s.request_id, -1, finish="length") for s in plan.truncated]
         for s in plan.truncated:
@@ -373,6 +390,9 @@ class Engine:
             if (acc := self._prompt_lps.get(s.request_id)) is not None
         }
         logits = self.runner.run(plan, prompt_rows={s: rows for s, (_a, _p, rows) in kept.items()})
+        n_verify = sum(1 + len(s.draft) for s in plan.verify)
+        if n_verify:  # the verify chunks' rows come last
+            logits, verify_logits = logits[: logits.shape[0] - n_verify], logits[logits.shape[0] - n_verify :]
         if kept:
             at = len(seqs)
             for acc, p0, rows in kept.values():
@@ -404,13 +424,33 @@ class Engine:
                 )
                 if reason:
                     self._forget(s.request_id)
+        if n_verify:
+            outs += self._verify(plan, verify_logits)
         took = time.perf_counter() - t0
         n_prefill = sum(n for _s, n in plan.prefill)
         # Mean positions a prefilled token attended to (chunk from p0, n tokens: p0 + (n + 1) / 2).
         context = sum(n * (s.num_computed - n + (n + 1) / 2) for s, n in plan.prefill) / max(1, n_prefill)
-        self.budget.observe(len(plan.decode), n_prefill, took, context)
+        self.budget.observe(len(plan.decode) + n_verify, n_prefill, took, context)
         self.steps += 1
         self.step_seconds += took
+        return outs
+
+    def _verify(self, plan: StepPlan, logits: torch.Tensor) -> list[TokenOut]:
+        """Accept what the target agrees with of each verified draft (``sampler.verify``) and
+        emit those tokens plus the target's own, cut where the sequence finishes."""
+        outs: list[TokenOut] = []
+        at = 0
+        for s in plan.verify:
+            draft, n = s.draft, 1 + len(s.draft)
+            st = self._samplers[s.request_id]
+            tokens = verify(logits[at : at + n], draft, st, s.num_output)
+            at += n
+            taken, reason = self.scheduler.accept(s, tokens)
+            self.spec.add(len(draft), len(tokens) - 1, len(taken))
+            for i, t in enumerate(taken):
+                outs.append(TokenOut(s.request_id, t, finish=reason if i == len(taken) - 1 else None))
+            if reason:
+                self._forget(s.request_id)
         return outs
 
     def _checkpoint(self, plan: StepPlan) -> None:
@@ -465,6 +505,10 @@ class Engine:
             cache_query_blocks=self.blocks.queries,
             prefill_budget=self.budget.tokens(),
             block_size=self.blocks.block_size,
+            spec_verify_steps=self.spec.verify_steps,
+            spec_drafted=self.spec.drafted,
+            spec_accepted=self.spec.accepted,
+            spec_emitted=self.spec.emitted,
         )
 
     def close(self) -> None:
@@ -504,6 +548,19 @@ def _attention_crossover(cfg) -> float:
     linear = 2 * layers * (hid * (q + 2 * kv) + q * hid + 3 * hid * inter)
     per_position = 4 * attn_layers * q  # q.k and p.v for each query head
     return linear / per_position if per_position > 0 else float("inf")
+
+
+def _speculates(params: SamplingParams) -> bool:
+    """Whether a request's sampling can be checked draft row by draft row (see
+    ``workers/speculation.py``): no grammar, no logprobs, no output-dependent penalty."""
+    return (
+        params.speculative > 0
+        and params.grammar is None
+        and not params.logprobs
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+    )
 
 
 def _window(tokens: list[int], n: int) -> list[int]:

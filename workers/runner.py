@@ -133,6 +133,7 @@ class ModelRunner:
         ``prompt_rows``: prefilling sequences -> how many of their chunk's first rows to keep
         (prompt logprobs, ``workers/prompt_logprobs.py``); those rows follow the sampled ones,
         in the plan's prefill order.
+        Last come every row of each verify chunk (``plan.verify``, in its order).
         """
         ids: list[int] = []
         positions: list[int] = []
@@ -155,6 +156,17 @@ class ModelRunner:
             chunks.append(
                 (start, len(ids), p0, p0 + n, s.block_table, self.scratch_slot if s.slot is None else s.slot)
             )
+
+        # Verify chunks (speculation): the pending token and the drafts after the cached context,
+        # after the prefill chunks so that prefill rows keep their places (embeddings pool by them)
+        for s in plan.verify:
+            p0, n = s.num_computed, 1 + len(s.draft)
+            start = len(ids)
+            ids += [s.tokens[p0], *s.draft]
+            positions += range(p0, p0 + n)
+            slots += self._rows(s.block_table, p0, p0 + n)
+            assert s.slot is not None  # only a running sequence verifies
+            chunks.append((start, len(ids), p0, p0 + n, s.block_table, s.slot))
 
         dev = self.main
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
@@ -210,6 +222,8 @@ class ModelRunner:
                 rows.append(end - 1)
         for (start, _end, _p0, _p1, _t, _slot), (s, _n) in zip(chunks, plan.prefill):
             rows += range(start, start + (prompt_rows or {}).get(s, 0))
+        for start, end, _p0, _p1, _t, _slot in chunks[len(plan.prefill) :]:
+            rows += range(start, end)  # a verify chunk: every row
         return self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
 
     def _cos_sin(self, pos_t, plan: StepPlan, n_decode: int, chunks):

@@ -16,7 +16,8 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 4  # 4: EmbedRequest / EmbedOut, Submit.prompt_logprobs and TokenOut.prompt_logprobs
+PROTOCOL_VERSION = 5  # 4: EmbedRequest / EmbedOut, Submit.prompt_logprobs and TokenOut.prompt_logprobs
+# 5: SamplingParams.speculative, InstanceStats.spec_*
 
 # ---------------------------------------------------------------- codes
 # A value outside its Literal makes the whole message fail to decode, so a new code must be added
@@ -133,6 +134,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     grammar: str | None = None
     grammar_after: list[int] = []  # the grammar starts once the output ends with these ids
     grammar_opening: int = -1  # >= 0: the output may open its reasoning with this id first
+    # prompt-lookup drafts per step (workers/speculation.py); 0: no speculation. The worker
+    # ignores it where it cannot be exact (a grammar, logprobs, penalties; some models)
+    speculative: int = 0
 
 
 # ---------------------------------------------------------------- router -> worker
@@ -333,6 +337,12 @@ class InstanceStats(msgspec.Struct, kw_only=True):
     prefill_budget: int = 0  # prompt tokens the next step may prefill (the step budget)
     block_size: int = 16  # token positions per KV block
     state_bytes: int = 0  # the recurrent layers' state pools (0: none, or an older worker)
+    # speculation since load (workers/speculation.py): sequence-steps that verified a draft, the
+    # draft tokens verified, of them accepted, and the tokens those steps emitted
+    spec_verify_steps: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_emitted: int = 0
 
 
 class Stats(msgspec.Struct, tag=True, kw_only=True):
