@@ -17,7 +17,16 @@ from collections.abc import Callable
 
 import torch
 
-from pantheon.core.protocol import EmbedOut, InstanceStats, Pooling, SamplingParams, SlotInfo, TokenOut
+from pantheon.core.protocol import (
+    SPECULATIVE_ON,
+    SPECULATIVE_TOKENS,
+    EmbedOut,
+    InstanceStats,
+    Pooling,
+    SamplingParams,
+    SlotInfo,
+    TokenOut,
+)
 from pantheon.core.sizing import state_checkpoints
 from workers import cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
@@ -58,6 +67,7 @@ class Engine:
         compile_decode: bool | None = None,
         prefix_cache: bool = True,
         state_checkpoint_count: int | None = None,
+        speculative: int = 0,
         progress: Callable[[int, int], None] | None = None,
     ):
         if num_slots < 1 or prefill_chunk < 1 or block_size < 1:
@@ -151,6 +161,7 @@ class Engine:
             cfg.slot_state_layers or self.runner.windows or self.runner.rotary.dynamic or self.embed_only
         )
         self.spec = SpecStats()
+        self.spec_default = max(0, speculative)  # drafts per step for requests that do not say
         self.weight_bytes = _weight_bytes(self.model)
         # Bytes one decode step streams: everything but the embedding table, of which a step
         # reads only a few rows (unless the head is the table itself, untied and unpacked).
@@ -237,7 +248,10 @@ class Engine:
             self._prompt_lps[request_id] = PromptLogprobsAcc(list(prompt), prompt_logprobs)
             use_cache = False  # a cache hit would skip the positions asked for
         self._samplers[request_id] = SamplerState.create(params, sorted(stop), self.devices[0])
-        spec = params.speculative if self.spec_supported and _speculates(params) else 0
+        spec = self.spec_default if params.speculative is None else params.speculative
+        if spec == SPECULATIVE_ON:
+            spec = self.spec_default or SPECULATIVE_TOKENS
+        spec = spec if self.spec_supported and _speculates(params) else 0
         self.scheduler.add(
             Sequence(
                 request_id=request_id,
@@ -391,8 +405,8 @@ class Engine:
         }
         logits = self.runner.run(plan, prompt_rows={s: rows for s, (_a, _p, rows) in kept.items()})
         n_verify = sum(1 + len(s.draft) for s in plan.verify)
-        if n_verify:  # the verify chunks' rows come last
-            logits, verify_logits = logits[: logits.shape[0] - n_verify], logits[logits.shape[0] - n_verify :]
+        cut = logits.shape[0] - n_verify  # the verify chunks' rows come last
+        logits, verify_logits = logits[:cut], logits[cut:]
         if kept:
             at = len(seqs)
             for acc, p0, rows in kept.values():
@@ -554,8 +568,7 @@ def _speculates(params: SamplingParams) -> bool:
     """Whether a request's sampling can be checked draft row by draft row (see
     ``workers/speculation.py``): no grammar, no logprobs, no output-dependent penalty."""
     return (
-        params.speculative > 0
-        and params.grammar is None
+        params.grammar is None
         and not params.logprobs
         and params.repetition_penalty == 1.0
         and not params.presence_penalty

@@ -13,8 +13,9 @@ prefix of drafts the target agrees with and adds the target's own next token, so
 ``1 .. k + 1`` tokens. The rejected rows' K/V stay in the sequence's blocks past its computed
 length and are overwritten by the next steps before anything reads them.
 
-Which requests speculate (``Engine.submit``): those that ask (``SamplingParams.speculative``, the
-request's ``speculative`` extension or the server's ``--speculative``) on a model whose every
+Which requests speculate (``Engine.submit``): those that ask (``SamplingParams.speculative``: the
+request's ``speculative`` extension, else the server's ``--speculative N``; ``true`` takes the
+server's N, or ``SPECULATIVE_TOKENS`` = 4 when the server's is 0) on a model whose every
 layer keeps paged K/V under a fixed RoPE. Excluded, with speculation silently off:
   * models with recurrent layers (Qwen3.5's state cannot be rolled back past rejected rows) or
     sliding-window rings (a verify chunk's rows overwrite ring entries the rejected case still
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import numpy as np
 
-NUM_TOKENS = 4  # drafts per step by default (vLLM's num_speculative_tokens)
 MAX_N = 4  # the longest suffix n-gram looked up (vLLM's prompt_lookup_max)
 MIN_N = 2  # the shortest (prompt_lookup_min): one token matches too often to be worth a draft
 

@@ -621,6 +621,7 @@ class Worker:
                     max_model_len=msg.max_model_len,
                     quantize=msg.quantize,
                     state_checkpoint_count=msg.state_checkpoints,
+                    speculative=msg.speculative,
                     progress=self._on_progress,
                 )
             except LoadError as e:

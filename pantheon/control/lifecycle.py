@@ -308,6 +308,7 @@ class Models:
             max_model_len=mml,
             quantize=quantize,
             state_checkpoints=checkpoints,
+            speculative=cfg.speculative,
         )
         self.feed.event(
             "load",

@@ -109,6 +109,13 @@ def die_kind(die: str) -> DieKind:
     return parse_die(die)[0]
 
 
+SPECULATIVE_TOKENS = 4
+"""Drafts per step a request's ``speculative: true`` asks for when the server's ``--speculative``
+is 0 (vLLM's usual ``num_speculative_tokens`` for prompt lookup)."""
+SPECULATIVE_ON = -1
+"""``SamplingParams.speculative``: on, at the instance's count (``SPECULATIVE_TOKENS`` if 0)."""
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How one request picks its next token. Checked by the router before it is sent."""
 
@@ -134,9 +141,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     grammar: str | None = None
     grammar_after: list[int] = []  # the grammar starts once the output ends with these ids
     grammar_opening: int = -1  # >= 0: the output may open its reasoning with this id first
-    # prompt-lookup drafts per step (workers/speculation.py); 0: no speculation. The worker
-    # ignores it where it cannot be exact (a grammar, logprobs, penalties; some models)
-    speculative: int = 0
+    # prompt-lookup drafts per step (workers/speculation.py): k > 0 that many; 0 none; None the
+    # instance's default (LoadModel.speculative); SPECULATIVE_ON the instance's count, or
+    # SPECULATIVE_TOKENS where that is 0. The worker ignores it where it cannot be exact (a
+    # grammar, logprobs, penalties; recurrent or sliding-window models)
+    speculative: int | None = None
 
 
 # ---------------------------------------------------------------- router -> worker
@@ -154,6 +163,7 @@ class LoadModel(msgspec.Struct, tag=True, kw_only=True):
     max_model_len: int | None = None
     quantize: bool = False
     state_checkpoints: int = 0  # a hybrid model's prefix-cache state checkpoints (router-sized)
+    speculative: int = 0  # drafts per step for requests that do not say (--speculative); 0: off
 
 
 class UnloadModel(msgspec.Struct, tag=True, kw_only=True):
