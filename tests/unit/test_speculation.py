@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from pantheon.core.protocol import SamplingParams
+from workers.block_manager import BlockManager
 from workers.engine import Engine
 from workers.sampler import SamplerState, verify
+from workers.scheduler import Scheduler, Sequence
 from workers.speculation import propose
 
 # Prompts that repeat themselves, so the context drafts (and the random model's output loops).
@@ -32,6 +34,54 @@ def test_propose_takes_what_followed_the_most_recent_longest_match():
     assert propose([1, 2, 3, 4], k=3) == []  # no earlier occurrence
     assert propose([1, 2, 3, 4, 2, 3, 9, 4], k=3) == []  # only a 1-gram matches (below MIN_N)
     assert propose([1, 2, 3, 1, 2], k=0) == []
+
+
+# ---------------------------------------------------------------- the scheduler's bookkeeping
+
+
+def _decoding(sched: Scheduler, n_prompt: int, max_tokens: int, stop=()) -> Sequence:
+    seq = Sequence("s", n_prompt, list(range(1, n_prompt + 1)), max_tokens, frozenset(stop))
+    sched.add(seq)
+    plan = sched.schedule()
+    sched.commit(plan)
+    sched.append_token(seq, 900)  # its first token: now it decodes
+    assert seq.decoding
+    return seq
+
+
+def test_a_verify_chunk_takes_free_blocks_and_accept_keeps_the_agreed_rows():
+    sched = Scheduler(BlockManager(num_blocks=8, block_size=4), num_slots=2)
+    seq = _decoding(sched, 6, max_tokens=20)
+    seq.draft = [1, 2, 3, 4]
+    plan = sched.schedule()
+    assert plan.verify == [seq] and plan.decode == [] and not plan.empty
+    assert len(seq.block_table) == 3  # positions 0..10: the pending token (6) and 4 drafts
+    taken, reason = sched.accept(seq, [1, 2, 77])  # 2 drafts kept, then the target's own
+    assert taken == [1, 2, 77] and reason is None
+    assert seq.num_computed == 9 and seq.pending == 1 and seq.draft == []
+    assert seq.tokens[6:] == [900, 1, 2, 77]
+    assert len(seq.block_table) == 3  # the rejected rows' block stays, to be overwritten
+
+
+def test_accept_stops_at_a_stop_id_and_at_max_tokens():
+    sched = Scheduler(BlockManager(num_blocks=8, block_size=4), num_slots=2)
+    seq = _decoding(sched, 6, max_tokens=20, stop=[2])
+    seq.draft = [1, 2, 3]
+    sched.schedule()
+    taken, reason = sched.accept(seq, [1, 2, 3, 9])
+    assert taken == [1, 2] and reason == "stop" and seq.finish == "stop" and seq.block_table == []
+    seq = _decoding(sched, 6, max_tokens=3)
+    seq.draft = [1, 2]
+    sched.schedule()
+    assert sched.accept(seq, [1, 2, 5]) == ([1, 2], "length")
+
+
+def test_a_draft_that_does_not_fit_decodes_one_token_instead():
+    sched = Scheduler(BlockManager(num_blocks=2, block_size=4), num_slots=1)
+    seq = _decoding(sched, 6, max_tokens=20)
+    seq.draft = [1, 2, 3, 4]  # would need positions up to 10: 3 blocks, the pool has 2
+    plan = sched.schedule()
+    assert plan.decode == [seq] and plan.verify == [] and seq.draft == []
 
 
 # ---------------------------------------------------------------- rejection sampling

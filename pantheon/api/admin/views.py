@@ -109,6 +109,7 @@ def die_view(f: DieFacts) -> dict:
                 "verify_steps": i.spec_verify_steps,
                 "drafted": i.spec_drafted,
                 "accepted": i.spec_accepted,
+                "emitted": i.spec_emitted,  # tokens the verify steps gave out
                 "acceptance_rate": round(i.spec_accepted / i.spec_drafted, 4) if i.spec_drafted else None,
                 "tokens_per_step": round(i.spec_emitted / i.spec_verify_steps, 3),
             }
