@@ -303,7 +303,8 @@ class Engine:
         """Feed each embedding's prefill chunk of this step to its pooling; end the ones whose
         prompt is now computed (their vectors go to ``embedded``)."""
         hidden = self.runner.last_hidden
-        row = len(plan.decode)  # the step's rows: decode rows first, then each chunk's
+        # the step's rows: decode rows first (each verifying sequence's among them), then each chunk's
+        row = len(plan.decode) + sum(1 + len(s.draft) for s in plan.verify)
         for s, n in plan.prefill:
             pooled = self._embeds.get(s.request_id) if s.embed is not None else None
             if pooled is not None and hidden is not None:

@@ -11,6 +11,9 @@ step, and a sync point for every row).
 A seeded stream is reproducible on one kind of device: CPU and CUDA generators draw different
 numbers from the same seed.
 
+``verify`` checks a speculative draft (``workers/speculation.py``) against the target's rows:
+argmax agreement when greedy, rejection sampling that keeps the distribution exact otherwise.
+
 Logprobs are those of the model's raw distribution (log-softmax of the logits before penalties
 and temperature), as vLLM reports them by default.
 """

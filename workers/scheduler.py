@@ -20,7 +20,7 @@ than the step's budget.
 
 A decoding sequence with a speculative draft (``Sequence.draft``, set by the engine before
 ``schedule``: ``workers/speculation.py``) verifies it instead of decoding one token: its pending
-token and drafts are one chunk of ``1 + len(draft)`` rows (``StepPlan.verify``), given blocks for
+token and drafts are ``1 + len(draft)`` decode rows (``StepPlan.verify``), given blocks for
 all of them only when the pool has them free (never by preempting); ``accept`` then records what
 the target kept. The blocks past the accepted length stay with the sequence and are overwritten.
 """
@@ -87,8 +87,8 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)
     truncated: list[Sequence] = field(default_factory=list)  # finished: the pool cannot hold more
     restores: list[tuple[int, int]] = field(default_factory=list)  # (slot, state checkpoint) to load first
-    # decoding sequences that verify their draft: a chunk of 1 + len(draft) rows each, after the
-    # prefill chunks, every row's logits kept (after the sampled and prompt rows)
+    # decoding sequences that verify their draft: 1 + len(draft) decode rows each, every row's
+    # logits kept (after the sampled and prompt rows)
     verify: list[Sequence] = field(default_factory=list)
 
     @property

@@ -7,8 +7,10 @@ prompt (edit this code, summarize this text, a JSON echo) is then drafted severa
 free text rarely matches and costs nothing but the search.
 
 How a draft is used (``workers/engine.py``, ``workers/scheduler.py``, ``workers/runner.py``): the
-step computes the sequence's pending token and its ``k`` drafts as one chunk of ``k + 1`` rows after
-its cached context, every row's logits kept; the sampler (``sampler.verify``) accepts the longest
+step computes the sequence's pending token and its ``k`` drafts as ``k + 1`` decode rows in one
+forward pass (row i sees the context up to its own position; every row's logits kept; decode rows
+rather than a prefill chunk, so the kernels and their rounding are plain decoding's and greedy
+output stays exact on the bf16 / int8 / int4 paths too, not only in fp32); the sampler (``sampler.verify``) accepts the longest
 prefix of drafts the target agrees with and adds the target's own next token, so a step emits
 ``1 .. k + 1`` tokens. The rejected rows' K/V stay in the sequence's blocks past its computed
 length and are overwritten by the next steps before anything reads them.

@@ -137,11 +137,14 @@ def finishes(eng: Engine) -> dict[str, tuple[list[int], str | None]]:
     return out
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny", "tiny-bf16"])
 def engine(model_factory, request):
-    return Engine(
-        str(model_factory(request.param, dtype="float32")), dtype="float32", kv_budget_bytes=8 << 20
-    )
+    """fp32, and bf16 weights on the CPU path the load picks: verify rows are decode rows, so the
+    kernels (and their rounding) are those of plain decoding, on every path."""
+    if request.param == "tiny-bf16":
+        return Engine(str(model_factory("tiny")), kv_budget_bytes=8 << 20)
+    path = str(model_factory(request.param, dtype="float32"))
+    return Engine(path, dtype="float32", kv_budget_bytes=8 << 20)
 
 
 @pytest.fixture(scope="module")
