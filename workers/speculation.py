@@ -9,11 +9,20 @@ free text rarely matches and costs nothing but the search.
 How a draft is used (``workers/engine.py``, ``workers/scheduler.py``, ``workers/runner.py``): the
 step computes the sequence's pending token and its ``k`` drafts as ``k + 1`` decode rows in one
 forward pass (row i sees the context up to its own position; every row's logits kept; decode rows
-rather than a prefill chunk, so the kernels and their rounding are plain decoding's and greedy
-output stays exact on the bf16 / int8 / int4 paths too, not only in fp32); the sampler (``sampler.verify``) accepts the longest
+rather than a prefill chunk, so the linears and their rounding are plain decoding's); the sampler (``sampler.verify``) accepts the longest
 prefix of drafts the target agrees with and adds the target's own next token, so a step emits
 ``1 .. k + 1`` tokens. The rejected rows' K/V stay in the sequence's blocks past its computed
 length and are overwritten by the next steps before anything reads them.
+
+Exactness: greedy output is token for token the output without speculation in fp32 (tests, batched
+and alone) and was on the bf16 / int4 paths for the copy workload of ``bench/speculative.py``. In
+bf16 it is not guaranteed bit for bit: the verify rows of one sequence have unequal context
+lengths, so decode attention pads them to the longest (as it pads requests of unequal lengths
+batched together), and its bf16 ``probs @ v`` over a longer padded row may round differently; at
+a near-tie (top two logits within one bf16 step) the argmax can then flip. Seen once on SmolLM2
+Q4_1 free chat (bf16-packed) at 128 tokens. The linears were checked row-invariant (M = 1..16
+give bit-equal rows on bf16-packed). A per-row-length decode attention would close it
+(``workers/layers/attention.py``, not changed here).
 
 Which requests speculate (``Engine.submit``): those that ask (``SamplingParams.speculative``: the
 request's ``speculative`` extension, else the server's ``--speculative N``; ``true`` takes the
