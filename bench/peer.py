@@ -225,10 +225,12 @@ def llama_server(
     port: int | None = None,
     log: str | Path | None = None,
     timeout: float = 300.0,
+    extra: tuple[str, ...] = (),
 ) -> Iterator[str]:
     """``llama-server -m FILE -np SLOTS -c SLOTS*CTX -t THREADS`` on 127.0.0.1; yields its base URL
     once ``/health`` answers 200, stops it on exit. Output goes to ``log`` (default: a file in
-    $TMPDIR). A llama-server that crashes at start is started again with ``--no-repack``."""
+    $TMPDIR). A llama-server that crashes at start is started again with ``--no-repack``.
+    ``extra``: more flags (bench/speculative.py: its ``--spec-type`` options)."""
     port = port or _free_port()
     url = f"http://127.0.0.1:{port}"
     log = Path(log or Path(os.environ.get("TMPDIR", "/tmp")) / "bench-llama-server.log")
@@ -249,6 +251,7 @@ def llama_server(
         "--alias",
         "bench",
         "--no-webui",
+        *extra,
     ]
     try:
         proc = _start_server(cmd, url, log, timeout)

@@ -18,7 +18,16 @@ from collections.abc import Callable
 import torch
 
 from pantheon.core.kv_types import KvCacheTypes
-from pantheon.core.protocol import EmbedOut, InstanceStats, Pooling, SamplingParams, SlotInfo, TokenOut
+from pantheon.core.protocol import (
+    SPECULATIVE_ON,
+    SPECULATIVE_TOKENS,
+    EmbedOut,
+    InstanceStats,
+    Pooling,
+    SamplingParams,
+    SlotInfo,
+    TokenOut,
+)
 from pantheon.core.sizing import state_checkpoints
 from workers import cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
@@ -32,8 +41,9 @@ from workers.model_config import load_config
 from workers.pooling import Pooled
 from workers.prompt_logprobs import PromptLogprobsAcc
 from workers.runner import ModelRunner
-from workers.sampler import SamplerState, sample
+from workers.sampler import SamplerState, sample, verify
 from workers.scheduler import Scheduler, Sequence, StepPlan
+from workers.speculation import SpecStats, propose
 from workers.state_checkpoints import CheckpointIndex
 from workers.step_budget import DEFAULT_TARGET_S, StepBudget
 
@@ -58,6 +68,7 @@ class Engine:
         compile_decode: bool | None = None,
         prefix_cache: bool = True,
         state_checkpoint_count: int | None = None,
+        speculative: int = 0,
         progress: Callable[[int, int], None] | None = None,
         kv_types: KvCacheTypes = KvCacheTypes(),
     ):
@@ -158,6 +169,13 @@ class Engine:
         if compile_decode if compile_decode is not None else compiled_wanted():
             self.compile_error = self.runner.compile_decode()
         self.compiled = self.runner.compiled is not None
+        # Speculation (workers/speculation.py) needs every position's K/V paged and rows that can
+        # be taken back: no recurrent state, no sliding ring, no length-dependent RoPE.
+        self.spec_supported = not (
+            cfg.slot_state_layers or self.runner.windows or self.runner.rotary.dynamic or self.embed_only
+        )
+        self.spec = SpecStats()
+        self.spec_default = max(0, speculative)  # drafts per step for requests that do not say
         self.weight_bytes = _weight_bytes(self.model)
         # Bytes one decode step streams: everything but the embedding table, of which a step
         # reads only a few rows (unless the head is the table itself, untied and unpacked).
@@ -244,6 +262,10 @@ class Engine:
             self._prompt_lps[request_id] = PromptLogprobsAcc(list(prompt), prompt_logprobs)
             use_cache = False  # a cache hit would skip the positions asked for
         self._samplers[request_id] = SamplerState.create(params, sorted(stop), self.devices[0])
+        spec = self.spec_default if params.speculative is None else params.speculative
+        if spec == SPECULATIVE_ON:
+            spec = self.spec_default or SPECULATIVE_TOKENS
+        spec = spec if self.spec_supported and _speculates(params) else 0
         self.scheduler.add(
             Sequence(
                 request_id=request_id,
@@ -255,6 +277,7 @@ class Engine:
                 session_id=session_id,
                 cache_salt=cache_salt,
                 use_cache=use_cache,
+                spec_tokens=spec,
             )
         )
 
@@ -294,7 +317,8 @@ class Engine:
         """Feed each embedding's prefill chunk of this step to its pooling; end the ones whose
         prompt is now computed (their vectors go to ``embedded``)."""
         hidden = self.runner.last_hidden
-        row = len(plan.decode)  # the step's rows: decode rows first, then each chunk's
+        # the step's rows: decode rows first (each verifying sequence's among them), then each chunk's
+        row = len(plan.decode) + sum(1 + len(s.draft) for s in plan.verify)
         for s, n in plan.prefill:
             pooled = self._embeds.get(s.request_id) if s.embed is not None else None
             if pooled is not None and hidden is not None:
@@ -362,7 +386,15 @@ class Engine:
     def step(self) -> list[TokenOut]:
         """Run one step: decode every running sequence, plus at most one prefill chunk's worth."""
         t0 = time.perf_counter()
-        decoding = any(s.decoding for s in self.scheduler.running())
+        decoding = False
+        for s in self.scheduler.running():
+            decoding = decoding or s.decoding
+            if s.spec_tokens and s.decoding:
+                # drafts beyond what the request may still emit (max_tokens, the context) are waste
+                k = min(
+                    s.spec_tokens, s.max_tokens - s.num_output - 1, self.max_model_len - 1 - s.num_computed
+                )
+                s.draft = propose(s.tokens, k) if k > 0 else []
         plan = self.scheduler.schedule(lambda context: self.budget.tokens(decoding, context))
         outs = [TokenOut(s.request_id, -1, finish="length") for s in plan.truncated]
         for s in plan.truncated:
@@ -387,6 +419,9 @@ class Engine:
             if (acc := self._prompt_lps.get(s.request_id)) is not None
         }
         logits = self.runner.run(plan, prompt_rows={s: rows for s, (_a, _p, rows) in kept.items()})
+        n_verify = sum(1 + len(s.draft) for s in plan.verify)
+        cut = logits.shape[0] - n_verify  # the verify chunks' rows come last
+        logits, verify_logits = logits[:cut], logits[cut:]
         if kept:
             at = len(seqs)
             for acc, p0, rows in kept.values():
@@ -418,13 +453,33 @@ class Engine:
                 )
                 if reason:
                     self._forget(s.request_id)
+        if n_verify:
+            outs += self._verify(plan, verify_logits)
         took = time.perf_counter() - t0
         n_prefill = sum(n for _s, n in plan.prefill)
         # Mean positions a prefilled token attended to (chunk from p0, n tokens: p0 + (n + 1) / 2).
         context = sum(n * (s.num_computed - n + (n + 1) / 2) for s, n in plan.prefill) / max(1, n_prefill)
-        self.budget.observe(len(plan.decode), n_prefill, took, context)
+        self.budget.observe(len(plan.decode) + n_verify, n_prefill, took, context)
         self.steps += 1
         self.step_seconds += took
+        return outs
+
+    def _verify(self, plan: StepPlan, logits: torch.Tensor) -> list[TokenOut]:
+        """Accept what the target agrees with of each verified draft (``sampler.verify``) and
+        emit those tokens plus the target's own, cut where the sequence finishes."""
+        outs: list[TokenOut] = []
+        at = 0
+        for s in plan.verify:
+            draft, n = s.draft, 1 + len(s.draft)
+            st = self._samplers[s.request_id]
+            tokens = verify(logits[at : at + n], draft, st, s.num_output)
+            at += n
+            taken, reason = self.scheduler.accept(s, tokens)
+            self.spec.add(len(draft), len(tokens) - 1, len(taken))
+            for i, t in enumerate(taken):
+                outs.append(TokenOut(s.request_id, t, finish=reason if i == len(taken) - 1 else None))
+            if reason:
+                self._forget(s.request_id)
         return outs
 
     def _checkpoint(self, plan: StepPlan) -> None:
@@ -479,6 +534,10 @@ class Engine:
             cache_query_blocks=self.blocks.queries,
             prefill_budget=self.budget.tokens(),
             block_size=self.blocks.block_size,
+            spec_verify_steps=self.spec.verify_steps,
+            spec_drafted=self.spec.drafted,
+            spec_accepted=self.spec.accepted,
+            spec_emitted=self.spec.emitted,
         )
 
     def close(self) -> None:
@@ -518,6 +577,18 @@ def _attention_crossover(cfg) -> float:
     linear = 2 * layers * (hid * (q + 2 * kv) + q * hid + 3 * hid * inter)
     per_position = 4 * attn_layers * q  # q.k and p.v for each query head
     return linear / per_position if per_position > 0 else float("inf")
+
+
+def _speculates(params: SamplingParams) -> bool:
+    """Whether a request's sampling can be checked draft row by draft row (see
+    ``workers/speculation.py``): no grammar, no logprobs, no output-dependent penalty."""
+    return (
+        params.grammar is None
+        and not params.logprobs
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+    )
 
 
 def _window(tokens: list[int], n: int) -> list[int]:

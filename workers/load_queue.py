@@ -137,6 +137,7 @@ class LoadQueue:
                     max_model_len=msg.max_model_len,
                     quantize=msg.quantize,
                     state_checkpoint_count=msg.state_checkpoints,
+                    speculative=msg.speculative,
                     progress=self._on_progress,
                     kv_types=KvCacheTypes(msg.kv_cache_k, msg.kv_cache_v),  # the router sized with them
                 )

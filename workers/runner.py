@@ -144,6 +144,8 @@ class ModelRunner:
         ``prompt_rows``: prefilling sequences -> how many of their chunk's first rows to keep
         (prompt logprobs, ``workers/prompt_logprobs.py``); those rows follow the sampled ones,
         in the plan's prefill order.
+        Last come every verify row (``plan.verify``, in its order): in the step's input they are
+        decode rows, after the plain ones (``last_hidden`` too).
         """
         ids: list[int] = []
         positions: list[int] = []
@@ -154,6 +156,18 @@ class ModelRunner:
             ids.append(s.tokens[p])
             positions.append(p)
             slots.append(self._rows(s.block_table, p, p + 1)[0])
+        n_plain = len(ids)
+        # Verify rows (speculation): the pending token and each draft of a verifying sequence are
+        # decode rows too, row i seeing the positions up to its own (the step writes every row's
+        # K/V before any row attends). Decode rows, not a prefill chunk: the same kernels as a
+        # one-token step, so a greedy verify picks exactly the tokens plain decoding would.
+        dec_rows = [(s, s.num_computed + 1) for s in plan.decode]  # (sequence, its context length)
+        for s in plan.verify:
+            p0, n = s.num_computed, 1 + len(s.draft)
+            ids += [s.tokens[p0], *s.draft]
+            positions += range(p0, p0 + n)
+            slots += self._rows(s.block_table, p0, p0 + n)
+            dec_rows += [(s, p0 + i + 1) for i in range(n)]
         n_decode = len(ids)
         # start, end, first pos, last pos, table, state slot
         chunks: list[tuple[int, int, int, int, list[int], int]] = []
@@ -175,14 +189,14 @@ class ModelRunner:
 
         dec_gather = dec_bias = dec_slots = slot_run = dec_blocks = None
         if n_decode:
-            slot_ids = [s.slot for s in plan.decode]
+            slot_ids = [s.slot for s, _n in dec_rows]
             dec_slots = torch.tensor(slot_ids, dtype=torch.long, device=dev)
             first = slot_ids[0]
             if first is not None and slot_ids == list(range(first, first + n_decode)):
                 slot_run = first  # recurrent layers update these states in place
-            lens = [s.num_computed + 1 for s in plan.decode]
+            lens = [n for _s, n in dec_rows]
             t = max(lens)
-            dec_tables = [s.block_table for s in plan.decode]
+            dec_tables = [s.block_table for s, _n in dec_rows]
             dec_blocks = self._block_tab(dec_tables, t)  # [B, nb]: attention reads whole blocks
             bs = self.blocks.block_size
             rows = dec_blocks[:, :, None] * bs + torch.arange(bs)
@@ -210,7 +224,7 @@ class ModelRunner:
             ]
             spans = [(slot, p0, p1) for _s, _e, p0, p1, _t, slot in chunks]
             base.windows = {w: window_view(base, w, dec, spans, rot) for w in self.windows}
-        if self.compiled is not None and not pre and not all_rows:
+        if self.compiled is not None and not pre and not all_rows and not plan.verify:
             logits = self.compiled(input_ids, base)  # every row is a sampled decode row
             if logits is not None:
                 return logits
@@ -221,12 +235,13 @@ class ModelRunner:
         if all_rows:
             return self.model.logits(hidden)
         # Only the last row of each sampled sequence needs logits.
-        rows = list(range(n_decode))
+        rows = list(range(n_plain))
         for (_start, end, _p0, p1, _t, _slot), (s, _n) in zip(chunks, plan.prefill):
             if p1 == len(s.tokens) and s.embed is None:  # an embedding is pooled, not sampled
                 rows.append(end - 1)
         for (start, _end, _p0, _p1, _t, _slot), (s, _n) in zip(chunks, plan.prefill):
             rows += range(start, start + (prompt_rows or {}).get(s, 0))
+        rows += range(n_plain, n_decode)  # every verify row
         return self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
 
     def _cos_sin(self, pos_t, plan: StepPlan, n_decode: int, chunks):

@@ -11,6 +11,9 @@ step, and a sync point for every row).
 A seeded stream is reproducible on one kind of device: CPU and CUDA generators draw different
 numbers from the same seed.
 
+``verify`` checks a speculative draft (``workers/speculation.py``) against the target's rows:
+argmax agreement when greedy, rejection sampling that keeps the distribution exact otherwise.
+
 Logprobs are those of the model's raw distribution (log-softmax of the logits before penalties
 and temperature), as vLLM reports them by default.
 """
@@ -120,4 +123,47 @@ def sample(
                 out[i].top = list(zip(ti[j][:n], tv[j][:n]))
     for s, st in zip(out, states):
         st.output_counts[s.token] = st.output_counts.get(s.token, 0) + 1
+    return out
+
+
+def verify(logits: torch.Tensor, draft: list[int], st: SamplerState, n_output: int) -> list[int]:
+    """Check a speculative draft: ``logits`` [k + 1, V] fp32 are the target's rows for the
+    pending token and the ``k`` drafted ones. Returns the tokens to emit: the longest accepted
+    prefix of ``draft`` plus one token of the target's own (1 .. k + 1 tokens).
+
+    Greedy: a draft token is accepted while it is the argmax, so the output is token for token
+    the one without speculation. Sampled: rejection sampling for a deterministic draft (its
+    proposal q is one-hot on ``x``): accept ``x`` with probability p(x) (min(1, p/q)); on a
+    rejection draw from p with ``x`` removed and renormalised (norm(max(0, p - q))), which keeps
+    the output distribution exactly p. All draws come from the request's own generator, so a
+    seeded request repeats itself with speculation on. Only logit_bias and the min_tokens mask
+    are applied here (row i has ``n_output + i`` outputs before it): a request with penalties,
+    logprobs or a grammar is never drafted for (``workers/speculation.py``).
+    """
+    k = len(draft)
+    rows = torch.stack([_penalize(logits[i].clone(), st, [], n_output + i) for i in range(k + 1)])
+    p = st.params
+    if p.temperature == 0.0 or p.top_k == 1:
+        target = torch.argmax(rows, dim=-1).tolist()  # one copy for the k + 1 rows
+        a = 0
+        while a < k and target[a] == draft[a]:
+            a += 1
+        out = draft[:a] + [target[a]]
+    else:
+        probs = torch.stack([_filter(rows[i] / p.temperature, p) for i in range(k + 1)])  # [k + 1, V]
+        d = torch.tensor(draft, dtype=torch.long, device=probs.device)
+        p_draft = probs[:k].gather(1, d[:, None])[:, 0]  # p(x_i) at each draft row
+        u = torch.rand(k, generator=st.generator, device=probs.device, dtype=probs.dtype)
+        ok = (u < p_draft).tolist()
+        a = ok.index(False) if False in ok else k
+        last = probs[a].clone()
+        if a < k:
+            last[draft[a]] = 0.0  # the residual of a one-hot proposal: p without x
+            mass = last.sum()
+            # p(x) within rounding of 1 and still rejected: nothing else has mass, keep p
+            last = last / mass if float(mass) > 0 else probs[a]
+        e = torch.empty_like(last).exponential_(generator=st.generator)
+        out = draft[:a] + [int(torch.argmax(last / e))]
+    for t in out:
+        st.output_counts[t] = st.output_counts.get(t, 0) + 1
     return out

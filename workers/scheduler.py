@@ -17,6 +17,12 @@ prefill budget like any prompt, is never sampled, and the engine ends it (``fini
 prompt is computed. A model whose attention is bidirectional (BERT: ``whole_prompts``) cannot
 split a prompt across steps: each prefill is the whole prompt, alone in a step when it is larger
 than the step's budget.
+
+A decoding sequence with a speculative draft (``Sequence.draft``, set by the engine before
+``schedule``: ``workers/speculation.py``) verifies it instead of decoding one token: its pending
+token and drafts are ``1 + len(draft)`` decode rows (``StepPlan.verify``), given blocks for
+all of them only when the pool has them free (never by preempting); ``accept`` then records what
+the target kept. The blocks past the accepted length stay with the sequence and are overwritten.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ class Sequence:
     restore: int | None = None  # a state checkpoint to load into the slot before its first chunk
     decode_checkpoint: bytes | None = None  # the hash of its newest decode-time state checkpoint
     embed: str | None = None  # an embedding's pooling (protocol.Pooling): prefill only, never sampled
+    spec_tokens: int = 0  # drafts per step when it speculates (workers/speculation.py); 0: never
+    draft: list[int] = field(default_factory=list)  # this step's drafted tokens, set before schedule()
 
     @property
     def num_output(self) -> int:
@@ -79,10 +87,13 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)
     truncated: list[Sequence] = field(default_factory=list)  # finished: the pool cannot hold more
     restores: list[tuple[int, int]] = field(default_factory=list)  # (slot, state checkpoint) to load first
+    # decoding sequences that verify their draft: 1 + len(draft) decode rows each, every row's
+    # logits kept (after the sampled and prompt rows)
+    verify: list[Sequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.verify
 
     def sampled(self) -> list[Sequence]:
         """Sequences that get a new token from this step, in row order of the step's logits.
@@ -158,6 +169,12 @@ class Scheduler:
         for seq in running:
             if seq.slot is None or not seq.decoding:
                 continue
+            # A draft is verified only where its rows fit without preempting anyone; else the
+            # sequence decodes one token as usual.
+            if seq.draft and self.blocks.ensure(seq.block_table, seq.num_computed + 1 + len(seq.draft)):
+                plan.verify.append(seq)
+                continue
+            seq.draft = []
             if self._grow(seq, seq.num_computed + 1, plan):
                 plan.decode.append(seq)
 
@@ -262,12 +279,15 @@ class Scheduler:
             self._preempt(victim, plan)
             if victim in plan.decode:
                 plan.decode.remove(victim)
+            if victim in plan.verify:
+                plan.verify.remove(victim)
         return True
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.blocks.free(seq.block_table)
         seq.num_computed = 0
         seq.num_registered = 0
+        seq.draft = []
         seq.preemptions += 1
         assert seq.slot is not None  # only a running sequence is preempted
         self.slots[seq.slot] = None
@@ -291,14 +311,40 @@ class Scheduler:
 
         ``complete``: the request's grammar is complete with this token, so it stops here."""
         seq.tokens.append(token)
-        reason: FinishReason | None = None
-        if complete or token in seq.stop_ids and seq.num_output >= max(seq.min_tokens, 1):
-            reason = "stop"
-        elif seq.num_output >= seq.max_tokens or len(seq.tokens) >= self.max_model_len:
-            reason = "length"
+        reason = self._finished(seq, token, complete)
         if reason:
             self._release(seq, reason)
         return reason
+
+    def _finished(self, seq: Sequence, token: int, complete: bool = False) -> FinishReason | None:
+        if complete or token in seq.stop_ids and seq.num_output >= max(seq.min_tokens, 1):
+            return "stop"
+        if seq.num_output >= seq.max_tokens or len(seq.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    def accept(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
+        """Record a verified draft (``seq`` in ``plan.verify``): ``tokens`` are its accepted
+        drafts then the target's own token. Appends them up to the one that finishes the sequence
+        (a stop id, max_tokens, the context); the pending token and the accepted drafts among the
+        appended are now computed (their K/V rows are right; the rows past them are overwritten
+        by later steps). Returns the tokens appended and the finish reason, if any (then ``seq``
+        is freed, after its full blocks are filed in the prefix cache, as ``commit`` does)."""
+        taken: list[int] = []
+        reason: FinishReason | None = None
+        for t in tokens:
+            seq.tokens.append(t)
+            taken.append(t)
+            reason = self._finished(seq, t)
+            if reason:
+                break
+        # computed: the pending token, plus each appended token that was a draft the chunk ran
+        seq.num_computed += min(len(taken), len(tokens) - 1) + 1
+        seq.draft = []
+        self._publish(seq)
+        if reason:
+            self._release(seq, reason)
+        return taken, reason
 
     def finish(self, seq: Sequence) -> None:
         """End a sequence that needs no sampled token (an embedding whose prompt is computed)."""

@@ -85,6 +85,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     cors_origins: tuple[str, ...] = _d("cors_origins")  # the OpenAI routes' CORS origins
     keep_alive_s: float = _d("keep_alive_s")  # idle seconds before an on-demand model unloads
     models_max: int = _d("models_max")  # loaded instances at most (0: memory alone decides)
+    speculative: int = _d("speculative")  # prompt-lookup drafts per step by default (0: off)
     fingerprint: str = ""  # computed by build_config
     ops: OpsConfig = OpsConfig()  # auth, limits, logs, registration, shutdown, recovery
 

@@ -521,6 +521,17 @@ SETTINGS: tuple[Setting, ...] = (
         check=at_least(0),
     ),
     Setting(
+        "speculative",
+        "int",
+        0,
+        "prompt-lookup speculative decoding by default: draft tokens per step, copied from the "
+        "request's own context and verified in one pass (exact: greedy output is unchanged); "
+        "0: off. A request's 'speculative' extension overrides it",
+        ("PANTHEON_SPECULATIVE",),
+        metavar="N",
+        check=between(0, 16),
+    ),
+    Setting(
         "max_messages",
         "int",
         1024,

@@ -330,6 +330,7 @@ class Models:
             state_checkpoints=sizing.checkpoints,
             kv_cache_k=sizing.kv_types.k,
             kv_cache_v=sizing.kv_types.v,
+            speculative=cfg.speculative,
         )
 
     async def _room_by_count(self, name: str) -> None:

@@ -17,7 +17,8 @@ from typing import Literal
 import msgspec
 
 # 4: EmbedRequest / EmbedOut, Submit.prompt_logprobs and TokenOut.prompt_logprobs;
-# 5: LoadModel.kv_cache_k / kv_cache_v (the KV cache's types)
+# 5: LoadModel.kv_cache_k / kv_cache_v (the KV cache's types), SamplingParams.speculative,
+# LoadModel.speculative, InstanceStats.spec_*
 PROTOCOL_VERSION = 5
 
 # ---------------------------------------------------------------- codes
@@ -110,6 +111,13 @@ def die_kind(die: str) -> DieKind:
     return parse_die(die)[0]
 
 
+SPECULATIVE_TOKENS = 4
+"""Drafts per step a request's ``speculative: true`` asks for when the server's ``--speculative``
+is 0 (vLLM's usual ``num_speculative_tokens`` for prompt lookup)."""
+SPECULATIVE_ON = -1
+"""``SamplingParams.speculative``: on, at the instance's count (``SPECULATIVE_TOKENS`` if 0)."""
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How one request picks its next token. Checked by the router before it is sent."""
 
@@ -135,6 +143,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     grammar: str | None = None
     grammar_after: list[int] = []  # the grammar starts once the output ends with these ids
     grammar_opening: int = -1  # >= 0: the output may open its reasoning with this id first
+    # prompt-lookup drafts per step (workers/speculation.py): k > 0 that many; 0 none; None the
+    # instance's default (LoadModel.speculative); SPECULATIVE_ON the instance's count, or
+    # SPECULATIVE_TOKENS where that is 0. The worker ignores it where it cannot be exact (a
+    # grammar, logprobs, penalties; recurrent or sliding-window models)
+    speculative: int | None = None
 
 
 # ---------------------------------------------------------------- router -> worker
@@ -156,6 +169,7 @@ class LoadModel(msgspec.Struct, tag=True, kw_only=True):
     # router sized kv_budget_bytes with them, the worker lays its pool out in them
     kv_cache_k: str = "auto"
     kv_cache_v: str = "auto"
+    speculative: int = 0  # drafts per step for requests that do not say (--speculative); 0: off
 
 
 class UnloadModel(msgspec.Struct, tag=True, kw_only=True):
@@ -339,6 +353,12 @@ class InstanceStats(msgspec.Struct, kw_only=True):
     prefill_budget: int = 0  # prompt tokens the next step may prefill (the step budget)
     block_size: int = 16  # token positions per KV block
     state_bytes: int = 0  # the recurrent layers' state pools (0: none, or an older worker)
+    # speculation since load (workers/speculation.py): sequence-steps that verified a draft, the
+    # draft tokens verified, of them accepted, and the tokens those steps emitted
+    spec_verify_steps: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_emitted: int = 0
 
 
 class Stats(msgspec.Struct, tag=True, kw_only=True):

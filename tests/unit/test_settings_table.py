@@ -62,6 +62,7 @@ def samples(tmp: Path) -> dict[str, tuple[str, object]]:
         "models_dir": (str(tmp), (os.path.realpath(tmp),)),
         "keep_alive": ("10m", 600.0),
         "models_max": ("2", 2),
+        "speculative": ("4", 4),
         "max_messages": ("10", 10),
         "max_n": ("3", 3),
         "max_tokens_limit": ("100", 100),

@@ -103,4 +103,17 @@ def die_view(f: DieFacts) -> dict:
             for iid, b in sorted(d.bookings.items())
         },
         "instances": [instance_view(i) for i in f.instances],
+        # prompt-lookup speculation per instance since load (workers/speculation.py), where it ran
+        "speculation": {
+            i.instance: {
+                "verify_steps": i.spec_verify_steps,
+                "drafted": i.spec_drafted,
+                "accepted": i.spec_accepted,
+                "emitted": i.spec_emitted,  # tokens the verify steps gave out
+                "acceptance_rate": round(i.spec_accepted / i.spec_drafted, 4) if i.spec_drafted else None,
+                "tokens_per_step": round(i.spec_emitted / i.spec_verify_steps, 3),
+            }
+            for i in (stats.instances if stats is not None else [])
+            if i.spec_verify_steps
+        },
     }

@@ -89,6 +89,7 @@ _SHARED = (
     "repeat_last_n",
     "min_tokens",
     "ignore_eos",
+    "speculative",
     "session_id",
     "cache_salt",
     "keep_alive",

@@ -25,7 +25,7 @@ import msgspec
 
 from pantheon.api.openai import structured
 from pantheon.config.values import KeepAliveError, parse_keep_alive
-from pantheon.core.protocol import PromptLogprobs, SamplingParams
+from pantheon.core.protocol import SPECULATIVE_ON, PromptLogprobs, SamplingParams
 from pantheon.errors import ApiError, invalid_json, invalid_param, not_an_object
 from pantheon.models import generation_defaults
 
@@ -89,6 +89,9 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     session_id: str | None = None
     cache_salt: str | None = None  # requests share cached prefixes only under the same salt
+    # prompt-lookup speculative decoding (workers/speculation.py): True on (SPECULATIVE_TOKENS
+    # drafts per step, or the server's --speculative count), False off, None the server's default
+    speculative: bool | None = None
     chat_template_kwargs: dict[str, Any] = {}
     # seconds the model stays loaded when idle after this request (Ollama's keep_alive; None:
     # the model's default, residency.FOREVER, 0: unload once idle)
@@ -135,6 +138,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
             grammar=grammar or self.grammar,
             grammar_after=list(grammar_after or []),
             grammar_opening=grammar_opening,
+            speculative=None if self.speculative is None else SPECULATIVE_ON if self.speculative else 0,
         )
 
 
@@ -538,7 +542,7 @@ def parse_chat_request(raw: bytes | str | Any, *, header_session: str | None = N
     if kw["min_tokens"] and kw["max_tokens"] is not None and kw["min_tokens"] > kw["max_tokens"]:
         raise invalid_param("min_tokens", "'min_tokens' must not exceed 'max_tokens'")
     kw["logit_bias"] = _logit_bias(body.get("logit_bias")) or None
-    for key in ("logprobs", "stream", "ignore_eos"):
+    for key in ("logprobs", "stream", "ignore_eos", "speculative"):
         kw[key] = _bool(body, key)
     kw["parallel_tool_calls"] = _bool(body, "parallel_tool_calls")
     kw["top_logprobs"] = _int(body, "top_logprobs", 0, 20)

@@ -31,7 +31,7 @@ Mapping:
 
 Extensions passed to the chat parser as they are: ``seed``, ``stop``, the penalties,
 ``logit_bias``, ``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_*``,
-``session_id``, ``cache_salt``, ``chat_template_kwargs``.
+``session_id``, ``cache_salt``, ``chat_template_kwargs``, ``speculative``.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ _EXTRAS = (
     "min_p",
     "min_tokens",
     "ignore_eos",
+    "speculative",
     "repetition_penalty",
     "repetition_window",
     "repeat_last_n",

@@ -1,0 +1,95 @@
+"""Prompt-lookup (n-gram) speculation: the draft tokens a decoding sequence's own context proposes.
+
+The shape is vLLM's ``ngram`` method: take the longest suffix of the sequence's tokens (prompt +
+output), ``MAX_N`` tokens down to ``MIN_N``, that also occurs earlier in them, and propose the
+(at most ``k``) tokens that followed its most recent earlier occurrence. An answer that copies its
+prompt (edit this code, summarize this text, a JSON echo) is then drafted several tokens at a time;
+free text rarely matches and costs nothing but the search.
+
+How a draft is used (``workers/engine.py``, ``workers/scheduler.py``, ``workers/runner.py``): the
+step computes the sequence's pending token and its ``k`` drafts as ``k + 1`` decode rows in one
+forward pass (row i sees the context up to its own position; every row's logits kept; decode rows
+rather than a prefill chunk, so the linears and their rounding are plain decoding's); the sampler (``sampler.verify``) accepts the longest
+prefix of drafts the target agrees with and adds the target's own next token, so a step emits
+``1 .. k + 1`` tokens. The rejected rows' K/V stay in the sequence's blocks past its computed
+length and are overwritten by the next steps before anything reads them.
+
+Exactness: greedy output is token for token the output without speculation in fp32 (tests, batched
+and alone) and was on the bf16 / int4 paths for the copy workload of ``bench/speculative.py``. In
+bf16 it is not guaranteed bit for bit: the verify rows of one sequence have unequal context
+lengths, so decode attention pads them to the longest (as it pads requests of unequal lengths
+batched together), and its bf16 ``probs @ v`` over a longer padded row may round differently; at
+a near-tie (top two logits within one bf16 step) the argmax can then flip. Seen once on SmolLM2
+Q4_1 free chat (bf16-packed) at 128 tokens. The linears were checked row-invariant (M = 1..16
+give bit-equal rows on bf16-packed). A per-row-length decode attention would close it
+(``workers/layers/attention.py``, not changed here).
+
+Which requests speculate (``Engine.submit``): those that ask (``SamplingParams.speculative``: the
+request's ``speculative`` extension, else the server's ``--speculative N``; ``true`` takes the
+server's N, or ``SPECULATIVE_TOKENS`` = 4 when the server's is 0) on a model whose every
+layer keeps paged K/V under a fixed RoPE. Excluded, with speculation silently off:
+  * models with recurrent layers (Qwen3.5's state cannot be rolled back past rejected rows) or
+    sliding-window rings (a verify chunk's rows overwrite ring entries the rejected case still
+    needs), and dynamic-NTK RoPE (its tables depend on the chunk's end);
+  * requests with a grammar (response_format, forced tools: the mask of row i depends on the
+    drafts before it), logprobs, or repetition / presence / frequency penalties (they depend
+    on the output so far, row by row).
+Handled exactly: greedy and sampled requests (temperature, top_k/top_p/min_p, seed), logit_bias,
+min_tokens, stop ids and max_tokens (the accepted tokens are cut where the sequence finishes), and
+stop strings (the router cuts the text token by token, as without speculation).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAX_N = 4  # the longest suffix n-gram looked up (vLLM's prompt_lookup_max)
+MIN_N = 2  # the shortest (prompt_lookup_min): one token matches too often to be worth a draft
+
+
+def propose(tokens: list[int], k: int, max_n: int = MAX_N, min_n: int = MIN_N) -> list[int]:
+    """At most ``k`` tokens that followed the most recent earlier occurrence of the longest
+    suffix n-gram (``max_n`` down to ``min_n`` tokens) of ``tokens``; [] when none occurs.
+
+    The earlier occurrence may overlap the suffix (``a b a b a b`` drafts ``a b ...``).
+    """
+    n_tok = len(tokens)
+    if k <= 0 or n_tok <= min_n:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    # candidate ends: positions before the last whose token is the last token
+    ends = np.flatnonzero(arr[:-1] == arr[-1])
+    if ends.size == 0:
+        return []
+    # length of the match ending at each candidate, grown one token back at a time (at most max_n)
+    length = np.ones(ends.size, dtype=np.int64)
+    alive = np.ones(ends.size, dtype=bool)
+    for j in range(1, min(max_n, n_tok - 1)):
+        back = ends - j
+        ok = alive & (back >= 0)
+        ok[ok] = arr[back[ok]] == arr[n_tok - 1 - j]
+        length += ok
+        alive = ok
+        if not alive.any():
+            break
+    best = int(length.max())
+    if best < min_n:
+        return []
+    end = int(ends[np.flatnonzero(length == best)[-1]])  # the most recent of the longest
+    return arr[end + 1 : end + 1 + k].tolist()
+
+
+class SpecStats:
+    """Since load: what speculation proposed and what the target kept (``/admin/dies``)."""
+
+    def __init__(self) -> None:
+        self.verify_steps = 0  # sequence-steps that verified a draft
+        self.drafted = 0  # draft tokens proposed and verified
+        self.accepted = 0  # of them, accepted
+        self.emitted = 0  # tokens those steps emitted (accepted + the target's own, cut by finishes)
+
+    def add(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.verify_steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += emitted
