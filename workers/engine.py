@@ -19,10 +19,9 @@ import torch
 
 from pantheon.core.protocol import EmbedOut, InstanceStats, Pooling, SamplingParams, SlotInfo, TokenOut
 from pantheon.core.sizing import state_checkpoints
-from workers import cpu_pack, cpu_paths
+from workers import compiled, cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
 from workers.cache import kv_block_bytes
-from workers.compiled import wanted as compiled_wanted
 from workers.errors import LoadError, RequestRejected
 from workers.grammar import Constraint, Grammars, apply_masks
 from workers.layers.moe import unread_expert_bytes
@@ -139,11 +138,16 @@ class Engine:
         self.runner: ModelRunner = ModelRunner(
             self.model, cfg, self.blocks, dt, num_slots, self.checkpoints.capacity if self.checkpoints else 0
         )
-        # Opt-in (PANTHEON_COMPILE=1): minutes of compile at load for faster decode steps
-        self.compile_error: str | None = None
-        if compile_decode if compile_decode is not None else compiled_wanted():
-            self.compile_error = self.runner.compile_decode()
-        self.compiled = self.runner.compiled is not None
+        # The decode step compiles in the background while this engine serves eager (on unless
+        # PANTHEON_COMPILE=0; workers/compiled.py); the runner switches once it is checked
+        layout = {
+            "cpu_path": self.cpu_path,
+            "dtype": dt,
+            "slots": num_slots,
+            "blocks": num_blocks,
+            "bs": block_size,
+        }
+        self.compiler = compiled.start(self.runner, model_path, layout, compile_decode)
         self.weight_bytes = _weight_bytes(self.model)
         # Bytes one decode step streams: everything but the embedding table, of which a step
         # reads only a few rows (unless the head is the table itself, untied and unpacked).
@@ -465,12 +469,16 @@ class Engine:
             cache_query_blocks=self.blocks.queries,
             prefill_budget=self.budget.tokens(),
             block_size=self.blocks.block_size,
+            compile_state=self.compiler.state,
+            compile_s=round(self.compiler.seconds, 1),
+            compile_cache=self.compiler.cache_note,
         )
 
     def close(self) -> None:
         """Drop the weights and the cache (the worker calls this on unload); the engine is not
         used after."""
         self.grammars.close()
+        self.compiler.close()
         self.runner = None  # pyright: ignore[reportAttributeAccessIssue]  # dropped for good
         self.model = None  # pyright: ignore[reportAttributeAccessIssue]
         if any(d.type == "cuda" for d in self.devices):

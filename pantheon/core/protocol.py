@@ -333,6 +333,11 @@ class InstanceStats(msgspec.Struct, kw_only=True):
     prefill_budget: int = 0  # prompt tokens the next step may prefill (the step budget)
     block_size: int = 16  # token positions per KV block
     state_bytes: int = 0  # the recurrent layers' state pools (0: none, or an older worker)
+    # the decode step's compile (workers/compiled.py): off[: why] | compiling | checking |
+    # compiled | failed: why ("" from an older worker); seconds to built; its cache: hit | miss | off
+    compile_state: str = ""
+    compile_s: float = 0.0
+    compile_cache: str = ""
 
 
 class Stats(msgspec.Struct, tag=True, kw_only=True):
