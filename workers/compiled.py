@@ -57,6 +57,11 @@ FAILED = "failed"
 # on the models measured (tests/unit/test_compile_background.py prints the figures).
 REL_TOLERANCE = 0.1
 
+# The compile thread's OS priority (nice): the lowest, so that the step loop keeps the cores. On
+# a host loaded by others it starves the compile (minutes become tens of minutes): tests and
+# benches on a shared machine set 0.
+NICE = 19
+
 # One compile at a time in a process: two would fight over two cores, and inductor's cache
 # folder (ours per entry) is an environment variable
 _ONE_AT_A_TIME = threading.Lock()
@@ -154,7 +159,7 @@ class CompiledDecode:
 
     def _build(self, make_tables, read_rows: int, write_rows: list[int]) -> None:
         try:  # the lowest priority for this thread and what it spawns (Linux: per thread)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
         except (AttributeError, OSError):
             pass
         try:
@@ -167,7 +172,7 @@ class CompiledDecode:
             self._save()
         except Exception as e:  # noqa: BLE001 - any compile failure means: stay eager
             self.seconds = time.monotonic() - self._t0
-            self._fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+            self._fail(_why(e))
         finally:
             self._done.set()
 
@@ -270,11 +275,7 @@ class CompiledDecode:
         try:
             got = self._call(run, input_ids, b)
         except Exception as e:  # noqa: BLE001 - a graph that cannot run is a failed compile
-            self._fail(
-                f"the compiled step raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[
-                    :300
-                ]
-            )
+            self._fail(f"the compiled step raised {_why(e)}")
             return None
         want = eager()  # second, so that the eager step's KV writes are the ones kept
         why = check_logits(got, want, self.rel)
@@ -291,6 +292,13 @@ class CompiledDecode:
         """The engine is gone: a build still running stops at its next graph, its result unused."""
         self.closed = True
         self._run = None
+
+
+def _why(e: BaseException) -> str:
+    """One line of at most 300 characters: the exception's type and its message's first lines
+    (inductor's first line alone is often just "LoweringException: AssertionError:")."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return f"{type(e).__name__}: {text}"[:300]
 
 
 class NotCompiled:
