@@ -37,6 +37,7 @@ from typing import Protocol
 
 import torch
 
+from workers import cpu_paths
 from workers.cache import LayerCache
 from workers.compile_cache import CompileCache, entry_key
 from workers.layers.attention import StepBatch
@@ -61,6 +62,11 @@ REL_TOLERANCE = 0.1
 # a host loaded by others it starves the compile (minutes become tens of minutes): tests and
 # benches on a shared machine set 0.
 NICE = 19
+
+# CPU path layouts inductor fails on, after minutes of tracing (torch 2.13): not started
+UNLOWERED = {
+    "packed": "inductor cannot lower its oneDNN prepacked linears (mkldnn._linear_pointwise)",
+}
 
 # One compile at a time in a process: two would fight over two cores, and inductor's cache
 # folder (ours per entry) is an environment variable
@@ -339,6 +345,9 @@ def start(
         return NotCompiled("PANTHEON_COMPILE=0")
     if compiler() is None:
         return NotCompiled("no C++ compiler found (CXX, c++, g++, clang++)")
+    spec = cpu_paths.PATHS.get(str(layout.get("cpu_path")))
+    if spec is not None and spec.layout in UNLOWERED:
+        return NotCompiled(f"the {spec.name} CPU path: {UNLOWERED[spec.layout]}")
     cache = CompileCache()
     key = None
     if cache.limit > 0:
