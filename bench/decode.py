@@ -200,6 +200,17 @@ def prompts(batch: int, length: int = 16) -> list[list[int]]:
     return [[(17 * b + 31 * i) % 1000 + 10 for i in range(length)] for b in range(batch)]
 
 
+def compiled_now(eng: Engine) -> None:
+    """Wait for the background compile (if any) and check it on one batch-1 and one batch-2
+    decode, so that the timed steps run compiled."""
+    if not eng.compiler.wait(1800):
+        print("  compile still running after 30 min: timing eager", flush=True)
+    elif eng.compiler.state.startswith("checking"):
+        bench_engine(eng, 1, 2, "cpu")
+        bench_engine(eng, 2, 2, "cpu")
+    print(f"  decode step compile: {eng.compiler.state} ({eng.compiler.seconds:.1f} s)", flush=True)
+
+
 def bench_engine(eng: Engine, batch: int, tokens: int, device: str) -> float:
     """Aggregate decode tokens/s at ``batch`` concurrent sequences."""
     for b, p in enumerate(prompts(batch)):
@@ -454,7 +465,15 @@ def run_gguf(args) -> int:
     rounds = max(1, args.rounds)
     if args.cpu_path:
         os.environ["PANTHEON_CPU_PATH"] = args.cpu_path
-    eng = Engine(str(ours), devices=["cpu"], dtype=dtype, num_slots=max(8, n), kv_budget_bytes=256 << 20)
+    eng = Engine(
+        str(ours),
+        devices=["cpu"],
+        dtype=dtype,
+        num_slots=max(8, n),
+        kv_budget_bytes=256 << 20,
+        compile_decode=args.compile,
+    )
+    compiled_now(eng)
     # The server gets what "auto" resolved to here: the same dtype and CPU path (the engine
     # times the paths at load, and on a busy host two loads can pick differently).
     dtype = str(eng.dtype).removeprefix("torch.")
@@ -644,6 +663,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="default: torch's (GGUF mode: 2)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--quantize", action="store_true", help="also run int8 weight-only")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="our engine (and server) with the compiled decode step (workers/compiled.py), "
+        "timed once it is compiled; default: eager (PANTHEON_COMPILE=0, the servers too)",
+    )
     g = ap.add_argument_group("GGUF mode (against llama.cpp)")
     g.add_argument(
         "--peer",
@@ -696,6 +721,8 @@ def main() -> int:
     g.add_argument("--no-http", action="store_true", help="skip both HTTP servers")
     g.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
+    # The servers' workers read it (compile is on by default: a bench states which it runs)
+    os.environ["PANTHEON_COMPILE"] = "1" if args.compile else "0"
     if args.qwen35:
         if args.model:
             ap.error("--qwen35 makes its own model; leave out --model")
@@ -731,8 +758,14 @@ def main() -> int:
     state_bytes = 0
     for label, quant in variants:
         eng = Engine(
-            str(path), devices=[args.device], dtype=args.dtype, kv_budget_bytes=256 << 20, quantize=quant
+            str(path),
+            devices=[args.device],
+            dtype=args.dtype,
+            kv_budget_bytes=256 << 20,
+            quantize=quant,
+            compile_decode=args.compile,
         )
+        compiled_now(eng)
         weight_bytes[label] = eng.step_read_bytes
         state_bytes = state_bytes_per_sequence(eng)  # read and written again each step, per sequence
         bench_engine(eng, 1, 4, args.device)  # warm up

@@ -151,7 +151,14 @@ def _check_worker_listen(cfg: ServeConfig) -> None:
 
 def _worker_env(cfg: ServeConfig) -> None:
     """The workers inherit our environment: put the resolved engine knobs in it."""
-    for name in ("PANTHEON_STEP_STATS", "PANTHEON_ASYNC_POLL_US", "PANTHEON_CPU_PATH", "PANTHEON_COMPILE"):
+    for name in (
+        "PANTHEON_STEP_STATS",
+        "PANTHEON_ASYNC_POLL_US",
+        "PANTHEON_CPU_PATH",
+        "PANTHEON_COMPILE",
+        "PANTHEON_COMPILE_CACHE_DIR",
+        "PANTHEON_COMPILE_CACHE_MAX_MB",
+    ):
         os.environ.pop(name, None)
     os.environ.update(opsconfig.worker_env(cfg.ops))
 

@@ -14,6 +14,10 @@ import pytest
 
 # Two cores here: keep torch from oversubscribing when tests spawn workers.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# The decode step compiles in the background by default (workers/compiled.py): a minute or two
+# of both cores per load, which the suite's many workers must not pay. tests/unit/test_compiled.py
+# turns it on where it is the subject.
+os.environ.setdefault("PANTHEON_COMPILE", "0")
 
 
 def _cuda_available() -> bool:

@@ -29,10 +29,9 @@ from pantheon.core.protocol import (
     TokenOut,
 )
 from pantheon.core.sizing import state_checkpoints
-from workers import cpu_pack, cpu_paths
+from workers import compiled, cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
 from workers.cache import check_kv_types, kv_block_bytes
-from workers.compiled import wanted as compiled_wanted
 from workers.errors import LoadError, RequestRejected
 from workers.grammar import Constraint, Grammars, apply_masks
 from workers.layers.moe import unread_expert_bytes
@@ -164,11 +163,16 @@ class Engine:
             self.checkpoints.capacity if self.checkpoints else 0,
             kv_types,
         )
-        # Opt-in (PANTHEON_COMPILE=1): minutes of compile at load for faster decode steps
-        self.compile_error: str | None = None
-        if compile_decode if compile_decode is not None else compiled_wanted():
-            self.compile_error = self.runner.compile_decode()
-        self.compiled = self.runner.compiled is not None
+        # The decode step compiles in the background while this engine serves eager (on unless
+        # PANTHEON_COMPILE=0; workers/compiled.py); the runner switches once it is checked
+        layout = {
+            "cpu_path": self.cpu_path,
+            "dtype": dt,
+            "slots": num_slots,
+            "blocks": num_blocks,
+            "bs": block_size,
+        }
+        self.compiler = compiled.start(self.runner, model_path, layout, compile_decode)
         # Speculation (workers/speculation.py) needs every position's K/V paged and rows that can
         # be taken back: no recurrent state, no sliding ring, no length-dependent RoPE.
         self.spec_supported = not (
@@ -538,12 +542,16 @@ class Engine:
             spec_drafted=self.spec.drafted,
             spec_accepted=self.spec.accepted,
             spec_emitted=self.spec.emitted,
+            compile_state=self.compiler.state,
+            compile_s=round(self.compiler.seconds, 1),
+            compile_cache=self.compiler.cache_note,
         )
 
     def close(self) -> None:
         """Drop the weights and the cache (the worker calls this on unload); the engine is not
         used after."""
         self.grammars.close()
+        self.compiler.close()
         self.runner = None  # pyright: ignore[reportAttributeAccessIssue]  # dropped for good
         self.model = None  # pyright: ignore[reportAttributeAccessIssue]
         if any(d.type == "cuda" for d in self.devices):

@@ -187,14 +187,7 @@ def _log_loaded(name: str, engine: Engine, need: int, die_id: str, state: int) -
     skipped = tuple(getattr(getattr(engine, "cfg", None), "skipped", ()) or ())
     if skipped:  # what of the checkpoint the engine does not run, said once
         log.info("%s: left out of the checkpoint: %s", name, "; ".join(skipped))
-    if engine.compiled or engine.compile_error:
-        log.info(
-            "%s: decode step %s",
-            name,
-            "compiled (torch.compile)"
-            if engine.compiled
-            else f"left eager, the compile failed: {engine.compile_error}",
-        )
+    log.info("%s: decode step compile: %s", name, engine.compiler.state)  # workers/compiled.py
     if engine.cpu_timings:  # what the choice was made on: ms of one step's linears
         log.info(
             "%s: CPU paths timed on its shapes (ms per step at 1 / 8 rows): %s",

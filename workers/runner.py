@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,10 @@ from workers.layers.sliding import window_view
 from workers.model_config import ModelConfig
 from workers.models.base import DecoderLM
 from workers.scheduler import Sequence, StepPlan
+
+if TYPE_CHECKING:  # workers.compiled imports this module's neighbours; imported when compiling
+    from workers.compile_cache import CompileCache
+    from workers.compiled import CompiledDecode
 
 __all__ = ["ModelRunner", "kv_block_bytes"]
 
@@ -53,14 +58,17 @@ class ModelRunner:
         self.sliding_rotary = (
             None if local is None else Rotary(dataclasses.replace(cfg, rope=local), self.main)
         )
-        self.compiled = None  # a workers.compiled.CompiledDecode for pure decode steps, opt-in
+        # the decode step compiled in the background (workers/compiled.py), once started
+        self.compiled: CompiledDecode | None = None
         # the last eager step's final hidden states [N, hidden] (decode rows, then each prefill
         # chunk's): what the engine pools embeddings from
         self.last_hidden: torch.Tensor | None = None
 
-    def compile_decode(self) -> str | None:
-        """Compile the pure decode step (see workers/compiled.py); None when it worked, else
-        why not (the runner stays eager)."""
+    def compile_decode(
+        self, cache: CompileCache | None = None, key: str | None = None, background: bool = True
+    ) -> CompiledDecode | str:
+        """Start compiling the pure decode step (see workers/compiled.py) on one KV block set
+        aside until the build ends: the ``CompiledDecode``, or why not (the runner stays eager)."""
         from workers.compiled import CompiledDecode
 
         if len(self.devices) > 1:
@@ -71,15 +79,22 @@ class ModelRunner:
             return "not built yet for models with recurrent layers"
         if self.kv_types.quantized:
             return "not built yet for quantized KV caches (their decode runs eager)"
-        c = CompiledDecode(self.model, self.caches)
+        if self.main.type != "cpu":
+            return "built for CPU dies only"
+        table: list[int] = []
+        if not self.blocks.ensure(table, 1):
+            return "no free KV block to build on"
+        bs = self.blocks.block_size
+        c = CompiledDecode(self.model, self.caches, cache, key)
 
         def tables(pos):
             cos, sin = self.rotary.cos_sin(pos)
             return self._tables(cos, sin)
 
-        if c.warm_up(tables, self.blocks.num_blocks * self.blocks.block_size):
-            self.compiled = c
-        return c.error
+        self.compiled = c
+        rows = [table[0] * bs + i for i in range(min(bs, 3))]
+        c.start(tables, self.blocks.num_blocks * bs, rows, lambda: self.blocks.free(table), background)
+        return c
 
     @property
     def kv_bytes(self) -> int:
@@ -224,11 +239,15 @@ class ModelRunner:
             ]
             spans = [(slot, p0, p1) for _s, _e, p0, p1, _t, slot in chunks]
             base.windows = {w: window_view(base, w, dec, spans, rot) for w in self.windows}
-        if self.compiled is not None and not pre and not all_rows and not plan.verify:
-            logits = self.compiled(input_ids, base)  # every row is a sampled decode row
+        batches = {d: base if d == dev else base.to(d) for d in self.devices}
+        if (
+            self.compiled is not None and not pre and not all_rows and not plan.verify
+        ):  # every row is a sampled decode row
+            logits = self.compiled(
+                input_ids, base, lambda: self.model.logits(self.model(input_ids, batches, self.caches))
+            )
             if logits is not None:
                 return logits
-        batches = {d: base if d == dev else base.to(d) for d in self.devices}
         hidden = self.model(input_ids, batches, self.caches)  # [N, hidden]
         self.last_hidden = hidden
 

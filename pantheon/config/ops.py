@@ -57,6 +57,8 @@ class OpsConfig(msgspec.Struct, frozen=True, kw_only=True):
     async_poll_us: int | None = _d("ops.async_poll_us")  # None: the worker's own 50 ms
     cpu_path: str = _d("ops.cpu_path")  # CPU dies' linear-layer path (workers/cpu_paths.py)
     compile: bool = _d("ops.compile")  # torch.compile the decode step (workers/compiled.py)
+    compile_cache_dir: str | None = _d("ops.compile_cache_dir")  # workers/compile_cache.py
+    compile_cache_max_mb: int = _d("ops.compile_cache_max_mb")
 
 
 def build_ops(values: dict[str, Any]) -> OpsConfig:
@@ -80,6 +82,8 @@ def worker_env(ops: OpsConfig) -> dict[str, str]:
         out["PANTHEON_STEP_STATS"] = "1"
     if ops.cpu_path != "auto":
         out["PANTHEON_CPU_PATH"] = ops.cpu_path
-    if ops.compile:
-        out["PANTHEON_COMPILE"] = "1"
+    out["PANTHEON_COMPILE"] = "1" if ops.compile else "0"  # on by default in the workers too
+    if ops.compile_cache_dir:
+        out["PANTHEON_COMPILE_CACHE_DIR"] = ops.compile_cache_dir
+    out["PANTHEON_COMPILE_CACHE_MAX_MB"] = str(ops.compile_cache_max_mb)
     return out

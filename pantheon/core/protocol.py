@@ -359,6 +359,11 @@ class InstanceStats(msgspec.Struct, kw_only=True):
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_emitted: int = 0
+    # the decode step's compile (workers/compiled.py): off[: why] | compiling | checking |
+    # compiled | failed: why ("" from an older worker); seconds to built; its cache: hit | miss | off
+    compile_state: str = ""
+    compile_s: float = 0.0
+    compile_cache: str = ""
 
 
 class Stats(msgspec.Struct, tag=True, kw_only=True):

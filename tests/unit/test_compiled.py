@@ -1,13 +1,27 @@
-"""The opt-in compiled decode step (workers/compiled.py): the same tokens as eager, batch 1 and
-a batch of unequal lengths, and a compile that fails leaves the engine eager and says why."""
+"""The compiled decode step (workers/compiled.py), on the tiny models: the engine serves eager
+while the step compiles in the background, switches once a real step checked the compiled
+logits against the eager ones, gives the eager tokens at batch 1 and at a batch of unequal
+lengths, takes its graphs from the compile cache on the next load; a failed compile leaves it
+eager and says why. The suite's other tests run with PANTHEON_COMPILE=0 (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pantheon.core.protocol import SamplingParams
 from workers import compiled
+from workers.compiled import check_logits
 from workers.engine import Engine
+
+pytestmark = pytest.mark.slow  # a cold compile of the tiny model: ~1-2 min on 2 busy cores
+
+
+@pytest.fixture(autouse=True)
+def _full_priority(monkeypatch):
+    # The compile thread runs at nice 19 (workers/compiled.py); on a host shared with other
+    # work that starves it for many minutes: here it competes as an equal
+    monkeypatch.setattr(compiled, "NICE", 0)
 
 
 def _run(eng: Engine, prompts: list[list[int]], n: int = 8) -> dict[str, list[int]]:
@@ -20,30 +34,68 @@ def _run(eng: Engine, prompts: list[list[int]], n: int = 8) -> dict[str, list[in
     return out
 
 
-def test_compiled_decode_gives_the_eager_tokens(model_factory):
-    path = str(model_factory("tiny-llama", dtype="float32", num_hidden_layers=2))
-    fast = Engine(path, kv_budget_bytes=1 << 20, cpu_path="fp32", compile_decode=True)
-    assert fast.compiled, fast.compile_error
+@pytest.mark.timeout(1200)
+def test_background_compile_switches_after_the_check_and_hits_the_cache(model_factory, tmp_path, monkeypatch):
+    monkeypatch.setenv("PANTHEON_COMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(model_factory("tiny-llama", dtype="float32", num_hidden_layers=1))
     eager = Engine(path, kv_budget_bytes=1 << 20, cpu_path="fp32")
-    assert not eager.compiled
+    assert eager.compiler.state == "off: PANTHEON_COMPILE=0"  # tests/conftest.py
+    fast = Engine(path, kv_budget_bytes=1 << 20, cpu_path="fp32", compile_decode=True)
+    # served at once, eager, while the step compiles beside it
+    assert fast.compiler.state == "compiling"
+    assert _run(fast, [[4, 5, 6]], 4) == _run(eager, [[4, 5, 6]], 4)
+    assert fast.compiler.wait(600), "the compile did not end in 10 minutes"
+    assert fast.compiler.state == "checking", fast.compiler.state
+    assert fast.stats("m").compile_cache == "miss"
     batch = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3] * 20]  # unequal lengths: a padding bias
     assert _run(fast, batch) == _run(eager, batch)
+    assert fast.compiler.state == "compiled"
     assert _run(fast, [[4, 5, 6]]) == _run(eager, [[4, 5, 6]])  # batch 1: its own graph
-    # every decode step ran the graphs built at load: none would have needed a new compile
-    # (which a serving step must never wait for; it would run eager and count here)
-    assert fast.runner.compiled.fallbacks == 0
+    c = fast.runner.compiled
+    assert c is not None and c.checked == {False, True}
+    # every decode step after the checks ran the graphs built in the background: none would
+    # have needed a new compile (which a serving step never waits for; it runs eager, counted)
+    assert c.fallbacks == 0
+    assert fast.blocks.num_used == 0  # the KV block the build wrote to is back in the pool
+    stats = fast.stats("m")
+    assert (stats.compile_state, stats.compile_cache) == ("compiled", "miss") and stats.compile_s > 0
+
+    again = Engine(path, kv_budget_bytes=1 << 20, cpu_path="fp32", compile_decode=True)
+    assert again.compiler.wait(600)
+    assert (again.compiler.state, again.compiler.cache_note) == ("checking", "hit")
+    assert _run(again, batch) == _run(eager, batch)
+    c2 = again.runner.compiled
+    assert again.compiler.state == "compiled" and c2 is not None and c2.fallbacks == 0
 
 
-def test_a_failed_compile_stays_eager(model_factory, monkeypatch):
-    def broken(fn, **kw):
-        def call(*a, **k):
-            raise RuntimeError("InductorError: no C++ compiler found")
-
-        return call
-
-    monkeypatch.setattr(compiled.torch, "compile", broken)
+@pytest.mark.timeout(600)
+def test_a_compile_cut_short_says_why_and_leaves_nothing_to_trust(model_factory, tmp_path, monkeypatch):
+    # (inductor's settings, a broken C++ compiler among them, do not reach the compile thread:
+    # torch keeps them per thread; a real compile failure, SmolLM2's bf16-packed path, is in the
+    # README's figures)
+    monkeypatch.setenv("PANTHEON_COMPILE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("PANTHEON_COMPILE", "1")
-    eng = Engine(str(model_factory("tiny")), kv_budget_bytes=1 << 20)
-    assert not eng.compiled and "no C++ compiler" in eng.compile_error
-    assert len(_run(eng, [[1, 2, 3]], 4)["r0"]) == 4
-    assert torch.compile is not None
+    eng = Engine(str(model_factory("tiny")), kv_budget_bytes=1 << 20, cpu_path="fp32")
+    c = eng.runner.compiled
+    assert c is not None
+    c.close()  # what Engine.close does: the build stops before its next graph
+    assert eng.compiler.wait(600)
+    assert eng.compiler.state == "failed: RuntimeError: the engine was closed", eng.compiler.state
+    assert eng.stats("m").compile_state == eng.compiler.state
+    assert not any(tmp_path.joinpath("cache").glob("*/done"))  # nothing for the next load to trust
+
+
+def test_the_check_tells_rounding_from_a_wrong_step():
+    torch.manual_seed(0)
+    eager = torch.randn(3, 100) * 8
+    assert check_logits(eager.clone(), eager) is None
+    assert check_logits(eager + 0.01 * torch.randn(3, 100), eager) is None  # bf16-sized rounding
+    why = check_logits(torch.randn(3, 100) * 8, eager)  # another step's logits
+    assert why is not None and "differ" in why
+    nan = eager.clone()
+    nan[1, 5] = float("nan")
+    assert "non-finite" in (check_logits(nan, eager) or "")
+    masked = eager.clone()
+    masked[:, :10] = float("-inf")  # masked the same way both sides: fine
+    assert check_logits(masked.clone(), masked) is None
+    assert "shape" in (check_logits(eager[:2], eager) or "")

@@ -92,6 +92,8 @@ def samples(tmp: Path) -> dict[str, tuple[str, object]]:
         "kv_q4": ("1", True),
         "cpu_path": ("fp32", "fp32"),
         "compile": ("1", True),
+        "compile_cache_dir": ("/c", "/c"),
+        "compile_cache_max_mb": ("64", 64),
         "async_poll_us": ("2000", 2000),
     }
 

@@ -41,6 +41,10 @@ def instance_view(f: InstanceFacts) -> dict:
                 "query_blocks": es.cache_query_blocks,
                 "hit_rate": f.hit_rate,
             },
+            # the decode step's background compile (workers/compiled.py): state, seconds, cache
+            compile={"state": es.compile_state, "seconds": es.compile_s, "cache": es.compile_cache}
+            if es.compile_state
+            else None,
         )
     return out
 
