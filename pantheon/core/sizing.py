@@ -155,7 +155,8 @@ def int4_fits(n: int, k: int) -> bool:
 
 # How the bf16 CPU paths hold a mixture of experts' routed experts stored as MXFP4 (gpt-oss):
 # requantized into the int4 path's layout, its grid fitted to each block's FP4 levels (the
-# measured choice against int8 rows and bf16: workers/mxfp4.py).
+# measured choice against int8 rows and bf16: workers/mxfp4.py; bench/mxfp4_experts.py sets
+# the others to measure them, "bf16" holding them as the path's linears).
 MXFP4_EXPERTS = "int4"
 
 
@@ -163,7 +164,7 @@ def experts_layout(layout: str, dtype: str, mxfp4: bool) -> str:
     """How a CPU path of ``layout`` (in ``dtype``) holds the routed experts: as its linears,
     except MXFP4 experts on a bf16 path of full-precision linears (``MXFP4_EXPERTS``). fp32
     paths keep them dequantized, exactly (the int kernels take bf16 activations)."""
-    if mxfp4 and dtype == "bfloat16" and layout in ("dense", "packed"):
+    if mxfp4 and dtype == "bfloat16" and layout in ("dense", "packed") and MXFP4_EXPERTS in ("int8", "int4"):
         return MXFP4_EXPERTS
     return layout
 

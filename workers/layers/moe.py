@@ -24,8 +24,13 @@ experts, not ``E``: the point of a mixture of experts.
 The router and the shared expert are ``nn.Linear``\\ s, laid out by the CPU paths like any other
 linear. The experts are prepacked for oneDNN one by one on the packed paths (``MoE.lay_out``: the
 same bytes, and plain bf16 ``F.linear`` at one row is ~4x slower than a prepacked one on AVX-512
-hosts); on the int8/int4 paths they stay dense in the path's dtype (int8/int4 experts are not
-built yet).
+hosts). On the int8 / int4 paths they are quantized as those paths' linears are (``MoE.quantize``,
+``workers.quant.QuantExperts``: int8 rows, or int4 groups of 32 where the kernel takes the shape,
+stacked ``[E, ...]``, run by the same kernels), so a step reads only its experts' quantized bytes
+(``per_expert_bytes``, what ``Engine.step_read_bytes`` counts); the per-token weighted sum is the
+same reduction whichever layout ran the experts. Experts stored as MXFP4 (gpt-oss) are kept 4-bit
+on the bf16 paths too: int4 groups whose grid is fitted to each block's FP4 levels
+(``workers/mxfp4.py`` states the measured choice).
 """
 
 from __future__ import annotations
