@@ -2,10 +2,11 @@
 each block's FP4 levels, or min/max), int8 rows from the dequantized values, or bf16 (the
 dequantized values, exact): the logits' distance to the bf16 experts' and decode speed.
 
-    python bench/mxfp4_experts.py [--layers 2] [--tokens 16] [--json OUT]
+    python bench/mxfp4_experts.py [--layers 2] [--hidden 1024] [--tokens 16] [--json OUT]
 
 The model: the ``gpt-oss-20b`` preset (its shapes, random weights, experts written as MXFP4 as
-the Hub ships them) cut to ``--layers`` layers (the folder ``bench/decode.py --moe`` writes),
+the Hub ships them) cut to ``--layers`` layers (the folder ``bench/decode.py --moe`` writes; ``--hidden`` shrinks
+the hidden and expert sizes, for a quicker load),
 loaded on the ``bf16-packed`` path (its attention and head prepacked bf16) with each way of
 holding the experts (``sizing.MXFP4_EXPERTS``, set here). The reference is the bf16 experts: the
 dequantized MXFP4 values are exact in bf16. Prompts: 4 of 16 tokens, their last positions'
@@ -38,14 +39,15 @@ from workers.quant import int4_groups  # noqa: E402
 VARIANTS = ("bf16", "int4-fitted", "int4-minmax", "int8")
 
 
-def folder(layers: int) -> Path:
+def folder(layers: int, hidden: int | None) -> Path:
     from pantheon.models.makemodel import make_model
 
     cache = Path(os.environ.get("PANTHEON_CACHE", Path.home() / ".cache" / "pantheon")) / "models"
-    out = cache / f"gpt-oss-20b-{layers}l"
+    out = cache / f"gpt-oss-20b-{layers}l{f'-h{hidden}' if hidden else ''}"
     if not (out / "model.safetensors").exists():
         print(f"writing the gpt-oss-20b preset cut to {layers} layers to {out} ...", flush=True)
-        make_model("gpt-oss-20b", out, num_hidden_layers=layers, mxfp4=True)
+        shape = {"hidden_size": hidden, "intermediate_size": hidden} if hidden else {}
+        make_model("gpt-oss-20b", out, num_hidden_layers=layers, mxfp4=True, **shape)
     return out
 
 
@@ -76,10 +78,13 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--hidden", type=int, help="hidden and expert sizes (default gpt-oss-20b's 2880; smaller loads faster)"
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    path = folder(args.layers)
+    path = folder(args.layers, args.hidden)
     cpu = cpu_info()
     print(f"{path}; CPU {cpu['model_name']}, {args.threads} threads", flush=True)
     out: dict = {"model": str(path), "cpu": cpu, "rows": {}}

@@ -1,4 +1,5 @@
-"""MXFP4 weights (the OCP microscaling format gpt-oss's experts ship in), dequantized at load.
+"""MXFP4 weights (the OCP microscaling format gpt-oss's experts ship in): dequantized at load,
+then on the bf16 CPU paths kept 4-bit in the int4 path's layout (``int4_from_fp4``).
 
 A checkpoint stores a ``[..., R, C]`` matrix as ``*_blocks`` ``[..., R, C / 32, 16]`` uint8 (two
 FP4 e2m1 values a byte: the low nibble is the even column, the high nibble the odd one) and
@@ -6,6 +7,22 @@ FP4 e2m1 values a byte: the low nibble is the even column, the high nibble the o
 multiplied by ``2 ** (scale - 127)``), as transformers' ``integrations/mxfp4.py`` reads them.
 Every dequantized value (an FP4 level times a power of two) is exact in bf16 and fp32, so the
 result does not depend on the dtype it is computed in.
+
+Holding the experts (``pantheon.core.sizing.MXFP4_EXPERTS``, measured by
+``bench/mxfp4_experts.py``; random Gaussian experts written as MXFP4, 2-core EPYC Zen 4):
+
+- (a) int4 groups of 32 (``workers.quant.QuantExperts``, torch's int4 CPU kernel): MXFP4's blocks
+  are 32 along K as the int4 groups are, but FP4's grid is not uniform, so the min/max grid
+  loses ~8.8% (relative RMS against the dequantized weights); ``int4_from_fp4`` fits each
+  block's grid to its FP4 values and loses ~4.7% (FP4 itself is ~12% from the floats it was
+  made from). 0.625 bytes a weight (MXFP4: 0.53);
+- (b) int8 rows from the dequantized values: ~0.9%, 1 byte a weight and a scale a row;
+- (c) bf16, exact: 2 bytes a weight.
+
+MEASURED_LOGITS
+
+The default is (a), fitted: the fastest, its logits close to the exact experts'. fp32 paths keep
+the exact values (the int kernels take bf16 activations); ``quantize`` / the int8 path gives (b).
 """
 
 from __future__ import annotations

@@ -224,3 +224,22 @@ def test_gpt_oss_mxfp4_experts_stay_4_bit_on_a_bf16_path(model_factory):
     assert estimate(eng.cfg, cpu_path="bf16").weights == eng.weight_bytes
     ref.close()
     eng.close()
+
+
+@pytest.mark.parametrize("mark", [{"quantization_config": {"quant_method": "mxfp4"}}, {"experts_mxfp4": True}])
+def test_mxfp4_experts_are_sized_4_bit_on_the_bf16_paths(mark):
+    """A folder's quantization_config or a GGUF's MXFP4 expert tensors (gguf_config's mark) make
+    the bf16 paths count the experts in int4 groups; fp32 paths keep them exact."""
+    from pantheon.core.sizing import shape_from_config
+    from pantheon.models.makemodel import build_config
+
+    plain = shape_from_config(build_config("tiny-gpt-oss"), "plain")
+    marked = shape_from_config({**build_config("tiny-gpt-oss"), **mark}, "mxfp4")
+    e = marked.layers[0].experts
+    assert e is not None and e.mxfp4 and plain.layers[0].experts is not None
+    assert not plain.layers[0].experts.mxfp4
+    int4 = e.count * (3 * e.intermediate * e.hidden // 2 + 3 * e.intermediate * e.hidden // 32 * 4)
+    for path in ("bf16", "bf16-packed"):
+        saved = estimate(plain, cpu_path=path).layer_bytes[0] - estimate(marked, cpu_path=path).layer_bytes[0]
+        assert saved == 2 * 3 * e.intermediate * e.hidden * e.count - int4  # bf16 matrices, less int4
+    assert estimate(plain, cpu_path="fp32").weights == estimate(marked, cpu_path="fp32").weights
