@@ -133,6 +133,9 @@ class QuantExperts(nn.Module):
     float copy at most beside it. ``experts[e](x)``: x [M, K] (bf16 on CPU) -> [M, N], reading
     only expert ``e``'s block."""
 
+    # torch's int8 CPU kernel sums wrongly (or crashes) unless K is a multiple of 16 (torch 2.13:
+    # K = 24, 40 wrong, 100 a segfault); other K widen the expert's int8 rows per call
+    INT8_KERNEL_K = 16
     weight: torch.Tensor  # [E, N, K] int8 | [E, N, K/2] uint8 (int4, the kernel's packing)
     scales: torch.Tensor  # [E, N] (int8 rows, the weights' dtype) | [E, K/32, N, 2] bf16 (int4)
 
@@ -165,7 +168,11 @@ class QuantExperts(nn.Module):
         """x [M, K] @ expert ``e``'s [N, K]^T -> [M, N]."""
         if self.int4:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight[e], INT4_GROUP, self.scales[e])
-        if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        if (
+            x.device.type == "cpu"
+            and x.dtype == torch.bfloat16
+            and self.in_features % self.INT8_KERNEL_K == 0
+        ):
             return torch._weight_int8pack_mm(x, self.weight[e], self.scales[e])  # pyright: ignore[reportPrivateImportUsage]  # the int8 CPU kernel
         return F.linear(x, self.weight[e].to(x.dtype)) * self.scales[e].to(x.dtype)
 

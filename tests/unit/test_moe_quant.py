@@ -59,6 +59,16 @@ def test_the_stacks_hold_the_linears_levels(layout):
     assert q.expert_bytes() == (48 * 32 + 2 * 48 * 2 * 2 if layout == "int4" else 48 * 64 + 48 * 2)
 
 
+@pytest.mark.parametrize("k", [24, 40, 64])
+def test_int8_experts_of_any_width_sum_right(k):
+    """torch's int8 kernel takes K in 16s only (others sum wrongly): those widen the rows."""
+    w = (torch.randn(2, 16, k) * 0.1).bfloat16()
+    q = QuantExperts(w, "int8")
+    x = torch.randn(3, k).bfloat16()
+    want = x.float() @ (q.weight[1].float() * q.scales[1].float()[:, None]).t()
+    assert torch.allclose(q[1](x).float(), want, rtol=2e-2, atol=2e-2)
+
+
 def test_int4_keeps_a_shape_its_kernel_does_not_take_in_int8_rows():
     _needs("int4")
     q = QuantExperts(torch.randn(2, 24, 64).bfloat16(), "int4")  # 24 rows: not in 16s
@@ -226,7 +236,9 @@ def test_gpt_oss_mxfp4_experts_stay_4_bit_on_a_bf16_path(model_factory):
     eng.close()
 
 
-@pytest.mark.parametrize("mark", [{"quantization_config": {"quant_method": "mxfp4"}}, {"experts_mxfp4": True}])
+@pytest.mark.parametrize(
+    "mark", [{"quantization_config": {"quant_method": "mxfp4"}}, {"experts_mxfp4": True}]
+)
 def test_mxfp4_experts_are_sized_4_bit_on_the_bf16_paths(mark):
     """A folder's quantization_config or a GGUF's MXFP4 expert tensors (gguf_config's mark) make
     the bf16 paths count the experts in int4 groups; fp32 paths keep them exact."""
