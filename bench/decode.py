@@ -126,7 +126,9 @@ def moe_files(layers: int = 2, outtype: str = "bf16", preset: str = MOE_PRESET) 
     folder = cache / f"{preset}-{layers}l"
     if not (folder / "model.safetensors").exists():
         print(f"writing the {preset} preset cut to {layers} layers to {folder} ...", flush=True)
-        extra = {"mxfp4": True} if preset.startswith("gpt-oss") else {}
+        extra: dict = {"mxfp4": True} if preset.startswith("gpt-oss") else {}
+        if preset.startswith("qwen3.") and layers < 4:  # keep a full-attention layer in the cut:
+            extra["full_attention_interval"] = layers  # llama.cpp aborts on a qwen35moe without one
         make_model(preset, folder, num_hidden_layers=layers, **extra)
     gguf = folder.parent / f"{folder.name}-{outtype}.gguf"
     if not gguf.is_file():

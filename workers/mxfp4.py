@@ -19,7 +19,12 @@ Holding the experts (``pantheon.core.sizing.MXFP4_EXPERTS``, measured by
 - (b) int8 rows from the dequantized values: ~0.9%, 1 byte a weight and a scale a row;
 - (c) bf16, exact: 2 bytes a weight.
 
-MEASURED_LOGITS
+The logits (gpt-oss-20b's preset at hidden 1024, 2 layers, 32 experts top 4, 4 prompts' last
+positions; the rest of the model bf16), against (c): (a) fitted 3.4% relative L2, cosine >= 0.9994,
+top-1 4/4; (a) min/max 11.3%, 0.988, 3/4; (b) 6.1%, 0.993, 4/4 (random weights: a router's top-k
+flips on small changes, so the logits' error is not monotonic in the weights'; the experts'
+product errors are 4.7%, 8.8% and 0.7%). Speed, one token's 4 experts of a gpt-oss-20b layer at
+one row, one thread of a loaded 2-core EPYC: (a) ~6-10x faster than bf16 prepacked, (b) ~1-1.4x.
 
 The default is (a), fitted: the fastest, its logits close to the exact experts'. fp32 paths keep
 the exact values (the int kernels take bf16 activations); ``quantize`` / the int8 path gives (b).
