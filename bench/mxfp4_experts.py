@@ -79,7 +79,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--hidden", type=int, help="hidden and expert sizes (default gpt-oss-20b's 2880; smaller loads faster)"
+        "--hidden",
+        type=int,
+        help="hidden and expert sizes (default gpt-oss-20b's 2880; smaller loads faster)",
     )
     ap.add_argument("--json")
     args = ap.parse_args()
