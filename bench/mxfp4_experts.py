@@ -46,8 +46,17 @@ def folder(layers: int, hidden: int | None) -> Path:
     out = cache / f"gpt-oss-20b-{layers}l{f'-h{hidden}' if hidden else ''}"
     if not (out / "model.safetensors").exists():
         print(f"writing the gpt-oss-20b preset cut to {layers} layers to {out} ...", flush=True)
-        shape = {"hidden_size": hidden, "intermediate_size": hidden} if hidden else {}
-        make_model("gpt-oss-20b", out, num_hidden_layers=layers, mxfp4=True, **shape)
+        if hidden:
+            make_model(
+                "gpt-oss-20b",
+                out,
+                num_hidden_layers=layers,
+                mxfp4=True,
+                hidden_size=hidden,
+                intermediate_size=hidden,
+            )
+        else:
+            make_model("gpt-oss-20b", out, num_hidden_layers=layers, mxfp4=True)
     return out
 
 
