@@ -7,6 +7,7 @@
     python bench/decode.py --qwen35 [--outtype q8_0]   # Qwen3.5-0.8B shapes (random weights)
     python bench/decode.py --moe [--moe-layers 2]     # Qwen3-30B-A3B shapes cut to 2 layers
     python bench/decode.py --moe --moe-preset gpt-oss-20b   # gpt-oss-20b shapes, MXFP4 experts
+    python bench/decode.py --moe --moe-preset qwen3.6-35b-a3b-text --outtype q8_0 --cpu-path int8
 
 Folder mode prints tokens/s for each batch size (aggregate over the batch, decode only:
 prefill is timed apart and left out), transformers' figure, their ratio, and the fraction of
@@ -50,8 +51,12 @@ step's tokens ran, counted by the MoE layers) at 1 and ``--streams`` sequences, 
 active-parameter bound (one token's experts) and all experts' bytes, against a measured copy
 bandwidth. ``--moe-preset gpt-oss-20b``: gpt-oss-20b's shapes (32 experts, 4 per token, biases,
 sinks, alternating 128-token windows) with its experts in MXFP4 as the Hub ships them
-(``make_model(mxfp4=True)``): llama.cpp's converter keeps them MXFP4, our engine dequantizes them
-to the path's dtype at load, so its experts' bytes read per step are ~4x llama.cpp's.
+(``make_model(mxfp4=True)``): llama.cpp's converter keeps them MXFP4, our engine keeps them 4-bit
+too on its bf16 paths (int4 groups fitted to their FP4 levels, ``workers/mxfp4.py``).
+``--moe-preset qwen3.6-35b-a3b-text``: Qwen3.6-35B-A3B's text shapes (256 experts, 8 per token
+and a shared expert, on the Qwen3.5 hybrid layers; converted ``--no-mtp``). ``--cpu-path int8`` /
+``int4`` run the experts quantized as those paths' linears (``workers/quant.py``'s
+``QuantExperts``); ``--outtype q8_0`` gives llama.cpp the matching file.
 """
 
 from __future__ import annotations
@@ -108,11 +113,11 @@ def qwen35_files(outtype: str = "bf16") -> tuple[Path, Path]:
 
 
 MOE_PRESET = "qwen3-30b-a3b"
-MOE_PRESETS = (MOE_PRESET, "gpt-oss-20b")
+MOE_PRESETS = (MOE_PRESET, "gpt-oss-20b", "qwen3.6-35b-a3b-text")
 
 
 def moe_files(layers: int = 2, outtype: str = "bf16", preset: str = MOE_PRESET) -> tuple[Path, Path]:
-    """A mixture-of-experts preset (Qwen3-30B-A3B's or gpt-oss-20b's shapes) cut to ``layers``
+    """A mixture-of-experts preset (Qwen3-30B-A3B's, gpt-oss-20b's or Qwen3.6-35B-A3B's shapes) cut to ``layers``
     layers, and its GGUF beside it (llama.cpp's converter), written on first use; gpt-oss's
     experts in MXFP4, as the Hub ships them."""
     from pantheon.models.makemodel import make_model
@@ -121,7 +126,9 @@ def moe_files(layers: int = 2, outtype: str = "bf16", preset: str = MOE_PRESET) 
     folder = cache / f"{preset}-{layers}l"
     if not (folder / "model.safetensors").exists():
         print(f"writing the {preset} preset cut to {layers} layers to {folder} ...", flush=True)
-        extra = {"mxfp4": True} if preset.startswith("gpt-oss") else {}
+        extra: dict = {"mxfp4": True} if preset.startswith("gpt-oss") else {}
+        if preset.startswith("qwen3.") and layers < 4:  # keep a full-attention layer in the cut:
+            extra["full_attention_interval"] = layers  # llama.cpp aborts on a qwen35moe without one
         make_model(preset, folder, num_hidden_layers=layers, **extra)
     gguf = folder.parent / f"{folder.name}-{outtype}.gguf"
     if not gguf.is_file():
@@ -130,7 +137,7 @@ def moe_files(layers: int = 2, outtype: str = "bf16", preset: str = MOE_PRESET) 
 
         print(f"converting {folder} to {gguf} ({outtype}) ...", flush=True)
         part = gguf.with_name(gguf.stem + ".part.gguf")
-        convert(folder, part, outtype)
+        convert(folder, part, outtype, ("--no-mtp",) if preset.startswith("qwen3.") else ())
         part.rename(gguf)
     return folder, gguf
 

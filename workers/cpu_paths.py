@@ -32,14 +32,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pantheon.core.description import ModelDescription
-from pantheon.core.sizing import CPU_PATHS, cpu_path_names
+from pantheon.core.sizing import CPU_PATHS, cpu_path_names, experts_layout
 from workers.cpu_pack import PackedLinear
 
 if TYPE_CHECKING:
     from workers.models.base import DecoderLM
 from workers.errors import LoadError
 from workers.layers.moe import MoE
-from workers.quant import Int4Linear, Int8Linear, int4_fits, replace_linears
+from workers.mxfp4 import int4_from_fp4
+from workers.quant import Int4Linear, Int8Linear, int4_fits, int4_groups, replace_linears
 
 AUTO = "auto"
 
@@ -161,10 +162,25 @@ def linear_shapes(cfg: ModelDescription) -> list[tuple[int, int, int]]:
     return [(n, k, c) for (n, k), c in counts.items()] + [(cfg.vocab_size, cfg.hidden_size, 1)]
 
 
+def mxfp4_experts(cfg: ModelDescription) -> bool:
+    """Whether the model's routed experts are stored as MXFP4 (gpt-oss)."""
+    return any(s.experts is not None and s.experts.mxfp4 for s in cfg.layers)
+
+
+def experts_spec(spec: PathSpec, mxfp4: bool) -> PathSpec:
+    """How path ``spec`` holds a mixture of experts' routed experts (``sizing.experts_layout``):
+    as its linears (prepacked, int8 rows, int4 groups, or dense), except MXFP4 experts on the
+    bf16 paths, kept 4-bit (``sizing.MXFP4_EXPERTS``) when this host runs that kernel (else
+    as the path's linears)."""
+    layout = experts_layout(spec.layout, DTYPE_NAMES[spec.dtype], mxfp4)
+    if layout == spec.layout or probe(layout):
+        return spec
+    return PathSpec(spec.name, spec.dtype, layout, True)
+
+
 def expert_shapes(cfg: ModelDescription) -> list[tuple[int, int, int]]:
     """(N, K, how many) of the routed experts one token runs per step (a mixture of experts'
-    ``top_k`` per layer: gate/up and down): prepacked on the packed paths, dense in the path's
-    dtype on the others."""
+    ``top_k`` per layer: gate/up and down), run as the path holds them (``experts_spec``)."""
     counts: dict[tuple[int, int], int] = {}
     for spec in cfg.layers:
         if spec.experts is not None:
@@ -178,10 +194,10 @@ class _Bench:
     """One path's linear layers for the model's shapes, ready to time at 1 and 8 rows; a mixture
     of experts' routed experts (``experts``) as the path runs them."""
 
-    def __init__(self, name: str, shapes: list[tuple[int, int, int]], experts=()):
+    def __init__(self, name: str, shapes: list[tuple[int, int, int]], experts=(), mxfp4: bool = False):
         spec = PATHS[name]
-        # experts run prepacked on the packed paths (MoE.lay_out), dense in the dtype on the others
-        dense = spec if spec.layout == "packed" else PathSpec(name, spec.dtype, "dense")
+        # experts as the path holds them (MoE.lay_out, MoE.quantize): the same kernels as linears
+        held = experts_spec(spec, mxfp4)
         g = torch.Generator().manual_seed(1)
         self.parts = []
         for i, (n, k, count) in enumerate(shapes):
@@ -191,7 +207,7 @@ class _Bench:
             xs = {m: torch.randn(m, k, generator=g).to(spec.dtype) for m in (1, 8)}
             self.parts.append((lin, xs, count * n / part))
         for n, k, count in experts:
-            lin = make_linear(dense, torch.randn(n, k, generator=g) * 0.02, None)
+            lin = make_linear(held, torch.randn(n, k, generator=g) * 0.02, None)
             xs = {m: torch.randn(m, k, generator=g).to(spec.dtype) for m in (1, 8)}
             self.parts.append((lin, xs, float(count)))
 
@@ -262,7 +278,7 @@ def choose(cfg: ModelDescription, names: list[str], rounds: int = 5, margin: flo
         return [s for s in samples[n] if s[2] <= limit]
 
     with torch.inference_mode():
-        benches = {n: _Bench(n, shapes, expert_shapes(cfg)) for n in names}
+        benches = {n: _Bench(n, shapes, expert_shapes(cfg), mxfp4_experts(cfg)) for n in names}
         ref = _Reference()
         ref.once()
         for b in benches.values():  # warm up: first calls pick kernels and allocate
@@ -318,22 +334,32 @@ def head_spec(spec: PathSpec) -> PathSpec:
     return PATHS["int8"] if spec.layout == "int4" else spec
 
 
-def apply(model: DecoderLM, name: str) -> None:
+def apply(model: DecoderLM, name: str, cfg: ModelDescription | None = None) -> None:
     """Lay a loaded model (in the path's dtype) out for path ``name``, in place.
 
     packed / int8 / int4: every decoder linear laid out so, and the LM head too (``head_spec``):
     a tied head gets its own copy (the embedding table stays plain for lookups), an untied one
-    is replaced. dense: nothing to do.
+    is replaced. dense: nothing to do. A mixture of experts' routed experts as ``experts_spec``
+    says (``cfg``: the model's description, whose experts may be stored as MXFP4): prepacked one
+    by one, or quantized into stacks (int4 groups fitted to FP4's levels when they were MXFP4).
     """
     spec = PATHS[name]
+    mxfp4 = cfg is not None and mxfp4_experts(cfg)
+    held = experts_spec(spec, mxfp4)
+    int4 = int4_from_fp4 if mxfp4 else int4_groups
+    for layer, dev in zip(model.layers, model.layer_devices):
+        if dev.type != "cpu":
+            continue
+        if spec.layout != "dense":
+            replace_linears(layer, lambda w, b: make_linear(spec, w, b))
+        for m in layer.modules():
+            if not isinstance(m, MoE):
+                continue
+            if held.layout == "packed":
+                m.lay_out(lambda w: make_linear(spec, w, None))
+            elif held.layout in ("int8", "int4"):
+                m.quantize(held.layout, int4)
     if spec.layout == "dense":
         return
-    for layer, dev in zip(model.layers, model.layer_devices):
-        if dev.type == "cpu":
-            replace_linears(layer, lambda w, b: make_linear(spec, w, b))
-            if spec.layout == "packed":  # a mixture of experts' experts too, each prepacked
-                for m in layer.modules():
-                    if isinstance(m, MoE):
-                        m.lay_out(lambda w: make_linear(spec, w, None))
     if model.embed_tokens.weight.device.type == "cpu":
         model.lm_head = make_linear(head_spec(spec), model.head_weight(), None)

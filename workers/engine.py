@@ -116,7 +116,7 @@ class Engine:
             )
         self.model, self.cfg = load_model(model_path, devices, dtype, progress, cfg)
         if self.cpu_path is not None:
-            cpu_paths.apply(self.model, self.cpu_path)
+            cpu_paths.apply(self.model, self.cpu_path, self.cfg)
             if getattr(self.model, "embed_only", False):
                 self.model.lm_head = None  # a model that only embeds is never asked for logits
         elif quantize:

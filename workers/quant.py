@@ -9,6 +9,11 @@
   groups, what GGUF's Q4_0 / Q4_1 / Q4_K blocks are), run by torch's int4 CPU kernel
   (``_weight_int4pack_mm_for_cpu``): about a quarter of bf16's bytes. Requantizing a 4-bit
   file's dequantized weights this way gives back its own levels, up to bf16 rounding.
+- ``QuantExperts``: a mixture of experts' stacked ``[E, N, K]`` matrices in the same layouts (int8
+  rows, or int4 groups where the kernel takes the shape), quantized one expert at a time and
+  stacked (``[E, N, K]`` int8 / ``[E, N, K/2]`` packed int4 and their scales), each expert's
+  block contiguous: running expert ``e`` (``experts[e](x)``, the same kernels as the linears)
+  reads only its own bytes.
 """
 
 from __future__ import annotations
@@ -52,6 +57,34 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def int4_pack(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit levels ``q`` [N, K] (0..15) with each group's ``scale`` and lowest value ``lo``
+    [N, K/32] (a weight is ``lo + q * scale``) -> (the int4 kernel's packed weight [N, K/2] uint8,
+    its ``scales_zeros`` [K/32, N, 2] bf16). The kernel dequantizes ``(q - 8) * scale + zero``."""
+    zero = lo + 8 * scale
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    return packed, torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+
+
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [N, K] weight in 4-bit affine groups of 32 (each group's lowest and highest value its
+    first and last level): ``int4_pack``'s (packed weight, scales_zeros)."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)  # [N, G, 32]
+    lo, hi = w.amin(dim=2), w.amax(dim=2)  # [N, G]
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15)
+    return int4_pack(q.reshape(n, k), scale, lo)
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [N, K] weight as int8 rows (one scale a row, absmax / 127), as ``Int8Linear`` holds it:
+    (int8 [N, K], scales [N] in the weight's dtype)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale.to(weight.dtype)
+
+
 class Int4Linear(nn.Module):
     weight: torch.Tensor  # [N, K/2] uint8: two 4-bit levels a byte, in the kernel's packing
     scales_zeros: torch.Tensor  # [K/32, N, 2] bf16: each group's scale and zero
@@ -62,15 +95,9 @@ class Int4Linear(nn.Module):
         n, k = weight.shape
         if not int4_fits(n, k):
             raise ValueError(f"int4 needs N % 16 == 0 and K % {INT4_GROUP} == 0, got [{n}, {k}]")
-        w = weight.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)  # [N, G, 32]
-        lo, hi = w.amin(dim=2), w.amax(dim=2)  # [N, G]
-        scale = ((hi - lo) / 15).clamp(min=1e-8)
-        q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-        # the kernel's dequantization is (q - 8) * scale + zero
-        zero = lo + 8 * scale
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(n, k), 1)
+        packed, scales_zeros = int4_groups(weight)
         self.register_buffer("weight", packed)
-        self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16))
+        self.register_buffer("scales_zeros", scales_zeros)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.in_features, self.out_features = k, n
 
@@ -98,3 +125,67 @@ def quantize_int8(model: nn.Module) -> None:
     """
     for layer in cast("Iterable[nn.Module]", model.layers):
         replace_linears(layer, Int8Linear)  # in the weights' own dtype
+
+
+# A [N, K] weight -> the int4 kernel's (packed weight, scales_zeros): ``int4_groups``, or for
+# experts stored in MXFP4 ``workers.mxfp4.int4_from_fp4`` (its grid fitted to FP4's levels)
+Int4Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class QuantExperts(nn.Module):
+    """``E`` stacked ``[N, K]`` matrices (a mixture of experts' gate_up or down) quantized as the
+    CPU paths' linears are: int8 rows (``Int8Linear``'s), or int4 groups (``Int4Linear``'s kernel)
+    when ``layout`` is "int4" and the kernel takes ``[N, K]`` (else int8 rows, as the int4 path's
+    linears). One expert is quantized at a time into the stack, so a load holds one expert's
+    float copy at most beside it. ``experts[e](x)``: x [M, K] (bf16 on CPU) -> [M, N], reading
+    only expert ``e``'s block."""
+
+    # torch's int8 CPU kernel sums wrongly (or crashes) unless K is a multiple of 16 (torch 2.13:
+    # K = 24, 40 wrong, 100 a segfault); other K widen the expert's int8 rows per call
+    INT8_KERNEL_K = 16
+    weight: torch.Tensor  # [E, N, K] int8 | [E, N, K/2] uint8 (int4, the kernel's packing)
+    scales: torch.Tensor  # [E, N] (int8 rows, the weights' dtype) | [E, K/32, N, 2] bf16 (int4)
+
+    def __init__(self, weights: torch.Tensor, layout: str, int4: Int4Quantizer = int4_groups):
+        super().__init__()
+        if layout not in ("int8", "int4"):
+            raise ValueError(f"experts are quantized to int8 or int4, not {layout!r}")
+        e, n, k = weights.shape
+        self.int4 = layout == "int4" and int4_fits(n, k)
+        self.num_experts, self.out_features, self.in_features = e, n, k
+        weight: torch.Tensor | None = None
+        scales: torch.Tensor | None = None
+        for i in range(e):
+            w, s = int4(weights[i]) if self.int4 else int8_rows(weights[i])
+            if weight is None or scales is None:
+                weight = w.new_empty(e, *w.shape)
+                scales = s.new_empty(e, *s.shape)
+            weight[i], scales[i] = w, s
+        assert weight is not None and scales is not None  # E >= 1
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    def __getitem__(self, e: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: self.mm(e, x)
+
+    def mm(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ expert ``e``'s [N, K]^T -> [M, N]."""
+        if self.int4:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight[e], INT4_GROUP, self.scales[e])
+        if (
+            x.device.type == "cpu"
+            and x.dtype == torch.bfloat16
+            and self.in_features % self.INT8_KERNEL_K == 0
+        ):
+            return torch._weight_int8pack_mm(x, self.weight[e], self.scales[e])  # pyright: ignore[reportPrivateImportUsage]  # the int8 CPU kernel
+        return F.linear(x, self.weight[e].to(x.dtype)) * self.scales[e].to(x.dtype)
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's matrix as held (its levels and scales)."""
+        return (
+            self.weight[0].numel() * self.weight.element_size()
+            + self.scales[0].numel() * self.scales.element_size()
+        )

@@ -23,6 +23,7 @@ from pathlib import Path
 from pantheon.core.description import (
     DTYPE_BYTES,
     AttentionCache,
+    ExpertSpec,
     ModelDescription,
     ModelError,
     describe,
@@ -155,6 +156,35 @@ def int4_fits(n: int, k: int) -> bool:
     return n % 16 == 0 and k % INT4_GROUP == 0
 
 
+# How the bf16 CPU paths hold a mixture of experts' routed experts stored as MXFP4 (gpt-oss):
+# requantized into the int4 path's layout, its grid fitted to each block's FP4 levels (the
+# measured choice against int8 rows and bf16: workers/mxfp4.py; bench/mxfp4_experts.py sets
+# the others to measure them, "bf16" holding them as the path's linears).
+MXFP4_EXPERTS = "int4"
+
+
+def experts_layout(layout: str, dtype: str, mxfp4: bool) -> str:
+    """How a CPU path of ``layout`` (in ``dtype``) holds the routed experts: as its linears,
+    except MXFP4 experts on a bf16 path of full-precision linears (``MXFP4_EXPERTS``). fp32
+    paths keep them dequantized, exactly (the int kernels take bf16 activations)."""
+    if mxfp4 and dtype == "bfloat16" and layout in ("dense", "packed") and MXFP4_EXPERTS in ("int8", "int4"):
+        return MXFP4_EXPERTS
+    return layout
+
+
+def _experts_bytes(e: ExpertSpec, layout: str, b: int) -> int:
+    """Bytes of every routed expert of a layer held in ``layout`` (biases in the dtype)."""
+    if layout not in ("int8", "int4"):
+        return e.params * b
+    mats = ((2 * e.intermediate, e.hidden), (e.hidden, e.intermediate))
+    return e.count * (_linear_bytes(mats, layout, b) + (e.per_expert - 3 * e.intermediate * e.hidden) * b)
+
+
+def _held(e: ExpertSpec, layout: str, dtype: str, cpu: bool) -> str:
+    """The experts' layout on a die: a CPU path's (``experts_layout``); CUDA's int8 keeps them."""
+    return experts_layout(layout, dtype, e.mxfp4) if cpu else "dense"
+
+
 def cpu_path_names(
     quantize: bool,
     dtype: str = "auto",
@@ -241,9 +271,11 @@ def estimate(
         base += head  # the tied head's laid-out copy (the table stays for lookups)
     return Estimate(
         base=base,
-        # a mixture of experts' stacked experts stay dense in the path's dtype (workers/layers/moe.py)
+        # a mixture of experts' stacked experts as the path holds them (workers/layers/moe.py)
         layer_bytes=tuple(
-            _linear_bytes(s.linears, layout, b) + s.small * b + (s.experts.params * b if s.experts else 0)
+            _linear_bytes(s.linears, layout, b)
+            + s.small * b
+            + (_experts_bytes(s.experts, _held(s.experts, layout, dtype, cpu), b) if s.experts else 0)
             for s in shape.layers
         ),
         # a sliding-window layer keeps a ring of its window per slot: state, not per-token KV

@@ -24,21 +24,37 @@ experts, not ``E``: the point of a mixture of experts.
 The router and the shared expert are ``nn.Linear``\\ s, laid out by the CPU paths like any other
 linear. The experts are prepacked for oneDNN one by one on the packed paths (``MoE.lay_out``: the
 same bytes, and plain bf16 ``F.linear`` at one row is ~4x slower than a prepacked one on AVX-512
-hosts); on the int8/int4 paths they stay dense in the path's dtype (int8/int4 experts are not
-built yet).
+hosts). On the int8 / int4 paths they are quantized as those paths' linears are (``MoE.quantize``,
+``workers.quant.QuantExperts``: int8 rows, or int4 groups of 32 where the kernel takes the shape,
+stacked ``[E, ...]``, run by the same kernels), so a step reads only its experts' quantized bytes
+(``per_expert_bytes``, what ``Engine.step_read_bytes`` counts); the per-token weighted sum is the
+same reduction whichever layout ran the experts. Experts stored as MXFP4 (gpt-oss) are kept 4-bit
+on the bf16 paths too: int4 groups whose grid is fitted to each block's FP4 levels
+(``workers/mxfp4.py`` states the measured choice).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.quant import Int4Quantizer, QuantExperts, int4_groups
+
 ROUTINGS = ("softmax", "topk_softmax")
+
+
+class ExpertMats(Protocol):
+    """``E`` matrices, one per expert, as a CPU path holds them: ``mats[e](x [M, K]) -> [M, N]``
+    (an ``nn.ModuleList`` of prepacked linears, or ``workers.quant.QuantExperts``' stacks)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, e: int, /) -> Callable[[torch.Tensor], torch.Tensor]: ...
 
 
 class GLU(Protocol):
@@ -137,7 +153,7 @@ def experts_forward(
     *,
     grouped_mm: bool | None = None,
     stats: list[int] | None = None,
-    laid_out: tuple[nn.ModuleList, nn.ModuleList] | None = None,
+    laid_out: tuple[ExpertMats, ExpertMats] | None = None,
     glu: GLU = silu_glu,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
@@ -148,8 +164,8 @@ def experts_forward(
     ``grouped_mm``: force the grouped GEMM on or off (None: when ``_grouped_mm_ok``).
     The sum is accumulated in float32 and returned in x's dtype. ``stats``: the count of active
     experts is appended (the per-expert loop only: a benchmark's bytes read per step).
-    ``laid_out``: each expert's gate_up and down as a CPU path laid them out (``MoE.lay_out``),
-    used in place of the stacked weights. ``glu``: the experts' gated activation (SwiGLU);
+    ``laid_out``: each expert's gate_up and down as a CPU path laid them out (``MoE.lay_out``,
+    ``MoE.quantize``), used in place of the stacked weights. ``glu``: the experts' gated activation (SwiGLU);
     ``gate_up_bias`` [E, 2I], ``down_bias`` [E, H]: the experts' biases, when they have them."""
     n, h = x.shape
     e = gate_up.shape[0]
@@ -178,7 +194,7 @@ def experts_forward(
         for ex, s, t in active:
             gb = None if gate_up_bias is None else gate_up_bias[ex]
             db = None if down_bias is None else down_bias[ex]
-            if laid_out is not None:  # prepacked linears without biases: added here
+            if laid_out is not None:  # prepacked or quantized, without biases: added here
                 gu = laid_out[0][ex](xs[s:t])
                 y = laid_out[1][ex](glu(gu if gb is None else gu + gb))
                 ys[s:t] = y if db is None else y + db
@@ -241,19 +257,21 @@ class MoE(nn.Module):
         self.shared_expert = SwiGLU(hidden, shared_inter) if shared_inter else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
         self.stats: list[int] | None = None  # set to a list to collect active-expert counts
-        # each expert's matrices as a CPU path lays them out (oneDNN-prepacked), when it does
-        self.laid_out: tuple[nn.ModuleList, nn.ModuleList] | None = None
-        self._per_expert_bytes = 0
+        # each expert's matrices as a CPU path lays them out (oneDNN-prepacked, or quantized
+        # stacks), when it does
+        self.laid_out: tuple[ExpertMats, ExpertMats] | None = None
+        self._matrix_bytes = 0  # one expert's gate_up and down as laid out (0: the stacked ones)
 
     def per_expert_bytes(self) -> int:
-        """Bytes of one routed expert's weights (gate, up and down) as held."""
-        if self._per_expert_bytes:
-            return self._per_expert_bytes
+        """Bytes of one routed expert's weights (gate, up and down, and biases) as held: what a
+        step reads for each expert it runs."""
         biases = 0
         if self.gate_up_bias is not None and self.down_bias is not None:
             biases = (
                 self.gate_up_bias[0].numel() + self.down_bias[0].numel()
             ) * self.down_bias.element_size()
+        if self._matrix_bytes:
+            return self._matrix_bytes + biases
         return (
             self.gate_up[0].numel() * self.gate_up.element_size()
             + self.down[0].numel() * self.down.element_size()
@@ -264,11 +282,28 @@ class MoE(nn.Module):
         """Hold each expert's gate_up and down as ``make(weight)`` builds them (a CPU path's
         prepacked linear), one expert at a time, and let the stacked weights go (the same bytes,
         once)."""
-        self._per_expert_bytes = self.per_expert_bytes()
+        self._matrix_bytes = (
+            self.gate_up[0].numel() * self.gate_up.element_size()
+            + self.down[0].numel() * self.down.element_size()
+        )
         gu = nn.ModuleList(make(self.gate_up[e]) for e in range(self.num_experts))
         dn = nn.ModuleList(make(self.down[e]) for e in range(self.num_experts))
-        self.laid_out = (gu, dn)
         self.gate_up_laid_out, self.down_laid_out = gu, dn  # registered: counted as the model's weights
+        self.laid_out = (cast(ExpertMats, gu), cast(ExpertMats, dn))
+        self._drop_stacked()
+
+    def quantize(self, layout: str, int4: Int4Quantizer = int4_groups) -> None:
+        """Hold the experts quantized as the int8 / int4 CPU paths' linears (``QuantExperts``:
+        int8 rows, or int4 groups made by ``int4``, in stacks), one expert at a time, and let the
+        stacked weights go. The biases stay as they are."""
+        gu = QuantExperts(self.gate_up.detach(), layout, int4)
+        dn = QuantExperts(self.down.detach(), layout, int4)
+        self._matrix_bytes = gu.expert_bytes() + dn.expert_bytes()
+        self.gate_up_laid_out, self.down_laid_out = gu, dn  # registered: counted as the model's weights
+        self.laid_out = (gu, dn)
+        self._drop_stacked()
+
+    def _drop_stacked(self) -> None:
         empty = torch.empty(0, *self.gate_up.shape[1:], dtype=self.gate_up.dtype, device=self.gate_up.device)
         self.gate_up = nn.Parameter(empty, requires_grad=False)
         self.down = nn.Parameter(

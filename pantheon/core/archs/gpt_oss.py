@@ -101,7 +101,8 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> GptOssDescription:
     linears = ((q + 2 * kv, hidden), (hidden, q), (experts, hidden))  # q/k/v, o, the router
     # two norms, the sinks, the router's bias, the attention's biases
     small = 2 * hidden + heads + experts + ((q + 2 * kv + hidden) if bias else 0)
-    spec = ExpertSpec(count=experts, top_k=top_k, intermediate=inter, hidden=hidden, bias=True)
+    mxfp4 = _mxfp4(raw, where) or bool(raw.get("experts_mxfp4"))  # a folder's or a GGUF's
+    spec = ExpertSpec(count=experts, top_k=top_k, intermediate=inter, hidden=hidden, bias=True, mxfp4=mxfp4)
 
     def layer(t: str) -> LayerSpec:
         return LayerSpec(
@@ -133,7 +134,7 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> GptOssDescription:
         swiglu_alpha=_number(raw, "swiglu_alpha", where, 1.702),
         swiglu_limit=_number(raw, "swiglu_limit", where, 7.0),
         attention_bias=bias,
-        mxfp4=_mxfp4(raw, where),
+        mxfp4=mxfp4,
     )
 
 
@@ -156,6 +157,8 @@ def gguf_config(g: GGUFFile, raw: dict) -> None:
         attention_bias=True,
         swiglu_alpha=1.702,
         swiglu_limit=7.0,
+        # ours: llama.cpp's converter keeps the Hub's MXFP4 experts so (ExpertSpec.mxfp4)
+        experts_mxfp4=getattr(g.tensors.get("blk.0.ffn_down_exps.weight"), "type_name", "") == "MXFP4",
     )
     if isinstance(raw.get("rope_scaling"), dict) and raw["rope_scaling"].get("rope_type") == "yarn":
         raw["rope_scaling"]["truncate"] = False
