@@ -286,21 +286,22 @@ def decode_attention(
     scores of each group (then one softmax over the whole row: the scores are [B, H, T], a
     ``D``-th of the keys' size), then each group's values weighted by its probabilities,
     summed in fp32. So no step copies (or dequantizes) a sequence's whole context at full
-    width, only one group; a context within one group takes the single-pass path, as before.
+    width, only one group; a batch whose contexts fit one group gathers its rows at once, as
+    before (the same copy, with fewer ops: depth 0 pays nothing for the groups).
     Without them (a sliding ring's view, the compiled step) the rows of ``b.decode_gather`` are
     gathered at once (a ring holds at most its window).
     """
     assert b.decode_gather is not None  # a batch with decode rows has its gather
-    if b.decode_blocks is None:
-        return _decode_by_rows(q, b, k_cache, v_cache, sinks)
     bsz, h, d = q.shape
+    bs = b.block_size
+    tab = b.decode_blocks  # [B, nb]
+    per = max(1, DECODE_ROWS // (bsz * max(1, bs)))  # blocks per sequence per group
+    if tab is None or tab.shape[1] <= per:  # one group: the rows' gather is that group's copy
+        return _decode_by_rows(q, b, k_cache, v_cache, sinks)
     kv = k_cache.shape[1]
     g = h // kv
     t = b.decode_gather.shape[1]
-    bs = b.block_size
-    tab = b.decode_blocks  # [B, nb]
     nb = tab.shape[1]
-    per = max(1, DECODE_ROWS // (bsz * bs))  # blocks per sequence per group
     qg = q.reshape(bsz, kv, g, d)  # [B, KV, G, D]
     parts = []
     for j in range(0, nb, per):
@@ -318,8 +319,6 @@ def decode_attention(
         n = blk.shape[1] * bs
         vb = read_blocks(v_cache, blk.reshape(-1), bs, q.dtype).view(bsz, n, kv, d).transpose(1, 2)
         o = torch.matmul(probs[..., j * bs : j * bs + n], vb)  # [B, KV, G, D]
-        if nb <= per:
-            return o.view(bsz, h, d)
         out = o.float() if out is None else out.add_(o)
     assert out is not None
     return out.to(q.dtype).view(bsz, h, d)
