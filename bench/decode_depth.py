@@ -22,7 +22,8 @@ depth 8192; llama.cpp runs past its training context).
 llama.cpp (``bench/peer.py``; skipped when not built or with ``--no-peer``): ``llama-bench -m FILE
 -t THREADS -p 0 -n TOKENS -d DEPTHS -fa 1 -ctk T -ctv T`` (``auto`` = f16: llama.cpp has no bf16 KV
 on CPU by default; flash attention on, which quantized V needs), its best repetition. llama-bench
-runs one sequence: batch 8's ratio is against that batch-1 figure. Best of ``--rounds`` on our
+runs one sequence: batch 8's ratio is against that batch-1 figure. ``--shared``: the batch's
+prompts share all but their last token, so one prefill serves them all (the prefix cache). Best of ``--rounds`` on our
 side too: other work on a shared host only slows a run down.
 """
 
@@ -59,8 +60,13 @@ def use_path(name: str) -> None:
     A.decode_attention = _gather_path if name == "gather" else _BLOCKS
 
 
-def prompt(i: int, n: int) -> list[int]:
-    return [(17 * i + 31 * j + 7 * (j // 97)) % 5000 + 10 for j in range(max(1, n))]
+def prompt(i: int, n: int, shared: bool = False) -> list[int]:
+    """Sequence i's prompt of n tokens; ``shared``: every sequence's differs only in its last token."""
+    out = [(31 * j + 7 * (j // 97)) % 5000 + 10 for j in range(max(1, n))]
+    if shared:
+        out[-1] = 10 + i
+        return out
+    return [(t + 17 * i) % 5000 + 10 for t in out]
 
 
 def decode_rate(eng: Engine, prompts: list[list[int]], tokens: int, tag: str) -> tuple[float, float]:
@@ -109,6 +115,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--paths", default="gather,blocks")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument(
+        "--shared",
+        action="store_true",
+        help="the batch's prompts share all but their last token (one prefill through the prefix "
+        "cache: a loaded host's shortcut; the sequences then read the same blocks, which flatters "
+        "the block path's cache hits at batch > 1)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from bench.decode import default_gguf
@@ -151,7 +164,7 @@ def main() -> None:
         for depth in depths:
             n = min(depth, limit - args.tokens - 1)
             for bsz in sorted(batches, reverse=True):  # the largest first: the others find its prompts cached
-                prompts = [prompt(i, n) for i in range(bsz)]
+                prompts = [prompt(i, n, args.shared) for i in range(bsz)]
                 got: dict[str, float] = {}
                 for r in range(args.rounds):
                     for path in paths:
