@@ -292,11 +292,13 @@ def decode_attention(
     gathered at once (a ring holds at most its window).
     """
     assert b.decode_gather is not None  # a batch with decode rows has its gather
+    tab = b.decode_blocks  # [B, nb]
+    if tab is None:  # (the compiled step's graph never reaches the size arithmetic below)
+        return _decode_by_rows(q, b, k_cache, v_cache, sinks)
     bsz, h, d = q.shape
     bs = b.block_size
-    tab = b.decode_blocks  # [B, nb]
-    per = max(1, DECODE_ROWS // (bsz * max(1, bs)))  # blocks per sequence per group
-    if tab is None or tab.shape[1] <= per:  # one group: the rows' gather is that group's copy
+    per = max(1, DECODE_ROWS // (bsz * bs))  # blocks per sequence per group
+    if tab.shape[1] <= per:  # one group: the rows' gather is that group's copy
         return _decode_by_rows(q, b, k_cache, v_cache, sinks)
     kv = k_cache.shape[1]
     g = h // kv
