@@ -260,11 +260,14 @@ def _q_block(m: int) -> int:
 
 # Cache rows a decode step reads at once over its whole batch (each sequence's share rounded
 # to whole blocks, at least one): the group's K/V (dequantized, for a quantized cache) is the
-# only full-width copy a decode step makes. Measured on SmolLM2-135M's heads (3 KV x 64, bf16,
-# one thread of a loaded 2-core Zen 4, per layer call): at 8192 positions the old gather took
-# 8.6 ms at batch 1 and 62 at batch 8; groups of 2048 rows 2.8 and ~20 (2048 at batch 1, 256
-# per sequence at 8); much smaller groups pay Python per group, much larger ones spill the cache.
-DECODE_ROWS = 2048
+# only full-width copy a decode step makes. Each group costs ~a dozen eager ops per layer, which
+# a small model's step feels: on SmolLM2-135M (2-core Zen 4, loaded by other work) groups of
+# 2048 rows made batch 8 at depth 2048 decode at 81 tok/s against the gather's 226 (its 8
+# sequences then shared one prompt's blocks: hot in cache, the gather's best case), while a
+# layer call alone, 8 distinct contexts of 8192 positions, took ~20-30 ms in groups against
+# 62 ms for the gather (3 KV heads x 64, bf16, one thread). So groups start past 8192 rows:
+# batch 1 gathers at once to 8192 positions, batch 8 reads 1024 positions a sequence at a time.
+DECODE_ROWS = 8192
 
 
 def decode_attention(
