@@ -260,11 +260,14 @@ def _q_block(m: int) -> int:
 
 # Cache rows a decode step reads at once over its whole batch (each sequence's share rounded
 # to whole blocks, at least one): the group's K/V (dequantized, for a quantized cache) is the
-# only full-width copy a decode step makes. Measured on SmolLM2-135M's heads (3 KV x 64, bf16,
-# one thread of a loaded 2-core Zen 4, per layer call): at 8192 positions the old gather took
-# 8.6 ms at batch 1 and 62 at batch 8; groups of 2048 rows 2.8 and ~20 (2048 at batch 1, 256
-# per sequence at 8); much smaller groups pay Python per group, much larger ones spill the cache.
-DECODE_ROWS = 2048
+# only full-width copy a decode step makes. Each group costs ~a dozen eager ops per layer, which
+# a small model's step feels: on SmolLM2-135M (2-core Zen 4, loaded by other work) groups of
+# 2048 rows made batch 8 at depth 2048 decode at 81 tok/s against the gather's 226 (its 8
+# sequences then shared one prompt's blocks: hot in cache, the gather's best case), while a
+# layer call alone, 8 distinct contexts of 8192 positions, took ~20-30 ms in groups against
+# 62 ms for the gather (3 KV heads x 64, bf16, one thread). So groups start past 8192 rows:
+# batch 1 gathers at once to 8192 positions, batch 8 reads 1024 positions a sequence at a time.
+DECODE_ROWS = 8192
 
 
 def decode_attention(
@@ -286,21 +289,24 @@ def decode_attention(
     scores of each group (then one softmax over the whole row: the scores are [B, H, T], a
     ``D``-th of the keys' size), then each group's values weighted by its probabilities,
     summed in fp32. So no step copies (or dequantizes) a sequence's whole context at full
-    width, only one group; a context within one group takes the single-pass path, as before.
+    width, only one group; a batch whose contexts fit one group gathers its rows at once, as
+    before (the same copy, with fewer ops: depth 0 pays nothing for the groups).
     Without them (a sliding ring's view, the compiled step) the rows of ``b.decode_gather`` are
     gathered at once (a ring holds at most its window).
     """
     assert b.decode_gather is not None  # a batch with decode rows has its gather
-    if b.decode_blocks is None:
+    tab = b.decode_blocks  # [B, nb]
+    if tab is None:  # (the compiled step's graph never reaches the size arithmetic below)
         return _decode_by_rows(q, b, k_cache, v_cache, sinks)
     bsz, h, d = q.shape
+    bs = b.block_size
+    per = max(1, DECODE_ROWS // (bsz * bs))  # blocks per sequence per group
+    if tab.shape[1] <= per:  # one group: the rows' gather is that group's copy
+        return _decode_by_rows(q, b, k_cache, v_cache, sinks)
     kv = k_cache.shape[1]
     g = h // kv
     t = b.decode_gather.shape[1]
-    bs = b.block_size
-    tab = b.decode_blocks  # [B, nb]
     nb = tab.shape[1]
-    per = max(1, DECODE_ROWS // (bsz * bs))  # blocks per sequence per group
     qg = q.reshape(bsz, kv, g, d)  # [B, KV, G, D]
     parts = []
     for j in range(0, nb, per):
@@ -318,8 +324,6 @@ def decode_attention(
         n = blk.shape[1] * bs
         vb = read_blocks(v_cache, blk.reshape(-1), bs, q.dtype).view(bsz, n, kv, d).transpose(1, 2)
         o = torch.matmul(probs[..., j * bs : j * bs + n], vb)  # [B, KV, G, D]
-        if nb <= per:
-            return o.view(bsz, h, d)
         out = o.float() if out is None else out.add_(o)
     assert out is not None
     return out.to(q.dtype).view(bsz, h, d)

@@ -21,6 +21,11 @@ The step's view for a window (``window_view``) is a ``StepBatch`` in ring rows:
 ``ring_attention`` writes decode rows' K/V first and attends; a prefill chunk attends to its
 history and itself, then writes its last ``window`` positions. A query only ever reads positions
 its own sequence wrote (or a restored checkpoint holds), so a ring is never cleared.
+
+Under a quantized KV cache type (``--kv-cache-dtype``) rings stay at the compute dtype: a ring's
+bytes are bounded by its window whatever the context, the router books them as states at the
+compute dtype, and decode reads a ring through ``decode_attention``'s row gather (at most the
+window), not by the paged pool's blocks (``workers/cache.py``).
 """
 
 from __future__ import annotations
