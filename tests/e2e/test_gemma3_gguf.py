@@ -22,12 +22,11 @@ from safetensors.torch import load_file
 
 from pantheon.core.archs.gemma3 import FULL, SLIDING, gguf_config
 from pantheon.core.gguf import GGUFFile, read_gguf
-from pantheon.core.protocol import SamplingParams
-from workers.engine import Engine
 from workers.gguf_weights import iter_tensors
 from workers.model_config import load_config
 from workers.models.gemma3 import checkpoint_name
 
+from helpers.engines import Engines, greedy
 from helpers.llama_convert import convert
 
 PROMPT = [7, 300, 12, 99, 5, 1000, 42, 17, 256, 3, 77, 1500, 8, 64, 900, 11, 23, 400, 6, 88] * 2
@@ -53,35 +52,8 @@ def files(model_factory, tmp_path_factory):
     return get
 
 
-_engines: dict[str, Engine] = {}
-
-
-def engine(path: Path) -> Engine:
-    key = str(path)
-    if key not in _engines:
-        _engines[key] = Engine(key, dtype="float32")
-    return _engines[key]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_engines():
-    yield
-    for e in _engines.values():
-        e.close()
-    _engines.clear()
-
-
-def greedy(eng: Engine, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    rows: list[torch.Tensor] = []
-    eng.on_logits = lambda _seqs, logits: rows.append(logits[0].clone())
-    try:
-        eng.submit("g", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        out: list[int] = []
-        while eng.has_work():
-            out += [o.token for o in eng.step()]
-    finally:
-        eng.on_logits = None
-    return out, torch.stack(rows)
+engine = Engines()
+_close_engines = engine.fixture()
 
 
 def _config(**meta) -> dict:

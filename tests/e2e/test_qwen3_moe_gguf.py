@@ -17,12 +17,13 @@ import torch
 from safetensors.torch import load_file
 
 from pantheon.core.gguf import read_gguf
-from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
 from workers.gguf_weights import iter_tensors
 from workers.model_config import load_config
 from workers.models import qwen3_moe
 
+from helpers.engines import Engines
+from helpers.engines import greedy as greedy_logits
 from helpers.llama_convert import convert
 
 PROMPT = [7, 300, 12, 99, 5, 1000, 42, 17, 256, 3, 77, 1500, 8, 64, 900, 11, 23, 400, 6, 88]
@@ -51,34 +52,12 @@ def files(folder, tmp_path_factory):
     return get
 
 
-_engines: dict[str, Engine] = {}
-
-
-def engine(path: Path) -> Engine:
-    if str(path) not in _engines:
-        _engines[str(path)] = Engine(str(path), dtype="float32")
-    return _engines[str(path)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_engines():
-    yield
-    for e in _engines.values():
-        e.close()
-    _engines.clear()
+engine = Engines()
+_close_engines = engine.fixture()
 
 
 def greedy(eng: Engine, n: int) -> tuple[list[int], torch.Tensor]:
-    rows: list[torch.Tensor] = []
-    eng.on_logits = lambda _seqs, logits: rows.append(logits[0].clone())
-    try:
-        eng.submit("g", PROMPT, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        out: list[int] = []
-        while eng.has_work():
-            out += [o.token for o in eng.step()]
-    finally:
-        eng.on_logits = None
-    return out, torch.stack(rows)
+    return greedy_logits(eng, PROMPT, n)
 
 
 @pytest.mark.slow
