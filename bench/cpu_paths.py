@@ -49,7 +49,10 @@ def main() -> int:
     for p, why in broken.items():
         print(f"{p}: does not work here ({why}); left out")
     paths = [p for p in paths if p not in broken]
-    engines = {p: Engine(str(model), devices=["cpu"], kv_budget_bytes=256 << 20, cpu_path=p) for p in paths}
+    engines = {
+        p: Engine(str(model), devices=["cpu"], kv_budget_bytes=256 << 20, cpu_path=p, compile_decode=False)
+        for p in paths
+    }
     best = {(p, b): 0.0 for p in paths for b in (1, 8)}
     for _ in range(args.rounds):
         for p, eng in engines.items():

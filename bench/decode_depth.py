@@ -144,7 +144,12 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - no llama.cpp here: our side alone
                 print(f"  llama-bench skipped: {e}", flush=True)
         eng = Engine(
-            str(model), devices=["cpu"], num_slots=max(batches), kv_budget_bytes=1 << 20, cpu_path=cpu_path
+            str(model),
+            devices=["cpu"],
+            num_slots=max(batches),
+            kv_budget_bytes=1 << 20,
+            cpu_path=cpu_path,
+            compile_decode=False,
         )
         cpu_path, limit, dt = eng.cpu_path, eng.max_model_len, eng.dtype
         per_seq = min(max(depths), limit) + 2 * args.tokens + 64
@@ -158,6 +163,7 @@ def main() -> None:
             cpu_path=cpu_path,
             kv_types=kt,
             prefill_chunk=1024,
+            compile_decode=False,
         )
         print(f"{kind}: dtype {dt}, CPU path {cpu_path}, KV pool {eng.kv_bytes / 1e6:.0f} MB", flush=True)
         decode_rate(eng, [prompt(0, 16)], 8, "warm")

@@ -122,7 +122,7 @@ def main() -> None:
         rows = torch.tensor([p for c in contexts for p in range(c - args.window - 1, c - 1)])
         kw: dict = {"devices": ["cpu"], "kv_budget_bytes": 1 << 30, "prefill_chunk": need}
         t = time.perf_counter()
-        ref_eng = Engine(str(path), **kw)
+        ref_eng = Engine(str(path), **kw, compile_decode=False)
         kw["cpu_path"] = ref_eng.cpu_path
         ref = log_probs(ref_eng, ids, rows)
         print(
@@ -133,7 +133,7 @@ def main() -> None:
         del ref_eng
         res: dict = {}
         for kt in kinds:
-            eng = Engine(str(path), kv_types=kt, **kw)
+            eng = Engine(str(path), kv_types=kt, **kw, compile_decode=False)
             lp = log_probs(eng, ids, rows)
             del eng
             kl = (ref.exp() * (ref - lp)).sum(-1)  # [rows]

@@ -63,7 +63,9 @@ def folder(layers: int, hidden: int | None) -> Path:
 def load(path: Path, variant: str) -> Engine:
     sizing.MXFP4_EXPERTS = variant.split("-")[0]
     cpu_paths.int4_from_fp4 = int4_groups if variant == "int4-minmax" else int4_from_fp4  # pyright: ignore[reportAttributeAccessIssue]
-    return Engine(str(path), cpu_path="bf16-packed", num_slots=4, kv_budget_bytes=64 << 20)
+    return Engine(
+        str(path), cpu_path="bf16-packed", num_slots=4, kv_budget_bytes=64 << 20, compile_decode=False
+    )
 
 
 def last_logits(eng: Engine) -> torch.Tensor:

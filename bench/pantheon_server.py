@@ -38,7 +38,11 @@ def serve(args: list[str], log: Path, timeout: float = 300.0) -> Iterator[str]:
     cmd = [sys.executable, "-m", "pantheon", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT))
+            cmd,
+            cwd=ROOT,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env={"PANTHEON_COMPILE": "0", **os.environ, "PYTHONPATH": str(ROOT)},
         )
         try:
             deadline = time.monotonic() + timeout

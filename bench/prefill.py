@@ -129,6 +129,7 @@ def main() -> int:
         kv_budget_bytes=1 << 30,
         prefill_chunk=args.prefill_chunk,
         **kw,
+        compile_decode=False,
     )
     vocab = eng.vocab_size
     cap = eng.max_model_len - 1

@@ -50,7 +50,14 @@ def first_token_time(
 def conversation(
     path: str, cache: bool, turns: int, user_len: int, reply: int
 ) -> list[tuple[int, float, int]]:
-    eng = Engine(path, dtype="bfloat16", kv_budget_bytes=512 << 20, prefix_cache=cache, max_model_len=8192)
+    eng = Engine(
+        path,
+        dtype="bfloat16",
+        kv_budget_bytes=512 << 20,
+        prefix_cache=cache,
+        max_model_len=8192,
+        compile_decode=False,
+    )
     first_token_time(eng, "warm", tokens(999, 32), 2)
     if cache:
         eng.reset_cache()
@@ -65,7 +72,14 @@ def conversation(
 
 
 def shared_prompt(path: str, cache: bool, n: int, system_len: int, question: int) -> tuple[float, int]:
-    eng = Engine(path, dtype="bfloat16", kv_budget_bytes=512 << 20, prefix_cache=cache, max_model_len=8192)
+    eng = Engine(
+        path,
+        dtype="bfloat16",
+        kv_budget_bytes=512 << 20,
+        prefix_cache=cache,
+        max_model_len=8192,
+        compile_decode=False,
+    )
     system = tokens(4242, system_len)
     computed = 0
     orig = eng.scheduler.commit

@@ -104,7 +104,11 @@ def bench_engine(path: Path, args) -> dict:
         torch.set_num_threads(args.threads)
 
     eng = Engine(
-        str(path), devices=[args.device], num_slots=max(args.clients, 8), kv_budget_bytes=args.kv_budget
+        str(path),
+        devices=[args.device],
+        num_slots=max(args.clients, 8),
+        kv_budget_bytes=args.kv_budget,
+        compile_decode=False,
     )
     ids = prompt_ids(path)
     best = None

@@ -87,7 +87,7 @@ def main() -> None:
         [{"role": "user", "content": "List people with their ages as JSON."}], add_generation_prompt=True
     )
     ids = assets.encode(prompt)
-    eng = Engine(path, num_slots=args.streams, kv_budget_bytes=256 << 20)
+    eng = Engine(path, num_slots=args.streams, kv_budget_bytes=256 << 20, compile_decode=False)
     grammar = structured.json_schema_grammar(SCHEMA, "schema")
     decode_rate(eng, ids, args.streams, 8, grammar)  # warm: the tokenizer, the compiled grammar
     decode_rate(eng, ids, args.streams, 8, None)
