@@ -50,7 +50,7 @@ def world(monkeypatch):
     holder: dict[str, World] = {}
 
     class FakeBench:
-        def __init__(self, name: str, shapes, experts=()):
+        def __init__(self, name: str, shapes, experts=(), mxfp4: bool = False):
             self.name = name
 
         def once(self, rows: int) -> float:
@@ -68,6 +68,7 @@ def world(monkeypatch):
     monkeypatch.setattr(cpu_paths, "_Reference", FakeReference)
     monkeypatch.setattr(cpu_paths, "linear_shapes", lambda cfg: [])
     monkeypatch.setattr(cpu_paths, "expert_shapes", lambda cfg: [])
+    monkeypatch.setattr(cpu_paths, "mxfp4_experts", lambda cfg: False)
 
     def make(disturbed: Callable[[int, str], bool], n: int = len(NAMES)) -> World:
         holder["w"] = World(disturbed, n)
@@ -76,7 +77,7 @@ def world(monkeypatch):
     return make
 
 
-CFG = cast(ModelDescription, None)  # unused: linear_shapes and expert_shapes are faked
+CFG = cast(ModelDescription, None)  # unused: the functions that read it are faked
 
 
 def test_undisturbed_choice_is_the_fastest_path(world):
