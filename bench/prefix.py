@@ -47,10 +47,9 @@ def first_token_time(
     return ttft, out, cached
 
 
-def conversation(
-    path: str, cache: bool, turns: int, user_len: int, reply: int
-) -> list[tuple[int, float, int]]:
-    eng = Engine(
+def engine(path: str, cache: bool) -> Engine:
+    """The engine both runs measure: bf16, eager (no background compile), with or without the prefix cache."""
+    return Engine(
         path,
         dtype="bfloat16",
         kv_budget_bytes=512 << 20,
@@ -58,6 +57,12 @@ def conversation(
         max_model_len=8192,
         compile_decode=False,
     )
+
+
+def conversation(
+    path: str, cache: bool, turns: int, user_len: int, reply: int
+) -> list[tuple[int, float, int]]:
+    eng = engine(path, cache)
     first_token_time(eng, "warm", tokens(999, 32), 2)
     if cache:
         eng.reset_cache()
@@ -72,14 +77,7 @@ def conversation(
 
 
 def shared_prompt(path: str, cache: bool, n: int, system_len: int, question: int) -> tuple[float, int]:
-    eng = Engine(
-        path,
-        dtype="bfloat16",
-        kv_budget_bytes=512 << 20,
-        prefix_cache=cache,
-        max_model_len=8192,
-        compile_decode=False,
-    )
+    eng = engine(path, cache)
     system = tokens(4242, system_len)
     computed = 0
     orig = eng.scheduler.commit
