@@ -38,7 +38,7 @@ from workers.gguf_weights import iter_tensors
 from workers.model_config import load_config
 from workers.models.gemma4 import checkpoint_name
 
-from helpers.engines import Engines, greedy
+from helpers.engines import Engines, assert_same_logits
 from helpers.llama_convert import convert
 from helpers.serve import Server
 
@@ -189,14 +189,7 @@ def test_every_tensor_matches_the_folder(files, which):
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_f32_file_gives_the_folders_logits(files, kind):
     folder, path = files[(kind, "f32")]
-    want = engine(folder).prompt_logits(PROMPT)[:, :VOCAB]
-    got = engine(path).prompt_logits(PROMPT)
-    assert got.shape == want.shape == (len(PROMPT), VOCAB)
-    assert (got - want).abs().max().item() < F32_TOL
-    got_tokens, got_rows = greedy(engine(path), PROMPT, DECODE_STEPS)
-    want_tokens, want_rows = greedy(engine(folder), PROMPT, DECODE_STEPS)
-    assert got_tokens == want_tokens and len(got_tokens) == DECODE_STEPS
-    assert (got_rows - want_rows[:, :VOCAB]).abs().max().item() < F32_TOL
+    assert_same_logits(engine(path), engine(folder), PROMPT, VOCAB, DECODE_STEPS, F32_TOL)
 
 
 @pytest.mark.slow

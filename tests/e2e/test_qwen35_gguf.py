@@ -30,7 +30,7 @@ from workers.gguf_weights import iter_tensors
 from workers.model_config import load_config
 from workers.models.qwen3_5 import checkpoint_name
 
-from helpers.engines import Engines, greedy
+from helpers.engines import Engines, assert_same_logits, greedy
 from helpers.llama_convert import convert
 
 PROMPT = [7, 300, 12, 99, 5, 1000, 42, 17, 256, 3, 77, 1500, 8, 64, 900, 11, 23, 400, 6, 88]
@@ -252,15 +252,8 @@ def test_every_tensor_matches_the_folder(files, case):
 @pytest.mark.parametrize("case", F32_FILES, ids=_id)
 def test_f32_file_gives_the_folders_logits(files, case):
     folder, path = files(case)
-    want = engine(folder).prompt_logits(PROMPT)
-    got = engine(path).prompt_logits(PROMPT)
-    assert got.shape == want.shape == (len(PROMPT), 4032)
-    assert (got - want).abs().max().item() < F32_TOL
     # decode steps too (the recurrent state step and the paged cache, not the prefill path)
-    got_tokens, got_rows = greedy(engine(path), PROMPT, DECODE_STEPS)
-    want_tokens, want_rows = greedy(engine(folder), PROMPT, DECODE_STEPS)
-    assert got_tokens == want_tokens and len(got_tokens) == DECODE_STEPS
-    assert (got_rows - want_rows).abs().max().item() < F32_TOL
+    assert_same_logits(engine(path), engine(folder), PROMPT, 4032, DECODE_STEPS, F32_TOL)
 
 
 @pytest.mark.slow

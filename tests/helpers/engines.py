@@ -55,3 +55,19 @@ def greedy(eng: Engine, prompt: list[int], n: int) -> tuple[list[int], torch.Ten
     finally:
         eng.on_logits = None
     return out, torch.stack(rows)
+
+
+def assert_same_logits(
+    file: Engine, folder: Engine, prompt: list[int], vocab: int, steps: int, tol: float
+) -> None:
+    """A converted file's engine gives its folder's logits: over the prompt (prefill) and over
+    ``steps`` greedy decode steps, within ``tol``, the same tokens. The folder's logits are cut
+    to the file's ``vocab`` (a folder may pad its table past the tokenizer's ids)."""
+    want = folder.prompt_logits(prompt)[:, :vocab]
+    got = file.prompt_logits(prompt)
+    assert got.shape == want.shape == (len(prompt), vocab)
+    assert (got - want).abs().max().item() < tol
+    got_tokens, got_rows = greedy(file, prompt, steps)
+    want_tokens, want_rows = greedy(folder, prompt, steps)
+    assert got_tokens == want_tokens and len(got_tokens) == steps
+    assert (got_rows - want_rows[:, :vocab]).abs().max().item() < tol
