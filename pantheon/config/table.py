@@ -201,6 +201,19 @@ def _kv_type(v: str, what: str) -> str:
     return v
 
 
+# Ollama's KV cache variable: its f16 is the full-width cache (our auto); q8_0 and q4_0 are ours
+OLLAMA_KV_TYPES = {"f16": "auto", "q8_0": "q8_0", "q4_0": "q4_0"}
+
+
+def _kv_type_env(name: str, v: str, what: str) -> str:
+    if name != "OLLAMA_KV_CACHE_TYPE":
+        return v
+    got = OLLAMA_KV_TYPES.get(v.strip().lower())
+    if got is None:
+        raise ConfigError(f"{what} {v!r}: use f16 (the full-width cache, auto), q8_0 or q4_0")
+    return got
+
+
 def _lower(v: str, what: str) -> str:
     return v.lower()
 
@@ -794,11 +807,13 @@ SETTINGS: tuple[Setting, ...] = (
         "auto",
         "the KV cache's type, K and V: auto (the compute dtype), q8_0 (~1.9x the tokens of "
         "bf16 in the same bytes), q4_0 (~3.6x) or fp8_e4m3 (CUDA dies only); a [[models]] "
-        "table or an admin load's kv_cache_dtype beats it for that model",
-        ("PANTHEON_KV_CACHE_DTYPE",),
+        "table or an admin load's kv_cache_dtype beats it for that model; Ollama's "
+        "OLLAMA_KV_CACHE_TYPE is read too (f16, q8_0 or q4_0; its f16 is auto)",
+        ("PANTHEON_KV_CACHE_DTYPE", "OLLAMA_KV_CACHE_TYPE"),
         metavar="TYPE",
         empty="next",
         check=_kv_type,
+        env_value=_kv_type_env,
     ),
     Setting(
         "kv_cache_dtype_k",

@@ -299,3 +299,30 @@ def test_kv_cache_types_resolve_k_and_v(tmp_path):
             build_config(merge_config_file({"config": str(f)}, {}), {})
     with pytest.raises(ConfigError, match="PANTHEON_KV_CACHE_DTYPE_K 'q5': use auto, q8_0, q4_0 or fp8_e4m3"):
         build_config({}, {"PANTHEON_KV_CACHE_DTYPE_K": "q5"})
+
+
+def test_ollama_kv_cache_type_is_an_alias():
+    """Ollama's OLLAMA_KV_CACHE_TYPE sets K and V: its f16 is the full-width cache (auto), q8_0
+    and q4_0 are ours; the flag > PANTHEON_KV_CACHE_DTYPE > it, and it beats the file and the
+    spec's QWEN35_KV_Q4 as any kv_cache_dtype source does; a bad value is refused naming it."""
+    for raw, want in (("f16", "auto"), ("F16", "auto"), ("q8_0", "q8_0"), ("Q4_0", "q4_0")):
+        c = build_config({}, {"OLLAMA_KV_CACHE_TYPE": raw})
+        assert str(c.kv_types) == want, raw
+    assert build_config({}, {"OLLAMA_KV_CACHE_TYPE": "f16"}).kv_types == KvCacheTypes()
+    ollama = {"OLLAMA_KV_CACHE_TYPE": "q4_0"}
+    assert str(build_config({}, {**ollama, "PANTHEON_KV_CACHE_DTYPE": "q8_0"}).kv_types) == "q8_0"
+    assert str(build_config({"kv_cache_dtype": "auto"}, ollama).kv_types) == "auto"
+    assert str(build_config({}, {"OLLAMA_KV_CACHE_TYPE": "f16", "QWEN35_KV_Q4": "1"}).kv_types) == "auto"
+    c = build_config({"kv_cache_dtype_k": "q8_0"}, ollama)  # -k beats it for K only
+    assert c.kv_types == KvCacheTypes("q8_0", "q4_0")
+    assert build_config({}, {"OLLAMA_KV_CACHE_TYPE": ""}).kv_types == KvCacheTypes()  # empty: unset
+    assert build_config({}, {}).fingerprint != build_config({}, ollama).fingerprint
+    # the spec's words only: auto and fp8_e4m3 are ours, not Ollama's (it has f16 for auto)
+    for bad in ("q5_1", "auto", "fp8_e4m3", "bf16"):
+        with pytest.raises(ConfigError, match=re.escape(f"OLLAMA_KV_CACHE_TYPE {bad!r}: use f16")):
+            build_config({}, {"OLLAMA_KV_CACHE_TYPE": bad})
+    # a lower source is not read once a higher one is set
+    assert (
+        str(build_config({}, {"PANTHEON_KV_CACHE_DTYPE": "q8_0", "OLLAMA_KV_CACHE_TYPE": "x"}).kv_types)
+        == "q8_0"
+    )
