@@ -268,7 +268,7 @@ class PantheonApp(App[int]):
         self.push_screen(LoadScreen(self._submit_load, catalog=unloaded), self._loaded)
 
     async def _submit_load(self, req: LoadRequest) -> dict:
-        return await self.source.load(req.path, req.name, req.dies, req.quantize)
+        return await self.source.load(req.path, req.name, req.dies, req.quantize, req.kv_cache_dtype)
 
     def _loaded(self, result: dict | None) -> None:
         if result:

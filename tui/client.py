@@ -207,10 +207,14 @@ class RouterClient:
             out = None
         return out if isinstance(out, dict) else {}
 
-    async def load(self, path: str, name: str | None, dies: list[str], quantize: bool) -> dict[str, Any]:
+    async def load(
+        self, path: str, name: str | None, dies: list[str], quantize: bool, kv_cache_dtype: str = "auto"
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {"path": path, "dies": dies, "quantize": quantize}
         if name:
             body["name"] = name
+        if kv_cache_dtype != "auto":  # absent: the router's --kv-cache-dtype
+            body["kv_cache_dtype"] = kv_cache_dtype
         return await self._post("/admin/models/load", body, LOAD_TIMEOUT)
 
     async def unload(self, target: str) -> dict[str, Any]:

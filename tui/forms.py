@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 # A die as the router's --dies takes it: cpu:N, cuda:N, or a bare N (cuda:N).
 DIE_RE = re.compile(r"^(?:cpu:\d+|cuda:\d+|\d+)$")
 
+# The KV cache types the form offers, K and V together: "auto" sends no kv_cache_dtype (the
+# router's --kv-cache-dtype then applies), q8_0 and q4_0 are sent as the load's option.
+KV_CACHE_TYPES = ("auto", "q8_0", "q4_0")
+
 
 @dataclass
 class LoadRequest:
@@ -17,6 +21,7 @@ class LoadRequest:
     name: str | None
     dies: list[str] = field(default_factory=list)
     quantize: bool = False
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_TYPES
 
 
 def parse_dies(text: str) -> list[str]:
@@ -35,9 +40,10 @@ def parse_dies(text: str) -> list[str]:
 
 
 def validate_load(
-    path: str, name: str, dies: str, quantize: bool
+    path: str, name: str, dies: str, quantize: bool, kv_cache_dtype: str = "auto"
 ) -> tuple[LoadRequest | None, dict[str, str]]:
-    """The request, or ``None`` and an error message per field (``path``, ``name``, ``dies``).
+    """The request, or ``None`` and an error message per field (``path``, ``name``, ``dies``,
+    ``kv_cache_dtype``).
 
     The path is not checked for existence here: it names a folder on the router's host.
     """
@@ -53,6 +59,8 @@ def validate_load(
     except ValueError as e:
         errors["dies"] = str(e)
         die_list = []
+    if kv_cache_dtype not in KV_CACHE_TYPES:
+        errors["kv_cache_dtype"] = f"KV cache type {kv_cache_dtype!r}: use {', '.join(KV_CACHE_TYPES)}"
     if errors:
         return None, errors
-    return LoadRequest(path, name or None, die_list, bool(quantize)), {}
+    return LoadRequest(path, name or None, die_list, bool(quantize), kv_cache_dtype), {}

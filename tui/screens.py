@@ -15,10 +15,17 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, DataTable, Input, Label, ProgressBar, Select, Static
 
 from pantheon.snapshot import CatalogModel
-from tui.forms import LoadRequest, validate_load
+from tui.forms import KV_CACHE_TYPES, LoadRequest, validate_load
 from tui.source import RouterError
 
 Submit = Callable[[LoadRequest], Awaitable[dict[str, Any]]]
+
+# The KV cache picker's lines (K and V together; pantheon/core/kv_types.py has the ratios)
+KV_CHOICES = {
+    "auto": "auto: the router's --kv-cache-dtype",
+    "q8_0": "q8_0: ~1.9x the tokens of bf16",
+    "q4_0": "q4_0: ~3.6x the tokens of bf16",
+}
 
 
 def catalog_option(m: CatalogModel) -> Text:
@@ -32,8 +39,8 @@ def catalog_option(m: CatalogModel) -> Text:
 
 class LoadScreen(ModalScreen[dict | None]):
     """The load form. ``catalog`` (the router's unloaded catalog entries) fills the picker at
-    the top: picking one fills the path, name, dies and quantization from it, and the fields
-    stay editable; a path typed by hand works as before. Validates locally, then runs
+    the top: picking one fills the path, name, dies and quantization from it (and sets the KV
+    cache back to auto), and the fields stay editable; a path typed by hand works as before. Validates locally, then runs
     ``submit`` (the router call, which returns only when the model is ready) while showing
     progress; a failure shows the router's text and keeps the form open for a fix. Dismisses
     with the router's instance JSON, or None when cancelled (Escape also cancels a running load:
@@ -81,6 +88,14 @@ class LoadScreen(ModalScreen[dict | None]):
                 yield Input(
                     dies, placeholder="cpu:0, 0,1 or cuda:1 (empty: automatic)", id="dies", compact=True
                 )
+                yield Label("KV cache")
+                yield Select(
+                    [(KV_CHOICES[kind], kind) for kind in KV_CACHE_TYPES],
+                    value="auto",
+                    allow_blank=False,
+                    compact=True,
+                    id="kv-cache",
+                )
                 yield Label("")
                 yield Checkbox("int8 weight-only quantization", id="quantize", compact=True)
             yield Static("", id="load-error")
@@ -117,6 +132,7 @@ class LoadScreen(ModalScreen[dict | None]):
         self.query_one("#name", Input).value = m.name
         self.query_one("#dies", Input).value = ", ".join(m.dies)
         self.query_one("#quantize", Checkbox).value = m.quantize
+        self.query_one("#kv-cache", Select).value = "auto"  # the catalog does not say one
         self.query_one("#do-load", Button).focus()  # Enter loads it
 
     @on(Input.Changed, "#path")
@@ -136,7 +152,12 @@ class LoadScreen(ModalScreen[dict | None]):
         if self.running:
             return
         values = {k: self.query_one(f"#{k}", Input).value for k in ("path", "name", "dies")}
-        req, errors = validate_load(**values, quantize=self.query_one(Checkbox).value)
+        kv = self.query_one("#kv-cache", Select).value
+        req, errors = validate_load(
+            **values,
+            quantize=self.query_one(Checkbox).value,
+            kv_cache_dtype=kv if isinstance(kv, str) else "auto",
+        )
         for key in ("path", "name", "dies"):
             self.query_one(f"#{key}", Input).set_class(key in errors, "-invalid")
         if req is None:
@@ -149,7 +170,7 @@ class LoadScreen(ModalScreen[dict | None]):
     def _set_running(self, running: bool) -> None:
         self._started = time.monotonic() if running else None
         self.query_one("#load-progress").display = running
-        for widget in self.query("Input, Checkbox, #do-load"):
+        for widget in self.query("Input, Checkbox, #kv-cache, #do-load"):
             widget.disabled = running
         self.query_one("#catalog", Select).disabled = running or not self._catalog
         self._tick()

@@ -48,8 +48,11 @@ class Source(Protocol):
         """Yield updates until cancelled (the real source never ends on its own)."""
         ...
 
-    async def load(self, path: str, name: str | None, dies: list[str], quantize: bool) -> dict[str, Any]:
-        """Load a model; returns the router's instance JSON, raises ``RouterError``."""
+    async def load(
+        self, path: str, name: str | None, dies: list[str], quantize: bool, kv_cache_dtype: str = "auto"
+    ) -> dict[str, Any]:
+        """Load a model; returns the router's instance JSON, raises ``RouterError``.
+        ``kv_cache_dtype`` "auto" sends none: the router's ``--kv-cache-dtype`` applies."""
         ...
 
     async def unload(self, target: str) -> dict[str, Any]:
@@ -88,8 +91,13 @@ class StaticSource:
         for item in self.items:
             yield item
 
-    async def load(self, path: str, name: str | None, dies: list[str], quantize: bool) -> dict[str, Any]:
-        self.calls.append(("load", {"path": path, "name": name, "dies": dies, "quantize": quantize}))
+    async def load(
+        self, path: str, name: str | None, dies: list[str], quantize: bool, kv_cache_dtype: str = "auto"
+    ) -> dict[str, Any]:
+        call: dict[str, Any] = {"path": path, "name": name, "dies": dies, "quantize": quantize}
+        if kv_cache_dtype != "auto":  # recorded as the real client sends it: only when not auto
+            call["kv_cache_dtype"] = kv_cache_dtype
+        self.calls.append(("load", call))
         if self.hold is not None:
             await self.hold.wait()
         if self.load_error:

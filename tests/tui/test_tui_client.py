@@ -185,13 +185,17 @@ async def test_load_and_unload_bodies_and_errors():
     client = RouterClient("http://r.test", transport=httpx.MockTransport(handler))
     assert (await client.load("/m", "t", ["cpu:0"], True))["instance"] == "t#1"
     assert (await client.load("/m", None, [], False))["status"] == "ok"
+    await client.load("/m", None, [], False, "q4_0")  # a KV cache type other than auto is sent
+    await client.load("/m", None, [], False, "auto")  # auto is not: the router's default applies
     with pytest.raises(RouterError) as err:
         await client.load("/nope", None, [], False)
     assert err.value.status == 404 and err.value.message.startswith("no model folder at")
     await client.unload("t#1")
     await client.aclose()
-    assert seen[:2] == [
+    assert seen[:4] == [
         ("/admin/models/load", {"path": "/m", "name": "t", "dies": ["cpu:0"], "quantize": True}),
+        ("/admin/models/load", {"path": "/m", "dies": [], "quantize": False}),
+        ("/admin/models/load", {"path": "/m", "dies": [], "quantize": False, "kv_cache_dtype": "q4_0"}),
         ("/admin/models/load", {"path": "/m", "dies": [], "quantize": False}),
     ]
     assert seen[-1] == ("/admin/models/unload", {"instance": "t#1"})

@@ -208,3 +208,36 @@ async def test_unload_through_the_confirmation_drains(router):
         assert all(n > 2 for n in await asyncio.gather(*streams))  # in flight: finished
         assert inst.id not in table_ids(app) and app.selected in table_ids(app)
         assert "base" in {i.name for i in app.snapshot.instances}
+
+
+async def test_the_kv_cache_type_picked_in_the_load_form_reaches_the_router(
+    router, model_factory, tiny_model
+):
+    """The form's KV cache choice is the load's kv_cache_dtype: a head the type cannot hold
+    (the tiny preset's 16 values, q4_0 blocks are 32) is the router's refusal, shown in the
+    form; on a model with 32-value heads the instance comes up with a q8_0 cache. (Both under
+    --models-dir: loads by path are refused elsewhere; this module's last test, as they join
+    the catalog that the others pick from.)"""
+    narrow, wide = router.models / "tui-narrow", router.models / "tui-wide"
+    shutil.copytree(tiny_model, narrow, dirs_exist_ok=True)
+    shutil.copytree(model_factory("tiny", head_dim=32), wide, dirs_exist_ok=True)
+    app = dashboard(router)
+    async with app.run_test(size=SIZE) as pilot:
+        await open_load_form(app, pilot)
+        form = app.screen
+        for key, value in (("path", str(narrow)), ("name", "tui-q4"), ("dies", "cpu:0")):
+            form.query_one(f"#{key}").value = value
+        form.query_one("#kv-cache").value = "q4_0"
+        await pilot.click("#do-load")
+        error = await until(pilot, lambda: plain(form.query_one("#load-error")), "the error text")
+        assert "kv_cache_dtype 'q4_0'" in error and "16" in error, error
+        form.query_one("#path").value, form.query_one("#name").value = str(wide), "tui-q8"
+        form.query_one("#kv-cache").value = "q8_0"
+        await pilot.click("#do-load")
+        await until(pilot, lambda: app.screen is app.screen_stack[0], "the form to close", 90)
+        inst = await until(pilot, lambda: instance_named(app, "tui-q8"), "the q8_0 instance")
+        assert inst.kv_cache_dtype == "q8_0" and inst.path == str(wide)
+        assert instance_named(app, "tui-q4") is None
+    async with httpx.AsyncClient(base_url=router.url, timeout=60) as http:
+        r = await http.post("/admin/models/unload", json={"instance": "tui-q8"})
+        assert r.status_code == 200, r.text
