@@ -23,6 +23,11 @@ are built: batch 1 (torch specialises size 1) and batch >= 2 with the batch and 
 length dynamic; a batch >= 2 always carries a padding bias (zeros when no row pads), so no third
 variant appears. Once built, the graphs run in dynamo's run-only mode: inputs that would need a
 new graph run the step eager instead (counted in ``fallbacks``) and never compile inside a step.
+
+A quantized KV cache (``q8_0`` / ``q4_0``, workers/layers/kv_quant.py) compiles too: the step
+reads its rows through the gather, whose dequantize (int8 or nibbles times the fp16 block scale)
+inductor fuses like the rest, and writes them quantized; the check above holds it to the eager
+step on the same cache. Its types are part of the compile cache's key (a graph of their own).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Protocol
 
 import torch
 
+from pantheon.core.kv_types import KvCacheTypes
 from workers import cpu_paths
 from workers.cache import LayerCache
 from workers.compile_cache import CompileCache, entry_key
@@ -326,6 +332,8 @@ class NotCompiled:
 class Runner(Protocol):
     """What ``start`` needs of the model runner (workers/runner.py)."""
 
+    kv_types: KvCacheTypes
+
     def compile_decode(
         self, cache: CompileCache | None, key: str | None, background: bool
     ) -> CompiledDecode | str: ...
@@ -350,6 +358,8 @@ def start(
         return NotCompiled(f"the {spec.name} CPU path: {UNLOWERED[spec.layout]}")
     cache = CompileCache()
     key = None
+    if runner.kv_types.quantized:  # other graphs (a dequantize in each read): their own entry;
+        layout = {**layout, "kv": str(runner.kv_types)}  # a full-width cache keeps its old key
     if cache.limit > 0:
         try:
             key = entry_key(

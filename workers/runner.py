@@ -77,8 +77,6 @@ class ModelRunner:
             return "not built yet for models with sliding-window layers"
         if any(isinstance(c, StateCache) for c in self.caches):
             return "not built yet for models with recurrent layers"
-        if self.kv_types.quantized:
-            return "not built yet for quantized KV caches (their decode runs eager)"
         if self.main.type != "cpu":
             return "built for CPU dies only"
         table: list[int] = []
