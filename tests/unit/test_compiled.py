@@ -2,15 +2,18 @@
 while the step compiles in the background, switches once a real step checked the compiled
 logits against the eager ones, gives the eager tokens at batch 1 and at a batch of unequal
 lengths, takes its graphs from the compile cache on the next load; a failed compile leaves it
-eager and says why. The suite's other tests run with PANTHEON_COMPILE=0 (tests/conftest.py)."""
+eager and says why; a quantized KV cache compiles as well. The suite's other tests run with
+PANTHEON_COMPILE=0 (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import SamplingParams
 from workers import compiled
+from workers.cache import KVCache
 from workers.compiled import check_logits
 from workers.engine import Engine
 
@@ -66,6 +69,28 @@ def test_background_compile_switches_after_the_check_and_hits_the_cache(model_fa
     assert _run(again, batch) == _run(eager, batch)
     c2 = again.runner.compiled
     assert again.compiler.state == "compiled" and c2 is not None and c2.fallbacks == 0
+
+
+@pytest.mark.timeout(1200)
+def test_a_quantized_kv_cache_compiles_and_gives_the_eager_tokens(model_factory, tmp_path, monkeypatch):
+    """K in q8_0 and V in q4_0, so one compile covers both dequantizes (each was also compiled
+    alone on the 2-layer preset, in the commit that lifted the refusal). Heads of 32 values: one
+    quantization block per head row."""
+    monkeypatch.setenv("PANTHEON_COMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(model_factory("tiny", dtype="float32", head_dim=32, num_hidden_layers=1))
+    kv = KvCacheTypes("q8_0", "q4_0")
+    eager = Engine(path, kv_budget_bytes=1 << 20, cpu_path="fp32", kv_types=kv)
+    fast = Engine(path, kv_budget_bytes=1 << 20, cpu_path="fp32", kv_types=kv, compile_decode=True)
+    assert fast.compiler.wait(900), "the compile did not end in 15 minutes"
+    assert fast.compiler.state == "checking", fast.compiler.state  # built: not refused, not failed
+    batch = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3] * 40]  # unequal lengths, 2 blocks of 32 values
+    assert _run(fast, batch) == _run(eager, batch)  # the first step checks the logits (check_logits)
+    assert _run(fast, [[4, 5, 6]]) == _run(eager, [[4, 5, 6]])
+    c = fast.runner.compiled
+    assert fast.compiler.state == "compiled" and c is not None and c.checked == {False, True}
+    assert c.fallbacks == 0  # every later decode step ran the graphs
+    kinds = [(c.k.kind, c.v.kind) for c in fast.runner.caches if isinstance(c, KVCache)]
+    assert kinds == [("q8_0", "q4_0")]  # the graphs read and wrote the quantized rows
 
 
 @pytest.mark.timeout(600)
