@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pantheon.core import protocol as p
+from pantheon.workerlink.token_times import TokenTimes
 from workers.instances import Instances
 
 if TYPE_CHECKING:  # the engine imports torch
@@ -71,6 +72,7 @@ class Stepper:
         self.steps = 0
         self.window_steps = 0
         self.window_ms = 0.0
+        self.times = TokenTimes("worker")  # bench/http_path.py's stamps (off unless its env var is set)
 
     def take_window(self) -> float:
         """The mean step time (ms) since the last call, and start a new window."""
@@ -86,10 +88,11 @@ class Stepper:
             if not inst.engine.has_work():
                 continue
             busy = True
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
             step_hook()
             tokens = inst.engine.step()
-            ms = (time.perf_counter() - t0) * 1000.0
+            t1 = time.monotonic()
+            ms = (t1 - t0) * 1000.0
             self.steps += 1
             self.window_steps += 1
             self.window_ms += ms
@@ -101,6 +104,7 @@ class Stepper:
             if failed:  # the token a failed matcher ended its request on broke the grammar
                 tokens = [t for t in tokens if t.request_id not in failed]
             if tokens:  # a prefill chunk that completes no prompt yields nothing to send
+                self.times.stamp("s", t0, t1, len(tokens))  # stamped before the send
                 self.send(p.StepOutput(instance=name, tokens=tokens, step_ms=ms))
                 for t in tokens:
                     if t.finish is not None:

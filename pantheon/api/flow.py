@@ -34,6 +34,7 @@ from pantheon.control.context import Prepared, limit_of
 from pantheon.control.registry import Instance
 from pantheon.errors import ApiError
 from pantheon.models import generation_defaults
+from pantheon.workerlink.token_times import router_times
 
 T = TypeVar("T")
 
@@ -173,7 +174,9 @@ class Body:
         return self
 
     async def __anext__(self) -> bytes:
-        return await self._agen.__anext__()
+        chunk = await self._agen.__anext__()
+        router_times.stamp("w")
+        return chunk
 
     async def aclose(self) -> None:
         try:

@@ -23,6 +23,7 @@ from pantheon.workerlink.link import Link
 from pantheon.workerlink.process import WorkerProcess
 from pantheon.workerlink.remote import RemoteProcess
 from pantheon.workerlink.streams import RequestStream
+from pantheon.workerlink.token_times import router_times
 
 log = logging.getLogger("pantheon.workerlink.pool")  # one logger for the whole link, as before
 
@@ -74,6 +75,7 @@ class WorkerPeer:
     def handle(self, msg: p.WorkerMsg) -> None:
         """Apply one message from the worker (all but ``Hello``, which the pool checks)."""
         if isinstance(msg, p.StepOutput):
+            router_times.stamp("r", len(msg.tokens))
             for tok in msg.tokens:
                 stream = self.streams.get(tok.request_id)
                 if stream is None:
