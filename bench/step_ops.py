@@ -27,7 +27,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# appended, not prepended: a PYTHONPATH (another tree, for a before/after) comes first
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from pantheon.core.protocol import SamplingParams
 from pantheon.serve import smollm2_file
@@ -87,7 +88,9 @@ def main() -> int:
         kv_budget_bytes=256 << 20,
         compile_decode=False,
     )
-    n_layers = len(eng.model.layers)
+    lm = eng.model
+    assert lm is not None  # a loaded engine has its model
+    n_layers = len(lm.layers)
     total_tokens = 8 + args.rounds * args.steps + 8
     for i in range(args.batch):
         eng.submit(
@@ -98,7 +101,7 @@ def main() -> int:
     for _ in range(5):  # the prefill, then plain decode steps
         eng.step()
     count = _Count()
-    handles = _hook(eng.model, count)
+    handles = _hook(lm, count)
     with count:
         eng.step()
     for h in handles:

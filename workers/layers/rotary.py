@@ -108,7 +108,9 @@ class Rotary:
         inv_freq = self.inv_freq
         if self.dynamic and seq_len is not None and seq_len > self.cfg.max_position_embeddings:
             inv_freq = inv_freq_for(self.cfg, seq_len)[0].to(self.device)
-        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, D/2]
+        freqs = torch.outer(positions.to(torch.float32), inv_freq)  # [N, D/2]
+        if self.scale == 1.0:  # (all but YaRN): two multiplies by 1 less a step
+            return freqs.cos(), freqs.sin()
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 
 
