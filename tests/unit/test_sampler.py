@@ -55,8 +55,9 @@ def test_logprobs_come_back_for_the_rows_that_asked_only():
         out = sample(logits, _states(params), [[], [], []], [0, 0, 0])
     assert mode.calls and all(n <= 3 * 2 for _, n in mode.calls), mode.calls  # ids, 2 chosen, 2x3 top
     raw = torch.log_softmax(logits, dim=-1)
-    assert out[0].logprob == raw[0, out[0].token].item() and len(out[0].top) == 3
-    assert out[0].top[0][0] == int(torch.argmax(raw[0]))
+    top = out[0].top
+    assert out[0].logprob == raw[0, out[0].token].item() and top is not None and len(top) == 3
+    assert top[0][0] == int(torch.argmax(raw[0]))
     assert out[1].logprob is None and out[1].top is None
     assert out[2].token == int(torch.argmax(logits[2])) and out[2].top is None
     assert out[2].logprob == raw[2, out[2].token].item()
