@@ -68,8 +68,8 @@ class Attention(nn.Module):
         if self.window is not None:
             b = b.windows[self.window]
         # the fused output as heads, split once (as the Llama family's attention: fewer ops)
-        qk, v = self.qkv_proj(x).view(n, h + 2 * kvh, d).split((h + kvh, kvh), dim=1)
-        q, k = rotate(qk, b.rot_cos, b.rot_sin).split((h, kvh), dim=1)  # q pre-scaled
+        qk, v = self.qkv_proj(x).view(n, h + 2 * kvh, d).tensor_split((h + kvh,), dim=1)
+        q, k = rotate(qk, b.rot_cos, b.rot_sin).tensor_split((h,), dim=1)  # q pre-scaled
         if isinstance(cache, StateCache):  # a sliding layer's ring (workers/layers/sliding.py)
             k_ring, v_ring = cache.tensors["k"], cache.tensors["v"]
             out = ring_sink_attention(q, k, v, b, k_ring, v_ring, self.sinks)
