@@ -259,6 +259,8 @@ class ModelRunner:
         for (start, _end, _p0, _p1, _t, _slot), (s, _n) in zip(chunks, plan.prefill):
             rows += range(start, start + (prompt_rows or {}).get(s, 0))
         rows += range(n_plain, n_decode)  # every verify row
+        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
+            return self.model.logits(hidden)  # every row samples (a decode step): no gather
         return self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
 
     def _cos_sin(self, pos_t, plan: StepPlan, n_decode: int, chunks):

@@ -86,6 +86,19 @@ def _filter(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
+def _plain_greedy(st: SamplerState, recent: list[int], n_output: int) -> bool:
+    """Whether a row's token is the argmax of its raw logits: greedy, and nothing for
+    ``_penalize`` to change (so the row needs neither a copy nor a pass of its own)."""
+    p = st.params
+    return (
+        (p.temperature == 0.0 or p.top_k == 1)
+        and not p.logit_bias
+        and (p.repetition_penalty == 1.0 or not recent)
+        and not ((p.presence_penalty or p.frequency_penalty) and st.output_counts)
+        and not (n_output < p.min_tokens and st.stop_ids)
+    )
+
+
 def _pick(row: torch.Tensor, st: SamplerState) -> torch.Tensor:
     """row: [V] penalized logits -> the chosen token id, a 0-dim tensor on the row's device."""
     p = st.params
@@ -102,9 +115,19 @@ def sample(
     logits: torch.Tensor, states: list[SamplerState], recents: list[list[int]], n_outputs: list[int]
 ) -> list[Sampled]:
     """logits: [B, V] fp32, one row per sequence -> one token per row."""
-    picks = torch.stack(
-        [_pick(_penalize(logits[i].clone(), st, recents[i], n_outputs[i]), st) for i, st in enumerate(states)]
-    )  # [B] token ids, on the device
+    plain = [_plain_greedy(st, recents[i], n_outputs[i]) for i, st in enumerate(states)]
+    if all(plain):
+        # every row a plain argmax: one op for the batch (the first maximum, as per row)
+        picks = torch.argmax(logits, dim=-1)  # [B] token ids, on the device
+    else:
+        picks = torch.stack(
+            [
+                torch.argmax(logits[i])
+                if plain[i]
+                else _pick(_penalize(logits[i].clone(), st, recents[i], n_outputs[i]), st)
+                for i, st in enumerate(states)
+            ]
+        )  # [B] token ids, on the device
     out = [Sampled(t) for t in picks.tolist()]  # the one copy of the tokens
     asked = [i for i, st in enumerate(states) if st.params.logprobs]
     if asked:

@@ -4,6 +4,7 @@ per slot per step at a 150k vocabulary, and synced once per row)."""
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pantheon.core.protocol import SamplingParams
 from workers.sampler import SamplerState, sample
@@ -54,8 +55,9 @@ def test_logprobs_come_back_for_the_rows_that_asked_only():
         out = sample(logits, _states(params), [[], [], []], [0, 0, 0])
     assert mode.calls and all(n <= 3 * 2 for _, n in mode.calls), mode.calls  # ids, 2 chosen, 2x3 top
     raw = torch.log_softmax(logits, dim=-1)
-    assert out[0].logprob == raw[0, out[0].token].item() and len(out[0].top) == 3
-    assert out[0].top[0][0] == int(torch.argmax(raw[0]))
+    top = out[0].top
+    assert out[0].logprob == raw[0, out[0].token].item() and top is not None and len(top) == 3
+    assert top[0][0] == int(torch.argmax(raw[0]))
     assert out[1].logprob is None and out[1].top is None
     assert out[2].token == int(torch.argmax(logits[2])) and out[2].top is None
     assert out[2].logprob == raw[2, out[2].token].item()
@@ -82,3 +84,34 @@ def test_logit_bias_moves_the_pick():
     assert sample(logits, _states([p]), [[]], [0])[0].token == 20
     banned = SamplingParams(temperature=1.0, seed=1, logit_bias={i: -100.0 for i in range(V - 1)})
     assert sample(torch.zeros(1, V), _states([banned]), [[]], [0])[0].token == V - 1
+
+
+def test_greedy_rows_with_nothing_to_penalize_take_one_argmax_for_the_batch():
+    """Plain greedy rows skip the per-row copy and argmax (issue 28 §2: ops per step), picking
+    the first maximum as before; a greedy row with a penalty or a mask still gets it."""
+    logits = torch.randn(4, V)
+    logits[1, 7] = logits[1, 9] = 50.0  # a tie: the first maximum wins
+    logits[2, 0] = 60.0  # row 2 is under min_tokens: its stop id (0) is masked
+    logits[3, 5], logits[3, 6] = 70.0, 40.0  # row 3 repeats 5: penalised to 35, 6 wins
+    greedy = SamplingParams(temperature=0.0)
+    params = [
+        greedy,
+        greedy,
+        SamplingParams(temperature=0.0, min_tokens=2),
+        SamplingParams(temperature=0.0, repetition_penalty=2.0),
+    ]
+    out = sample(logits.clone(), _states(params), [[], [], [], [5]], [0, 0, 0, 0])
+    masked = logits[2].clone()
+    masked[0] = float("-inf")
+    assert [s.token for s in out] == [int(torch.argmax(logits[0])), 7, int(torch.argmax(masked)), 6]
+
+    class Argmaxes(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Argmaxes.n += func.overloadpacket.__name__ == "argmax"
+            return func(*args, **(kwargs or {}))
+
+    with Argmaxes():
+        out = sample(logits[:2].clone(), _states([greedy, greedy]), [[1], [2]], [0, 0])
+    assert [s.token for s in out] == [int(torch.argmax(logits[0])), 7] and Argmaxes.n == 1

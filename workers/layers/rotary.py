@@ -108,7 +108,9 @@ class Rotary:
         inv_freq = self.inv_freq
         if self.dynamic and seq_len is not None and seq_len > self.cfg.max_position_embeddings:
             inv_freq = inv_freq_for(self.cfg, seq_len)[0].to(self.device)
-        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, D/2]
+        freqs = torch.outer(positions.to(torch.float32), inv_freq)  # [N, D/2]
+        if self.scale == 1.0:  # (all but YaRN): two multiplies by 1 less a step
+            return freqs.cos(), freqs.sin()
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 
 
@@ -145,16 +147,15 @@ def qk_tables(
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, rotary_dim: int = 0) -> torch.Tensor:
     """RoPE in the rotate-half form HF checkpoints expect, in three ops.
 
-    x: [N, H, D]; cos, sin_signed: [N, H, D] (``qk_tables``). rotate_half(x) * sin ==
-    swap_halves(x) * sin_signed, and swapping the two halves is a flip of a [.., 2, R/2] view.
+    x: [N, H, D] (any strides: a view of the fused qkv output is fine); cos, sin_signed:
+    [N, H, D] (``qk_tables``). rotate_half(x) * sin == swap_halves(x) * sin_signed, and swapping
+    the two halves of D is a roll by D/2: one op, where a flip needs a view either side of it.
     With ``rotary_dim`` R < D only the first R dimensions swap; the rest meet sin 0.
     """
     n, h, d = x.shape
     r = rotary_dim or d
     if r == d:
-        swapped = x.view(n, h, 2, d // 2).flip(2).view(n, h, d)
+        swapped = torch.roll(x, d // 2, dims=-1)
     else:
-        swapped = torch.cat(
-            (x[..., :r].reshape(n, h, 2, r // 2).flip(2).reshape(n, h, r), x[..., r:]), dim=-1
-        )
+        swapped = torch.cat((torch.roll(x[..., :r], r // 2, dims=-1), x[..., r:]), dim=-1)
     return torch.addcmul(x * cos, swapped, sin_signed)

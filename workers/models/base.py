@@ -53,7 +53,8 @@ class DecoderLM(nn.Module):
             if h.device != dev:
                 h = h.to(dev)
             h = layer(h, batches[dev], caches[i])
-        return self.norm(h.to(self.embed_tokens.weight.device))
+        home = self.embed_tokens.weight.device
+        return self.norm(h if h.device == home else h.to(home))  # (a same-device .to is an op too)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [M, hidden] -> logits [M, vocab] in fp32."""

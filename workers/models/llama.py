@@ -18,7 +18,7 @@ from pantheon.core.archs.llama import LlamaDescription
 from pantheon.core.description import AttentionCache, ModelDescription
 from workers.cache import KVCache, LayerCache, StateCache
 from workers.layers.attention import StepBatch, paged_attention
-from workers.layers.norms import RMSNorm
+from workers.layers.norms import RMSNorm, rms_norm
 from workers.layers.rotary import rotate
 from workers.layers.sliding import ring_attention
 from workers.models import Target
@@ -40,25 +40,35 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
-        # x: [N, hidden]
+        # x: [N, hidden]. Few ops: each costs microseconds of dispatch at decode (issue 28 §2), so
+        # heads are views of the fused output, split once, and q and k are normed and rotated
+        # together. tensor_split: one op of ~1.5 us where split_with_sizes takes ~3 us and two
+        # slices ~2.4 us (CPU time, 1 thread, SmolLM2's shapes at batch 1).
         n, h, kvh, d = x.shape[0], self.n_heads, self.n_kv, self.head_dim
-        qkv = self.qkv_proj(x)  # [N, Q + 2 KV]
+        heads = self.qkv_proj(x).view(n, h + 2 * kvh, d)  # [N, H + 2 KV, D]
+        qk, v = heads.tensor_split((h + kvh,), dim=1)  # [N, H + KV, D], [N, KV, D]
         if self.q_norm is not None and self.k_norm is not None:  # both or neither
-            q = self.q_norm(qkv[:, : self.q_size].view(n, h, d))
-            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(n, kvh, d))
-            qk = torch.cat((q, k), dim=1)
-        else:
-            qk = qkv[:, : self.q_size + self.kv_size].view(n, h + kvh, d)
+            qk = rms_norm(qk, self.qk_norm_weight(), self.q_norm.eps)
         if self.window is not None:
             b = b.windows[self.window]
-        qk = rotate(qk, b.rot_cos, b.rot_sin)  # [N, H + KV, D], q pre-scaled
-        v = qkv[:, self.q_size + self.kv_size :].view(n, kvh, d)
+        q, k = rotate(qk, b.rot_cos, b.rot_sin).tensor_split((h,), dim=1)  # q pre-scaled
         if isinstance(cache, StateCache):  # a sliding layer's ring (workers/layers/sliding.py)
-            out = ring_attention(qk[:, :h], qk[:, h:], v, b, cache.tensors["k"], cache.tensors["v"])
+            out = ring_attention(q, k, v, b, cache.tensors["k"], cache.tensors["v"])
         else:
             assert isinstance(cache, KVCache)  # not a SharedCache: this family shares no KV
-            out = paged_attention(qk[:, :h], qk[:, h:], v, b, cache.k, cache.v)  # [N, H, D]
+            out = paged_attention(q, k, v, b, cache.k, cache.v)  # [N, H, D]
         return self.o_proj(out.reshape(n, self.q_size))
+
+    def qk_norm_weight(self) -> torch.Tensor:
+        """Qwen3's per-head norm weights for q and k heads together: [H + KV, D], q_norm's on
+        the q heads, k_norm's on the k heads (both norms have one eps), so one norm covers both.
+        Built per call (3 ops) rather than kept: the parameters are filled after construction,
+        and a cached copy would be a second truth under ``torch.compile``."""
+        assert self.q_norm is not None and self.k_norm is not None
+        d = self.head_dim
+        return torch.cat(
+            (self.q_norm.weight.expand(self.n_heads, d), self.k_norm.weight.expand(self.n_kv, d))
+        )
 
 
 class MLP(nn.Module):
@@ -71,8 +81,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)  # [N, 2I]
-        return self.down_proj(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each: one split, not two slices
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaLayer(DecoderLayer):
