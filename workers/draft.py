@@ -51,6 +51,7 @@ from workers.errors import LoadError
 from workers.grammar import model_tokenizer_json
 from workers.loader import load_model, resolve_dtype
 from workers.model_config import ModelConfig, load_config
+from workers.models.base import DecoderLM
 from workers.runner import ModelRunner
 from workers.scheduler import Sequence, StepPlan
 
@@ -116,7 +117,8 @@ class DraftModel:
         self.path, self.cfg, self.blocks = path, cfg, blocks
         self.cpu_path, dtype = layout  # draft_layout's answer
         self.dtype = resolve_dtype(dtype, cfg, device)
-        self.model, _ = load_model(path, [str(device)], dtype, None, cfg)
+        model, _ = load_model(path, [str(device)], dtype, None, cfg)
+        self.model: DecoderLM = model
         if getattr(self.model, "embed_only", False):
             raise LoadError("invalid", f"draft {path}: an embedding model cannot draft")
         if self.cpu_path is not None:
@@ -125,7 +127,7 @@ class DraftModel:
             from workers.quant import quantize_int8
 
             quantize_int8(self.model)
-        self.runner = ModelRunner(self.model, cfg, blocks, self.dtype, num_slots, 0, kv_types)
+        self.runner: ModelRunner = ModelRunner(self.model, cfg, blocks, self.dtype, num_slots, 0, kv_types)
         # token ids past either vocabulary are never proposed (an embedding table padded further)
         self.vocab = min(cfg.vocab_size, target_vocab)
         self.context_limit = cfg.context_limit
@@ -260,4 +262,3 @@ def load_draft_config(
     except ValueError as e:
         raise LoadError("invalid", f"draft {path}: {e}") from None
     return cfg
-

@@ -119,8 +119,12 @@ class Engine:
         if draft_cfg is not None:
             # The draft's pool has as many blocks as the target's (one block table addresses
             # both): the budget (the router booked both pools in it) is shared by their block sizes.
-            draft_path = draft_layout(draft_cfg, torch.device(devices[0]), asked_dtype, self.cpu_path, quantize)
-            block_bytes += draft_block_bytes(draft_cfg, block_size, draft_path[1], torch.device(devices[0]), kv_types)
+            draft_path = draft_layout(
+                draft_cfg, torch.device(devices[0]), asked_dtype, self.cpu_path, quantize
+            )
+            block_bytes += draft_block_bytes(
+                draft_cfg, block_size, draft_path[1], torch.device(devices[0]), kv_types
+            )
         if block_bytes:
             num_blocks = kv_budget_bytes // block_bytes
         else:
