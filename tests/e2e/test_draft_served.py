@@ -81,12 +81,12 @@ def test_the_admin_loads_draft_is_checked(srv, paths):
     assert [m[0] for m in models] == ["t"]
     for bad in (3, ""):
         r = httpx.post(srv.url + "/admin/models/load", json={"path": str(target), "name": "u", "draft": bad})
-        check_error(r, 400, param="draft")
+        assert check_error(r, 400)["param"] == "draft"
     r = httpx.post(
         srv.url + "/admin/models/load",
         json={"path": str(target), "name": "u", "draft": str(target) + "-none"},
     )
-    check_error(r, 400, param="draft")
+    assert check_error(r, 400)["param"] == "draft"
     r = httpx.post(
         srv.url + "/admin/models/load",
         json={"path": str(target), "name": "u", "draft": str(other)},
