@@ -25,10 +25,13 @@ catch-up recomputes from there (typically the target's own token: one row). Rows
 overwritten later, as the target's rejected rows are. A preempted sequence
 (``Scheduler._preempt``) starts its draft over with its recomputed target rows.
 
-Draft rows of a cached prefix (blocks another sequence filled) are not trusted: a new sequence's
-draft starts at position 0 and rewrites those rows with the same values (the same tokens at the
-same positions) while it catches up. Cheap for a draft a tenth of the target; a per-block record
-of what the draft pool holds would skip it.
+A prefix hit reuses the draft's rows too: the draft keeps, per block, the prefix-cache hash of
+the full block whose rows it computed there (``_filled``; a rewrite by a proposal or a partial
+rewrite drops it), so a new (or preempted) sequence starts its catch-up after the leading blocks
+whose record is its own block's hash (same hash: same tokens from position 0, same rows).
+A catch-up is at most ``catch_up`` rows per step over the sequences (the target's prefill chunk):
+a sequence further behind (a new long prompt) catches up over several steps, decoding without
+drafts meanwhile.
 
 Refused at load (``LoadError``, the load fails as a whole): a draft whose tokenizer differs from
 the target's (the whole vocabulary, id for id, from ``tokenizer.json`` or the GGUF metadata), a
@@ -112,6 +115,7 @@ class DraftModel:
         quantize: bool,
         num_slots: int,
         target_vocab: int,
+        catch_up: int = 512,
         kv_types: KvCacheTypes = KvCacheTypes(),
     ):
         self.path, self.cfg, self.blocks = path, cfg, blocks
@@ -132,6 +136,11 @@ class DraftModel:
         self.vocab = min(cfg.vocab_size, target_vocab)
         self.context_limit = cfg.context_limit
         self.forwards = 0  # draft passes run since load (catch-ups and decode steps)
+        self.caught_up = 0  # rows the catch-ups computed since load
+        self.catch_up = catch_up  # the most rows one step catches up (the target's prefill chunk)
+        # block -> the hash of the block whose draft rows it holds (full blocks the draft
+        # computed from a sequence's own tokens): a prefix hit reuses them (``_cached_rows``)
+        self._filled: dict[int, bytes] = {}
 
     @property
     def kv_bytes(self) -> int:
@@ -141,11 +150,17 @@ class DraftModel:
     def propose(self, wants: list[tuple[Sequence, int]]) -> None:
         """Set ``seq.draft`` to at most ``k`` proposed tokens for each (sequence, k), batched:
         one catch-up pass, then ``k - 1`` decode passes. A sequence whose verify rows find no
-        free blocks (or past the draft's context) gets no draft and decodes as usual."""
+        free blocks (or past the draft's context) gets no draft and decodes as usual; one
+        further behind than ``catch_up`` positions (a new long prompt) catches up that many and
+        drafts from a later step."""
         go: list[tuple[Sequence, int]] = []
+        behind: list[tuple[Sequence, int]] = []  # (sequence, rows to catch up), no draft this step
+        budget = self.catch_up
         for s, k in wants:
             s.draft = []
             n = _valid_rows(s)
+            if n < len(s.block_hashes) * self.blocks.block_size:  # a new or preempted sequence
+                n = max(n, self._cached_rows(s))
             s.draft_computed, s.draft_fed = n, []
             # The draft writes rows up to L + k - 2 and the verify needs L - 1 .. L - 1 + k: both
             # in the blocks the verify takes (the scheduler only checks them again).
@@ -153,21 +168,36 @@ class DraftModel:
                 continue
             if not self.blocks.ensure(s.block_table, s.num_computed + 1 + k):
                 continue
+            gap = len(s.tokens) - n
+            if gap > budget and gap > 1:
+                if budget > 0:  # rows n .. n + budget - 1: all computed target positions
+                    behind.append((s, budget))
+                    self.caught_up += budget
+                    budget = 0
+                continue
+            budget -= gap
+            self.caught_up += gap
             go.append((s, k))
-        if not go:
+        if not go and not behind:
             return
         # Catch-up: rows draft_computed .. L-1, ending on the pending token, whose logits give d0.
-        # A one-row gap (the usual one after a verify) is a decode row, the others prefill chunks.
+        # A one-row gap (the usual one after a verify) is a decode row, the others prefill chunks
+        # (a sequence behind: a chunk that stops short, which gives no logits row).
         shadows = [_shadow(s) for s, _k in go]
         one = [sh for sh, (s, _k) in zip(shadows, go) if len(s.tokens) - s.draft_computed == 1]
         chunks = [(sh, len(s.tokens) - s.draft_computed) for sh, (s, _k) in zip(shadows, go) if sh not in one]
+        chunks += [(_shadow(s), n) for s, n in behind]
         firsts = self._argmax(self.runner.run(StepPlan(decode=one, prefill=chunks)))
         self.forwards += 1
-        order = one + [sh for sh, _n in chunks]  # the row order of the logits
+        for s, n in behind:
+            self._wrote(s, s.draft_computed, s.draft_computed + n)
+            s.draft_computed += n
+        order = one + [sh for sh, _n in chunks[: len(go) - len(one)]]  # the row order of the logits
         first = dict(zip(map(id, order), firsts))
         # Decode steps: each sequence feeds its newest draft until it has k; fewer each step.
         live: list[tuple[Sequence, Sequence, int]] = []
         for sh, (s, k) in zip(shadows, go):
+            self._wrote(s, s.draft_computed, len(s.tokens))
             s.draft = [first[id(sh)]]
             s.draft_computed = len(s.tokens)
             sh.tokens = s.tokens + s.draft  # a copy: position L holds d0 now
@@ -177,11 +207,35 @@ class DraftModel:
             picks = self._argmax(self.runner.run(StepPlan(decode=[sh for _s, sh, _k in live], prefill=[])))
             self.forwards += 1
             for (s, sh, _k), t in zip(live, picks):
+                self._wrote(s, s.draft_computed, s.draft_computed + 1, proposal=True)
                 s.draft_fed.append(s.draft[-1])  # the row just written holds this proposal
                 s.draft_computed += 1
                 s.draft.append(t)
                 sh.tokens.append(t)
                 sh.num_computed += 1
+
+    def _cached_rows(self, s: Sequence) -> int:
+        """Leading positions of ``s`` whose draft rows a full block already holds: blocks whose
+        record is the hash of ``s``'s block there (the same tokens from position 0 on), at most
+        up to the pending token."""
+        bs, n = self.blocks.block_size, 0
+        for b, h in zip(s.block_table, s.block_hashes):
+            if self._filled.get(b) != h:
+                break
+            n += bs
+        return min(n, len(s.tokens) - 1)
+
+    def _wrote(self, s: Sequence, p0: int, p1: int, proposal: bool = False) -> None:
+        """The draft wrote rows ``p0 .. p1 - 1`` of ``s``: record each full block they complete
+        from ``s``'s tokens (under its hash, when the prefix cache gave it one); forget the
+        record of a block they only partly rewrote, or rewrote with a proposal."""
+        bs = self.blocks.block_size
+        for i in range(p0 // bs, -(-p1 // bs)):
+            b = s.block_table[i]
+            if not proposal and (i + 1) * bs <= p1 and i < len(s.block_hashes):
+                self._filled[b] = s.block_hashes[i]
+            else:
+                self._filled.pop(b, None)
 
     def _argmax(self, logits: torch.Tensor) -> list[int]:
         """logits: [B, vocab] fp32 -> each row's most likely token within both vocabularies."""
@@ -194,7 +248,9 @@ class DraftModel:
 
 def _valid_rows(s: Sequence) -> int:
     """How many leading positions of ``s`` hold draft rows computed from its tokens: the rows
-    its proposals were fed at count only as far as the step kept those proposals."""
+    its proposals were fed at count only as far as the step kept those proposals. (A step keeps
+    the accepted drafts plus one token, so the cap at the pending token alone gives the same
+    answer today; the check keeps it right for any other way of keeping tokens.)"""
     n = s.draft_computed
     fed = s.draft_fed
     if fed:

@@ -219,6 +219,7 @@ class Engine:
                 quantize=quantize,
                 num_slots=num_slots,
                 target_vocab=cfg.vocab_size,
+                catch_up=prefill_chunk,
                 kv_types=kv_types,
             )
             self.draft_name = draft

@@ -123,12 +123,16 @@ def test_preemption_prefix_hits_and_aborts_keep_greedy_exact(target, small_draft
         eng.submit(f"p{i}", p, greedy(4))
     out = drain(eng)
     assert preempted and out == plain
-    # a prefix hit: a prompt that continues a finished one reuses its blocks (target rows cached,
-    # the draft's rows recomputed); the answer is the one without speculation
+    # a prefix hit: a prompt that continues a finished one reuses its blocks (the target's rows
+    # and the draft's); the answer is the one without speculation
     follow = PROMPTS[1] + plain["p1"][:20]
+    assert eng.draft is not None
+    rows = eng.draft.caught_up
     eng.submit("hit", follow, greedy(4, n=12))
     hit = drain(eng)["hit"]
     assert eng.blocks.hits > 0
+    # the draft's rows of the cached blocks were reused too: its catch-ups computed the rest only
+    assert eng.draft.caught_up - rows < len(follow) - 16, (eng.draft.caught_up - rows, len(follow))
     eng.submit("ref", follow, greedy(0, n=12))
     assert drain(eng)["ref"] == hit
     # an abort mid-answer leaves the others exact
@@ -139,6 +143,40 @@ def test_preemption_prefix_hits_and_aborts_keep_greedy_exact(target, small_draft
     eng.abort("a")
     assert drain(eng)["b"][-10:] == plain["p2"][-10:]
     assert eng.request_tables()["blocks_held"] == 0
+
+
+def test_each_proposal_is_the_draft_models_own_greedy_continuation(drafted, small_draft):
+    """The draft's rows are right after rejections and catch-ups: what it proposes from a
+    sequence's tokens is what the draft model alone decodes greedily from them."""
+    eng = drafted
+    assert eng.draft is not None
+    seen: list[tuple[list[int], list[int]]] = []
+    real = eng.draft.propose
+
+    def spy(wants):
+        real(wants)
+        seen.extend((list(s.tokens), list(s.draft)) for s, _k in wants if s.draft)
+
+    eng.draft.propose = spy
+    try:
+        eng.submit("a", PROMPTS[3], greedy(4))
+        eng.submit("b", PROMPTS[2], greedy(3))
+        drain(eng)
+    finally:
+        del eng.draft.propose
+    assert len(seen) > 10
+    alone = Engine(small_draft, dtype="float32", kv_budget_bytes=4 << 20, prefix_cache=False)
+    for i, (tokens, draft) in enumerate(seen[::3]):
+        alone.submit(f"r{i}", tokens, greedy(0, n=len(draft)))
+        assert drain(alone)[f"r{i}"] == draft, i
+
+
+def test_a_long_prompt_catches_the_draft_up_over_several_steps(target, small_draft, plain):
+    eng = Engine(target, dtype="float32", kv_budget_bytes=8 << 20, draft=small_draft, prefill_chunk=16)
+    assert eng.draft is not None and eng.draft.catch_up == 16
+    eng.submit("p0", PROMPTS[0], greedy(4))  # 60 tokens: the draft is 4 steps behind at first
+    assert drain(eng)["p0"] == plain["p0"]
+    assert eng.spec.accepted > 0
 
 
 def test_seeded_sampling_with_a_draft_repeats_itself(drafted):
