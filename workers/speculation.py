@@ -6,6 +6,13 @@ output), ``MAX_N`` tokens down to ``MIN_N``, that also occurs earlier in them, a
 prompt (edit this code, summarize this text, a JSON echo) is then drafted several tokens at a time;
 free text rarely matches and costs nothing but the search.
 
+Where the drafts come from: this module (prompt lookup), or, when the load names a draft model
+(``draft = PATH``), that model (``workers/draft.py``: its greedy continuation, one token per
+position, so everything below holds unchanged). With a draft model loaded every speculating
+request drafts with it, never with prompt lookup: one proposer per instance keeps its acceptance
+figures (``SpecStats``) about one thing, and a lookup hit would leave the draft's rows behind,
+to be caught up by a longer pass later.
+
 How a draft is used (``workers/engine.py``, ``workers/scheduler.py``, ``workers/runner.py``): the
 step computes the sequence's pending token and its ``k`` drafts as ``k + 1`` decode rows in one
 forward pass (row i sees the context up to its own position; every row's logits kept; decode rows

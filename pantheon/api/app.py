@@ -166,6 +166,7 @@ def _entries(config: ServeConfig) -> list[CatalogEntry]:
             max_context=m.max_context,
             embeddings=m.embeddings,
             kv_cache_dtype=m.kv_cache_dtype,
+            draft=m.draft,
             origin=CONFIGURED,
         )
         for m in config.models

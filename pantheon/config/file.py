@@ -31,7 +31,8 @@ A ``[[models]]`` table takes ``path`` (required), ``name``, ``dies``, ``aliases`
 ``params`` (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
 ``max_tokens``) and the admin load's options ``quantize``, ``slots``, ``max_context``,
 ``embeddings`` (a chat model also serves ``/v1/embeddings``, mean pooling) and
-``kv_cache_dtype`` (``"q8_0"``, or K and V apart as ``"q8_0/q4_0"``; over ``--kv-cache-dtype``).
+``kv_cache_dtype`` (``"q8_0"``, or K and V apart as ``"q8_0/q4_0"``; over ``--kv-cache-dtype``)
+and ``draft`` (a draft model's path for speculative decoding: same tokenizer, smaller).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ MODEL_KEYS = (
     "max_context",
     "embeddings",
     "kv_cache_dtype",
+    "draft",
 )
 PARAM_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
@@ -106,6 +108,10 @@ def _model_table(where: str, m: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(m[key], int) or isinstance(m[key], bool) or m[key] < 1:
                 raise ConfigError(f"{where}: {key!r} must be a positive integer")
             out[key] = m[key]
+    if "draft" in m:
+        if not isinstance(m["draft"], str) or not m["draft"]:
+            raise ConfigError(f"{where}: 'draft' must be a model path (a folder or a .gguf file)")
+        out["draft"] = m["draft"]
     if "kv_cache_dtype" in m:
         out["kv_cache_dtype"] = parse_kv_types(m["kv_cache_dtype"], f"{where}: kv_cache_dtype")
     if "keep_alive" in m:

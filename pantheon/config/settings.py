@@ -50,6 +50,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     embeddings: bool = False  # serve /v1/embeddings from it (mean pooling) when it is no embedding model
     # its KV cache's types ("q8_0", or "q8_0/q4_0" for K/V apart); None: the server's
     kv_cache_dtype: KvCacheTypes | None = None
+    draft: str | None = None  # a draft model's path for speculative decoding (workers/draft.py)
 
 
 class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -173,6 +174,7 @@ _SPEC_EXTRAS = (
     "max_context",
     "embeddings",
     "kv_cache_dtype",
+    "draft",
 )
 
 

@@ -58,6 +58,7 @@ class CatalogEntry:
     max_context: int | None = None
     embeddings: bool = False  # the load's option: a chat model serves /v1/embeddings too
     kv_cache_dtype: KvCacheTypes | None = None  # the load's option (None: --kv-cache-dtype)
+    draft: str | None = None  # the load's option: a draft model for speculation (workers/draft.py)
     origin: str = DISCOVERED
     error: str | None = None  # why it cannot be served (read at scan time)
     context_limit: int | None = None  # the model's own context length, when it could be read

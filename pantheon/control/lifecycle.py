@@ -90,6 +90,26 @@ def _read_model(path: str) -> ModelDescription:
         raise errors.unreadable_model(e.kind, e.reason) from None
 
 
+def _read_draft(path: str, shape: ModelDescription) -> ModelDescription:
+    """A draft's description: a model to read (400 naming ``draft`` otherwise) of paged
+    attention layers only, for a model that can verify drafts."""
+    if shape.slot_state_layers or shape.windows or shape.rope.type == "dynamic":
+        raise errors.invalid_param(
+            "draft",
+            "'draft': this model cannot speculate (recurrent or sliding-window layers, or dynamic RoPE)",
+        )
+    try:
+        d = _read_model(path)
+    except ApiError as e:
+        raise errors.invalid_param("draft", f"'draft': {e.message}") from None
+    if d.slot_state_layers or d.windows:
+        raise errors.invalid_param(
+            "draft",
+            "'draft': a draft model must have full-attention layers only (no recurrent or sliding ones)",
+        )
+    return d
+
+
 class Endable(Protocol):
     """A generation in flight, as an unload past its drain deadline sees it."""
 
@@ -189,6 +209,7 @@ class Models:
         params: dict[str, float | int] | None = None,
         embeddings: bool = False,
         kv_cache_dtype: KvCacheTypes | None = None,
+        draft: str | None = None,
     ) -> tuple[Instance, asyncio.Task]:
         """Phases 1 and 2 (raise ``ApiError`` at once); phase 3 and 4 run in the returned task,
         which ends with the instance published or raises the load's ``ApiError``.
@@ -199,7 +220,9 @@ class Models:
         (a remote die); the router reads ``path``. ``params``: the catalog entry's sampling
         defaults (``Instance.params``, over the model's own: ``generation_defaults``); a
         value no request could hold is a 400 naming it. ``kv_cache_dtype``: the KV cache's
-        types (None: ``--kv-cache-dtype``); sizing and admission count their real bytes."""
+        types (None: ``--kv-cache-dtype``); sizing and admission count their real bytes.
+        ``draft``: a draft model for speculation (``workers/draft.py``), booked with the
+        instance; the worker refuses one whose tokenizer differs (400)."""
         name = name or served_name(path)
         try:
             params = generation_defaults.check_params(params)
@@ -210,6 +233,7 @@ class Models:
         why = shape.kv_types_problem(kv_types)
         if why:
             raise errors.kv_cache_dtype_refused(str(kv_types), why)
+        draft_shape = _read_draft(draft, shape) if draft is not None else None
         dies = tuple(self.dies.check(d) for d in dies)
         self._check_new(name, dies)
         try:
@@ -221,6 +245,7 @@ class Models:
             if die_kind(die) == "cuda" or die_host(die):  # its worker's Hello tells the die's size
                 await self._start(die)
         sizing = self._sizing(shape, quantize, slots, max_context, kv_types)
+        sizing.draft = draft_shape
         inst = await self._reserve_and_place(name, path, dies, sizing, worker_path)
         inst.quantize, inst.max_model_len, inst.load_progress = quantize, sizing.mml, 0.0
         inst.kv_types = kv_types
@@ -228,6 +253,8 @@ class Models:
         inst.embeddings = embeddings
         inst.estimate, inst.shape = sizing.estimate(inst.die), shape
         inst.load_msg = self._load_message(inst, worker_path or os.path.abspath(path), sizing)
+        if draft is not None:  # the worker's host reads the draft at the router's path
+            inst.load_msg.draft = os.path.abspath(draft)
         self.feed.event(
             "load",
             f"loading {path} as {inst.instance_id} on {','.join(inst.dies)}",

@@ -14,6 +14,7 @@ Each die set's answer is decided once (booking it must not shrink the next answe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -37,12 +38,27 @@ class LoadSizing:
     checkpoints: int  # the prefix cache's state checkpoints
     cpu_works: Mapping[str, dict[str, str]]  # die -> its worker's CPU paths (name -> why not, or "")
     kv_types: KvCacheTypes  # the KV cache's types: their real bytes per token are booked
+    # a draft model for speculation (workers/draft.py), on the first die: its weights there, and
+    # its KV pool, which has the model's block count, in the KV pool's bytes per token
+    draft: ModelDescription | None = None
     _needs: dict[tuple[str, ...], dict[str, Booking]] = field(default_factory=dict)
 
     def estimate(self, first: str) -> Estimate:
-        """The model's bytes with ``first`` as its first die (its kind picks the layouts)."""
+        """The model's bytes with ``first`` as its first die (its kind picks the layouts), a
+        draft's added: its weights to the first die's, its K/V per token to the first layer's
+        (so the first die holds its pool, and a pool of N tokens holds both models' N rows, as
+        the worker shares ``kv_budget_bytes`` between the two pools)."""
+        own = self._estimate(self.shape, first)
+        if self.draft is None:
+            return own
+        d = self._estimate(self.draft, first)
+        kv = list(own.kv_layer_bytes)
+        kv[0] += d.kv_per_token
+        return dataclasses.replace(own, base=own.base + d.weights, kv_layer_bytes=tuple(kv))
+
+    def _estimate(self, shape: ModelDescription, first: str) -> Estimate:
         return estimate(
-            self.shape,
+            shape,
             dtype=self.config.dtype,
             quantize=self.quantize,
             cpu=die_kind(first) == "cpu",

@@ -132,6 +132,7 @@ class Residency:
             params=dict(entry.params),
             embeddings=entry.embeddings,
             kv_cache_dtype=entry.kv_cache_dtype,
+            draft=entry.draft,
         )
         self._kept[inst.instance_id] = _Kept(self._until(entry, None, on_demand=True), on_demand=True)
         self._failed.pop(entry.name, None)

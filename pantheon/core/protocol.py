@@ -18,8 +18,9 @@ import msgspec
 
 # 4: EmbedRequest / EmbedOut, Submit.prompt_logprobs and TokenOut.prompt_logprobs;
 # 5: LoadModel.kv_cache_k / kv_cache_v (the KV cache's types), SamplingParams.speculative,
-# LoadModel.speculative, InstanceStats.spec_*
-PROTOCOL_VERSION = 5
+# LoadModel.speculative, InstanceStats.spec_*; 6: LoadModel.draft (a draft model for speculation),
+# InstanceStats.spec_draft
+PROTOCOL_VERSION = 6
 
 # ---------------------------------------------------------------- codes
 # A value outside its Literal makes the whole message fail to decode, so a new code must be added
@@ -170,6 +171,10 @@ class LoadModel(msgspec.Struct, tag=True, kw_only=True):
     kv_cache_k: str = "auto"
     kv_cache_v: str = "auto"
     speculative: int = 0  # drafts per step for requests that do not say (--speculative); 0: off
+    # a draft model's path on the worker's host (workers/draft.py: same tokenizer, proposes the
+    # drafts instead of prompt lookup); its weights and KV pool are in the load's booking and
+    # kv_budget_bytes (the pool has the model's block count: the budget is shared by block size)
+    draft: str | None = None
 
 
 class UnloadModel(msgspec.Struct, tag=True, kw_only=True):
@@ -359,6 +364,7 @@ class InstanceStats(msgspec.Struct, kw_only=True):
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_emitted: int = 0
+    spec_draft: str = ""  # the draft model's path; "" when drafts come from prompt lookup
     # the decode step's compile (workers/compiled.py): off[: why] | compiling | checking |
     # compiled | failed: why ("" from an older worker); seconds to built; its cache: hit | miss | off
     compile_state: str = ""

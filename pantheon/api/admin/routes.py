@@ -3,10 +3,12 @@ prefix cache reset, and the dashboard's feed.
 
 =======  ======================  ==========================================================
 POST     /admin/models/load      ``{path, name?, dies?, quantize?, slots?, max_context?, wait?,
-                                 worker_path?, embeddings?, kv_cache_dtype?}`` (``worker_path``:
-                                 remote dies only; ``embeddings``: a chat model serves
-                                 /v1/embeddings too; ``kv_cache_dtype``: "q8_0", or K/V apart
-                                 "q8_0/q4_0", over ``--kv-cache-dtype``)
+                                 worker_path?, embeddings?, kv_cache_dtype?, draft?}``
+                                 (``worker_path``: remote dies only; ``embeddings``: a chat
+                                 model serves /v1/embeddings too; ``kv_cache_dtype``: "q8_0",
+                                 or K/V apart "q8_0/q4_0", over ``--kv-cache-dtype``;
+                                 ``draft``: a draft model's path for speculative decoding,
+                                 same tokenizer)
                                  200 with the instance once ready; 202 at once with
                                  ``wait: false`` (progress in GET /admin/models); 404 no such
                                  folder, 400 bad request or unsupported architecture, 403
@@ -122,6 +124,10 @@ async def load():
         raise errors.invalid_param("max_context", "'max_context' must be at least 16 tokens")
     embeddings = _typed(body, "embeddings", bool, "a boolean", False)
     kv_cache_dtype = _kv_types(body.get("kv_cache_dtype"))
+    # a draft model for speculation (workers/draft.py): a path, as 'path' (same tokenizer)
+    draft = _typed(body, "draft", str, "a model path")
+    if draft is not None and not draft:
+        raise errors.invalid_param("draft", "'draft' must be a model path")
     wait = _typed(body, "wait", bool, "a boolean", True)
     # a die on another host may hold the weights at another path than the router's copy (which
     # gives the tokenizer, the template and the size)
@@ -133,6 +139,10 @@ async def load():
         check_path_field("worker_path", worker_path)
         if s.guard.roots:
             check_root(s.guard, "worker_path", worker_path)
+    if draft:
+        check_path_field("draft", draft)
+        if s.guard.roots:
+            check_root(s.guard, "draft", draft)
     inst, task = await s.models.start_load(
         path,
         name,
@@ -144,6 +154,7 @@ async def load():
         worker_path=worker_path or None,
         embeddings=embeddings,
         kv_cache_dtype=kv_cache_dtype,
+        draft=draft,
     )
     if not wait:
         return json_response({"status": "loading", **instance_view(facts_of(s.project(), inst, s.dies))}, 202)

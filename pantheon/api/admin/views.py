@@ -110,6 +110,7 @@ def die_view(f: DieFacts) -> dict:
         # prompt-lookup speculation per instance since load (workers/speculation.py), where it ran
         "speculation": {
             i.instance: {
+                "draft": i.spec_draft or None,  # the draft model's path; None: prompt lookup
                 "verify_steps": i.spec_verify_steps,
                 "drafted": i.spec_drafted,
                 "accepted": i.spec_accepted,

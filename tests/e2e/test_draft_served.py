@@ -1,0 +1,97 @@
+"""A draft model through a real server: the ``[[models]]`` key ``draft``, greedy output unchanged,
+``/admin/dies`` naming the draft, and the admin load's ``draft`` refused with a 400 (a bad value,
+another tokenizer) leaving the model table as it was."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import httpx
+import pytest
+
+from helpers.serve import Server, _free_port, check_error
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = [5, 17, 300, 41] * 4
+
+
+@pytest.fixture(scope="module")
+def paths(model_factory, tmp_path_factory):
+    target = model_factory("tiny-llama")
+    draft = model_factory("tiny", seed=5, num_hidden_layers=1)  # the same tokenizer, one layer
+    other = tmp_path_factory.mktemp("other-tok") / "m"
+    shutil.copytree(model_factory("tiny"), other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["zqzqzq"] = vocab.pop(next(t for t, i in vocab.items() if i == 600))
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    return target, draft, other
+
+
+@pytest.fixture(scope="module")
+def srv(paths, tmp_path_factory):
+    target, draft, _other = paths
+    d = tmp_path_factory.mktemp("draft")
+    f = d / "serve.toml"
+    f.write_text(
+        f"port = {_free_port()}\ncpu_dies = 1\nspeculative = 3\n"
+        f'[[models]]\npath = "{target}"\nname = "t"\ndraft = "{draft}"\n'
+    )
+    s = Server(["--config", str(f)], d / "serve.log")
+    try:
+        s.wait_ready(("t",))
+        yield s
+    finally:
+        s.stop()
+
+
+def complete(s: Server, **extra) -> dict:
+    body = {"model": "t", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **extra}
+    r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_greedy_text_is_the_same_and_the_dies_name_the_draft(srv, paths):
+    off = complete(srv, speculative=False)
+    on = complete(srv)  # the server's --speculative 3, drafted by the draft model
+    assert on["choices"][0]["text"] == off["choices"][0]["text"]
+    deadline = time.monotonic() + 10
+    while True:
+        dies = httpx.get(srv.url + "/admin/dies", timeout=10).json()["data"]
+        got = {k: v for d in dies for k, v in d["speculation"].items()}
+        if got or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    (stats,) = got.values()
+    assert stats["draft"] == str(paths[1]) and stats["verify_steps"] > 0 and stats["drafted"] > 0
+
+
+def test_the_admin_loads_draft_is_checked(srv, paths):
+    target, _draft, other = paths
+
+    def table() -> list[tuple]:
+        rows = httpx.get(srv.url + "/admin/models", timeout=10).json()["data"]
+        return sorted((m["name"], m["instance"], m["state"]) for m in rows)
+
+    models = table()
+    assert [m[0] for m in models] == ["t"]
+    for bad in (3, ""):
+        r = httpx.post(srv.url + "/admin/models/load", json={"path": str(target), "name": "u", "draft": bad})
+        assert check_error(r, 400)["param"] == "draft"
+    r = httpx.post(
+        srv.url + "/admin/models/load",
+        json={"path": str(target), "name": "u", "draft": str(target) + "-none"},
+    )
+    assert check_error(r, 400)["param"] == "draft"
+    r = httpx.post(
+        srv.url + "/admin/models/load",
+        json={"path": str(target), "name": "u", "draft": str(other)},
+        timeout=120,
+    )
+    err = check_error(r, 400)
+    assert "tokenizer differs" in err["message"], err
+    assert table() == models  # the failed load left nothing behind
