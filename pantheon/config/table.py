@@ -537,9 +537,10 @@ SETTINGS: tuple[Setting, ...] = (
         "speculative",
         "int",
         0,
-        "prompt-lookup speculative decoding by default: draft tokens per step, copied from the "
-        "request's own context and verified in one pass (exact: greedy output is unchanged); "
-        "0: off. A request's 'speculative' extension overrides it",
+        "speculative decoding by default: draft tokens per step, copied from the request's own "
+        "context (prompt lookup) or, for a model loaded with a draft model (draft = PATH), "
+        "proposed by it; verified in one pass (exact: greedy output is unchanged); 0: off. A "
+        "request's 'speculative' extension overrides it",
         ("PANTHEON_SPECULATIVE",),
         metavar="N",
         check=between(0, 16),
