@@ -16,11 +16,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
+from workers.kernels import paged
 
 # Ops per decode step of the ``tiny`` preset (Qwen3 shapes, 2 layers) on the fp32 path, measured
 # at batch 1 and 4 (the batch adds the padding bias of its gather); 194 / 203 before the quantized
 # KV cache and speculation merged (2026-12-05). Lower them when a change cuts ops.
-MAX_OPS = {1: 197, 4: 206}
+# With the paged decode kernel (workers/kernels: one call per layer for the decode rows' attention
+# instead of ~13 ops) 173 / 184; without it (no C compiler, PANTHEON_ATTN_KERNEL=0) the torch path's
+# 197 / 206, plus the runner's decode_lens tensor (2).
+MAX_OPS = {1: 173, 4: 184} if paged.available() else {1: 199, 4: 208}
 
 
 class _Count(TorchDispatchMode):

@@ -46,12 +46,23 @@ def _batch(lens: list[int], bs: int, seed: int = 0, idx: torch.dtype = torch.lon
     return b, pool * bs
 
 
+def _kernel(q, kc, vc, b: A.StepBatch, sinks=None, rows: slice = slice(None)) -> torch.Tensor:
+    """The kernel on ``b``'s rows ``rows``."""
+    assert b.decode_blocks is not None and b.decode_lens is not None
+    return paged.paged_decode(
+        q[rows], kc, vc, b.decode_blocks[rows], b.decode_lens[rows], b.block_size, sinks
+    )
+
+
 def _pools(kind: str, rows: int, kv: int, d: int, seed: int):
     """K and V pools of ``kind`` and their values at full width in fp32 (the reference's input)."""
     torch.manual_seed(seed)
     k, v = torch.randn(rows, kv, d), torch.randn(rows, kv, d)
     if kind in ("q8_0", "q4_0"):
-        kq, vq = QuantRows.empty(kind, rows, kv, d, torch.device("cpu")), QuantRows.empty(kind, rows, kv, d, torch.device("cpu"))
+        kq, vq = (
+            QuantRows.empty(kind, rows, kv, d, torch.device("cpu")),
+            QuantRows.empty(kind, rows, kv, d, torch.device("cpu")),
+        )
         every = torch.arange(rows)
         kq.write(every, k)
         vq.write(every, v)
@@ -67,6 +78,7 @@ def _reference(q, b, kf, vf, sinks):
 
 CASES = [  # (H, KV, D, block size, lens)
     (4, 4, 64, 16, [37]),  # G = 1
+    (4, 2, 32, 16, [50, 3]),  # the tiny preset's narrow heads (D = 32; 16 for full-width pools)
     (9, 3, 64, 16, [700, 5, 129, 256, 257]),  # SmolLM2's heads; uneven lens, chunk edges
     (8, 2, 128, 32, [1000]),  # G = 4, D = 128
     (8, 2, 128, 32, [33, 600, 1, 64, 300]),
@@ -84,7 +96,7 @@ def test_kernel_equals_the_torch_path(kind, case, with_sinks):
     sinks = torch.randn(h) if with_sinks else None
     assert paged.reads(q, kc, vc)
     want = _reference(q, b, kf, vf, sinks)
-    got = paged.paged_decode(q, kc, vc, b.decode_blocks, b.decode_lens, bs, sinks)
+    got = _kernel(q, kc, vc, b, sinks)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # fp32: summation order only
     # through the seam: decode_attention takes the kernel for these
@@ -98,7 +110,7 @@ def test_bf16_queries_give_the_fp32_result_rounded_once(kind):
     kc, vc, kf, vf = _pools(kind, rows, kv, d, seed=5)
     q = (torch.randn(len(lens), h, d) * 0.3).bfloat16()
     sinks = torch.randn(h).bfloat16()
-    got = paged.paged_decode(q, kc, vc, b.decode_blocks, b.decode_lens, bs, sinks)
+    got = _kernel(q, kc, vc, b, sinks)
     assert got.dtype == torch.bfloat16
     want = _reference(q, b, kf, vf, sinks)
     # bf16 has 8 significant bits: within one unit in the last place of the fp32 result
@@ -114,7 +126,7 @@ def test_fp16_queries_and_int32_tables():
     b, rows = _batch(lens, bs, idx=torch.int32)
     kc, vc, kf, vf = _pools("fp16", rows, kv, d, seed=2)
     q = (torch.randn(len(lens), h, d) * 0.3).half()
-    got = paged.paged_decode(q, kc, vc, b.decode_blocks, b.decode_lens, bs)
+    got = _kernel(q, kc, vc, b)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), _reference(q, b, kf, vf, None), atol=1e-3, rtol=1e-3)
 
@@ -132,18 +144,38 @@ def test_a_row_is_the_same_alone_and_batched(kind):
     try:
         for nt in (2, 1):
             torch.set_num_threads(nt)
-            together = paged.paged_decode(q, kc, vc, b.decode_blocks, b.decode_lens, bs)
+            together = _kernel(q, kc, vc, b)
             for i in range(len(lens)):
-                alone = paged.paged_decode(q[i : i + 1], kc, vc, b.decode_blocks[i : i + 1], b.decode_lens[i : i + 1], bs)
+                alone = _kernel(q, kc, vc, b, rows=slice(i, i + 1))
                 assert torch.equal(alone[0], together[i])
     finally:
         torch.set_num_threads(threads)
 
 
+def test_verify_rows_are_plain_decode_rows():
+    """Speculation's verify rows (one sequence's k + 1 rows, lengths p0 + 1 .. p0 + k + 1, one
+    block table) each give what a plain one-row step at that length gives, bit for bit: no
+    row is padded to the longest."""
+    h, kv, d, bs, p0 = 9, 3, 64, 16, 1000
+    lens = [p0 + i + 1 for i in range(5)]
+    b, rows = _batch(lens, bs)
+    assert b.decode_blocks is not None
+    b.decode_blocks[:] = b.decode_blocks[-1].clone()  # one sequence's table on every row
+    kc, vc, _kf, _vf = _pools("bf16", rows, kv, d, seed=1)
+    q = (torch.randn(len(lens), h, d) * 0.3).bfloat16()
+    together = _kernel(q, kc, vc, b)
+    for i, n in enumerate(lens):
+        one, _rows = _batch([n], bs)
+        one.decode_blocks = b.decode_blocks[i : i + 1, : -(-n // bs)]
+        assert torch.equal(_kernel(q[i : i + 1], kc, vc, one)[0], together[i])
+
+
 def test_one_openmp_runtime_whose_threads_follow_torch():
     lib = paged.library()
     assert lib is not None
-    gomp = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    gomp = {
+        line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line
+    }
     assert len(gomp) == 1 and Path(next(iter(gomp))).parent == Path(torch.__file__).parent / "lib", gomp
     threads = torch.get_num_threads()
     try:
@@ -261,5 +293,6 @@ def test_bf16_speculation_is_greedy_bit_for_bit(tiny_model):
 
 def test_dataclass_copy_keeps_the_lens():
     b, _rows = _batch([5, 9], 16)
-    assert torch.equal(b.to(torch.device("cpu")).decode_lens, b.decode_lens)
+    moved = b.to(torch.device("cpu")).decode_lens
+    assert moved is not None and b.decode_lens is not None and torch.equal(moved, b.decode_lens)
     assert dataclasses.replace(b, decode_blocks=None).decode_lens is not None

@@ -25,9 +25,12 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _QUANT = {"q8_0": 3, "q4_0": 4}  # fp8_e4m3 is CUDA-only: the torch path reads it
 MAX_G, MAX_D = 32, 512  # the kernel's stack buffers: query heads per KV head, head width
 # Positions x KV heads of a step below which the kernel runs on the calling thread alone: a
-# parallel region's start and join cost more than they save under this (measured with
-# bench/paged_kernel.py on a 2-core Xeon: see that script's docstring).
-MIN_PARALLEL = 2048
+# parallel region's start and join cost more than they save under this. bench/paged_kernel.py
+# --threshold, 2-core Xeon (AVX-512), bf16, SmolLM2's 3 KV heads x 64, batch 1, host load ~8:
+# serial / 2 threads 0.0115 / 0.0127 ms at 48, 0.0163 / 0.0155 at 192, 0.0234 / 0.0213 at 384,
+# 0.0597 / 0.0461 at 1536. The break-even is ~200; 512 leaves room for a loaded host, where a
+# parallel region also waits for a descheduled thread.
+MIN_PARALLEL = 512
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -74,7 +77,7 @@ def reads(q: torch.Tensor, k_cache: KvRows, v_cache: KvRows) -> bool:
     h = q.shape[1]
     if q.device.type != "cpu" or q.dtype not in _DTYPES or h % kv or h // kv > MAX_G:
         return False
-    if d % 32 or d > MAX_D or _kind(k_cache) is None or _kind(v_cache) is None:
+    if d % 16 or d > MAX_D or _kind(k_cache) is None or _kind(v_cache) is None:
         return False
     for c in (k_cache, v_cache):
         parts = (c.data, c.scales) if isinstance(c, QuantRows) else (c,)

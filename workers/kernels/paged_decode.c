@@ -342,7 +342,7 @@ int pd_paged_decode(const void *q, int q_kind, const void *k, const void *k_scal
                     const void *v_scales, int v_kind, const void *table, int table_i32, int64_t nb,
                     const void *lens, int lens_i32, int64_t B, int64_t H, int64_t KV, int64_t D,
                     int64_t block_size, const float *sinks, void *out, int nthreads, int64_t min_parallel) {
-    if (B <= 0 || KV <= 0 || H % KV || D % 32 || D > MAX_D || H / KV > MAX_G || block_size <= 0)
+    if (B <= 0 || KV <= 0 || H % KV || D % 16 || D > MAX_D || H / KV > MAX_G || block_size <= 0)
         return 1;
     Args a = {q, q_kind, k, v, (const uint16_t *)k_scales, (const uint16_t *)v_scales, k_kind, v_kind, table,
               table_i32, nb, B, H, KV, D, H / KV, block_size, sinks, out};
