@@ -310,8 +310,8 @@ def decode_attention(
     if (
         b.decode_lens is not None
         and tab is not None
+        and paged.reads(q, k_cache, v_cache)  # (a CUDA die's step stops here: nothing is built)
         and paged.available()
-        and paged.reads(q, k_cache, v_cache)
     ):
         return paged.paged_decode(q, k_cache, v_cache, tab, b.decode_lens, b.block_size, sinks)
     assert b.decode_gather is not None  # a batch with decode rows has its gather
