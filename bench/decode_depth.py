@@ -181,7 +181,10 @@ def main() -> None:
                 prompts = [prompt(i, n, args.shared) for i in range(bsz)]
                 got: dict[str, float] = {}
                 for r in range(args.rounds):
-                    for path in paths:
+                    # the order alternates by round: the path run second was measured slower
+                    # (q8_0 x8 depth 2048 --shared, kernel then blocks: 342 and 41 tok/s; blocks then
+                    # kernel: 185 and 120; batch 8 figures swing with the order: see the report)
+                    for path in paths if r % 2 == 0 else paths[::-1]:
                         use_path(path)
                         rate, _pre = decode_rate(eng, prompts, args.tokens, f"{depth}-{bsz}-{path}-{r}")
                         got[path] = max(got.get(path, 0.0), rate)
