@@ -11,8 +11,12 @@ sequences with distinct prompts; prefill is not timed. Two attention paths for t
 
 - ``gather`` (before issue 27's §2): every step copies each sequence's whole cached K and V into
   one dense tensor per layer (``_decode_by_rows``), then attends;
-- ``blocks`` (now): ``decode_attention`` reads the paged pool by whole blocks, a bounded group
-  at a time (``workers/layers/attention.py``).
+- ``blocks``: ``decode_attention``'s torch path (``PANTHEON_ATTN_KERNEL=0``): reads the paged
+  pool by whole blocks, a bounded group at a time (``workers/layers/attention.py``);
+- ``kernel`` (now, on the CPU): the native paged kernel (``workers/kernels/paged_decode.c``)
+  reads each row's blocks where they lie, no copy.
+
+``--attn torch|kernel|both`` picks ``blocks``, ``kernel`` or both (``--paths`` names any).
 
 Both run on the same prefilled cache: the second path's requests repeat the first's prompts
 and find them in the prefix cache (only the last partial block is computed again). A prompt
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -56,8 +61,9 @@ def _gather_path(q, b, k_cache, v_cache, sinks=None):
 
 
 def use_path(name: str) -> None:
-    """Route every paged layer's decode rows through ``name`` (gather | blocks)."""
+    """Route every paged layer's decode rows through ``name`` (gather | blocks | kernel)."""
     A.decode_attention = _gather_path if name == "gather" else _BLOCKS
+    os.environ["PANTHEON_ATTN_KERNEL"] = "1" if name == "kernel" else "0"
 
 
 def prompt(i: int, n: int, shared: bool = False) -> list[int]:
@@ -113,7 +119,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--paths", default="gather,blocks")
+    ap.add_argument("--paths", default=None, help="of gather, blocks, kernel (default: --attn's)")
+    ap.add_argument("--attn", choices=("torch", "kernel", "both"), default="both")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument(
         "--shared",
@@ -130,7 +137,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = Path(args.model) if args.model else default_gguf()
     kinds, depths = args.kinds.split(","), [int(d) for d in args.depths.split(",")]
-    batches, paths = [int(b) for b in args.batches.split(",")], args.paths.split(",")
+    attn = {"torch": "blocks", "kernel": "kernel", "both": "blocks,kernel"}[args.attn]
+    batches, paths = [int(b) for b in args.batches.split(",")], (args.paths or attn).split(",")
     cpu = cpu_info()
     print(f"{model.name}; CPU {cpu['model_name']}, {cpu['cpus']} CPUs; {args.threads} threads", flush=True)
     rows: list[dict] = []
@@ -173,18 +181,28 @@ def main() -> None:
                 prompts = [prompt(i, n, args.shared) for i in range(bsz)]
                 got: dict[str, float] = {}
                 for r in range(args.rounds):
-                    for path in paths:
+                    # the order alternates by round: the path run second was measured slower
+                    # (q8_0 x8 depth 2048 --shared, kernel then blocks: 342 and 41 tok/s; blocks then
+                    # kernel: 185 and 120; batch 8 figures swing with the order: see the report)
+                    for path in paths if r % 2 == 0 else paths[::-1]:
                         use_path(path)
                         rate, _pre = decode_rate(eng, prompts, args.tokens, f"{depth}-{bsz}-{path}-{r}")
                         got[path] = max(got.get(path, 0.0), rate)
-                use_path("blocks")
+                use_path("kernel")
                 lb = peer.get(depth)
                 row = {"kind": kind, "depth": depth, "prompt": n, "batch": bsz, **got, "llama_bench": lb}
                 rows.append(row)
                 vs = "".join(f"  {p} {got[p] / lb:.2f}x" for p in paths if lb)
+                mine = (
+                    f"  kernel/blocks {got['kernel'] / got['blocks']:.2f}x"
+                    if {"kernel", "blocks"} <= got.keys()
+                    else ""
+                )
                 print(
                     f"  {kind:<5} depth {depth:>5} x{bsz}: "
                     + "  ".join(f"{p} {got[p]:7.1f} tok/s" for p in paths)
+                    + mine
+                    + f"  (load {os.getloadavg()[0]:.1f})"
                     + (f"  | llama-bench {lb:7.1f} tok/s  ours/theirs:{vs}" if lb else ""),
                     flush=True,
                 )

@@ -17,6 +17,7 @@ import torch
 from pantheon.core.kv_types import KvCacheTypes
 from workers.block_manager import BlockManager
 from workers.cache import KVCache, LayerCache, StateCache, kv_block_bytes, make_caches
+from workers.kernels import paged
 from workers.layers.attention import PrefillChunk, StepBatch
 from workers.layers.rotary import Rotary, qk_tables
 from workers.layers.sliding import window_view
@@ -50,6 +51,8 @@ class ModelRunner:
             cfg, model.layer_devices, rows, num_slots, dtype, checkpoints, kv_types
         )
         self.kv_types = kv_types
+        if self.main.type == "cpu":  # build (or find) the paged decode kernel now, not in the first step
+            paged.available()
         self.scratch_slot = num_slots  # the state slot of prompt logits computed outside the scheduler
         self.rotary = Rotary(cfg, self.main)
         # Sliding-window layers: their windows, and their own RoPE when it differs (Gemma 3)
@@ -200,7 +203,7 @@ class ModelRunner:
         cos, sin = self._cos_sin(pos_t, plan, n_decode, chunks)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
 
-        dec_gather = dec_bias = dec_slots = slot_run = dec_blocks = None
+        dec_gather = dec_bias = dec_slots = slot_run = dec_blocks = dec_lens = None
         if n_decode:
             slot_ids = [s.slot for s, _n in dec_rows]
             dec_slots = torch.tensor(slot_ids, dtype=torch.long, device=dev)
@@ -215,6 +218,7 @@ class ModelRunner:
             rows = dec_blocks[:, :, None] * bs + torch.arange(bs)
             dec_gather = rows.view(n_decode, -1)[:, :t].to(dev)  # [B, T]
             dec_blocks = dec_blocks.to(dev)
+            dec_lens = torch.tensor(lens, dtype=torch.long, device=dev)  # the paged kernel's bound
             if min(lens) < t:  # some rows are padded: mask their tail
                 pad = torch.arange(t, device=dev)[None, :] >= torch.tensor(lens, device=dev)[:, None]
                 dec_bias = torch.zeros(pad.shape, dtype=torch.float32, device=dev)
@@ -228,6 +232,7 @@ class ModelRunner:
         base = StepBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre, dec_slots, slot_run)
         base.positions = pos_t  # for layers that build their own rotary tables (Gemma 4's full ones)
         base.decode_blocks, base.block_size = dec_blocks, self.blocks.block_size
+        base.decode_lens = dec_lens
         if self.windows:
             rot = None
             if self.sliding_rotary is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from workers.kernels import paged
 from workers.layers.kv_quant import KvRows, read_blocks, read_rows, write_rows
 
 
@@ -61,6 +62,11 @@ class StepBatch:
     # ``decode_gather``'s rows (a ring's view, the compiled step).
     decode_blocks: torch.Tensor | None = None
     block_size: int = 0
+    # [B] int64: each decode row's context length (its positions 0 .. len - 1, its own token
+    # included). With ``decode_blocks``, what the paged decode kernel (``workers/kernels``)
+    # reads instead of the gather and bias; None where the kernel must not run (the compiled
+    # step, a ring's view).
+    decode_lens: torch.Tensor | None = None
 
     def to(self, dev: torch.device) -> StepBatch:
         """The same batch description on another device (layers split across dies)."""
@@ -85,6 +91,7 @@ class StepBatch:
             mv(self.positions),
             mv(self.decode_blocks),
             self.block_size,
+            mv(self.decode_lens),
         )
 
 
@@ -293,9 +300,21 @@ def decode_attention(
     before (the same copy, with fewer ops: depth 0 pays nothing for the groups).
     Without them (a sliding ring's view, the compiled step) the rows of ``b.decode_gather`` are
     gathered at once (a ring holds at most its window).
+
+    On the CPU, with the rows' lengths (``b.decode_lens``) and a cache the native kernel reads
+    (fp32 / bf16 / fp16 pools, q8_0 / q4_0 rows), the kernel does it all instead
+    (``workers/kernels/paged_decode.c``): each row against its own positions, read from the
+    pool where they lie, in fp32, the output rounded once to q's dtype; no gather, no bias.
     """
-    assert b.decode_gather is not None  # a batch with decode rows has its gather
     tab = b.decode_blocks  # [B, nb]
+    if (
+        b.decode_lens is not None
+        and tab is not None
+        and paged.reads(q, k_cache, v_cache)  # (a CUDA die's step stops here: nothing is built)
+        and paged.available()
+    ):
+        return paged.paged_decode(q, k_cache, v_cache, tab, b.decode_lens, b.block_size, sinks)
+    assert b.decode_gather is not None  # a batch with decode rows has its gather
     if tab is None:  # (the compiled step's graph never reaches the size arithmetic below)
         return _decode_by_rows(q, b, k_cache, v_cache, sinks)
     bsz, h, d = q.shape
