@@ -22,14 +22,17 @@ prefix of drafts the target agrees with and adds the target's own next token, so
 length and are overwritten by the next steps before anything reads them.
 
 Exactness: greedy output is token for token the output without speculation in fp32 (tests, batched
-and alone) and was on the bf16 / int4 paths for the copy workload of ``bench/speculative.py``. In
-bf16 it is not guaranteed bit for bit: the verify rows of one sequence have unequal context
-lengths, so decode attention pads them to the longest (as it pads requests of unequal lengths
-batched together), and its bf16 ``probs @ v`` over a longer padded row may round differently; at
-a near-tie (top two logits within one bf16 step) the argmax can then flip. Seen once on SmolLM2
-Q4_1 free chat (bf16-packed) at 128 tokens. The linears were checked row-invariant (M = 1..16
-give bit-equal rows on bf16-packed). A per-row-length decode attention would close it
-(``workers/layers/attention.py``, not changed here).
+and alone). In bf16 on the CPU, with the paged decode kernel (``workers/kernels``, on where a C
+compiler exists), each verify row attends over its own length (``StepBatch.decode_lens``) with the
+arithmetic of a one-row step at that length, and the linears were checked row-invariant (M = 1..16
+give bit-equal rows on bf16-packed), so greedy with speculation is bit for bit the same in eager
+decoding (``tests/unit/test_paged_kernel.py``: verify rows equal plain decode rows; bf16
+speculation greedy). On the torch path (``PANTHEON_ATTN_KERNEL=0``, no compiler, CUDA dies) and
+when plain steps run the compiled graph, a sequence's verify rows are padded to the longest, and
+bf16 ``probs @ v`` over a longer padded row may round differently: at a near-tie (top two logits
+within one bf16 step) the argmax can then flip (seen once on SmolLM2 Q4_1 free chat at 128 tokens
+before the kernel; a draft model, which makes almost every step a verify, showed it at token 60 on
+the int4 path, measured on the torch path).
 
 Which requests speculate (``Engine.submit``): those that ask (``SamplingParams.speculative``: the
 request's ``speculative`` extension, else the server's ``--speculative N``; ``true`` takes the
