@@ -30,9 +30,13 @@ IDLE_STATS_S = 1.0
 
 def hello(die: Die, engine_import_error: str | None) -> p.Hello:
     free, total = die.memory()
-    isa, paths = "", {}
+    isa, paths, attention = "", {}, ""
     if die.kind == "cpu" and not engine_import_error:
         from workers import cpu_paths
+        from workers.kernels import paged
+
+        attention = paged.describe()
+        log.info("%s: decode attention: %s", die.id, attention)
 
         isa = cpu_paths.isa()
         paths = {name: why or "" for name, why in cpu_paths.probe_all().items()}
@@ -54,6 +58,7 @@ def hello(die: Die, engine_import_error: str | None) -> p.Hello:
         cpu_isa=isa,
         cpu_paths=paths,
         hostname=socket.gethostname(),
+        attention=attention,
     )
 
 

@@ -19,7 +19,7 @@ import msgspec
 # 4: EmbedRequest / EmbedOut, Submit.prompt_logprobs and TokenOut.prompt_logprobs;
 # 5: LoadModel.kv_cache_k / kv_cache_v (the KV cache's types), SamplingParams.speculative,
 # LoadModel.speculative, InstanceStats.spec_*; 6: LoadModel.draft (a draft model for speculation),
-# InstanceStats.spec_draft
+# InstanceStats.spec_draft, Hello.attention (the decode-attention kernel's state)
 PROTOCOL_VERSION = 6
 
 # ---------------------------------------------------------------- codes
@@ -243,6 +243,9 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     cpu_isa: str = ""
     cpu_paths: dict[str, str] = {}
     hostname: str = ""  # the worker's machine (a remote worker's die id carries its own name)
+    # CPU dies: how decode attention runs (workers/kernels/paged.py): "kernel: built|cached PATH"
+    # (the paged C kernel) or "torch: why not the kernel"; "" on other dies
+    attention: str = ""
 
 
 class Beat(msgspec.Struct, tag=True, kw_only=True):

@@ -90,6 +90,7 @@ class DieInfo:
     error: str | None  # why the worker is dead, when it is
     cpu_isa: str = ""  # CPU dies: from Hello (see protocol.Hello)
     cpu_paths: dict[str, str] = field(default_factory=dict)
+    attention: str = ""  # CPU dies: the decode-attention kernel's state (protocol.Hello)
     deaths: int = 0  # times this die's worker died since the pool started
     restarts: int = 0  # times it was started again after a death
     last_death: str | None = None  # the reason of the latest death (kept after a restart)
@@ -378,6 +379,7 @@ class WorkerPool:
             error=w.error,
             cpu_isa=h.cpu_isa if h else "",
             cpu_paths=dict(h.cpu_paths) if h else {},
+            attention=h.attention if h else "",
             deaths=self._deaths[w.die],
             restarts=max(0, self._starts[w.die] - 1),
             last_death=self._last_death.get(w.die, (None, None))[0],

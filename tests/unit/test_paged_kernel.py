@@ -238,8 +238,10 @@ def test_switch_off_selects_the_torch_path(monkeypatch):
     kc, vc, _kf, _vf = _pools("bf16", rows, kv, d, seed=2)
     q = (torch.randn(len(lens), h, d) * 0.3).bfloat16()
     kernel = A.decode_attention(q, b, kc, vc)
+    assert paged.describe().startswith(("kernel: built ", "kernel: cached "))  # what /admin/dies shows
     monkeypatch.setenv("PANTHEON_ATTN_KERNEL", "0")
     assert not paged.available()
+    assert paged.describe() == "torch: PANTHEON_ATTN_KERNEL=0"
     torch_path = A.decode_attention(q, b, kc, vc)
     assert torch.equal(torch_path, A._decode_by_rows(q, b, kc, vc))
     assert not torch.equal(torch_path, kernel)  # bf16: the two paths round differently

@@ -55,6 +55,15 @@ def status() -> str:
     return _load()[1]
 
 
+def describe() -> str:
+    """How decode attention runs in this process: ``kernel: built|cached PATH`` or ``torch: why``
+    (shown in ``/admin/dies``). Switched off, the kernel is not built."""
+    if os.environ.get("PANTHEON_ATTN_KERNEL", "1") == "0":
+        return "torch: PANTHEON_ATTN_KERNEL=0"
+    lib, why = _load()
+    return f"kernel: {why}" if lib is not None else f"torch: {why}"
+
+
 def library() -> ctypes.CDLL | None:
     return _load()[0]
 

@@ -101,6 +101,8 @@ def die_view(f: DieFacts) -> dict:
         "isa": (wk.cpu_isa or None) if wk is not None else None,
         "cpu_paths": {n: (why or "ok") for n, why in wk.cpu_paths.items()} if wk else {},
         "cpu_path": f.cpu_path or None,
+        # decode attention: "kernel: built|cached PATH" (workers/kernels) or "torch: why not"
+        "attention": (wk.attention or None) if wk is not None else None,
         "step_ms_avg": stats.step_ms_avg if stats is not None else None,
         "bookings": {
             iid: {"weights_bytes": b[0], "kv_bytes": b[1], "state_bytes": b[2]}
