@@ -68,7 +68,7 @@ os.environ.update(omp_wait(_early_threads(), usable_cpus(), os.environ))
 
 from bench.decode import MESSAGES, bench_engine, default_gguf  # noqa: E402
 from bench.pantheon_server import free_port, host_line  # noqa: E402
-from pantheon.workerlink.token_times import ENV as TIMES_ENV  # noqa: E402
+from pantheon.core.token_times import ENV as TIMES_ENV  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pantheon.core import protocol as p
-from pantheon.workerlink.token_times import TokenTimes
+from pantheon.core.token_times import TokenTimes
 from workers.instances import Instances
 
 if TYPE_CHECKING:  # the engine imports torch

@@ -32,9 +32,9 @@ from pantheon.api.responses import json_response
 from pantheon.api.state import AppState
 from pantheon.control.context import Prepared, limit_of
 from pantheon.control.registry import Instance
+from pantheon.core.token_times import router_times
 from pantheon.errors import ApiError
 from pantheon.models import generation_defaults
-from pantheon.workerlink.token_times import router_times
 
 T = TypeVar("T")
 

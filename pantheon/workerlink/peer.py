@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pantheon.core import protocol as p
+from pantheon.core.token_times import router_times
 from pantheon.workerlink.errors import LoadFailedError, RequestRejectedError, WorkerDied
 from pantheon.workerlink.link import Link
 from pantheon.workerlink.process import WorkerProcess
 from pantheon.workerlink.remote import RemoteProcess
 from pantheon.workerlink.streams import RequestStream
-from pantheon.workerlink.token_times import router_times
 
 log = logging.getLogger("pantheon.workerlink.pool")  # one logger for the whole link, as before
 
