@@ -15,7 +15,6 @@ import shlex
 import signal
 import site
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
 from pantheon.core import protocol as p
@@ -52,42 +51,16 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def omp_wait(threads: int | None, cpus: int, env: Mapping[str, str]) -> dict[str, str]:
-    """The OpenMP wait policy for a worker with ``threads`` torch threads (None: torch's default,
-    ``OMP_NUM_THREADS`` or one per CPU) on ``cpus`` CPUs: ``{"OMP_WAIT_POLICY": "PASSIVE"}`` when
-    its threads cover every CPU, else nothing; nothing either when the operator set
-    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (an empty value is unset).
+def worker_env() -> dict[str, str]:
+    """Our environment, for a worker: unbuffered, and able to import this very checkout.
 
-    Why: torch's OpenMP threads spin between parallel regions, and a decode step is hundreds of
-    small regions. When they fill every CPU, anything else that wakes (the router and the client
-    on each token, other processes) preempts a spinner, and the region after it waits at its
-    barrier for a whole scheduler slice. On a 2-core host at load ~9 that made a 2-thread step
-    10x slower than a 1-thread one; passive (sleeping) waits took 2 threads to 17-18 tok/s
-    against 1.0-2.3 (``bench/http_path.py``; the figures are in its commit message).
+    OpenMP's wait policy stays libgomp's default (threads spin a while between parallel regions):
+    ``OMP_WAIT_POLICY=PASSIVE`` halved one stream's decode on a quiet 2-core host (45 against 86
+    tok/s, SmolLM2 int4, ``bench/http_path.py``), though it helped a host loaded by other jobs
+    (load ~9: 17 against 2 tok/s, where spinners preempted by other processes stall each region).
+    An operator on such a shared host can set it in the worker's environment.
     """
-    if env.get("OMP_WAIT_POLICY") or env.get("GOMP_SPINCOUNT"):
-        return {}
-    omp = env.get("OMP_NUM_THREADS", "")
-    if threads is None and omp.isdigit() and int(omp) > 0:
-        threads = int(omp)
-    if (threads or cpus) >= cpus:
-        return {"OMP_WAIT_POLICY": "PASSIVE"}
-    return {}
-
-
-def threads_of(argv: list[str]) -> int | None:
-    """The ``--threads N`` of a worker's argv (``worker_argv``), or None."""
-    for flag, value in zip(argv, argv[1:]):
-        if flag == "--threads" and value.isdigit():
-            return int(value)
-    return None
-
-
-def worker_env(threads: int | None = None) -> dict[str, str]:
-    """Our environment, for a worker: unbuffered, able to import this very checkout, and
-    OpenMP's wait policy for ``threads`` torch threads (``omp_wait``)."""
     env = dict(os.environ)
-    env.update(omp_wait(threads, usable_cpus(), env))
     env["PYTHONUNBUFFERED"] = "1"  # the worker's log lines reach us (and the operator) as they happen
     # The worker must import the same pantheon/workers as we run, from a source checkout too.
     # (Not for an installed copy: site-packages ahead of the standard library could shadow it.)
@@ -140,7 +113,7 @@ class WorkerProcess:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            env=worker_env(threads_of(self.argv)),
+            env=worker_env(),
             limit=_READ_LIMIT,
         )
         self.output_task = asyncio.create_task(self._forward_output(), name=f"worker-output-{self.die}")
