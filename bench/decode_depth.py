@@ -106,7 +106,14 @@ def llama_depth(
     t = LLAMA_KV[kind]
     cmd = [str(_bins() / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(tokens)]
     cmd += ["-d", ",".join(map(str, depths)), "-fa", "1", "-ctk", t, "-ctv", t, "-r", str(reps), "-o", "json"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    try:
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    except subprocess.CalledProcessError as e:
+        # Seen on a 2-core Intel Xeon with AMX: llama-bench dies of SIGSEGV at a depth > 0 in the
+        # CPU backend's weight repacking (as llama-server at start, bench/peer.py); without
+        # repacking it runs, on other (slower) kernels: the figures then say so.
+        print(f"  llama-bench died ({e.returncode}); again with --repack 0 (its slower kernels)", flush=True)
+        out = subprocess.run(cmd + ["--repack", "0"], check=True, capture_output=True, text=True).stdout
     return {int(r["n_depth"]): float(max(r.get("samples_ts") or [r["avg_ts"]])) for r in json.loads(out)}
 
 

@@ -127,3 +127,48 @@ def test_zero_rows_pad_the_kernels_last_query_block() -> None:
     for m in range(1, 2000):
         e = A._pad_rows(torch.zeros(1, m, 1)).shape[1] - m
         assert e < 4 and not 0 < (m + e) % A._q_block(m + e) < 4, m
+
+
+def _quantized(kind: str, cache: torch.Tensor):
+    from workers.layers.kv_quant import QuantRows
+
+    rows, kv, d = cache.shape
+    qr = QuantRows.empty(kind, rows, kv, d, cache.device)
+    qr.write(torch.arange(rows), cache)
+    return qr, qr.read(torch.arange(rows), cache.dtype)  # the cache and its dequantized copy
+
+
+@needs_pages
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize(("chunk", "hist"), [(40, 300), (300, 700), (1, 900), (129, 127)])
+def test_a_quantized_history_read_in_chunks_equals_its_dequantized_copy(
+    kind: str, chunk: int, hist: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quantized cache's history is read ``HISTORY`` rows at a time (here 256: several chunks
+    per page), merged by log-sum-exp: the rows of one call over the dequantized copy, in fp32."""
+    monkeypatch.setattr(A, "HISTORY", 256)
+    q, k_cache, v_cache, rows, _mask, _ref = _case(chunk, hist, 9, 3, torch.float32)
+    kq, kd = _quantized(kind, k_cache)
+    vq, vd = _quantized(kind, v_cache)
+    got = A._prefill_by_pages(q, rows, kq, vq)
+    want = A._prefill_by_pages(q, rows, kd, vd)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@needs_pages
+def test_a_quantized_row_is_the_same_whatever_its_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 over a q8_0 cache, history in chunks of 256: a prefix-cached prompt's rows are bit for
+    bit the uncached prompt's, however either was chunked."""
+    monkeypatch.setattr(A, "HISTORY", 256)
+    torch.manual_seed(0)
+    t, kv, heads, d = 700, 3, 9, 64
+    kq, _ = _quantized("q8_0", torch.randn(t, kv, d).bfloat16())
+    vq, _ = _quantized("q8_0", torch.randn(t, kv, d).bfloat16())
+    q = (torch.randn(t, heads, d) * 0.4).bfloat16()
+    rows = torch.arange(t)
+    whole = A._prefill_by_pages(q, rows, kq, vq)
+    for hist in (0, 127, 256, 300, 512, 600, t - 1):
+        for cut in sorted({hist + 1, hist + 3, hist + 200, t}):
+            if hist < cut <= t:
+                part = A._prefill_by_pages(q[hist:cut], rows[:cut], kq, vq)
+                assert torch.equal(part, whole[hist:cut]), (hist, cut)

@@ -171,8 +171,9 @@ def _prefill_by_pages(
     its own page's call always has the same shape (the page's keys, zero past the written
     ones), the history's the same keys (its query rows padded so that the kernel's last block
     of them is never 1-3 rows, ``_pad_rows``), and the merge runs on whole vectors
-    (``_sigmoid_exact``). A quantized cache's rows are dequantized into the chunk's
-    scratch K/V page by page (``PAGE`` rows at a time). So a prefix-cached prompt gets bit for bit the hidden states, and the
+    (``_sigmoid_exact``). A quantized cache's rows are dequantized a page at a time into a
+    scratch that holds the chunk's own pages only; its history is read ``HISTORY`` rows at a
+    time (``_history_by_chunks``), so no full-width copy of the context is made. So a prefix-cached prompt gets bit for bit the hidden states, and the
     greedy answer, of the uncached one, however either was chunked. The one masked call does
     not: its sums depend on how many keys and queries the call has (SmolLM2's bf16 logits of a
     prompt computed in two chunks differed from one chunk's by up to 0.9), nor does a split at
@@ -191,16 +192,22 @@ def _prefill_by_pages(
     kv = k_cache.shape[1]
     g = h // kv
     padded = -(-t // PAGE) * PAGE
-    kf = q.new_empty(padded, kv, d)  # [T, KV, D] then zeros
-    vf = q.new_empty(padded, kv, d)
+    quantized = not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor))
+    # The scratch K/V: every position for a full-width cache (the history's call reads it whole);
+    # for a quantized one only the chunk's own pages (from ``first``), the history being read
+    # ``HISTORY`` rows at a time (``_history_by_chunks``): no full-width copy of the context.
+    first = p0 // PAGE * PAGE if quantized else 0
+    kf = q.new_empty(padded - first, kv, d)  # [T - first, KV, D] then zeros
+    vf = q.new_empty(padded - first, kv, d)
     for cache, dst in ((k_cache, kf), (v_cache, vf)):
         if isinstance(cache, torch.Tensor):
-            torch.index_select(cache, 0, gather, out=dst[:t])
-        else:  # dequantized a page at a time: no full-width temporary beside the scratch
-            for a in range(0, t, PAGE):
-                dst[a : min(t, a + PAGE)] = read_rows(cache, gather[a : a + PAGE], q.dtype)
-    kf[t:] = 0
-    vf[t:] = 0
+            torch.index_select(cache, 0, gather[first:], out=dst[: t - first])
+        else:  # dequantized a page at a time
+            for a in range(first, t, PAGE):
+                dst[a - first : min(t, a + PAGE) - first] = read_rows(cache, gather[a : a + PAGE], q.dtype)
+    kf[t - first :] = 0
+    vf[t - first :] = 0
+    hist = _history_by_chunks(q, gather, k_cache, v_cache) if quantized else {}
     qf = q
     out = torch.empty_like(q)
     pos = p0
@@ -212,27 +219,91 @@ def _prefill_by_pages(
         # Its own page, causal, always as one [PAGE x PAGE] call: the chunk's queries at their
         # rows in the page (the others zero; the kernel's causal case aligns query row i with
         # key i) against the page's keys (zero past the written ones), grouped heads repeated.
-        kp = (
-            kf[start : start + PAGE].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
-        )  # [1, H, PAGE, D]
-        vp = vf[start : start + PAGE].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+        own = slice(start - first, start - first + PAGE)
+        kp = kf[own].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, PAGE, D]
+        vp = vf[own].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
         qp = qf.new_zeros(1, h, PAGE, d)
         qp[0, :, pos - start : end - start] = qs.transpose(0, 1)
         o, lse = flash(qp, kp, vp, 0.0, True, scale=1.0)
         o, lse = o[:, :, pos - start : end - start], lse[:, :, pos - start : end - start]
         o, lse = o.reshape(h, n, d), lse.reshape(h, n)
         if start:  # the full pages before: [1, KV, G * n, D] queries (group-major), no mask
-            qh = _pad_rows(qs.view(n, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * n, d))
-            kh = kf[:start].transpose(0, 1).unsqueeze(0)  # [1, KV, start, D]
-            vh = vf[:start].transpose(0, 1).unsqueeze(0)
-            oh, lh = flash(qh, kh, vh, 0.0, False, scale=1.0)
-            oh, lh = oh[:, :, : g * n].reshape(h, n, d), lh[:, :, : g * n].reshape(h, n)
+            if quantized:
+                oh, lh = hist[start]  # fp32 [H, n, D], [H, n]
+            else:
+                qh = _pad_rows(qs.view(n, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * n, d))
+                kh = kf[:start].transpose(0, 1).unsqueeze(0)  # [1, KV, start, D]
+                vh = vf[:start].transpose(0, 1).unsqueeze(0)
+                oh, lh = flash(qh, kh, vh, 0.0, False, scale=1.0)
+                oh, lh = oh[:, :, : g * n].reshape(h, n, d).float(), lh[:, :, : g * n].reshape(h, n)
             # (oh e^lh + o e^lse) / (e^lh + e^lse) = o + (oh - o) * sigmoid(lh - lse), in fp32
-            o, oh = o.float(), oh.float()
+            o = o.float()
             o = o + (oh - o) * _sigmoid_exact((lh - lse).view(h, n, 1))
         out[pos - p0 : end - p0] = o.transpose(0, 1)  # (a merged row rounded to q's dtype here)
         pos = end
     return out
+
+
+# Rows of a quantized cache's history dequantized at once in prefill (a multiple of ``PAGE``):
+# the bound on the full-width scratch of a long prompt's history.
+HISTORY = 2048
+
+
+def _history_by_chunks(
+    q: torch.Tensor, gather: torch.Tensor, k_cache: KvRows, v_cache: KvRows
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The history part of ``_prefill_by_pages`` over a quantized cache: for each page of the
+    chunk that starts at ``start`` > 0, the attention of its queries over positions 0 .. start - 1
+    as (out fp32 [H, n, D], log-sum-exp [H, n]), keyed by ``start``.
+
+    The history is dequantized ``HISTORY`` rows at a time (once per step and layer, whichever
+    pages read it); each page's calls over its chunks of it merge in fp32 by their log-sum-exps,
+    in order. A row's chunks are cut at multiples of ``HISTORY`` and at its page's start, so its
+    arithmetic depends on its position only, as the full-width path's (cached == uncached)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    c, h, d = q.shape
+    t = gather.shape[0]
+    p0 = t - c
+    kv = k_cache.shape[1]
+    g = h // kv
+    # the chunk's pages with a history: start -> their queries [1, KV, G * n (padded), D]
+    pages: dict[int, tuple[int, torch.Tensor]] = {}
+    pos = p0
+    while pos < t:
+        start = pos // PAGE * PAGE
+        end = min(t, start + PAGE)
+        if start:
+            n = end - pos
+            qs = q[pos - p0 : end - p0]
+            pages[start] = (n, _pad_rows(qs.view(n, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * n, d)))
+        pos = end
+    acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    last = max(pages, default=0)
+    for a in range(0, last, HISTORY):
+        b = min(a + HISTORY, last)
+        kh = read_rows(k_cache, gather[a:b], q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KV, b - a, D]
+        vh = read_rows(v_cache, gather[a:b], q.dtype).transpose(0, 1).unsqueeze(0)
+        for start, (n, qh) in pages.items():
+            if start <= a:
+                continue
+            m = min(b, start) - a  # this page's history in the chunk
+            o2, l2 = flash(qh, kh[:, :, :m], vh[:, :, :m], 0.0, False, scale=1.0)
+            o2, l2 = o2[:, :, : g * n].reshape(h, n, d).float(), l2[:, :, : g * n].reshape(h, n)
+            if start not in acc:
+                acc[start] = (o2, l2)
+                continue
+            o1, l1 = acc[start]
+            w = _sigmoid_exact((l2 - l1).view(h, n, 1))  # the second part's share
+            acc[start] = (o1 + (o2 - o1) * w, _logaddexp_exact(l1, l2))
+    return acc
+
+
+def _logaddexp_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``logaddexp(a, b)`` with every element through the vectorized kernel (as ``_sigmoid_exact``)."""
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    pad = -flat_a.shape[0] % 64
+    out = torch.logaddexp(F.pad(flat_a, (0, pad)), F.pad(flat_b, (0, pad)))
+    return out[: flat_a.shape[0]].view(a.shape)
 
 
 def _sigmoid_exact(x: torch.Tensor) -> torch.Tensor:
