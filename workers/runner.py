@@ -32,6 +32,13 @@ if TYPE_CHECKING:  # workers.compiled imports this module's neighbours; imported
 __all__ = ["ModelRunner", "kv_block_bytes"]
 
 
+# Contexts past this many positions decode on the eager step with the paged kernel rather than
+# the compiled graph's gather (``ModelRunner.compiled_max_context``); not tuned: a conservative
+# cut where the gather's copy is still small (1024 positions x SmolLM2's 3 KV heads x 64, bf16:
+# 0.8 MB per layer for K and V).
+COMPILED_MAX_CONTEXT = 1024
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -96,6 +103,15 @@ class ModelRunner:
         rows = [table[0] * bs + i for i in range(min(bs, 3))]
         c.start(tables, self.blocks.num_blocks * bs, rows, lambda: self.blocks.free(table), background)
         return c
+
+    def compiled_max_context(self) -> int:
+        """The longest context a step may have and still run the compiled graph. The graph reads
+        each row's K/V through the gather (a full-width copy of every context, each step, each
+        layer), while the eager step's paged kernel (workers/kernels) reads the pool where it
+        lies: past ``COMPILED_MAX_CONTEXT`` positions the eager step serves when the kernel is
+        here (a step near the graph's speed, and the copy grows with the context: at depth 8192
+        the kernel decodes SmolLM2 ~1.8x faster than the torch gather, bench/decode_depth.py)."""
+        return COMPILED_MAX_CONTEXT if paged.available() else 1 << 62
 
     @property
     def kv_bytes(self) -> int:
@@ -244,8 +260,12 @@ class ModelRunner:
             base.windows = {w: window_view(base, w, dec, spans, rot) for w in self.windows}
         batches = {d: base if d == dev else base.to(d) for d in self.devices}
         if (
-            self.compiled is not None and not pre and not all_rows and not plan.verify
-        ):  # every row is a sampled decode row
+            self.compiled is not None
+            and not pre
+            and not all_rows
+            and not plan.verify
+            and (base.decode_gather is None or base.decode_gather.shape[1] <= self.compiled_max_context())
+        ):  # every row is a sampled decode row, none of them deep where the kernel is faster
             logits = self.compiled(
                 input_ids, base, lambda: self.model.logits(self.model(input_ids, batches, self.caches))
             )

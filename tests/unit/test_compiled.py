@@ -12,10 +12,11 @@ import torch
 
 from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import SamplingParams
-from workers import compiled
+from workers import compiled, runner
 from workers.cache import KVCache
 from workers.compiled import check_logits
 from workers.engine import Engine
+from workers.kernels import paged
 
 pytestmark = pytest.mark.slow  # a cold compile of the tiny model: ~1-2 min on 2 busy cores
 
@@ -91,6 +92,15 @@ def test_a_quantized_kv_cache_compiles_and_gives_the_eager_tokens(model_factory,
     assert c.fallbacks == 0  # every later decode step ran the graphs
     kinds = [(c.k.kind, c.v.kind) for c in fast.runner.caches if isinstance(c, KVCache)]
     assert kinds == [("q8_0", "q4_0")]  # the graphs read and wrote the quantized rows
+    if paged.available():  # past COMPILED_MAX_CONTEXT positions the eager step's kernel serves
+        calls: list[int] = []
+        real = c._call
+        monkeypatch.setattr(c, "_call", lambda *a: calls.append(1) or real(*a))
+        monkeypatch.setattr(runner, "COMPILED_MAX_CONTEXT", 16)
+        assert _run(fast, [[3] * 40], 4) == _run(eager, [[3] * 40], 4)
+        assert not calls  # 40+ positions: every decode step ran eager, through the kernel
+        assert _run(fast, [[4, 5, 6]], 4) == _run(eager, [[4, 5, 6]], 4)
+        assert calls  # a short context: the graph
 
 
 @pytest.mark.timeout(600)
