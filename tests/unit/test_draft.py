@@ -17,6 +17,8 @@ from workers.engine import Engine
 from workers.errors import LoadError
 from workers.scheduler import Scheduler, Sequence
 
+from helpers.decode_rows import drain, greedy
+
 # Prompts that repeat themselves and ones that do not (the random models loop on the former).
 PROMPTS = [
     list(range(100, 120)) * 3,
@@ -24,18 +26,6 @@ PROMPTS = [
     [900, 2, 2, 2, 2, 8, 31, 77, 12, 1000, 44],
     [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9],
 ]
-
-
-def greedy(spec: int, n: int = 40, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, speculative=spec, **kw)
-
-
-def drain(eng: Engine) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    while eng.has_work():
-        for o in eng.step():
-            out.setdefault(o.request_id, []).append(o.token)
-    return out
 
 
 @pytest.fixture(scope="module")

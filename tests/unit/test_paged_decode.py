@@ -15,27 +15,7 @@ from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
 from workers.layers import attention as A
 
-
-def _batch(lens: list[int], bs: int, seed: int = 0) -> tuple[A.StepBatch, int]:
-    """Decode rows of ``lens`` positions over shuffled blocks; the batch and the pool's rows."""
-    g = torch.Generator().manual_seed(seed)
-    nb = -(-max(lens) // bs)
-    pool = len(lens) * nb + 3
-    perm = (torch.randperm(pool - 1, generator=g) + 1)[: len(lens) * nb].view(len(lens), nb)
-    tab = perm.clone()
-    for i, n in enumerate(lens):  # past a table's end: block 0, as the runner pads
-        tab[i, -(-n // bs) :] = 0
-    t = max(lens)
-    gather = (tab[:, :, None] * bs + torch.arange(bs)).view(len(lens), -1)[:, :t]
-    bias = None
-    if min(lens) < t:
-        pad = torch.arange(t)[None, :] >= torch.tensor(lens)[:, None]
-        bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))[:, None, None, :]
-    b = A.StepBatch(
-        torch.zeros(1), torch.zeros(1), torch.zeros(len(lens), dtype=torch.long), len(lens), gather, bias, [],
-        decode_blocks=tab, block_size=bs,
-    )  # fmt: skip
-    return b, pool * bs
+from helpers.decode_rows import decode_batch
 
 
 @pytest.mark.parametrize("group_rows", [16, 64, 2048])  # many groups per row .. one group
@@ -44,7 +24,7 @@ def _batch(lens: list[int], bs: int, seed: int = 0) -> tuple[A.StepBatch, int]:
 def test_block_wise_decode_equals_the_row_gather(monkeypatch, group_rows, lens, with_sinks):
     monkeypatch.setattr(A, "DECODE_ROWS", group_rows)
     h, kv, d, bs = 6, 2, 32, 16
-    b, rows = _batch(lens, bs)
+    b, rows = decode_batch(lens, bs, kernel=False)
     torch.manual_seed(3)
     kc, vc = torch.randn(rows, kv, d), torch.randn(rows, kv, d)
     q = torch.randn(len(lens), h, d) * 0.3
@@ -56,7 +36,7 @@ def test_block_wise_decode_equals_the_row_gather(monkeypatch, group_rows, lens, 
 
 def test_block_wise_decode_in_bf16_stays_close(monkeypatch):
     monkeypatch.setattr(A, "DECODE_ROWS", 64)
-    b, rows = _batch([300, 70], 16)
+    b, rows = decode_batch([300, 70], 16, kernel=False)
     torch.manual_seed(4)
     kc, vc = torch.randn(rows, 3, 64, dtype=torch.bfloat16), torch.randn(rows, 3, 64, dtype=torch.bfloat16)
     q = torch.randn(2, 9, 64, dtype=torch.bfloat16) * 0.2

@@ -19,31 +19,11 @@ from workers.kernels import build, paged
 from workers.layers import attention as A
 from workers.layers.kv_quant import QuantRows
 
+from helpers.decode_rows import decode_batch
+
 pytestmark = pytest.mark.skipif(not paged.available(), reason=f"no paged kernel: {paged.status()}")
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _batch(lens: list[int], bs: int, seed: int = 0, idx: torch.dtype = torch.long) -> tuple[A.StepBatch, int]:
-    """Decode rows of ``lens`` positions over shuffled blocks (the runner's padding: block 0 past
-    a table's end); the batch and the pool's row count."""
-    g = torch.Generator().manual_seed(seed)
-    nb = -(-max(lens) // bs)
-    pool = len(lens) * nb + 3
-    tab = (torch.randperm(pool - 1, generator=g) + 1)[: len(lens) * nb].view(len(lens), nb)
-    for i, n in enumerate(lens):
-        tab[i, -(-n // bs) :] = 0
-    t = max(lens)
-    gather = (tab[:, :, None] * bs + torch.arange(bs)).view(len(lens), -1)[:, :t]
-    bias = None
-    if min(lens) < t:
-        pad = torch.arange(t)[None, :] >= torch.tensor(lens)[:, None]
-        bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))[:, None, None, :]
-    b = A.StepBatch(
-        torch.zeros(1), torch.zeros(1), torch.zeros(len(lens), dtype=torch.long), len(lens), gather, bias, [],
-        decode_blocks=tab.to(idx), block_size=bs, decode_lens=torch.tensor(lens, dtype=idx),
-    )  # fmt: skip
-    return b, pool * bs
 
 
 def _kernel(q, kc, vc, b: A.StepBatch, sinks=None, rows: slice = slice(None)) -> torch.Tensor:
@@ -90,7 +70,7 @@ CASES = [  # (H, KV, D, block size, lens)
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_kernel_equals_the_torch_path(kind, case, with_sinks):
     h, kv, d, bs, lens = case
-    b, rows = _batch(lens, bs, seed=len(lens))
+    b, rows = decode_batch(lens, bs, seed=len(lens))
     kc, vc, kf, vf = _pools(kind, rows, kv, d, seed=h + d)
     q = torch.randn(len(lens), h, d) * 0.3
     sinks = torch.randn(h) if with_sinks else None
@@ -106,7 +86,7 @@ def test_kernel_equals_the_torch_path(kind, case, with_sinks):
 @pytest.mark.parametrize("kind", ["bf16", "q8_0"])
 def test_bf16_queries_give_the_fp32_result_rounded_once(kind):
     h, kv, d, bs, lens = 9, 3, 64, 16, [300, 70, 1]
-    b, rows = _batch(lens, bs)
+    b, rows = decode_batch(lens, bs)
     kc, vc, kf, vf = _pools(kind, rows, kv, d, seed=5)
     q = (torch.randn(len(lens), h, d) * 0.3).bfloat16()
     sinks = torch.randn(h).bfloat16()
@@ -123,7 +103,7 @@ def test_bf16_queries_give_the_fp32_result_rounded_once(kind):
 
 def test_fp16_queries_and_int32_tables():
     h, kv, d, bs, lens = 6, 2, 64, 16, [90, 17]
-    b, rows = _batch(lens, bs, idx=torch.int32)
+    b, rows = decode_batch(lens, bs, idx=torch.int32)
     kc, vc, kf, vf = _pools("fp16", rows, kv, d, seed=2)
     q = (torch.randn(len(lens), h, d) * 0.3).half()
     got = _kernel(q, kc, vc, b)
@@ -137,7 +117,7 @@ def test_a_row_is_the_same_alone_and_batched(kind):
     row's context by its own length only), bit for bit, at 1 and 2 threads."""
     h, kv, d, bs = 9, 3, 64, 16
     lens = [300, 3000, 1, 777, 2049]
-    b, rows = _batch(lens, bs)
+    b, rows = decode_batch(lens, bs)
     kc, vc, _kf, _vf = _pools(kind, rows, kv, d, seed=9)
     q = (torch.randn(len(lens), h, d) * 0.3).bfloat16()
     threads = torch.get_num_threads()
@@ -158,14 +138,14 @@ def test_verify_rows_are_plain_decode_rows():
     row is padded to the longest."""
     h, kv, d, bs, p0 = 9, 3, 64, 16, 1000
     lens = [p0 + i + 1 for i in range(5)]
-    b, rows = _batch(lens, bs)
+    b, rows = decode_batch(lens, bs)
     assert b.decode_blocks is not None
     b.decode_blocks[:] = b.decode_blocks[-1].clone()  # one sequence's table on every row
     kc, vc, _kf, _vf = _pools("bf16", rows, kv, d, seed=1)
     q = (torch.randn(len(lens), h, d) * 0.3).bfloat16()
     together = _kernel(q, kc, vc, b)
     for i, n in enumerate(lens):
-        one, _rows = _batch([n], bs)
+        one, _rows = decode_batch([n], bs)
         one.decode_blocks = b.decode_blocks[i : i + 1, : -(-n // bs)]
         assert torch.equal(_kernel(q[i : i + 1], kc, vc, one)[0], together[i])
 
@@ -240,7 +220,7 @@ def test_engine_decodes_on_the_torch_path_without_a_compiler(tiny_model, tmp_pat
 
 def test_switch_off_selects_the_torch_path(monkeypatch):
     h, kv, d, bs, lens = 6, 2, 64, 16, [90, 17]
-    b, rows = _batch(lens, bs)
+    b, rows = decode_batch(lens, bs)
     kc, vc, _kf, _vf = _pools("bf16", rows, kv, d, seed=2)
     q = (torch.randn(len(lens), h, d) * 0.3).bfloat16()
     kernel = A.decode_attention(q, b, kc, vc)
@@ -300,7 +280,7 @@ def test_bf16_speculation_is_greedy_bit_for_bit(tiny_model):
 
 
 def test_dataclass_copy_keeps_the_lens():
-    b, _rows = _batch([5, 9], 16)
+    b, _rows = decode_batch([5, 9], 16)
     moved = b.to(torch.device("cpu")).decode_lens
     assert moved is not None and b.decode_lens is not None and torch.equal(moved, b.decode_lens)
     assert dataclasses.replace(b, decode_blocks=None).decode_lens is not None

@@ -13,6 +13,8 @@ from workers.sampler import SamplerState, verify
 from workers.scheduler import Scheduler, Sequence
 from workers.speculation import propose
 
+from helpers.decode_rows import drain, greedy
+
 # Prompts that repeat themselves, so the context drafts (and the random model's output loops).
 PROMPTS = [
     list(range(100, 120)) * 3,
@@ -114,18 +116,6 @@ def test_greedy_verify_accepts_the_argmax_prefix():
 
 
 # ---------------------------------------------------------------- the engine
-
-
-def greedy(spec: int, n: int = 40, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, speculative=spec, **kw)
-
-
-def drain(eng: Engine) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    while eng.has_work():
-        for o in eng.step():
-            out.setdefault(o.request_id, []).append(o.token)
-    return out
 
 
 def finishes(eng: Engine) -> dict[str, tuple[list[int], str | None]]:
