@@ -42,7 +42,6 @@ that cannot speculate at all.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import torch
 
@@ -65,7 +64,8 @@ def vocabulary(model_path: str) -> dict[int, str]:
         tok = json.loads(model_tokenizer_json(model_path))
     except (OSError, ValueError) as e:
         raise LoadError("invalid", f"cannot read the tokenizer of {model_path}: {e}") from None
-    vocab: Any = (tok.get("model") or {}).get("vocab") or {}
+    # parsed JSON: a BPE / WordPiece dict (token -> id) or a Unigram list of [piece, score]
+    vocab: dict[str, int] | list[list[object]] = (tok.get("model") or {}).get("vocab") or {}
     if isinstance(vocab, dict):  # BPE / WordPiece: token -> id
         out = {int(i): str(t) for t, i in vocab.items()}
     else:  # Unigram: [[piece, score], ...] in id order
