@@ -152,6 +152,8 @@ class Instance:
             "max_model_len": self.max_model_len,
             "quantize": self.quantize,
             "kv_cache_dtype": str(self.kv_types),  # "q8_0", or "K/V" when they differ
+            # its draft model for speculation (workers/draft.py; a restart reloads it too)
+            "draft": self.load_msg.draft if self.load_msg is not None else None,
             "load_progress": self.load_progress,
             "restarts": self.restarts,
             "cpu_path": self.cpu_path or None,

@@ -68,6 +68,8 @@ def test_greedy_text_is_the_same_and_the_dies_name_the_draft(srv, paths):
         time.sleep(0.2)
     (stats,) = got.values()
     assert stats["draft"] == str(paths[1]) and stats["verify_steps"] > 0 and stats["drafted"] > 0
+    (row,) = httpx.get(srv.url + "/admin/models", timeout=10).json()["data"]
+    assert row["draft"] == str(paths[1])  # the instance table names it too
 
 
 def test_the_admin_loads_draft_is_checked(srv, paths):
