@@ -236,7 +236,7 @@ class ModelRunner:
             dec_blocks = dec_blocks.to(dev)
             dec_lens = torch.tensor(lens, dtype=torch.long, device=dev)  # the paged kernel's bound
             if min(lens) < t:  # some rows are padded: mask their tail
-                pad = torch.arange(t, device=dev)[None, :] >= torch.tensor(lens, device=dev)[:, None]
+                pad = torch.arange(t, device=dev)[None, :] >= dec_lens[:, None]
                 dec_bias = torch.zeros(pad.shape, dtype=torch.float32, device=dev)
                 dec_bias = dec_bias.masked_fill_(pad, float("-inf"))[:, None, None, :]  # [B, 1, 1, T]
         pre = []

@@ -207,13 +207,11 @@ def _prefill_by_pages(
                 dst[a - first : min(t, a + PAGE) - first] = read_rows(cache, gather[a : a + PAGE], q.dtype)
     kf[t - first :] = 0
     vf[t - first :] = 0
-    hist = _history_by_chunks(q, gather, k_cache, v_cache) if quantized else {}
+    pages = _pages(p0, t)
+    hist = _history_by_chunks(q, p0, pages, gather, k_cache, v_cache) if quantized else {}
     qf = q
     out = torch.empty_like(q)
-    pos = p0
-    while pos < t:
-        start = pos // PAGE * PAGE  # this page's first position
-        end = min(t, start + PAGE)
+    for pos, start, end in pages:
         n = end - pos
         qs = qf[pos - p0 : end - p0]  # [n, H, D]: positions pos .. end - 1
         # Its own page, causal, always as one [PAGE x PAGE] call: the chunk's queries at their
@@ -231,17 +229,47 @@ def _prefill_by_pages(
             if quantized:
                 oh, lh = hist[start]  # fp32 [H, n, D], [H, n]
             else:
-                qh = _pad_rows(qs.view(n, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * n, d))
                 kh = kf[:start].transpose(0, 1).unsqueeze(0)  # [1, KV, start, D]
                 vh = vf[:start].transpose(0, 1).unsqueeze(0)
-                oh, lh = flash(qh, kh, vh, 0.0, False, scale=1.0)
-                oh, lh = oh[:, :, : g * n].reshape(h, n, d).float(), lh[:, :, : g * n].reshape(h, n)
+                oh, lh = _unmasked(_grouped(qs, kv), kh, vh, n, h)
             # (oh e^lh + o e^lse) / (e^lh + e^lse) = o + (oh - o) * sigmoid(lh - lse), in fp32
             o = o.float()
             o = o + (oh - o) * _sigmoid_exact((lh - lse).view(h, n, 1))
         out[pos - p0 : end - p0] = o.transpose(0, 1)  # (a merged row rounded to q's dtype here)
+    return out
+
+
+def _pages(p0: int, t: int) -> list[tuple[int, int, int]]:
+    """A chunk of positions p0 .. t - 1 by ``PAGE``: (its first position in the page, the
+    page's first position, one past its last position in the page) for each page."""
+    out = []
+    pos = p0
+    while pos < t:
+        start = pos // PAGE * PAGE
+        end = min(t, start + PAGE)
+        out.append((pos, start, end))
         pos = end
     return out
+
+
+def _grouped(qs: torch.Tensor, kv: int) -> torch.Tensor:
+    """A page's queries [n, H, D] as the unmasked history call takes them: [1, KV, G * n, D],
+    group-major, padded by ``_pad_rows``: the kernel sees KV heads and G * n queries, so the
+    history's K/V are never repeated per query head."""
+    n, h, d = qs.shape
+    g = h // kv
+    return _pad_rows(qs.view(n, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * n, d))
+
+
+def _unmasked(
+    qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, n: int, h: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused CPU kernel, no mask, on ``_grouped`` queries of ``n`` positions and ``h`` heads
+    against [1, KV, T, D] keys and values: (out fp32 [H, n, D], log-sum-exp [H, n])."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    rows = h // qh.shape[1] * n  # G * n: the padding rows dropped
+    o, lse = flash(qh, kh, vh, 0.0, False, scale=1.0)
+    return o[:, :, :rows].reshape(h, n, qh.shape[3]).float(), lse[:, :, :rows].reshape(h, n)
 
 
 # Rows of a quantized cache's history dequantized at once in prefill (a multiple of ``PAGE``):
@@ -250,70 +278,62 @@ HISTORY = 2048
 
 
 def _history_by_chunks(
-    q: torch.Tensor, gather: torch.Tensor, k_cache: KvRows, v_cache: KvRows
+    q: torch.Tensor,
+    p0: int,
+    pages: list[tuple[int, int, int]],
+    gather: torch.Tensor,
+    k_cache: KvRows,
+    v_cache: KvRows,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """The history part of ``_prefill_by_pages`` over a quantized cache: for each page of the
-    chunk that starts at ``start`` > 0, the attention of its queries over positions 0 .. start - 1
-    as (out fp32 [H, n, D], log-sum-exp [H, n]), keyed by ``start``.
+    """The history part of ``_prefill_by_pages`` over a quantized cache: for each of the chunk's
+    ``pages`` (``_pages``: q's rows start at position ``p0``) that starts at ``start`` > 0, the
+    attention of its queries over positions 0 .. start - 1 as (out fp32 [H, n, D], log-sum-exp
+    [H, n]), keyed by ``start``.
 
     The history is dequantized ``HISTORY`` rows at a time (once per step and layer, whichever
     pages read it); each page's calls over its chunks of it merge in fp32 by their log-sum-exps,
     in order. A row's chunks are cut at multiples of ``HISTORY`` and at its page's start, so its
     arithmetic depends on its position only, as the full-width path's (cached == uncached)."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    c, h, d = q.shape
-    t = gather.shape[0]
-    p0 = t - c
     kv = k_cache.shape[1]
-    g = h // kv
-    # the chunk's pages with a history: start -> their queries [1, KV, G * n (padded), D]
-    pages: dict[int, tuple[int, torch.Tensor]] = {}
-    pos = p0
-    while pos < t:
-        start = pos // PAGE * PAGE
-        end = min(t, start + PAGE)
-        if start:
-            n = end - pos
-            qs = q[pos - p0 : end - p0]
-            pages[start] = (n, _pad_rows(qs.view(n, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * n, d)))
-        pos = end
+    queries = {  # start -> (n, the page's grouped queries)
+        start: (end - pos, _grouped(q[pos - p0 : end - p0], kv)) for pos, start, end in pages if start
+    }
     acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    last = max(pages, default=0)
+    last = max(queries, default=0)
     for a in range(0, last, HISTORY):
         b = min(a + HISTORY, last)
         kh = read_rows(k_cache, gather[a:b], q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KV, b - a, D]
         vh = read_rows(v_cache, gather[a:b], q.dtype).transpose(0, 1).unsqueeze(0)
-        for start, (n, qh) in pages.items():
+        for start, (n, qh) in queries.items():
             if start <= a:
                 continue
             m = min(b, start) - a  # this page's history in the chunk
-            o2, l2 = flash(qh, kh[:, :, :m], vh[:, :, :m], 0.0, False, scale=1.0)
-            o2, l2 = o2[:, :, : g * n].reshape(h, n, d).float(), l2[:, :, : g * n].reshape(h, n)
+            o2, l2 = _unmasked(qh, kh[:, :, :m], vh[:, :, :m], n, q.shape[1])
             if start not in acc:
                 acc[start] = (o2, l2)
                 continue
             o1, l1 = acc[start]
-            w = _sigmoid_exact((l2 - l1).view(h, n, 1))  # the second part's share
+            w = _sigmoid_exact((l2 - l1).unsqueeze(-1))  # the second part's share
             acc[start] = (o1 + (o2 - o1) * w, _logaddexp_exact(l1, l2))
     return acc
 
 
-def _logaddexp_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``logaddexp(a, b)`` with every element through the vectorized kernel (as ``_sigmoid_exact``)."""
-    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
-    pad = -flat_a.shape[0] % 64
-    out = torch.logaddexp(F.pad(flat_a, (0, pad)), F.pad(flat_b, (0, pad)))
-    return out[: flat_a.shape[0]].view(a.shape)
+def _whole_vectors(fn, *xs: torch.Tensor) -> torch.Tensor:
+    """``fn(*xs)`` elementwise with every element through the vectorized kernel: an elementwise
+    loop does its last few elements with the scalar ``exp`` / ``log``, whose result can differ
+    from the vector one in the last bit, so an element's value would depend on where it sits in
+    the tensor (on the chunk's length). The inputs are padded to whole vectors first."""
+    flat = [x.reshape(-1) for x in xs]
+    pad = -flat[0].shape[0] % 64
+    return fn(*(F.pad(f, (0, pad)) for f in flat))[: flat[0].shape[0]].view(xs[0].shape)
 
 
 def _sigmoid_exact(x: torch.Tensor) -> torch.Tensor:
-    """``sigmoid(x)`` with every element through the vectorized kernel: an elementwise loop
-    does its last few elements with the scalar ``exp``, whose result can differ from the
-    vector one in the last bit, so an element's value would depend on where it sits in the
-    tensor (on the chunk's length). Padded to whole vectors first."""
-    flat = x.reshape(-1)
-    pad = -flat.shape[0] % 64
-    return torch.sigmoid(F.pad(flat, (0, pad)))[: flat.shape[0]].view(x.shape)
+    return _whole_vectors(torch.sigmoid, x)
+
+
+def _logaddexp_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _whole_vectors(torch.logaddexp, a, b)
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
