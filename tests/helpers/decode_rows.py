@@ -1,10 +1,11 @@
 """Test helpers for decode rows: a ``StepBatch`` of decode rows over a shuffled paged pool (as the
-runner builds one), and running an engine's requests to the end with greedy speculation."""
+runner builds one), running an engine's requests to the end, and greedy tokens of a fresh engine."""
 
 from __future__ import annotations
 
 import torch
 
+from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
 from workers.layers import attention as A
@@ -47,3 +48,24 @@ def drain(eng: Engine) -> dict[str, list[int]]:
         for o in eng.step():
             out.setdefault(o.request_id, []).append(o.token)
     return out
+
+
+PROMPTS = [list(range(5, 45)), [7, 8, 9], list(range(300, 420))]
+
+
+def greedy_tokens(
+    path,
+    prompts: list[list[int]],
+    kinds: tuple[str, str] = ("auto", "auto"),
+    dtype: str = "float32",
+    n: int = 8,
+    **kw,
+) -> list[list[int]]:
+    """Greedy tokens (``n`` each, past EOS) of ``prompts`` submitted together to a fresh engine of
+    ``path`` (a 4 MB KV budget of ``kinds``; ``kw``: more ``Engine`` options), closed after."""
+    e = Engine(str(path), dtype=dtype, kv_budget_bytes=4 << 20, kv_types=KvCacheTypes(*kinds), **kw)
+    for i, p in enumerate(prompts):
+        e.submit(str(i), p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    out = drain(e)
+    e.close()
+    return [out[str(i)] for i in range(len(prompts))]

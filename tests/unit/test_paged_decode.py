@@ -10,12 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from pantheon.core.kv_types import KvCacheTypes
-from pantheon.core.protocol import SamplingParams
-from workers.engine import Engine
 from workers.layers import attention as A
 
-from helpers.decode_rows import decode_batch
+from helpers.decode_rows import PROMPTS, decode_batch, greedy_tokens
 
 
 @pytest.mark.parametrize("group_rows", [16, 64, 2048])  # many groups per row .. one group
@@ -45,20 +42,6 @@ def test_block_wise_decode_in_bf16_stays_close(monkeypatch):
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
-PROMPTS = [list(range(5, 45)), [7, 8, 9], list(range(300, 420))]
-
-
-def _greedy(path, kinds: tuple[str, str], prompts: list[list[int]], n: int = 8) -> list[list[int]]:
-    e = Engine(str(path), dtype="float32", kv_budget_bytes=4 << 20, kv_types=KvCacheTypes(*kinds))
-    for i, p in enumerate(prompts):
-        e.submit(str(i), p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    out: dict[str, list[int]] = {}
-    while e.has_work():
-        for o in e.step():
-            out.setdefault(o.request_id, []).append(o.token)
-    return [out[str(i)] for i in range(len(prompts))]
-
-
 @pytest.fixture(scope="module")
 def wide(model_factory):
     """The tiny Qwen3 preset with 32-value heads: one quantization block per head row."""
@@ -66,10 +49,12 @@ def wide(model_factory):
 
 
 def test_greedy_under_q8_0_is_greedy_under_auto(wide):
-    assert _greedy(wide, ("q8_0", "q8_0"), PROMPTS[:1]) == _greedy(wide, ("auto", "auto"), PROMPTS[:1])
+    assert greedy_tokens(wide, PROMPTS[:1], ("q8_0", "q8_0")) == greedy_tokens(
+        wide, PROMPTS[:1], ("auto", "auto")
+    )
 
 
 @pytest.mark.parametrize("kinds", [("auto", "auto"), ("q8_0", "q8_0"), ("q8_0", "q4_0"), ("q4_0", "q4_0")])
 def test_batched_is_alone_under_each_type(wide, kinds):
-    together = _greedy(wide, kinds, PROMPTS)
-    assert together == [_greedy(wide, kinds, [p])[0] for p in PROMPTS]
+    together = greedy_tokens(wide, PROMPTS, kinds)
+    assert together == [greedy_tokens(wide, [p], kinds)[0] for p in PROMPTS]

@@ -12,14 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pantheon.core.kv_types import KvCacheTypes
-from pantheon.core.protocol import SamplingParams
-from workers.engine import Engine
 from workers.kernels import build, paged
 from workers.layers import attention as A
 from workers.layers.kv_quant import QuantRows
 
-from helpers.decode_rows import decode_batch
+from helpers.decode_rows import PROMPTS, decode_batch, greedy_tokens
 
 pytestmark = pytest.mark.skipif(not paged.available(), reason=f"no paged kernel: {paged.status()}")
 
@@ -236,21 +233,6 @@ def test_switch_off_selects_the_torch_path(monkeypatch):
 # ---------------------------------------------------------------- engines
 
 
-PROMPTS = [list(range(5, 45)), [7, 8, 9], list(range(300, 420))]
-
-
-def _greedy(path, prompts, kinds=("auto", "auto"), dtype="float32", n=8, **kw) -> list[list[int]]:
-    e = Engine(str(path), dtype=dtype, kv_budget_bytes=4 << 20, kv_types=KvCacheTypes(*kinds), **kw)
-    for i, p in enumerate(prompts):
-        e.submit(str(i), p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    out: dict[str, list[int]] = {}
-    while e.has_work():
-        for o in e.step():
-            out.setdefault(o.request_id, []).append(o.token)
-    e.close()
-    return [out[str(i)] for i in range(len(prompts))]
-
-
 @pytest.fixture(scope="module")
 def wide(model_factory):
     """The tiny Qwen3 preset with 32-value heads (one quantization block per head row)."""
@@ -262,11 +244,11 @@ def test_engine_greedy_equals_the_torch_path(wide, monkeypatch, kinds):
     calls = []
     real = paged.paged_decode
     monkeypatch.setattr(paged, "paged_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
-    kernel = _greedy(wide, PROMPTS, kinds)
+    kernel = greedy_tokens(wide, PROMPTS, kinds)
     assert calls  # the decode rows went through the kernel
     monkeypatch.setenv("PANTHEON_ATTN_KERNEL", "0")
     n = len(calls)
-    assert _greedy(wide, PROMPTS, kinds) == kernel
+    assert greedy_tokens(wide, PROMPTS, kinds) == kernel
     assert len(calls) == n  # and here they did not
 
 
@@ -274,8 +256,8 @@ def test_bf16_speculation_is_greedy_bit_for_bit(tiny_model):
     """Verify rows (k + 1 decode rows of one sequence) each read their own length in the kernel,
     as the plain decode steps do: greedy with speculation equals greedy without in bf16."""
     prompt = [[11, 12, 13, 14, 15, 16] * 6]
-    plain = _greedy(tiny_model, prompt, dtype="bfloat16", n=40)
-    spec = _greedy(tiny_model, prompt, dtype="bfloat16", n=40, speculative=4)
+    plain = greedy_tokens(tiny_model, prompt, dtype="bfloat16", n=40)
+    spec = greedy_tokens(tiny_model, prompt, dtype="bfloat16", n=40, speculative=4)
     assert spec == plain
 
 
