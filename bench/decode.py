@@ -274,12 +274,10 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
 
 
-async def stream_chat(client, url: str, tokens: int, t0: float, model: str = "bench") -> dict:
-    """One streaming chat completion (OpenAI SSE; the same request to pantheon and llama-server):
-    MESSAGES, greedy, ``tokens`` tokens with ``ignore_eos``. Returns completion tokens (from the
-    usage chunk, else the content chunks), the timestamps of chunks with content or reasoning
-    content (a thinking template streams its tokens as reasoning) and the prompt tokens."""
-    body = {
+def chat_body(model: str, tokens: int) -> dict:
+    """The streaming chat request every HTTP bench sends: MESSAGES, greedy, ``tokens`` tokens
+    with ``ignore_eos``, usage in the last chunk."""
+    return {
         "model": model,
         "messages": MESSAGES,
         "max_tokens": tokens,
@@ -288,6 +286,14 @@ async def stream_chat(client, url: str, tokens: int, t0: float, model: str = "be
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+async def stream_chat(client, url: str, tokens: int, t0: float, model: str = "bench") -> dict:
+    """One streaming chat completion (OpenAI SSE; the same request to pantheon and llama-server):
+    MESSAGES, greedy, ``tokens`` tokens with ``ignore_eos``. Returns completion tokens (from the
+    usage chunk, else the content chunks), the timestamps of chunks with content or reasoning
+    content (a thinking template streams its tokens as reasoning) and the prompt tokens."""
+    body = chat_body(model, tokens)
     stamps: list[float] = []
     usage = None
     buf = b""

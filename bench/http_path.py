@@ -51,7 +51,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.decode import MESSAGES, bench_engine, default_gguf  # noqa: E402
+from bench.decode import bench_engine, chat_body, default_gguf  # noqa: E402
 from bench.pantheon_server import free_port, host_line  # noqa: E402
 from pantheon.core.token_times import ENV as TIMES_ENV  # noqa: E402
 
@@ -161,15 +161,7 @@ class Round:
 
 def stream_once(client: httpx.Client, srv: Server, tokens: int) -> Round:
     """One streaming chat completion; every SSE event's read time, and the three processes' CPU."""
-    body = {
-        "model": "bench",
-        "messages": MESSAGES,
-        "max_tokens": tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = chat_body("bench", tokens)
     pids = {"router": srv.proc.pid, "worker": srv.worker_pid, "client": os.getpid()}
     before = {k: cpu_s(p) for k, p in pids.items()}
     events: list[tuple[float, bool]] = []
