@@ -43,14 +43,6 @@ def worker_argv(
     return argv
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask; a container's cpuset counts)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def worker_env() -> dict[str, str]:
     """Our environment, for a worker: unbuffered, and able to import this very checkout.
 

@@ -7,12 +7,11 @@ policy its thread count calls for (pantheon/workerlink/process.py)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import httpx
 import pytest
-
-from pantheon.workerlink.process import usable_cpus
 
 from helpers.serve import MSG, Server, model_args
 
@@ -27,7 +26,12 @@ def traced(model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("token-path-logs")
     srv = Server(
         # torch threads on every CPU: the router and the client share them with the worker
-        model_args({"tiny": (model_factory("tiny"), "cpu:0")}, 1, "--worker-threads", str(usable_cpus())),
+        model_args(
+            {"tiny": (model_factory("tiny"), "cpu:0")},
+            1,
+            "--worker-threads",
+            str(len(os.sched_getaffinity(0))),
+        ),
         logs / "serve.log",
         env={"PANTHEON_DEBUG_TOKEN_TIMES": str(stamps)},
     )
