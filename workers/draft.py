@@ -92,7 +92,7 @@ def check_same_tokenizer(target: str, draft: str) -> None:
 
 def check_draft_config(cfg: ModelConfig, draft: str) -> None:
     """A draft's rows must be paged and rewindable, as the target's (``LoadError``)."""
-    if cfg.slot_state_layers or cfg.windows:
+    if not cfg.rewindable:
         kind = "sliding-window" if cfg.windows else "recurrent"  # a ring is a slot state too
         raise LoadError(
             "invalid",

@@ -85,7 +85,7 @@ class Engine:
         # tokenizer, its layers, and whether this model can verify drafts at all.
         draft_cfg = None
         if draft is not None:
-            if cfg.slot_state_layers or cfg.windows or cfg.rope.type == "dynamic":
+            if not cfg.can_speculate:
                 raise LoadError(
                     "invalid",
                     f"{model_path} cannot speculate (recurrent or sliding-window layers, or dynamic "
@@ -199,9 +199,7 @@ class Engine:
         self.compiler = compiled.start(self.runner, model_path, layout, compile_decode)
         # Speculation (workers/speculation.py) needs every position's K/V paged and rows that can
         # be taken back: no recurrent state, no sliding ring, no length-dependent RoPE.
-        self.spec_supported = not (
-            cfg.slot_state_layers or self.runner.windows or self.runner.rotary.dynamic or self.embed_only
-        )
+        self.spec_supported = cfg.can_speculate and not self.embed_only
         self.spec = SpecStats()
         self.spec_default = max(0, speculative)  # drafts per step for requests that do not say
         self.draft: DraftModel | None = None

@@ -93,7 +93,7 @@ def _read_model(path: str) -> ModelDescription:
 def _read_draft(path: str, shape: ModelDescription) -> ModelDescription:
     """A draft's description: a model to read (400 naming ``draft`` otherwise) of paged
     attention layers only, for a model that can verify drafts."""
-    if shape.slot_state_layers or shape.windows or shape.rope.type == "dynamic":
+    if not shape.can_speculate:
         raise errors.invalid_param(
             "draft",
             "'draft': this model cannot speculate (recurrent or sliding-window layers, or dynamic RoPE)",
@@ -102,7 +102,7 @@ def _read_draft(path: str, shape: ModelDescription) -> ModelDescription:
         d = _read_model(path)
     except ApiError as e:
         raise errors.invalid_param("draft", f"'draft': {e.message}") from None
-    if d.slot_state_layers or d.windows:
+    if not d.rewindable:
         raise errors.invalid_param(
             "draft",
             "'draft': a draft model must have full-attention layers only (no recurrent or sliding ones)",

@@ -284,6 +284,18 @@ class ModelDescription:
             if isinstance(s.cache, RecurrentState) or (isinstance(s.cache, AttentionCache) and s.cache.window)
         ]
 
+    @property
+    def rewindable(self) -> bool:
+        """Every layer keeps its K/V paged by position, so rows past a sequence's length can be
+        taken back (speculation's rejected drafts): no recurrent state, no sliding ring."""
+        return not (self.slot_state_layers or self.windows)
+
+    @property
+    def can_speculate(self) -> bool:
+        """Drafts can be verified on this model (workers/speculation.py): rewindable, and a RoPE
+        whose tables do not depend on the chunk's end (not dynamic NTK)."""
+        return self.rewindable and self.rope.type != "dynamic"
+
     def kv_bytes_per_token(self, dtype_bytes: int, kv_types: KvCacheTypes | None = None) -> int:
         """K and V of one token over the attention layers of the paged pool (not the sliding ones,
         whose rings stay full width: ``state_bytes_per_slot``), stored as ``kv_types`` (None:
