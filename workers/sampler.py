@@ -86,12 +86,17 @@ def _filter(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
+def _greedy(p: SamplingParams) -> bool:
+    """The row's token is the argmax of its (penalized) logits: no draw."""
+    return p.temperature == 0.0 or p.top_k == 1
+
+
 def _plain_greedy(st: SamplerState, recent: list[int], n_output: int) -> bool:
-    """Whether a row's token is the argmax of its raw logits: greedy, and nothing for
-    ``_penalize`` to change (so the row needs neither a copy nor a pass of its own)."""
+    """Whether a row's token is the argmax of its raw logits: greedy, and none of ``_penalize``'s
+    conditions holds (so the row needs neither a copy nor a pass of its own)."""
     p = st.params
     return (
-        (p.temperature == 0.0 or p.top_k == 1)
+        _greedy(p)
         and not p.logit_bias
         and (p.repetition_penalty == 1.0 or not recent)
         and not ((p.presence_penalty or p.frequency_penalty) and st.output_counts)
@@ -102,7 +107,7 @@ def _plain_greedy(st: SamplerState, recent: list[int], n_output: int) -> bool:
 def _pick(row: torch.Tensor, st: SamplerState) -> torch.Tensor:
     """row: [V] penalized logits -> the chosen token id, a 0-dim tensor on the row's device."""
     p = st.params
-    if p.temperature == 0.0 or p.top_k == 1:
+    if _greedy(p):
         return torch.argmax(row)
     probs = _filter(row / p.temperature, p)
     # Exponential race (Gumbel-max in disguise): argmax(probs / E), E ~ Exp(1), drawn from the
