@@ -6,9 +6,14 @@
   when K (in-features) is a multiple of ``INT8_KERNEL_K``; elsewhere, and for other K, the weight
   is widened per call, which keeps the memory saving if not the speed.
 - ``Int4Linear`` (CPU only): every 32 weights of a row get a scale and a zero (4-bit affine
-  groups, what GGUF's Q4_0 / Q4_1 / Q4_K blocks are), run by torch's int4 CPU kernel
-  (``_weight_int4pack_mm_for_cpu``): about a quarter of bf16's bytes. Requantizing a 4-bit
-  file's dequantized weights this way gives back its own levels, up to bf16 rounding.
+  groups, what GGUF's Q4_0 / Q4_1 / Q4_K blocks are): about a quarter of bf16's bytes.
+  Requantizing a 4-bit file's dequantized weights this way gives back its own levels, up to the
+  scales' rounding. Run by our kernel (``workers/kernels/qlinear.py``: integer dot products
+  against int8 activations, 1.5-1.9x torch's at one row) where it is built, else by torch's int4
+  CPU kernel (``_weight_int4pack_mm_for_cpu``); each has its own packing, chosen at build.
+- Both run ``qlinear``'s kernel for a few rows (decode) where it is built: ``Int8Linear`` reads
+  its own layout; for more rows (a prefill chunk) ``Int4Linear`` dequantizes its weight and runs
+  a float matrix product, 10x torch's int4 kernel at 512 rows.
 - ``QuantExperts``: a mixture of experts' stacked ``[E, N, K]`` matrices in the same layouts (int8
   rows, or int4 groups where the kernel takes the shape), quantized one expert at a time and
   stacked (``[E, N, K]`` int8 / ``[E, N, K/2]`` packed int4 and their scales), each expert's
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pantheon.core.sizing import INT4_GROUP, int4_fits
+from workers.kernels import qlinear
 
 # torch's int8 CPU kernel (2.13, AVX-512) reads K in steps of 16 with no tail: probed in
 # subprocesses over K = 8..4000, it is right for every multiple of 16 (16 included) and for no other
@@ -47,10 +53,13 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.kernel = self.in_features % INT8_KERNEL_K == 0  # see INT8_KERNEL_K
+        self.ours = weight.device.type == "cpu" and qlinear.fits(self.in_features) and qlinear.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, K] -> [M, N]
-        if self.kernel and x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        if self.ours and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= qlinear.MAX_ROWS:
+            y = qlinear.q8_linear_op(x, self.weight, self.scale)
+        elif self.kernel and x.device.type == "cpu" and x.dtype == torch.bfloat16:
             y = torch._weight_int8pack_mm(x, self.weight, self.scale)  # pyright: ignore[reportPrivateImportUsage]  # the int8 CPU kernel
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scale
@@ -86,8 +95,11 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int4Linear(nn.Module):
+    """A linear layer in 4-bit groups of 32, in our kernel's packing (``ours``) or torch's."""
+
     weight: torch.Tensor  # [N, K/2] uint8: two 4-bit levels a byte, in the kernel's packing
-    scales_zeros: torch.Tensor  # [K/32, N, 2] bf16: each group's scale and zero
+    scales_zeros: torch.Tensor  # torch's: [K/32, N, 2] bf16, each group's scale and zero
+    scales_mins: torch.Tensor  # ours: [N, 2, K/32] fp16, each row's group scales, then minima
     bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -95,15 +107,26 @@ class Int4Linear(nn.Module):
         n, k = weight.shape
         if not int4_fits(n, k):
             raise ValueError(f"int4 needs N % 16 == 0 and K % {INT4_GROUP} == 0, got [{n}, {k}]")
-        packed, scales_zeros = int4_groups(weight)
-        self.register_buffer("weight", packed)
-        self.register_buffer("scales_zeros", scales_zeros)
+        self.ours = qlinear.fits(k) and qlinear.available()
+        if self.ours:
+            packed, scales = qlinear.q4_pack(weight)
+            self.register_buffer("weight", packed)
+            self.register_buffer("scales_mins", scales)
+        else:
+            packed, scales = int4_groups(weight)
+            self.register_buffer("weight", packed)
+            self.register_buffer("scales_zeros", scales)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.in_features, self.out_features = k, n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, K] bf16 -> [M, N]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_zeros)
+        if not self.ours:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_zeros)
+        elif x.dim() == 2 and x.shape[0] <= qlinear.MAX_ROWS:
+            y = qlinear.q4_linear_op(x, self.weight, self.scales_mins)
+        else:  # many rows: a float matrix product beats per-row dot products
+            y = F.linear(x, qlinear.q4_dequant(self.weight, self.scales_mins, x.dtype))
         return y if self.bias is None else y + self.bias
 
 

@@ -45,9 +45,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_stacks_hold_the_linears_levels(layout):
-    """Each expert quantized as the path's dense linear would be: the same bytes, the same output."""
+def test_the_stacks_hold_the_linears_levels(layout, monkeypatch):
+    """Each expert quantized as the path's dense linear would be on torch's kernels: the same
+    bytes, the same output. (Experts keep torch's kernels; dense linears run ours where it is
+    built, ``workers/kernels/qlinear.py``, switched off here.)"""
     _needs(layout)
+    monkeypatch.setenv("PANTHEON_LINEAR_KERNEL", "0")
     w = (torch.randn(3, 48, 64) * 0.1).bfloat16()
     q = QuantExperts(w, layout)
     x = torch.randn(5, 64).bfloat16()

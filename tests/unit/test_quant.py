@@ -61,6 +61,7 @@ def test_int4_gives_a_4_bit_file_its_own_levels_back():
         import pytest
 
         pytest.skip(f"the int4 kernel does not work here: {probe('int4')}")
+    torch.manual_seed(0)  # the lossy bound below holds for typical draws, not every one
     x = torch.randn(5, 96).to(torch.bfloat16)
     w = _grid_weight(64, 96)
     ref = torch.nn.functional.linear(x.float(), w)

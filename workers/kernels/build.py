@@ -27,7 +27,21 @@ from pathlib import Path
 import torch  # noqa: F401 - loaded before any kernel: its libgomp is the one kernels bind to
 
 HERE = Path(__file__).resolve().parent
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+# PANTHEON_KERNEL_ISA: the instruction set a kernel is built for. "native" (the default) is this
+# CPU's own; the others build the fallbacks a kernel keeps for older CPUs, so that any host can
+# run their tests: "avx2" (x86-64-v3: AVX2, FMA, F16C; no AVX-512, no VNNI), "scalar" (x86-64:
+# plain C, what a CPU without AVX2 or another architecture runs).
+ISAS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3",), "scalar": ("-march=x86-64",)}
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags of this process's builds (``PANTHEON_KERNEL_ISA``); raises ValueError on
+    an unknown ISA name."""
+    isa = os.environ.get("PANTHEON_KERNEL_ISA", "native").strip() or "native"
+    if isa not in ISAS:
+        raise ValueError(f"PANTHEON_KERNEL_ISA={isa!r} is not one of {', '.join(ISAS)}")
+    return (*FLAGS, *ISAS[isa])
 
 
 def cache_dir() -> Path:
@@ -58,12 +72,12 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _key(source: bytes, cc: list[str]) -> str:
+def _key(source: bytes, cc: list[str], flags: tuple[str, ...]) -> str:
     """Hash of what the built object depends on; raises OSError / SubprocessError when ``cc``
     does not run."""
     ver = subprocess.run([*cc, "--version"], capture_output=True, timeout=30, check=True).stdout
     h = hashlib.sha256()
-    for part in (source, ver, " ".join(FLAGS).encode(), _cpu_flags().encode()):
+    for part in (source, ver, " ".join(flags).encode(), _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:20]
@@ -77,8 +91,12 @@ def build(name: str) -> tuple[ctypes.CDLL | None, str]:
     if cc is None:
         return None, "no C compiler (cc, gcc; or set CC)"
     try:
+        opts = flags()
+    except ValueError as e:
+        return None, str(e)
+    try:
         source = src.read_bytes()
-        key = _key(source, cc)
+        key = _key(source, cc, opts)
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"compiler {' '.join(cc)!r} does not run: {e}"
     out = cache_dir() / f"{name}-{key}.so"
@@ -93,7 +111,7 @@ def build(name: str) -> tuple[ctypes.CDLL | None, str]:
             return None, f"kernel cache {out.parent} not writable: {e}"
         try:
             r = subprocess.run(
-                [*cc, *FLAGS, "-o", tmp, str(src), "-lm"], capture_output=True, text=True, timeout=300
+                [*cc, *opts, "-o", tmp, str(src), "-lm"], capture_output=True, text=True, timeout=300
             )
             if r.returncode != 0:
                 err = (r.stderr or r.stdout).strip().splitlines()

@@ -1,0 +1,96 @@
+"""What ``workers/kernels/qmatmul.c`` computes, in torch, from the same integers: activations
+quantized per group of 32 (scale absmax / 127, round half to even), integer dot products per
+group, float scales after. Only the order of the float sums differs from the kernel's, so a
+kernel that reads one byte from the wrong place is off by the order of the outputs, and one
+that is right by ~1e-6 of them.
+
+``check()`` runs the built kernel (whichever ISA ``PANTHEON_KERNEL_ISA`` built) over shapes
+that reach each of its code paths and returns its worst relative error and whether each row's
+output is the same bit for bit alone, batched, and on one or two threads. The kernel tests run
+it in a subprocess per ISA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.kernels import qlinear
+
+# K: 18 groups (blocks of 4, then a pair), 3 (a pair and one alone), 1, 5 (a block and one
+# alone), 48; N: not a multiple of the tile's 4 columns nor of a thread's 16; M: 1..5 rows
+# (pairs of rows and one alone)
+SHAPES = [(576, 50), (96, 37), (32, 16), (160, 64), (1536, 24)]
+ROWS = [1, 2, 3, 5]
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (levels [M, G, 32] int64, scales [M, G], sums [M, G]) as the kernel makes them."""
+    m, k = x.shape
+    v = x.float().reshape(m, k // 32, 32)
+    amax = v.abs().amax(dim=2)
+    # a tensor divided by a tensor: ``127.0 / amax`` is a reciprocal times 127 in torch, one
+    # rounding more than the kernel's division, which moves ties (63.5) by a level
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return torch.round(v * inv[..., None]).long(), amax / 127.0, v.sum(dim=2)
+
+
+def q4_ref(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (int4 groups qs [N, K/2], dm [N, 2, G])^T -> [M, N] fp32 (float64 sums)."""
+    xq, xd, xs = quantize(x)
+    n, g = qs.shape[0], dm.shape[2]
+    b = qs.long().reshape(n, g, 16)
+    levels = torch.cat([b & 15, b >> 4], dim=2)  # [N, G, 32]: byte j holds j low, j + 16 high
+    dots = torch.einsum("mgi,ngi->mng", xq.double(), levels.double())  # exact integers
+    d, mn = dm[:, 0].double(), dm[:, 1].double()  # [N, G]
+    y = (dots * (d[None] * xd.double()[:, None])).sum(-1) + (mn[None] * xs.double()[:, None]).sum(-1)
+    return y.float()
+
+
+def q8_ref(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (int8 rows w [N, K] times ws [N])^T -> [M, N] fp32."""
+    xq, xd, _ = quantize(x)
+    n, k = w.shape
+    dots = torch.einsum("mgi,ngi->mng", xq.double(), w.reshape(n, k // 32, 32).double())
+    return ((dots * xd.double()[:, None]).sum(-1) * ws.double()[None]).float()
+
+
+def check() -> dict[str, float | bool | str]:
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    same = True
+    for k, n in SHAPES:
+        w = torch.randn(n, k, generator=g) * 0.05
+        qs, dm = qlinear.q4_pack(w)
+        w8 = torch.round(torch.randn(n, k, generator=g) * 40).clamp(-127, 127).to(torch.int8)
+        ws = torch.rand(n, generator=g) * 0.01 + 1e-3
+        deq = qlinear.q4_dequant(qs, dm, torch.float32)
+        levels = torch.cat(
+            [qs.long().reshape(n, k // 32, 16) & 15, qs.long().reshape(n, k // 32, 16) >> 4], 2
+        )
+        want_deq = (dm[:, 1].float()[..., None] + levels * dm[:, 0].float()[..., None]).reshape(n, k)
+        worst = max(worst, float((deq - want_deq).abs().max() / want_deq.abs().max()))
+        for m in ROWS:
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(m, k, generator=g) * 2).to(dtype)
+                for got, want in (
+                    (qlinear.q4_linear(x, qs, dm), q4_ref(x, qs, dm)),
+                    (qlinear.q8_linear(x, w8, ws), q8_ref(x, w8, ws)),
+                ):
+                    assert got.dtype == dtype and got.shape == (m, n)
+                    # a bf16 output is the sum rounded to 8 significant bits: off by at most
+                    # 2^-8 of itself, which is not counted against the kernel
+                    off = (got.float() - want).abs()
+                    if dtype == torch.bfloat16:
+                        off = (off - want.abs() * 2**-8).clamp(min=0)
+                    worst = max(worst, float(off.max() / want.abs().max()))
+                # each row alone, and on one thread, is the batched row bit for bit
+                batched, batched8 = qlinear.q4_linear(x, qs, dm), qlinear.q8_linear(x, w8, ws)
+                for i in range(m):
+                    same &= torch.equal(qlinear.q4_linear(x[i : i + 1], qs, dm), batched[i : i + 1])
+                    same &= torch.equal(qlinear.q8_linear(x[i : i + 1], w8, ws), batched8[i : i + 1])
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                same &= torch.equal(qlinear.q4_linear(x, qs, dm), batched)
+                same &= torch.equal(qlinear.q8_linear(x, w8, ws), batched8)
+                torch.set_num_threads(threads)
+    return {"isa": qlinear.isa(), "worst": worst, "same": same}

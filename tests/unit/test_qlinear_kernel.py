@@ -1,0 +1,103 @@
+"""The quantized linear kernel (``workers/kernels/qmatmul.c`` through ``qlinear.py``): right to
+the integers it was given on every ISA it is built for, the same bits alone or batched and on
+any thread count, chosen by the linears where it is built, and switched off on demand.
+
+Each ISA builds in a subprocess of its own (``PANTHEON_KERNEL_ISA``: native, avx2, scalar), so
+every host runs the fallbacks an older CPU would: AVX-512 VNNI (or AVX-VNNI), AVX2's
+``maddubs``, plain C. The reference (tests/helpers/qlinear_ref.py) works from the same integers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.kernels import qlinear
+from workers.quant import Int4Linear, Int8Linear
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = "import json; from helpers.qlinear_ref import check; print(json.dumps(check()))"
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def _run(code: str, env: dict[str, str]) -> str:
+    full = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", **env}
+    r = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+def test_each_isa_is_right_to_the_integers(isa):
+    if not qlinear.available():
+        pytest.skip("no C compiler here: the linears keep torch's kernels (tested elsewhere)")
+    if isa != "native" and not X86:
+        pytest.skip("the avx2 / scalar builds name x86-64 levels")
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    got = json.loads(_run(CHECK, {"PANTHEON_KERNEL_ISA": isa}))
+    want_isa = {"avx2": "avx2", "scalar": "scalar"}.get(isa)
+    if want_isa:
+        assert got["isa"] == want_isa
+    else:
+        assert got["isa"] in ("avx512vnni", "avxvnni", "avx2", "scalar")
+    assert got["worst"] < 1e-5, got
+    assert got["same"], got
+
+
+def test_an_unknown_isa_is_refused_with_its_name(tmp_path):
+    got = _run(
+        "from workers.kernels import qlinear; print(qlinear.describe())",
+        {"PANTHEON_KERNEL_ISA": "avx9000", "PANTHEON_KERNEL_CACHE": str(tmp_path)},
+    )
+    assert got.startswith("torch: PANTHEON_KERNEL_ISA='avx9000' is not one of native, avx2, scalar")
+
+
+def test_the_linears_choose_it_and_the_switch_keeps_torchs(monkeypatch):
+    if not qlinear.available():
+        pytest.skip("no C compiler here")
+    torch.manual_seed(1)
+    w = torch.randn(64, 96) * 0.05
+    x = torch.randn(3, 96).bfloat16()
+    ours4, ours8 = Int4Linear(w, None), Int8Linear(w.bfloat16(), None)
+    assert ours4.ours and ours8.ours and ours4.scales_mins.shape == (64, 2, 3)
+    assert torch.equal(ours4(x), qlinear.q4_linear(x, ours4.weight, ours4.scales_mins))
+    assert torch.equal(ours8(x), qlinear.q8_linear(x, ours8.weight, ours8.scale))
+    # many rows (a prefill chunk): the dequantized weight times x, close to the few-row kernel's
+    big = torch.randn(qlinear.MAX_ROWS + 3, 96).bfloat16()
+    ref = big.float() @ qlinear.q4_dequant(ours4.weight, ours4.scales_mins, torch.float32).t()
+    assert float((ours4(big).float() - ref).abs().max() / ref.abs().max()) < 1e-2
+    monkeypatch.setenv("PANTHEON_LINEAR_KERNEL", "0")
+    torch4, torch8 = Int4Linear(w, None), Int8Linear(w.bfloat16(), None)
+    assert not torch4.ours and not torch8.ours and torch4.scales_zeros.shape == (3, 64, 2)
+    assert qlinear.describe() == "torch: PANTHEON_LINEAR_KERNEL=0"
+    # the two layouts hold the same 4-bit levels: their outputs agree to the activations' rounding
+    a, b = ours4(x).float(), torch4(x).float()
+    assert float((a - b).abs().max() / b.abs().max()) < 3e-2
+
+
+def test_a_compiled_module_calls_it_as_an_opaque_op():
+    """Inside ``torch.compile`` the linears call ``torch.ops.pantheon.q4_linear`` (the compiled
+    decode step keeps them); the result is the eager call's."""
+    if not qlinear.available():
+        pytest.skip("no C compiler here")
+    torch.manual_seed(2)
+    lin = Int4Linear(torch.randn(32, 64) * 0.05, None)
+    x = torch.randn(1, 64).bfloat16()
+    graph = torch.compile(lambda t: lin(t) * 2, backend="eager", fullgraph=True)
+    assert torch.equal(graph(x), lin(x) * 2)

@@ -1,0 +1,178 @@
+"""Typed wrapper of the quantized linear kernel (``qmatmul.c``): int4-group and int8-row weights
+times a few activation rows, by integer dot products (VNNI / AVX2, a scalar fallback).
+
+``workers/quant.py``'s ``Int4Linear`` and ``Int8Linear`` call it on the CPU for up to
+``MAX_ROWS`` rows (decode) when ``available()``; more rows (a prefill chunk) run a float matrix
+product instead (the int4 weight dequantized by ``q4_dequant``), since per-row dot products
+cost M times the weights' pass there. ``PANTHEON_LINEAR_KERNEL=0`` keeps torch's kernels (read
+when a layer is built: a loaded model keeps the layout it was built with).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import torch
+
+from workers.kernels.build import build
+
+log = logging.getLogger("pantheon.worker")
+
+GROUP = 32  # weights per int4 group, activations per int8 group (qmatmul.c's QK)
+# Rows up to which the integer kernel runs; more run a float matrix product. bench/qlinear.py,
+# 2-core Xeon (AVX-512 VNNI + AMX), SmolLM2's [3072, 576] int4: see its docstring for figures.
+MAX_ROWS = 16
+_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_L = ctypes.c_int64
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    lib, why = build("qmatmul")
+    if lib is None:
+        log.warning("quantized linear kernel unavailable, linears keep torch's kernels: %s", why)
+        return None, why
+    lib.qm_q4_linear.restype = _I
+    lib.qm_q4_linear.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
+    lib.qm_q8_linear.restype = _I
+    lib.qm_q8_linear.argtypes = [_P, _I, _L, _L, _P, _P, _I, _L, _P, _I, _I]
+    lib.qm_q4_dequant.restype = _I
+    lib.qm_q4_dequant.argtypes = [_P, _P, _L, _L, _P, _I, _I]
+    lib.qm_isa.restype = ctypes.c_char_p
+    return lib, why
+
+
+def available() -> bool:
+    """Built, and not switched off (``PANTHEON_LINEAR_KERNEL=0``)."""
+    return os.environ.get("PANTHEON_LINEAR_KERNEL", "1") != "0" and _load()[0] is not None
+
+
+def describe() -> str:
+    """``kernel ISA: built|cached PATH`` or ``torch: why`` (``/admin/dies``)."""
+    if os.environ.get("PANTHEON_LINEAR_KERNEL", "1") == "0":
+        return "torch: PANTHEON_LINEAR_KERNEL=0"
+    lib, why = _load()
+    return f"kernel {isa()}: {why}" if lib is not None else f"torch: {why}"
+
+
+def isa() -> str:
+    """The dot product the built kernel uses: avx512vnni | avxvnni | avx2 | scalar."""
+    lib = _load()[0]
+    return "none" if lib is None else lib.qm_isa().decode()
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _load()[0]
+    assert lib is not None, "callers check available() first"
+    return lib
+
+
+def q4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [N, K] weight in 4-bit affine groups of 32 (each group's lowest and highest value its
+    first and last level) -> (qs [N, K/2] uint8, dm [N, 2, K/32] fp16: the groups' scales, then
+    their minima), the kernel's layout (qmatmul.c)."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)  # [N, G, 32]
+    lo, hi = w.amin(dim=2), w.amax(dim=2)  # [N, G]
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    # fp16 as stored, so the levels are fitted to the scale and minimum the kernel will read
+    scale, lo = scale.half().float(), lo.half().float()
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)  # byte j: level j low, level j + 16 high
+    return qs.reshape(n, k // 2).contiguous(), torch.stack([scale, lo], dim=1).half().contiguous()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in _KINDS and x.is_contiguous() else x.float().contiguous()
+
+
+def q4_linear(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (fp32 / bf16) @ W^T -> [M, N] in x's dtype (fp32 for others); W int4 groups."""
+    xr = _rows(x)
+    m, k = xr.shape
+    n = qs.shape[0]
+    y = torch.empty(m, n, dtype=xr.dtype)
+    rc = _lib().qm_q4_linear(
+        xr.data_ptr(), _KINDS[xr.dtype], m, k, qs.data_ptr(), dm.data_ptr(), n,
+        y.data_ptr(), _KINDS[y.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise ValueError(f"int4 linear kernel refused x {tuple(x.shape)}, W [{n}, {k}] (code {rc})")
+    return y
+
+
+def q8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (fp32 / bf16) @ W^T -> [M, N]; W int8 rows w [N, K], scales ws [N] (fp32 / bf16)."""
+    xr = _rows(x)
+    m, k = xr.shape
+    n = w.shape[0]
+    s = ws if ws.dtype in _KINDS else ws.float()
+    y = torch.empty(m, n, dtype=xr.dtype)
+    rc = _lib().qm_q8_linear(
+        xr.data_ptr(), _KINDS[xr.dtype], m, k, w.data_ptr(), s.data_ptr(), _KINDS[s.dtype], n,
+        y.data_ptr(), _KINDS[y.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise ValueError(f"int8 linear kernel refused x {tuple(x.shape)}, W [{n}, {k}] (code {rc})")
+    return y
+
+
+def q4_linear_op(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """``q4_linear``, or inside a ``torch.compile`` trace the custom op that calls it (the
+    compiled decode step runs it as an opaque call; eager calls skip the dispatcher)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.pantheon.q4_linear(x, qs, dm)
+    return q4_linear(x, qs, dm)
+
+
+def q8_linear_op(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """``q8_linear``, as ``q4_linear_op``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.pantheon.q8_linear(x, w, ws)
+    return q8_linear(x, w, ws)
+
+
+@torch.library.custom_op("pantheon::q4_linear", mutates_args=())
+def _q4_linear_custom(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    return q4_linear(x, qs, dm)
+
+
+@_q4_linear_custom.register_fake
+def _(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], qs.shape[0], dtype=x.dtype if x.dtype in _KINDS else torch.float32)
+
+
+@torch.library.custom_op("pantheon::q8_linear", mutates_args=())
+def _q8_linear_custom(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    return q8_linear(x, w, ws)
+
+
+@_q8_linear_custom.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0], dtype=x.dtype if x.dtype in _KINDS else torch.float32)
+
+
+def q4_dequant(qs: torch.Tensor, dm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The int4 weight as [N, K] floats (fp32 / bf16)."""
+    n, k = qs.shape[0], qs.shape[1] * 2
+    out = torch.empty(n, k, dtype=dtype)
+    rc = _lib().qm_q4_dequant(
+        qs.data_ptr(), dm.data_ptr(), n, k, out.data_ptr(), _KINDS[dtype], torch.get_num_threads()
+    )
+    if rc:
+        raise ValueError(f"int4 dequantize refused W [{n}, {k}] (code {rc})")
+    return out
+
+
+MAX_K = 32768  # qmatmul.c's MAX_G groups of 32: its per-thread scale buffer
+
+
+def fits(k: int) -> bool:
+    """In-features the kernel takes (whole groups of 32, at most ``MAX_K``)."""
+    return GROUP <= k <= MAX_K and k % GROUP == 0

@@ -1,0 +1,486 @@
+/* Quantized-weight linear layers for a few rows (decode): y = x @ W^T with W in 4-bit groups
+ * or int8 rows, x quantized on the fly to int8 in groups of 32, integer dot products.
+ *
+ * Built at run time by workers/kernels/build.py (cc -O3 -march=native -fopenmp -shared -fPIC,
+ * or a lower ISA for the fallback tests) and called through ctypes by workers/kernels/qlinear.py.
+ *
+ * Why integers: at one row a linear layer reads each weight once and does one multiply-add
+ * with it, so its speed is how many weights a core turns into sums per cycle. Widening 4-bit
+ * levels to floats costs several instructions per 16 weights; an integer dot product of bytes
+ * (AVX-512 VNNI / AVX-VNNI vpdpbusd: 32 u8 x s8 products summed into 8 int32 in one
+ * instruction; AVX2's vpmaddubsw + vpmaddwd in two) takes 32 at once. llama.cpp does the same
+ * (q4_1 x q8_1 dot products).
+ *
+ * Layouts (all contiguous, row-major):
+ *   x       [M, K]       fp32 or bf16 activations (xkind)
+ *   y       [M, N]       fp32 or bf16 (ykind)
+ *   int4:   qs [N, K/2]  uint8: group g of row n is bytes [16g, 16g + 16); byte j holds level
+ *                        32g + j in its low nibble and level 32g + j + 16 in its high one
+ *           dm [N, 2, K/32] fp16: row n's group scales d, then its groups' lowest values m:
+ *                        w = m + q * d
+ *   int8:   w  [N, K]    int8, one scale per row: ws [N] (fp32 or bf16, skind): w = q * ws[n]
+ *
+ * x is quantized per group of 32 (symmetric, scale = absmax / 127) once per call; the sum of
+ * each group's real values is kept for the int4 minimum's term, so
+ *   int4: y[m, n] = sum_g d[n,g] * xd[m,g] * sum_i q[n,g,i] * xq[m,g,i] + m[n,g] * xs[m,g]
+ *   int8: y[m, n] = ws[n] * sum_g xd[m,g] * sum_i w[n,g,i] * xq[m,g,i]
+ * Each output is one row's dot product summed in a fixed order: the result of a row does not
+ * depend on M, on the thread count nor on which thread ran it (bit-identical alone or batched).
+ *
+ * Threads: OpenMP over output columns (N), bound to torch's libgomp (see paged_decode.c).
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QM_AVX2 1
+#else
+#define QM_AVX2 0
+#endif
+
+/* The integer dot product of 32 u8 by 32 s8 into 8 int32 lanes (each the sum of 4 products) */
+#if QM_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QM_ISA "avx512vnni"
+#define DOT_U8S8(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#elif QM_AVX2 && defined(__AVXVNNI__)
+#define QM_ISA "avxvnni"
+#define DOT_U8S8(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#elif QM_AVX2
+#define QM_ISA "avx2"
+/* u8 x s8 pairs summed into int16 (vpmaddubsw saturates past 32767: the callers keep u <= 127,
+ * so a pair is at most 2 * 127 * 127 = 32258), then pairs of int16 into int32 */
+#define DOT_U8S8(acc, u, s) \
+    _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+#else
+#define QM_ISA "scalar"
+#endif
+
+enum { X_F32 = 0, X_BF16 = 1 };
+#define QK 32    /* values per group */
+
+/* ---------------------------------------------------------------- scalar conversions */
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) { /* exact, subnormals included */
+#if QM_AVX2
+    return _cvtsh_ss(h);
+#else
+    union { uint32_t u; float f; } v;
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;
+    if (em >= 0x7c00u) {
+        v.u = sign | 0x7f800000u | ((uint32_t)(em & 0x3ffu) << 13);
+        return v.f;
+    }
+    v.u = em << 13;
+    v.f *= 0x1p112f;
+    v.u |= sign;
+    return v.f;
+#endif
+}
+
+static inline float load_x(const void *x, int kind, int64_t i) {
+    return kind == X_BF16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static inline void store_y(void *y, int kind, int64_t i, float v) {
+    if (kind == X_BF16)
+        ((uint16_t *)y)[i] = f32_to_bf16(v);
+    else
+        ((float *)y)[i] = v;
+}
+
+#if QM_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* ---------------------------------------------------------------- activations */
+
+/* Where value j (0..31) of group g of a row lands in its quantized row. Blocked (the int4
+ * kernel's order): the row's groups are cut into blocks of BLOCK groups (then one of 2, then
+ * one of 1 for what is left), and a block of b groups starting at group g0 holds, from byte
+ * 32 * g0, the first 16 values of each of its groups, then the last 16 of each: the order in
+ * which one load of the block's weight bytes (16 per group, value j low, j + 16 high) widens
+ * into its low and its high nibbles. Else in order. */
+#if QM_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QM_512 1
+#define BLOCK 4
+#else
+#define QM_512 0
+#define BLOCK 2
+#endif
+
+static inline int64_t slot(int blocked, int64_t G, int64_t g, int j) {
+    if (!blocked) return g * QK + j;
+    int64_t whole = G / BLOCK * BLOCK, g0, b;
+    if (g < whole) {
+        g0 = g / BLOCK * BLOCK, b = BLOCK;
+    } else if (g < whole + (G - whole) / 2 * 2) {
+        g0 = whole + (g - whole) / 2 * 2, b = 2;
+    } else {
+        g0 = g, b = 1;
+    }
+    return g0 * QK + (j >= 16) * b * 16 + (g - g0) * 16 + (j & 15);
+}
+
+/* x [M, K] -> xq [M, K] int8 (in slot order), xd [M, K/32] scales, xs [M, K/32] sums of the
+ * real values */
+static void quantize_rows(const void *x, int xkind, int64_t M, int64_t K, int blocked, int8_t *xq, float *xd,
+                          float *xs) {
+    const int64_t G = K / QK;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t g = 0; g < G; g++) {
+            int64_t at = m * K + g * QK;
+            int8_t *lo = xq + m * K + slot(blocked, G, g, 0), *hi = xq + m * K + slot(blocked, G, g, 16);
+#if QM_AVX2
+            __m256 v[4];
+            for (int i = 0; i < 4; i++) {
+                if (xkind == X_BF16) {
+                    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + at + 8 * i));
+                    v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+                } else {
+                    v[i] = _mm256_loadu_ps((const float *)x + at + 8 * i);
+                }
+            }
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            float amax = _mm_cvtss_f32(m4);
+            float sum = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+            /* int32 -> int8 (|q| <= 127: no saturation), packs work per 128-bit lane: reorder */
+            __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm_storeu_si128((__m128i *)lo, _mm256_castsi256_si128(b));
+            _mm_storeu_si128((__m128i *)hi, _mm256_extracti128_si256(b, 1));
+#else
+            float v[QK], amax = 0.0f, sum = 0.0f;
+            for (int i = 0; i < QK; i++) {
+                v[i] = load_x(x, xkind, at + i);
+                sum += v[i];
+                float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+            }
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int i = 0; i < 16; i++) {
+                lo[i] = (int8_t)lrintf(v[i] * inv);
+                hi[i] = (int8_t)lrintf(v[i + 16] * inv);
+            }
+#endif
+            xd[m * G + g] = amax / 127.0f;
+            xs[m * G + g] = sum;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- tiles
+ *
+ * A tile is NC output columns (n0 .. n0 + NC - 1) times MB activation rows (m0 .. m0 + MB - 1),
+ * summed in one pass over the columns' weights: each weight group is loaded and widened once
+ * and used for MB rows, each activation group once for NC columns, and the NC * MB sums are
+ * independent chains (one accumulator would wait on its own multiply-add every group). NC and
+ * MB are constants at each call (always inlined), so the compiler keeps the accumulators in
+ * registers. A group's float scale (weight scale times activation scale) is computed before
+ * the pass into sc, so the pass broadcasts it from memory.
+ */
+#define NC 4
+#define MAX_MB 2
+#define MAX_G 1024 /* groups a row may have: K <= 32768 (qlinear.MAX_K) */
+
+/* sc, per (row, column): each group's scale, weight scale times activation scale */
+#define SC_PER_RC(G) (G)
+
+static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, const float *xd, const float *xs,
+                                                          int64_t m0, const int mb, int64_t K, const uint8_t *qs,
+                                                          const uint16_t *dm, int64_t n0, const int nc, float *sc,
+                                                          float out[MAX_MB][NC]) {
+    const int64_t G = K / QK;
+#if QM_AVX2
+    /* The pass, per block of 2 groups (4 at 512 bits): one load holds the block's levels; its
+     * low nibbles are g0[0..15], g1[0..15] and its high ones g0[16..31], g1[16..31], which is
+     * how the activations were laid out (slot), so two dot products into one accumulator give
+     * lanes 0-3 group g0's sums and 4-7 g1's: one convert and one multiply-add per 64 weights
+     * (128 at 512 bits), by the lane scales [s0 x4, s1 x4] set out in sc before the pass. */
+    float mins[MAX_MB][NC];
+    for (int c = 0; c < nc; c++) {
+        const uint16_t *d = dm + (n0 + c) * 2 * G, *mn = d + G;
+        for (int r = 0; r < mb; r++) {
+            const float *xdr = xd + (m0 + r) * G, *xsr = xs + (m0 + r) * G;
+            float *scr = sc + (r * NC + c) * G;
+            __m256 macc = _mm256_setzero_ps();
+            int64_t g = 0;
+            for (; g + 8 <= G; g += 8) {
+                _mm256_storeu_ps(scr + g, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g))),
+                                                        _mm256_loadu_ps(xdr + g)));
+                macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g))),
+                                       _mm256_loadu_ps(xsr + g), macc);
+            }
+            float mt = hsum8(macc);
+            for (; g < G; g++) {
+                scr[g] = f16_to_f32(d[g]) * xdr[g];
+                mt += f16_to_f32(mn[g]) * xsr[g];
+            }
+            mins[r][c] = mt;
+        }
+    }
+    __m256 acc[MAX_MB][NC];
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) acc[r][c] = _mm256_setzero_ps();
+    int64_t g = 0; /* groups done */
+#if QM_512
+    /* Blocks of 4 groups at 512 bits: 64 weight bytes, lanes 0-3 group 0's sums ... 12-15 group 3's */
+    __m512 acc5[MAX_MB][NC];
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) acc5[r][c] = _mm512_setzero_ps();
+    const __m512i lo4w = _mm512_set1_epi8(0x0f);
+    const __m512i spread4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (; g + 4 <= G; g += 4) {
+        __m512i xlo[MAX_MB], xhi[MAX_MB];
+        for (int r = 0; r < mb; r++) {
+            const int8_t *xr = xq + (m0 + r) * K + g * QK;
+            xlo[r] = _mm512_loadu_si512((const void *)xr);
+            xhi[r] = _mm512_loadu_si512((const void *)(xr + 64));
+        }
+        for (int c = 0; c < nc; c++) {
+            __m512i b = _mm512_loadu_si512((const void *)(qs + (n0 + c) * (K / 2) + g * 16));
+            __m512i wlo = _mm512_and_si512(b, lo4w), whi = _mm512_and_si512(_mm512_srli_epi16(b, 4), lo4w);
+            for (int r = 0; r < mb; r++) {
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, xlo[r]), whi, xhi[r]);
+                acc5[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                             _mm512_permutexvar_ps(spread4, _mm512_castps128_ps512(_mm_loadu_ps(sc + (r * NC + c) * G + g))),
+                                             acc5[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++)
+            acc[r][c] = _mm256_add_ps(_mm512_castps512_ps256(acc5[r][c]), _mm512_extractf32x8_ps(acc5[r][c], 1));
+#endif
+    const __m256i lo4 = _mm256_set1_epi8(0x0f), spread2 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    for (; g + 2 <= G; g += 2) {
+        __m256i xlo[MAX_MB], xhi[MAX_MB];
+        for (int r = 0; r < mb; r++) {
+            const int8_t *xr = xq + (m0 + r) * K + g * QK;
+            xlo[r] = _mm256_loadu_si256((const __m256i *)xr);
+            xhi[r] = _mm256_loadu_si256((const __m256i *)(xr + QK));
+        }
+        for (int c = 0; c < nc; c++) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(qs + (n0 + c) * (K / 2) + g * 16));
+            __m256i wlo = _mm256_and_si256(b, lo4), whi = _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4);
+            for (int r = 0; r < mb; r++) {
+                __m256i dot = DOT_U8S8(DOT_U8S8(_mm256_setzero_si256(), wlo, xlo[r]), whi, xhi[r]);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                            _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(
+                                                                         (const double *)(sc + (r * NC + c) * G + g)))),
+                                                                     spread2),
+                                            acc[r][c]);
+            }
+        }
+    }
+    if (g < G) { /* the last group alone: its 16 bytes widen to its 32 levels in order */
+        const __m128i lo4h = _mm_set1_epi8(0x0f);
+        for (int c = 0; c < nc; c++) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(qs + (n0 + c) * (K / 2) + g * 16));
+            __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), lo4h), _mm_and_si128(b, lo4h));
+            for (int r = 0; r < mb; r++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (m0 + r) * K + g * QK));
+                __m256i dot = DOT_U8S8(_mm256_setzero_si256(), w, xv);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                            _mm256_broadcast_ss(sc + (r * NC + c) * G + g), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) out[r][c] = hsum8(acc[r][c]) + mins[r][c];
+#else
+    (void)sc;
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) {
+            const uint8_t *q = qs + (n0 + c) * (K / 2);
+            const uint16_t *d = dm + (n0 + c) * 2 * G, *mn = d + G;
+            const int8_t *xr = xq + (m0 + r) * K;
+            float acc = 0.0f, mt = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                int32_t dot = 0;
+                for (int j = 0; j < 16; j++)
+                    dot += (int32_t)(q[g * 16 + j] & 0x0f) * xr[slot(1, G, g, j)] +
+                           (int32_t)(q[g * 16 + j] >> 4) * xr[slot(1, G, g, j + 16)];
+                acc += (float)dot * (f16_to_f32(d[g]) * xd[(m0 + r) * G + g]);
+                mt += f16_to_f32(mn[g]) * xs[(m0 + r) * G + g];
+            }
+            out[r][c] = acc + mt;
+        }
+#endif
+}
+
+static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, const float *xd, int64_t m0, const int mb,
+                                                          int64_t K, const int8_t *w, const void *ws, int skind,
+                                                          int64_t n0, const int nc, float out[MAX_MB][NC]) {
+    const int64_t G = K / QK;
+#if QM_AVX2
+    __m256 acc[MAX_MB][NC];
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256i xv[MAX_MB];
+        for (int r = 0; r < mb; r++) xv[r] = _mm256_loadu_si256((const __m256i *)(xq + (m0 + r) * K + g * QK));
+        for (int c = 0; c < nc; c++) {
+            /* u8 x s8 only: |w| as the unsigned side, x carrying w's sign (w = -128 never occurs:
+             * the rows are clamped to [-127, 127]) */
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (n0 + c) * K + g * QK));
+            __m256i aw = _mm256_sign_epi8(wv, wv);
+            for (int r = 0; r < mb; r++) {
+                __m256i dot = DOT_U8S8(_mm256_setzero_si256(), aw, _mm256_sign_epi8(xv[r], wv));
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(xd + (m0 + r) * G + g),
+                                            acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) out[r][c] = hsum8(acc[r][c]);
+#else
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) {
+            const int8_t *wr = w + (n0 + c) * K;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                const int8_t *x = xq + (m0 + r) * K + g * QK;
+                int32_t dot = 0;
+                for (int j = 0; j < QK; j++) dot += (int32_t)wr[g * QK + j] * x[j];
+                acc += (float)dot * xd[(m0 + r) * G + g];
+            }
+            out[r][c] = acc;
+        }
+#endif
+    for (int c = 0; c < nc; c++) {
+        float s = skind == X_BF16 ? bf16_to_f32(((const uint16_t *)ws)[n0 + c]) : ((const float *)ws)[n0 + c];
+        for (int r = 0; r < mb; r++) out[r][c] *= s;
+    }
+}
+
+/* ---------------------------------------------------------------- entry points */
+
+const char *qm_isa(void) { return QM_ISA; }
+
+/* Columns per work item: enough that a thread's share is a few cache lines of output */
+#define NBLOCK 16 /* a multiple of NC */
+
+static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *y, int ykind, int nthreads,
+               int kind, const uint8_t *qs, const uint16_t *dm, const int8_t *w, const void *ws, int skind) {
+    if (M < 1 || K < QK || K % QK || K / QK > MAX_G || N < 1 || (xkind != X_F32 && xkind != X_BF16) || (ykind != X_F32 && ykind != X_BF16))
+        return 1;
+    const int64_t G = K / QK;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *xd = (float *)malloc((size_t)(M * G) * sizeof(float) * 2);
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return 2;
+    }
+    float *xs = xd + M * G;
+    quantize_rows(x, xkind, M, K, kind == 4, xq, xd, xs);
+    int nt = nthreads < 1 ? 1 : nthreads;
+    const int64_t blocks = (N + NBLOCK - 1) / NBLOCK;
+    if (blocks < nt) nt = (int)blocks;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(|| : failed)
+    {
+        float *sc = kind == 4 ? (float *)malloc(sizeof(float) * MAX_MB * NC * SC_PER_RC(G)) : NULL;
+        if (kind == 4 && !sc) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            if (kind == 4 && !sc) continue;
+            float out[MAX_MB][NC];
+            const int64_t n1 = (bi + 1) * NBLOCK < N ? (bi + 1) * NBLOCK : N;
+            for (int64_t m0 = 0; m0 < M; m0 += MAX_MB) {
+                const int two = M - m0 >= 2;
+                for (int64_t n0 = bi * NBLOCK; n0 < n1;) {
+                    const int quad = n1 - n0 >= NC;
+                    /* constant (mb, nc) at each call: the compiler specializes each tile */
+                    if (kind == 4) {
+                        if (two && quad) q4_tile(xq, xd, xs, m0, 2, K, qs, dm, n0, NC, sc, out);
+                        else if (two) q4_tile(xq, xd, xs, m0, 2, K, qs, dm, n0, 1, sc, out);
+                        else if (quad) q4_tile(xq, xd, xs, m0, 1, K, qs, dm, n0, NC, sc, out);
+                        else q4_tile(xq, xd, xs, m0, 1, K, qs, dm, n0, 1, sc, out);
+                    } else {
+                        if (two && quad) q8_tile(xq, xd, m0, 2, K, w, ws, skind, n0, NC, out);
+                        else if (two) q8_tile(xq, xd, m0, 2, K, w, ws, skind, n0, 1, out);
+                        else if (quad) q8_tile(xq, xd, m0, 1, K, w, ws, skind, n0, NC, out);
+                        else q8_tile(xq, xd, m0, 1, K, w, ws, skind, n0, 1, out);
+                    }
+                    const int mb = two ? 2 : 1, nc = quad ? NC : 1;
+                    for (int r = 0; r < mb; r++)
+                        for (int c = 0; c < nc; c++) store_y(y, ykind, (m0 + r) * N + n0 + c, out[r][c]);
+                    n0 += nc;
+                }
+            }
+        }
+        free(sc);
+    }
+    free(xq);
+    free(xd);
+    return failed ? 2 : 0;
+}
+
+/* y [M, N] = x [M, K] @ W^T, W in int4 groups (qs, dm) */
+int qm_q4_linear(const void *x, int xkind, int64_t M, int64_t K, const uint8_t *qs, const uint16_t *dm, int64_t N,
+                 void *y, int ykind, int nthreads) {
+    return run(x, xkind, M, K, N, y, ykind, nthreads, 4, qs, dm, NULL, NULL, 0);
+}
+
+/* y [M, N] = x [M, K] @ W^T, W int8 rows (w, ws of kind skind) */
+int qm_q8_linear(const void *x, int xkind, int64_t M, int64_t K, const int8_t *w, const void *ws, int skind,
+                 int64_t N, void *y, int ykind, int nthreads) {
+    if (skind != X_F32 && skind != X_BF16) return 1;
+    return run(x, xkind, M, K, N, y, ykind, nthreads, 8, NULL, NULL, w, ws, skind);
+}
+
+/* The int4 weight as floats, out [N, K] fp32 or bf16 (okind): w = m + q * d. For many rows
+ * (prefill), where a float matrix product beats per-row integer dots. */
+int qm_q4_dequant(const uint8_t *qs, const uint16_t *dm, int64_t N, int64_t K, void *out, int okind, int nthreads) {
+    if (K < QK || K % QK || N < 1 || (okind != X_F32 && okind != X_BF16)) return 1;
+    const int64_t G = K / QK;
+    int nt = nthreads < 1 ? 1 : nthreads;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && N * K >= (1 << 16))
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *q = qs + n * (K / 2) + g * 16;
+            float d = f16_to_f32(dm[n * 2 * G + g]), mn = f16_to_f32(dm[n * 2 * G + G + g]);
+            int64_t at = n * K + g * QK;
+            for (int j = 0; j < 16; j++) {
+                store_y(out, okind, at + j, mn + (float)(q[j] & 0x0f) * d);
+                store_y(out, okind, at + j + 16, mn + (float)(q[j] >> 4) * d);
+            }
+        }
+    }
+    return 0;
+}
