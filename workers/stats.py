@@ -30,13 +30,15 @@ IDLE_STATS_S = 1.0
 
 def hello(die: Die, engine_import_error: str | None) -> p.Hello:
     free, total = die.memory()
-    isa, paths, attention = "", {}, ""
+    isa, paths, attention, linear = "", {}, "", ""
     if die.kind == "cpu" and not engine_import_error:
         from workers import cpu_paths
-        from workers.kernels import paged
+        from workers.kernels import paged, qlinear
 
         attention = paged.describe()
         log.info("%s: decode attention: %s", die.id, attention)
+        linear = qlinear.describe()
+        log.info("%s: quantized linears: %s", die.id, linear)
 
         isa = cpu_paths.isa()
         paths = {name: why or "" for name, why in cpu_paths.probe_all().items()}
@@ -59,6 +61,7 @@ def hello(die: Die, engine_import_error: str | None) -> p.Hello:
         cpu_paths=paths,
         hostname=socket.gethostname(),
         attention=attention,
+        linear=linear,
     )
 
 

@@ -19,8 +19,9 @@ import msgspec
 # 4: EmbedRequest / EmbedOut, Submit.prompt_logprobs and TokenOut.prompt_logprobs;
 # 5: LoadModel.kv_cache_k / kv_cache_v (the KV cache's types), SamplingParams.speculative,
 # LoadModel.speculative, InstanceStats.spec_*; 6: LoadModel.draft (a draft model for speculation),
-# InstanceStats.spec_draft, Hello.attention (the decode-attention kernel's state)
-PROTOCOL_VERSION = 6
+# InstanceStats.spec_draft, Hello.attention (the decode-attention kernel's state); 7: Hello.linear
+# (the quantized linear kernel's state)
+PROTOCOL_VERSION = 7
 
 # ---------------------------------------------------------------- codes
 # A value outside its Literal makes the whole message fail to decode, so a new code must be added
@@ -246,6 +247,9 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     # CPU dies: how decode attention runs (workers/kernels/paged.py): "kernel: built|cached PATH"
     # (the paged C kernel) or "torch: why not the kernel"; "" on other dies
     attention: str = ""
+    # CPU dies: how int4 / int8 linears run (workers/kernels/qlinear.py): "kernel ISA: built|cached
+    # PATH" (the quantized linear kernel) or "torch: why not the kernel"; "" on other dies
+    linear: str = ""
 
 
 class Beat(msgspec.Struct, tag=True, kw_only=True):

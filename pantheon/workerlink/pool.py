@@ -91,6 +91,7 @@ class DieInfo:
     cpu_isa: str = ""  # CPU dies: from Hello (see protocol.Hello)
     cpu_paths: dict[str, str] = field(default_factory=dict)
     attention: str = ""  # CPU dies: the decode-attention kernel's state (protocol.Hello)
+    linear: str = ""  # CPU dies: the quantized linear kernel's state (protocol.Hello)
     deaths: int = 0  # times this die's worker died since the pool started
     restarts: int = 0  # times it was started again after a death
     last_death: str | None = None  # the reason of the latest death (kept after a restart)
@@ -380,6 +381,7 @@ class WorkerPool:
             cpu_isa=h.cpu_isa if h else "",
             cpu_paths=dict(h.cpu_paths) if h else {},
             attention=h.attention if h else "",
+            linear=h.linear if h else "",
             deaths=self._deaths[w.die],
             restarts=max(0, self._starts[w.die] - 1),
             last_death=self._last_death.get(w.die, (None, None))[0],

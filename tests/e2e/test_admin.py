@@ -427,6 +427,7 @@ def test_dies_show_the_isa_the_working_cpu_paths_and_each_choice(adm):
     assert d["isa"] and d["cpu_paths"]["fp32"] == "ok" and set(d["cpu_paths"]) == set(CPU_PATHS)
     # this host has a C compiler (the CI's does): the paged decode kernel is built or cached
     assert d["attention"].startswith(("kernel: built ", "kernel: cached ")), d["attention"]
+    assert d["linear"].startswith("kernel ") and d["linear"].split(": ")[1].startswith(("built ", "cached "))
     assert d["instances"] and all(i["cpu_path"] in CPU_PATHS for i in d["instances"])
     assert set(d["cpu_path"].split(",")) == {i["cpu_path"] for i in d["instances"]}
     snap = httpx.get(adm.url + "/admin/state").json()

@@ -103,6 +103,8 @@ def die_view(f: DieFacts) -> dict:
         "cpu_path": f.cpu_path or None,
         # decode attention: "kernel: built|cached PATH" (workers/kernels) or "torch: why not"
         "attention": (wk.attention or None) if wk is not None else None,
+        # int4 / int8 linears: "kernel ISA: built|cached PATH" (workers/kernels) or "torch: why not"
+        "linear": (wk.linear or None) if wk is not None else None,
         "step_ms_avg": stats.step_ms_avg if stats is not None else None,
         "bookings": {
             iid: {"weights_bytes": b[0], "kv_bytes": b[1], "state_bytes": b[2]}
