@@ -48,6 +48,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     return lib, why
 
 
+def library() -> ctypes.CDLL | None:
+    return _load()[0]
+
+
 def available() -> bool:
     """Built, and not switched off (``PANTHEON_LINEAR_KERNEL=0``)."""
     return os.environ.get("PANTHEON_LINEAR_KERNEL", "1") != "0" and _load()[0] is not None

@@ -17,6 +17,7 @@ from torch import nn
 from pantheon.core.archs.llama import LlamaDescription
 from pantheon.core.description import AttentionCache, ModelDescription
 from workers.cache import KVCache, LayerCache, StateCache
+from workers.kernels import decode_layer
 from workers.layers.attention import StepBatch, paged_attention
 from workers.layers.norms import RMSNorm, rms_norm
 from workers.layers.rotary import rotate
@@ -92,10 +93,40 @@ class LlamaLayer(DecoderLayer):
         self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        # the whole layer in one native call at decode (workers/kernels/decode_layer.py): planned
+        # at the first step, once the CPU path has laid the linears out
+        self.native: decode_layer.Native | None = None
 
     def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
+        if not b.prefills and not torch.compiler.is_compiling() and decode_layer.available():
+            if self.native is None:
+                self.native = decode_layer.Native(self.parts())
+            out = self.native(x, b, cache)
+            if out is not None:
+                return out
         x = x + self.self_attn(self.input_layernorm(x), b, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def parts(self) -> decode_layer.LayerParts | str:
+        """The layer as the fused call reads it, or why it cannot run fused."""
+        a = self.self_attn
+        if a.window is not None:
+            return "a sliding window"
+        if a.q_norm is not None:
+            return "per-head q/k norms"
+        return decode_layer.LayerParts(
+            norm_in=self.input_layernorm.weight,
+            eps_in=self.input_layernorm.eps,
+            qkv=a.qkv_proj,
+            o=a.o_proj,
+            norm_post=self.post_attention_layernorm.weight,
+            eps_post=self.post_attention_layernorm.eps,
+            gate_up=self.mlp.gate_up_proj,
+            down=self.mlp.down_proj,
+            heads=a.n_heads,
+            kv_heads=a.n_kv,
+            head_dim=a.head_dim,
+        )
 
 
 def build(desc: ModelDescription) -> DecoderLM:

@@ -1,0 +1,108 @@
+"""The fused decode layer (``workers/kernels/decode_layer.py`` / ``llama_layer.c``) against the
+layer's own torch code, on the same inputs, layer by layer, inside real decode steps.
+
+In fp32 (activations, K/V pool and rotary tables widened from the captured bf16 step) both
+ways run the same linear and attention kernels on the same numbers, so they agree to the order
+of float sums (~1e-6): a wrong rotation, head, cache row or residual is off by the order of the
+outputs. In the engine's own bf16 they agree to bf16's rounding. Layers and steps it does not
+take say why, or run their torch code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pantheon.core.protocol import SamplingParams
+from workers.cache import KVCache
+from workers.engine import Engine
+from workers.kernels import decode_layer
+from workers.models.llama import LlamaLayer
+
+pytestmark = pytest.mark.skipif(not decode_layer.available(), reason="no C compiler: the torch path only")
+
+
+def _captured_steps(path, cpu_path: str, monkeypatch) -> tuple[Engine, list[tuple]]:
+    """Decode steps of three requests (contexts over several blocks) run by the torch code,
+    each layer's (layer, x, step batch, cache, output) captured."""
+    monkeypatch.setenv("PANTHEON_CPU_PATH", cpu_path)
+    monkeypatch.setenv("PANTHEON_FUSED_LAYER", "0")
+    eng = Engine(str(path), num_slots=4, kv_budget_bytes=8 << 20, compile_decode=False)
+    got: list[tuple] = []
+
+    def hook(mod, args, out):
+        x, b, cache = args
+        if not b.prefills and len(got) < 12:
+            got.append((mod, x.clone(), b, cache, out.clone()))
+
+    assert eng.model is not None
+    hs = [layer.register_forward_hook(hook) for layer in eng.model.layers]
+    for i, p in enumerate([list(range(5, 45)), [7, 8, 9], list(range(300, 337))]):
+        eng.submit(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    for h in hs:
+        h.remove()
+    monkeypatch.setenv("PANTHEON_FUSED_LAYER", "1")
+    return eng, got
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("cpu_path", ["int4", "int8"])
+def test_each_layer_is_its_torch_code(preset, cpu_path, model_factory, monkeypatch):
+    eng, steps = _captured_steps(model_factory(preset), cpu_path, monkeypatch)
+    assert steps and all(x.shape[0] == 3 for _, x, *_ in steps)  # three decode rows a step
+    for layer, x, b, cache, want in steps:
+        assert isinstance(layer, LlamaLayer) and isinstance(cache, KVCache)
+        native = decode_layer.Native(layer.parts())
+        assert native.why is None
+        # bf16, as the engine runs: the same to bf16's rounding (the cache row rewritten alike)
+        got = native(x, b, cache)
+        assert got is not None and got.dtype == x.dtype and _rel(got, want) < 3e-2
+        # fp32: the torch code and the fused call on copies of the same widened state
+        b32 = dataclasses.replace(b, rot_cos=b.rot_cos.float(), rot_sin=b.rot_sin.float())
+        assert isinstance(cache.k, torch.Tensor) and isinstance(cache.v, torch.Tensor)
+        k_torch, v_torch = cache.k.float(), cache.v.float()
+        k_native, v_native = k_torch.clone(), v_torch.clone()
+        c_torch, c_native = KVCache(k_torch, v_torch), KVCache(k_native, v_native)
+        monkeypatch.setenv("PANTHEON_FUSED_LAYER", "0")
+        want32 = layer(x.float(), b32, c_torch)
+        monkeypatch.setenv("PANTHEON_FUSED_LAYER", "1")
+        got32 = native(x.float(), b32, c_native)
+        assert got32 is not None
+        assert _rel(got32, want32) < 1e-4
+        rows = b.slot_mapping
+        assert _rel(k_native[rows], k_torch[rows]) < 1e-5 and _rel(v_native[rows], v_torch[rows]) < 1e-5
+    eng.close()
+
+
+def test_what_it_does_not_take_runs_the_torch_code(model_factory, monkeypatch):
+    eng, steps = _captured_steps(model_factory("tiny-llama"), "int4", monkeypatch)
+    layer, x, b, cache, want = steps[0]
+    native = decode_layer.Native(layer.parts())
+    # a step with a prefill chunk, more rows than the kernel's, the switch
+    assert native(x, dataclasses.replace(b, prefills=[object()]), cache) is None  # pyright: ignore[reportArgumentType]
+    big = x.repeat(7, 1)
+    assert native(big, dataclasses.replace(b, n_decode=big.shape[0]), cache) is None
+    assert native(x, b, cache) is not None
+    monkeypatch.setenv("PANTHEON_FUSED_LAYER", "0")
+    assert not decode_layer.available() and native(x, b, cache) is None
+    eng.close()
+    # linears in torch's int4 layout: planned out, with the reason
+    monkeypatch.setenv("PANTHEON_LINEAR_KERNEL", "0")
+    eng, steps = _captured_steps(model_factory("tiny-llama"), "int4", monkeypatch)
+    why = decode_layer.Native(steps[0][0].parts()).why
+    assert why is not None and "not in our kernel's layout" in why
+    eng.close()
+
+
+def test_qwen3s_per_head_norms_keep_the_torch_code(tiny_model, monkeypatch):
+    eng, steps = _captured_steps(tiny_model, "int4", monkeypatch)
+    assert decode_layer.Native(steps[0][0].parts()).why == "per-head q/k norms"
+    eng.close()

@@ -1,0 +1,235 @@
+"""A Llama-family decoder layer's pure decode step in one native call (``llama_layer.c``).
+
+At one row a small model's layer is ~30 eager torch ops and four kernel calls, each op a few
+microseconds of dispatch: more than the arithmetic between the linears (issue 28 §2). ``Native``
+runs the whole layer in one ctypes call instead, with the linears and the attention still done
+by their own kernels (``qmatmul.c``, ``paged_decode.c``), whose entry points the plan carries.
+
+It takes (``Native.why`` / ``Native.__call__`` return None otherwise, and the layer runs its
+torch code): linears in our quantized kernel's layouts (``Int4Linear`` / ``Int8Linear`` with
+``ours``), no per-head q/k norm, no sliding window, a full-width fp32 or bf16 KV pool on the
+CPU, a pure decode step (no prefill chunk) of at most ``qlinear.MAX_ROWS`` rows with its block
+tables and lengths, fp32 or bf16 activations, not inside a ``torch.compile`` trace.
+``PANTHEON_FUSED_LAYER=0`` keeps the torch path (read at each call: tests switch it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.cache import KVCache, LayerCache
+from workers.kernels import paged, qlinear
+from workers.kernels.build import build
+from workers.layers.attention import StepBatch
+from workers.quant import Int4Linear, Int8Linear
+
+log = logging.getLogger("pantheon.worker")
+
+_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", _I), ("skind", _I), ("a", _P), ("b", _P), ("bias", _P), ("n", _L), ("k", _L)]
+
+
+class _Plan(ctypes.Structure):
+    _fields_ = [
+        ("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L),
+        ("eps_in", _F), ("eps_post", _F), ("norm_in", _P), ("norm_post", _P), ("norm_round", _I),
+        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+        ("q4", _P), ("q8", _P), ("attend", _P),
+    ]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("rot_cos", _P), ("rot_sin", _P), ("rot_kind", _I), ("slots", _P),
+        ("table", _P), ("table_i32", _I), ("nb", _L), ("lens", _P), ("lens_i32", _I),
+        ("block_size", _L), ("min_parallel", _L),
+    ]  # fmt: skip
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    lib, why = build("llama_layer")
+    if lib is None:
+        log.warning("fused decode layer unavailable, layers keep their torch ops: %s", why)
+        return None, why
+    lib.ll_decode.restype = _I
+    lib.ll_decode.argtypes = [_P, _P, _P, _I, _P, _L, _P, _P, _I, _I]
+    return lib, why
+
+
+def available() -> bool:
+    """Built (with the two kernels it calls), and not switched off (``PANTHEON_FUSED_LAYER=0``)."""
+    return (
+        os.environ.get("PANTHEON_FUSED_LAYER", "1") != "0"
+        and qlinear.available()
+        and paged.available()
+        and _load()[0] is not None
+    )
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """What a Llama-family layer is made of, as the fused call reads it."""
+
+    norm_in: torch.Tensor  # [hidden]
+    eps_in: float
+    qkv: nn.Module  # [H + 2 KV) * D, hidden]
+    o: nn.Module  # [hidden, H * D]
+    norm_post: torch.Tensor
+    eps_post: float
+    gate_up: nn.Module  # [2 I, hidden]: gate rows, then up rows
+    down: nn.Module  # [hidden, I]
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def _fn(lib: ctypes.CDLL, name: str) -> int | None:
+    return ctypes.cast(getattr(lib, name), _P).value
+
+
+class Native:
+    """One layer's plan: built once (the weights are in place by then), called every decode
+    step. ``why`` is None when the layer can run fused, else the reason it cannot."""
+
+    def __init__(self, parts: LayerParts | str):
+        self.why: str | None = None
+        self._keep: list[torch.Tensor] = []  # fp32 copies the plan points at
+        self._plan = _Plan()
+        if isinstance(parts, str):
+            self.why = parts
+            return
+        lib = _load()[0]
+        qlib, plib = qlinear.library(), paged.library()
+        if lib is None or qlib is None or plib is None:
+            self.why = "a kernel is not built"
+            return
+        h, kv, d = parts.heads, parts.kv_heads, parts.head_dim
+        if d % 16 or d > paged.MAX_D or h % kv or h // kv > paged.MAX_G:
+            self.why = f"attention heads the kernel does not take ({h} x {d}, {kv} KV heads)"
+            return
+        lins = {}
+        for name, mod in (
+            ("qkv", parts.qkv),
+            ("o", parts.o),
+            ("gate_up", parts.gate_up),
+            ("down", parts.down),
+        ):
+            lin = self._linear(mod)
+            if lin is None:
+                self.why = f"{name}: a {type(mod).__name__} not in our kernel's layout"
+                return
+            lins[name] = lin
+        p = self._plan
+        p.hidden, p.heads, p.kv_heads, p.head_dim = parts.norm_in.shape[0], h, kv, d
+        p.eps_in, p.eps_post = parts.eps_in, parts.eps_post
+        p.norm_in, p.norm_post = self._f32(parts.norm_in), self._f32(parts.norm_post)
+        p.norm_round = 1
+        p.qkv, p.o, p.gate_up, p.down = lins["qkv"], lins["o"], lins["gate_up"], lins["down"]
+        p.q4, p.q8 = _fn(qlib, "qm_q4_linear"), _fn(qlib, "qm_q8_linear")
+        p.attend = _fn(plib, "pd_paged_decode")
+        self._addr = ctypes.addressof(p)
+        self._lib = lib
+
+    def _f32(self, t: torch.Tensor) -> int:
+        c = t.detach().float().contiguous()
+        self._keep.append(c)
+        return c.data_ptr()
+
+    def _linear(self, mod: nn.Module) -> _Linear | None:
+        bias = getattr(mod, "bias", None)
+        lin = _Linear(bias=None if bias is None else self._f32(bias))
+        if isinstance(mod, Int4Linear) and mod.ours:
+            lin.kind, lin.a, lin.b = 4, mod.weight.data_ptr(), mod.scales_mins.data_ptr()
+        elif isinstance(mod, Int8Linear) and mod.ours and mod.scale.dtype in _KINDS:
+            lin.kind, lin.skind = 8, _KINDS[mod.scale.dtype]
+            lin.a, lin.b = mod.weight.data_ptr(), mod.scale.data_ptr()
+        else:
+            return None
+        lin.n, lin.k = mod.out_features, mod.in_features
+        return lin
+
+    def __call__(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor | None:
+        """The layer's output (x plus both blocks) for this step, or None when the step is not
+        one the fused call takes (the caller runs its torch code)."""
+        if (
+            self.why is not None
+            or not _takes(x, b, cache)
+            or os.environ.get("PANTHEON_FUSED_LAYER", "1") == "0"
+        ):
+            return None
+        assert isinstance(cache, KVCache)  # _takes checked, and both pools plain tensors
+        k, v = cache.k, cache.v
+        assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+        p = self._plan
+        if b.rot_cos.shape != (x.shape[0], p.heads + p.kv_heads, p.head_dim):
+            return None
+        step = _step(b)
+        if step is None:
+            return None
+        out = torch.empty_like(x)
+        rc = self._lib.ll_decode(
+            self._addr, ctypes.addressof(step), x.data_ptr(), _KINDS[x.dtype], out.data_ptr(), x.shape[0],
+            k.data_ptr(), v.data_ptr(), _KINDS[k.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        if rc:
+            raise ValueError(f"fused decode layer refused its arguments (code {rc})")
+        return out
+
+
+def _takes(x: torch.Tensor, b: StepBatch, cache: LayerCache) -> bool:
+    if b.prefills or b.decode_lens is None or b.decode_blocks is None or b.block_size <= 0:
+        return False
+    if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in _KINDS or not x.is_contiguous():
+        return False
+    if x.shape[0] != b.n_decode or x.shape[0] > qlinear.MAX_ROWS or torch.compiler.is_compiling():
+        return False
+    if not isinstance(cache, KVCache) or not isinstance(cache.k, torch.Tensor):
+        return False
+    k, v = cache.k, cache.v
+    return (
+        isinstance(v, torch.Tensor)
+        and k.dtype in _KINDS
+        and v.dtype == k.dtype
+        and k.device.type == "cpu"
+        and k.is_contiguous()
+        and v.is_contiguous()
+    )
+
+
+# The step's part of the call, built once for all layers of a step (the last step's kept)
+_last: tuple[StepBatch, _Step, list[torch.Tensor]] | None = None
+
+
+def _step(b: StepBatch) -> _Step | None:
+    global _last
+    if _last is not None and _last[0] is b:
+        return _last[1]
+    assert b.decode_blocks is not None and b.decode_lens is not None
+    keep = [
+        t.contiguous() for t in (b.rot_cos, b.rot_sin, b.slot_mapping.long(), b.decode_blocks, b.decode_lens)
+    ]
+    cos, sin, slots, tab, lens = keep
+    if cos.dtype not in _KINDS or sin.dtype != cos.dtype or tab.dtype not in (torch.int32, torch.int64):
+        return None
+    if lens.dtype not in (torch.int32, torch.int64):
+        return None
+    s = _Step(
+        rot_cos=cos.data_ptr(), rot_sin=sin.data_ptr(), rot_kind=_KINDS[cos.dtype], slots=slots.data_ptr(),
+        table=tab.data_ptr(), table_i32=int(tab.dtype == torch.int32), nb=tab.shape[1],
+        lens=lens.data_ptr(), lens_i32=int(lens.dtype == torch.int32),
+        block_size=b.block_size, min_parallel=paged.MIN_PARALLEL,
+    )  # fmt: skip
+    _last = (b, s, keep)
+    return s
