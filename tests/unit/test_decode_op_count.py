@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
-from workers.kernels import paged
+from workers.kernels import decode_layer, paged
 
 # Ops per decode step of the ``tiny`` preset (Qwen3 shapes, 2 layers) on the fp32 path, measured
 # at batch 1 and 4; 194 / 203 before the quantized KV cache and speculation merged, 197 / 206 after
@@ -26,6 +26,11 @@ from workers.kernels import paged
 # instead of ~13 ops) 129 / 131; without it (no C compiler, PANTHEON_ATTN_KERNEL=0) the torch path's,
 # 155 / 155. Lower them when a change cuts ops.
 MAX_OPS = {1: 129, 4: 131} if paged.available() else {1: 155, 4: 155}
+# The same count for a Llama layer whose linears run our quantized kernel: the whole layer is one
+# native call (workers/kernels/decode_layer.py), one op a layer (its output's allocation); the
+# rest are the step's own (rotary tables, embedding, final norm, head, argmax). ``tiny-llama``
+# (2 layers) on the int4 path, 2026-12-05: 53 at batch 1 and 4.
+MAX_FUSED_OPS = {1: 53, 4: 53}
 
 
 class _Count(TorchDispatchMode):
@@ -38,15 +43,7 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(scope="module")
-def engine(model_factory):
-    eng = Engine(str(model_factory("tiny")), cpu_path="fp32", num_slots=4, kv_budget_bytes=16 << 20)
-    yield eng
-    eng.close()
-
-
-@pytest.mark.parametrize("batch", [1, 4])
-def test_a_decode_step_dispatches_no_more_ops_than_counted(engine, batch):
+def _count_a_step(engine: Engine, batch: int) -> tuple[int, collections.Counter[str]]:
     for i in range(batch):
         engine.submit(
             f"r{batch}-{i}",
@@ -59,9 +56,30 @@ def test_a_decode_step_dispatches_no_more_ops_than_counted(engine, batch):
     count = _Count()
     with count:
         engine.step()
-    total = sum(count.ops.values())
+    while engine.has_work():
+        engine.step()
+    return sum(count.ops.values()), count.ops
+
+
+@pytest.fixture(scope="module")
+def engine(model_factory):
+    eng = Engine(str(model_factory("tiny")), cpu_path="fp32", num_slots=4, kv_budget_bytes=16 << 20)
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_decode_step_dispatches_no_more_ops_than_counted(engine, batch):
+    total, ops = _count_a_step(engine, batch)
+    assert 0 < total <= MAX_OPS[batch], f"{total} ops (most: {ops.most_common(12)})"
+
+
+@pytest.mark.skipif(not decode_layer.available(), reason="no C compiler: no fused layer")
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_fused_llama_step_dispatches_no_more_ops_than_counted(model_factory, batch):
+    eng = Engine(str(model_factory("tiny-llama")), cpu_path="int4", num_slots=4, kv_budget_bytes=16 << 20)
     try:
-        assert 0 < total <= MAX_OPS[batch], f"{total} ops (most: {count.ops.most_common(12)})"
+        total, ops = _count_a_step(eng, batch)
     finally:
-        while engine.has_work():
-            engine.step()
+        eng.close()
+    assert 0 < total <= MAX_FUSED_OPS[batch], f"{total} ops (most: {ops.most_common(12)})"
