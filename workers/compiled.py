@@ -333,6 +333,7 @@ class Runner(Protocol):
     """What ``start`` needs of the model runner (workers/runner.py)."""
 
     kv_types: KvCacheTypes
+    native_rows: int  # decode steps of up to this many rows run native layers, not the graph
 
     def compile_decode(
         self, cache: CompileCache | None, key: str | None, background: bool
@@ -353,6 +354,11 @@ def start(
         return NotCompiled("PANTHEON_COMPILE=0")
     if compiler() is None:
         return NotCompiled("no C++ compiler found (CXX, c++, g++, clang++)")
+    if runner.native_rows >= int(str(layout.get("slots", 0))):
+        return NotCompiled(
+            "every decode step runs each layer as one native call (workers/kernels/decode_layer.py), "
+            "faster than the compiled graph"
+        )
     spec = cpu_paths.PATHS.get(str(layout.get("cpu_path")))
     if spec is not None and spec.layout in UNLOWERED:
         return NotCompiled(f"the {spec.name} CPU path: {UNLOWERED[spec.layout]}")

@@ -106,3 +106,26 @@ def test_qwen3s_per_head_norms_keep_the_torch_code(tiny_model, monkeypatch):
     eng, steps = _captured_steps(tiny_model, "int4", monkeypatch)
     assert decode_layer.Native(steps[0][0].parts()).why == "per-head q/k norms"
     eng.close()
+
+
+def test_a_model_of_native_layers_is_not_compiled(model_factory, tiny_model, monkeypatch):
+    """Every decode step of at most ``MAX_ROWS`` rows runs the native layers (faster than the
+    compiled graph: bench/decode.py --compile), so a model whose slots all fit is not compiled;
+    one with more slots compiles for the bigger steps, and the runner keeps the native layers for
+    the small ones."""
+    from workers.kernels import qlinear
+
+    eng = Engine(str(model_factory("tiny-llama")), cpu_path="int4", num_slots=4, kv_budget_bytes=8 << 20,
+                 compile_decode=True)  # fmt: skip
+    assert eng.runner.native_rows == qlinear.MAX_ROWS
+    assert eng.compiler.state.startswith("off: every decode step runs each layer as one native call")
+    eng.close()
+    monkeypatch.setenv("PANTHEON_FUSED_LAYER", "0")
+    eng = Engine(str(model_factory("tiny-llama")), cpu_path="int4", num_slots=4, kv_budget_bytes=8 << 20,
+                 compile_decode=False)  # fmt: skip
+    assert eng.runner.native_rows == 0
+    eng.close()
+    monkeypatch.setenv("PANTHEON_FUSED_LAYER", "1")
+    eng = Engine(str(tiny_model), cpu_path="int4", num_slots=4, kv_budget_bytes=8 << 20, compile_decode=False)
+    assert eng.runner.native_rows == 0  # Qwen3's layers are not native
+    eng.close()

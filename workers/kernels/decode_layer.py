@@ -19,7 +19,9 @@ import ctypes
 import functools
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -186,6 +188,30 @@ class Native:
         if rc:
             raise ValueError(f"fused decode layer refused its arguments (code {rc})")
         return out
+
+
+@runtime_checkable
+class Fusable(Protocol):
+    """A layer that can run its decode steps as one native call (``workers/models/llama.py``'s)."""
+
+    native: Native | None
+
+    def parts(self) -> LayerParts | str: ...
+
+
+def why_not(layers: Iterable[nn.Module]) -> str | None:
+    """None when every layer of a model can run its decode steps fused (each planned now), else
+    why the first that cannot does not."""
+    if not available():
+        return "the fused layer is off or not built"
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, Fusable):
+            return f"layer {i} is a {type(layer).__name__}"
+        if layer.native is None:
+            layer.native = Native(layer.parts())
+        if layer.native.why is not None:
+            return f"layer {i}: {layer.native.why}"
+    return None
 
 
 def _takes(x: torch.Tensor, b: StepBatch, cache: LayerCache) -> bool:
