@@ -213,6 +213,9 @@ static void quantize_rows(const void *x, int xkind, int64_t M, int64_t K, int bl
  * the pass into sc, so the pass broadcasts it from memory.
  */
 #define NC 4
+#ifndef AHEAD
+#define AHEAD 8 /* columns ahead whose weights a tile prefetches (the same bytes of a later tile) */
+#endif
 #define MAX_MB 2
 #define MAX_G 1024 /* groups a row may have: K <= 32768 (qlinear.MAX_K) */
 
@@ -233,6 +236,8 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
     float mins[MAX_MB][NC];
     for (int c = 0; c < nc; c++) {
         const uint16_t *d = dm + (n0 + c) * 2 * G, *mn = d + G;
+        for (int64_t i = 0; i < 2 * G; i += 32) /* a later tile's scales: 64 bytes a line */
+            _mm_prefetch((const char *)(d + AHEAD * 2 * G + i), _MM_HINT_T0);
         for (int r = 0; r < mb; r++) {
             const float *xdr = xd + (m0 + r) * G, *xsr = xs + (m0 + r) * G;
             float *scr = sc + (r * NC + c) * G;
@@ -272,6 +277,7 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
         }
         for (int c = 0; c < nc; c++) {
             __m512i b = _mm512_loadu_si512((const void *)(qs + (n0 + c) * (K / 2) + g * 16));
+            _mm_prefetch((const char *)(qs + (n0 + c + AHEAD) * (K / 2) + g * 16), _MM_HINT_T0);
             __m512i wlo = _mm512_and_si512(b, lo4w), whi = _mm512_and_si512(_mm512_srli_epi16(b, 4), lo4w);
             for (int r = 0; r < mb; r++) {
                 __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, xlo[r]), whi, xhi[r]);
@@ -295,6 +301,7 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
         }
         for (int c = 0; c < nc; c++) {
             __m256i b = _mm256_loadu_si256((const __m256i *)(qs + (n0 + c) * (K / 2) + g * 16));
+            _mm_prefetch((const char *)(qs + (n0 + c + AHEAD) * (K / 2) + g * 16), _MM_HINT_T0);
             __m256i wlo = _mm256_and_si256(b, lo4), whi = _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4);
             for (int r = 0; r < mb; r++) {
                 __m256i dot = DOT_U8S8(DOT_U8S8(_mm256_setzero_si256(), wlo, xlo[r]), whi, xhi[r]);
@@ -357,6 +364,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, cons
             /* u8 x s8 only: |w| as the unsigned side, x carrying w's sign (w = -128 never occurs:
              * the rows are clamped to [-127, 127]) */
             __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (n0 + c) * K + g * QK));
+            _mm_prefetch((const char *)(w + (n0 + c + AHEAD) * K + g * QK), _MM_HINT_T0);
             __m256i aw = _mm256_sign_epi8(wv, wv);
             for (int r = 0; r < mb; r++) {
                 __m256i dot = DOT_U8S8(_mm256_setzero_si256(), aw, _mm256_sign_epi8(xv[r], wv));
