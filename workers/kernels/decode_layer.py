@@ -7,7 +7,7 @@ by their own kernels (``qmatmul.c``, ``paged_decode.c``), whose entry points the
 
 It takes (``Native.why`` / ``Native.__call__`` return None otherwise, and the layer runs its
 torch code): linears in our quantized kernel's layouts (``Int4Linear`` / ``Int8Linear`` with
-``ours``), no per-head q/k norm, no sliding window, a full-width fp32 or bf16 KV pool on the
+``ours``; their biases), Qwen3's per-head q/k norms, no sliding window, a full-width fp32 or bf16 KV pool on the
 CPU, a pure decode step (no prefill chunk) of at most ``qlinear.MAX_ROWS`` rows with its block
 tables and lengths, fp32 or bf16 activations, not inside a ``torch.compile`` trace.
 ``PANTHEON_FUSED_LAYER=0`` keeps the torch path (read at each call: tests switch it).
@@ -46,6 +46,7 @@ class _Plan(ctypes.Structure):
     _fields_ = [
         ("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L),
         ("eps_in", _F), ("eps_post", _F), ("norm_in", _P), ("norm_post", _P), ("norm_round", _I),
+        ("qk_norm", _P), ("eps_qk", _F),
         ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
         ("q4", _P), ("q8", _P), ("attend", _P),
     ]  # fmt: skip
@@ -95,6 +96,8 @@ class LayerParts:
     heads: int
     kv_heads: int
     head_dim: int
+    qk_norm: torch.Tensor | None = None  # [H + KV, D]: per-head q and k norm weights (Qwen3)
+    eps_qk: float = 0.0
 
 
 def _fn(lib: ctypes.CDLL, name: str) -> int | None:
@@ -138,6 +141,8 @@ class Native:
         p.eps_in, p.eps_post = parts.eps_in, parts.eps_post
         p.norm_in, p.norm_post = self._f32(parts.norm_in), self._f32(parts.norm_post)
         p.norm_round = 1
+        if parts.qk_norm is not None:
+            p.qk_norm, p.eps_qk = self._f32(parts.qk_norm), parts.eps_qk
         p.qkv, p.o, p.gate_up, p.down = lins["qkv"], lins["o"], lins["gate_up"], lins["down"]
         p.q4, p.q8 = _fn(qlib, "qm_q4_linear"), _fn(qlib, "qm_q8_linear")
         p.attend = _fn(plib, "pd_paged_decode")

@@ -2,6 +2,8 @@
  * linear, RoPE, the K/V cache write, paged attention, the output linear and its residual,
  * RMSNorm, the fused gate/up linear, SwiGLU, the down linear and its residual.
  *
+ * Qwen3's per-head q/k RMSNorm (before the rotation) is in; biases (Qwen2) are added.
+ *
  * Why: at one row a small model's layer is ~30 eager torch ops and four kernel calls, each op a
  * few microseconds of dispatch, more than the arithmetic between the linears; here it is one
  * call. The linears and the attention are the other kernels' own entry points (qmatmul.c's
@@ -49,6 +51,8 @@ typedef struct {
     float eps_in, eps_post;
     const float *norm_in, *norm_post; /* [hidden] */
     int norm_round;                   /* round x-hat to x's kind before the weight (Llama's norm) */
+    const float *qk_norm;             /* [H + KV, D]: Qwen3's per-head q and k norm weights, or NULL */
+    float eps_qk;
     Linear qkv, o, gate_up, down;
     q4_fn q4;
     q8_fn q8;
@@ -135,6 +139,12 @@ int ll_decode(const Plan *p, const Step *s, const void *x, int xkind, void *out,
     rms_norm(res, M, HD, p->norm_in, p->eps_in, p->norm_round, xkind, h);
     if ((rc = linear(p, &p->qkv, h, M, qkv, nthreads))) goto done;
     for (int64_t i = 0; i < M * W; i++) qkv[i] = as_kind(qkv[i], xkind); /* a linear's output */
+    if (p->qk_norm) /* Qwen3: each q and k head normed over D before the rotation */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t hh = 0; hh < H + KV; hh++) {
+                float *v = qkv + m * W + hh * D;
+                rms_norm(v, 1, D, p->qk_norm + hh * D, p->eps_qk, 1, xkind, v);
+            }
     for (int64_t m = 0; m < M; m++) {
         for (int64_t hh = 0; hh < H + KV; hh++) { /* rotate q and k heads: x cos + swap(x) sin */
             float *v = qkv + m * W + hh * D, tmp[1024];

@@ -112,8 +112,7 @@ class LlamaLayer(DecoderLayer):
         a = self.self_attn
         if a.window is not None:
             return "a sliding window"
-        if a.q_norm is not None:
-            return "per-head q/k norms"
+        qk = None if a.q_norm is None else a.qk_norm_weight()
         return decode_layer.LayerParts(
             norm_in=self.input_layernorm.weight,
             eps_in=self.input_layernorm.eps,
@@ -126,6 +125,8 @@ class LlamaLayer(DecoderLayer):
             heads=a.n_heads,
             kv_heads=a.n_kv,
             head_dim=a.head_dim,
+            qk_norm=qk,
+            eps_qk=a.q_norm.eps if a.q_norm is not None else 0.0,
         )
 
 
