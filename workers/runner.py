@@ -71,7 +71,11 @@ class ModelRunner:
         # Steps of up to this many decode rows run each layer as one native call (every layer
         # takes it: workers/kernels/decode_layer.py), faster than the compiled graph: those skip it
         self.native_rows = 0
-        if self.main.type == "cpu" and not kv_types.quantized and decode_layer.why_not(model.layers) is None:
+        if (
+            self.main.type == "cpu"
+            and decode_layer.kv_types_ok(kv_types.k, kv_types.v)
+            and decode_layer.why_not(model.layers) is None
+        ):
             self.native_rows = qlinear.MAX_ROWS
         # the decode step compiled in the background (workers/compiled.py), once started
         self.compiled: CompiledDecode | None = None

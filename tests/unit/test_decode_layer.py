@@ -125,3 +125,64 @@ def test_a_model_of_native_layers_is_not_compiled(model_factory, monkeypatch):
     eng = Engine(str(gemma), cpu_path="int4", num_slots=4, kv_budget_bytes=8 << 20, compile_decode=False)
     assert eng.runner.native_rows == 0  # Gemma 3's layers are not native
     eng.close()
+
+
+@pytest.mark.parametrize("kinds", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0")])
+def test_quantized_kv_rows_are_written_as_the_torch_code_writes_them(kinds, model_factory, monkeypatch):
+    """K and V pools of q8_0 / q4_0 rows: the fused call quantizes the step's K/V as
+    ``kv_quant.quantize`` does (in fp32, the same bytes) and attends over them."""
+    from pantheon.core.kv_types import KvCacheTypes
+    from workers.layers.kv_quant import QuantRows
+
+    monkeypatch.setenv("PANTHEON_CPU_PATH", "int4")
+    model = model_factory("tiny-llama", head_dim=32)  # quantized blocks of 32 run along a head
+    eng = Engine(
+        str(model), num_slots=4, kv_budget_bytes=8 << 20, compile_decode=False, kv_types=KvCacheTypes(*kinds)
+    )
+    assert eng.runner.native_rows > 0  # these pools do not keep a model off the native step
+    monkeypatch.setenv("PANTHEON_FUSED_LAYER", "0")  # the torch code runs the steps captured
+    got: list[tuple] = []
+
+    def hook(mod, args, out):
+        if not args[1].prefills and len(got) < 6:
+            got.append((mod, args[0].clone(), args[1], args[2], out.clone()))
+
+    assert eng.model is not None
+    hs = [layer.register_forward_hook(hook) for layer in eng.model.layers]
+    for i, p in enumerate([list(range(5, 45)), [7, 8, 9]]):
+        eng.submit(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    for h in hs:
+        h.remove()
+    monkeypatch.setenv("PANTHEON_FUSED_LAYER", "1")
+    assert got
+    for layer, x, b, cache, want in got:
+        assert isinstance(cache.k, QuantRows) and (cache.k.kind, cache.v.kind) == kinds
+        native = decode_layer.Native(layer.parts())
+        out = native(x, b, cache)  # bf16: close to the torch code's output
+        assert out is not None and _rel(out, want) < 5e-2
+        b32 = dataclasses.replace(b, rot_cos=b.rot_cos.float(), rot_sin=b.rot_sin.float())
+        pools = {}
+        for who in ("torch", "native"):
+            pools[who] = KVCache(
+                *(
+                    dataclasses.replace(p, data=p.data.clone(), scales=p.scales.clone())
+                    for p in (cache.k, cache.v)
+                )
+            )
+        with torch.inference_mode():
+            monkeypatch.setenv("PANTHEON_FUSED_LAYER", "0")
+            want32 = layer(x.float(), b32, pools["torch"])
+            monkeypatch.setenv("PANTHEON_FUSED_LAYER", "1")
+        got32 = native(x.float(), b32, pools["native"])
+        assert got32 is not None and _rel(got32, want32) < 1e-4
+        rows = b.slot_mapping
+        for a, c in zip(
+            (pools["native"].k, pools["native"].v), (pools["torch"].k, pools["torch"].v), strict=True
+        ):
+            assert isinstance(a, QuantRows) and isinstance(c, QuantRows)
+            assert torch.equal(a.scales[rows], c.scales[rows])
+            same = (a.data[rows] == c.data[rows]).float().mean()
+            assert same > 0.99, same  # a level apart only where a product lands on a rounding tie
+    eng.close()

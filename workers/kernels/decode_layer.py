@@ -7,8 +7,9 @@ by their own kernels (``qmatmul.c``, ``paged_decode.c``), whose entry points the
 
 It takes (``Native.why`` / ``Native.__call__`` return None otherwise, and the layer runs its
 torch code): linears in our quantized kernel's layouts (``Int4Linear`` / ``Int8Linear`` with
-``ours``; their biases), Qwen3's per-head q/k norms, no sliding window, a full-width fp32 or bf16 KV pool on the
-CPU, a pure decode step (no prefill chunk) of at most ``qlinear.MAX_ROWS`` rows with its block
+``ours``; their biases), Qwen3's per-head q/k norms, no sliding window, K and V pools on the
+CPU of fp32 / bf16 rows or q8_0 / q4_0 ones (written quantized as ``kv_quant.quantize`` does),
+a pure decode step (no prefill chunk) of at most ``qlinear.MAX_ROWS`` rows with its block
 tables and lengths, fp32 or bf16 activations, not inside a ``torch.compile`` trace.
 ``PANTHEON_FUSED_LAYER=0`` keeps the torch path (read at each call: tests switch it).
 """
@@ -30,6 +31,7 @@ from workers.cache import KVCache, LayerCache
 from workers.kernels import paged, qlinear
 from workers.kernels.build import build
 from workers.layers.attention import StepBatch
+from workers.layers.kv_quant import KvRows, QuantRows
 from workers.quant import Int4Linear, Int8Linear
 
 log = logging.getLogger("pantheon.worker")
@@ -67,7 +69,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         log.warning("fused decode layer unavailable, layers keep their torch ops: %s", why)
         return None, why
     lib.ll_decode.restype = _I
-    lib.ll_decode.argtypes = [_P, _P, _P, _I, _P, _L, _P, _P, _I, _I]
+    lib.ll_decode.argtypes = [_P, _P, _P, _I, _P, _L, _P, _P, _I, _P, _P, _I, _I]
     return lib, why
 
 
@@ -176,9 +178,7 @@ class Native:
             or os.environ.get("PANTHEON_FUSED_LAYER", "1") == "0"
         ):
             return None
-        assert isinstance(cache, KVCache)  # _takes checked, and both pools plain tensors
-        k, v = cache.k, cache.v
-        assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+        assert isinstance(cache, KVCache)  # _takes checked, and both pools of a kind it writes
         p = self._plan
         if b.rot_cos.shape != (x.shape[0], p.heads + p.kv_heads, p.head_dim):
             return None
@@ -186,9 +186,10 @@ class Native:
         if step is None:
             return None
         out = torch.empty_like(x)
+        (kd, ks, kk), (vd, vs, vk) = _pool(cache.k), _pool(cache.v)
         rc = self._lib.ll_decode(
             self._addr, ctypes.addressof(step), x.data_ptr(), _KINDS[x.dtype], out.data_ptr(), x.shape[0],
-            k.data_ptr(), v.data_ptr(), _KINDS[k.dtype], torch.get_num_threads(),
+            kd, ks, kk, vd, vs, vk, torch.get_num_threads(),
         )  # fmt: skip
         if rc:
             raise ValueError(f"fused decode layer refused its arguments (code {rc})")
@@ -226,17 +227,30 @@ def _takes(x: torch.Tensor, b: StepBatch, cache: LayerCache) -> bool:
         return False
     if x.shape[0] != b.n_decode or x.shape[0] > qlinear.MAX_ROWS or torch.compiler.is_compiling():
         return False
-    if not isinstance(cache, KVCache) or not isinstance(cache.k, torch.Tensor):
-        return False
-    k, v = cache.k, cache.v
-    return (
-        isinstance(v, torch.Tensor)
-        and k.dtype in _KINDS
-        and v.dtype == k.dtype
-        and k.device.type == "cpu"
-        and k.is_contiguous()
-        and v.is_contiguous()
-    )
+    return isinstance(cache, KVCache) and _writes(cache.k) and _writes(cache.v)
+
+
+_QUANT = {"q8_0": 3, "q4_0": 4}  # llama_layer.c's (and paged_decode.c's) kinds of quantized rows
+
+
+def _writes(pool: KvRows) -> bool:
+    """A K or V pool the fused call writes and reads: fp32 / bf16 rows, or q8_0 / q4_0 ones."""
+    if isinstance(pool, QuantRows):
+        parts = (pool.data, pool.scales)
+        return pool.kind in _QUANT and all(t.device.type == "cpu" and t.is_contiguous() for t in parts)
+    return pool.dtype in _KINDS and pool.device.type == "cpu" and pool.is_contiguous()
+
+
+def _pool(pool: KvRows) -> tuple[int, int | None, int]:
+    """(data, scales or None, kind) of a pool ``_writes`` took."""
+    if isinstance(pool, QuantRows):
+        return pool.data.data_ptr(), pool.scales.data_ptr(), _QUANT[pool.kind]
+    return pool.data_ptr(), None, _KINDS[pool.dtype]
+
+
+def kv_types_ok(k: str, v: str) -> bool:
+    """KV cache types (``pantheon.core.kv_types``) whose pools the fused call takes."""
+    return all(t == "auto" or t in _QUANT for t in (k, v))
 
 
 # The step's part of the call, built once for all layers of a step (the last step's kept)

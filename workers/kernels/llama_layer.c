@@ -17,7 +17,9 @@
  *
  * Shapes (contiguous): x, out [M, hidden] fp32 or bf16 (xkind); rot_cos, rot_sin [M, H + KV, D]
  * (fp32 or bf16, q heads pre-scaled, sin signed for the swapped halves: workers/layers/rotary.py);
- * slots [M] int64 cache rows; k_cache, v_cache [rows, KV, D] fp32 or bf16 (cache_kind). Numbers
+ * slots [M] int64 cache rows; the K and V pools [rows, KV, D] fp32 or bf16, or quantized rows
+ * (q8_0: int8 [rows, KV, D]; q4_0: uint8 [rows, KV, D / 2]; fp16 scales [rows, KV, D / 32]),
+ * each of its own kind. Numbers
  * follow the torch path's roundings where they change the model's state (the residual stream
  * and the cache are rounded to their own dtype); between the linears everything is fp32.
  */
@@ -27,7 +29,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { F32 = 0, BF16 = 1 }; /* the kinds of qmatmul.c (X_*) and paged_decode.c (K_*) alike */
+/* No a * b + c contracted into one rounding: the K/V quantization below rounds as torch's
+ * (workers/layers/kv_quant.py), one operation at a time */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+/* the kinds of qmatmul.c (X_*: F32, BF16) and paged_decode.c (K_*: all five) alike */
+enum { F32 = 0, BF16 = 1, F16 = 2, Q8_0 = 3, Q4_0 = 4 };
+#define QBLOCK 32 /* values per quantized K/V block (one fp16 scale) */
 
 typedef int (*q4_fn)(const void *x, int xkind, int64_t M, int64_t K, const uint8_t *qs, const uint16_t *dm, int64_t N,
                      void *y, int ykind, int nthreads);
@@ -95,6 +107,69 @@ static inline void put(void *p, int kind, int64_t i, float v) {
         ((float *)p)[i] = v;
 }
 
+static inline uint16_t f32_to_f16(float f) { /* round to nearest even, as torch's .half() */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    uint32_t sign = (v.u >> 16) & 0x8000u, a = v.u & 0x7fffffffu;
+    if (a >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u));
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* 65520 and up: infinity */
+    if (a < 0x38800000u) /* below 2^-14: a subnormal half, in units of 2^-24 */
+        return (uint16_t)(sign | (uint32_t)lrintf(fabsf(f) * 0x1p24f));
+    a -= 0x38000000u; /* rebias the exponent (127 - 15) */
+    return (uint16_t)(sign | ((a + 0x0fffu + ((a >> 13) & 1u)) >> 13));
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;
+    if (em >= 0x7c00u) {
+        v.u = sign | 0x7f800000u | ((uint32_t)(em & 0x3ffu) << 13);
+        return v.f;
+    }
+    v.u = em << 13;
+    v.f *= 0x1p112f;
+    v.u |= sign;
+    return v.f;
+}
+
+/* One token's K (or V) heads, x [KV * D] fp32, into pool row ``row`` of kind: copied, or
+ * quantized per block of 32 as workers/layers/kv_quant.py's quantize does */
+static void write_row(void *data, uint16_t *scales, int kind, int64_t row, int64_t n, const float *x) {
+    if (kind == F32 || kind == BF16) {
+        for (int64_t i = 0; i < n; i++) put(data, kind, row * n + i, x[i]);
+        return;
+    }
+    for (int64_t b = 0; b < n / QBLOCK; b++) {
+        const float *xb = x + b * QBLOCK;
+        if (kind == Q8_0) {
+            float amax = 0.0f;
+            for (int i = 0; i < QBLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+            uint16_t h = f32_to_f16(amax / 127.0f);
+            float sc = f16_to_f32(h), inv = sc > 0.0f ? 1.0f / sc : 0.0f;
+            int8_t *q = (int8_t *)data + row * n + b * QBLOCK;
+            for (int i = 0; i < QBLOCK; i++) {
+                float r = rintf(xb[i] * inv);
+                q[i] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+            }
+            scales[row * (n / QBLOCK) + b] = h;
+        } else { /* Q4_0: the block's value of largest magnitude (the first) sets the scale */
+            float m = xb[0];
+            for (int i = 1; i < QBLOCK; i++) m = fabsf(xb[i]) > fabsf(m) ? xb[i] : m;
+            uint16_t h = f32_to_f16(m / -8.0f);
+            float sc = f16_to_f32(h), inv = sc != 0.0f ? 1.0f / sc : 0.0f;
+            uint8_t *q = (uint8_t *)data + row * (n / 2) + b * (QBLOCK / 2);
+            uint8_t lv[QBLOCK];
+            for (int i = 0; i < QBLOCK; i++) {
+                float t = xb[i] * inv;
+                float r = floorf(t + 8.5f);
+                lv[i] = (uint8_t)(r > 15.0f ? 15.0f : r < 0.0f ? 0.0f : r);
+            }
+            for (int i = 0; i < QBLOCK / 2; i++) q[i] = (uint8_t)(lv[i] | (lv[i + QBLOCK / 2] << 4));
+            scales[row * (n / QBLOCK) + b] = h;
+        }
+    }
+}
+
 /* v rounded as a value of kind would be */
 static inline float as_kind(float v, int kind) { return kind == BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
@@ -123,10 +198,13 @@ static int linear(const Plan *p, const Linear *l, const float *x, int64_t M, flo
 
 /* out = x + layer(x). Returns 0, or the code of the kernel that refused (1 a shape, 2 memory). */
 int ll_decode(const Plan *p, const Step *s, const void *x, int xkind, void *out, int64_t M, void *k_cache,
-              void *v_cache, int cache_kind, int nthreads) {
+              uint16_t *k_scales, int k_kind, void *v_cache, uint16_t *v_scales, int v_kind, int nthreads) {
     const int64_t D = p->head_dim, H = p->heads, KV = p->kv_heads, HD = p->hidden, W = (H + 2 * KV) * D;
     const int64_t I = p->gate_up.n / 2;
-    if (M < 1 || D % 2 || (xkind != F32 && xkind != BF16) || (cache_kind != F32 && cache_kind != BF16)) return 1;
+    if (M < 1 || D % 2 || (xkind != F32 && xkind != BF16) || k_kind < F32 || k_kind > Q4_0 || k_kind == F16 ||
+        v_kind < F32 || v_kind > Q4_0 || v_kind == F16)
+        return 1;
+    if ((k_kind >= Q8_0 || v_kind >= Q8_0) && D % QBLOCK) return 1; /* blocks run along a head */
     /* scratch: residual, norm, qkv, attention out, gate/up (the largest first use reuses none) */
     float *buf = (float *)malloc(sizeof(float) * (size_t)(M * (2 * HD + W + H * D + 2 * I + I)));
     if (!buf) return 2;
@@ -158,14 +236,12 @@ int ll_decode(const Plan *p, const Step *s, const void *x, int xkind, void *out,
             }
         }
         const int64_t row = s->slots[m]; /* this token's K and V into the cache */
-        for (int64_t i = 0; i < KV * D; i++) {
-            put(k_cache, cache_kind, row * KV * D + i, qkv[m * W + H * D + i]);
-            put(v_cache, cache_kind, row * KV * D + i, qkv[m * W + (H + KV) * D + i]);
-        }
+        write_row(k_cache, k_scales, k_kind, row, KV * D, qkv + m * W + H * D);
+        write_row(v_cache, v_scales, v_kind, row, KV * D, qkv + m * W + (H + KV) * D);
         memmove(att + m * H * D, qkv + m * W, sizeof(float) * (size_t)(H * D)); /* q, packed */
     }
     /* att holds q [M, H, D]; the kernel writes the output over qkv (free now) then back */
-    if ((rc = p->attend(att, F32, k_cache, NULL, cache_kind, v_cache, NULL, cache_kind, s->table, s->table_i32, s->nb,
+    if ((rc = p->attend(att, F32, k_cache, k_scales, k_kind, v_cache, v_scales, v_kind, s->table, s->table_i32, s->nb,
                         s->lens, s->lens_i32, M, H, KV, D, s->block_size, NULL, qkv, nthreads, s->min_parallel)))
         goto done;
     if ((rc = linear(p, &p->o, qkv, M, h, nthreads))) goto done;
