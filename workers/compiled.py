@@ -333,7 +333,7 @@ class Runner(Protocol):
     """What ``start`` needs of the model runner (workers/runner.py)."""
 
     kv_types: KvCacheTypes
-    native_rows: int  # decode steps of up to this many rows run native layers, not the graph
+    native: bool  # decode steps run each layer as one native call (not the graph)
 
     def compile_decode(
         self, cache: CompileCache | None, key: str | None, background: bool
@@ -354,7 +354,7 @@ def start(
         return NotCompiled("PANTHEON_COMPILE=0")
     if compiler() is None:
         return NotCompiled("no C++ compiler found (CXX, c++, g++, clang++)")
-    if runner.native_rows >= int(str(layout.get("slots", 0))):
+    if runner.native:
         return NotCompiled(
             "every decode step runs each layer as one native call (workers/kernels/decode_layer.py), "
             "faster than the compiled graph"

@@ -11,9 +11,8 @@
   scales' rounding. Run by our kernel (``workers/kernels/qlinear.py``: integer dot products
   against int8 activations, 1.5-1.9x torch's at one row) where it is built, else by torch's int4
   CPU kernel (``_weight_int4pack_mm_for_cpu``); each has its own packing, chosen at build.
-- Both run ``qlinear``'s kernel for a few rows (decode) where it is built: ``Int8Linear`` reads
-  its own layout; for more rows (a prefill chunk) ``Int4Linear`` dequantizes its weight and runs
-  a float matrix product, 10x torch's int4 kernel at 512 rows.
+- Both run ``qlinear``'s kernel where it is built (``Int8Linear`` reading its own layout), for
+  every number of rows: a row's output depends on that row alone (see qlinear.py).
 - ``QuantExperts``: a mixture of experts' stacked ``[E, N, K]`` matrices in the same layouts (int8
   rows, or int4 groups where the kernel takes the shape), quantized one expert at a time and
   stacked (``[E, N, K]`` int8 / ``[E, N, K/2]`` packed int4 and their scales), each expert's
@@ -39,6 +38,19 @@ from workers.kernels import qlinear
 INT8_KERNEL_K = 16
 
 
+def _rows(
+    op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+) -> torch.Tensor:
+    """``op`` (a qlinear kernel: [M, K] rows) over x [..., K] -> [..., N]; a 2-D x as it is (no
+    view ops: each is a dispatch)."""
+    if x.dim() == 2:
+        return op(x, a, b)
+    return op(x.reshape(-1, x.shape[-1]), a, b).view(*x.shape[:-1], a.shape[0])
+
+
 class Int8Linear(nn.Module):
     weight: torch.Tensor  # buffers, declared for the type checker (nn.Module's getattr is untyped)
     scale: torch.Tensor
@@ -57,8 +69,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, K] -> [M, N]
-        if self.ours and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= qlinear.MAX_ROWS:
-            y = qlinear.q8_linear_op(x, self.weight, self.scale)
+        if self.ours and x.device.type == "cpu":
+            y = _rows(qlinear.q8_linear_op, x, self.weight, self.scale)
         elif self.kernel and x.device.type == "cpu" and x.dtype == torch.bfloat16:
             y = torch._weight_int8pack_mm(x, self.weight, self.scale)  # pyright: ignore[reportPrivateImportUsage]  # the int8 CPU kernel
         else:
@@ -123,10 +135,8 @@ class Int4Linear(nn.Module):
         # x: [M, K] bf16 -> [M, N]
         if not self.ours:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_zeros)
-        elif x.dim() == 2 and x.shape[0] <= qlinear.MAX_ROWS:
-            y = qlinear.q4_linear_op(x, self.weight, self.scales_mins)
-        else:  # many rows: a float matrix product beats per-row dot products
-            y = F.linear(x, qlinear.q4_dequant(self.weight, self.scales_mins, x.dtype))
+        else:
+            y = _rows(qlinear.q4_linear_op, x, self.weight, self.scales_mins)
         return y if self.bias is None else y + self.bias
 
 

@@ -17,7 +17,7 @@ import torch
 from pantheon.core.kv_types import KvCacheTypes
 from workers.block_manager import BlockManager
 from workers.cache import KVCache, LayerCache, StateCache, kv_block_bytes, make_caches
-from workers.kernels import decode_layer, paged, qlinear
+from workers.kernels import decode_layer, paged
 from workers.layers.attention import PrefillChunk, StepBatch
 from workers.layers.rotary import Rotary, qk_tables
 from workers.layers.sliding import window_view
@@ -68,15 +68,13 @@ class ModelRunner:
         self.sliding_rotary = (
             None if local is None else Rotary(dataclasses.replace(cfg, rope=local), self.main)
         )
-        # Steps of up to this many decode rows run each layer as one native call (every layer
-        # takes it: workers/kernels/decode_layer.py), faster than the compiled graph: those skip it
-        self.native_rows = 0
-        if (
+        # Decode steps run each layer as one native call (every layer takes it:
+        # workers/kernels/decode_layer.py), faster than the compiled graph, which they skip
+        self.native = (
             self.main.type == "cpu"
             and decode_layer.kv_types_ok(kv_types.k, kv_types.v)
             and decode_layer.why_not(model.layers) is None
-        ):
-            self.native_rows = qlinear.MAX_ROWS
+        )
         # the decode step compiled in the background (workers/compiled.py), once started
         self.compiled: CompiledDecode | None = None
         # the last eager step's final hidden states [N, hidden] (decode rows, then each prefill
@@ -273,7 +271,7 @@ class ModelRunner:
             and not pre
             and not all_rows
             and not plan.verify
-            and input_ids.shape[0] > self.native_rows  # else the native layers are faster
+            and not self.native  # (not compiled then; kept for a runner compiled by hand)
             and (base.decode_gather is None or base.decode_gather.shape[1] <= self.compiled_max_context())
         ):  # every row is a sampled decode row, none of them deep where the kernel is faster
             logits = self.compiled(

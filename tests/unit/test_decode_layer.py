@@ -77,7 +77,7 @@ def test_each_layer_is_its_torch_code(preset, cpu_path, model_factory, monkeypat
         monkeypatch.setenv("PANTHEON_FUSED_LAYER", "1")
         got32 = native(x.float(), b32, c_native)
         assert got32 is not None
-        assert _rel(got32, want32) < 1e-4
+        assert _rel(got32, want32) < 1e-3  # (~1e-7 Llama; Qwen3's q/k norms amplify to ~4e-4)
         rows = b.slot_mapping
         assert _rel(k_native[rows], k_torch[rows]) < 1e-5 and _rel(v_native[rows], v_torch[rows]) < 1e-5
     eng.close()
@@ -87,10 +87,9 @@ def test_what_it_does_not_take_runs_the_torch_code(model_factory, monkeypatch):
     eng, steps = _captured_steps(model_factory("tiny-llama"), "int4", monkeypatch)
     layer, x, b, cache, want = steps[0]
     native = decode_layer.Native(layer.parts())
-    # a step with a prefill chunk, more rows than the kernel's, the switch
+    # a step with a prefill chunk, rows that are not the step's decode rows, the switch
     assert native(x, dataclasses.replace(b, prefills=[object()]), cache) is None  # pyright: ignore[reportArgumentType]
-    big = x.repeat(7, 1)
-    assert native(big, dataclasses.replace(b, n_decode=big.shape[0]), cache) is None
+    assert native(x[:1], b, cache) is None
     assert native(x, b, cache) is not None
     monkeypatch.setenv("PANTHEON_FUSED_LAYER", "0")
     assert not decode_layer.available() and native(x, b, cache) is None
@@ -104,26 +103,22 @@ def test_what_it_does_not_take_runs_the_torch_code(model_factory, monkeypatch):
 
 
 def test_a_model_of_native_layers_is_not_compiled(model_factory, monkeypatch):
-    """Every decode step of at most ``MAX_ROWS`` rows runs the native layers (faster than the
-    compiled graph: bench/decode.py --compile), so a model whose slots all fit is not compiled;
-    one with more slots compiles for the bigger steps, and the runner keeps the native layers for
-    the small ones."""
-    from workers.kernels import qlinear
-
+    """Every decode step runs the native layers (faster than the compiled graph: bench/decode.py
+    --compile), so a model of native layers is not compiled."""
     eng = Engine(str(model_factory("tiny-llama")), cpu_path="int4", num_slots=4, kv_budget_bytes=8 << 20,
                  compile_decode=True)  # fmt: skip
-    assert eng.runner.native_rows == qlinear.MAX_ROWS
+    assert eng.runner.native
     assert eng.compiler.state.startswith("off: every decode step runs each layer as one native call")
     eng.close()
     monkeypatch.setenv("PANTHEON_FUSED_LAYER", "0")
     eng = Engine(str(model_factory("tiny-llama")), cpu_path="int4", num_slots=4, kv_budget_bytes=8 << 20,
                  compile_decode=False)  # fmt: skip
-    assert eng.runner.native_rows == 0
+    assert not eng.runner.native
     eng.close()
     monkeypatch.setenv("PANTHEON_FUSED_LAYER", "1")
     gemma = model_factory("tiny-gemma3")
     eng = Engine(str(gemma), cpu_path="int4", num_slots=4, kv_budget_bytes=8 << 20, compile_decode=False)
-    assert eng.runner.native_rows == 0  # Gemma 3's layers are not native
+    assert not eng.runner.native  # Gemma 3's layers are not native
     eng.close()
 
 
@@ -139,7 +134,7 @@ def test_quantized_kv_rows_are_written_as_the_torch_code_writes_them(kinds, mode
     eng = Engine(
         str(model), num_slots=4, kv_budget_bytes=8 << 20, compile_decode=False, kv_types=KvCacheTypes(*kinds)
     )
-    assert eng.runner.native_rows > 0  # these pools do not keep a model off the native step
+    assert eng.runner.native  # these pools do not keep a model off the native step
     monkeypatch.setenv("PANTHEON_FUSED_LAYER", "0")  # the torch code runs the steps captured
     got: list[tuple] = []
 

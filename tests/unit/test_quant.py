@@ -78,10 +78,12 @@ def test_int4_gives_a_4_bit_file_its_own_levels_back():
     )
 
 
-def test_the_int4_path_on_smollm2_is_exact_to_its_file_and_booked_right():
+def test_the_int4_path_on_smollm2_is_exact_to_its_file_and_booked_right(monkeypatch):
     """SmolLM2's Q4_1 file: a candidate only because its linears are 4-bit groups; the decoder's
     linears in int4 and the head (Q8_0 in the file) in int8 rows; the bytes the router books;
-    its logits at least as close to the file's fp32 dequantization as int8 rows get."""
+    on torch's kernels (bf16 activations) its logits at least as close to the file's fp32
+    dequantization as int8 rows get; on ours (int8 activations, as llama.cpp's q4_1 x q8_1) within
+    the bound measured."""
     import pytest
 
     from pantheon.core.sizing import cpu_path_names, estimate, read_shape
@@ -103,11 +105,16 @@ def test_the_int4_path_on_smollm2_is_exact_to_its_file_and_booked_right():
     assert isinstance(eng.model.lm_head, Int8Linear)
     assert eng.weight_bytes == estimate(read_shape(f), cpu_path="int4").weights
     ref = Engine(str(f), devices=["cpu"], kv_budget_bytes=1 << 22, cpu_path="fp32").prompt_logits(prompt)
+    # ours: 0.12 of the logits' scale here (2026-12-05), torch's bf16 activations 0.055
+    ours = float((eng.prompt_logits(prompt).float() - ref).abs().max() / ref.abs().max())
+    assert ours < 0.15, ours
+    monkeypatch.setenv("PANTHEON_LINEAR_KERNEL", "0")  # the weights' fidelity alone
     errs = {}
-    for name, e in (
-        ("int4", eng),
-        ("int8", Engine(str(f), devices=["cpu"], kv_budget_bytes=1 << 22, cpu_path="int8")),
-    ):
-        got = e.prompt_logits(prompt).float()
+    for name in ("int4", "int8"):
+        got = (
+            Engine(str(f), devices=["cpu"], kv_budget_bytes=1 << 22, cpu_path=name)
+            .prompt_logits(prompt)
+            .float()
+        )
         errs[name] = float((got - ref).abs().max() / ref.abs().max())
     assert errs["int4"] <= errs["int8"], errs

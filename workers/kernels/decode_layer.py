@@ -9,8 +9,8 @@ It takes (``Native.why`` / ``Native.__call__`` return None otherwise, and the la
 torch code): linears in our quantized kernel's layouts (``Int4Linear`` / ``Int8Linear`` with
 ``ours``; their biases), Qwen3's per-head q/k norms, no sliding window, K and V pools on the
 CPU of fp32 / bf16 rows or q8_0 / q4_0 ones (written quantized as ``kv_quant.quantize`` does),
-a pure decode step (no prefill chunk) of at most ``qlinear.MAX_ROWS`` rows with its block
-tables and lengths, fp32 or bf16 activations, not inside a ``torch.compile`` trace.
+a pure decode step (no prefill chunk; verify rows are decode rows) with its block tables and
+lengths, fp32 or bf16 activations, not inside a ``torch.compile`` trace.
 ``PANTHEON_FUSED_LAYER=0`` keeps the torch path (read at each call: tests switch it).
 """
 
@@ -225,7 +225,7 @@ def _takes(x: torch.Tensor, b: StepBatch, cache: LayerCache) -> bool:
         return False
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in _KINDS or not x.is_contiguous():
         return False
-    if x.shape[0] != b.n_decode or x.shape[0] > qlinear.MAX_ROWS or torch.compiler.is_compiling():
+    if x.shape[0] != b.n_decode or torch.compiler.is_compiling():
         return False
     return isinstance(cache, KVCache) and _writes(cache.k) and _writes(cache.v)
 

@@ -1,11 +1,13 @@
 """Typed wrapper of the quantized linear kernel (``qmatmul.c``): int4-group and int8-row weights
 times a few activation rows, by integer dot products (VNNI / AVX2, a scalar fallback).
 
-``workers/quant.py``'s ``Int4Linear`` and ``Int8Linear`` call it on the CPU for up to
-``MAX_ROWS`` rows (decode) when ``available()``; more rows (a prefill chunk) run a float matrix
-product instead (the int4 weight dequantized by ``q4_dequant``), since per-row dot products
-cost M times the weights' pass there. ``PANTHEON_LINEAR_KERNEL=0`` keeps torch's kernels (read
-when a layer is built: a loaded model keeps the layout it was built with).
+``workers/quant.py``'s ``Int4Linear`` and ``Int8Linear`` call it on the CPU for every step,
+decode rows and prefill chunks alike, when ``available()``: each output row depends on its own
+input row only, so a request's tokens never depend on the rows beside it, on how its prompt was
+chunked nor on what the prefix cache held (a float product of the dequantized weight for the
+many rows of a prefill would be ~5x faster there, and round each row differently from its
+decode step). ``PANTHEON_LINEAR_KERNEL=0`` keeps torch's kernels (read when a layer is built:
+a loaded model keeps the layout it was built with).
 """
 
 from __future__ import annotations
@@ -22,9 +24,6 @@ from workers.kernels.build import build
 log = logging.getLogger("pantheon.worker")
 
 GROUP = 32  # weights per int4 group, activations per int8 group (qmatmul.c's QK)
-# Rows up to which the integer kernel runs; more run a float matrix product. bench/qlinear.py,
-# 2-core Xeon (AVX-512 VNNI + AMX), SmolLM2's [3072, 576] int4: see its docstring for figures.
-MAX_ROWS = 16
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 _P = ctypes.c_void_p
@@ -163,7 +162,7 @@ def _(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
 
 
 def q4_dequant(qs: torch.Tensor, dm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The int4 weight as [N, K] floats (fp32 / bf16)."""
+    """The int4 weight as [N, K] floats (fp32 / bf16): what its levels stand for (tests)."""
     n, k = qs.shape[0], qs.shape[1] * 2
     out = torch.empty(n, k, dtype=dtype)
     rc = _lib().qm_q4_dequant(
