@@ -78,7 +78,12 @@ def test_the_linears_choose_it_and_the_switch_keeps_torchs(monkeypatch):
     assert ours4.ours and ours8.ours and ours4.scales_mins.shape == (64, 2, 3)
     assert torch.equal(ours4(x), qlinear.q4_linear(x, ours4.weight, ours4.scales_mins))
     assert torch.equal(ours8(x), qlinear.q8_linear(x, ours8.weight, ours8.scale))
-    # many rows (a prefill chunk) and a leading batch dimension: each row as it is alone
+    # no rows (a prefill step in which no row samples: the head gets none), then many rows (a
+    # prefill chunk) with a leading batch dimension: each row as it is alone
+    strided = torch.randn(96, 3).bfloat16().t()  # [3, 96], not contiguous: read as it is
+    assert ours4(strided).dtype == torch.bfloat16 and torch.equal(ours4(strided), ours4(strided.contiguous()))
+    none = torch.empty(0, 96).bfloat16()
+    assert ours4(none).shape == (0, 64) and ours8(none).shape == (0, 64)
     big = torch.randn(2, 37, 96).bfloat16()
     got = ours4(big)
     assert got.shape == (2, 37, 64) and torch.equal(got[1, 5:6], ours4(big[1, 5:6]))

@@ -92,7 +92,8 @@ def q4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype in _KINDS and x.is_contiguous() else x.float().contiguous()
+    """x as the kernel reads it: contiguous fp32 or bf16 (another float dtype widened to fp32)."""
+    return x.contiguous() if x.dtype in _KINDS else x.float().contiguous()
 
 
 def q4_linear(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:

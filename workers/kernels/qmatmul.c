@@ -404,7 +404,8 @@ const char *qm_isa(void) { return QM_ISA; }
 
 static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *y, int ykind, int nthreads,
                int kind, const uint8_t *qs, const uint16_t *dm, const int8_t *w, const void *ws, int skind) {
-    if (M < 1 || K < QK || K % QK || K / QK > MAX_G || N < 1 || (xkind != X_F32 && xkind != X_BF16) || (ykind != X_F32 && ykind != X_BF16))
+    if (M == 0) return 0; /* no rows (a prefill step where no row samples): nothing to do */
+    if (M < 0 || K < QK || K % QK || K / QK > MAX_G || N < 1 || (xkind != X_F32 && xkind != X_BF16) || (ykind != X_F32 && ykind != X_BF16))
         return 1;
     const int64_t G = K / QK;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
