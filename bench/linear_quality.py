@@ -8,7 +8,9 @@ int8 per group of 32, as llama.cpp's ``q4_1 x q8_1``) and with torch's kernels (
 
 Printed per row: the largest logit error over the logits' scale, the share of positions whose
 top token is the reference's, and the mean KL divergence of the reference's next-token
-distribution from ours (nats). One process; each engine is built with the switch as it reads it.
+distribution from ours (nats). With AVX512_BF16, also ours with ``PANTHEON_LINEAR_ACTIVATIONS=bf16``
+(the int4 weights against bf16 activations). One process; each engine is built with the switches
+as it reads them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 from pantheon.core.gguf import read_gguf, tokenizer_json  # noqa: E402
 from pantheon.serve import smollm2_file  # noqa: E402
 from workers.engine import Engine  # noqa: E402
+from workers.kernels import qlinear  # noqa: E402
 
 TEXT = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -58,16 +61,23 @@ def main() -> int:
     ref = logits("fp32")
     print(f"{Path(str(f)).name}, {len(prompt)} prompt positions, against the fp32 path\n")
     print("| linears | path | max error / scale | top-1 same | KL(ref || ours) |\n|---|---|---:|---:|---:|")
-    for kernel in ("1", "0"):
+    settings = (
+        [("1", "int8"), ("1", "bf16"), ("0", "int8")]
+        if qlinear.has_bf16()
+        else [("1", "int8"), ("0", "int8")]
+    )
+    for kernel, acts in settings:
         os.environ["PANTHEON_LINEAR_KERNEL"] = kernel
-        for path in ("int4", "int8"):
+        os.environ["PANTHEON_LINEAR_ACTIVATIONS"] = acts
+        qlinear.bf16_activations.cache_clear()
+        for path in ("int4", "int8") if acts == "int8" else ("int4",):
             got = logits(path)
             err = float((got - ref).abs().max() / ref.abs().max())
             top = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
             kl = float(
                 F.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="batchmean")
             )
-            who = "ours (int8 activations)" if kernel == "1" else "torch's (bf16 activations)"
+            who = f"ours ({acts} activations)" if kernel == "1" else "torch's (bf16 activations)"
             print(f"| {who} | {path} | {err:.4f} | {top:.3f} | {kl:.5f} |")
     return 0
 

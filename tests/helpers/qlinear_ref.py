@@ -46,6 +46,16 @@ def q4_ref(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     return y.float()
 
 
+def q4_ref_bf16(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """The int4 weight against the activations rounded to bf16 (no int8 step): what the
+    AVX512_BF16 kernel computes, in float64."""
+    n, g = qs.shape[0], dm.shape[2]
+    b = qs.long().reshape(n, g, 16)
+    levels = torch.cat([b & 15, b >> 4], dim=2).double()  # [N, G, 32]
+    w = (dm[:, 1].double()[..., None] + levels * dm[:, 0].double()[..., None]).reshape(n, -1)
+    return (x.bfloat16().double() @ w.t()).float()
+
+
 def q8_ref(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (int8 rows w [N, K] times ws [N])^T -> [M, N] fp32."""
     xq, xd, _ = quantize(x)
@@ -72,10 +82,13 @@ def check() -> dict[str, float | bool | str]:
         for m in ROWS:
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(m, k, generator=g) * 2).to(dtype)
-                for got, want in (
-                    (qlinear.q4_linear(x, qs, dm), q4_ref(x, qs, dm)),
+                cases = [
+                    (qlinear.q4_linear(x, qs, dm, bf16=False), q4_ref(x, qs, dm)),
                     (qlinear.q8_linear(x, w8, ws), q8_ref(x, w8, ws)),
-                ):
+                ]
+                if qlinear.has_bf16():
+                    cases.append((qlinear.q4_linear(x, qs, dm, bf16=True), q4_ref_bf16(x, qs, dm)))
+                for got, want in cases:
                     assert got.dtype == dtype and got.shape == (m, n)
                     # a bf16 output is the sum rounded to 8 significant bits: off by at most
                     # 2^-8 of itself, which is not counted against the kernel
@@ -84,13 +97,16 @@ def check() -> dict[str, float | bool | str]:
                         off = (off - want.abs() * 2**-8).clamp(min=0)
                     worst = max(worst, float(off.max() / want.abs().max()))
                 # each row alone, and on one thread, is the batched row bit for bit
-                batched, batched8 = qlinear.q4_linear(x, qs, dm), qlinear.q8_linear(x, w8, ws)
-                for i in range(m):
-                    same &= torch.equal(qlinear.q4_linear(x[i : i + 1], qs, dm), batched[i : i + 1])
-                    same &= torch.equal(qlinear.q8_linear(x[i : i + 1], w8, ws), batched8[i : i + 1])
-                threads = torch.get_num_threads()
-                torch.set_num_threads(1)
-                same &= torch.equal(qlinear.q4_linear(x, qs, dm), batched)
-                same &= torch.equal(qlinear.q8_linear(x, w8, ws), batched8)
-                torch.set_num_threads(threads)
-    return {"isa": qlinear.isa(), "worst": worst, "same": same}
+                for bf in (False, True) if qlinear.has_bf16() else (False,):
+                    batched, batched8 = qlinear.q4_linear(x, qs, dm, bf16=bf), qlinear.q8_linear(x, w8, ws)
+                    for i in range(m):
+                        same &= torch.equal(
+                            qlinear.q4_linear(x[i : i + 1], qs, dm, bf16=bf), batched[i : i + 1]
+                        )
+                        same &= torch.equal(qlinear.q8_linear(x[i : i + 1], w8, ws), batched8[i : i + 1])
+                    threads = torch.get_num_threads()
+                    torch.set_num_threads(1)
+                    same &= torch.equal(qlinear.q4_linear(x, qs, dm, bf16=bf), batched)
+                    same &= torch.equal(qlinear.q8_linear(x, w8, ws), batched8)
+                    torch.set_num_threads(threads)
+    return {"isa": qlinear.isa(), "bf16": qlinear.has_bf16(), "worst": worst, "same": same}

@@ -83,6 +83,37 @@ def test_each_layer_is_its_torch_code(preset, cpu_path, model_factory, monkeypat
     eng.close()
 
 
+def test_bf16_activations_run_the_same_kernel_both_ways(model_factory, monkeypatch):
+    """``PANTHEON_LINEAR_ACTIVATIONS=bf16`` (AVX512_BF16 builds): the fused call's int4 linears
+    and the torch code's take the bf16 kernel alike (fp32 agreement as with int8)."""
+    from workers.kernels import qlinear
+
+    if not qlinear.has_bf16():
+        pytest.skip("no AVX512_BF16 here")
+    monkeypatch.setenv("PANTHEON_LINEAR_ACTIVATIONS", "bf16")
+    qlinear.bf16_activations.cache_clear()
+    try:
+        assert qlinear.bf16_activations()
+        eng, steps = _captured_steps(model_factory("tiny-llama"), "int4", monkeypatch)
+        for layer, x, b, cache, want in steps:
+            native = decode_layer.Native(layer.parts())
+            got = native(x, b, cache)
+            assert got is not None and _rel(got, want) < 3e-2
+            b32 = dataclasses.replace(b, rot_cos=b.rot_cos.float(), rot_sin=b.rot_sin.float())
+            assert isinstance(cache.k, torch.Tensor) and isinstance(cache.v, torch.Tensor)
+            c1, c2 = KVCache(cache.k.float(), cache.v.float()), KVCache(cache.k.float(), cache.v.float())
+            monkeypatch.setenv("PANTHEON_FUSED_LAYER", "0")
+            with torch.inference_mode():
+                want32 = layer(x.float(), b32, c1)
+            monkeypatch.setenv("PANTHEON_FUSED_LAYER", "1")
+            got32 = native(x.float(), b32, c2)
+            assert got32 is not None and _rel(got32, want32) < 1e-3
+        eng.close()
+    finally:
+        monkeypatch.delenv("PANTHEON_LINEAR_ACTIVATIONS")
+        qlinear.bf16_activations.cache_clear()
+
+
 def test_what_it_does_not_take_runs_the_torch_code(model_factory, monkeypatch):
     eng, steps = _captured_steps(model_factory("tiny-llama"), "int4", monkeypatch)
     layer, x, b, cache, want = steps[0]

@@ -41,6 +41,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.qm_q4_linear.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
     lib.qm_q8_linear.restype = _I
     lib.qm_q8_linear.argtypes = [_P, _I, _L, _L, _P, _P, _I, _L, _P, _I, _I]
+    lib.qm_q4_linear_bf16.restype = _I
+    lib.qm_q4_linear_bf16.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
+    lib.qm_has_bf16.restype = _I
     lib.qm_q4_dequant.restype = _I
     lib.qm_q4_dequant.argtypes = [_P, _P, _L, _L, _P, _I, _I]
     lib.qm_isa.restype = ctypes.c_char_p
@@ -49,6 +52,20 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 
 def library() -> ctypes.CDLL | None:
     return _load()[0]
+
+
+def has_bf16() -> bool:
+    """The build has the int4 x bf16 kernel (AVX512_BF16)."""
+    lib = _load()[0]
+    return lib is not None and bool(lib.qm_has_bf16())
+
+
+@functools.cache
+def bf16_activations() -> bool:
+    """Whether int4 linears take their activations as bf16 (``PANTHEON_LINEAR_ACTIVATIONS=bf16``,
+    where the build has it) rather than int8 (``int8``, the default: llama.cpp's way)."""
+    want = os.environ.get("PANTHEON_LINEAR_ACTIVATIONS", "int8").strip() or "int8"
+    return want == "bf16" and has_bf16()
 
 
 def available() -> bool:
@@ -96,13 +113,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous() if x.dtype in _KINDS else x.float().contiguous()
 
 
-def q4_linear(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (fp32 / bf16) @ W^T -> [M, N] in x's dtype (fp32 for others); W int4 groups."""
+def q4_linear(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, bf16: bool | None = None) -> torch.Tensor:
+    """x [M, K] (fp32 / bf16) @ W^T -> [M, N] in x's dtype (fp32 for others); W int4 groups.
+    ``bf16``: the activations as bf16 rather than int8 (default: ``bf16_activations()``)."""
     xr = _rows(x)
     m, k = xr.shape
     n = qs.shape[0]
     y = torch.empty(m, n, dtype=xr.dtype)
-    rc = _lib().qm_q4_linear(
+    lib = _lib()
+    fn = lib.qm_q4_linear_bf16 if (bf16_activations() if bf16 is None else bf16) else lib.qm_q4_linear
+    rc = fn(
         xr.data_ptr(), _KINDS[xr.dtype], m, k, qs.data_ptr(), dm.data_ptr(), n,
         y.data_ptr(), _KINDS[y.dtype], torch.get_num_threads(),
     )  # fmt: skip

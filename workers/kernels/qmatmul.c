@@ -134,11 +134,12 @@ static inline float hsum8(__m256 v) {
 #define BLOCK 2
 #endif
 
-static inline int64_t slot(int blocked, int64_t G, int64_t g, int j) {
-    if (!blocked) return g * QK + j;
-    int64_t whole = G / BLOCK * BLOCK, g0, b;
+/* block: BLOCK for the int8 activations of the int4 kernel, 2 for its bf16 ones, 1 in order */
+static inline int64_t slot(int block, int64_t G, int64_t g, int j) {
+    if (block <= 1) return g * QK + j;
+    int64_t whole = G / block * block, g0, b;
     if (g < whole) {
-        g0 = g / BLOCK * BLOCK, b = BLOCK;
+        g0 = g / block * block, b = block;
     } else if (g < whole + (G - whole) / 2 * 2) {
         g0 = whole + (g - whole) / 2 * 2, b = 2;
     } else {
@@ -149,13 +150,13 @@ static inline int64_t slot(int blocked, int64_t G, int64_t g, int j) {
 
 /* x [M, K] -> xq [M, K] int8 (in slot order), xd [M, K/32] scales, xs [M, K/32] sums of the
  * real values */
-static void quantize_rows(const void *x, int xkind, int64_t M, int64_t K, int blocked, int8_t *xq, float *xd,
+static void quantize_rows(const void *x, int xkind, int64_t M, int64_t K, int block, int8_t *xq, float *xd,
                           float *xs) {
     const int64_t G = K / QK;
     for (int64_t m = 0; m < M; m++) {
         for (int64_t g = 0; g < G; g++) {
             int64_t at = m * K + g * QK;
-            int8_t *lo = xq + m * K + slot(blocked, G, g, 0), *hi = xq + m * K + slot(blocked, G, g, 16);
+            int8_t *lo = xq + m * K + slot(block, G, g, 0), *hi = xq + m * K + slot(block, G, g, 16);
 #if QM_AVX2
             __m256 v[4];
             for (int i = 0; i < 4; i++) {
@@ -339,8 +340,8 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
             for (int64_t g = 0; g < G; g++) {
                 int32_t dot = 0;
                 for (int j = 0; j < 16; j++)
-                    dot += (int32_t)(q[g * 16 + j] & 0x0f) * xr[slot(1, G, g, j)] +
-                           (int32_t)(q[g * 16 + j] >> 4) * xr[slot(1, G, g, j + 16)];
+                    dot += (int32_t)(q[g * 16 + j] & 0x0f) * xr[slot(BLOCK, G, g, j)] +
+                           (int32_t)(q[g * 16 + j] >> 4) * xr[slot(BLOCK, G, g, j + 16)];
                 acc += (float)dot * (f16_to_f32(d[g]) * xd[(m0 + r) * G + g]);
                 mt += f16_to_f32(mn[g]) * xs[(m0 + r) * G + g];
             }
@@ -395,6 +396,113 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, cons
     }
 }
 
+/* ---------------------------------------------------------------- int4 x bf16 activations
+ *
+ * Where the CPU has AVX512_BF16 (vdpbf16ps: 32 bf16 products summed in pairs into 16 fp32 lanes)
+ * the int4 weights can meet the activations as they are, bf16, with no 8-bit rounding of x: the
+ * quality of torch's bf16 path at a little more than the int8 kernel's cost. A level q (0..15)
+ * becomes the bf16 number 128 + q by one OR (0x4300 | q: exponent 7, q in the low mantissa
+ * bits), so a group's sum is d * (sum (128 + q) x - 128 sum x) + m sum x: the constant
+ * (m - 128 d) * sum x of each group is added once per column, before the pass.
+ *
+ * The activations are laid out in pairs of groups (slot with blocks of 2: g0[0..15], g1[0..15],
+ * g0[16..31], g1[16..31]), so that one 32-byte load of the pair's weights widens to its low
+ * nibbles (g0[0..15], g1[0..15]) and its high ones in the same order; lanes 0-7 of the two dot
+ * products' sum are g0's, 8-15 g1's, scaled by [d0 x8, d1 x8].
+ */
+#if QM_512 && defined(__AVX512BF16__)
+#define QM_BF16 1
+
+/* x [M, K] -> xb [M, K] bf16 in pair order, xs [M, K/32] the groups' sums of those bf16 values */
+static void bf16_rows(const void *x, int xkind, int64_t M, int64_t K, uint16_t *xb, float *xs) {
+    const int64_t G = K / QK;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float sum = 0.0f;
+            for (int j = 0; j < QK; j++) {
+                int64_t at = m * K + g * QK + j;
+                uint16_t h = xkind == X_BF16 ? ((const uint16_t *)x)[at] : f32_to_bf16(((const float *)x)[at]);
+                xb[m * K + slot(2, G, g, j)] = h;
+                sum += bf16_to_f32(h);
+            }
+            xs[m * G + g] = sum;
+        }
+}
+
+static inline __attribute__((always_inline)) void q4b_tile(const uint16_t *xb, const float *xs, int64_t m0,
+                                                           const int mb, int64_t K, const uint8_t *qs,
+                                                           const uint16_t *dm, int64_t n0, const int nc, float *sc,
+                                                           float out[MAX_MB][NC]) {
+    const int64_t G = K / QK;
+    float cst[MAX_MB][NC];
+    for (int c = 0; c < nc; c++) { /* each group's float scale, and the constant terms */
+        const uint16_t *d = dm + (n0 + c) * 2 * G, *mn = d + G;
+        for (int64_t i = 0; i < 2 * G; i += 32) _mm_prefetch((const char *)(d + AHEAD * 2 * G + i), _MM_HINT_T0);
+        float *scc = sc + c * G;
+        __m256 k8[MAX_MB];
+        for (int r = 0; r < mb; r++) k8[r] = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8) {
+            __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g)));
+            __m256 t8 = _mm256_fnmadd_ps(d8, _mm256_set1_ps(128.0f), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g))));
+            _mm256_storeu_ps(scc + g, d8);
+            for (int r = 0; r < mb; r++) k8[r] = _mm256_fmadd_ps(t8, _mm256_loadu_ps(xs + (m0 + r) * G + g), k8[r]);
+        }
+        for (int r = 0; r < mb; r++) cst[r][c] = hsum8(k8[r]);
+        for (; g < G; g++) {
+            float dg = f16_to_f32(d[g]);
+            scc[g] = dg;
+            for (int r = 0; r < mb; r++) cst[r][c] += (f16_to_f32(mn[g]) - 128.0f * dg) * xs[(m0 + r) * G + g];
+        }
+    }
+    __m512 acc[MAX_MB][NC];
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    const __m512i bias = _mm512_set1_epi16(0x4300);
+    const __m512i spread8 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+        __m512i xlo[MAX_MB], xhi[MAX_MB];
+        for (int r = 0; r < mb; r++) {
+            const uint16_t *xr = xb + (m0 + r) * K + g * QK;
+            xlo[r] = _mm512_loadu_si512((const void *)xr);
+            xhi[r] = _mm512_loadu_si512((const void *)(xr + QK));
+        }
+        for (int c = 0; c < nc; c++) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(qs + (n0 + c) * (K / 2) + g * 16));
+            _mm_prefetch((const char *)(qs + (n0 + c + AHEAD) * (K / 2) + g * 16), _MM_HINT_T0);
+            __m512i wlo = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_and_si256(b, lo4)), bias);
+            __m512i whi = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), lo4)), bias);
+            __m512 s2 = _mm512_permutexvar_ps(spread8, _mm512_castps128_ps512(_mm_castpd_ps(
+                                                           _mm_load_sd((const double *)(sc + c * G + g)))));
+            for (int r = 0; r < mb; r++) {
+                __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)wlo, (__m512bh)xlo[r]);
+                dot = _mm512_dpbf16_ps(dot, (__m512bh)whi, (__m512bh)xhi[r]);
+                acc[r][c] = _mm512_fmadd_ps(dot, s2, acc[r][c]);
+            }
+        }
+    }
+    if (g < G) { /* the last group alone: its 32 levels in order against its 32 values */
+        const __m128i lo4h = _mm_set1_epi8(0x0f);
+        for (int c = 0; c < nc; c++) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(qs + (n0 + c) * (K / 2) + g * 16));
+            __m256i w8 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), lo4h), _mm_and_si128(b, lo4h));
+            __m512i w = _mm512_or_si512(_mm512_cvtepu8_epi16(w8), bias);
+            for (int r = 0; r < mb; r++) {
+                __m512i xv = _mm512_loadu_si512((const void *)(xb + (m0 + r) * K + g * QK));
+                __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w, (__m512bh)xv);
+                acc[r][c] = _mm512_fmadd_ps(dot, _mm512_set1_ps(sc[c * G + g]), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]) + cst[r][c];
+}
+#else
+#define QM_BF16 0
+#endif
+
 /* ---------------------------------------------------------------- entry points */
 
 const char *qm_isa(void) { return QM_ISA; }
@@ -408,7 +516,9 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
     if (M < 0 || K < QK || K % QK || K / QK > MAX_G || N < 1 || (xkind != X_F32 && xkind != X_BF16) || (ykind != X_F32 && ykind != X_BF16))
         return 1;
     const int64_t G = K / QK;
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    if (kind == 5 && !QM_BF16) return 1;
+    /* int8 activations (xq, xd, xs), or for kind 5 bf16 ones (xq as bf16, xs) */
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K) * (kind == 5 ? 2 : 1));
     float *xd = (float *)malloc((size_t)(M * G) * sizeof(float) * 2);
     if (!xq || !xd) {
         free(xq);
@@ -416,18 +526,23 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
         return 2;
     }
     float *xs = xd + M * G;
-    quantize_rows(x, xkind, M, K, kind == 4, xq, xd, xs);
+#if QM_BF16
+    if (kind == 5)
+        bf16_rows(x, xkind, M, K, (uint16_t *)xq, xs);
+    else
+#endif
+        quantize_rows(x, xkind, M, K, kind == 4 ? BLOCK : 1, xq, xd, xs);
     int nt = nthreads < 1 ? 1 : nthreads;
     const int64_t blocks = (N + NBLOCK - 1) / NBLOCK;
     if (blocks < nt) nt = (int)blocks;
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(|| : failed)
     {
-        float *sc = kind == 4 ? (float *)malloc(sizeof(float) * MAX_MB * NC * SC_PER_RC(G)) : NULL;
-        if (kind == 4 && !sc) failed = 1;
+        float *sc = kind != 8 ? (float *)malloc(sizeof(float) * MAX_MB * NC * SC_PER_RC(G)) : NULL;
+        if (kind != 8 && !sc) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t bi = 0; bi < blocks; bi++) {
-            if (kind == 4 && !sc) continue;
+            if (kind != 8 && !sc) continue;
             float out[MAX_MB][NC];
             const int64_t n1 = (bi + 1) * NBLOCK < N ? (bi + 1) * NBLOCK : N;
             for (int64_t m0 = 0; m0 < M; m0 += MAX_MB) {
@@ -435,6 +550,15 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
                 for (int64_t n0 = bi * NBLOCK; n0 < n1;) {
                     const int quad = n1 - n0 >= NC;
                     /* constant (mb, nc) at each call: the compiler specializes each tile */
+#if QM_BF16
+                    if (kind == 5) {
+                        const uint16_t *xb = (const uint16_t *)xq;
+                        if (two && quad) q4b_tile(xb, xs, m0, 2, K, qs, dm, n0, NC, sc, out);
+                        else if (two) q4b_tile(xb, xs, m0, 2, K, qs, dm, n0, 1, sc, out);
+                        else if (quad) q4b_tile(xb, xs, m0, 1, K, qs, dm, n0, NC, sc, out);
+                        else q4b_tile(xb, xs, m0, 1, K, qs, dm, n0, 1, sc, out);
+                    } else
+#endif
                     if (kind == 4) {
                         if (two && quad) q4_tile(xq, xd, xs, m0, 2, K, qs, dm, n0, NC, sc, out);
                         else if (two) q4_tile(xq, xd, xs, m0, 2, K, qs, dm, n0, 1, sc, out);
@@ -465,6 +589,14 @@ int qm_q4_linear(const void *x, int xkind, int64_t M, int64_t K, const uint8_t *
                  void *y, int ykind, int nthreads) {
     return run(x, xkind, M, K, N, y, ykind, nthreads, 4, qs, dm, NULL, NULL, 0);
 }
+
+/* The same with the activations in bf16 (AVX512_BF16 builds; else refused: qm_has_bf16) */
+int qm_q4_linear_bf16(const void *x, int xkind, int64_t M, int64_t K, const uint8_t *qs, const uint16_t *dm,
+                      int64_t N, void *y, int ykind, int nthreads) {
+    return run(x, xkind, M, K, N, y, ykind, nthreads, 5, qs, dm, NULL, NULL, 0);
+}
+
+int qm_has_bf16(void) { return QM_BF16; }
 
 /* y [M, N] = x [M, K] @ W^T, W int8 rows (w, ws of kind skind) */
 int qm_q8_linear(const void *x, int xkind, int64_t M, int64_t K, const int8_t *w, const void *ws, int skind,
