@@ -60,12 +60,19 @@ def has_bf16() -> bool:
     return lib is not None and bool(lib.qm_has_bf16())
 
 
+ACTIVATIONS = ("auto", "bf16", "int8")
+
+
 @functools.cache
 def bf16_activations() -> bool:
-    """Whether int4 linears take their activations as bf16 (``PANTHEON_LINEAR_ACTIVATIONS=bf16``,
-    where the build has it) rather than int8 (``int8``, the default: llama.cpp's way)."""
-    want = os.environ.get("PANTHEON_LINEAR_ACTIVATIONS", "int8").strip() or "int8"
-    return want == "bf16" and has_bf16()
+    """Whether int4 linears take their activations as bf16 rather than int8
+    (``PANTHEON_LINEAR_ACTIVATIONS``): ``auto`` (the default) and ``bf16`` where the build has the
+    bf16 kernel (AVX512_BF16: the quality of torch's bf16 path, SmolLM2's step 1.5x the int8
+    one's), else int8 (llama.cpp's way: ``q4_1 x q8_1``); ``int8`` always int8."""
+    want = os.environ.get("PANTHEON_LINEAR_ACTIVATIONS", "auto").strip() or "auto"
+    if want not in ACTIVATIONS:
+        log.warning("PANTHEON_LINEAR_ACTIVATIONS=%r is not one of %s: auto", want, ", ".join(ACTIVATIONS))
+    return want != "int8" and has_bf16()
 
 
 def available() -> bool:
@@ -74,11 +81,14 @@ def available() -> bool:
 
 
 def describe() -> str:
-    """``kernel ISA: built|cached PATH`` or ``torch: why`` (``/admin/dies``)."""
+    """``kernel ISA, int4 x bf16|int8 activations: built|cached PATH`` or ``torch: why``
+    (``/admin/dies``)."""
     if os.environ.get("PANTHEON_LINEAR_KERNEL", "1") == "0":
         return "torch: PANTHEON_LINEAR_KERNEL=0"
     lib, why = _load()
-    return f"kernel {isa()}: {why}" if lib is not None else f"torch: {why}"
+    if lib is None:
+        return f"torch: {why}"
+    return f"kernel {isa()}, int4 x {'bf16' if bf16_activations() else 'int8'} activations: {why}"
 
 
 def isa() -> str:
