@@ -405,27 +405,48 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, cons
  * bits), so a group's sum is d * (sum (128 + q) x - 128 sum x) + m sum x: the constant
  * (m - 128 d) * sum x of each group is added once per column, before the pass.
  *
- * The activations are laid out in pairs of groups (slot with blocks of 2: g0[0..15], g1[0..15],
- * g0[16..31], g1[16..31]), so that one 32-byte load of the pair's weights widens to its low
- * nibbles (g0[0..15], g1[0..15]) and its high ones in the same order; lanes 0-7 of the two dot
- * products' sum are g0's, 8-15 g1's, scaled by [d0 x8, d1 x8].
+ * Per block of 4 groups, one 64-byte load holds their levels (group i in 128-bit lane i); its
+ * low and high nibbles, each interleaved with the byte 0x43 (unpacklo / unpackhi), are four
+ * vectors of 32 bf16 whose lane i holds group i's levels 0-7, 8-15, 16-23, 24-31: the
+ * activations are laid out in that order (bslot), so four dot products into one accumulator
+ * leave group i's sums in lanes 4i..4i+3, scaled by [d0 x4, .. d3 x4]. A last pair of groups
+ * goes as in the int8 kernel's pairs (zero-extended levels against g0[0..15], g1[0..15] then
+ * g0[16..31], g1[16..31]), a last group alone in order.
  */
 #if QM_512 && defined(__AVX512BF16__)
 #define QM_BF16 1
 
-/* x [M, K] -> xb [M, K] bf16 in pair order, xs [M, K/32] the groups' sums of those bf16 values */
+/* Where value j of group g lands in a row of bf16 activations (see above) */
+static inline int64_t bslot(int64_t G, int64_t g, int j) {
+    int64_t whole = G / 4 * 4;
+    if (g < whole) return (g / 4 * 4) * QK + (j / 8) * 32 + (g % 4) * 8 + (j % 8);
+    if (g < whole + (G - whole) / 2 * 2) {
+        int64_t g0 = whole + (g - whole) / 2 * 2;
+        return g0 * QK + (j >= 16) * 32 + (g - g0) * 16 + (j & 15);
+    }
+    return g * QK + j;
+}
+
+/* x [M, K] -> xb [M, K] bf16 in bslot order, xs [M, K/32] the groups' sums of those bf16 values */
 static void bf16_rows(const void *x, int xkind, int64_t M, int64_t K, uint16_t *xb, float *xs) {
-    const int64_t G = K / QK;
+    const int64_t G = K / QK, whole = G / 4 * 4;
+    uint16_t grp[QK];
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < G; g++) {
-            float sum = 0.0f;
-            for (int j = 0; j < QK; j++) {
-                int64_t at = m * K + g * QK + j;
-                uint16_t h = xkind == X_BF16 ? ((const uint16_t *)x)[at] : f32_to_bf16(((const float *)x)[at]);
-                xb[m * K + slot(2, G, g, j)] = h;
-                sum += bf16_to_f32(h);
-            }
-            xs[m * G + g] = sum;
+            const int64_t at = m * K + g * QK;
+            if (xkind == X_BF16)
+                memcpy(grp, (const uint16_t *)x + at, sizeof grp);
+            else
+                for (int j = 0; j < QK; j++) grp[j] = f32_to_bf16(((const float *)x)[at + j]);
+            __m512 v = _mm512_add_ps(
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)grp)), 16)),
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(grp + 16))), 16)));
+            xs[m * G + g] = _mm512_reduce_add_ps(v);
+            uint16_t *row = xb + m * K;
+            if (g < whole) /* 8 values at a time: chunk k of group g to (k, g % 4) of its block */
+                for (int k = 0; k < 4; k++) memcpy(row + (g / 4 * 4) * QK + k * 32 + (g % 4) * 8, grp + 8 * k, 16);
+            else
+                for (int h = 0; h < 2; h++) memcpy(row + bslot(G, g, 16 * h), grp + 16 * h, 32);
         }
 }
 
@@ -461,7 +482,27 @@ static inline __attribute__((always_inline)) void q4b_tile(const uint16_t *xb, c
     const __m256i lo4 = _mm256_set1_epi8(0x0f);
     const __m512i bias = _mm512_set1_epi16(0x4300);
     const __m512i spread8 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i spread4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i lo4w = _mm512_set1_epi8(0x0f), hi43 = _mm512_set1_epi8(0x43);
     int64_t g = 0;
+    for (; g + 4 <= G; g += 4) { /* blocks of 4 groups: 128 levels a load */
+        __m512i xv[MAX_MB][4];
+        for (int r = 0; r < mb; r++)
+            for (int k = 0; k < 4; k++) xv[r][k] = _mm512_loadu_si512((const void *)(xb + (m0 + r) * K + g * QK + 32 * k));
+        for (int c = 0; c < nc; c++) {
+            __m512i b = _mm512_loadu_si512((const void *)(qs + (n0 + c) * (K / 2) + g * 16));
+            _mm_prefetch((const char *)(qs + (n0 + c + AHEAD) * (K / 2) + g * 16), _MM_HINT_T0);
+            __m512i lo = _mm512_and_si512(b, lo4w), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), lo4w);
+            __m512i w[4] = {_mm512_unpacklo_epi8(lo, hi43), _mm512_unpackhi_epi8(lo, hi43),
+                            _mm512_unpacklo_epi8(hi, hi43), _mm512_unpackhi_epi8(hi, hi43)};
+            __m512 s4 = _mm512_permutexvar_ps(spread4, _mm512_castps128_ps512(_mm_loadu_ps(sc + c * G + g)));
+            for (int r = 0; r < mb; r++) {
+                __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[0], (__m512bh)xv[r][0]);
+                for (int k = 1; k < 4; k++) dot = _mm512_dpbf16_ps(dot, (__m512bh)w[k], (__m512bh)xv[r][k]);
+                acc[r][c] = _mm512_fmadd_ps(dot, s4, acc[r][c]);
+            }
+        }
+    }
     for (; g + 2 <= G; g += 2) {
         __m512i xlo[MAX_MB], xhi[MAX_MB];
         for (int r = 0; r < mb; r++) {
