@@ -67,16 +67,27 @@ def main() -> int:
     rows = [int(r) for r in args.rows.split(",")]
     print(f"kernel: {qlinear.describe()}; torch {torch.__version__}, {args.threads} threads")
     g = torch.Generator().manual_seed(0)
-    print("\n| layer | layout | rows | ours ms | torch ms | torch / ours |\n|---|---|---:|---:|---:|---:|")
+    bf = qlinear.has_bf16()
+    print("\n(ours: int8 activations; ours bf16: the int4 x bf16 kernel, AVX512_BF16 only)")
+    print(
+        "\n| layer | layout | rows | ours ms | ours bf16 ms | torch ms | torch / ours | torch / ours bf16 |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name, n, k in [*LAYER, HEAD]:
         kind = "int8" if name == "head" else "int4"
         ours, theirs = _pair(kind, n, k, g, True), _pair(kind, n, k, g, False)
         for m in rows:
             x = torch.randn(m, k, generator=g).bfloat16()
             reps = max(10, args.reps // m // (8 if name == "head" else 1))
-            a = _best(lambda: ours(x), reps, args.rounds)  # noqa: B023 - called at once
+            if isinstance(ours, Int4Linear):
+                w, s = ours.weight, ours.scales_mins
+                a = _best(lambda: qlinear.q4_linear(x, w, s, bf16=False), reps, args.rounds)  # noqa: B023
+                a2 = _best(lambda: qlinear.q4_linear(x, w, s, bf16=True), reps, args.rounds) if bf else None  # noqa: B023
+            else:
+                a, a2 = _best(lambda: ours(x), reps, args.rounds), None  # noqa: B023 - called at once
             b = _best(lambda: theirs(x), reps, args.rounds)  # noqa: B023
-            print(f"| {name} [{n}, {k}] | {kind} | {m} | {a:.4f} | {b:.4f} | {b / a:.2f}x |")
+            c2, r2 = ("-", "-") if a2 is None else (f"{a2:.4f}", f"{b / a2:.2f}x")
+            print(f"| {name} [{n}, {k}] | {kind} | {m} | {a:.4f} | {c2} | {b:.4f} | {b / a:.2f}x | {r2} |")
     # a model's pass at one row: every layer's weights once, then the head
     layers = {True: [], False: []}
     for _ in range(30):
@@ -92,12 +103,17 @@ def main() -> int:
         if with_head:
             head[ours](xs[576])
 
-    print("\n| model pass, 1 row | ours ms | torch ms | torch / ours |\n|---|---:|---:|---:|")
-    for with_head in (False, True):
-        a = _best(lambda: run(True, with_head), 20, args.rounds)  # noqa: B023
-        b = _best(lambda: run(False, with_head), 20, args.rounds)  # noqa: B023
-        what = "30 layers + head" if with_head else "30 layers (120 linears)"
-        print(f"| {what} | {a:.3f} | {b:.3f} | {b / a:.2f}x |")
+    print(
+        "\n| model pass, 1 row | activations | ours ms | torch ms | torch / ours |\n|---|---|---:|---:|---:|"
+    )
+    for acts in ("int8", "bf16") if bf else ("int8",):
+        os.environ["PANTHEON_LINEAR_ACTIVATIONS"] = acts
+        qlinear.bf16_activations.cache_clear()
+        for with_head in (False, True):
+            a = _best(lambda: run(True, with_head), 20, args.rounds)  # noqa: B023
+            b = _best(lambda: run(False, with_head), 20, args.rounds)  # noqa: B023
+            what = "30 layers + head" if with_head else "30 layers (120 linears)"
+            print(f"| {what} | {acts} | {a:.3f} | {b:.3f} | {b / a:.2f}x |")
     print(f"\nload {os.getloadavg()[0]:.2f}")
     return 0
 

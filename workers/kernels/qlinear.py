@@ -60,19 +60,22 @@ def has_bf16() -> bool:
     return lib is not None and bool(lib.qm_has_bf16())
 
 
-ACTIVATIONS = ("auto", "bf16", "int8")
+ACTIVATIONS = ("int8", "bf16")
 
 
 @functools.cache
 def bf16_activations() -> bool:
     """Whether int4 linears take their activations as bf16 rather than int8
-    (``PANTHEON_LINEAR_ACTIVATIONS``): ``auto`` (the default) and ``bf16`` where the build has the
-    bf16 kernel (AVX512_BF16: the quality of torch's bf16 path, SmolLM2's step 1.5x the int8
-    one's), else int8 (llama.cpp's way: ``q4_1 x q8_1``); ``int8`` always int8."""
-    want = os.environ.get("PANTHEON_LINEAR_ACTIVATIONS", "auto").strip() or "auto"
+    (``PANTHEON_LINEAR_ACTIVATIONS``). ``int8``, the default: quantized per group of 32, as
+    llama.cpp's ``q4_1 x q8_1``; ``bf16`` where the build has the bf16 kernel (AVX512_BF16): the
+    quality of torch's bf16 path, at ~1.3x the decode step and ~1.6x the prefill (bench/qlinear.py,
+    bench/linear_quality.py); without it, int8."""
+    want = os.environ.get("PANTHEON_LINEAR_ACTIVATIONS", "int8").strip() or "int8"
     if want not in ACTIVATIONS:
-        log.warning("PANTHEON_LINEAR_ACTIVATIONS=%r is not one of %s: auto", want, ", ".join(ACTIVATIONS))
-    return want != "int8" and has_bf16()
+        log.warning("PANTHEON_LINEAR_ACTIVATIONS=%r is not one of %s: int8", want, ", ".join(ACTIVATIONS))
+    if want == "bf16" and not has_bf16():
+        log.warning("PANTHEON_LINEAR_ACTIVATIONS=bf16: this build has no AVX512_BF16 kernel: int8")
+    return want == "bf16" and has_bf16()
 
 
 def available() -> bool:
