@@ -24,12 +24,16 @@ from workers.models.llama import LlamaLayer
 pytestmark = pytest.mark.skipif(not decode_layer.available(), reason="no C compiler: the torch path only")
 
 
-def _captured_steps(path, cpu_path: str, monkeypatch) -> tuple[Engine, list[tuple]]:
+def _captured_steps(path, cpu_path: str, monkeypatch, kv_types=None) -> tuple[Engine, list[tuple]]:
     """Decode steps of three requests (contexts over several blocks) run by the torch code,
-    each layer's (layer, x, step batch, cache, output) captured."""
+    each layer's (layer, x, step batch, cache, output) captured. The engine is built with the
+    fused layer on (its plans made), then switched off for the steps."""
+    from pantheon.core.kv_types import KvCacheTypes
+
     monkeypatch.setenv("PANTHEON_CPU_PATH", cpu_path)
+    eng = Engine(str(path), num_slots=4, kv_budget_bytes=8 << 20, compile_decode=False,
+                 kv_types=kv_types or KvCacheTypes())  # fmt: skip
     monkeypatch.setenv("PANTHEON_FUSED_LAYER", "0")
-    eng = Engine(str(path), num_slots=4, kv_budget_bytes=8 << 20, compile_decode=False)
     got: list[tuple] = []
 
     def hook(mod, args, out):
@@ -160,28 +164,9 @@ def test_quantized_kv_rows_are_written_as_the_torch_code_writes_them(kinds, mode
     from pantheon.core.kv_types import KvCacheTypes
     from workers.layers.kv_quant import QuantRows
 
-    monkeypatch.setenv("PANTHEON_CPU_PATH", "int4")
     model = model_factory("tiny-llama", head_dim=32)  # quantized blocks of 32 run along a head
-    eng = Engine(
-        str(model), num_slots=4, kv_budget_bytes=8 << 20, compile_decode=False, kv_types=KvCacheTypes(*kinds)
-    )
+    eng, got = _captured_steps(model, "int4", monkeypatch, KvCacheTypes(*kinds))
     assert eng.runner.native  # these pools do not keep a model off the native step
-    monkeypatch.setenv("PANTHEON_FUSED_LAYER", "0")  # the torch code runs the steps captured
-    got: list[tuple] = []
-
-    def hook(mod, args, out):
-        if not args[1].prefills and len(got) < 6:
-            got.append((mod, args[0].clone(), args[1], args[2], out.clone()))
-
-    assert eng.model is not None
-    hs = [layer.register_forward_hook(hook) for layer in eng.model.layers]
-    for i, p in enumerate([list(range(5, 45)), [7, 8, 9]]):
-        eng.submit(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    while eng.has_work():
-        eng.step()
-    for h in hs:
-        h.remove()
-    monkeypatch.setenv("PANTHEON_FUSED_LAYER", "1")
     assert got
     for layer, x, b, cache, want in got:
         assert isinstance(cache.k, QuantRows) and (cache.k.kind, cache.v.kind) == kinds

@@ -1,4 +1,5 @@
-"""Compile a kernel's C source with the system compiler, once per (source, compiler, flags, CPU),
+"""Compile a kernel's C source with the system compiler, once per (source and the kernels'
+headers, compiler, flags, CPU),
 and load it with ctypes.
 
 The shared object is cached under ``PANTHEON_KERNEL_CACHE`` (default ``~/.cache/pantheon/kernels``)
@@ -95,7 +96,8 @@ def build(name: str) -> tuple[ctypes.CDLL | None, str]:
     except ValueError as e:
         return None, str(e)
     try:
-        source = src.read_bytes()
+        # the headers every kernel may include (convert.h) are part of what it is built from
+        source = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
         key = _key(source, cc, opts)
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"compiler {' '.join(cc)!r} does not run: {e}"

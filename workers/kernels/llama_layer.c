@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "convert.h"
+
 /* No a * b + c contracted into one rounding: the K/V quantization below rounds as torch's
  * (workers/layers/kv_quant.py), one operation at a time */
 #if defined(__clang__)
@@ -83,19 +85,6 @@ typedef struct {
     int64_t block_size, min_parallel;
 } Step;
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
 static inline float get(const void *p, int kind, int64_t i) {
     return kind == BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
@@ -105,31 +94,6 @@ static inline void put(void *p, int kind, int64_t i, float v) {
         ((uint16_t *)p)[i] = f32_to_bf16(v);
     else
         ((float *)p)[i] = v;
-}
-
-static inline uint16_t f32_to_f16(float f) { /* round to nearest even, as torch's .half() */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    uint32_t sign = (v.u >> 16) & 0x8000u, a = v.u & 0x7fffffffu;
-    if (a >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u));
-    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* 65520 and up: infinity */
-    if (a < 0x38800000u) /* below 2^-14: a subnormal half, in units of 2^-24 */
-        return (uint16_t)(sign | (uint32_t)lrintf(fabsf(f) * 0x1p24f));
-    a -= 0x38000000u; /* rebias the exponent (127 - 15) */
-    return (uint16_t)(sign | ((a + 0x0fffu + ((a >> 13) & 1u)) >> 13));
-}
-
-static inline float f16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;
-    if (em >= 0x7c00u) {
-        v.u = sign | 0x7f800000u | ((uint32_t)(em & 0x3ffu) << 13);
-        return v.f;
-    }
-    v.u = em << 13;
-    v.f *= 0x1p112f;
-    v.u |= sign;
-    return v.f;
 }
 
 /* One token's K (or V) heads, x [KV * D] fp32, into pool row ``row`` of kind: copied, or

@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "convert.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -50,33 +52,7 @@ enum { K_F32 = 0, K_BF16 = 1, K_F16 = 2, K_Q8_0 = 3, K_Q4_0 = 4 };
 #define MAX_G 32  /* query heads per KV head the stack buffers hold */
 #define MAX_D 512
 
-/* ---------------------------------------------------------------- scalar conversions */
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-static inline float f16_to_f32(uint16_t h) { /* exact, subnormals included */
-    union { uint32_t u; float f; } v;
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;
-    if (em >= 0x7c00u) {
-        v.u = sign | 0x7f800000u | ((uint32_t)(em & 0x3ffu) << 13);
-        return v.f;
-    }
-    v.u = em << 13;
-    v.f *= 0x1p112f; /* rebias the exponent (127 - 15): exact, subnormal halves too */
-    v.u |= sign;
-    return v.f;
-}
+/* ---------------------------------------------------------------- scalar conversions: convert.h */
 
 /* ---------------------------------------------------------------- vector helpers */
 

@@ -35,6 +35,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "convert.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -67,36 +69,6 @@ enum { X_F32 = 0, X_BF16 = 1 };
 #define QK 32    /* values per group */
 
 /* ---------------------------------------------------------------- scalar conversions */
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-static inline float f16_to_f32(uint16_t h) { /* exact, subnormals included */
-#if QM_AVX2
-    return _cvtsh_ss(h);
-#else
-    union { uint32_t u; float f; } v;
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;
-    if (em >= 0x7c00u) {
-        v.u = sign | 0x7f800000u | ((uint32_t)(em & 0x3ffu) << 13);
-        return v.f;
-    }
-    v.u = em << 13;
-    v.f *= 0x1p112f;
-    v.u |= sign;
-    return v.f;
-#endif
-}
 
 static inline float load_x(const void *x, int kind, int64_t i) {
     return kind == X_BF16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
