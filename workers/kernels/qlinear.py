@@ -1,5 +1,6 @@
 """Typed wrapper of the quantized linear kernel (``qmatmul.c``): int4-group and int8-row weights
-times a few activation rows, by integer dot products (VNNI / AVX2, a scalar fallback).
+times activation rows, by integer dot products against int8 activations (VNNI / AVX2, a scalar
+fallback), or for int4 against bf16 ones (AVX512_BF16, ``PANTHEON_LINEAR_ACTIVATIONS=bf16``).
 
 ``workers/quant.py``'s ``Int4Linear`` and ``Int8Linear`` call it on the CPU for every step,
 decode rows and prefill chunks alike, when ``available()``: each output row depends on its own

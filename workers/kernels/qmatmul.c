@@ -1,5 +1,6 @@
-/* Quantized-weight linear layers for a few rows (decode): y = x @ W^T with W in 4-bit groups
- * or int8 rows, x quantized on the fly to int8 in groups of 32, integer dot products.
+/* Quantized-weight linear layers: y = x @ W^T with W in 4-bit groups or int8 rows, x quantized
+ * on the fly to int8 in groups of 32, integer dot products (or, for int4 on AVX512_BF16 builds,
+ * x in bf16 against the levels as bf16: see "int4 x bf16 activations" below).
  *
  * Built at run time by workers/kernels/build.py (cc -O3 -march=native -fopenmp -shared -fPIC,
  * or a lower ISA for the fallback tests) and called through ctypes by workers/kernels/qlinear.py.
