@@ -38,19 +38,6 @@ from workers.kernels import qlinear
 INT8_KERNEL_K = 16
 
 
-def _rows(
-    op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-) -> torch.Tensor:
-    """``op`` (a qlinear kernel: [M, K] rows) over x [..., K] -> [..., N]; a 2-D x as it is (no
-    view ops: each is a dispatch)."""
-    if x.dim() == 2:
-        return op(x, a, b)
-    return op(x.reshape(-1, x.shape[-1]), a, b).view(*x.shape[:-1], a.shape[0])
-
-
 class Int8Linear(nn.Module):
     weight: torch.Tensor  # buffers, declared for the type checker (nn.Module's getattr is untyped)
     scale: torch.Tensor
@@ -70,7 +57,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, K] -> [M, N]
         if self.ours and x.device.type == "cpu":
-            y = _rows(qlinear.q8_linear_op, x, self.weight, self.scale)
+            y = qlinear.q8_linear_op(x, self.weight, self.scale)
         elif self.kernel and x.device.type == "cpu" and x.dtype == torch.bfloat16:
             y = torch._weight_int8pack_mm(x, self.weight, self.scale)  # pyright: ignore[reportPrivateImportUsage]  # the int8 CPU kernel
         else:
@@ -87,15 +74,38 @@ def int4_pack(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> tuple[t
     return packed, torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
 
 
-def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [N, K] weight in 4-bit affine groups of 32 (each group's lowest and highest value its
-    first and last level): ``int4_pack``'s (packed weight, scales_zeros)."""
+def _affine_groups(
+    weight: torch.Tensor, stored: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A [N, K] weight in 4-bit affine groups of 32, each group's lowest and highest value its
+    first and last level: (levels [N, G, 32] 0..15 as floats, scale [N, G], lowest [N, G]).
+    ``stored``: the dtype the scale and lowest value are kept in, rounded to it before the levels
+    are fitted (so the levels fit what a kernel will read)."""
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)  # [N, G, 32]
     lo, hi = w.amin(dim=2), w.amax(dim=2)  # [N, G]
     scale = ((hi - lo) / 15).clamp(min=1e-8)
-    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15)
-    return int4_pack(q.reshape(n, k), scale, lo)
+    if stored is not None:
+        scale, lo = scale.to(stored).float(), lo.to(stored).float()
+    return torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15), scale, lo
+
+
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [N, K] weight in 4-bit affine groups of 32 (``_affine_groups``): ``int4_pack``'s
+    (packed weight, scales_zeros), torch's int4 kernel's layout."""
+    q, scale, lo = _affine_groups(weight)
+    return int4_pack(q.reshape(weight.shape), scale, lo)
+
+
+def q4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [N, K] weight in 4-bit affine groups of 32 (``_affine_groups``, fitted to fp16 scales) in
+    our kernel's layout (workers/kernels/qmatmul.c): (qs [N, K/2] uint8, byte j of a group holding
+    level j low and level j + 16 high; dm [N, 2, K/32] fp16, the groups' scales, then minima)."""
+    n, k = weight.shape
+    q, scale, lo = _affine_groups(weight, torch.float16)
+    q = q.to(torch.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    return qs.reshape(n, k // 2).contiguous(), torch.stack([scale, lo], dim=1).half().contiguous()
 
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +131,7 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 needs N % 16 == 0 and K % {INT4_GROUP} == 0, got [{n}, {k}]")
         self.ours = qlinear.fits(k) and qlinear.available()
         if self.ours:
-            packed, scales = qlinear.q4_pack(weight)
+            packed, scales = q4_groups(weight)
             self.register_buffer("weight", packed)
             self.register_buffer("scales_mins", scales)
         else:
@@ -136,7 +146,7 @@ class Int4Linear(nn.Module):
         if not self.ours:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_zeros)
         else:
-            y = _rows(qlinear.q4_linear_op, x, self.weight, self.scales_mins)
+            y = qlinear.q4_linear_op(x, self.weight, self.scales_mins)
         return y if self.bias is None else y + self.bias
 
 

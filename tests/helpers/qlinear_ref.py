@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from workers.kernels import qlinear
+from workers.quant import q4_groups
 
 # K: 18 groups (blocks of 4, then a pair), 3 (a pair and one alone), 1, 5 (a block and one
 # alone), 48; N: not a multiple of the tile's 4 columns nor of a thread's 16; M: 1..5 rows
@@ -34,13 +35,16 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return torch.round(v * inv[..., None]).long(), amax / 127.0, v.sum(dim=2)
 
 
+def levels(qs: torch.Tensor) -> torch.Tensor:
+    """int4 groups qs [N, K/2] -> their levels [N, G, 32] float64 (byte j: level j low, j + 16 high)."""
+    b = qs.long().reshape(qs.shape[0], -1, 16)
+    return torch.cat([b & 15, b >> 4], dim=2).double()
+
+
 def q4_ref(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (int4 groups qs [N, K/2], dm [N, 2, G])^T -> [M, N] fp32 (float64 sums)."""
     xq, xd, xs = quantize(x)
-    n, g = qs.shape[0], dm.shape[2]
-    b = qs.long().reshape(n, g, 16)
-    levels = torch.cat([b & 15, b >> 4], dim=2)  # [N, G, 32]: byte j holds j low, j + 16 high
-    dots = torch.einsum("mgi,ngi->mng", xq.double(), levels.double())  # exact integers
+    dots = torch.einsum("mgi,ngi->mng", xq.double(), levels(qs))  # exact integers
     d, mn = dm[:, 0].double(), dm[:, 1].double()  # [N, G]
     y = (dots * (d[None] * xd.double()[:, None])).sum(-1) + (mn[None] * xs.double()[:, None]).sum(-1)
     return y.float()
@@ -49,10 +53,7 @@ def q4_ref(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
 def q4_ref_bf16(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """The int4 weight against the activations rounded to bf16 (no int8 step): what the
     AVX512_BF16 kernel computes, in float64."""
-    n, g = qs.shape[0], dm.shape[2]
-    b = qs.long().reshape(n, g, 16)
-    levels = torch.cat([b & 15, b >> 4], dim=2).double()  # [N, G, 32]
-    w = (dm[:, 1].double()[..., None] + levels * dm[:, 0].double()[..., None]).reshape(n, -1)
+    w = (dm[:, 1].double()[..., None] + levels(qs) * dm[:, 0].double()[..., None]).reshape(qs.shape[0], -1)
     return (x.bfloat16().double() @ w.t()).float()
 
 
@@ -70,15 +71,9 @@ def check() -> dict[str, float | bool | str]:
     same = True
     for k, n in SHAPES:
         w = torch.randn(n, k, generator=g) * 0.05
-        qs, dm = qlinear.q4_pack(w)
+        qs, dm = q4_groups(w)
         w8 = torch.round(torch.randn(n, k, generator=g) * 40).clamp(-127, 127).to(torch.int8)
         ws = torch.rand(n, generator=g) * 0.01 + 1e-3
-        deq = qlinear.q4_dequant(qs, dm, torch.float32)
-        levels = torch.cat(
-            [qs.long().reshape(n, k // 32, 16) & 15, qs.long().reshape(n, k // 32, 16) >> 4], 2
-        )
-        want_deq = (dm[:, 1].float()[..., None] + levels * dm[:, 0].float()[..., None]).reshape(n, k)
-        worst = max(worst, float((deq - want_deq).abs().max() / want_deq.abs().max()))
         for m in ROWS:
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(m, k, generator=g) * 2).to(dtype)

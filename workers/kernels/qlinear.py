@@ -17,6 +17,7 @@ import ctypes
 import functools
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -45,8 +46,6 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.qm_q4_linear_bf16.restype = _I
     lib.qm_q4_linear_bf16.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
     lib.qm_has_bf16.restype = _I
-    lib.qm_q4_dequant.restype = _I
-    lib.qm_q4_dequant.argtypes = [_P, _P, _L, _L, _P, _I, _I]
     lib.qm_isa.restype = ctypes.c_char_p
     return lib, why
 
@@ -107,73 +106,68 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def q4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [N, K] weight in 4-bit affine groups of 32 (each group's lowest and highest value its
-    first and last level) -> (qs [N, K/2] uint8, dm [N, 2, K/32] fp16: the groups' scales, then
-    their minima), the kernel's layout (qmatmul.c)."""
-    n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // GROUP, GROUP)  # [N, G, 32]
-    lo, hi = w.amin(dim=2), w.amax(dim=2)  # [N, G]
-    scale = ((hi - lo) / 15).clamp(min=1e-8)
-    # fp16 as stored, so the levels are fitted to the scale and minimum the kernel will read
-    scale, lo = scale.half().float(), lo.half().float()
-    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-    qs = q[..., :16] | (q[..., 16:] << 4)  # byte j: level j low, level j + 16 high
-    return qs.reshape(n, k // 2).contiguous(), torch.stack([scale, lo], dim=1).half().contiguous()
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel reads it: contiguous fp32 or bf16 (another float dtype widened to fp32)."""
     return x.contiguous() if x.dtype in _KINDS else x.float().contiguous()
 
 
-def q4_linear(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, bf16: bool | None = None) -> torch.Tensor:
-    """x [M, K] (fp32 / bf16) @ W^T -> [M, N] in x's dtype (fp32 for others); W int4 groups.
-    ``bf16``: the activations as bf16 rather than int8 (default: ``bf16_activations()``)."""
+def _matmul(
+    fn: Callable[..., int], x: torch.Tensor, n: int, weights: tuple[int, ...], what: str
+) -> torch.Tensor:
+    """One of the kernel's entry points over x [M, K] (fp32 / bf16; others widened to fp32) ->
+    [M, N] in that dtype; ``weights``: the entry point's arguments between K and N."""
     xr = _rows(x)
     m, k = xr.shape
-    n = qs.shape[0]
     y = torch.empty(m, n, dtype=xr.dtype)
+    rc = fn(
+        xr.data_ptr(),
+        _KINDS[xr.dtype],
+        m,
+        k,
+        *weights,
+        n,
+        y.data_ptr(),
+        _KINDS[y.dtype],
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise ValueError(f"{what} linear kernel refused x {tuple(x.shape)}, W [{n}, {k}] (code {rc})")
+    return y
+
+
+def q4_linear(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, bf16: bool | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N]; W int4 groups (``workers.quant.q4_groups``). ``bf16``: the
+    activations as bf16 rather than int8 (default: ``bf16_activations()``)."""
     lib = _lib()
     fn = lib.qm_q4_linear_bf16 if (bf16_activations() if bf16 is None else bf16) else lib.qm_q4_linear
-    rc = fn(
-        xr.data_ptr(), _KINDS[xr.dtype], m, k, qs.data_ptr(), dm.data_ptr(), n,
-        y.data_ptr(), _KINDS[y.dtype], torch.get_num_threads(),
-    )  # fmt: skip
-    if rc:
-        raise ValueError(f"int4 linear kernel refused x {tuple(x.shape)}, W [{n}, {k}] (code {rc})")
-    return y
+    return _matmul(fn, x, qs.shape[0], (qs.data_ptr(), dm.data_ptr()), "int4")
 
 
 def q8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (fp32 / bf16) @ W^T -> [M, N]; W int8 rows w [N, K], scales ws [N] (fp32 / bf16)."""
-    xr = _rows(x)
-    m, k = xr.shape
-    n = w.shape[0]
+    """x [M, K] @ W^T -> [M, N]; W int8 rows w [N, K], scales ws [N] (fp32 / bf16)."""
     s = ws if ws.dtype in _KINDS else ws.float()
-    y = torch.empty(m, n, dtype=xr.dtype)
-    rc = _lib().qm_q8_linear(
-        xr.data_ptr(), _KINDS[xr.dtype], m, k, w.data_ptr(), s.data_ptr(), _KINDS[s.dtype], n,
-        y.data_ptr(), _KINDS[y.dtype], torch.get_num_threads(),
-    )  # fmt: skip
-    if rc:
-        raise ValueError(f"int8 linear kernel refused x {tuple(x.shape)}, W [{n}, {k}] (code {rc})")
-    return y
+    return _matmul(_lib().qm_q8_linear, x, w.shape[0], (w.data_ptr(), s.data_ptr(), _KINDS[s.dtype]), "int8")
+
+
+def _leading(
+    op: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, s: torch.Tensor
+) -> torch.Tensor:
+    """``op`` (a kernel over [M, K] rows) over x [..., K] -> [..., N]; a 2-D x as it is (a view is
+    a dispatch)."""
+    if x.dim() == 2:
+        return op(x, w, s)
+    return op(x.reshape(-1, x.shape[-1]), w, s).view(*x.shape[:-1], w.shape[0])
 
 
 def q4_linear_op(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """``q4_linear``, or inside a ``torch.compile`` trace the custom op that calls it (the
-    compiled decode step runs it as an opaque call; eager calls skip the dispatcher)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.pantheon.q4_linear(x, qs, dm)
-    return q4_linear(x, qs, dm)
+    """``q4_linear`` over x [..., K], or inside a ``torch.compile`` trace the custom op that calls
+    it (the compiled decode step runs it as an opaque call; eager calls skip the dispatcher)."""
+    return _leading(torch.ops.pantheon.q4_linear if torch.compiler.is_compiling() else q4_linear, x, qs, dm)
 
 
 def q8_linear_op(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     """``q8_linear``, as ``q4_linear_op``."""
-    if torch.compiler.is_compiling():
-        return torch.ops.pantheon.q8_linear(x, w, ws)
-    return q8_linear(x, w, ws)
+    return _leading(torch.ops.pantheon.q8_linear if torch.compiler.is_compiling() else q8_linear, x, w, ws)
 
 
 @torch.library.custom_op("pantheon::q4_linear", mutates_args=())
@@ -194,18 +188,6 @@ def _q8_linear_custom(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> tor
 @_q8_linear_custom.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0], dtype=x.dtype if x.dtype in _KINDS else torch.float32)
-
-
-def q4_dequant(qs: torch.Tensor, dm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The int4 weight as [N, K] floats (fp32 / bf16): what its levels stand for (tests)."""
-    n, k = qs.shape[0], qs.shape[1] * 2
-    out = torch.empty(n, k, dtype=dtype)
-    rc = _lib().qm_q4_dequant(
-        qs.data_ptr(), dm.data_ptr(), n, k, out.data_ptr(), _KINDS[dtype], torch.get_num_threads()
-    )
-    if rc:
-        raise ValueError(f"int4 dequantize refused W [{n}, {k}] (code {rc})")
-    return out
 
 
 MAX_K = 32768  # qmatmul.c's MAX_G groups of 32: its per-thread scale buffer

@@ -618,24 +618,3 @@ int qm_q8_linear(const void *x, int xkind, int64_t M, int64_t K, const int8_t *w
     if (skind != X_F32 && skind != X_BF16) return 1;
     return run(x, xkind, M, K, N, y, ykind, nthreads, 8, NULL, NULL, w, ws, skind);
 }
-
-/* The int4 weight as floats, out [N, K] fp32 or bf16 (okind): w = m + q * d. For many rows
- * (prefill), where a float matrix product beats per-row integer dots. */
-int qm_q4_dequant(const uint8_t *qs, const uint16_t *dm, int64_t N, int64_t K, void *out, int okind, int nthreads) {
-    if (K < QK || K % QK || N < 1 || (okind != X_F32 && okind != X_BF16)) return 1;
-    const int64_t G = K / QK;
-    int nt = nthreads < 1 ? 1 : nthreads;
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && N * K >= (1 << 16))
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t g = 0; g < G; g++) {
-            const uint8_t *q = qs + n * (K / 2) + g * 16;
-            float d = f16_to_f32(dm[n * 2 * G + g]), mn = f16_to_f32(dm[n * 2 * G + G + g]);
-            int64_t at = n * K + g * QK;
-            for (int j = 0; j < 16; j++) {
-                store_y(out, okind, at + j, mn + (float)(q[j] & 0x0f) * d);
-                store_y(out, okind, at + j + 16, mn + (float)(q[j] >> 4) * d);
-            }
-        }
-    }
-    return 0;
-}
