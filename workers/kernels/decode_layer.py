@@ -173,18 +173,14 @@ class Native:
     def __call__(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor | None:
         """The layer's output (x plus both blocks) for this step, or None when the step is not
         one the fused call takes (the caller runs its torch code)."""
-        if (
-            self.why is not None
-            or not _takes(x, b, cache)
-            or os.environ.get("PANTHEON_FUSED_LAYER", "1") == "0"
-        ):
+        if self.why is not None or not available():
+            return None
+        step = _step(b)  # the step's own checks, made once for all its layers
+        if step is None or not _takes(x, b, cache):
             return None
         assert isinstance(cache, KVCache)  # _takes checked, and both pools of a kind it writes
         p = self._plan
         if b.rot_cos.shape != (x.shape[0], p.heads + p.kv_heads, p.head_dim):
-            return None
-        step = _step(b)
-        if step is None:
             return None
         out = torch.empty_like(x)
         (kd, ks, kk), (vd, vs, vk) = _pool(cache.k), _pool(cache.v)
@@ -222,11 +218,10 @@ def why_not(layers: Iterable[nn.Module]) -> str | None:
 
 
 def _takes(x: torch.Tensor, b: StepBatch, cache: LayerCache) -> bool:
-    if b.prefills or b.decode_lens is None or b.decode_blocks is None or b.block_size <= 0:
-        return False
+    """This layer's part of a step ``_step`` took: its rows (the step's decode rows) and its pools."""
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in _KINDS or not x.is_contiguous():
         return False
-    if x.shape[0] != b.n_decode or torch.compiler.is_compiling():
+    if x.shape[0] != b.n_decode:
         return False
     return isinstance(cache, KVCache) and _writes(cache.k) and _writes(cache.v)
 
@@ -254,28 +249,35 @@ def kv_types_ok(k: str, v: str) -> bool:
     return all(t == "auto" or t in _QUANT for t in (k, v))
 
 
-# The step's part of the call, built once for all layers of a step (the last step's kept)
-_last: tuple[StepBatch, _Step, list[torch.Tensor]] | None = None
+# The step's part of the call, or None when the step is not one it takes: decided and built once
+# for all layers of a step (the last step's kept)
+_last: tuple[StepBatch, _Step | None, list[torch.Tensor]] | None = None
 
 
 def _step(b: StepBatch) -> _Step | None:
     global _last
-    if _last is not None and _last[0] is b:
-        return _last[1]
-    assert b.decode_blocks is not None and b.decode_lens is not None
+    if _last is None or _last[0] is not b:
+        _last = (b, *_build_step(b))  # the tensors the step points at kept while it is the last
+    return _last[1]
+
+
+def _build_step(b: StepBatch) -> tuple[_Step | None, list[torch.Tensor]]:
+    """A pure decode step (no prefill chunk; verify rows are decode rows) with its block tables
+    and lengths, tables of kinds the call reads: its part of the call, and the tensors it points at."""
+    if b.prefills or b.decode_lens is None or b.decode_blocks is None or b.block_size <= 0:
+        return None, []
     keep = [
         t.contiguous() for t in (b.rot_cos, b.rot_sin, b.slot_mapping.long(), b.decode_blocks, b.decode_lens)
     ]
     cos, sin, slots, tab, lens = keep
     if cos.dtype not in _KINDS or sin.dtype != cos.dtype or tab.dtype not in (torch.int32, torch.int64):
-        return None
+        return None, []
     if lens.dtype not in (torch.int32, torch.int64):
-        return None
+        return None, []
     s = _Step(
         rot_cos=cos.data_ptr(), rot_sin=sin.data_ptr(), rot_kind=_KINDS[cos.dtype], slots=slots.data_ptr(),
         table=tab.data_ptr(), table_i32=int(tab.dtype == torch.int32), nb=tab.shape[1],
         lens=lens.data_ptr(), lens_i32=int(lens.dtype == torch.int32),
         block_size=b.block_size, min_parallel=paged.MIN_PARALLEL,
     )  # fmt: skip
-    _last = (b, s, keep)
-    return s
+    return s, keep

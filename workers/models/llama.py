@@ -98,10 +98,10 @@ class LlamaLayer(DecoderLayer):
         self.native: decode_layer.Native | None = None
 
     def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
-        if not b.prefills and not torch.compiler.is_compiling() and decode_layer.available():
-            if self.native is None:
+        if not torch.compiler.is_compiling():
+            if self.native is None and decode_layer.available():
                 self.native = decode_layer.Native(self.parts())
-            out = self.native(x, b, cache)
+            out = None if self.native is None else self.native(x, b, cache)  # None: not this step
             if out is not None:
                 return out
         x = x + self.self_attn(self.input_layernorm(x), b, cache)
