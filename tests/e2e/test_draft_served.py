@@ -11,11 +11,9 @@ import time
 import httpx
 import pytest
 
-from helpers.serve import Server, _free_port, check_error
+from helpers.serve import Server, _free_port, check_error, greedy_completion
 
 pytestmark = pytest.mark.timeout(180)
-
-PROMPT = [5, 17, 300, 41] * 4
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +46,9 @@ def srv(paths, tmp_path_factory):
         s.stop()
 
 
-def complete(s: Server, **extra) -> dict:
-    body = {"model": "t", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **extra}
-    r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_greedy_text_is_the_same_and_the_dies_name_the_draft(srv, paths):
-    off = complete(srv, speculative=False)
-    on = complete(srv)  # the server's --speculative 3, drafted by the draft model
+    off = greedy_completion(srv, speculative=False)
+    on = greedy_completion(srv)  # the server's --speculative 3, drafted by the draft model
     assert on["choices"][0]["text"] == off["choices"][0]["text"]
     deadline = time.monotonic() + 10
     while True:

@@ -8,11 +8,9 @@ import time
 import httpx
 import pytest
 
-from helpers.serve import Server
+from helpers.serve import Server, greedy_completion
 
 pytestmark = pytest.mark.timeout(120)
-
-PROMPT = [5, 17, 300, 41] * 4  # the tiny random model answers it in a loop: the context drafts
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +26,6 @@ def srv(model_factory, tmp_path_factory):
         s.stop()
 
 
-def complete(s: Server, **extra) -> dict:
-    body = {"model": "t", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **extra}
-    r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def speculation(s: Server, wait: bool = False) -> dict:
     """The instances' speculation figures; ``wait``: until the worker's next stats carry some."""
     deadline = time.monotonic() + (10 if wait else 0)
@@ -47,10 +38,10 @@ def speculation(s: Server, wait: bool = False) -> dict:
 
 
 def test_greedy_text_is_the_same_with_and_without(srv):
-    off = complete(srv, speculative=False)
+    off = greedy_completion(srv, speculative=False)
     assert speculation(srv) == {}
-    on = complete(srv, speculative=True)
-    default = complete(srv)  # the server's --speculative 3
+    on = greedy_completion(srv, speculative=True)
+    default = greedy_completion(srv)  # the server's --speculative 3
     assert on["choices"][0]["text"] == off["choices"][0]["text"] == default["choices"][0]["text"]
     assert on["usage"]["completion_tokens"] == 24
     stats = next(iter(speculation(srv, wait=True).values()))

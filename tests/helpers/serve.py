@@ -130,3 +130,16 @@ def until(cond, timeout: float = 10.0, what: str = "condition"):
             return got
         time.sleep(0.05)
     pytest.fail(f"timed out waiting for {what}")
+
+
+# A tiny random model answers it in a loop: its own context drafts (speculation's tests)
+LOOP_PROMPT = [5, 17, 300, 41] * 4
+
+
+def greedy_completion(s: Server, model: str = "t", prompt: list[int] = LOOP_PROMPT, **extra) -> dict:
+    """``/v1/completions`` of ``prompt``, greedy, 24 tokens past any EOS, ``extra`` fields on top:
+    the response's JSON (a 200 asserted)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **extra}
+    r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
