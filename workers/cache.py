@@ -24,7 +24,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,10 @@ class KVCache:
 class StateCache:
     tensors: dict[str, torch.Tensor]  # name -> [slots + 1, *shape]
     checkpoints: dict[str, torch.Tensor]  # name -> [checkpoints, *shape]
+    # The last step's verify rows (speculation): name -> [verify rows, *shape], the state after
+    # each row, written by the layer, read by ``ModelRunner.keep_verified`` (the slots' own
+    # states stay as they were before the rows until the engine knows what was accepted).
+    verified: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:

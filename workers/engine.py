@@ -88,8 +88,8 @@ class Engine:
             if not cfg.can_speculate:
                 raise LoadError(
                     "invalid",
-                    f"{model_path} cannot speculate (recurrent or sliding-window layers, or dynamic "
-                    "RoPE): it takes no draft model",
+                    f"{model_path} cannot speculate (sliding-window layers, or dynamic RoPE): it "
+                    "takes no draft model",
                 )
             draft_cfg = load_draft_config(draft, model_path, kv_types, [torch.device(devices[0])])
         asked_dtype = dtype
@@ -197,9 +197,11 @@ class Engine:
             "bs": block_size,
         }
         self.compiler = compiled.start(self.runner, model_path, layout, compile_decode)
-        # Speculation (workers/speculation.py) needs every position's K/V paged and rows that can
-        # be taken back: no recurrent state, no sliding ring, no length-dependent RoPE.
+        # Speculation (workers/speculation.py) needs rows that can be taken back (paged K/V, or
+        # a recurrent state kept per verify row): no sliding ring, no length-dependent RoPE.
         self.spec_supported = cfg.can_speculate and not self.embed_only
+        # recurrent layers keep each verify row's state: the engine keeps the accepted one
+        self.recurrent = bool(cfg.recurrent_layers)
         self.spec = SpecStats()
         self.spec_default = max(0, speculative)  # drafts per step for requests that do not say
         self.draft: DraftModel | None = None
@@ -530,14 +532,39 @@ class Engine:
             draft, n = s.draft, 1 + len(s.draft)
             st = self._samplers[s.request_id]
             tokens = verify(logits[at : at + n], draft, st, s.num_output)
-            at += n
+            slot, p0 = s.slot, s.num_computed
             taken, reason = self.scheduler.accept(s, tokens)
+            if self.recurrent:
+                assert slot is not None
+                self._keep_verified(s, slot, p0, at, finished=reason is not None)
+            at += n
             self.spec.add(len(draft), len(tokens) - 1, len(taken))
             for i, t in enumerate(taken):
                 outs.append(TokenOut(s.request_id, t, finish=reason if i == len(taken) - 1 else None))
             if reason:
                 self._forget(s.request_id)
         return outs
+
+    def _keep_verified(self, s: Sequence, slot: int, p0: int, at: int, finished: bool) -> None:
+        """A hybrid model's verify kept ``s.num_computed - p0`` of its rows (from verify row
+        ``at``): the slot's recurrent states become those after the last of them (unless the
+        sequence finished and left its slot), and a block boundary those rows passed gets its
+        checkpoint as a plain decode's would (``_checkpoint``), from the state after the row
+        that ends the block."""
+        kept = s.num_computed - p0
+        if not finished:
+            self.runner.keep_verified(slot, at + kept - 1)
+        ck, bs = self.checkpoints, self.blocks.block_size
+        edge = s.num_computed // bs * bs  # the newest boundary at or before the computed rows
+        if ck is None or not s.use_cache or edge <= p0 or len(s.block_hashes) < edge // bs:
+            return
+        h = s.block_hashes[edge // bs - 1]
+        if s.decode_checkpoint is not None and s.decode_checkpoint != h:
+            ck.drop(s.decode_checkpoint)
+        i = ck.put(h)
+        if i is not None:
+            self.runner.save_verified(at + edge - p0 - 1, i)
+        s.decode_checkpoint = h
 
     def _checkpoint(self, plan: StepPlan) -> None:
         """Keep the recurrent states of the block boundaries this step reached: a prompt's last

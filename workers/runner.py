@@ -18,7 +18,7 @@ from pantheon.core.kv_types import KvCacheTypes
 from workers.block_manager import BlockManager
 from workers.cache import KVCache, LayerCache, StateCache, kv_block_bytes, make_caches
 from workers.kernels import decode_layer, paged
-from workers.layers.attention import PrefillChunk, StepBatch
+from workers.layers.attention import PrefillChunk, StepBatch, VerifyRun
 from workers.layers.rotary import Rotary, qk_tables
 from workers.layers.sliding import window_view
 from workers.model_config import ModelConfig
@@ -144,6 +144,24 @@ class ModelRunner:
                 for name, t in c.tensors.items():
                     t[slot].copy_(c.checkpoints[name][checkpoint])
 
+    @torch.inference_mode()
+    def keep_verified(self, slot: int, row: int) -> None:
+        """After a verify: ``slot``'s recurrent states become those after its verify row ``row``
+        (counted over the step's verify rows: its first row's index plus the rows it keeps - 1)."""
+        for c in self.caches:
+            if isinstance(c, StateCache) and c.verified:
+                for name, t in c.tensors.items():
+                    t[slot].copy_(c.verified[name][row])
+
+    @torch.inference_mode()
+    def save_verified(self, row: int, checkpoint: int) -> None:
+        """Copy the recurrent states after verify row ``row`` into prefix-cache ``checkpoint``
+        (a block boundary the accepted rows passed)."""
+        for c in self.caches:
+            if isinstance(c, StateCache) and c.verified:
+                for name, t in c.checkpoints.items():
+                    t[checkpoint].copy_(c.verified[name][row])
+
     def _tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         return qk_tables(
@@ -201,8 +219,11 @@ class ModelRunner:
         # K/V before any row attends). Decode rows, not a prefill chunk: the same kernels as a
         # one-token step, so a greedy verify picks exactly the tokens plain decoding would.
         dec_rows = [(s, s.num_computed + 1) for s in plan.decode]  # (sequence, its context length)
+        runs: list[VerifyRun] = []
         for s in plan.verify:
             p0, n = s.num_computed, 1 + len(s.draft)
+            assert s.slot is not None  # a verifying sequence decodes: it holds a slot
+            runs.append(VerifyRun(len(ids), n, s.slot))
             ids += [s.tokens[p0], *s.draft]
             positions += range(p0, p0 + n)
             slots += self._rows(s.block_table, p0, p0 + n)
@@ -231,8 +252,8 @@ class ModelRunner:
             slot_ids = [s.slot for s, _n in dec_rows]
             dec_slots = torch.tensor(slot_ids, dtype=torch.long, device=dev)
             first = slot_ids[0]
-            if first is not None and slot_ids == list(range(first, first + n_decode)):
-                slot_run = first  # recurrent layers update these states in place
+            if n_plain and first is not None and slot_ids[:n_plain] == list(range(first, first + n_plain)):
+                slot_run = first  # recurrent layers update the plain rows' states in place
             lens = [n for _s, n in dec_rows]
             t = max(lens)
             dec_tables = [s.block_table for s, _n in dec_rows]
@@ -256,6 +277,7 @@ class ModelRunner:
         base.positions = pos_t  # for layers that build their own rotary tables (Gemma 4's full ones)
         base.decode_blocks, base.block_size = dec_blocks, self.blocks.block_size
         base.decode_lens = dec_lens
+        base.verify = runs
         if self.windows:
             rot = None
             if self.sliding_rotary is not None:

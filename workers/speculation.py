@@ -36,11 +36,14 @@ the int4 path, measured on the torch path).
 
 Which requests speculate (``Engine.submit``): those that ask (``SamplingParams.speculative``: the
 request's ``speculative`` extension, else the server's ``--speculative N``; ``true`` takes the
-server's N, or ``SPECULATIVE_TOKENS`` = 4 when the server's is 0) on a model whose every
-layer keeps paged K/V under a fixed RoPE. Excluded, with speculation silently off:
-  * models with recurrent layers (Qwen3.5's state cannot be rolled back past rejected rows) or
-    sliding-window rings (a verify chunk's rows overwrite ring entries the rejected case still
-    needs), and dynamic-NTK RoPE (its tables depend on the chunk's end);
+server's N, or ``SPECULATIVE_TOKENS`` = 4 when the server's is 0) on a model whose rows can be
+taken back under a fixed RoPE. A hybrid model's recurrent layers (Qwen3.5) run a sequence's
+verify rows one after another and keep the state after each (``StateCache.verified``); the
+engine then keeps the state after the last accepted row in the slot and checkpoints a block
+boundary the accepted rows passed (``Engine._keep_verified``). Excluded, with speculation
+silently off:
+  * models with sliding-window rings (a verify chunk's rows overwrite ring entries the rejected
+    case still needs), and dynamic-NTK RoPE (its tables depend on the chunk's end);
   * requests with a grammar (response_format, forced tools: the mask of row i depends on the
     drafts before it), logprobs, or repetition / presence / frequency penalties (they depend
     on the output so far, row by row).

@@ -96,7 +96,7 @@ def _read_draft(path: str, shape: ModelDescription) -> ModelDescription:
     if not shape.can_speculate:
         raise errors.invalid_param(
             "draft",
-            "'draft': this model cannot speculate (recurrent or sliding-window layers, or dynamic RoPE)",
+            "'draft': this model cannot speculate (sliding-window layers, or dynamic RoPE)",
         )
     try:
         d = _read_model(path)

@@ -292,9 +292,11 @@ class ModelDescription:
 
     @property
     def can_speculate(self) -> bool:
-        """Drafts can be verified on this model (workers/speculation.py): rewindable, and a RoPE
-        whose tables do not depend on the chunk's end (not dynamic NTK)."""
-        return self.rewindable and self.rope.type != "dynamic"
+        """Drafts can be verified on this model (workers/speculation.py): no sliding ring (a
+        verify's rows overwrite entries a rejection still needs), and a RoPE whose tables do not
+        depend on the chunk's end (not dynamic NTK). Recurrent layers may: they keep the state
+        after each verify row and the engine keeps the accepted one."""
+        return not self.windows and self.rope.type != "dynamic"
 
     def kv_bytes_per_token(self, dtype_bytes: int, kv_types: KvCacheTypes | None = None) -> int:
         """K and V of one token over the attention layers of the paged pool (not the sliding ones,

@@ -34,6 +34,18 @@ class PrefillChunk:
     windowed: bool = False  # a sliding window's view: ``gather`` is the ring's history, ``mask`` bands it
 
 
+@dataclass(frozen=True)
+class VerifyRun:
+    """A verifying sequence's decode rows (speculation, ``workers/speculation.py``): its pending
+    token, then its drafts, ``n`` consecutive rows from ``start``, all on one state slot. A
+    recurrent layer runs them one after another and keeps the state after each row, for the
+    engine to keep the one after the last accepted row (``ModelRunner.keep_verified``)."""
+
+    start: int  # its first row in the flat batch
+    n: int  # 1 + drafts
+    slot: int
+
+
 @dataclass
 class StepBatch:
     """Where each token's K/V goes and what each query attends to, on one device.
@@ -67,6 +79,14 @@ class StepBatch:
     # reads instead of the gather and bias; None where the kernel must not run (the compiled
     # step, a ring's view).
     decode_lens: torch.Tensor | None = None
+    # The verifying sequences' rows, the last decode rows (after the plain ones), in order.
+    # ``decode_slots`` covers them too; ``decode_slot_run`` only the plain rows before them.
+    verify: list[VerifyRun] = field(default_factory=list)
+
+    @property
+    def n_plain(self) -> int:
+        """Decode rows of one token per sequence, before the verify rows."""
+        return self.n_decode - sum(v.n for v in self.verify)
 
     def to(self, dev: torch.device) -> StepBatch:
         """The same batch description on another device (layers split across dies)."""
@@ -92,6 +112,7 @@ class StepBatch:
             mv(self.decode_blocks),
             self.block_size,
             mv(self.decode_lens),
+            self.verify,
         )
 
 

@@ -93,6 +93,45 @@ class GatedDeltaNet(nn.Module):
         v = qkv[:, 2 * self.key_dim :].view(m, self.hv, self.dv)
         return q, k, v
 
+    def _verify(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        b: StepBatch,
+        cache: StateCache,
+        core: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """The verify rows (``b.verify``), every sequence's row i in one batched step, with the
+        same functions as plain decode rows (so a verify row's output is a plain decode row's):
+        fills their ``core`` rows and returns the state after each row, by verify row (a
+        sequence's rows consecutive, in ``b.verify``'s order): conv [R, C, K-1], ssm [R, Hv,
+        Dk, Dv] fp32. The slots' states are read, never written."""
+        conv_pool, ssm_pool = cache.tensors["conv"], cache.tensors["ssm"]
+        w = self.conv_weight.squeeze(1)  # [C, K]
+        runs, first = b.verify, b.n_plain
+        total = sum(r.n for r in runs)
+        conv_rows = conv_pool.new_empty(total, *conv_pool.shape[1:])  # [R, C, K-1]
+        ssm_rows = ssm_pool.new_empty(total, *ssm_pool.shape[1:])  # [R, Hv, Dk, Dv]
+        slots = torch.tensor([r.slot for r in runs], dtype=torch.long, device=mixed.device)
+        conv, ssm = conv_pool[slots], ssm_pool[slots]  # [G, ...] copies: the rows' running states
+        offsets = [r.start - first for r in runs]  # each run's first verify row
+        live = list(range(len(runs)))  # the runs with a row i, in order (the states' rows)
+        for i in range(max(r.n for r in runs)):
+            still = [j for j in live if runs[j].n > i]
+            if len(still) < len(live):  # the shorter runs are done: go on with the others
+                pick = torch.tensor([live.index(j) for j in still], dtype=torch.long, device=mixed.device)
+                conv, ssm, live = conv[pick], ssm[pick], still
+            rows = torch.tensor([runs[j].start + i for j in live], dtype=torch.long, device=mixed.device)
+            at = torch.tensor([offsets[j] + i for j in live], dtype=torch.long, device=mixed.device)
+            out, conv = causal_conv1d_step(mixed[rows], w, conv)
+            q, k, v = self._split(out)
+            o, ssm = recurrent_gated_delta_step(q, k, v, g[rows], beta[rows], ssm, inplace=True)
+            core[rows] = o
+            conv_rows[at] = conv
+            ssm_rows[at] = ssm
+        return {"conv": conv_rows, "ssm": ssm_rows}
+
     def forward(self, x: torch.Tensor, b: StepBatch, cache: StateCache) -> torch.Tensor:
         # x: [N, hidden]; cache.tensors: conv [S, C, K-1], ssm [S, Hv, Dk, Dv] fp32
         n, c = x.shape[0], self.conv_dim
@@ -105,13 +144,13 @@ class GatedDeltaNet(nn.Module):
         conv_pool, ssm_pool = cache.tensors["conv"], cache.tensors["ssm"]
         w = self.conv_weight.squeeze(1)  # [C, K]
         core = torch.empty(n, self.hv, self.dv, dtype=x.dtype, device=x.device)  # [N, Hv, Dv]
-        nd = b.n_decode
+        nd = b.n_plain
         if nd:
             # every decode row at once: the slots' states in one step, updated in place when the
             # slots are one run (the common case: a view, no gather or scatter), else gathered
             # and scattered back
             assert b.decode_slots is not None  # set whenever there are decode rows
-            slots, run = b.decode_slots, b.decode_slot_run
+            slots, run = b.decode_slots[:nd], b.decode_slot_run
             out, conv_new = causal_conv1d_step(mixed[:nd], w, conv_pool[slots])
             conv_pool.index_copy_(0, slots, conv_new)
             q, k, v = self._split(out)
@@ -125,6 +164,9 @@ class GatedDeltaNet(nn.Module):
                 )
                 ssm_pool.index_copy_(0, slots, ssm_new)
             core[:nd] = o
+        # the verify rows: each sequence's rows in turn from its slot's state, every row's
+        # state kept aside (the slot's own is replaced once the engine knows what was accepted)
+        cache.verified = self._verify(mixed, g, beta, b, cache, core) if b.verify else {}
         for ch in b.prefills:
             s, e = ch.start, ch.end
             conv0 = torch.zeros_like(conv_pool[ch.slot]) if ch.fresh else conv_pool[ch.slot]
