@@ -344,22 +344,29 @@ def apply(model: DecoderLM, name: str, cfg: ModelDescription | None = None) -> N
     by one, or quantized into stacks (int4 groups fitted to FP4's levels when they were MXFP4).
     """
     spec = PATHS[name]
-    mxfp4 = cfg is not None and mxfp4_experts(cfg)
-    held = experts_spec(spec, mxfp4)
-    int4 = int4_from_fp4 if mxfp4 else int4_groups
     for layer, dev in zip(model.layers, model.layer_devices):
-        if dev.type != "cpu":
-            continue
-        if spec.layout != "dense":
-            replace_linears(layer, lambda w, b: make_linear(spec, w, b))
-        for m in layer.modules():
-            if not isinstance(m, MoE):
-                continue
-            if held.layout == "packed":
-                m.lay_out(lambda w: make_linear(spec, w, None))
-            elif held.layout in ("int8", "int4"):
-                m.quantize(held.layout, int4)
+        if dev.type == "cpu":
+            lay_out(layer, name, cfg)
     if spec.layout == "dense":
         return
     if model.embed_tokens.weight.device.type == "cpu":
         model.lm_head = make_linear(head_spec(spec), model.head_weight(), None)
+
+
+def lay_out(module: nn.Module, name: str, cfg: ModelDescription | None = None) -> None:
+    """Lay the linears under ``module`` (a decoder layer, or the parts of a multi-token-prediction
+    head: ``workers/mtp.py``) out for path ``name``, in place; its mixtures of experts as
+    ``apply`` says. Modules that are no ``nn.Linear`` (a head laid out already) stay."""
+    spec = PATHS[name]
+    mxfp4 = cfg is not None and mxfp4_experts(cfg)
+    held = experts_spec(spec, mxfp4)
+    int4 = int4_from_fp4 if mxfp4 else int4_groups
+    if spec.layout != "dense":
+        replace_linears(module, lambda w, b: make_linear(spec, w, b))
+    for m in module.modules():
+        if not isinstance(m, MoE):
+            continue
+        if held.layout == "packed":
+            m.lay_out(lambda w: make_linear(spec, w, None))
+        elif held.layout in ("int8", "int4"):
+            m.quantize(held.layout, int4)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from pantheon.core.description import MTP, mtp_description
 from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import (
     SPECULATIVE_ON,
@@ -33,6 +34,7 @@ from workers import compiled, cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
 from workers.cache import check_kv_types, kv_block_bytes
 from workers.draft import DraftModel, draft_block_bytes, draft_layout, load_draft_config
+from workers.mtp import MtpDraft, load_head
 from workers.errors import LoadError, RequestRejected
 from workers.grammar import Constraint, Grammars, apply_masks
 from workers.layers.moe import unread_expert_bytes
@@ -91,7 +93,15 @@ class Engine:
                     f"{model_path} cannot speculate (sliding-window layers, or dynamic RoPE): it "
                     "takes no draft model",
                 )
-            draft_cfg = load_draft_config(draft, model_path, kv_types, [torch.device(devices[0])])
+            if draft == MTP:  # the model's own head (workers/mtp.py): its description is the model's
+                draft_cfg = mtp_description(cfg)
+                if draft_cfg is None:
+                    raise LoadError(
+                        "invalid",
+                        f"{model_path} has no multi-token-prediction head (mtp.*): it cannot draft with 'mtp'",
+                    )
+            else:
+                draft_cfg = load_draft_config(draft, model_path, kv_types, [torch.device(devices[0])])
         asked_dtype = dtype
         # On a CPU die the path (kernel layout and compute dtype) is chosen before the weights
         # are read: forced by ``cpu_path`` / PANTHEON_CPU_PATH, else timed on this model's shapes.
@@ -116,12 +126,15 @@ class Engine:
         block_bytes = kv_block_bytes(cfg, block_size, dt, kv_types)
         self.kv_types = kv_types
         draft_path: tuple[str | None, str] = (None, asked_dtype)
-        if draft_cfg is not None:
+        if draft == MTP:
+            draft_path = (self.cpu_path, dtype)  # the head is laid out as the model
+        elif draft_cfg is not None:
             # The draft's pool has as many blocks as the target's (one block table addresses
             # both): the budget (the router booked both pools in it) is shared by their block sizes.
             draft_path = draft_layout(
                 draft_cfg, torch.device(devices[0]), asked_dtype, self.cpu_path, quantize
             )
+        if draft_cfg is not None:
             block_bytes += draft_block_bytes(
                 draft_cfg, block_size, draft_path[1], torch.device(devices[0]), kv_types
             )
@@ -204,12 +217,18 @@ class Engine:
         self.recurrent = bool(cfg.recurrent_layers)
         self.spec = SpecStats()
         self.spec_default = max(0, speculative)  # drafts per step for requests that do not say
-        self.draft: DraftModel | None = None
+        self.draft: DraftModel | MtpDraft | None = None
         self.draft_name = ""
         if draft_cfg is not None:
             assert draft is not None
             if not self.spec_supported:
                 raise LoadError("invalid", f"{model_path} cannot speculate: it takes no draft model")
+        if draft == MTP:
+            head, one = load_head(model_path, cfg, self.model, self.devices[0], dt, self.cpu_path, quantize)
+            self.draft = MtpDraft(head, one, self.blocks, dt, num_slots, kv_types)
+            self.draft_name = MTP
+        elif draft_cfg is not None:
+            assert draft is not None
             self.draft = DraftModel(
                 draft,
                 draft_cfg,
@@ -232,7 +251,10 @@ class Engine:
         # ... and of a mixture of experts' stacked experts, the top k one sequence's token chose
         self.step_read_bytes -= unread_expert_bytes(self.model)
         self.kv_bytes = self.runner.kv_bytes
-        if self.draft is not None:  # booked with the instance: its weights and its KV pool
+        if isinstance(self.draft, MtpDraft):  # booked with the instance: its weights and KV pool
+            self.weight_bytes += self.draft.weight_bytes
+            self.kv_bytes += self.draft.kv_bytes
+        elif self.draft is not None:
             self.weight_bytes += _weight_bytes(self.draft.model)
             self.kv_bytes += self.draft.kv_bytes
         self.state_bytes = self.runner.state_bytes  # the recurrent layers' state pools
@@ -388,6 +410,8 @@ class Engine:
         self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
+        if isinstance(self.draft, MtpDraft):
+            self.draft.forget(request_id)
         self._samplers.pop(request_id, None)
         self._constraints.pop(request_id, None)
         self._prompt_lps.pop(request_id, None)
@@ -477,6 +501,7 @@ class Engine:
             for s, n in plan.prefill
             if (acc := self._prompt_lps.get(s.request_id)) is not None
         }
+        fed = self._fed_rows(plan)  # (before commit moves num_computed past the step's rows)
         logits = self.runner.run(plan, prompt_rows={s: rows for s, (_a, _p, rows) in kept.items()})
         n_verify = sum(1 + len(s.draft) for s in plan.verify)
         cut = logits.shape[0] - n_verify  # the verify chunks' rows come last
@@ -514,6 +539,8 @@ class Engine:
                     self._forget(s.request_id)
         if n_verify:
             outs += self._verify(plan, verify_logits)
+        if fed:
+            self._feed_head(fed)
         took = time.perf_counter() - t0
         n_prefill = sum(n for _s, n in plan.prefill)
         # Mean positions a prefilled token attended to (chunk from p0, n tokens: p0 + (n + 1) / 2).
@@ -544,6 +571,37 @@ class Engine:
             if reason:
                 self._forget(s.request_id)
         return outs
+
+    def _fed_rows(self, plan: StepPlan) -> list[tuple[Sequence, int, int]]:
+        """With the model's own head drafting (``workers/mtp.py``): each speculating sequence
+        of the step, the first position it computes and its first row in the step's hidden
+        states (plain decode rows, verify rows, then each prefill chunk's)."""
+        if not isinstance(self.draft, MtpDraft):
+            return []
+        rows: list[tuple[Sequence, int, int]] = []
+        at = 0
+        for group in (plan.decode, plan.verify):
+            for s in group:
+                if s.spec_tokens:
+                    rows.append((s, s.num_computed, at))
+                at += 1 if group is plan.decode else 1 + len(s.draft)
+        for s, n in plan.prefill:
+            if s.spec_tokens and s.embed is None:
+                rows.append((s, s.num_computed, at))
+            at += n
+        return rows
+
+    def _feed_head(self, fed: list[tuple[Sequence, int, int]]) -> None:
+        """Give the head the target's hidden states of the rows each sequence kept this step
+        (a verify's: as far as it was accepted); a finished sequence's are dropped."""
+        assert isinstance(self.draft, MtpDraft)
+        hidden = self.runner.last_hidden
+        assert hidden is not None  # (a model the head drafts for never runs the compiled step)
+        for s, p0, at in fed:
+            if s.finish is not None:
+                self.draft.forget(s.request_id)
+            elif s.num_computed > p0:
+                self.draft.observe(s, p0, hidden[at : at + s.num_computed - p0])
 
     def _keep_verified(self, s: Sequence, slot: int, p0: int, at: int, finished: bool) -> None:
         """A hybrid model's verify kept ``s.num_computed - p0`` of its rows (from verify row

@@ -167,7 +167,23 @@ def load_model(
     return model, cfg
 
 
-class _NoInit(TorchFunctionMode):
+def load_part(
+    model_path: str | Path, targets: dict[str, Target], fam: Family, rename: Callable[[str], str | None]
+) -> None:
+    """Fill ``targets`` (the family's names) from a Hugging Face folder's safetensors: each
+    checkpoint tensor ``rename`` maps into them (None: not this part's), stacked and joined ones
+    as ``load_model`` takes them. A part of a checkpoint loaded beside its model (Qwen3.5's
+    multi-token-prediction head, ``workers/mtp.py``); ``LoadError`` when one is missing."""
+    headers = {f: check_safetensors(f) for f in weight_files(Path(model_path))}
+    tensors = _safetensors_tensors(headers, _Wanted(targets, fam), rename)
+    filled = _fill(targets, _pieces(tensors, fam, targets), "config.json", None)
+    missing = [n for n in targets if n not in filled]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise LoadError("invalid", f"{model_path}: checkpoint lacks tensor(s) {shown}")
+
+
+class NoInit(TorchFunctionMode):
     """Skips ``torch.nn.init`` inside: the parameters are filled from the checkpoint, and on the
     meta device those initialisers import ``torch._dynamo`` (seconds, on a load's first call)."""
 
@@ -182,7 +198,7 @@ def _empty_model(
     build: Callable[[ModelConfig], DecoderLM], cfg: ModelConfig, devs: list[torch.device], dt: torch.dtype
 ) -> DecoderLM:
     """The model with uninitialised storage for every parameter on its die."""
-    with torch.device("meta"), _NoInit():
+    with torch.device("meta"), NoInit():
         model = build(cfg)
     model.to(dt)  # still on meta: the storage below is allocated in ``dt`` at once
     model.layer_devices = layer_placement(cfg.num_layers, devs)

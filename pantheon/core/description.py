@@ -342,6 +342,26 @@ class ModelDescription:
 # ---------------------------------------------------------------- parsing helpers (for families)
 
 
+MTP = "mtp"  # a load's ``draft`` naming the model's own multi-token-prediction head
+
+
+def mtp_description(desc: ModelDescription) -> ModelDescription | None:
+    """The model's multi-token-prediction head (``mtp.*``: Qwen3.5's, as vLLM's ``mtp`` method
+    runs it) as a one-layer description, for its sizing and its runner: the head's full-attention
+    layer, whose spec also counts the head's input projection ``fc`` [H, 2H] and its two input
+    norms (its final norm is the description's; its embeddings and LM head are the model's).
+    None when the checkpoint has no such head."""
+    if not getattr(desc, "mtp_layers", 0):
+        return None
+    i = next(i for i, s in enumerate(desc.layers) if isinstance(s.cache, AttentionCache) and not s.cache.window)
+    spec, h = desc.layers[i], desc.hidden_size
+    head = dataclasses.replace(spec, linears=(*spec.linears, (h, 2 * h)), small=spec.small + 2 * h)
+    fields: dict[str, Any] = {"num_layers": 1, "layers": (head,), "skipped": ()}
+    if hasattr(desc, "layer_types"):  # a hybrid family builds its layers by these
+        fields["layer_types"] = (desc.layer_types[i],)  # pyright: ignore[reportAttributeAccessIssue]
+    return dataclasses.replace(desc, **fields)
+
+
 def pos_int(raw: dict, key: str, where: str, default: Any = ...) -> int:
     """``raw[key]`` as a positive integer; ``default`` when missing (if given)."""
     if key not in raw or raw[key] is None:

@@ -35,6 +35,7 @@ class Qwen35Description(ModelDescription):
     linear_key_head_dim: int
     linear_value_head_dim: int
     conv_kernel: int
+    mtp_layers: int = 0  # the checkpoint's multi-token-prediction layers (mtp.*), a draft's source
 
     @property
     def linear_key_dim(self) -> int:
@@ -126,6 +127,7 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> Qwen35Description:
         linear_key_head_dim=dk,
         linear_value_head_dim=dv,
         conv_kernel=kernel,
+        mtp_layers=int(raw.get("mtp_num_hidden_layers") or 0),
     )
 
 
