@@ -32,7 +32,8 @@ A ``[[models]]`` table takes ``path`` (required), ``name``, ``dies``, ``aliases`
 ``max_tokens``) and the admin load's options ``quantize``, ``slots``, ``max_context``,
 ``embeddings`` (a chat model also serves ``/v1/embeddings``, mean pooling) and
 ``kv_cache_dtype`` (``"q8_0"``, or K and V apart as ``"q8_0/q4_0"``; over ``--kv-cache-dtype``)
-and ``draft`` (a draft model's path for speculative decoding: same tokenizer, smaller).
+and ``draft`` (a draft model's path for speculative decoding: same tokenizer, smaller; or
+``"mtp"``: the model's own multi-token-prediction head, Qwen3.5's ``mtp.*``).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def _model_table(where: str, m: dict[str, Any]) -> dict[str, Any]:
             out[key] = m[key]
     if "draft" in m:
         if not isinstance(m["draft"], str) or not m["draft"]:
-            raise ConfigError(f"{where}: 'draft' must be a model path (a folder or a .gguf file)")
+            raise ConfigError(f"{where}: 'draft' must be a model path (a folder or a .gguf file) or \"mtp\"")
         out["draft"] = m["draft"]
     if "kv_cache_dtype" in m:
         out["kv_cache_dtype"] = parse_kv_types(m["kv_cache_dtype"], f"{where}: kv_cache_dtype")

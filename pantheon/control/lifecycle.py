@@ -47,7 +47,7 @@ from pantheon.control.dies import DieManager, booked_of
 from pantheon.control.feed import Feed
 from pantheon.control.load_sizing import LoadSizing
 from pantheon.control.registry import DRAINING, FAILED, LOADING, READY, Instance, Registry
-from pantheon.core.description import ModelDescription, shape_digest
+from pantheon.core.description import MTP, ModelDescription, mtp_description, shape_digest
 from pantheon.core.gguf import GGUFError, find_gguf, served_name
 from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import Loaded, LoadModel, die_host, die_kind
@@ -92,12 +92,20 @@ def _read_model(path: str) -> ModelDescription:
 
 def _read_draft(path: str, shape: ModelDescription) -> ModelDescription:
     """A draft's description: a model to read (400 naming ``draft`` otherwise) of paged
-    attention layers only, for a model that can verify drafts."""
+    attention layers only, or the model's own multi-token-prediction head (``"mtp"``), for a
+    model that can verify drafts."""
     if not shape.can_speculate:
         raise errors.invalid_param(
             "draft",
             "'draft': this model cannot speculate (sliding-window layers, or dynamic RoPE)",
         )
+    if path == MTP:
+        head = mtp_description(shape)
+        if head is None:
+            raise errors.invalid_param(
+                "draft", "'draft': \"mtp\": this model has no multi-token-prediction head (mtp.*)"
+            )
+        return head
     try:
         d = _read_model(path)
     except ApiError as e:
@@ -245,7 +253,7 @@ class Models:
             if die_kind(die) == "cuda" or die_host(die):  # its worker's Hello tells the die's size
                 await self._start(die)
         sizing = self._sizing(shape, quantize, slots, max_context, kv_types)
-        sizing.draft = draft_shape
+        sizing.draft, sizing.draft_is_head = draft_shape, draft == MTP
         inst = await self._reserve_and_place(name, path, dies, sizing, worker_path)
         inst.quantize, inst.max_model_len, inst.load_progress = quantize, sizing.mml, 0.0
         inst.kv_types = kv_types
@@ -254,7 +262,7 @@ class Models:
         inst.estimate, inst.shape = sizing.estimate(inst.die), shape
         inst.load_msg = self._load_message(inst, worker_path or os.path.abspath(path), sizing)
         if draft is not None:  # the worker's host reads the draft at the router's path
-            inst.load_msg.draft = os.path.abspath(draft)
+            inst.load_msg.draft = draft if draft == MTP else os.path.abspath(draft)
         self.feed.event(
             "load",
             f"loading {path} as {inst.instance_id} on {','.join(inst.dies)}",

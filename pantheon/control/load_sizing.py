@@ -41,6 +41,9 @@ class LoadSizing:
     # a draft model for speculation (workers/draft.py), on the first die: its weights there, and
     # its KV pool, which has the model's block count, in the KV pool's bytes per token
     draft: ModelDescription | None = None
+    # the draft is the model's own multi-token-prediction head (pantheon.core.description
+    # .mtp_description): its embeddings and LM head are the model's, only its layer is added
+    draft_is_head: bool = False
     _needs: dict[tuple[str, ...], dict[str, Booking]] = field(default_factory=dict)
 
     def estimate(self, first: str) -> Estimate:
@@ -54,7 +57,8 @@ class LoadSizing:
         d = self._estimate(self.draft, first)
         kv = list(own.kv_layer_bytes)
         kv[0] += d.kv_per_token
-        return dataclasses.replace(own, base=own.base + d.weights, kv_layer_bytes=tuple(kv))
+        weights = sum(d.layer_bytes) if self.draft_is_head else d.weights
+        return dataclasses.replace(own, base=own.base + weights, kv_layer_bytes=tuple(kv))
 
     def _estimate(self, shape: ModelDescription, first: str) -> Estimate:
         return estimate(

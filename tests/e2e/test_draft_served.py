@@ -1,6 +1,7 @@
 """A draft model through a real server: the ``[[models]]`` key ``draft``, greedy output unchanged,
 ``/admin/dies`` naming the draft, and the admin load's ``draft`` refused with a 400 (a bad value,
-another tokenizer) leaving the model table as it was."""
+another tokenizer, "mtp" for a model without a head) leaving the model table as it was; a
+Qwen3.5 loaded with ``draft: "mtp"`` (its own head) answers as without it."""
 
 from __future__ import annotations
 
@@ -46,18 +47,23 @@ def srv(paths, tmp_path_factory):
         s.stop()
 
 
+def speculation(srv: Server, instance: str = "") -> dict[str, dict]:
+    """``/admin/dies``' speculation figures of the instances named from ``instance`` on, once
+    the workers' stats have reported some (they come a moment after the answer)."""
+    deadline = time.monotonic() + 10
+    while True:
+        dies = httpx.get(srv.url + "/admin/dies", timeout=10).json()["data"]
+        got = {k: v for d in dies for k, v in d["speculation"].items() if k.startswith(instance)}
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
 def test_greedy_text_is_the_same_and_the_dies_name_the_draft(srv, paths):
     off = greedy_completion(srv, speculative=False)
     on = greedy_completion(srv)  # the server's --speculative 3, drafted by the draft model
     assert on["choices"][0]["text"] == off["choices"][0]["text"]
-    deadline = time.monotonic() + 10
-    while True:
-        dies = httpx.get(srv.url + "/admin/dies", timeout=10).json()["data"]
-        got = {k: v for d in dies for k, v in d["speculation"].items()}
-        if got or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    (stats,) = got.values()
+    (stats,) = speculation(srv).values()
     assert stats["draft"] == str(paths[1]) and stats["verify_steps"] > 0 and stats["drafted"] > 0
     (row,) = httpx.get(srv.url + "/admin/models", timeout=10).json()["data"]
     assert row["draft"] == str(paths[1])  # the instance table names it too
@@ -88,3 +94,23 @@ def test_the_admin_loads_draft_is_checked(srv, paths):
     err = check_error(r, 400)
     assert "tokenizer differs" in err["message"], err
     assert table() == models  # the failed load left nothing behind
+    r = httpx.post(srv.url + "/admin/models/load", json={"path": str(target), "name": "u", "draft": "mtp"})
+    err = check_error(r, 400)
+    assert err["param"] == "draft" and "no multi-token-prediction head" in err["message"], err
+    assert table() == models
+
+
+def test_a_qwen35_drafts_with_its_own_head(srv, model_factory):
+    path = model_factory("tiny-qwen3.5-text", tie_word_embeddings=False)
+    r = httpx.post(srv.url + "/admin/models/load", json={"path": str(path), "name": "q", "draft": "mtp"}, timeout=120)
+    assert r.status_code == 200, r.text
+    try:
+        off = greedy_completion(srv, "q", speculative=False)
+        on = greedy_completion(srv, "q")  # the server's --speculative 3
+        assert on["choices"][0]["text"] == off["choices"][0]["text"]
+        (stats,) = speculation(srv, "q").values()
+        assert stats["draft"] == "mtp" and stats["drafted"] > 0, stats
+        rows = httpx.get(srv.url + "/admin/models", timeout=10).json()["data"]
+        assert [m["draft"] for m in rows if m["name"] == "q"] == ["mtp"]
+    finally:
+        httpx.post(srv.url + "/admin/models/unload", json={"name": "q"}, timeout=60)

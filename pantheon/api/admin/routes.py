@@ -49,6 +49,7 @@ from pantheon.api.openai import protocol as oa
 from pantheon.api.state import app_state
 from pantheon.config.settings import ConfigError, parse_dies
 from pantheon.config.values import parse_kv_types
+from pantheon.core.description import MTP
 from pantheon.core.kv_types import KvCacheTypes
 
 bp = Blueprint("admin", __name__)
@@ -124,10 +125,11 @@ async def load():
         raise errors.invalid_param("max_context", "'max_context' must be at least 16 tokens")
     embeddings = _typed(body, "embeddings", bool, "a boolean", False)
     kv_cache_dtype = _kv_types(body.get("kv_cache_dtype"))
-    # a draft model for speculation (workers/draft.py): a path, as 'path' (same tokenizer)
-    draft = _typed(body, "draft", str, "a model path")
+    # a draft model for speculation (workers/draft.py): a path, as 'path' (same tokenizer), or
+    # "mtp": the model's own multi-token-prediction head (workers/mtp.py)
+    draft = _typed(body, "draft", str, "a model path or \"mtp\"")
     if draft is not None and not draft:
-        raise errors.invalid_param("draft", "'draft' must be a model path")
+        raise errors.invalid_param("draft", "'draft' must be a model path or \"mtp\"")
     wait = _typed(body, "wait", bool, "a boolean", True)
     # a die on another host may hold the weights at another path than the router's copy (which
     # gives the tokenizer, the template and the size)
@@ -139,7 +141,7 @@ async def load():
         check_path_field("worker_path", worker_path)
         if s.guard.roots:
             check_root(s.guard, "worker_path", worker_path)
-    if draft:
+    if draft and draft != MTP:
         check_path_field("draft", draft)
         if s.guard.roots:
             check_root(s.guard, "draft", draft)
