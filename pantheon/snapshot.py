@@ -46,6 +46,14 @@ class InstanceState(msgspec.Struct, kw_only=True):
     kv_blocks_used: int = 0  # KV blocks requests hold (not those kept only for the prefix cache)
     kv_blocks_total: int = 0
     prefill_budget: int = 0  # prompt tokens the engine's next step may prefill
+    # speculation since load (the worker's InstanceStats.spec_*): the draft model's path ("mtp":
+    # the model's own multi-token-prediction head; "": drafts from prompt lookup), sequence-steps
+    # that verified a draft, draft tokens verified, of them accepted, and tokens those steps emitted
+    draft: str = ""
+    spec_verify_steps: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_emitted: int = 0
 
 
 class DieState(msgspec.Struct, kw_only=True):

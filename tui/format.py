@@ -1,4 +1,5 @@
-"""Pure formatting helpers shared by the widgets: sizes, ages, pressure, memory bars, slots.
+"""Pure formatting helpers shared by the widgets: sizes, ages, pressure, memory bars, slots,
+speculation.
 
 Nothing here touches Textual (only Rich text), so the rules (how a bar splits, what a slot says)
 are unit-tested without running an app.
@@ -125,6 +126,27 @@ def instance_state(inst: InstanceState, draining: bool = False) -> str:
     if draining and inst.state == "ready":
         return "draining"
     return inst.state
+
+
+def draft_name(draft: str) -> str:
+    """What drafts an instance's speculation: a draft model's path by its last part
+    (``/models/draft-68m/`` -> ``draft-68m``), ``mtp`` (the model's own multi-token-prediction
+    head) as it is, and ``lookup`` for "" (drafts from prompt lookup)."""
+    if not draft:
+        return "lookup"
+    parts = [p for p in draft.replace("\\", "/").split("/") if p]
+    return parts[-1] if parts else draft
+
+
+def speculation(inst: InstanceState) -> str:
+    """``spec: draft-68m 71% accepted, 2.4 tok/step``: since load, the draft tokens accepted of
+    those verified and the tokens a verify step gave out on average; "" while it drafted nothing."""
+    if inst.spec_drafted <= 0:
+        return ""
+    text = f"spec: {draft_name(inst.draft)} {100 * inst.spec_accepted / inst.spec_drafted:.0f}% accepted"
+    if inst.spec_verify_steps > 0:
+        text += f", {inst.spec_emitted / inst.spec_verify_steps:.1f} tok/step"
+    return text
 
 
 STATE_STYLES = {"ready": "green", "loading": "cyan", "draining": "yellow", "failed": "bold red"}

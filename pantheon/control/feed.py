@@ -175,6 +175,11 @@ def instance_state(f: InstanceFacts) -> st.InstanceState:
         kv_blocks_used=int(es.kv_blocks_used) if es is not None else 0,
         kv_blocks_total=int(es.kv_blocks_total) if es is not None else 0,
         prefill_budget=int(es.prefill_budget) if es is not None else 0,
+        draft=es.spec_draft if es is not None else "",
+        spec_verify_steps=int(es.spec_verify_steps) if es is not None else 0,
+        spec_drafted=int(es.spec_drafted) if es is not None else 0,
+        spec_accepted=int(es.spec_accepted) if es is not None else 0,
+        spec_emitted=int(es.spec_emitted) if es is not None else 0,
     )
 
 

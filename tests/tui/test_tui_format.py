@@ -18,6 +18,7 @@ from tui.format import (
     pressure_name,
     slot_detail,
     slot_kind,
+    speculation,
     split_bar,
 )
 from tui.forms import parse_dies, validate_load
@@ -74,6 +75,43 @@ def test_slot_kinds_and_cells():
     assert instance_state(inst) == "ready" and instance_state(inst, draining=True) == "draining"
     loading = InstanceState(id="b#2", name="b", path="/b", dies=[], state="loading", load_progress=0.42)
     assert instance_state(loading) == "loading 42%"
+
+
+def _spec(draft: str = "", steps: int = 0, drafted: int = 0, accepted: int = 0, emitted: int = 0):
+    return InstanceState(
+        id="a#1",
+        name="a",
+        path="/a",
+        dies=["cpu:0"],
+        state="ready",
+        draft=draft,
+        spec_verify_steps=steps,
+        spec_drafted=drafted,
+        spec_accepted=accepted,
+        spec_emitted=emitted,
+    )
+
+
+@pytest.mark.parametrize(
+    "inst, want",
+    [
+        (_spec(), ""),  # never drafted (speculation off, or no request asked for it)
+        (_spec("/models/draft-68m", steps=5), ""),  # nothing drafted yet: nothing to say
+        (_spec(steps=100, drafted=200, accepted=142, emitted=242), "spec: lookup 71% accepted, 2.4 tok/step"),
+        (
+            _spec("/models/SmolLM2-135M/", steps=10, drafted=40, accepted=40, emitted=50),
+            "spec: SmolLM2-135M 100% accepted, 5.0 tok/step",
+        ),
+        (
+            _spec("/models/draft.q8_0.gguf", steps=3, drafted=12, accepted=0, emitted=3),
+            "spec: draft.q8_0.gguf 0% accepted, 1.0 tok/step",
+        ),
+        (_spec("mtp", steps=8, drafted=8, accepted=6, emitted=14), "spec: mtp 75% accepted, 1.8 tok/step"),
+        (_spec(drafted=3, accepted=1), "spec: lookup 33% accepted"),  # no steps counted: no rate
+    ],
+)
+def test_speculation_line(inst, want):
+    assert speculation(inst) == want
 
 
 def test_parse_dies():

@@ -507,6 +507,51 @@ def test_feed_counts_coalesces_rejects_and_measures_throughput():
     assert q.get_nowait() is None
 
 
+def test_the_snapshot_carries_an_instances_speculation_counters():
+    """``feed.instance_state`` copies the worker's latest speculation counters and draft into the
+    dashboard's ``InstanceState``; before the first stats they are zero (and the draft "")."""
+    import msgspec
+
+    from pantheon.control.feed import instance_state
+    from pantheon.control.live import InstanceFacts
+    from pantheon.core.protocol import InstanceStats
+    from pantheon.snapshot import decode_snapshot
+
+    _, (inst,) = _registry("m")
+    stats = InstanceStats(
+        instance=inst.instance_id,
+        slots=[],
+        waiting=0,
+        kv_blocks_total=8,
+        kv_blocks_used=2,
+        weight_bytes=0,
+        kv_bytes=0,
+        spec_verify_steps=100,
+        spec_drafted=400,
+        spec_accepted=284,
+        spec_emitted=384,
+        spec_draft="/models/draft-68m",
+    )
+    got = instance_state(InstanceFacts(inst=inst, engine=stats, queued=0, weights_bytes=1, kv_bytes=2))
+    spec = (got.draft, got.spec_verify_steps, got.spec_drafted, got.spec_accepted, got.spec_emitted)
+    assert spec == ("/models/draft-68m", 100, 400, 284, 384)
+    assert got.kv_blocks_used == 2  # the other engine fields come from the same stats
+    none = instance_state(InstanceFacts(inst=inst, engine=None, queued=0, weights_bytes=1, kv_bytes=2))
+    spec = (none.draft, none.spec_verify_steps, none.spec_drafted, none.spec_accepted, none.spec_emitted)
+    assert spec == ("", 0, 0, 0, 0)
+
+    # over the wire as the dashboard gets it; an older router's (no such fields) decodes with zeros
+    def over_the_wire(inst: dict):
+        return decode_snapshot(msgspec.json.encode({"ts": 1.0, "started_at": 0.0, "instances": [inst]}))
+
+    wire = msgspec.to_builtins(got)
+    assert over_the_wire(wire).instances == [got]
+    for k in ("draft", "spec_verify_steps", "spec_drafted", "spec_accepted", "spec_emitted"):
+        del wire[k]
+    (old,) = over_the_wire(wire).instances
+    assert (old.draft, old.spec_drafted, old.spec_verify_steps) == ("", 0, 0)
+
+
 def test_a_failure_is_error_while_failed_and_last_error_after():
     import time as _time
 

@@ -1,4 +1,5 @@
-"""The slot grid of the selected instance: idle, warm session, prefill progress, decode tokens."""
+"""The slot grid of the selected instance: idle, warm session, prefill progress, decode tokens; and
+under its heading, its speculation once it drafted (``tui.format.speculation``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from rich.text import Text
 from textual.reactive import reactive
 
 from pantheon.snapshot import InstanceState, SlotState
-from tui.format import busy_slots, instance_state, join_lines, slot_kind, state_style
+from tui.format import busy_slots, instance_state, join_lines, slot_kind, speculation, state_style
 from tui.widgets import AutoHeight
 
 CELL = 24  # characters per slot cell, separator included
@@ -86,6 +87,9 @@ class SlotGrid(AutoHeight):
         if inst.kv_cache_dtype != "auto":  # a quantized KV cache: more tokens, a little less exact
             head.append(f"  KV {inst.kv_cache_dtype}", "magenta")
         lines = [head]
+        spec = speculation(inst)
+        if spec:  # it drafted: the draft (or lookup), how much of it was kept, tokens per step
+            lines.append(Text(f"  {spec}", "dim"))
         if inst.state == "loading":
             lines.append(Text("  loading ") + load_bar(inst.load_progress or 0.0, 20))
         if inst.state == "failed":
