@@ -34,12 +34,12 @@ from workers import compiled, cpu_pack, cpu_paths
 from workers.block_manager import BlockManager
 from workers.cache import check_kv_types, kv_block_bytes
 from workers.draft import DraftModel, draft_block_bytes, draft_layout, load_draft_config
-from workers.mtp import MtpDraft, load_head
 from workers.errors import LoadError, RequestRejected
 from workers.grammar import Constraint, Grammars, apply_masks
 from workers.layers.moe import unread_expert_bytes
 from workers.loader import load_model, resolve_dtype
 from workers.model_config import load_config
+from workers.mtp import MtpDraft, load_head
 from workers.pooling import Pooled
 from workers.prompt_logprobs import PromptLogprobsAcc
 from workers.runner import ModelRunner

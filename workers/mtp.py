@@ -110,12 +110,14 @@ def load_head(
         m.to_empty(device=device)
     head.layer_devices = [device]
     # the family's names for its one layer and final norm, as the checkpoint's mtp.* names
-    ours = {n: t for n, t in fam.targets(head, one).items() if n.startswith(("model.layers.0.", "model.norm."))}
+    ours = {
+        n: t for n, t in fam.targets(head, one).items() if n.startswith(("model.layers.0.", "model.norm."))
+    }
     targets: dict[str, Target] = {
         **ours,
         "mtp.fc.weight": Target(head.fc.weight, 0, cfg.hidden_size),
-        "mtp.pre_fc_norm_embedding.weight": Target(head.pre_fc_norm_embedding.weight, 0, cfg.hidden_size),
-        "mtp.pre_fc_norm_hidden.weight": Target(head.pre_fc_norm_hidden.weight, 0, cfg.hidden_size),
+        "mtp.pre_fc_norm_embedding.weight": Target(_weight(head.pre_fc_norm_embedding), 0, cfg.hidden_size),
+        "mtp.pre_fc_norm_hidden.weight": Target(_weight(head.pre_fc_norm_hidden), 0, cfg.hidden_size),
     }
     load_part(model_path, targets, fam, _rename)
     head.eval()
@@ -128,6 +130,12 @@ def load_head(
         quantize_int8(head)
     head.lm_head = target.lm_head  # None: tied to the (shared) embedding table
     return head, one
+
+
+def _weight(norm: nn.Module) -> torch.Tensor:
+    w = norm.weight
+    assert isinstance(w, torch.Tensor)  # a norm's weight
+    return w
 
 
 def _rename(name: str) -> str | None:
@@ -152,7 +160,8 @@ class MtpDraft:
         num_slots: int,
         kv_types: KvCacheTypes = KvCacheTypes(),
     ):
-        self.model, self.blocks = head, blocks
+        self.model: MtpHead = head
+        self.blocks = blocks
         self.runner: ModelRunner = ModelRunner(head, one, blocks, dtype, num_slots, 0, kv_types)
         self.vocab = one.vocab_size
         self.context_limit = one.context_limit
@@ -217,7 +226,9 @@ class MtpDraft:
         many = [i for i, (_s, _k, h) in enumerate(go) if h.shape[0] > 1]
         order = one + many
         self.model.hidden_in = torch.cat([go[i][2] for i in order])
-        plan = StepPlan(decode=[shadows[i] for i in one], prefill=[(shadows[i], go[i][2].shape[0]) for i in many])
+        plan = StepPlan(
+            decode=[shadows[i] for i in one], prefill=[(shadows[i], go[i][2].shape[0]) for i in many]
+        )
         picks = self._argmax(self.runner.run(plan))
         out = self._last_rows(plan)  # [G, H]: each sequence's last output, in ``order``
         self.forwards += 1

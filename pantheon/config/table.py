@@ -539,7 +539,7 @@ SETTINGS: tuple[Setting, ...] = (
         0,
         "speculative decoding by default: draft tokens per step, copied from the request's own "
         "context (prompt lookup) or, for a model loaded with a draft model (draft = PATH, or "
-        "draft = \"mtp\": its own multi-token-prediction head), proposed by it; verified in one pass (exact: greedy output is unchanged); 0: off. A "
+        'draft = "mtp": its own multi-token-prediction head), proposed by it; verified in one pass (exact: greedy output is unchanged); 0: off. A '
         "request's 'speculative' extension overrides it",
         ("PANTHEON_SPECULATIVE",),
         metavar="N",

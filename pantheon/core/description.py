@@ -353,7 +353,9 @@ def mtp_description(desc: ModelDescription) -> ModelDescription | None:
     None when the checkpoint has no such head."""
     if not getattr(desc, "mtp_layers", 0):
         return None
-    i = next(i for i, s in enumerate(desc.layers) if isinstance(s.cache, AttentionCache) and not s.cache.window)
+    i = next(
+        i for i, s in enumerate(desc.layers) if isinstance(s.cache, AttentionCache) and not s.cache.window
+    )
     spec, h = desc.layers[i], desc.hidden_size
     head = dataclasses.replace(spec, linears=(*spec.linears, (h, 2 * h)), small=spec.small + 2 * h)
     fields: dict[str, Any] = {"num_layers": 1, "layers": (head,), "skipped": ()}

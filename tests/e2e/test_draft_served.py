@@ -102,7 +102,9 @@ def test_the_admin_loads_draft_is_checked(srv, paths):
 
 def test_a_qwen35_drafts_with_its_own_head(srv, model_factory):
     path = model_factory("tiny-qwen3.5-text", tie_word_embeddings=False)
-    r = httpx.post(srv.url + "/admin/models/load", json={"path": str(path), "name": "q", "draft": "mtp"}, timeout=120)
+    r = httpx.post(
+        srv.url + "/admin/models/load", json={"path": str(path), "name": "q", "draft": "mtp"}, timeout=120
+    )
     assert r.status_code == 200, r.text
     try:
         off = greedy_completion(srv, "q", speculative=False)

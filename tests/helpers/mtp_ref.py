@@ -24,7 +24,9 @@ def mtp_drafts(path: Path, tokens: list[int], k: int) -> list[int]:
         ckpt.update({n: t.float() for n, t in load_file(str(f)).items() if n.startswith("mtp.")})
     full = list(cfg.layer_types).index("full_attention")
     layer = type(tm.layers[full])(cfg, full).float().eval()  # a fresh full-attention decoder layer
-    layer.load_state_dict({n[len("mtp.layers.0.") :]: t for n, t in ckpt.items() if n.startswith("mtp.layers.0.")})
+    layer.load_state_dict(
+        {n[len("mtp.layers.0.") :]: t for n, t in ckpt.items() if n.startswith("mtp.layers.0.")}
+    )
     norms = {}
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         norms[name] = type(tm.norm)(cfg.hidden_size, eps=cfg.rms_norm_eps).float().eval()

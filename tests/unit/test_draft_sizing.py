@@ -67,3 +67,31 @@ def test_the_load_message_and_config_carry_the_draft():
             _model_table("t", {"path": "/m", "draft": bad})
     (m,) = build_config({"models": [{"path": "/m", "draft": "/d"}]}, {}).models
     assert m.draft == "/d"
+
+
+def test_the_models_own_head_books_its_layer_only():
+    """``draft = "mtp"``: the head's one layer, its fc and norms and its K/V rows are booked; its
+    embeddings and LM head are the model's (not booked again). A model without one is refused."""
+    from pantheon.control.lifecycle import _read_draft
+    from pantheon.core.description import mtp_description
+    from pantheon.errors import ApiError
+
+    target = shape_from_config(PRESETS["qwen3.5-0.8b"], "qwen3.5-0.8b")
+    head = _read_draft("mtp", target)
+    assert head == mtp_description(target) and head.num_layers == 1
+    s = _sizing(None)
+    s.shape = target
+    alone = s.estimate("cpu:0")
+    s.draft, s.draft_is_head = head, True
+    both = s.estimate("cpu:0")
+    h = target.hidden_size
+    (spec,) = head.layers
+    assert spec.linears[-1] == (h, 2 * h)  # the fc beside the layer's own linears
+    full = next(x for x in target.layers if x.kind == "attention")
+    added = both.weights - alone.weights
+    # (no CPU path named: the booking is the largest the worker may pick, fp32 dense)
+    assert added == (sum(n * k for n, k in spec.linears) + spec.small) * 4
+    assert added == (sum(n * k for n, k in full.linears) + full.small + 2 * h * h + 2 * h) * 4
+    assert both.kv_per_token == alone.kv_per_token + head.kv_bytes_per_token(4)
+    with pytest.raises(ApiError, match="no multi-token-prediction head"):
+        _read_draft("mtp", TARGET)

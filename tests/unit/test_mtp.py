@@ -81,7 +81,9 @@ def test_seeded_sampling_repeats_itself(engine):
 
 
 def test_its_weights_and_pool_are_booked(engine, plain, path):
-    own = sum(t.numel() for n, t in load_file(str(path / "model.safetensors")).items() if n.startswith("mtp."))
+    own = sum(
+        t.numel() for n, t in load_file(str(path / "model.safetensors")).items() if n.startswith("mtp.")
+    )
     assert engine.weight_bytes - plain.weight_bytes == own * 4  # fp32; embeddings and head shared
     # one budget for both pools, which have the same block count (one block table addresses both)
     assert engine.kv_bytes == engine.runner.kv_bytes + engine.draft.kv_bytes <= 8 << 20

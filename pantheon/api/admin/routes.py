@@ -127,7 +127,7 @@ async def load():
     kv_cache_dtype = _kv_types(body.get("kv_cache_dtype"))
     # a draft model for speculation (workers/draft.py): a path, as 'path' (same tokenizer), or
     # "mtp": the model's own multi-token-prediction head (workers/mtp.py)
-    draft = _typed(body, "draft", str, "a model path or \"mtp\"")
+    draft = _typed(body, "draft", str, 'a model path or "mtp"')
     if draft is not None and not draft:
         raise errors.invalid_param("draft", "'draft' must be a model path or \"mtp\"")
     wait = _typed(body, "wait", bool, "a boolean", True)
