@@ -26,7 +26,7 @@ Tensor names and the converter's transformations (llama's q/k row order, ...) ar
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -227,18 +227,24 @@ def raw_bytes(data: np.ndarray, t: GGUFTensor) -> torch.Tensor:
 
 
 def iter_tensors(
-    g: GGUFFile, cfg: ModelConfig, wanted: Container[str]
+    g: GGUFFile, cfg: ModelConfig, wanted: Container[str], rename: Callable[[str], str | None] | None = None
 ) -> Iterator[tuple[Path, str, str, torch.Tensor]]:
     """``(file, label, hf_name, tensor)`` for every tensor of the file our model uses
     (``wanted``), dequantized (float32, or the file's own float type), named and laid out as the
     Hugging Face checkpoint has it (the family's ``gguf_name`` and ``from_gguf``); ``label``
     names it for errors. The loader's filling takes these as it takes safetensors', casting as
     it copies them into the parameters.
-    A tensor our models do not have is an error (silently dropping it would change the model)."""
+    A tensor our models do not have is an error (silently dropping it would change the model).
+    ``rename``: reading a part of the file (``loader.load_part``): the family's name of each
+    tensor renamed so (None: not the part's, skipped), before ``from_gguf``."""
     fam = family(cfg)
     data = open_data(g)
     for t in g.tensors.values():
         name = fam.gguf_name(t.name)
+        if rename is not None:
+            name = None if name is None else rename(name)
+            if name is None:
+                continue
         if name is None:
             raise LoadError(
                 "unsupported", f"{g.path}: tensor {t.name!r} is not part of a {g.arch} model this engine runs"

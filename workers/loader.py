@@ -168,15 +168,29 @@ def load_model(
 
 
 def load_part(
-    model_path: str | Path, targets: dict[str, Target], fam: Family, rename: Callable[[str], str | None]
+    model_path: str | Path,
+    cfg: ModelConfig,
+    targets: dict[str, Target],
+    rename: Callable[[str], str | None],
+    gguf_rename: Callable[[str], str | None],
 ) -> None:
-    """Fill ``targets`` (the family's names) from a Hugging Face folder's safetensors: each
-    checkpoint tensor ``rename`` maps into them (None: not this part's), stacked and joined ones
-    as ``load_model`` takes them. A part of a checkpoint loaded beside its model (Qwen3.5's
-    multi-token-prediction head, ``workers/mtp.py``); ``LoadError`` when one is missing."""
-    headers = {f: check_safetensors(f) for f in weight_files(Path(model_path))}
-    tensors = _safetensors_tensors(headers, _Wanted(targets, fam), rename)
-    filled = _fill(targets, _pieces(tensors, fam, targets), "config.json", None)
+    """Fill ``targets`` (the family's names) from the model's checkpoint: each tensor ``rename``
+    maps into them (a safetensors name; a GGUF file's: its family name through ``gguf_rename``;
+    None: not this part's), stacked and joined ones as ``load_model`` takes them. A part of a
+    checkpoint loaded beside its model (Qwen3.5's multi-token-prediction head,
+    ``workers/mtp.py``); ``LoadError`` when one is missing."""
+    model_path = Path(model_path)
+    fam = family(cfg)
+    wanted = _Wanted(targets, fam)
+    with gguf_errors():
+        found = find_gguf(model_path)
+        g = read_gguf(found) if found is not None else None
+    if g is not None:
+        tensors, source = iter_tensors(g, cfg, wanted, gguf_rename), "the GGUF metadata"
+    else:
+        headers = {f: check_safetensors(f) for f in weight_files(model_path)}
+        tensors, source = _safetensors_tensors(headers, wanted, rename), "config.json"
+    filled = _fill(targets, _pieces(tensors, fam, targets), source, None)
     missing = [n for n in targets if n not in filled]
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")

@@ -27,9 +27,10 @@ has no target states for the cached positions: the head's rows there are whateve
 holds (rows of the sequence that filed those blocks, when it speculated too), which changes
 what it proposes, never what is emitted (every draft is verified).
 
-Checked at load: the checkpoint has a head (``mtp_num_hidden_layers``), read from its
-safetensors (a GGUF file's ``nextn`` tensors are not read yet); only its first layer is used
-(Qwen3.5 has one). Its linears take the target's CPU path.
+Checked at load: the checkpoint has a head (``mtp_num_hidden_layers``), read from its safetensors
+(``mtp.*``) or from a GGUF file (llama.cpp's converter writes it as the block after the model's,
+its own tensors ``nextn.*``); only its first layer is used (Qwen3.5 has one). Its linears take
+the target's CPU path.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import torch
 from torch import nn
 
 from pantheon.core.description import ModelDescription, mtp_description
-from pantheon.core.gguf import find_gguf
 from pantheon.core.kv_types import KvCacheTypes
 from workers import cpu_paths
 from workers.block_manager import BlockManager
@@ -96,12 +96,6 @@ def load_head(
         raise LoadError(
             "invalid", f"{model_path} has no multi-token-prediction head (mtp.*): it cannot draft with 'mtp'"
         )
-    if find_gguf(model_path) is not None:
-        raise LoadError(
-            "invalid",
-            f"{model_path}: the 'mtp' draft is read from safetensors checkpoints; a GGUF file's "
-            "nextn tensors are not read yet",
-        )
     fam = family(cfg)
     with torch.device("meta"), NoInit():
         head = MtpHead(fam.build(one), target, cfg.hidden_size, cfg.rms_norm_eps)
@@ -119,7 +113,8 @@ def load_head(
         "mtp.pre_fc_norm_embedding.weight": Target(_weight(head.pre_fc_norm_embedding), 0, cfg.hidden_size),
         "mtp.pre_fc_norm_hidden.weight": Target(_weight(head.pre_fc_norm_hidden), 0, cfg.hidden_size),
     }
-    load_part(model_path, targets, fam, _rename)
+    n = cfg.num_layers  # llama.cpp's converter writes the head as block n (its nextn tensors too)
+    load_part(model_path, cfg, targets, _rename, lambda name: _gguf_rename(name, n))
     head.eval()
     if cpu_path is not None:
         for m in (head.layers[0], head):  # the layer (its experts too), then the fc
@@ -136,6 +131,26 @@ def _weight(norm: nn.Module) -> torch.Tensor:
     w = norm.weight
     assert isinstance(w, torch.Tensor)  # a norm's weight
     return w
+
+
+# llama.cpp's names of the head's own tensors (``blk.N.nextn.*``) -> the checkpoint's
+_NEXTN = {
+    "eh_proj.weight": "mtp.fc.weight",
+    "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+    "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+    "shared_head_norm.weight": "model.norm.weight",
+}
+
+
+def _gguf_rename(name: str, n: int) -> str | None:
+    """A GGUF tensor's family name (``model.layers.N.*`` for block ``n``'s layer tensors,
+    ``mtp.blk.N.nextn.*`` for its own) as ``load_head``'s targets name it; None: not the head's."""
+    layer, nextn = f"model.layers.{n}.", f"mtp.blk.{n}.nextn."
+    if name.startswith(layer):
+        return "model.layers.0." + name[len(layer) :]
+    if name.startswith(nextn):
+        return _NEXTN.get(name[len(nextn) :])
+    return None
 
 
 def _rename(name: str) -> str | None:

@@ -284,3 +284,33 @@ def test_a_bad_qwen35_key_is_a_load_error(files):
         worker_gguf_config(bad)
     assert e.value.kind == "invalid"
     assert "'qwen35.ssm.inner_size'" in e.value.reason and str(path) in e.value.reason
+
+
+def test_the_mtp_head_reads_as_from_its_folder(files):
+    """The converter's block 4 (the head's layer) and ``nextn.*`` tensors are the folder's
+    ``mtp.*`` (norms back from 1 + w): the same head weights, the same drafts; a file without
+    the block (``--no-mtp``) has no head to draft with."""
+    from workers.engine import Engine
+
+    from helpers.decode_rows import drain
+    from helpers.decode_rows import greedy as params
+
+    folder, path = files(MTP_F32)
+    ours = [Engine(str(p), dtype="float32", kv_budget_bytes=4 << 20, draft="mtp") for p in (folder, path)]
+    try:
+        a, b = (e.draft.model.own() for e in ours)
+        for ma, mb in zip(a, b):
+            sa, sb = ma.state_dict(), mb.state_dict()
+            assert sa.keys() == sb.keys()
+            for k in sa:
+                torch.testing.assert_close(sb[k], sa[k], rtol=0, atol=1e-6, msg=k)
+        answers = []
+        for e in ours:
+            e.submit("m", PROMPT, params(3, n=16))
+            answers.append(drain(e)["m"])
+        assert answers[0] == answers[1] and ours[1].spec.drafted > 0
+    finally:
+        for e in ours:
+            e.close()
+    with pytest.raises(LoadError, match="no multi-token-prediction head"):
+        Engine(str(files(NO_MTP_F32)[1]), dtype="float32", kv_budget_bytes=4 << 20, draft="mtp")

@@ -276,7 +276,7 @@ _NEXTN = re.compile(r"blk\.\d+\.nextn\..+")
 
 def gguf_name(name: str) -> str | None:
     if _NEXTN.fullmatch(name):
-        return "mtp." + name  # the multi-token-prediction layer's own tensors: not loaded
+        return "mtp." + name  # the multi-token-prediction head's own tensors: read by workers/mtp.py only
     return gguf_name_from(name, GGUF_TOP, GGUF_LAYER)  # its decoder layer is past num_layers: not wanted
 
 
@@ -309,8 +309,8 @@ def from_gguf(name: str, tensor: torch.Tensor, desc: ModelDescription, arch: str
     weight back to [C, 1, K]."""
     assert isinstance(desc, Qwen35Description)
     nk, nv = desc.linear_num_key_heads, desc.linear_num_value_heads
-    if name == "model.norm.weight" or name.endswith(_PLUS_ONE):
-        return tensor - 1
+    if name == "model.norm.weight" or name.endswith(_PLUS_ONE) or name.startswith("mtp.pre_fc_norm_"):
+        return tensor - 1  # (the last: the multi-token-prediction head's input norms, workers/mtp.py)
     if ".linear_attn." not in name:
         return tensor
     kd2 = 2 * desc.linear_key_dim

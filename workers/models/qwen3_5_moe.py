@@ -85,7 +85,7 @@ GGUF_LAYER = _qwen35.GGUF_LAYER | {
 
 def gguf_name(name: str) -> str | None:
     if _qwen35._NEXTN.fullmatch(name):
-        return "mtp." + name  # the multi-token-prediction layer's own tensors: not loaded
+        return "mtp." + name  # the multi-token-prediction head's own tensors: read by workers/mtp.py only
     return gguf_name_from(name, GGUF_TOP, GGUF_LAYER)
 
 

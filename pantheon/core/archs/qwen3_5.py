@@ -119,7 +119,11 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> Qwen35Description:
         ),
         layers=tuple(full if t == FULL else linear for t in types),
         skipped=skipped
-        + (("the multi-token-prediction head (mtp.*)",) if raw.get("mtp_num_hidden_layers") else ()),
+        + (
+            ('the multi-token-prediction head (mtp.*; read as the draft with draft = "mtp")',)
+            if raw.get("mtp_num_hidden_layers")
+            else ()
+        ),
         layer_types=tuple(types),
         attention_bias=bias,
         linear_num_key_heads=hk,
