@@ -49,10 +49,12 @@ class KVCache:
 class StateCache:
     tensors: dict[str, torch.Tensor]  # name -> [slots + 1, *shape]
     checkpoints: dict[str, torch.Tensor]  # name -> [checkpoints, *shape]
-    # The last step's verify rows (speculation): name -> [verify rows, *shape], the state after
-    # each row, written by the layer, read by ``ModelRunner.keep_verified`` (the slots' own
-    # states stay as they were before the rows until the engine knows what was accepted).
+    # The last step's verify rows (speculation): name -> [rows, runs, *shape], the state after
+    # each row of each verifying sequence (run j in column ``verified_cols[j]``), written by the
+    # layer, read by ``ModelRunner.keep_verified`` (the slots' own states stay as they were
+    # before the rows until the engine knows what was accepted).
     verified: dict[str, torch.Tensor] = field(default_factory=dict)
+    verified_cols: list[int] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:

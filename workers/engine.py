@@ -555,7 +555,7 @@ class Engine:
         emit those tokens plus the target's own, cut where the sequence finishes."""
         outs: list[TokenOut] = []
         at = 0
-        for s in plan.verify:
+        for run, s in enumerate(plan.verify):
             draft, n = s.draft, 1 + len(s.draft)
             st = self._samplers[s.request_id]
             tokens = verify(logits[at : at + n], draft, st, s.num_output)
@@ -563,7 +563,7 @@ class Engine:
             taken, reason = self.scheduler.accept(s, tokens)
             if self.recurrent:
                 assert slot is not None
-                self._keep_verified(s, slot, p0, at, finished=reason is not None)
+                self._keep_verified(s, slot, p0, run, finished=reason is not None)
             at += n
             self.spec.add(len(draft), len(tokens) - 1, len(taken))
             for i, t in enumerate(taken):
@@ -603,15 +603,15 @@ class Engine:
             elif s.num_computed > p0:
                 self.draft.observe(s, p0, hidden[at : at + s.num_computed - p0])
 
-    def _keep_verified(self, s: Sequence, slot: int, p0: int, at: int, finished: bool) -> None:
-        """A hybrid model's verify kept ``s.num_computed - p0`` of its rows (from verify row
-        ``at``): the slot's recurrent states become those after the last of them (unless the
-        sequence finished and left its slot), and a block boundary those rows passed gets its
+    def _keep_verified(self, s: Sequence, slot: int, p0: int, run: int, finished: bool) -> None:
+        """A hybrid model's verify run ``run`` kept ``s.num_computed - p0`` of its rows: the
+        slot's recurrent states become those after the last of them (unless the sequence
+        finished and left its slot), and a block boundary those rows passed gets its
         checkpoint as a plain decode's would (``_checkpoint``), from the state after the row
         that ends the block."""
         kept = s.num_computed - p0
         if not finished:
-            self.runner.keep_verified(slot, at + kept - 1)
+            self.runner.keep_verified(slot, run, kept - 1)
         ck, bs = self.checkpoints, self.blocks.block_size
         edge = s.num_computed // bs * bs  # the newest boundary at or before the computed rows
         if ck is None or not s.use_cache or edge <= p0 or len(s.block_hashes) < edge // bs:
@@ -621,7 +621,7 @@ class Engine:
             ck.drop(s.decode_checkpoint)
         i = ck.put(h)
         if i is not None:
-            self.runner.save_verified(at + edge - p0 - 1, i)
+            self.runner.save_verified(run, edge - p0 - 1, i)
         s.decode_checkpoint = h
 
     def _checkpoint(self, plan: StepPlan) -> None:

@@ -68,10 +68,20 @@ class MtpHead(DecoderLM):
         self.pre_fc_norm_hidden = norm(hidden, eps)
         self.layer_devices: list[torch.device] = []
         self.hidden_in: torch.Tensor | None = None
+        # the LM head the drafts are picked with, when not the model's own: a 4-bit copy
+        # (``draft_head``), a few times faster than a bf16 head over a large vocabulary
+        self.draft_head: nn.Module | None = None
 
     def own(self) -> list[nn.Module]:
         """The modules whose weights are the head's (not the target's)."""
-        return [self.layers[0], self.norm, self.fc, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden]
+        mods = [self.layers[0], self.norm, self.fc, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden]
+        return mods + ([self.draft_head] if self.draft_head is not None else [])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [M, hidden] -> [M, vocab] fp32, through the draft's own head if it has one."""
+        if self.draft_head is not None:
+            return self.draft_head(hidden).float()
+        return super().logits(hidden)
 
     def forward(
         self, input_ids: torch.Tensor, batches: dict[torch.device, StepBatch], caches: list[LayerCache]
@@ -124,7 +134,28 @@ def load_head(
 
         quantize_int8(head)
     head.lm_head = target.lm_head  # None: tied to the (shared) embedding table
+    head.draft_head = draft_head(target, cfg, cpu_path)
     return head, one
+
+
+def draft_head(target: DecoderLM, cfg: ModelDescription, cpu_path: str | None) -> nn.Module | None:
+    """A 4-bit copy of the model's LM head for picking drafts (``cpu_paths``' int4 layout; int8
+    rows for a shape it does not take), on the CPU paths that compute in bf16 (the fp32 ones are
+    the exact ones: their drafts are the reference's), when the head's dense weight is at hand
+    (tied to the embedding table, or an untied head left plain). Each draft pass runs the head
+    over the whole vocabulary: on Qwen3.5-0.8B's 248k x 1024 that is 19.7 ms in bf16 and 4.8 ms
+    in 4 bits a pass on a 2-core Xeon, against 83 ms for the model's step. The draft's argmax may
+    differ from the full head's where two logits are close: it changes what is proposed, never
+    what is emitted (every draft is verified against the model's own head)."""
+    if cpu_path is None or cpu_paths.PATHS[cpu_path].dtype != torch.bfloat16:
+        return None
+    if cfg.tie_word_embeddings or target.lm_head is None:  # (a tied head's laid-out copy aside)
+        weight = target.embed_tokens.weight
+    elif isinstance(target.lm_head, nn.Linear):
+        weight = target.lm_head.weight
+    else:  # an untied head laid out already: its dense weight is gone
+        return None
+    return cpu_paths.make_linear(cpu_paths.PATHS["int4"], weight, None)
 
 
 def _weight(norm: nn.Module) -> torch.Tensor:

@@ -145,22 +145,24 @@ class ModelRunner:
                     t[slot].copy_(c.checkpoints[name][checkpoint])
 
     @torch.inference_mode()
-    def keep_verified(self, slot: int, row: int) -> None:
-        """After a verify: ``slot``'s recurrent states become those after its verify row ``row``
-        (counted over the step's verify rows: its first row's index plus the rows it keeps - 1)."""
+    def keep_verified(self, slot: int, run: int, row: int) -> None:
+        """After a verify: ``slot``'s recurrent states become those after row ``row`` of the
+        step's verify run ``run`` (its index in ``plan.verify``)."""
         for c in self.caches:
             if isinstance(c, StateCache) and c.verified:
+                col = c.verified_cols[run]
                 for name, t in c.tensors.items():
-                    t[slot].copy_(c.verified[name][row])
+                    t[slot].copy_(c.verified[name][row, col])
 
     @torch.inference_mode()
-    def save_verified(self, row: int, checkpoint: int) -> None:
-        """Copy the recurrent states after verify row ``row`` into prefix-cache ``checkpoint``
-        (a block boundary the accepted rows passed)."""
+    def save_verified(self, run: int, row: int, checkpoint: int) -> None:
+        """Copy the recurrent states after row ``row`` of verify run ``run`` into prefix-cache
+        ``checkpoint`` (a block boundary the accepted rows passed)."""
         for c in self.caches:
             if isinstance(c, StateCache) and c.verified:
+                col = c.verified_cols[run]
                 for name, t in c.checkpoints.items():
-                    t[checkpoint].copy_(c.verified[name][row])
+                    t[checkpoint].copy_(c.verified[name][row, col])
 
     def _tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg

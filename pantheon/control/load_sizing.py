@@ -23,7 +23,7 @@ from pantheon.control.dies import Booking, DieManager, booking
 from pantheon.core.description import ModelDescription
 from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import die_kind
-from pantheon.core.sizing import Estimate, estimate, state_pool_slots
+from pantheon.core.sizing import Estimate, draft_head_bytes, estimate, state_pool_slots
 
 
 @dataclass
@@ -57,7 +57,8 @@ class LoadSizing:
         d = self._estimate(self.draft, first)
         kv = list(own.kv_layer_bytes)
         kv[0] += d.kv_per_token
-        weights = sum(d.layer_bytes) if self.draft_is_head else d.weights
+        # the head: its layer, and the 4-bit LM head copy it drafts with; a model: all of it
+        weights = sum(d.layer_bytes) + draft_head_bytes(self.shape) if self.draft_is_head else d.weights
         return dataclasses.replace(own, base=own.base + weights, kv_layer_bytes=tuple(kv))
 
     def _estimate(self, shape: ModelDescription, first: str) -> Estimate:

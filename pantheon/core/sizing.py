@@ -292,6 +292,14 @@ def estimate(
     )
 
 
+def draft_head_bytes(shape: ModelDescription) -> int:
+    """The 4-bit copy of the LM head a model's own multi-token-prediction head picks its drafts
+    with (``workers/mtp.draft_head``: int4 groups, int8 rows for a shape they do not take),
+    booked for every path (an upper bound: the fp32 paths and a laid-out untied head use the
+    model's own)."""
+    return _linear_bytes(((shape.vocab_size, shape.hidden_size),), "int4", 2)
+
+
 def state_checkpoints(num_slots: int, setting: int | None = None) -> int:
     """How many recurrent-state checkpoints a hybrid model's prefix cache keeps
     (``workers/state_checkpoints.py``): ``--state-checkpoints``, else two per slot. Each takes

@@ -89,9 +89,13 @@ def test_the_models_own_head_books_its_layer_only():
     assert spec.linears[-1] == (h, 2 * h)  # the fc beside the layer's own linears
     full = next(x for x in target.layers if x.kind == "attention")
     added = both.weights - alone.weights
-    # (no CPU path named: the booking is the largest the worker may pick, fp32 dense)
-    assert added == (sum(n * k for n, k in spec.linears) + spec.small) * 4
-    assert added == (sum(n * k for n, k in full.linears) + full.small + 2 * h * h + 2 * h) * 4
+    # (no CPU path named: the booking is the largest the worker may pick, fp32 dense), and the
+    # 4-bit copy of the LM head it picks drafts with: half a byte a weight, a scale and a minimum
+    # (2 bytes each) a group of 32
+    v = target.vocab_size
+    head_copy = v * h // 2 + v * (h // 32) * 2 * 2
+    assert added == (sum(n * k for n, k in spec.linears) + spec.small) * 4 + head_copy
+    assert added == (sum(n * k for n, k in full.linears) + full.small + 2 * h * h + 2 * h) * 4 + head_copy
     assert both.kv_per_token == alone.kv_per_token + head.kv_bytes_per_token(4)
     with pytest.raises(ApiError, match="no multi-token-prediction head"):
         _read_draft("mtp", TARGET)

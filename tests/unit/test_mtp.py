@@ -14,7 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
+from workers.engine import _weight_bytes
 from workers.errors import LoadError
+from workers.quant import Int4Linear, Int8Linear
 
 from helpers.decode_rows import drain, greedy
 
@@ -120,3 +122,21 @@ def test_a_model_without_a_head_is_refused(model_factory):
         with pytest.raises(LoadError, match="no multi-token-prediction head") as e:
             Engine(str(model_factory(preset, **kw)), kv_budget_bytes=4 << 20, draft="mtp")
         assert e.value.kind == "invalid"
+
+
+def test_bf16_drafts_pick_with_a_4_bit_head(model_factory):
+    """On a bf16 CPU path the head picks its drafts with a 4-bit copy of the LM head (int8 rows
+    for the tiny vocabulary, which int4 groups do not take), booked with it; the output is the
+    model's own."""
+    path = model_factory("tiny-qwen3.5-text", tie_word_embeddings=False)  # bf16 weights
+    plain = Engine(str(path), kv_budget_bytes=8 << 20, cpu_path="bf16")
+    eng = Engine(str(path), kv_budget_bytes=8 << 20, draft="mtp", cpu_path="bf16")
+    copy = eng.draft.model.draft_head
+    assert isinstance(copy, (Int4Linear, Int8Linear)) and copy.out_features == eng.cfg.vocab_size
+    assert eng.draft.weight_bytes == sum(_weight_bytes(m) for m in eng.draft.model.own())
+    assert _weight_bytes(copy) > 0
+    want = answers(plain, 0)
+    assert answers(eng, 3) == want
+    assert eng.spec.drafted > 0
+    fp32 = Engine(str(path), dtype="float32", kv_budget_bytes=8 << 20, draft="mtp")
+    assert fp32.draft.model.draft_head is None  # the exact paths draft with the model's head

@@ -104,32 +104,34 @@ class GatedDeltaNet(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """The verify rows (``b.verify``), every sequence's row i in one batched step, with the
         same functions as plain decode rows (so a verify row's output is a plain decode row's):
-        fills their ``core`` rows and returns the state after each row, by verify row (a
-        sequence's rows consecutive, in ``b.verify``'s order): conv [R, C, K-1], ssm [R, Hv,
-        Dk, Dv] fp32. The slots' states are read, never written."""
+        fills their ``core`` rows and returns the state after each row: conv [n, G, C, K-1],
+        ssm [n, G, Hv, Dk, Dv] fp32 (n: the longest run's rows, G: the runs), run ``j``'s in
+        column ``cache.verified_cols[j]``. The runs go longest first, so the ones still running
+        at row i are the first columns: the states are sliced and stored whole, never scattered.
+        The slots' states are read, never written."""
         conv_pool, ssm_pool = cache.tensors["conv"], cache.tensors["ssm"]
         w = self.conv_weight.squeeze(1)  # [C, K]
-        runs, first = b.verify, b.n_plain
-        total = sum(r.n for r in runs)
-        conv_rows = conv_pool.new_empty(total, *conv_pool.shape[1:])  # [R, C, K-1]
-        ssm_rows = ssm_pool.new_empty(total, *ssm_pool.shape[1:])  # [R, Hv, Dk, Dv]
-        slots = torch.tensor([r.slot for r in runs], dtype=torch.long, device=mixed.device)
+        runs = b.verify
+        order = sorted(range(len(runs)), key=lambda j: -runs[j].n)  # column q holds run order[q]
+        n_max = runs[order[0]].n
+        dev = mixed.device
+        slots = torch.tensor([runs[j].slot for j in order], dtype=torch.long, device=dev)
         conv, ssm = conv_pool[slots], ssm_pool[slots]  # [G, ...] copies: the rows' running states
-        offsets = [r.start - first for r in runs]  # each run's first verify row
-        live = list(range(len(runs)))  # the runs with a row i, in order (the states' rows)
-        for i in range(max(r.n for r in runs)):
-            still = [j for j in live if runs[j].n > i]
-            if len(still) < len(live):  # the shorter runs are done: go on with the others
-                pick = torch.tensor([live.index(j) for j in still], dtype=torch.long, device=mixed.device)
-                conv, ssm, live = conv[pick], ssm[pick], still
-            rows = torch.tensor([runs[j].start + i for j in live], dtype=torch.long, device=mixed.device)
-            at = torch.tensor([offsets[j] + i for j in live], dtype=torch.long, device=mixed.device)
-            out, conv = causal_conv1d_step(mixed[rows], w, conv)
+        conv_rows = conv_pool.new_empty(n_max, len(runs), *conv_pool.shape[1:])  # [n, G, C, K-1]
+        ssm_rows = ssm_pool.new_empty(n_max, len(runs), *ssm_pool.shape[1:])  # [n, G, Hv, Dk, Dv]
+        for i in range(n_max):
+            m = sum(1 for j in order if runs[j].n > i)  # the first m columns have a row i
+            rows = torch.tensor([runs[j].start + i for j in order[:m]], dtype=torch.long, device=dev)
+            out, conv_m = causal_conv1d_step(mixed[rows], w, conv[:m])
             q, k, v = self._split(out)
-            o, ssm = recurrent_gated_delta_step(q, k, v, g[rows], beta[rows], ssm, inplace=True)
+            o, ssm_m = recurrent_gated_delta_step(
+                q, k, v, g[rows], beta[rows], ssm[:m].contiguous(), inplace=True
+            )
             core[rows] = o
-            conv_rows[at] = conv
-            ssm_rows[at] = ssm
+            conv_rows[i, :m] = conv_m
+            ssm_rows[i, :m] = ssm_m
+            conv, ssm = conv_m, ssm_m
+        cache.verified_cols = [order.index(j) for j in range(len(runs))]
         return {"conv": conv_rows, "ssm": ssm_rows}
 
     def forward(self, x: torch.Tensor, b: StepBatch, cache: StateCache) -> torch.Tensor:
