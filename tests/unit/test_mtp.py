@@ -13,8 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pantheon.core.protocol import SamplingParams
-from workers.engine import Engine
-from workers.engine import _weight_bytes
+from workers.engine import Engine, _weight_bytes
 from workers.errors import LoadError
 from workers.quant import Int4Linear, Int8Linear
 
