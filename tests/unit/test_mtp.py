@@ -139,3 +139,16 @@ def test_bf16_drafts_pick_with_a_4_bit_head(model_factory):
     assert eng.spec.drafted > 0
     fp32 = Engine(str(path), dtype="float32", kv_budget_bytes=8 << 20, draft="mtp")
     assert fp32.draft.model.draft_head is None  # the exact paths draft with the model's head
+
+
+def test_a_mixture_of_experts_head(model_factory):
+    """Qwen3.5-MoE's head: its layer's MLP is the family's mixture of experts (experts fused in
+    the checkpoint, split as the model's are); the output is the model's own."""
+    from workers.layers.moe import MoE
+
+    path = str(model_factory("tiny-qwen3.5-moe", dtype="float32"))
+    plain = Engine(path, dtype="float32", kv_budget_bytes=8 << 20)
+    eng = Engine(path, dtype="float32", kv_budget_bytes=8 << 20, draft="mtp")
+    assert isinstance(eng.draft.model.layers[0].mlp, MoE)
+    assert answers(eng, 3) == answers(plain, 0)
+    assert eng.spec.drafted > 0
