@@ -50,6 +50,19 @@ def drain(eng: Engine) -> dict[str, list[int]]:
     return out
 
 
+def seeded_speculation_repeats(eng: Engine, prompt: list[int], other: list[int], spec: int) -> None:
+    """A seeded sampled request that speculates (``spec`` drafts a step) gives the same tokens
+    alone and beside another sampled request (asserted)."""
+    params = SamplingParams(
+        temperature=0.8, top_k=40, seed=7, max_tokens=30, ignore_eos=True, speculative=spec
+    )
+    eng.submit("s", prompt, params)
+    solo = drain(eng)["s"]
+    eng.submit("s", prompt, params)
+    eng.submit("o", other, SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True))
+    assert drain(eng)["s"] == solo
+
+
 PROMPTS = [list(range(5, 45)), [7, 8, 9], list(range(300, 420))]
 
 

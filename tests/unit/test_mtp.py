@@ -12,12 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine, _weight_bytes
 from workers.errors import LoadError
 from workers.quant import Int4Linear, Int8Linear
 
-from helpers.decode_rows import drain, greedy
+from helpers.decode_rows import drain, greedy, seeded_speculation_repeats
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(100, 140)), [7, 7, 7, 7, 8]]
 
@@ -73,12 +72,7 @@ def test_greedy_output_is_the_output_without_it(engine, plain):
 
 
 def test_seeded_sampling_repeats_itself(engine):
-    params = SamplingParams(temperature=0.8, top_k=40, seed=7, max_tokens=20, ignore_eos=True, speculative=3)
-    engine.submit("s", PROMPTS[1], params)
-    solo = drain(engine)["s"]
-    engine.submit("s", PROMPTS[1], params)
-    engine.submit("o", PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
-    assert drain(engine)["s"] == solo
+    seeded_speculation_repeats(engine, PROMPTS[1], PROMPTS[0], 3)
 
 
 def test_its_weights_and_pool_are_booked(engine, plain, path):

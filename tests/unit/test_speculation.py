@@ -13,7 +13,7 @@ from workers.sampler import SamplerState, verify
 from workers.scheduler import Scheduler, Sequence
 from workers.speculation import propose
 
-from helpers.decode_rows import drain, greedy
+from helpers.decode_rows import drain, greedy, seeded_speculation_repeats
 
 # Prompts that repeat themselves, so the context drafts (and the random model's output loops).
 PROMPTS = [
@@ -190,12 +190,7 @@ def test_stop_ids_and_max_tokens_cut_the_accepted_tokens(engine, plain):
 
 
 def test_seeded_sampling_with_speculation_repeats_itself(engine):
-    params = SamplingParams(temperature=0.8, top_k=40, seed=7, max_tokens=30, ignore_eos=True, speculative=4)
-    engine.submit("s", PROMPTS[0], params)
-    solo = drain(engine)["s"]
-    engine.submit("s", PROMPTS[0], params)
-    engine.submit("o", PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True))
-    assert drain(engine)["s"] == solo
+    seeded_speculation_repeats(engine, PROMPTS[0], PROMPTS[1], 4)
 
 
 def test_requests_that_cannot_be_verified_row_by_row_do_not_speculate(engine, plain):

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
 
-from helpers.decode_rows import drain, greedy
+from helpers.decode_rows import drain, greedy, seeded_speculation_repeats
 
 SEGMENT = [3, 1, 4, 1, 5, 9, 2, 6]
 JUNK = 999
@@ -102,9 +101,4 @@ def test_stop_ids_cut_the_accepted_tokens(engine, partial):
 
 
 def test_seeded_sampling_with_speculation_repeats_itself(engine, partial):
-    params = SamplingParams(temperature=0.8, top_k=40, seed=7, max_tokens=30, ignore_eos=True, speculative=4)
-    engine.submit("s", partial, params)
-    solo = drain(engine)["s"]
-    engine.submit("s", partial, params)
-    engine.submit("o", SEGMENT, SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True))
-    assert drain(engine)["s"] == solo
+    seeded_speculation_repeats(engine, partial, SEGMENT, 4)
