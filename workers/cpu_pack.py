@@ -32,3 +32,16 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of every weight under ``module``, prepacked ones included (their opaque tensors
+    have no numel)."""
+    total = 0
+    for m in module.modules():
+        if isinstance(m, PackedLinear):
+            total += m.nbytes
+            continue
+        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+            total += t.numel() * t.element_size()
+    return total

@@ -30,9 +30,10 @@ from pantheon.core.protocol import (
     TokenOut,
 )
 from pantheon.core.sizing import state_checkpoints
-from workers import compiled, cpu_pack, cpu_paths
+from workers import compiled, cpu_paths
 from workers.block_manager import BlockManager
 from workers.cache import check_kv_types, kv_block_bytes
+from workers.cpu_pack import weight_bytes
 from workers.draft import DraftModel, draft_block_bytes, draft_layout, load_draft_config
 from workers.errors import LoadError, RequestRejected
 from workers.grammar import Constraint, Grammars, apply_masks
@@ -242,7 +243,7 @@ class Engine:
                 kv_types=kv_types,
             )
             self.draft_name = draft
-        self.weight_bytes = _weight_bytes(self.model)
+        self.weight_bytes = weight_bytes(self.model)
         # Bytes one decode step streams: everything but the embedding table, of which a step
         # reads only a few rows (unless the head is the table itself, untied and unpacked).
         emb = self.model.embed_tokens.weight
@@ -255,7 +256,7 @@ class Engine:
             self.weight_bytes += self.draft.weight_bytes
             self.kv_bytes += self.draft.kv_bytes
         elif self.draft is not None:
-            self.weight_bytes += _weight_bytes(self.draft.model)
+            self.weight_bytes += weight_bytes(self.draft.model)
             self.kv_bytes += self.draft.kv_bytes
         self.state_bytes = self.runner.state_bytes  # the recurrent layers' state pools
         self._samplers: dict[str, SamplerState] = {}
@@ -697,18 +698,6 @@ class Engine:
         self.model = None  # pyright: ignore[reportAttributeAccessIssue]
         if any(d.type == "cuda" for d in self.devices):
             torch.cuda.empty_cache()
-
-
-def _weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every weight, prepacked ones included (their opaque tensors have no numel)."""
-    total = 0
-    for m in model.modules():
-        if isinstance(m, cpu_pack.PackedLinear):
-            total += m.nbytes
-            continue
-        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
-            total += t.numel() * t.element_size()
-    return total
 
 
 def _attention_crossover(cfg) -> float:

@@ -43,6 +43,7 @@ from pantheon.core.kv_types import KvCacheTypes
 from workers import cpu_paths
 from workers.block_manager import BlockManager
 from workers.cache import LayerCache
+from workers.cpu_pack import weight_bytes
 from workers.errors import LoadError
 from workers.layers.attention import StepBatch
 from workers.loader import NoInit, load_part
@@ -225,9 +226,7 @@ class MtpDraft:
     @property
     def weight_bytes(self) -> int:
         """The head's own weights (its embeddings and LM head are the target's)."""
-        from workers.engine import _weight_bytes
-
-        return sum(_weight_bytes(m) for m in self.model.own())
+        return sum(weight_bytes(m) for m in self.model.own())
 
     def observe(self, s: Sequence, p0: int, rows: torch.Tensor) -> None:
         """The target computed positions ``p0 ..`` of ``s`` (kept: a verify's accepted rows);

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from workers.engine import Engine, _weight_bytes
+from workers.cpu_pack import weight_bytes
+from workers.engine import Engine
 from workers.errors import LoadError
 from workers.quant import Int4Linear, Int8Linear
 
@@ -126,8 +127,8 @@ def test_bf16_drafts_pick_with_a_4_bit_head(model_factory):
     eng = Engine(str(path), kv_budget_bytes=8 << 20, draft="mtp", cpu_path="bf16")
     copy = eng.draft.model.draft_head
     assert isinstance(copy, (Int4Linear, Int8Linear)) and copy.out_features == eng.cfg.vocab_size
-    assert eng.draft.weight_bytes == sum(_weight_bytes(m) for m in eng.draft.model.own())
-    assert _weight_bytes(copy) > 0
+    assert eng.draft.weight_bytes == sum(weight_bytes(m) for m in eng.draft.model.own())
+    assert weight_bytes(copy) > 0
     want = answers(plain, 0)
     assert answers(eng, 3) == want
     assert eng.spec.drafted > 0
