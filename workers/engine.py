@@ -502,7 +502,8 @@ class Engine:
             for s, n in plan.prefill
             if (acc := self._prompt_lps.get(s.request_id)) is not None
         }
-        fed = self._fed_rows(plan)  # (before commit moves num_computed past the step's rows)
+        # the rows the model's own head is fed after the step (before commit moves num_computed)
+        fed = self.draft.fed_rows(plan) if isinstance(self.draft, MtpDraft) else []
         logits = self.runner.run(plan, prompt_rows={s: rows for s, (_a, _p, rows) in kept.items()})
         n_verify = sum(1 + len(s.draft) for s in plan.verify)
         cut = logits.shape[0] - n_verify  # the verify chunks' rows come last
@@ -541,7 +542,8 @@ class Engine:
         if n_verify:
             outs += self._verify(plan, verify_logits)
         if fed:
-            self._feed_head(fed)
+            assert isinstance(self.draft, MtpDraft)
+            self.draft.feed(fed, self.runner.last_hidden)
         took = time.perf_counter() - t0
         n_prefill = sum(n for _s, n in plan.prefill)
         # Mean positions a prefilled token attended to (chunk from p0, n tokens: p0 + (n + 1) / 2).
@@ -572,37 +574,6 @@ class Engine:
             if reason:
                 self._forget(s.request_id)
         return outs
-
-    def _fed_rows(self, plan: StepPlan) -> list[tuple[Sequence, int, int]]:
-        """With the model's own head drafting (``workers/mtp.py``): each speculating sequence
-        of the step, the first position it computes and its first row in the step's hidden
-        states (plain decode rows, verify rows, then each prefill chunk's)."""
-        if not isinstance(self.draft, MtpDraft):
-            return []
-        rows: list[tuple[Sequence, int, int]] = []
-        at = 0
-        for group in (plan.decode, plan.verify):
-            for s in group:
-                if s.spec_tokens:
-                    rows.append((s, s.num_computed, at))
-                at += 1 if group is plan.decode else 1 + len(s.draft)
-        for s, n in plan.prefill:
-            if s.spec_tokens and s.embed is None:
-                rows.append((s, s.num_computed, at))
-            at += n
-        return rows
-
-    def _feed_head(self, fed: list[tuple[Sequence, int, int]]) -> None:
-        """Give the head the target's hidden states of the rows each sequence kept this step
-        (a verify's: as far as it was accepted); a finished sequence's are dropped."""
-        assert isinstance(self.draft, MtpDraft)
-        hidden = self.runner.last_hidden
-        assert hidden is not None  # (a model the head drafts for never runs the compiled step)
-        for s, p0, at in fed:
-            if s.finish is not None:
-                self.draft.forget(s.request_id)
-            elif s.num_computed > p0:
-                self.draft.observe(s, p0, hidden[at : at + s.num_computed - p0])
 
     def _keep_verified(self, s: Sequence, slot: int, p0: int, run: int, finished: bool) -> None:
         """A hybrid model's verify run ``run`` kept ``s.num_computed - p0`` of its rows: the

@@ -228,6 +228,38 @@ class MtpDraft:
         """The head's own weights (its embeddings and LM head are the target's)."""
         return sum(weight_bytes(m) for m in self.model.own())
 
+    @staticmethod
+    def fed_rows(plan: StepPlan) -> list[tuple[Sequence, int, int]]:
+        """Each speculating sequence of the model's step ``plan`` (read before the step commits),
+        the first position it computes and its first row in the step's hidden states (plain
+        decode rows, verify rows, then each prefill chunk's)."""
+        rows: list[tuple[Sequence, int, int]] = []
+        at = 0
+        for s in plan.decode:
+            if s.spec_tokens:
+                rows.append((s, s.num_computed, at))
+            at += 1
+        for s in plan.verify:
+            if s.spec_tokens:
+                rows.append((s, s.num_computed, at))
+            at += 1 + len(s.draft)
+        for s, n in plan.prefill:
+            if s.spec_tokens and s.embed is None:
+                rows.append((s, s.num_computed, at))
+            at += n
+        return rows
+
+    def feed(self, fed: list[tuple[Sequence, int, int]], hidden: torch.Tensor | None) -> None:
+        """After the model's step (``fed_rows``): the model's final hidden states ``hidden``
+        ([rows, H]) of the rows each sequence kept (a verify's: as far as it was accepted); a
+        finished sequence's are dropped."""
+        assert hidden is not None  # (a model the head drafts for never runs the compiled step)
+        for s, p0, at in fed:
+            if s.finish is not None:
+                self.forget(s.request_id)
+            elif s.num_computed > p0:
+                self.observe(s, p0, hidden[at : at + s.num_computed - p0])
+
     def observe(self, s: Sequence, p0: int, rows: torch.Tensor) -> None:
         """The target computed positions ``p0 ..`` of ``s`` (kept: a verify's accepted rows);
         ``rows``: their final hidden states [n, H]."""
