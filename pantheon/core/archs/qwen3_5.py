@@ -120,7 +120,7 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> Qwen35Description:
         layers=tuple(full if t == FULL else linear for t in types),
         skipped=skipped
         + (
-            ('the multi-token-prediction head (mtp.*; read as the draft with draft = "mtp")',)
+            ("the multi-token-prediction head (mtp.*), unless the load's draft is 'mtp'",)
             if raw.get("mtp_num_hidden_layers")
             else ()
         ),
