@@ -8,7 +8,7 @@ POST     /admin/models/load      ``{path, name?, dies?, quantize?, slots?, max_c
                                  model serves /v1/embeddings too; ``kv_cache_dtype``: "q8_0",
                                  or K/V apart "q8_0/q4_0", over ``--kv-cache-dtype``;
                                  ``draft``: a draft model's path for speculative decoding,
-                                 same tokenizer)
+                                 same tokenizer, or "mtp": the model's own head)
                                  200 with the instance once ready; 202 at once with
                                  ``wait: false`` (progress in GET /admin/models); 404 no such
                                  folder, 400 bad request or unsupported architecture, 403
