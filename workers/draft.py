@@ -49,6 +49,7 @@ from pantheon.core.kv_types import KvCacheTypes
 from workers import cpu_paths
 from workers.block_manager import BlockManager
 from workers.cache import check_kv_types, kv_block_bytes
+from workers.cpu_pack import weight_bytes
 from workers.errors import LoadError
 from workers.grammar import model_tokenizer_json
 from workers.loader import load_model, resolve_dtype
@@ -145,6 +146,10 @@ class DraftModel:
     @property
     def kv_bytes(self) -> int:
         return self.runner.kv_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.model)
 
     @torch.inference_mode()
     def propose(self, wants: list[tuple[Sequence, int]]) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from pantheon.core.description import MTP, mtp_description
+from pantheon.core.description import MTP
 from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import (
     SPECULATIVE_ON,
@@ -40,7 +40,7 @@ from workers.grammar import Constraint, Grammars, apply_masks
 from workers.layers.moe import unread_expert_bytes
 from workers.loader import load_model, resolve_dtype
 from workers.model_config import load_config
-from workers.mtp import MtpDraft, load_head
+from workers.mtp import MtpDraft, head_description, load_head
 from workers.pooling import Pooled
 from workers.prompt_logprobs import PromptLogprobsAcc
 from workers.runner import ModelRunner
@@ -94,13 +94,8 @@ class Engine:
                     f"{model_path} cannot speculate (sliding-window layers, or dynamic RoPE): it "
                     "takes no draft model",
                 )
-            if draft == MTP:  # the model's own head (workers/mtp.py): its description is the model's
-                draft_cfg = mtp_description(cfg)
-                if draft_cfg is None:
-                    raise LoadError(
-                        "invalid",
-                        f"{model_path} has no multi-token-prediction head (mtp.*): it cannot draft with 'mtp'",
-                    )
+            if draft == MTP:  # the model's own head (workers/mtp.py)
+                draft_cfg = head_description(model_path, cfg)
             else:
                 draft_cfg = load_draft_config(draft, model_path, kv_types, [torch.device(devices[0])])
         asked_dtype = dtype
@@ -225,8 +220,11 @@ class Engine:
             if not self.spec_supported:
                 raise LoadError("invalid", f"{model_path} cannot speculate: it takes no draft model")
         if draft == MTP:
-            head, one = load_head(model_path, cfg, self.model, self.devices[0], dt, self.cpu_path, quantize)
-            self.draft = MtpDraft(head, one, self.blocks, dt, num_slots, kv_types)
+            assert draft_cfg is not None
+            head = load_head(
+                model_path, cfg, draft_cfg, self.model, self.devices[0], dt, self.cpu_path, quantize
+            )
+            self.draft = MtpDraft(head, draft_cfg, self.blocks, dt, num_slots, kv_types)
             self.draft_name = MTP
         elif draft_cfg is not None:
             assert draft is not None
@@ -252,11 +250,8 @@ class Engine:
         # ... and of a mixture of experts' stacked experts, the top k one sequence's token chose
         self.step_read_bytes -= unread_expert_bytes(self.model)
         self.kv_bytes = self.runner.kv_bytes
-        if isinstance(self.draft, MtpDraft):  # booked with the instance: its weights and KV pool
+        if self.draft is not None:  # booked with the instance: its own weights and its KV pool
             self.weight_bytes += self.draft.weight_bytes
-            self.kv_bytes += self.draft.kv_bytes
-        elif self.draft is not None:
-            self.weight_bytes += weight_bytes(self.draft.model)
             self.kv_bytes += self.draft.kv_bytes
         self.state_bytes = self.runner.state_bytes  # the recurrent layers' state pools
         self._samplers: dict[str, SamplerState] = {}

@@ -96,17 +96,23 @@ class MtpHead(DecoderLM):
         return self.norm(x)
 
 
-def load_head(
-    model_path: str, cfg: ModelDescription, target: DecoderLM, device: torch.device, dtype: torch.dtype,
-    cpu_path: str | None, quantize: bool,
-) -> tuple[MtpHead, ModelDescription]:  # fmt: skip
-    """The checkpoint's head, on ``device`` in ``dtype``, its linears laid out as the target's
-    (``cpu_path``; on CUDA int8 when ``quantize``), and its one-layer description."""
+def head_description(model_path: str, cfg: ModelDescription) -> ModelDescription:
+    """The checkpoint's head as its one-layer description (``mtp_description``), checked before
+    any weight is read: ``LoadError`` when the checkpoint has none."""
     one = mtp_description(cfg)
     if one is None:
         raise LoadError(
             "invalid", f"{model_path} has no multi-token-prediction head (mtp.*): it cannot draft with 'mtp'"
         )
+    return one
+
+
+def load_head(
+    model_path: str, cfg: ModelDescription, one: ModelDescription, target: DecoderLM, device: torch.device,
+    dtype: torch.dtype, cpu_path: str | None, quantize: bool,
+) -> MtpHead:  # fmt: skip
+    """The checkpoint's head (``one``: its ``head_description``), on ``device`` in ``dtype``, its
+    linears laid out as the target's (``cpu_path``; on CUDA int8 when ``quantize``)."""
     fam = family(cfg)
     with torch.device("meta"), NoInit():
         head = MtpHead(fam.build(one), target, cfg.hidden_size, cfg.rms_norm_eps)
@@ -136,7 +142,7 @@ def load_head(
         quantize_int8(head)
     head.lm_head = target.lm_head  # None: tied to the (shared) embedding table
     head.draft_head = draft_head(target, cfg, cpu_path)
-    return head, one
+    return head
 
 
 def draft_head(target: DecoderLM, cfg: ModelDescription, cpu_path: str | None) -> nn.Module | None:
