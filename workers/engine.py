@@ -12,6 +12,7 @@ the caller sends them on (one message per step), so a slow consumer never blocks
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -583,20 +584,15 @@ class Engine:
         edge = s.num_computed // bs * bs  # the newest boundary at or before the computed rows
         if ck is None or not s.use_cache or edge <= p0 or len(s.block_hashes) < edge // bs:
             return
-        h = s.block_hashes[edge // bs - 1]
-        if s.decode_checkpoint is not None and s.decode_checkpoint != h:
-            ck.drop(s.decode_checkpoint)
-        i = ck.put(h)
-        if i is not None:
-            self.runner.save_verified(run, edge - p0 - 1, i)
-        s.decode_checkpoint = h
+        self._file_checkpoint(
+            s, edge, lambda i: self.runner.save_verified(run, edge - p0 - 1, i), decode=True
+        )
 
     def _checkpoint(self, plan: StepPlan) -> None:
         """Keep the recurrent states of the block boundaries this step reached: a prompt's last
         one (its prefill chunk ends there) and, for a decoding sequence, the newest one it has
         passed (replacing its previous one), so a conversation's next turn restores them."""
-        ck, bs = self.checkpoints, self.blocks.block_size
-        assert ck is not None
+        bs = self.blocks.block_size
         seqs = [(s, False) for s in plan.decode] + [(s, True) for s, _n in plan.prefill]
         for s, prefill in seqs:
             n = s.num_computed
@@ -604,14 +600,22 @@ class Engine:
                 continue
             if prefill and n != s.prompt_len // bs * bs:
                 continue  # an earlier boundary of a long prompt: not worth a checkpoint
-            h = s.block_hashes[n // bs - 1]
-            if not prefill and s.decode_checkpoint is not None and s.decode_checkpoint != h:
-                ck.drop(s.decode_checkpoint)
-            i = ck.put(h)
-            if i is not None:
-                self.runner.save_state(s.slot, i)
-            if not prefill:
-                s.decode_checkpoint = h
+            self._file_checkpoint(s, n, functools.partial(self.runner.save_state, s.slot), decode=not prefill)
+
+    def _file_checkpoint(self, s: Sequence, n: int, save: Callable[[int], None], decode: bool) -> None:
+        """File the recurrent states of ``s`` at block boundary ``n`` under its block's hash
+        (``save(i)`` writes them into checkpoint ``i``, when the index gives one). A decoding
+        sequence keeps one such checkpoint, its newest: the one it had before is dropped."""
+        ck = self.checkpoints
+        assert ck is not None
+        h = s.block_hashes[n // self.blocks.block_size - 1]
+        if decode and s.decode_checkpoint is not None and s.decode_checkpoint != h:
+            ck.drop(s.decode_checkpoint)
+        i = ck.put(h)
+        if i is not None:
+            save(i)
+        if decode:
+            s.decode_checkpoint = h
 
     def stats(self, instance: str) -> InstanceStats:
         slots = []

@@ -9,7 +9,7 @@ knows nothing of requests beyond their tokens, positions, block tables and slots
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -144,25 +144,27 @@ class ModelRunner:
                 for name, t in c.tensors.items():
                     t[slot].copy_(c.checkpoints[name][checkpoint])
 
-    @torch.inference_mode()
     def keep_verified(self, slot: int, run: int, row: int) -> None:
         """After a verify: ``slot``'s recurrent states become those after row ``row`` of the
         step's verify run ``run`` (its index in ``plan.verify``)."""
-        for c in self.caches:
-            if isinstance(c, StateCache) and c.verified:
-                col = c.verified_cols[run]
-                for name, t in c.tensors.items():
-                    t[slot].copy_(c.verified[name][row, col])
+        self._copy_verified(run, row, lambda c: c.tensors, slot)
 
-    @torch.inference_mode()
     def save_verified(self, run: int, row: int, checkpoint: int) -> None:
         """Copy the recurrent states after row ``row`` of verify run ``run`` into prefix-cache
         ``checkpoint`` (a block boundary the accepted rows passed)."""
+        self._copy_verified(run, row, lambda c: c.checkpoints, checkpoint)
+
+    @torch.inference_mode()
+    def _copy_verified(
+        self, run: int, row: int, into: Callable[[StateCache], dict[str, torch.Tensor]], index: int
+    ) -> None:
+        """Every recurrent layer's states after row ``row`` of verify run ``run`` into entry
+        ``index`` of its pool ``into`` (the slots' or the checkpoints')."""
         for c in self.caches:
             if isinstance(c, StateCache) and c.verified:
                 col = c.verified_cols[run]
-                for name, t in c.checkpoints.items():
-                    t[checkpoint].copy_(c.verified[name][row, col])
+                for name, t in into(c).items():
+                    t[index].copy_(c.verified[name][row, col])
 
     def _tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
