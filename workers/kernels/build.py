@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shlex
 import shutil
@@ -128,3 +129,22 @@ def build(name: str) -> tuple[ctypes.CDLL | None, str]:
         return ctypes.CDLL(str(out)), f"{how} {out}"
     except OSError as e:
         return None, f"cannot load {out}: {e}"
+
+
+# an entry point's ctypes types: (restype, argtypes or None to leave them unset)
+Signature = tuple[object, list[object] | None]
+
+
+def load(name: str, without: str, entries: dict[str, Signature]) -> tuple[ctypes.CDLL | None, str]:
+    """``build(name)`` with its entry points' types set (``entries``): (library, where from),
+    or (None, why not), said once in the log as ``without: why`` (what runs instead)."""
+    lib, why = build(name)
+    if lib is None:
+        logging.getLogger("pantheon.worker").warning("%s: %s", without, why)
+        return None, why
+    for fn, (restype, argtypes) in entries.items():
+        f = getattr(lib, fn)
+        f.restype = restype
+        if argtypes is not None:
+            f.argtypes = argtypes
+    return lib, why

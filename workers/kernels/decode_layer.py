@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,12 +28,10 @@ from torch import nn
 
 from workers.cache import KVCache, LayerCache
 from workers.kernels import paged, qlinear
-from workers.kernels.build import build
+from workers.kernels.build import load
 from workers.layers.attention import StepBatch
 from workers.layers.kv_quant import KvRows, QuantRows
 from workers.quant import Int4Linear, Int8Linear
-
-log = logging.getLogger("pantheon.worker")
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -64,13 +61,11 @@ class _Step(ctypes.Structure):
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = build("llama_layer")
-    if lib is None:
-        log.warning("fused decode layer unavailable, layers keep their torch ops: %s", why)
-        return None, why
-    lib.ll_decode.restype = _I
-    lib.ll_decode.argtypes = [_P, _P, _P, _I, _P, _L, _P, _P, _I, _P, _P, _I, _I]
-    return lib, why
+    return load(
+        "llama_layer",
+        "fused decode layer unavailable, layers keep their torch ops",
+        {"ll_decode": (_I, [_P, _P, _P, _I, _P, _L, _P, _P, _I, _P, _P, _I, _I])},
+    )
 
 
 def available() -> bool:

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 
 import torch
 
-from workers.kernels.build import build
+from workers.kernels.build import load
 from workers.layers.kv_quant import KvRows, QuantRows
-
-log = logging.getLogger("pantheon.worker")
 
 # The kernel's element kinds (paged_decode.c's enum)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -39,15 +36,12 @@ _L = ctypes.c_int64
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = build("paged_decode")
-    if lib is None:
-        log.warning("paged decode kernel unavailable, attention keeps its torch path: %s", why)
-        return None, why
-    lib.pd_paged_decode.restype = _I
-    lib.pd_paged_decode.argtypes = [_P, _I, _P, _P, _I, _P, _P, _I, _P, _I, _L, _P, _I]
-    lib.pd_paged_decode.argtypes += [_L, _L, _L, _L, _L, _P, _P, _I, _L]
-    lib.pd_omp_max_threads.restype = _I
-    return lib, why
+    args = [_P, _I, _P, _P, _I, _P, _P, _I, _P, _I, _L, _P, _I, _L, _L, _L, _L, _L, _P, _P, _I, _L]
+    return load(
+        "paged_decode",
+        "paged decode kernel unavailable, attention keeps its torch path",
+        {"pd_paged_decode": (_I, args), "pd_omp_max_threads": (_I, None)},
+    )
 
 
 def status() -> str:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from workers.kernels.build import build
+from workers.kernels.build import load
 
 log = logging.getLogger("pantheon.worker")
 
@@ -35,19 +35,17 @@ _L = ctypes.c_int64
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = build("qmatmul")
-    if lib is None:
-        log.warning("quantized linear kernel unavailable, linears keep torch's kernels: %s", why)
-        return None, why
-    lib.qm_q4_linear.restype = _I
-    lib.qm_q4_linear.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
-    lib.qm_q8_linear.restype = _I
-    lib.qm_q8_linear.argtypes = [_P, _I, _L, _L, _P, _P, _I, _L, _P, _I, _I]
-    lib.qm_q4_linear_bf16.restype = _I
-    lib.qm_q4_linear_bf16.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
-    lib.qm_has_bf16.restype = _I
-    lib.qm_isa.restype = ctypes.c_char_p
-    return lib, why
+    return load(
+        "qmatmul",
+        "quantized linear kernel unavailable, linears keep torch's kernels",
+        {
+            "qm_q4_linear": (_I, [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]),
+            "qm_q8_linear": (_I, [_P, _I, _L, _L, _P, _P, _I, _L, _P, _I, _I]),
+            "qm_q4_linear_bf16": (_I, [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]),
+            "qm_has_bf16": (_I, None),
+            "qm_isa": (ctypes.c_char_p, None),
+        },
+    )
 
 
 def library() -> ctypes.CDLL | None:
