@@ -54,4 +54,17 @@ static inline uint16_t f32_to_f16(float f) { /* round to nearest even, as torch'
     return (uint16_t)(sign | ((a + 0x0fffu + ((a >> 13) & 1u)) >> 13));
 }
 
+/* Element i of an array of kind 0 (fp32) or 1 (bf16), the numbering every kernel shares for
+ * activations, as fp32; and the store of v into such an array (bf16 rounded to nearest even). */
+static inline float load_kind(const void *p, int kind, int64_t i) {
+    return kind == 1 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store_kind(void *p, int kind, int64_t i, float v) {
+    if (kind == 1)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
 #endif

@@ -85,22 +85,11 @@ typedef struct {
     int64_t block_size, min_parallel;
 } Step;
 
-static inline float get(const void *p, int kind, int64_t i) {
-    return kind == BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void put(void *p, int kind, int64_t i, float v) {
-    if (kind == BF16)
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else
-        ((float *)p)[i] = v;
-}
-
 /* One token's K (or V) heads, x [KV * D] fp32, into pool row ``row`` of kind: copied, or
  * quantized per block of 32 as workers/layers/kv_quant.py's quantize does */
 static void write_row(void *data, uint16_t *scales, int kind, int64_t row, int64_t n, const float *x) {
     if (kind == F32 || kind == BF16) {
-        for (int64_t i = 0; i < n; i++) put(data, kind, row * n + i, x[i]);
+        for (int64_t i = 0; i < n; i++) store_kind(data, kind, row * n + i, x[i]);
         return;
     }
     for (int64_t b = 0; b < n / QBLOCK; b++) {
@@ -175,7 +164,7 @@ int ll_decode(const Plan *p, const Step *s, const void *x, int xkind, void *out,
     float *res = buf, *h = res + M * HD, *qkv = h + M * HD, *att = qkv + M * W, *gu = att + M * H * D;
     float *act = gu + M * 2 * I;
     int rc = 0;
-    for (int64_t i = 0; i < M * HD; i++) res[i] = get(x, xkind, i);
+    for (int64_t i = 0; i < M * HD; i++) res[i] = load_kind(x, xkind, i);
 
     /* attention block */
     rms_norm(res, M, HD, p->norm_in, p->eps_in, p->norm_round, xkind, h);
@@ -194,8 +183,8 @@ int ll_decode(const Plan *p, const Step *s, const void *x, int xkind, void *out,
             if (D > 1024) { rc = 1; goto done; }
             for (int64_t j = 0; j < D; j++) tmp[j] = v[j];
             for (int64_t j = 0; j < D; j++) {
-                float r = tmp[j] * get(s->rot_cos, s->rot_kind, t + j) +
-                          tmp[(j + D / 2) % D] * get(s->rot_sin, s->rot_kind, t + j);
+                float r = tmp[j] * load_kind(s->rot_cos, s->rot_kind, t + j) +
+                          tmp[(j + D / 2) % D] * load_kind(s->rot_sin, s->rot_kind, t + j);
                 v[j] = as_kind(r, xkind); /* the torch path rotates in x's kind */
             }
         }
@@ -220,7 +209,7 @@ int ll_decode(const Plan *p, const Step *s, const void *x, int xkind, void *out,
             act[m * I + i] = as_kind(as_kind(g / (1.0f + expf(-g)), xkind) * u, xkind);
         }
     if ((rc = linear(p, &p->down, act, M, h, nthreads))) goto done;
-    for (int64_t i = 0; i < M * HD; i++) put(out, xkind, i, res[i] + as_kind(h[i], xkind));
+    for (int64_t i = 0; i < M * HD; i++) store_kind(out, xkind, i, res[i] + as_kind(h[i], xkind));
 done:
     free(buf);
     return rc;

@@ -69,19 +69,6 @@
 enum { X_F32 = 0, X_BF16 = 1 };
 #define QK 32    /* values per group */
 
-/* ---------------------------------------------------------------- scalar conversions */
-
-static inline float load_x(const void *x, int kind, int64_t i) {
-    return kind == X_BF16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-}
-
-static inline void store_y(void *y, int kind, int64_t i, float v) {
-    if (kind == X_BF16)
-        ((uint16_t *)y)[i] = f32_to_bf16(v);
-    else
-        ((float *)y)[i] = v;
-}
-
 #if QM_AVX2
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -159,7 +146,7 @@ static void quantize_rows(const void *x, int xkind, int64_t M, int64_t K, int bl
 #else
             float v[QK], amax = 0.0f, sum = 0.0f;
             for (int i = 0; i < QK; i++) {
-                v[i] = load_x(x, xkind, at + i);
+                v[i] = load_kind(x, xkind, at + i);
                 sum += v[i];
                 float a = fabsf(v[i]);
                 amax = a > amax ? a : amax;
@@ -364,7 +351,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, cons
         }
 #endif
     for (int c = 0; c < nc; c++) {
-        float s = skind == X_BF16 ? bf16_to_f32(((const uint16_t *)ws)[n0 + c]) : ((const float *)ws)[n0 + c];
+        float s = load_kind(ws, skind, n0 + c);
         for (int r = 0; r < mb; r++) out[r][c] *= s;
     }
 }
@@ -586,7 +573,7 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
                     }
                     const int mb = two ? 2 : 1, nc = quad ? NC : 1;
                     for (int r = 0; r < mb; r++)
-                        for (int c = 0; c < nc; c++) store_y(y, ykind, (m0 + r) * N + n0 + c, out[r][c]);
+                        for (int c = 0; c < nc; c++) store_kind(y, ykind, (m0 + r) * N + n0 + c, out[r][c]);
                     n0 += nc;
                 }
             }
