@@ -75,6 +75,10 @@ class ModelRunner:
             and decode_layer.kv_types_ok(kv_types.k, kv_types.v)
             and decode_layer.why_not(model.layers) is None
         )
+        # ... and all of them in one call a step where they share one CPU
+        model.fused_layers = (
+            decode_layer.Layers.build(model.layers) if self.native and len(self.devices) == 1 else None
+        )
         # the decode step compiled in the background (workers/compiled.py), once started
         self.compiled: CompiledDecode | None = None
         # the last eager step's final hidden states [N, hidden] (decode rows, then each prefill

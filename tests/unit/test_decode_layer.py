@@ -197,3 +197,66 @@ def test_quantized_kv_rows_are_written_as_the_torch_code_writes_them(kinds, mode
             same = (a.data[rows] == c.data[rows]).float().mean()
             assert same > 0.99, same  # a level apart only where a product lands on a rounding tie
     eng.close()
+
+
+@pytest.mark.parametrize(
+    ("preset", "kinds"),
+    [("tiny-llama", None), ("tiny-qwen2", None), ("tiny", None), ("tiny-llama", ("q8_0", "q4_0"))],
+)  # tiny: Qwen3 (its q/k norms)
+def test_all_layers_in_one_call_are_the_layer_calls_to_the_bit(preset, kinds, model_factory, monkeypatch):
+    """``Layers`` (one ``ll_decode_layers`` call a step) runs each layer's own kernel in turn, so
+    every decode step's hidden states and tokens are those of the per-layer calls exactly, and
+    it does run the decode steps (the prefill chunks run layer by layer)."""
+    from pantheon.core.kv_types import KvCacheTypes
+
+    model = model_factory(preset, head_dim=32) if kinds else model_factory(preset)
+    ran: list[bool] = []
+    call = decode_layer.Layers.__call__
+
+    def counted(self, x, b, caches):
+        out = call(self, x, b, caches)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode_layer.Layers, "__call__", counted)
+
+    def run(stacked: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
+        eng = Engine(str(model), cpu_path="int8", num_slots=4, kv_budget_bytes=8 << 20, compile_decode=False,
+                     kv_types=KvCacheTypes(*kinds) if kinds else KvCacheTypes())  # fmt: skip
+        assert eng.model is not None and isinstance(eng.model.fused_layers, decode_layer.Layers)
+        if not stacked:
+            eng.model.fused_layers = None
+        prompts = [list(range(5, 45)), [7, 8, 9], list(range(300, 337))]
+        for i, p in enumerate(prompts):
+            eng.submit(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        hidden, tokens = [], [[] for _ in prompts]
+        while eng.has_work():
+            for t in eng.step():
+                tokens[int(t.request_id[1:])].append(t.token)
+            assert eng.runner.last_hidden is not None
+            hidden.append(eng.runner.last_hidden.clone())
+        eng.close()
+        return hidden, tokens
+
+    h_one, t_one = run(True)
+    assert any(ran) and ran.count(True) >= 5  # the decode steps went through the one call
+    ran.clear()
+    h_each, t_each = run(False)
+    assert not ran  # switched off: never called
+    assert t_one == t_each and all(len(t) == 6 for t in t_one)
+    assert len(h_one) == len(h_each) and all(torch.equal(a, b) for a, b in zip(h_one, h_each, strict=True))
+
+
+def test_layers_it_does_not_take_give_no_call(model_factory, monkeypatch):
+    """A model whose layers do not all run fused (Gemma 3), or the fused layer switched off:
+    no ``Layers``, the layers run one by one."""
+    eng = Engine(str(model_factory("tiny-gemma3")), cpu_path="int4", num_slots=4, kv_budget_bytes=8 << 20,
+                 compile_decode=False)  # fmt: skip
+    assert eng.model is not None and eng.model.fused_layers is None
+    eng.close()
+    monkeypatch.setenv("PANTHEON_FUSED_LAYER", "0")
+    eng = Engine(str(model_factory("tiny-llama")), cpu_path="int4", num_slots=4, kv_budget_bytes=8 << 20,
+                 compile_decode=False)  # fmt: skip
+    assert eng.model is not None and eng.model.fused_layers is None
+    assert decode_layer.Layers.build(eng.model.layers) is None
+    eng.close()

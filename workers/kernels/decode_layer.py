@@ -21,7 +21,7 @@ import functools
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -64,7 +64,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     return load(
         "llama_layer",
         "fused decode layer unavailable, layers keep their torch ops",
-        {"ll_decode": (_I, [_P, _P, _P, _I, _P, _L, _P, _P, _I, _P, _P, _I, _I])},
+        {
+            "ll_decode": (_I, [_P, _P, _P, _I, _P, _L, _P, _P, _I, _P, _P, _I, _I]),
+            "ll_decode_layers": (_I, [_P, _L, _P, _P, _I, _L, _P, _P, _P, _P, _P, _P, _I]),
+        },
     )
 
 
@@ -186,6 +189,86 @@ class Native:
         if rc:
             raise ValueError(f"fused decode layer refused its arguments (code {rc})")
         return out
+
+
+class Layers:
+    """Every layer of a model in one native call a decode step (``ll_decode_layers``): what each
+    layer's own call costs in Python and ctypes (~20 us: 0.6 ms of SmolLM2's 30-layer step) paid
+    once. The steps and pools it takes are those each layer's ``Native`` takes; the same kernel
+    runs, so its output is the per-layer calls' to the bit. ``build`` gives one or None."""
+
+    def __init__(self, natives: list[Native]):
+        self._natives = natives  # kept: their plans and fp32 copies are what the call points at
+        self._plans = (_P * len(natives))(*(n._addr for n in natives))
+        first = natives[0]._plan
+        self._rot = (first.heads + first.kv_heads, first.head_dim)
+        self._lib = natives[0]._lib
+        self._pools_of: tuple[int, ...] = ()  # ids of the K and V pools the arrays below point at
+        self._held: list[KvRows] = []  # those pools (their ids stay theirs while held)
+        self._arrays: tuple[ctypes.Array, ...] = ()
+
+    @staticmethod
+    def build(layers: Iterable[nn.Module]) -> Layers | None:
+        """The call for these layers when every one runs fused (``why_not`` is None) with the
+        same attention shape (one RoPE table serves them all); else None."""
+        layers = list(layers)
+        if not layers or why_not(layers) is not None:
+            return None
+        natives = [cast(Fusable, layer).native for layer in layers]
+        if any(n is None for n in natives):
+            return None
+        ns = cast("list[Native]", natives)
+        shape = {(n._plan.heads, n._plan.kv_heads, n._plan.head_dim) for n in ns}
+        return Layers(ns) if len(shape) == 1 else None
+
+    def __call__(self, x: torch.Tensor, b: StepBatch, caches: list[LayerCache]) -> torch.Tensor | None:
+        """x [N, hidden] through every layer for this step, or None when the step is not one the
+        fused call takes (the caller runs the layers one by one)."""
+        if not available():
+            return None
+        step = _step(b)
+        if step is None or x.device.type != "cpu" or x.dim() != 2 or x.dtype not in _KINDS:
+            return None
+        if x.shape[0] != b.n_decode or b.rot_cos.shape != (x.shape[0], *self._rot):
+            return None
+        arrays = self._pools(caches)
+        if arrays is None:
+            return None
+        out = x.contiguous().clone()  # in place from here: the caller's x stays as it was
+        rc = self._lib.ll_decode_layers(
+            self._plans, len(self._natives), ctypes.addressof(step), out.data_ptr(), _KINDS[x.dtype],
+            x.shape[0], *arrays, torch.get_num_threads(),
+        )  # fmt: skip
+        if rc:
+            raise ValueError(f"fused decode layers refused their arguments (code {rc})")
+        return out
+
+    def _pools(self, caches: list[LayerCache]) -> tuple[ctypes.Array, ...] | None:
+        """The per-layer pool arrays of the call (data, scales, kind for K, then V), built again
+        only when a pool changed; None when a layer's cache is not one the call writes."""
+        if len(caches) != len(self._natives):
+            return None
+        key = tuple(id(c.k) for c in caches if isinstance(c, KVCache)) + tuple(
+            id(c.v) for c in caches if isinstance(c, KVCache)
+        )
+        if key == self._pools_of:
+            return self._arrays
+        if len(key) != 2 * len(caches):
+            return None
+        kvs = cast("list[KVCache]", caches)
+        if not all(_writes(c.k) and _writes(c.v) for c in kvs):
+            return None
+        n = len(kvs)
+        cols: list[ctypes.Array] = []
+        for side in ("k", "v"):
+            pools = [_pool(getattr(c, side)) for c in kvs]
+            cols += [
+                (_P * n)(*(p[0] for p in pools)),
+                (_P * n)(*(p[1] for p in pools)),
+                (_I * n)(*(p[2] for p in pools)),
+            ]
+        self._pools_of, self._held, self._arrays = key, [c.k for c in kvs] + [c.v for c in kvs], tuple(cols)
+        return self._arrays
 
 
 @runtime_checkable

@@ -214,3 +214,18 @@ done:
     free(buf);
     return rc;
 }
+
+/* Every layer of a model's decode step, layer i with plans[i] and its pools: x [M, hidden] is
+ * replaced by the last layer's output. One call instead of one per layer (each costs ~20 us of
+ * Python and ctypes: 0.6 ms of a 30-layer step). In place: ll_decode reads its input whole before
+ * it writes its output. Returns 0, or the first refusing layer's code. */
+int ll_decode_layers(const Plan *const *plans, int64_t n, const Step *s, void *x, int xkind, int64_t M,
+                     void *const *k_data, uint16_t *const *k_scales, const int *k_kinds, void *const *v_data,
+                     uint16_t *const *v_scales, const int *v_kinds, int nthreads) {
+    for (int64_t i = 0; i < n; i++) {
+        int rc = ll_decode(plans[i], s, x, xkind, x, M, k_data[i], k_scales[i], k_kinds[i], v_data[i], v_scales[i],
+                           v_kinds[i], nthreads);
+        if (rc) return rc;
+    }
+    return 0;
+}

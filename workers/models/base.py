@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.cache import LayerCache
+from workers.kernels import decode_layer
 from workers.layers.attention import StepBatch
 
 
@@ -36,6 +37,9 @@ class DecoderLM(nn.Module):
         self.lm_head: nn.Module | None = None if tied else nn.Linear(hidden_size, vocab_size, bias=False)
         # Filled by the loader: the device of each layer (layers split across dies).
         self.layer_devices: list[torch.device] = []
+        # Set by the runner when every layer runs its decode steps fused, on one CPU: all the
+        # layers in one native call (workers/kernels/decode_layer.py ``Layers``)
+        self.fused_layers: decode_layer.Layers | None = None
 
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else cast(torch.Tensor, self.lm_head.weight)
@@ -48,6 +52,10 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids: [N] -> hidden states after the final norm: [N, hidden]."""
         h = self.embed_tokens(input_ids)
+        if self.fused_layers is not None and len(batches) == 1 and not torch.compiler.is_compiling():
+            out = self.fused_layers(h, next(iter(batches.values())), caches)  # None: not this step
+            if out is not None:
+                return self.norm(out)
         for i, layer in enumerate(self.layers):
             dev = self.layer_devices[i]
             if h.device != dev:
