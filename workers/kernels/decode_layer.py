@@ -174,12 +174,9 @@ class Native:
         if self.why is not None or not available():
             return None
         step = _step(b)  # the step's own checks, made once for all its layers
-        if step is None or not _takes(x, b, cache):
+        if step is None or not _takes(x, b, cache, self._plan):
             return None
         assert isinstance(cache, KVCache)  # _takes checked, and both pools of a kind it writes
-        p = self._plan
-        if b.rot_cos.shape != (x.shape[0], p.heads + p.kv_heads, p.head_dim):
-            return None
         out = torch.empty_like(x)
         (kd, ks, kk), (vd, vs, vk) = _pool(cache.k), _pool(cache.v)
         rc = self._lib.ll_decode(
@@ -200,8 +197,7 @@ class Layers:
     def __init__(self, natives: list[Native]):
         self._natives = natives  # kept: their plans and fp32 copies are what the call points at
         self._plans = (_P * len(natives))(*(n._addr for n in natives))
-        first = natives[0]._plan
-        self._rot = (first.heads + first.kv_heads, first.head_dim)
+        self._plan = natives[0]._plan  # every layer's heads are its (``build``)
         self._lib = natives[0]._lib
         self._pools_of: tuple[int, ...] = ()  # ids of the K and V pools the arrays below point at
         self._held: list[KvRows] = []  # those pools (their ids stay theirs while held)
@@ -214,10 +210,8 @@ class Layers:
         layers = list(layers)
         if not layers or why_not(layers) is not None:
             return None
-        natives = [cast(Fusable, layer).native for layer in layers]
-        if any(n is None for n in natives):
-            return None
-        ns = cast("list[Native]", natives)
+        # why_not planned every layer, and each plan takes its layer
+        ns = [cast(Native, cast(Fusable, layer).native) for layer in layers]
         shape = {(n._plan.heads, n._plan.kv_heads, n._plan.head_dim) for n in ns}
         return Layers(ns) if len(shape) == 1 else None
 
@@ -227,14 +221,12 @@ class Layers:
         if not available():
             return None
         step = _step(b)
-        if step is None or x.device.type != "cpu" or x.dim() != 2 or x.dtype not in _KINDS:
-            return None
-        if x.shape[0] != b.n_decode or b.rot_cos.shape != (x.shape[0], *self._rot):
+        if step is None or not _takes_rows(x, b, self._plan):
             return None
         arrays = self._pools(caches)
         if arrays is None:
             return None
-        out = x.contiguous().clone()  # in place from here: the caller's x stays as it was
+        out = x.clone()  # in place from here: the caller's x stays as it was
         rc = self._lib.ll_decode_layers(
             self._plans, len(self._natives), ctypes.addressof(step), out.data_ptr(), _KINDS[x.dtype],
             x.shape[0], *arrays, torch.get_num_threads(),
@@ -246,16 +238,12 @@ class Layers:
     def _pools(self, caches: list[LayerCache]) -> tuple[ctypes.Array, ...] | None:
         """The per-layer pool arrays of the call (data, scales, kind for K, then V), built again
         only when a pool changed; None when a layer's cache is not one the call writes."""
-        if len(caches) != len(self._natives):
+        kvs = [c for c in caches if isinstance(c, KVCache)]
+        if len(kvs) != len(self._natives) or len(caches) != len(kvs):
             return None
-        key = tuple(id(c.k) for c in caches if isinstance(c, KVCache)) + tuple(
-            id(c.v) for c in caches if isinstance(c, KVCache)
-        )
+        key = tuple(id(pool) for c in kvs for pool in (c.k, c.v))
         if key == self._pools_of:
             return self._arrays
-        if len(key) != 2 * len(caches):
-            return None
-        kvs = cast("list[KVCache]", caches)
         if not all(_writes(c.k) and _writes(c.v) for c in kvs):
             return None
         n = len(kvs)
@@ -267,7 +255,8 @@ class Layers:
                 (_P * n)(*(p[1] for p in pools)),
                 (_I * n)(*(p[2] for p in pools)),
             ]
-        self._pools_of, self._held, self._arrays = key, [c.k for c in kvs] + [c.v for c in kvs], tuple(cols)
+        self._pools_of, self._arrays = key, tuple(cols)
+        self._held = [pool for c in kvs for pool in (c.k, c.v)]
         return self._arrays
 
 
@@ -295,13 +284,18 @@ def why_not(layers: Iterable[nn.Module]) -> str | None:
     return None
 
 
-def _takes(x: torch.Tensor, b: StepBatch, cache: LayerCache) -> bool:
-    """This layer's part of a step ``_step`` took: its rows (the step's decode rows) and its pools."""
+def _takes(x: torch.Tensor, b: StepBatch, cache: LayerCache, plan: _Plan) -> bool:
+    """This layer's part of a step ``_step`` took: its rows (``_takes_rows``) and its pools."""
+    return _takes_rows(x, b, plan) and isinstance(cache, KVCache) and _writes(cache.k) and _writes(cache.v)
+
+
+def _takes_rows(x: torch.Tensor, b: StepBatch, plan: _Plan) -> bool:
+    """x [N, hidden] is what a fused call reads: the step's decode rows, contiguous fp32 / bf16
+    on the CPU, with RoPE tables [N, H + KV, D] of the plan's heads."""
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in _KINDS or not x.is_contiguous():
         return False
-    if x.shape[0] != b.n_decode:
-        return False
-    return isinstance(cache, KVCache) and _writes(cache.k) and _writes(cache.v)
+    rot = (x.shape[0], plan.heads + plan.kv_heads, plan.head_dim)
+    return x.shape[0] == b.n_decode and b.rot_cos.shape == rot
 
 
 _QUANT = {"q8_0": 3, "q4_0": 4}  # llama_layer.c's (and paged_decode.c's) kinds of quantized rows

@@ -52,8 +52,9 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids: [N] -> hidden states after the final norm: [N, hidden]."""
         h = self.embed_tokens(input_ids)
-        if self.fused_layers is not None and len(batches) == 1 and not torch.compiler.is_compiling():
-            out = self.fused_layers(h, next(iter(batches.values())), caches)  # None: not this step
+        if self.fused_layers is not None and not torch.compiler.is_compiling():
+            # set only for layers on one device (the runner's check): that device's batch
+            out = self.fused_layers(h, batches[self.layer_devices[0]], caches)  # None: not this step
             if out is not None:
                 return self.norm(out)
         for i, layer in enumerate(self.layers):
