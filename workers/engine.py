@@ -13,6 +13,7 @@ the caller sends them on (one message per step), so a slow consumer never blocks
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 
@@ -35,6 +36,7 @@ from workers import compiled, cpu_paths
 from workers.block_manager import BlockManager
 from workers.cache import check_kv_types, kv_block_bytes
 from workers.cpu_pack import weight_bytes
+from workers.cuda_graphs import DecodeGraphs
 from workers.draft import DraftModel, draft_block_bytes, draft_layout, load_draft_config
 from workers.errors import LoadError, RequestRejected
 from workers.grammar import Constraint, Grammars, apply_masks
@@ -70,6 +72,7 @@ class Engine:
         quantize: bool = False,
         cpu_path: str | None = None,
         compile_decode: bool | None = None,
+        cuda_graphs: bool | None = None,
         prefix_cache: bool = True,
         state_checkpoint_count: int | None = None,
         speculative: int = 0,
@@ -206,7 +209,9 @@ class Engine:
             "blocks": num_blocks,
             "bs": block_size,
         }
-        self.compiler = compiled.start(self.runner, model_path, layout, compile_decode)
+        self.compiler: compiled.CompiledDecode | compiled.NotCompiled | DecodeGraphs = compiled.start(
+            self.runner, model_path, layout, compile_decode
+        )
         # Speculation (workers/speculation.py) needs rows that can be taken back (paged K/V, or
         # a recurrent state kept per verify row): no sliding ring, no length-dependent RoPE.
         self.spec_supported = cfg.can_speculate and not self.embed_only
@@ -242,6 +247,17 @@ class Engine:
                 kv_types=kv_types,
             )
             self.draft_name = draft
+        # A CUDA die replays its pure decode steps as graphs (workers/cuda_graphs.py), captured
+        # now: on unless PANTHEON_CUDA_GRAPHS=0 or ``cuda_graphs`` says; True on a CPU die runs
+        # the same static-buffer step eagerly (what the tests check)
+        if _graphs_wanted(cuda_graphs, self.devices[0]) and not self.embed_only:
+            got = (
+                "a draft model reads each step's hidden states"
+                if self.draft is not None
+                else self.runner.capture_graphs(self.max_model_len)
+            )
+            self.compiler.close()
+            self.compiler = compiled.NotCompiled(f"decode graphs: {got}") if isinstance(got, str) else got
         self.weight_bytes = weight_bytes(self.model)
         # Bytes one decode step streams: everything but the embedding table, of which a step
         # reads only a few rows (unless the head is the table itself, untied and unpacked).
@@ -668,6 +684,14 @@ class Engine:
         self.model = None  # pyright: ignore[reportAttributeAccessIssue]
         if any(d.type == "cuda" for d in self.devices):
             torch.cuda.empty_cache()
+
+
+def _graphs_wanted(asked: bool | None, device: torch.device) -> bool:
+    """Decode graphs: as ``asked``, else on a CUDA die unless ``PANTHEON_CUDA_GRAPHS`` says 0."""
+    if asked is not None:
+        return asked
+    off = os.environ.get("PANTHEON_CUDA_GRAPHS", "").strip().lower() in ("0", "false", "off", "no")
+    return device.type == "cuda" and not off
 
 
 def _attention_crossover(cfg) -> float:

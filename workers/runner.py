@@ -28,6 +28,7 @@ from workers.scheduler import Sequence, StepPlan
 if TYPE_CHECKING:  # workers.compiled imports this module's neighbours; imported when compiling
     from workers.compile_cache import CompileCache
     from workers.compiled import CompiledDecode
+    from workers.cuda_graphs import DecodeGraphs
 
 __all__ = ["ModelRunner", "kv_block_bytes"]
 
@@ -60,6 +61,7 @@ class ModelRunner:
         self.kv_types = kv_types
         if self.main.type == "cpu":  # build (or find) the paged decode kernel now, not in the first step
             paged.available()
+        self.num_slots = num_slots
         self.scratch_slot = num_slots  # the state slot of prompt logits computed outside the scheduler
         self.rotary = Rotary(cfg, self.main)
         # Sliding-window layers: their windows, and their own RoPE when it differs (Gemma 3)
@@ -81,9 +83,37 @@ class ModelRunner:
         )
         # the decode step compiled in the background (workers/compiled.py), once started
         self.compiled: CompiledDecode | None = None
+        # pure decode steps replayed as CUDA graphs (workers/cuda_graphs.py), once captured
+        self.graphs: DecodeGraphs | None = None
         # the last eager step's final hidden states [N, hidden] (decode rows, then each prefill
         # chunk's): what the engine pools embeddings from
         self.last_hidden: torch.Tensor | None = None
+
+    def capture_graphs(self, max_context: int, capture: bool | None = None) -> DecodeGraphs | str:
+        """Capture the pure decode step as CUDA graphs (``workers/cuda_graphs.py``): the
+        ``DecodeGraphs``, or why not (the runner stays eager). ``capture`` False: the same
+        static-buffer step run eagerly (a CPU die, for tests); default: on CUDA only."""
+        from workers import cuda_graphs
+        from workers.compiled import _why
+
+        why = cuda_graphs.why_not(self.caches, self.devices, self.rotary.dynamic)
+        if why is not None:
+            return why
+        if capture is None:
+            capture = self.main.type == "cuda"
+        try:
+            self.graphs = cuda_graphs.DecodeGraphs(
+                self.model,
+                self.caches,
+                lambda pos: self._tables(*self.rotary.cos_sin(pos)),
+                self.blocks,
+                self.num_slots,
+                max_context,
+                capture,
+            )
+        except Exception as e:  # noqa: BLE001 - a step that cannot be captured stays eager
+            return f"capture failed: {_why(e)}"
+        return self.graphs
 
     def compile_decode(
         self, cache: CompileCache | None = None, key: str | None = None, background: bool = True
@@ -211,7 +241,19 @@ class ModelRunner:
         in the plan's prefill order.
         Last come every verify row (``plan.verify``, in its order): in the step's input they are
         decode rows, after the plain ones (``last_hidden`` too).
+        A pure decode step replays a captured graph when one covers it (``capture_graphs``).
         """
+        if self.graphs is not None and plan.decode and not (plan.prefill or plan.verify or all_rows):
+            logits = self.graphs(plan.decode, lambda: self._run(plan))
+            if logits is not None:
+                self.last_hidden = None  # (a graph keeps its hidden states to itself)
+                return logits
+        return self._run(plan, all_rows, prompt_rows)
+
+    def _run(
+        self, plan: StepPlan, all_rows: bool = False, prompt_rows: Mapping[Sequence, int] | None = None
+    ) -> torch.Tensor:
+        """``run`` eagerly."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

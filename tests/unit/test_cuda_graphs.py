@@ -1,0 +1,128 @@
+"""Decode steps replayed as CUDA graphs (workers/cuda_graphs.py).
+
+On the CPU the graphs are not captured but their static-buffer step runs eagerly
+(``cuda_graphs=True`` on a CPU die): the padding rows, the one buffer of inputs, the sizes, the
+checks and the fallbacks are what a GPU runs; only the capture is left to the ``gpu`` tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pantheon.core.protocol import SamplingParams
+from workers import cuda_graphs
+from workers.cuda_graphs import DecodeGraphs, graph_sizes
+from workers.engine import Engine
+
+# Prompts of several lengths and answers of several lengths: the batch shrinks from 5 rows to 1
+# (graphs of 8, 4, 2 and 1 rows, padded), contexts cross block boundaries (block_size 16).
+PROMPTS = [[5, 17, 300, 41], list(range(100, 160)), [64], [3, 1, 4, 1, 5, 9, 2, 6], [9] * 20]
+LENGTHS = [40, 7, 23, 3, 31]
+
+
+def tokens(path, graphs: bool, dtype: str = "float32", **kw) -> tuple[dict[str, list[int]], Engine]:
+    eng = Engine(
+        str(path),
+        dtype=dtype,
+        kv_budget_bytes=4 << 20,
+        compile_decode=False,
+        cuda_graphs=graphs,
+        num_slots=6,
+        **kw,
+    )
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        eng.submit(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    while eng.has_work():
+        for o in eng.step():
+            out.setdefault(o.request_id, []).append(o.token)
+    return out, eng
+
+
+def test_graph_sizes():
+    assert graph_sizes(1) == [1]
+    assert graph_sizes(3) == [1, 2, 4]
+    assert graph_sizes(4) == [1, 2, 4]
+    assert graph_sizes(6) == [1, 2, 4, 8]
+    assert graph_sizes(8) == [1, 2, 4, 8]
+    assert graph_sizes(9) == [1, 2, 4, 8, 16]
+    assert graph_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_graph_steps_give_the_eager_tokens(model_factory, monkeypatch, kernel):
+    """Every size the batch shrinks through, padded, gives the eager engine's greedy tokens;
+    with the paged kernel (the table read in place) and without it (the graph's gather)."""
+    monkeypatch.setenv("PANTHEON_ATTN_KERNEL", kernel)
+    path = model_factory("tiny-llama", dtype="float32")
+    want, _ = tokens(path, graphs=False)
+    got, eng = tokens(path, graphs=True)
+    assert got == want
+    g = eng.compiler
+    assert isinstance(g, DecodeGraphs)
+    assert g.state.startswith("graphs: batch 1,2,4,8")
+    assert g.kernel == (kernel == "1")
+    assert g.checked == {8, 4, 2, 1}  # each size checked against the eager step once
+    # every step but the first (the prefills) is a pure decode step: one replay each
+    assert g.replays == max(LENGTHS) - 1
+    assert g.fallbacks == 0
+
+
+def test_contexts_past_the_graphs_step_eagerly(model_factory, monkeypatch):
+    """Without the kernel the graphs' tables are GATHER_CONTEXT wide: longer contexts run the
+    eager step, with the same tokens, and come back to the graphs when the batch allows."""
+    monkeypatch.setenv("PANTHEON_ATTN_KERNEL", "0")
+    monkeypatch.setattr(cuda_graphs, "GATHER_CONTEXT", 48)
+    path = model_factory("tiny-llama", dtype="float32")
+    want, _ = tokens(path, graphs=False)
+    got, eng = tokens(path, graphs=True)
+    assert got == want
+    g = eng.compiler
+    assert isinstance(g, DecodeGraphs)
+    assert g.max_context == 48 and g.width == 3
+    assert g.fallbacks > 0 and g.replays > 0
+
+
+def test_the_padding_block_is_held_then_freed(model_factory):
+    path = model_factory("tiny-llama", dtype="float32")
+    eng = Engine(str(path), dtype="float32", kv_budget_bytes=4 << 20, compile_decode=False, cuda_graphs=True)
+    assert isinstance(eng.compiler, DecodeGraphs)
+    total = eng.blocks.num_blocks
+    assert eng.blocks.num_free == total - 1
+    eng.compiler.close()
+    assert eng.blocks.num_free == total
+
+
+@pytest.mark.parametrize(
+    ("preset", "why"),
+    [
+        ("tiny-qwen3.5", "recurrent or sliding-window layers"),
+        ("tiny-gemma3", "recurrent or sliding-window layers"),
+    ],
+)
+def test_models_the_graphs_do_not_cover_stay_eager(model_factory, preset, why):
+    path = model_factory(preset, dtype="float32")
+    eng = Engine(str(path), dtype="float32", kv_budget_bytes=8 << 20, compile_decode=False, cuda_graphs=True)
+    assert eng.runner.graphs is None
+    assert eng.compiler.state == f"off: decode graphs: {why} (their states are per slot)"
+
+
+def test_off_by_default_on_a_cpu_die(model_factory):
+    path = model_factory("tiny-llama", dtype="float32")
+    eng = Engine(str(path), dtype="float32", kv_budget_bytes=4 << 20, compile_decode=False)
+    assert eng.runner.graphs is None
+
+
+@pytest.mark.gpu
+def test_captured_graphs_give_the_eager_tokens_on_cuda(model_factory, monkeypatch):
+    """On cuda:0: captured, replayed, the eager engine's tokens (fp32; bf16 decodes too)."""
+    path = model_factory("tiny-llama", dtype="float32")
+    want, _ = tokens(path, graphs=False, devices=["cuda:0"])
+    got, eng = tokens(path, graphs=True, devices=["cuda:0"])
+    assert got == want
+    g = eng.compiler
+    assert isinstance(g, DecodeGraphs), g.state
+    assert g.replays == max(LENGTHS) - 1 and g.fallbacks == 0
+    bf, eng = tokens(model_factory("tiny-llama"), graphs=True, devices=["cuda:0"], dtype="bfloat16")
+    assert isinstance(eng.compiler, DecodeGraphs), eng.compiler.state
+    assert all(len(v) == n for v, n in zip(bf.values(), LENGTHS))
