@@ -25,8 +25,12 @@ sync (the sampler's ``tolist``, outside the graph).
   the ones kept) and compares the logits (``compiled.check_logits``); a mismatch, or a capture
   that fails (a layer that syncs with the host, say), leaves the engine eager, with ``state``
   saying why (``/admin/dies``' compile state).
-- Not for: layers split across devices, recurrent or sliding-window layers (their states are
-  per slot, not per block table), dynamic RoPE (tables per sequence length), draft models.
+- Recurrent layers (Qwen3.5's Gated DeltaNet) read and write their rows' states through the
+  static slot of each row (``decode_slots``; padding rows: the scratch slot, ``scratch_slot``),
+  gathered and scattered back: never the in-place run of consecutive slots, which the eager
+  step takes when the slots happen to be consecutive.
+- Not for: layers split across devices, sliding-window layers (each step's views of their rings
+  are built per sequence), dynamic RoPE (tables per sequence length), draft models.
 
 On a CPU die (tests) the same static buffers and padding run eagerly instead of being captured
 (``capture=False``): everything but the capture itself is what a GPU runs.
@@ -42,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.cache import KVCache, LayerCache, SharedCache
+from workers.cache import KVCache, LayerCache, StateCache
 from workers.compiled import check_logits
 from workers.layers.attention import StepBatch
 from workers.models.base import DecoderLM
@@ -74,14 +78,14 @@ def graph_sizes(num_slots: int) -> list[int]:
     raise AssertionError("unreachable")
 
 
-def why_not(caches: list[LayerCache], devices: list[torch.device], dynamic_rope: bool) -> str | None:
+def why_not(devices: list[torch.device], dynamic_rope: bool, windows: bool) -> str | None:
     """Why a model's decode step cannot be replayed as graphs, or None."""
     if len(devices) > 1:
         return "layers split across devices"
     if dynamic_rope:
         return "dynamic RoPE: its tables depend on each sequence's length"
-    if not all(isinstance(c, KVCache | SharedCache) for c in caches):
-        return "recurrent or sliding-window layers (their states are per slot)"
+    if windows:
+        return "sliding-window layers (a step's views of their rings are built per sequence)"
     return None
 
 
@@ -100,6 +104,8 @@ class DecodeGraphs:
         max_context: int,
         capture: bool,
     ):
+        """``num_slots``: the engine's; its state slot ``num_slots`` is scratch (the padding rows'
+        recurrent states)."""
         self.model, self.caches, self.tables = model, caches, tables
         self.device = model.embed_tokens.weight.device
         self.block_size = bs = blocks.block_size
@@ -119,14 +125,17 @@ class DecodeGraphs:
         if not blocks.ensure(self.scratch, 1):
             raise RuntimeError("no free KV block for the padding rows")
         big = self.sizes[-1]
-        # [ids | positions | slot rows | lens | tables (big x width)]: one copy a step
-        n = 4 * big + big * self.width
+        # [ids | positions | cache rows | lens | state slots | tables (big x width)]: one copy
+        self.scratch_slot = num_slots
+        n = 5 * big + big * self.width
         pin = self.device.type == "cuda"
         self.host = torch.zeros(n, dtype=torch.long, pin_memory=pin)
         self.host_np = self.host.numpy()
         self.static = torch.zeros(n, dtype=torch.long, device=self.device)
-        self.ids, self.pos, self.rows, self.lens = (self.static[i * big : (i + 1) * big] for i in range(4))
-        self.table = self.static[4 * big :].view(big, self.width)  # [big, width]
+        self.ids, self.pos, self.rows, self.lens, self.slots = (
+            self.static[i * big : (i + 1) * big] for i in range(5)
+        )
+        self.table = self.static[5 * big :].view(big, self.width)  # [big, width]
         self._pad_all()
         self.run: dict[int, Callable[[], torch.Tensor]] = {}
         t0 = time.monotonic()
@@ -155,6 +164,7 @@ class DecodeGraphs:
         b = StepBatch(cos, sin, self.rows[:n], n, gather, bias, [])
         b.positions = pos
         b.decode_blocks, b.block_size, b.decode_lens = tab, self.block_size, lens
+        b.decode_slots = self.slots[:n]  # (never ``decode_slot_run``: a value, not a shape)
         ids = self.ids[:n]
         return self.model.logits(self.model(ids, {self.device: b}, self.caches))
 
@@ -189,10 +199,11 @@ class DecodeGraphs:
         bs = self.block_size
         big = self.sizes[-1]
         h = self.host_np
-        h[: 4 * big] = 0
-        h[2 * big : 3 * big] = self.scratch[0] * bs  # slot rows
+        h[: 5 * big] = 0
+        h[2 * big : 3 * big] = self.scratch[0] * bs  # cache rows
         h[3 * big : 4 * big] = 1  # lens
-        h[4 * big :] = self.scratch[0]
+        h[4 * big : 5 * big] = self.scratch_slot
+        h[5 * big :] = self.scratch[0]
         self.static.copy_(self.host)
 
     def covers(self, seqs: list[Sequence]) -> int | None:
@@ -214,13 +225,15 @@ class DecodeGraphs:
             h[big + i] = p
             h[2 * big + i] = s.block_table[p // bs] * bs + p % bs
             h[3 * big + i] = p + 1
+            h[4 * big + i] = self.scratch_slot if s.slot is None else s.slot
             nb = p // bs + 1
-            h[4 * big + i * w : 4 * big + i * w + nb] = s.block_table[:nb]
+            h[5 * big + i * w : 5 * big + i * w + nb] = s.block_table[:nb]
         for i in range(len(seqs), size):  # padding rows: this step's size may be past the last's
             h[i], h[big + i], h[2 * big + i], h[3 * big + i] = 0, 0, self.scratch[0] * bs, 1
-            h[4 * big + i * w] = self.scratch[0]
-        # ids .. lens (small), then the tables' first ``size`` rows: contiguous, row-major
-        end = 4 * big + size * w
+            h[4 * big + i] = self.scratch_slot
+            h[5 * big + i * w] = self.scratch[0]
+        # ids .. slots (small), then the tables' first ``size`` rows: contiguous, row-major
+        end = 5 * big + size * w
         self.static[:end].copy_(self.host[:end], non_blocking=True)
 
     def __call__(self, seqs: list[Sequence], eager: Callable[[], torch.Tensor]) -> torch.Tensor | None:
@@ -231,11 +244,23 @@ class DecodeGraphs:
             self.fallbacks += 1
             return None
         self._inputs(seqs, size)
-        got = self.run[size]()[: len(seqs)]
-        self.replays += 1
         if size in self.checked:
-            return got
-        got = got.clone()  # the eager step below may reuse the graph pool's memory
+            self.replays += 1
+            return self.run[size]()[: len(seqs)]
+        # The check: both ways from the same states. K/V writes are the same rows either way, but
+        # a recurrent state advances once per run: its rows' states are put back before the eager
+        # step (which goes second, so that its writes are the ones kept)
+        slots = self.slots[: len(seqs)]
+        states = [
+            (t, t[slots].clone())
+            for c in self.caches
+            if isinstance(c, StateCache)
+            for t in c.tensors.values()
+        ]
+        got = self.run[size]()[: len(seqs)].clone()  # (the eager step may reuse the pool's memory)
+        self.replays += 1
+        for t, before in states:
+            t.index_copy_(0, slots, before)
         want = eager()
         why = check_logits(got, want)
         if why is not None:

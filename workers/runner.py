@@ -96,7 +96,7 @@ class ModelRunner:
         from workers import cuda_graphs
         from workers.compiled import _why
 
-        why = cuda_graphs.why_not(self.caches, self.devices, self.rotary.dynamic)
+        why = cuda_graphs.why_not(self.devices, self.rotary.dynamic, bool(self.windows))
         if why is not None:
             return why
         if capture is None:
