@@ -68,6 +68,18 @@ def test_graph_steps_give_the_eager_tokens(model_factory, monkeypatch, kernel):
     assert g.fallbacks == 0
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-moe"])
+def test_other_architectures_give_the_eager_tokens(model_factory, preset):
+    """Qwen3 (q/k norms) and a mixture of experts (its groups counted on the device: nothing in
+    its step reads a value back to the host on CUDA)."""
+    path = model_factory(preset, dtype="float32")
+    want, _ = tokens(path, graphs=False)
+    got, eng = tokens(path, graphs=True)
+    assert got == want
+    g = eng.compiler
+    assert isinstance(g, DecodeGraphs) and g.checked == {8, 4, 2, 1} and g.fallbacks == 0
+
+
 def test_contexts_past_the_graphs_step_eagerly(model_factory, monkeypatch):
     """Without the kernel the graphs' tables are GATHER_CONTEXT wide: longer contexts run the
     eager step, with the same tokens, and come back to the graphs when the batch allows."""

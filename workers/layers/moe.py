@@ -117,7 +117,11 @@ class Groups:
         flat = ids.reshape(-1)
         self.order = torch.argsort(flat, stable=True)
         self.tokens = self.order // k
-        self.counts = torch.bincount(flat, minlength=num_experts)
+        # (not bincount: on CUDA it reads the ids' max back to the host, which a CUDA graph's
+        # capture refuses; a scatter-add into E counters never leaves the device)
+        self.counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
         self.ends = torch.cumsum(self.counts, 0).to(torch.int32)
 
     def active(self) -> list[tuple[int, int, int]]:
