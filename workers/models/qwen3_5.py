@@ -25,6 +25,7 @@ from torch import nn
 from pantheon.core.archs.qwen3_5 import FULL, Qwen35Description
 from pantheon.core.description import ModelDescription
 from workers.cache import KVCache, LayerCache, StateCache
+from workers.kernels import fla_gdn
 from workers.layers.attention import StepBatch, paged_attention
 from workers.layers.gated_delta import (
     causal_conv1d_prefill,
@@ -147,6 +148,7 @@ class GatedDeltaNet(nn.Module):
         w = self.conv_weight.squeeze(1)  # [C, K]
         core = torch.empty(n, self.hv, self.dv, dtype=x.dtype, device=x.device)  # [N, Hv, Dv]
         nd = b.n_plain
+        fla = fla_gdn.available(x)  # CUDA with flash-linear-attention: its kernels
         if nd:
             # every decode row at once: the slots' states in one step, updated in place when the
             # slots are one run (the common case: a view, no gather or scatter), else gathered
@@ -156,7 +158,14 @@ class GatedDeltaNet(nn.Module):
             out, conv_new = causal_conv1d_step(mixed[:nd], w, conv_pool[slots])
             conv_pool.index_copy_(0, slots, conv_new)
             q, k, v = self._split(out)
-            if run is not None:
+            if fla:  # FLA's fused step (workers/kernels/fla_gdn.py): new states, written back
+                rows = ssm_pool[run : run + nd] if run is not None else ssm_pool[slots]
+                o, ssm_new = fla_gdn.step(q, k, v, g[:nd], beta[:nd], rows)
+                if run is not None:
+                    ssm_pool[run : run + nd] = ssm_new
+                else:
+                    ssm_pool.index_copy_(0, slots, ssm_new)
+            elif run is not None:
                 o, _ = recurrent_gated_delta_step(
                     q, k, v, g[:nd], beta[:nd], ssm_pool[run : run + nd], inplace=True
                 )
@@ -176,7 +185,7 @@ class GatedDeltaNet(nn.Module):
             out, conv_new = causal_conv1d_prefill(mixed[s:e], w, conv0)
             conv_pool[ch.slot] = conv_new
             q, k, v = self._split(out)
-            o, ssm_new = chunk_gated_delta_rule(q, k, v, g[s:e], beta[s:e], ssm0)
+            o, ssm_new = (fla_gdn.chunk if fla else chunk_gated_delta_rule)(q, k, v, g[s:e], beta[s:e], ssm0)
             ssm_pool[ch.slot] = ssm_new
             core[s:e] = o
         normed = gated_rms_norm(core, z, self.norm_weight, self.eps)  # [N, Hv, Dv]
