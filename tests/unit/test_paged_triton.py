@@ -107,6 +107,8 @@ CASES = [
     (3, 2, 8, 64, 16, torch.float32, torch.int64, True),
     (3, 2, 4, 64, 32, torch.float16, torch.int32, False),
     (1, 2, 1, 64, 32, torch.bfloat16, torch.int32, True),
+    (3, 2, 2, 16, 16, torch.float32, torch.int64, True),  # the tiny presets' heads (D 16, G 2)
+    (1, 1, 4, 256, 16, torch.bfloat16, torch.int32, False),  # D 256: tiles of 32 positions
 ]
 
 
