@@ -51,6 +51,11 @@ def hello(die: Die, engine_import_error: str | None) -> p.Hello:
         for name, why in paths.items():
             if why:
                 log.info("%s: CPU path %s is not used here: %s", die.id, name, why)
+    elif die.kind == "cuda" and not engine_import_error:
+        from workers.kernels import paged_triton
+
+        attention = paged_triton.describe()  # (imports triton, as the die's first decode would)
+        log.info("%s: decode attention: %s", die.id, attention)
     return p.Hello(
         die=die.id,
         device_name=die.device_name,

@@ -245,7 +245,8 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     cpu_paths: dict[str, str] = {}
     hostname: str = ""  # the worker's machine (a remote worker's die id carries its own name)
     # CPU dies: how decode attention runs (workers/kernels/paged.py): "kernel: built|cached PATH"
-    # (the paged C kernel) or "torch: why not the kernel"; "" on other dies
+    # (the paged C kernel) or "torch: why not the kernel"; CUDA dies: "triton: VERSION"
+    # (workers/kernels/paged_triton.py, plain KV pools) or "torch: why not"
     attention: str = ""
     # CPU dies: how int4 / int8 linears run (workers/kernels/qlinear.py): "kernel ISA: built|cached
     # PATH" (the quantized linear kernel) or "torch: why not the kernel"; "" on other dies

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from workers.kernels import paged
+from workers.kernels import paged, paged_triton
 from workers.layers.kv_quant import KvRows, read_blocks, read_rows, write_rows
 
 
@@ -417,8 +417,19 @@ def decode_attention(
     (fp32 / bf16 / fp16 pools, q8_0 / q4_0 rows), the kernel does it all instead
     (``workers/kernels/paged_decode.c``): each row against its own positions, read from the
     pool where they lie, in fp32, the output rounded once to q's dtype; no gather, no bias.
+    On a CUDA die the same holds with Triton (``workers/kernels/paged_triton.py``: split-KV
+    flash-decoding) for plain fp32 / bf16 / fp16 pools of q's dtype, when triton imports;
+    quantized rows keep the torch path there.
     """
     tab = b.decode_blocks  # [B, nb]
+    if (
+        b.decode_lens is not None
+        and tab is not None
+        and q.device.type == "cuda"
+        and paged_triton.available()  # (imports triton at the first CUDA step that gets here)
+        and paged_triton.reads(q, k_cache, v_cache)
+    ):
+        return paged_triton.paged_decode(q, k_cache, v_cache, tab, b.decode_lens, b.block_size, sinks)
     if (
         b.decode_lens is not None
         and tab is not None

@@ -101,7 +101,7 @@ def die_view(f: DieFacts) -> dict:
         "isa": (wk.cpu_isa or None) if wk is not None else None,
         "cpu_paths": {n: (why or "ok") for n, why in wk.cpu_paths.items()} if wk else {},
         "cpu_path": f.cpu_path or None,
-        # decode attention: "kernel: built|cached PATH" (workers/kernels) or "torch: why not"
+        # decode attention: "kernel: built|cached PATH" (CPU), "triton: VERSION" (CUDA) or "torch: why not"
         "attention": (wk.attention or None) if wk is not None else None,
         # int4 / int8 linears: "kernel ISA: built|cached PATH" (workers/kernels) or "torch: why not"
         "linear": (wk.linear or None) if wk is not None else None,
