@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -82,8 +83,47 @@ def elapsed() -> float:
     return time.monotonic() - T0
 
 
+CURRENT = ["start"]  # the part running now, for the watchdog
+CHILDREN: list[subprocess.Popen] = []  # what the watchdog stops before it exits
+
+
+def watchdog(args) -> None:
+    """At ``--budget-s`` + 60 s: the part running is a FAIL, the table and figures are written and
+    the process exits, so that a hang cannot eat the device call's limit with no table printed."""
+
+    def fire() -> None:
+        check(
+            CURRENT[0],
+            "watchdog",
+            False,
+            f"still running at {elapsed():.0f} s (budget {args.budget_s:.0f} s)",
+        )
+        finish(args)
+        for p in CHILDREN:
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    p.send_signal(signal.SIGTERM)  # a server drains and stops its workers
+        time.sleep(3)
+        os._exit(1 + sum(1 for r in RESULTS if r["ok"] is False))
+
+    t = threading.Timer(args.budget_s + 60, fire)
+    t.daemon = True
+    t.start()
+
+
+def finish(args) -> None:
+    if args.out:
+        (args.out / "gpu_check.json").write_text(
+            json.dumps(dict(results=RESULTS, figures=FIGURES), indent=1, default=str)
+        )
+    say(table())
+    if LOG is not None:
+        LOG.flush()
+
+
 def run_part(part: str, fn, *args) -> None:
     """Run one part; an exception is one FAIL line (with the traceback in the log)."""
+    CURRENT[0] = part
     say(f"\n==== {part} ({elapsed():.0f} s in)")
     t = time.monotonic()
     try:
@@ -107,6 +147,7 @@ def run_logged(cmd: list[str], timeout: float, env: dict | None = None) -> tuple
         text=True,
         start_new_session=True,
     )
+    CHILDREN.append(proc)
     out: list[str] = []
 
     def pump() -> None:
@@ -335,7 +376,7 @@ def part_tests(args) -> None:
 class Server:
     """``pantheon serve`` on one model and die, its log in ``log``."""
 
-    def __init__(self, model: Path, die: str, log: Path, timeout: float = 240):
+    def __init__(self, model: Path, die: str, log: Path, timeout: float = 150):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         extra = ["--cpu-dies", "2"] if die.startswith("cpu") else []
@@ -347,6 +388,7 @@ class Server:
         self.log_path = log
         self.log = open(log, "wb")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        CHILDREN.append(self.proc)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -367,12 +409,12 @@ class Server:
     def client(self):
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
     def aclient(self):
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
     def get(self, path: str):
         r = httpx.get(self.url + path, timeout=30)
@@ -701,7 +743,8 @@ def table() -> str:
     lines = ["", "==== gpu_check: PASS/FAIL", f"{'':4}  {'part':<6} {'check':<40} figures"]
     for r in RESULTS:
         mark = "SKIP" if r["ok"] is None else "PASS" if r["ok"] else "FAIL"
-        lines.append(f"{mark:<4}  {r['part']:<6} {r['name'][:40]:<40} {r['detail']}")
+        detail = " ".join(r["detail"].split())[:240]  # one line each
+        lines.append(f"{mark:<4}  {r['part']:<6} {r['name'][:40]:<40} {detail}")
     fails = [r for r in RESULTS if r["ok"] is False]
     lines.append(
         f"{len(fails)} failed, {sum(1 for r in RESULTS if r['ok'])} passed, "
@@ -742,6 +785,7 @@ def main() -> int:
         f"gpu_check on {args.die}: {' '.join(sys.argv[1:])}; PANTHEON_COMPILE={os.environ['PANTHEON_COMPILE']}"
     )
     wanted = set(args.parts.split(","))
+    watchdog(args)
     parts = [("env", part_env), ("tests", part_tests), ("serve", part_serve), ("bench", part_bench)]
     for name, fn in parts:
         if name in wanted:
@@ -750,7 +794,7 @@ def main() -> int:
             (args.out / "gpu_check.json").write_text(
                 json.dumps(dict(results=RESULTS, figures=FIGURES), indent=1, default=str)
             )
-    say(table())
+    finish(args)
     if LOG is not None:
         LOG.close()
     if not args.keep_models:
