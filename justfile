@@ -34,9 +34,13 @@ bench-peer *ARGS:
 make-model PRESET OUT:
     {{python}} -m pantheon make-model --preset {{PRESET}} --out {{OUT}}
 
-# on a machine with a CUDA device: the correctness tests on cuda:0, then the decode benchmark
-gpu-check:
-    {{python}} bench/gpu_check.py
-    {{python}} -m pytest -q -m gpu tests/unit/test_gpu.py
-    {{python}} -m pytest -q tests/unit/test_engine_reference.py tests/unit/test_engine_batching.py
-    {{python}} bench/decode.py --device cuda:0 --batches 1,8,32 --tokens 64 --quantize
+# on a machine with a CUDA device: issue 30's check (env and ceilings, -m gpu and the device reference
+# tests, a real server through the openai client, the decode bench); the table prints last.
+# On the lent GPU machine (carry: [".whl"], wheels from `bash bench/gpu_wheels.sh` here):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit; python3 bench/gpu_check.py --out $OUT --site /tmp/site
+gpu-check *ARGS:
+    {{python}} bench/gpu_check.py {{ARGS}}
+
+# the wheels the lent GPU machine lacks, into .whl/ (CPython 3.12, manylinux x86_64)
+gpu-wheels:
+    bash bench/gpu_wheels.sh

@@ -677,6 +677,18 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--quantize", action="store_true", help="also run int8 weight-only")
     ap.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="the engine's sequence slots (default: the largest batch, at least 8)",
+    )
+    ap.add_argument(
+        "--kv-budget-mb",
+        type=int,
+        default=None,
+        help="the engine's KV pool (default 256 MiB on the CPU, 2048 on a GPU)",
+    )
+    ap.add_argument(
         "--compile",
         action="store_true",
         help="our engine (and server) with the compiled decode step (workers/compiled.py), "
@@ -732,7 +744,7 @@ def main() -> int:
     g.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     g.add_argument("--no-transformers", action="store_true", help="skip transformers")
     g.add_argument("--no-http", action="store_true", help="skip both HTTP servers")
-    g.add_argument("--json", help="write the figures here")
+    g.add_argument("--json", help="write the figures here (folder mode too)")
     args = ap.parse_args()
     # The servers' workers read it (compile is on by default: a bench states which it runs)
     os.environ["PANTHEON_COMPILE"] = "1" if args.compile else "0"
@@ -769,15 +781,23 @@ def main() -> int:
     ours: dict[tuple[str, int], float] = {}
     weight_bytes: dict[str, int] = {}
     state_bytes = 0
+    slots = args.slots or max(8, *batches)
+    kv_mb = args.kv_budget_mb or (256 if args.device.startswith("cpu") else 2048)
+    load_s: dict[str, float] = {}
     for label, quant in variants:
+        t_load = time.perf_counter()
         eng = Engine(
             str(path),
             devices=[args.device],
             dtype=args.dtype,
-            kv_budget_bytes=256 << 20,
+            num_slots=slots,
+            kv_budget_bytes=kv_mb << 20,
             quantize=quant,
             compile_decode=args.compile,
         )
+        sync(args.device)
+        load_s[label] = time.perf_counter() - t_load
+        print(f"  {label}: loaded in {load_s[label]:.1f} s ({slots} slots, KV pool {kv_mb} MiB)", flush=True)
         compiled_now(eng)
         weight_bytes[label] = eng.step_read_bytes
         state_bytes = state_bytes_per_sequence(eng)  # read and written again each step, per sequence
@@ -803,6 +823,7 @@ def main() -> int:
     print(
         f"{'variant':<8}{'batch':>6}{'ours tok/s':>12}{'hf tok/s':>10}{'ratio':>8}{'ms/step':>9}{'of bw limit':>13}"
     )
+    rows = []
     for (label, b), tps in ours.items():
         step_s = b / tps
         # every streamed weight byte read once per step, each sequence's recurrent state read and written
@@ -813,6 +834,30 @@ def main() -> int:
         print(
             f"{label:<8}{b:>6}{tps:>12.1f}{h_s:>10}{ratio:>8}{step_s * 1000:>9.1f}{limit_step_s / step_s:>12.0%}"
         )
+        rows.append(
+            dict(
+                variant=label,
+                batch=b,
+                tok_s=tps,
+                ms_per_step=step_s * 1000,
+                floor_ms_per_step=limit_step_s * 1000,
+                hf_tok_s=h,
+            )
+        )
+    if args.json:
+        figures = dict(
+            model=str(path),
+            device=args.device,
+            dtype=args.dtype,
+            tokens=args.tokens,
+            slots=slots,
+            bandwidth_bytes_per_s=bw,
+            weight_bytes=weight_bytes,
+            state_bytes_per_sequence=state_bytes,
+            load_s=load_s,
+            rows=rows,
+        )
+        Path(args.json).write_text(json.dumps(figures, indent=1))
     print(
         f"\nweights read per step: {weight_bytes[variants[0][0]] / 1e9:.2f} GB; "
         f"bandwidth limit at batch 1: {bw / (weight_bytes[variants[0][0]] + 2 * state_bytes):.1f} tok/s"

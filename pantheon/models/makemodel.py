@@ -281,6 +281,54 @@ PRESETS: dict[str, dict] = {
         vocab_size=151936,
         max_position_embeddings=40960,
     ),
+    # SmolLM2-135M's shapes (Llama, tied embeddings), for timing runs (bench/gpu_check.py).
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        attention_bias=False,
+        mlp_bias=False,
+        pretraining_tp=1,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        **_COMMON,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+    ),
+    # Llama-3.1-8B's shapes (untied head, llama3 RoPE scaling), for timing runs: 16 GB in bf16,
+    # written with fast=True (make-model --fast-random) in seconds.
+    "llama-3.1-8b": {
+        **_COMMON,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": False,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+    },
     # Qwen3.5 as the Hub ships it (Qwen3_5ForConditionalGeneration), tiny: 3 DeltaNet layers + 1
     # full attention, a 2-block vision tower, one MTP layer, tied embeddings.
     "tiny-qwen3.5": _qwen35_vlm(
@@ -1150,15 +1198,41 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
 
 
+@functools.cache
+def _fast_pool(torch_dtype, elems: int):
+    """``elems`` normal values (times ``_STD``) in ``torch_dtype``, drawn once: the windows of
+    ``fast`` weights (``_tensor_chunks``)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0x5EED)
+    return torch.randn(elems, generator=gen).mul_(_STD).to(torch_dtype)
+
+
 def _tensor_chunks(
-    name, shape, kind, *, seed, jitter, torch_dtype, real_vocab=tt.VOCAB_SIZE, chunk_elems=1 << 22
+    name,
+    shape,
+    kind,
+    *,
+    seed,
+    jitter,
+    torch_dtype,
+    real_vocab=tt.VOCAB_SIZE,
+    chunk_elems=1 << 22,
+    fast=False,
 ):
-    """Yield the tensor's bytes (little-endian, row-major) in chunks of whole rows."""
+    """Yield the tensor's bytes (little-endian, row-major) in chunks of whole rows.
+
+    ``fast``: a weight chunk is a window, at a seeded random offset, of one pool of normal values
+    drawn once (``_fast_pool``) instead of fresh draws: the same distribution per element, not
+    independent across chunks, and written at the disk's speed rather than the generator's (an
+    8B-parameter folder in seconds, for timing runs; the reference tests use the default).
+    """
     import torch
 
     gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
     rows, row = shape[0], _numel(shape[1:])
     step = max(1, chunk_elems // row)
+    pool = _fast_pool(torch_dtype, 2 * chunk_elems) if fast else None
     for start in range(0, rows, step):
         n = min(step, rows - start)
         if kind in ("norm", "norm0"):  # centred on 1 (x * w) or on 0 (x * (1 + w), biases)
@@ -1167,6 +1241,14 @@ def _tensor_chunks(
                 x.add_(torch.randn(n * row, generator=gen), alpha=jitter)
         elif kind == "A_log":
             x = torch.empty(n * row).uniform_(0.01, 16.0, generator=gen).log_()
+        elif pool is not None and n * row <= pool.numel() // 2:
+            at = int(torch.randint(0, pool.numel() - n * row + 1, (1,), generator=gen))
+            x = pool[at : at + n * row]
+            if kind == "embed" and start + n > real_vocab:
+                x = x.clone()
+                x.view(n, row)[max(0, real_vocab - start) :] = 0
+            yield x.view(torch.uint8).numpy()
+            continue
         else:
             x = torch.randn(n * row, generator=gen).mul_(_STD)
             if kind == "embed" and start + n > real_vocab:
@@ -1220,11 +1302,12 @@ def write_weights(
     jitter: float,
     shard_bytes: int | None = None,
     real_vocab: int = tt.VOCAB_SIZE,
+    fast: bool = False,
 ) -> list[Path]:
     """Write the random weights for ``config`` into ``out``; return the safetensors paths.
 
     Embedding (and lm_head) rows from ``real_vocab`` on, the ids the tokenizer never produces, are
-    zero.
+    zero. ``fast``: windows of one pool of random values (``_tensor_chunks``), for timing runs.
     """
     import torch
 
@@ -1235,7 +1318,14 @@ def write_weights(
 
     def chunks_of(name, shape, kind):
         return _tensor_chunks(
-            name, shape, kind, seed=seed, jitter=jitter, torch_dtype=torch_dtype, real_vocab=real_vocab
+            name,
+            shape,
+            kind,
+            seed=seed,
+            jitter=jitter,
+            torch_dtype=torch_dtype,
+            real_vocab=real_vocab,
+            fast=fast,
         )
 
     shards = _shard(tensor_specs(config), itemsize, shard_bytes)
@@ -1810,6 +1900,7 @@ def make_model(
     shard_bytes: int | None = None,
     mxfp4: bool = False,
     gemma_tokenizer: bool = False,
+    fast: bool = False,
     **config_overrides,
 ) -> Path:
     """Write the preset's folder into `out` (created if missing) and return it (as a Path).
@@ -1822,6 +1913,8 @@ def make_model(
     ``num_hidden_layers=3``, ``tie_word_embeddings=False``, ``rope_scaling={...}``; for a nested
     (Qwen3.5 VLM) config see ``_apply_overrides``. ``gemma_tokenizer``: a Gemma 4 folder with
     Gemma's kind of tokenizer (``gemma4_spm_tokenizer_json``), which llama.cpp's converter takes.
+    ``fast``: the weights are windows of one pool of random values (``_tensor_chunks``), written
+    at the disk's speed: for timing runs (an 8B folder in seconds), not for reference tests.
     """
     config = build_config(preset, dtype=dtype, **config_overrides)
     text = text_config(config)
@@ -1877,6 +1970,7 @@ def make_model(
         jitter=_NORM_JITTER.get(preset, 0.0),
         shard_bytes=shard_bytes,
         real_vocab=real_vocab,
+        fast=fast,
     )
     if mxfp4:
         _write_mxfp4(out, config)
@@ -1924,6 +2018,12 @@ def cli(argv: list[str]) -> int:
         help="Gemma 4: Gemma's kind of tokenizer (what llama.cpp's converter takes)",
     )
     parser.add_argument(
+        "--fast-random",
+        action="store_true",
+        help="weights as windows of one pool of random values: written at the disk's speed "
+        "(an 8B folder in seconds), for timing runs only",
+    )
+    parser.add_argument(
         "--set",
         dest="overrides",
         type=_override,
@@ -1949,6 +2049,7 @@ def cli(argv: list[str]) -> int:
         shard_bytes=args.shard_bytes,
         mxfp4=args.mxfp4,
         gemma_tokenizer=args.gemma_tokenizer,
+        fast=args.fast_random,
         **dict(args.overrides),
     )
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
