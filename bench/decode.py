@@ -689,6 +689,11 @@ def main() -> int:
         help="the engine's KV pool (default 256 MiB on the CPU, 2048 on a GPU)",
     )
     ap.add_argument(
+        "--no-graphs",
+        action="store_true",
+        help="a CUDA die's decode steps eager (PANTHEON_CUDA_GRAPHS=0's engine): the graphs' gain",
+    )
+    ap.add_argument(
         "--compile",
         action="store_true",
         help="our engine (and server) with the compiled decode step (workers/compiled.py), "
@@ -784,6 +789,7 @@ def main() -> int:
     slots = args.slots or max(8, *batches)
     kv_mb = args.kv_budget_mb or (256 if args.device.startswith("cpu") else 2048)
     load_s: dict[str, float] = {}
+    step_state: dict[str, str] = {}  # how decode steps ran: compiled / CUDA graphs / eager, and why
     for label, quant in variants:
         t_load = time.perf_counter()
         eng = Engine(
@@ -794,14 +800,17 @@ def main() -> int:
             kv_budget_bytes=kv_mb << 20,
             quantize=quant,
             compile_decode=args.compile,
+            cuda_graphs=False if args.no_graphs else None,
         )
         sync(args.device)
         load_s[label] = time.perf_counter() - t_load
         print(f"  {label}: loaded in {load_s[label]:.1f} s ({slots} slots, KV pool {kv_mb} MiB)", flush=True)
-        compiled_now(eng)
+        compiled_now(eng)  # (a CUDA die: its decode graphs, captured in the load)
+        step_state[label] = eng.compiler.state
         weight_bytes[label] = eng.step_read_bytes
         state_bytes = state_bytes_per_sequence(eng)  # read and written again each step, per sequence
-        bench_engine(eng, 1, 4, args.device)  # warm up
+        for b in batches:  # warm up: each decode graph's first replay is checked against eager
+            bench_engine(eng, b, 3, args.device)
         for b in batches:
             ours[(label, b)] = bench_engine(eng, b, args.tokens, args.device)
         del eng
@@ -855,6 +864,7 @@ def main() -> int:
             weight_bytes=weight_bytes,
             state_bytes_per_sequence=state_bytes,
             load_s=load_s,
+            step_state=step_state,
             rows=rows,
         )
         Path(args.json).write_text(json.dumps(figures, indent=1))

@@ -686,6 +686,24 @@ BENCH_MODELS = [  # preset, batches, decode tokens, a rough cap on its seconds (
     ("qwen3-0.6b", "1,8,32,64", 64, 75),
     ("llama-3.1-8b", "1,8,32,64", 32, 150),
 ]
+# The same steps without CUDA graphs (eager: a launch per kernel), on the smallest model, whose
+# step is launch-bound: what the graphs buy
+NO_GRAPHS = ("smollm2-135m", "1,8", 64, 40)
+
+
+def part_kernels(args) -> None:
+    """One layer's attention and Gated DeltaNet: our kernels against the torch paths they
+    replace (bench/attention_cuda.py, bench/gdn_cuda.py), quick shapes."""
+    if not args.cuda:
+        check("kernels", "attention / GDN kernels", None, "skipped: no CUDA device")
+        return
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
+    )
+    for script in ("attention_cuda.py", "gdn_cuda.py"):
+        rc, out = run_logged([sys.executable, str(ROOT / "bench" / script), "--quick"], 90, env)
+        last = [line for line in out.splitlines() if line.startswith("SUMMARY")]
+        check("kernels", script, rc == 0, last[-1][8:] if last else f"exit {rc}")
 
 
 def remaining(args) -> float:
@@ -731,7 +749,23 @@ def part_bench(args) -> None:
                 f"b1 {one['ms_per_step']:.2f} ms/tok (floor {floor_ms:.2f}, {floor_ms / one['ms_per_step']:.0%})"
             )
         parts += [f"b{b} {r['tok_s']:.0f} tok/s" for b, r in rows.items() if b != 1]
-        check("bench", preset, True, f"{wb / 1e9:.2f} GB; " + "; ".join(parts))
+        state = next(iter(fig.get("step_state", {}).values()), "?")
+        check("bench", preset, True, f"{wb / 1e9:.2f} GB; " + "; ".join(parts) + f"; steps: {state}")
+        if args.cuda and preset == NO_GRAPHS[0] and remaining(args) > NO_GRAPHS[3] + 20:
+            plain = args.tmp / f"bench-{preset}-eager.json"
+            cmd2 = [*cmd[: cmd.index("--batches")], "--batches", NO_GRAPHS[1], "--tokens", str(NO_GRAPHS[2])]
+            rc, _ = run_logged([*cmd2, "--no-graphs", "--json", str(plain)], NO_GRAPHS[3] * 2, env)
+            if rc == 0 and plain.exists():
+                eager = {r["batch"]: r for r in json.loads(plain.read_text())["rows"]}
+                FIGURES["bench"][preset + " (no graphs)"] = eager
+                gain = [
+                    f"b{b} {eager[b]['ms_per_step']:.2f} -> {rows[b]['ms_per_step']:.2f} ms/step"
+                    for b in eager
+                    if b in rows
+                ]
+                check("bench", f"{preset}: eager -> graphs", True, "; ".join(gain))
+            else:
+                check("bench", f"{preset}: eager -> graphs", False, f"decode.py --no-graphs exit {rc}")
         if preset != models[0][0] and not args.keep_models:
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -765,8 +799,8 @@ def main() -> int:
     ap.add_argument("--keep-models", action="store_true", help="keep the benchmark's folders")
     ap.add_argument(
         "--parts",
-        default="env,tests,serve,bench",
-        help="which parts, comma-separated (env,tests,serve,bench)",
+        default="env,tests,serve,kernels,bench",
+        help="which parts, comma-separated (env,tests,serve,kernels,bench)",
     )
     args = ap.parse_args()
     args.cuda = args.die.startswith("cuda")
@@ -786,7 +820,13 @@ def main() -> int:
     )
     wanted = set(args.parts.split(","))
     watchdog(args)
-    parts = [("env", part_env), ("tests", part_tests), ("serve", part_serve), ("bench", part_bench)]
+    parts = [
+        ("env", part_env),
+        ("tests", part_tests),
+        ("serve", part_serve),
+        ("kernels", part_kernels),
+        ("bench", part_bench),
+    ]
     for name, fn in parts:
         if name in wanted:
             run_part(name, fn, args)

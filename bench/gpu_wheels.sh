@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheels the lent GPU machine lacks, for its python3 (CPython 3.12, manylinux x86_64), into .whl/
 # in the repo root: the router (quart, hypercorn and theirs), the worker (pyzmq, msgspec, llguidance,
-# gguf) and the checks (the official openai client and pydantic). Run here, in the repo root:
+# gguf, fla-core) and the checks (the official openai client and pydantic). Run here, in the repo root:
 #
 #     bash bench/gpu_wheels.sh            # downloads, prints each size and the total, checks closure
 #
@@ -31,6 +31,8 @@ WHEELS=(
     openai==2.54.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1
     pydantic==2.13.4 pydantic-core==2.46.4 typing-inspection==0.4.2 annotated-types==0.7.0
     typing-extensions==4.16.0
+    # the worker's Gated DeltaNet kernels on CUDA (workers/kernels/fla_gdn.py; einops is the image's)
+    fla-core==0.6.0
 )
 PLAT=()
 for p in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 \
