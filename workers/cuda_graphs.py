@@ -182,7 +182,9 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         pool = getattr(self, "_pool", None)
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: the worker loads on a thread of its own while its main loop steps the
+        # other models on this device; "global" would refuse their allocations during capture
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = self._forward(n)
         self._pool = graph.pool()
 
