@@ -26,10 +26,14 @@ inside ``--budget-s`` (default 480 s) in all:
    each answered, the greedy one equal to alone; the die's memory figures (``/admin/dies``) against
    ``torch.cuda.mem_get_info``; a second model loaded, asked and unloaded while a stream runs, the
    stream finishing whole and the registry as before;
-4. ``bench/decode.py --no-hf`` on random bf16 models shaped like SmolLM2-135M, Qwen3-0.6B and
+4. kernels: one layer's attention (``bench/attention_cuda.py --quick``: the Triton paged kernels
+   against the torch gather they replace) and Gated DeltaNet (``bench/gdn_cuda.py --quick``:
+   flash-linear-attention against our torch functions), the speedups in the table;
+5. ``bench/decode.py --no-hf`` on random bf16 models shaped like SmolLM2-135M, Qwen3-0.6B and
    Llama-3.1-8B (``make-model --fast-random``): ms/token at batch 1 against the bandwidth floor
-   (weight bytes over part 1's copy bandwidth), tok/s at batch 8, 32 and 64; each model only while
-   the budget lasts.
+   (weight bytes over part 1's copy bandwidth), tok/s at batch 8, 32 and 64 (CUDA graphs, as
+   served), and SmolLM2's steps without graphs (``--no-graphs``) beside them; each model only
+   while the budget lasts.
 
 The PASS/FAIL table is printed last; ``--out`` gets ``gpu_check.log`` (everything printed, the
 subprocesses' output included), ``gpu_check.json`` (the figures) and the server's log. The exit
