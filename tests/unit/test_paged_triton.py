@@ -305,6 +305,7 @@ PREFILL_CASES = [
     (2, 1, 64, 16, torch.bfloat16, True),
     (1, 2, 16, 16, torch.float16, True),
     (1, 2, 128, 32, torch.float32, False),  # fp32 at D 128: query tiles of 64 rows
+    (2, 4, 128, 16, torch.bfloat16, False),  # Llama-3.1-8B's group and width: 32 positions x 4 heads
     (3, 3, 64, 16, torch.bfloat16, False),  # G 3 (SmolLM2's): a tile of 42 positions, 2 pad rows
     (1, 8, 256, 16, torch.bfloat16, True),  # D 256: key tiles of 32
     (1, 16, 16, 32, torch.float32, True),
@@ -452,6 +453,28 @@ def test_prefill_kernel_declines(interp):
     b.prefills = [c]
     kq = QuantRows.empty("q8_0", kc.shape[0], 1, 16, torch.device("cpu"))
     assert not A.prefill_kernel(q, b, kq, vc, out)
+
+
+def test_engine_prefill_through_the_kernel(interp, model_factory, monkeypatch):
+    """The runner's chunks carry their block ids: a CPU engine under the interpreter (the tiny
+    Llama, fp32, prompts longer than the prefill chunk of 32) runs its prefill chunks through the
+    kernel (counted, chunks with history among them; decode keeps the CPU path) and gets the
+    torch path's greedy tokens."""
+    path = str(model_factory("tiny-llama", dtype="float32"))
+    prompts = [list(range(100, 160)), [64], list(range(10, 110))]
+    spans: list[PT.PrefillSpan] = []
+    kernel, dispatch = PT.paged_prefill, A.prefill_kernel
+    monkeypatch.setattr(PT, "paged_prefill", lambda *a, **k: spans.extend(a[3]) or kernel(*a, **k))
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(A, "prefill_kernel", dispatch if on else lambda *a, **k: False)
+        eng = Engine(path, dtype="float32", kv_budget_bytes=4 << 20, prefill_chunk=32)
+        for i, pr in enumerate(prompts):
+            eng.submit(f"p{i}", pr, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        out[on] = drain(eng)
+        assert bool(spans) == on
+    assert any(sp.p0 > 0 for sp in spans) and max(sp.end - sp.start for sp in spans) <= 32
+    assert out[False] == out[True]
 
 
 # --- on cuda:0 ---------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""Paged decode attention on a CUDA die, in Triton: decode rows attend to the paged KV pool where
-it lies (flash-decoding), with no per-step copy of their context (the torch path gathers every
-cached K/V row of every row into a dense tensor, per layer and step).
+"""Paged attention on a CUDA die, in Triton: decode rows (flash-decoding, ``paged_decode``) and
+prefill chunks (flash attention, ``paged_prefill``) attend to the paged KV pool where it lies,
+with no per-step copy of their context (the torch paths gather every cached K/V row of every
+row or chunk into a dense tensor, per layer and step).
 
 ``paged_decode`` is what ``workers/layers/attention.py``'s ``decode_attention`` calls for a CUDA
 step when ``available()`` and ``reads(...)``; anything else keeps the torch path (quantized rows
@@ -15,6 +16,14 @@ costs no time) and writes a partial (output, log-sum-exp); a second kernel merge
 partials and the head's sink. The partition count comes from shapes only (batch, KV heads, the
 table's width, the block size, the device's SM count), never from the lengths' values: no host
 sync, so a CUDA graph can hold the call; programs past a row's length do nothing.
+
+``paged_prefill`` is what ``attention.prefill_kernel`` calls for a CUDA step's prefill chunks
+(``paged_attention`` and ``sinks.paged_sink_attention``) when every chunk is a plain paged one
+(its block ids known, no mask, no window's view): all of them in one launch, one program per
+(KV head, query tile), a tile being ``block_m`` positions of one chunk x the group's query heads
+(``prefill_config``); a small table of tiles (``prefill_tiles``) is cut on the host once per
+step (``StepBatch.prefill_tiles``) and reused by every layer. Prefill steps are not captured in
+CUDA graphs, so host-side metadata costs one small copy a step and nothing else.
 
 Triton is imported lazily (``_jit``): importing this module, as attention.py does on every die,
 never imports it, and the CPU engine never calls anything that does. Under ``TRITON_INTERPRET=1``
@@ -257,7 +266,10 @@ def prefill_config(g: int, d: int, dtype: torch.dtype) -> PrefillConfig:
     D = 256)."""
     rows = 64 if d > 128 or (d == 128 and dtype == torch.float32) else 128
     rows = max(rows, triton_next_pow2(g))
-    return PrefillConfig(rows, rows // g, 32 if d > 128 else 64, 8 if d >= 128 else 4)
+    # 8 warps where a thread's share of q, the accumulator and the scores would pass ~200
+    # registers with 4 (D 128; fp32 q and accumulators)
+    warps = 8 if d >= 128 or dtype == torch.float32 else 4
+    return PrefillConfig(rows, rows // g, 32 if d > 128 else 64, warps)
 
 
 def prefill_tiles(spans: list[PrefillSpan], block_m: int, device: torch.device) -> PrefillTiles:
@@ -275,7 +287,9 @@ def prefill_tiles(spans: list[PrefillSpan], block_m: int, device: torch.device) 
     # the device's tail.
     tiles.sort(key=lambda t: -(t[3] + min(t[1] + block_m, t[2])))
     meta = torch.cat((torch.tensor(tiles, dtype=torch.int32).view(-1), table.view(-1)))
-    meta = meta.to(device)  # one copy
+    # One copy, no stream sync: from pageable memory, cudaMemcpyAsync stages the bytes before it
+    # returns, so ``meta`` may go at once.
+    meta = meta.to(device, non_blocking=True)
     n_t = len(tiles) * 5
     return PrefillTiles(meta[:n_t].view(-1, 5), meta[n_t:].view(len(spans), nb), block_m)
 
