@@ -12,8 +12,9 @@ and a sliding window's ring (``ring_sink_attention``), with the same writes and 
 ``workers/layers/attention.py::paged_attention`` and ``workers/layers/sliding.py::ring_attention``.
 Decode rows go through the shared ``decode_attention`` (its ``sinks`` argument); a CUDA step's
 plain paged prefill chunks through the shared Triton kernel (``attention.prefill_kernel``, its
-``sinks`` argument), any other prefill chunk through ``attend_with_sinks``: explicit matmuls in blocks of query rows (SDPA takes no sink and
-returns no log-sum-exp), each block's scores at most ``_SCORES`` values.
+``sinks`` argument), any other prefill chunk through ``attend_with_sinks``: explicit matmuls in
+blocks of query rows (SDPA takes no sink and returns no log-sum-exp), each block's scores at most
+``_SCORES`` values.
 """
 
 from __future__ import annotations
