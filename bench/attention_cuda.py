@@ -1,4 +1,5 @@
-"""One layer's decode attention on a CUDA die: the Triton paged kernel against the torch path.
+"""One layer's attention on a CUDA die: the Triton paged kernels against the torch paths, decode
+and prefill.
 
     python bench/attention_cuda.py                  # cuda:0: Llama-3.1-8B's and SmolLM2's heads
     python bench/attention_cuda.py --quick          # fewer shapes and calls (under 20 s)
@@ -12,6 +13,14 @@ gets the next of several input sets (pools, tables, queries) whose bytes togethe
 times the L2 (50-60 MB on an H100 / H200), so no call finds the previous one's K/V in it.
 Median of ``--reps`` calls after warm-up (the kernels' compile included there), CUDA events.
 GB/s: the K and V bytes the rows attend to (B x context x KV x D x 2 x 2) over the time.
+
+Prefill rows (``--prompt``, 4096 tokens in chunks of ``--chunk``, 512): each chunk of the prompt
+as one step's only chunk, after the chunks before it (its history in the pool), through
+``attention.paged_attention`` (the layer's whole call, its K/V write included) with the kernel
+(``paged_prefill``; the step's tiles cut beforehand, as the step's first layer does for the
+others) and without (``PANTHEON_ATTN_KERNEL=0``: the gather of every position and SDPA,
+offset-causal after history). TFLOP/s: the causal scores and values' products the chunk needs
+(4 x H x D x (C x p0 + C (C + 1) / 2)) over the time.
 
 Without a CUDA device it says so and exits 0. ``--device cpu`` runs tiny shapes through
 Triton's interpreter (``TRITON_INTERPRET=1``, set here when absent), wall-clock: a check of the
@@ -144,6 +153,82 @@ def run(args: argparse.Namespace, dev: torch.device) -> None:
                     torch.cuda.empty_cache()
 
 
+def prefill_step(
+    p0: int, n: int, h: int, kv: int, d: int, bs: int, dev: torch.device, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, A.StepBatch]:
+    """(q, k, v, K pool, V pool, batch) of one prefill chunk of ``n`` positions after ``p0``, its
+    blocks shuffled in a bf16 pool that holds its history; the batch carries the block ids."""
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-(p0 + n) // bs)
+    tab = torch.randperm(nb + 1, generator=g)[:nb] + 1  # blocks 1 .. nb + 1 (block 0 unused)
+    pos = torch.arange(p0 + n)
+    gather = tab[pos // bs] * bs + pos % bs
+    chunk = A.PrefillChunk(0, n, gather.to(dev), None, blocks=tab)
+    b = A.StepBatch(
+        torch.zeros(1), torch.zeros(1), gather[p0:].to(dev), 0, None, None, [chunk], block_size=bs,
+    )  # fmt: skip
+    kc = torch.randn((nb + 2) * bs, kv, d, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = (torch.randn(n, h, d, device=dev) * d**-0.5).bfloat16()
+    k = torch.randn(n, kv, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    return q, k, v, kc, vc, b
+
+
+def measure_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    b: A.StepBatch,
+    args: argparse.Namespace,
+    dev: torch.device,
+) -> tuple[float, float, float]:
+    """(torch path ms, kernel ms, the largest difference of their outputs) of one chunk's step."""
+    c = b.prefills[0]
+    plain = A.StepBatch(
+        b.rot_cos, b.rot_sin, b.slot_mapping, 0, None, None,
+        [A.PrefillChunk(c.start, c.end, c.gather, None)], block_size=b.block_size,
+    )  # fmt: skip
+
+    def kern(_i: int) -> torch.Tensor:
+        return A.paged_attention(q, k, v, b, kc, vc)
+
+    def ref(_i: int) -> torch.Tensor:
+        # (its offset-causal mask built by the first call and kept, as a step's first layer
+        # builds it for the others; so are the kernel's tiles)
+        os.environ["PANTHEON_ATTN_KERNEL"] = "0"
+        try:
+            return A.paged_attention(q, k, v, plain, kc, vc)
+        finally:
+            os.environ.pop("PANTHEON_ATTN_KERNEL")
+
+    err = (kern(0).float() - ref(0).float()).abs().max().item()
+    assert b.prefill_tiles, "the kernel did not run"
+    return timed(ref, 1, args.reps, args.warmup, dev), timed(kern, 1, args.reps, args.warmup, dev), err
+
+
+def run_prefill(args: argparse.Namespace, dev: torch.device) -> None:
+    cpu = dev.type == "cpu"
+    heads = {"tiny": (4, 2, 64)} if cpu else {k: HEADS[k] for k in args.heads.split(",")}
+    prompt, chunk = (300, 128) if cpu else (args.prompt, args.chunk)
+    print(f"\nprefill: a {prompt}-token prompt in chunks of {chunk}, bf16, blocks of {args.block_size}")
+    print(f"{'heads':>13} {'p0':>6} {'C':>5} {'torch ms':>9} {'triton ms':>9} "
+          f"{'torch TF/s':>10} {'triton TF/s':>11} {'speedup':>7} {'max err':>8}")  # fmt: skip
+    for name, (h, kv, d) in heads.items():
+        for p0 in range(0, prompt, chunk):
+            n = min(chunk, prompt - p0)
+            q, k, v, kc, vc, b = prefill_step(p0, n, h, kv, d, args.block_size, dev, seed=p0)
+            t_ref, t_kern, err = measure_prefill(q, k, v, kc, vc, b, args, dev)
+            flop = 4 * h * d * (n * p0 + n * (n + 1) / 2)
+            print(f"{name:>13} {p0:>6} {n:>5} {t_ref:>9.3f} {t_kern:>9.3f} {flop / (t_ref * 1e9):>10.1f} "
+                  f"{flop / (t_kern * 1e9):>11.1f} {t_ref / t_kern:>6.2f}x {err:>8.1e}", flush=True)  # fmt: skip
+            del q, k, v, kc, vc, b
+        if not cpu:
+            torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda:0")
@@ -152,6 +237,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--contexts", default="512,4096,16384")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=4096, help="prefill rows: the prompt's tokens (0: none)")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill rows: tokens per chunk")
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
     args = ap.parse_args()
@@ -174,6 +261,8 @@ def main() -> int:
     elif args.quick:
         args.batches, args.contexts, args.reps, args.warmup = "1,32", "512,4096", 20, 3
     run(args, dev)
+    if args.prompt > 0:
+        run_prefill(args, dev)
     return 0
 
 

@@ -321,7 +321,8 @@ class ModelRunner:
         for start, end, p0, p1, table, state_slot in chunks:
             gather = self._gather([table], p1)[0]  # [T]
             # No mask: causal after p0 cached positions (paged_attention builds one if it needs it)
-            pre.append(PrefillChunk(start, end, gather, None, state_slot, fresh=p0 == 0))
+            blocks = self._block_tab([table], p1)[0]  # [nb]: the CUDA prefill kernel reads the pool by these
+            pre.append(PrefillChunk(start, end, gather, None, state_slot, fresh=p0 == 0, blocks=blocks))
 
         base = StepBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre, dec_slots, slot_run)
         base.positions = pos_t  # for layers that build their own rotary tables (Gemma 4's full ones)

@@ -1,6 +1,7 @@
-"""Paged decode attention on a CUDA die, in Triton: decode rows attend to the paged KV pool where
-it lies (flash-decoding), with no per-step copy of their context (the torch path gathers every
-cached K/V row of every row into a dense tensor, per layer and step).
+"""Paged attention on a CUDA die, in Triton: decode rows (flash-decoding, ``paged_decode``) and
+prefill chunks (flash attention, ``paged_prefill``) attend to the paged KV pool where it lies,
+with no per-step copy of their context (the torch paths gather every cached K/V row of every
+row or chunk into a dense tensor, per layer and step).
 
 ``paged_decode`` is what ``workers/layers/attention.py``'s ``decode_attention`` calls for a CUDA
 step when ``available()`` and ``reads(...)``; anything else keeps the torch path (quantized rows
@@ -15,6 +16,14 @@ costs no time) and writes a partial (output, log-sum-exp); a second kernel merge
 partials and the head's sink. The partition count comes from shapes only (batch, KV heads, the
 table's width, the block size, the device's SM count), never from the lengths' values: no host
 sync, so a CUDA graph can hold the call; programs past a row's length do nothing.
+
+``paged_prefill`` is what ``attention.prefill_kernel`` calls for a CUDA step's prefill chunks
+(``paged_attention`` and ``sinks.paged_sink_attention``) when every chunk is a plain paged one
+(its block ids known, no mask, no window's view): all of them in one launch, one program per
+(KV head, query tile), a tile being ``block_m`` positions of one chunk x the group's query heads
+(``prefill_config``); a small table of tiles (``prefill_tiles``) is cut on the host once per
+step (``StepBatch.prefill_tiles``) and reused by every layer. Prefill steps are not captured in
+CUDA graphs, so host-side metadata costs one small copy a step and nothing else.
 
 Triton is imported lazily (``_jit``): importing this module, as attention.py does on every die,
 never imports it, and the CPU engine never calls anything that does. Under ``TRITON_INTERPRET=1``
@@ -51,7 +60,8 @@ class Scratch(NamedTuple):
     lse: torch.Tensor
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """``TRITON_INTERPRET=1``: the kernels run in Triton's interpreter, on CPU tensors (tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -87,7 +97,7 @@ def reads(q: torch.Tensor, k_cache: KvRows, v_cache: KvRows) -> bool:
     plain contiguous fp32 / bf16 / fp16 pools of q's dtype on q's device (quantized rows keep the
     torch path), a head width that is a power of two in 16..256, at most ``MAX_G`` query heads
     per KV head."""
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreting()):
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
         return False
     if q.dim() != 3 or q.dtype not in _DTYPES:
         return False
@@ -211,3 +221,120 @@ def paged_decode(
 def triton_next_pow2(n: int) -> int:
     """The least power of two >= n (``triton.next_power_of_2``, without importing triton)."""
     return 1 << max(0, n - 1).bit_length()
+
+
+# --- prefill ---------------------------------------------------------------------------------------
+
+
+class PrefillSpan(NamedTuple):
+    """One prefill chunk of a step's flat batch: its query rows ``[start, end)`` in q, its
+    sequence's first position ``p0`` (the context cached before the chunk; the chunk's queries
+    are positions p0 .. p0 + end - start - 1, their K/V already in the pool), and its block ids
+    ``blocks`` ([nb] ints, a CPU tensor or a list, at least ceil((p0 + end - start) / block size)
+    of them: position p in pool row ``blocks[p // bs] * bs + p % bs``)."""
+
+    start: int
+    end: int
+    p0: int
+    blocks: torch.Tensor | list[int]
+
+
+class PrefillTiles(NamedTuple):
+    """A step's prefill chunks cut into query tiles, on q's device (``prefill_tiles``): ``tiles``
+    [n, 5] int32 (the chunk's first row in the batch, the tile's first query in its chunk, the
+    chunk's length, its p0, its index in ``table``), the heaviest tiles (most keys) first;
+    ``table`` [chunks, nb] int32 the chunks' block ids (padded with 0); ``block_m`` the query
+    positions of a tile. Built once per step and reused by every layer of the same shape."""
+
+    tiles: torch.Tensor
+    table: torch.Tensor
+    block_m: int
+
+
+class PrefillConfig(NamedTuple):
+    rows: int  # rows of a query tile (positions x the group's heads), a power of two
+    block_m: int  # query positions of a tile: rows // G
+    block_n: int  # key positions of a tile
+    warps: int
+
+
+def prefill_config(g: int, d: int, dtype: torch.dtype) -> PrefillConfig:
+    """The prefill kernel's tiling for groups of ``g`` query heads, head width ``d``, ``dtype``:
+    query tiles of 128 rows (64 at D = 256, and for fp32 at D = 128: the [rows, D] fp32 q, its
+    accumulator and the scores stay in registers), each ``rows // g`` positions x the group's
+    ``g`` heads, so each K/V tile read serves the whole group; key tiles of 64 positions (32 at
+    D = 256)."""
+    rows = 64 if d > 128 or (d == 128 and dtype == torch.float32) else 128
+    rows = max(rows, triton_next_pow2(g))
+    # 8 warps where a thread's share of q, the accumulator and the scores would pass ~200
+    # registers with 4 (D 128; fp32 q and accumulators)
+    warps = 8 if d >= 128 or dtype == torch.float32 else 4
+    return PrefillConfig(rows, rows // g, 32 if d > 128 else 64, warps)
+
+
+def prefill_tiles(spans: list[PrefillSpan], block_m: int, device: torch.device) -> PrefillTiles:
+    """``spans`` cut into tiles of ``block_m`` query positions (``PrefillTiles``); one H2D copy."""
+    tiles: list[tuple[int, int, int, int, int]] = []
+    nb = max(1, max((len(s.blocks) for s in spans), default=1))
+    table = torch.zeros(len(spans), nb, dtype=torch.int32)
+    for i, s in enumerate(spans):
+        n = s.end - s.start
+        assert n >= 1 and s.p0 >= 0
+        blocks = s.blocks if isinstance(s.blocks, torch.Tensor) else torch.tensor(s.blocks, dtype=torch.long)
+        table[i, : len(blocks)] = blocks
+        tiles += [(s.start, q, n, s.p0, i) for q in range(0, n, block_m)]
+    # The tiles with most keys first (a tile's work is its last position): the short ones fill
+    # the device's tail.
+    tiles.sort(key=lambda t: -(t[3] + min(t[1] + block_m, t[2])))
+    meta = torch.cat((torch.tensor(tiles, dtype=torch.int32).view(-1), table.view(-1)))
+    # One copy, no stream sync: from pageable memory, cudaMemcpyAsync stages the bytes before it
+    # returns, so ``meta`` may go at once.
+    meta = meta.to(device, non_blocking=True)
+    n_t = len(tiles) * 5
+    return PrefillTiles(meta[:n_t].view(-1, 5), meta[n_t:].view(len(spans), nb), block_m)
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: KvRows,
+    v_cache: KvRows,
+    spans: list[PrefillSpan],
+    block_size: int,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    tiles: PrefillTiles | None = None,
+) -> torch.Tensor:
+    """Causal attention of the prefill chunks ``spans`` of a flat batch over the paged pool, read
+    where it lies (flash attention: no copy of their context). q: [N, H, D] pre-scaled (fp32 /
+    bf16 / fp16), the chunks' rows among its N; k_cache, v_cache: [rows, KV, D] pools of q's
+    dtype, holding every position of each chunk (its own included); sinks: [H] or None ->
+    ``out`` ([N, H, D], q's dtype, last dim contiguous; a new tensor if None) with each chunk's
+    rows written and the others left as they were. The query at position p attends to keys
+    0 .. p of its sequence, in fp32 (exp2 online softmax), rounded once to q's dtype.
+    ``tiles``: ``prefill_tiles(spans, prefill_config(...).block_m, q.device)`` built earlier
+    (once per step); built here if None. The caller checks ``available()`` and ``reads(...)``."""
+    assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)  # (``reads``)
+    jit = _jit()
+    _n, h, d = q.shape
+    kv = k_cache.shape[1]
+    g = h // kv
+    cfg = prefill_config(g, d, q.dtype)
+    if tiles is None:
+        tiles = prefill_tiles(spans, cfg.block_m, q.device)
+    assert tiles.block_m == cfg.block_m, "tiles cut for another shape"
+    qc = q if q.stride(-1) == 1 else q.contiguous()
+    o = torch.empty_like(qc) if out is None else out
+    assert o.shape == q.shape and o.dtype == q.dtype and o.stride(-1) == 1
+    n_tiles = tiles.tiles.shape[0]
+    if n_tiles == 0:
+        return o
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    jit.prefill[(kv, n_tiles)](
+        qc, k_cache, v_cache, tiles.table, tiles.tiles, sinks.contiguous() if sinks is not None else tiles.tiles, o,
+        qc.stride(0), qc.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), tiles.table.stride(0), o.stride(0), o.stride(1),
+        G=g, ROWS=cfg.rows, BLOCK_M=cfg.block_m, D=d, BS=block_size, BLOCK_N=cfg.block_n,
+        HAS_SINKS=sinks is not None, PRECISION=precision,
+        num_warps=cfg.warps, num_stages=2,
+    )  # fmt: skip
+    return o

@@ -32,6 +32,10 @@ class PrefillChunk:
     slot: int = 0  # the sequence's slot: where a recurrent layer keeps its state
     fresh: bool = True  # the chunk starts the sequence: recurrent states start from zero
     windowed: bool = False  # a sliding window's view: ``gather`` is the ring's history, ``mask`` bands it
+    # [nb] int64 on the CPU: the sequence's block ids (position p in pool row ``blocks[p //
+    # block_size] * block_size + p % block_size``), for the CUDA prefill kernel, which reads the
+    # pool where it lies; None (a view, a hand-built batch): the gather's rows are read
+    blocks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,10 @@ class StepBatch:
     # The verifying sequences' rows, the last decode rows (after the plain ones), in order.
     # ``decode_slots`` covers them too; ``decode_slot_run`` only the plain rows before them.
     verify: list[VerifyRun] = field(default_factory=list)
+    # The prefill kernel's tiles of this step's chunks (``paged_triton.prefill_tiles``), by query
+    # positions per tile: built by the first layer that runs the kernel, reused by the others
+    # (one small H2D copy a step). Never carried by ``to``: each device's batch builds its own.
+    prefill_tiles: dict[int, paged_triton.PrefillTiles] = field(default_factory=dict)
 
     @property
     def n_plain(self) -> int:
@@ -102,7 +110,9 @@ class StepBatch:
             mv(self.decode_gather),
             mv(self.decode_bias),
             [
-                PrefillChunk(c.start, c.end, c.gather.to(dev), mv(c.mask), c.slot, c.fresh, c.windowed)
+                PrefillChunk(
+                    c.start, c.end, c.gather.to(dev), mv(c.mask), c.slot, c.fresh, c.windowed, c.blocks
+                )
                 for c in self.prefills
             ],
             mv(self.decode_slots),
@@ -137,6 +147,8 @@ def paged_attention(
     out = torch.empty_like(q)  # [N, H, D]
     if b.n_decode:
         out[: b.n_decode] = decode_attention(q[: b.n_decode], b, k_cache, v_cache)
+    if prefill_kernel(q, b, k_cache, v_cache, out):
+        return out
     for c in b.prefills:
         qp = q[c.start : c.end]  # [C, H, D]
         hist = c.gather.shape[0] - (c.end - c.start)  # positions before the chunk
@@ -158,6 +170,40 @@ def paged_attention(
             )[0].transpose(0, 1)
         out[c.start : c.end] = o
     return out
+
+
+def prefill_kernel(
+    q: torch.Tensor,
+    b: StepBatch,
+    k_cache: KvRows,
+    v_cache: KvRows,
+    out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
+) -> bool:
+    """All the step's prefill chunks through the Triton paged kernel (``paged_triton.paged_prefill``:
+    each chunk's queries against its K/V where they lie in the pool, no gather) into their rows of
+    ``out``, if it takes them: a CUDA step (or CPU tensors under ``TRITON_INTERPRET=1``, the
+    tests), plain paged chunks (their block ids known, no mask, no window's view), a cache the
+    kernel reads (``paged_triton.reads``). False (nothing done) otherwise: the caller's path.
+    ``sinks`` [H]: gpt-oss's (``workers/layers/sinks.py``)."""
+    if q.device.type != "cuda" and not paged_triton.interpreting():  # (the CPU engine stops here)
+        return False
+    if not b.block_size or any(c.blocks is None or c.mask is not None or c.windowed for c in b.prefills):
+        return False
+    if not paged_triton.available() or not paged_triton.reads(q, k_cache, v_cache):
+        return False
+    kv = k_cache.shape[1]
+    block_m = paged_triton.prefill_config(q.shape[1] // kv, q.shape[2], q.dtype).block_m
+    spans = [
+        paged_triton.PrefillSpan(c.start, c.end, c.gather.shape[0] - (c.end - c.start), c.blocks)
+        for c in b.prefills
+        if c.blocks is not None  # (all of them)
+    ]
+    tiles = b.prefill_tiles.get(block_m)
+    if tiles is None:  # the step's first layer: cut once, reused by the others
+        tiles = b.prefill_tiles[block_m] = paged_triton.prefill_tiles(spans, block_m, q.device)
+    paged_triton.paged_prefill(q, k_cache, v_cache, spans, b.block_size, sinks, out=out, tiles=tiles)
+    return True
 
 
 def offset_causal_mask(hist: int, n: int, device: torch.device) -> torch.Tensor:

@@ -10,16 +10,18 @@ more column of the scores, dropped after the softmax.
 The same cache kinds as plain attention: the paged pool (``paged_sink_attention``, full layers)
 and a sliding window's ring (``ring_sink_attention``), with the same writes and reads as
 ``workers/layers/attention.py::paged_attention`` and ``workers/layers/sliding.py::ring_attention``.
-Decode rows go through the shared ``decode_attention`` (its ``sinks`` argument); a prefill chunk
-through ``attend_with_sinks``: explicit matmuls in blocks of query rows (SDPA takes no sink and
-returns no log-sum-exp), each block's scores at most ``_SCORES`` values.
+Decode rows go through the shared ``decode_attention`` (its ``sinks`` argument); a CUDA step's
+plain paged prefill chunks through the shared Triton kernel (``attention.prefill_kernel``, its
+``sinks`` argument), any other prefill chunk through ``attend_with_sinks``: explicit matmuls in
+blocks of query rows (SDPA takes no sink and returns no log-sum-exp), each block's scores at most
+``_SCORES`` values.
 """
 
 from __future__ import annotations
 
 import torch
 
-from workers.layers.attention import StepBatch, decode_attention
+from workers.layers.attention import StepBatch, decode_attention, prefill_kernel
 from workers.layers.kv_quant import KvRows, read_rows, write_rows
 
 _SCORES = 1 << 24  # fp32 scores per block of query rows (64 MiB)
@@ -75,6 +77,8 @@ def paged_sink_attention(
     out = torch.empty_like(q)
     if nd:
         out[:nd] = decode_attention(q[:nd], b, k_cache, v_cache, sinks)
+    if prefill_kernel(q, b, k_cache, v_cache, out, sinks):  # a CUDA step's plain paged chunks
+        return out
     for c in b.prefills:
         kk = read_rows(k_cache, c.gather, q.dtype)  # [T, KV, D]
         vv = read_rows(v_cache, c.gather, q.dtype)
