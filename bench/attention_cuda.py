@@ -118,6 +118,20 @@ def measure(sets: list[Inputs], args: argparse.Namespace, dev: torch.device) -> 
     return t_ref, t_kern, err
 
 
+# the kernels' speedups over the torch path, by kind: the SUMMARY line (bench/gpu_check.py's table)
+SPEEDUPS: dict[str, list[float]] = {"decode": [], "prefill": []}
+
+
+def summary() -> str:
+    """``SUMMARY`` and each kind's least / geometric mean / greatest speedup over torch."""
+    parts = []
+    for kind, xs in SPEEDUPS.items():
+        if xs:
+            geo = statistics.geometric_mean(xs)
+            parts.append(f"{kind} {min(xs):.2f}x / {geo:.2f}x / {max(xs):.2f}x")
+    return "SUMMARY triton over torch (least / geomean / most): " + ", ".join(parts)
+
+
 def run(args: argparse.Namespace, dev: torch.device) -> None:
     cpu = dev.type == "cpu"
     if cpu:
@@ -147,6 +161,7 @@ def run(args: argparse.Namespace, dev: torch.device) -> None:
                 t_ref, t_kern, err = measure(sets, args, dev)
                 del sets, q, kc, vc, b  # (a 16k context at batch 64 is 4 GB of pool)
                 gb_ref, gb_kern = kv_bytes / (t_ref * 1e6), kv_bytes / (t_kern * 1e6)
+                SPEEDUPS["decode"].append(t_ref / t_kern)
                 print(f"{name:>13} {bsz:>3} {ctx:>7} {path:>6} {t_ref:>9.3f} {t_kern:>9.3f} "
                       f"{gb_ref:>10.0f} {gb_kern:>11.0f} {t_ref / t_kern:>6.2f}x {err:>8.1e}", flush=True)  # fmt: skip
                 if not cpu:
@@ -222,6 +237,7 @@ def run_prefill(args: argparse.Namespace, dev: torch.device) -> None:
             q, k, v, kc, vc, b = prefill_step(p0, n, h, kv, d, args.block_size, dev, seed=p0)
             t_ref, t_kern, err = measure_prefill(q, k, v, kc, vc, b, args, dev)
             flop = 4 * h * d * (n * p0 + n * (n + 1) / 2)
+            SPEEDUPS["prefill"].append(t_ref / t_kern)
             print(f"{name:>13} {p0:>6} {n:>5} {t_ref:>9.3f} {t_kern:>9.3f} {flop / (t_ref * 1e9):>10.1f} "
                   f"{flop / (t_kern * 1e9):>11.1f} {t_ref / t_kern:>6.2f}x {err:>8.1e}", flush=True)  # fmt: skip
             del q, k, v, kc, vc, b
@@ -263,6 +279,7 @@ def main() -> int:
     run(args, dev)
     if args.prompt > 0:
         run_prefill(args, dev)
+    print(summary())
     return 0
 
 

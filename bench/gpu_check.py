@@ -705,7 +705,7 @@ def part_kernels(args) -> None:
         os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
     )
     for script in ("attention_cuda.py", "gdn_cuda.py"):
-        rc, out = run_logged([sys.executable, str(ROOT / "bench" / script), "--quick"], 90, env)
+        rc, out = run_logged([sys.executable, str(ROOT / "bench" / script), "--quick"], 120, env)
         last = [line for line in out.splitlines() if line.startswith("SUMMARY")]
         check("kernels", script, rc == 0, last[-1][8:] if last else f"exit {rc}")
 
