@@ -39,6 +39,15 @@ def tokens(path, graphs: bool, dtype: str = "float32", **kw) -> tuple[dict[str, 
     return out, eng
 
 
+def same_tokens(path, **kw) -> DecodeGraphs:
+    """The graphs' engine gives the eager engine's tokens: its graphs."""
+    want, _ = tokens(path, graphs=False, **kw)
+    got, eng = tokens(path, graphs=True, **kw)
+    assert got == want
+    assert isinstance(eng.compiler, DecodeGraphs), eng.compiler.state
+    return eng.compiler
+
+
 def test_graph_sizes():
     assert graph_sizes(1) == [1]
     assert graph_sizes(3) == [1, 2, 4]
@@ -55,11 +64,7 @@ def test_graph_steps_give_the_eager_tokens(model_factory, monkeypatch, kernel):
     with the paged kernel (the table read in place) and without it (the graph's gather)."""
     monkeypatch.setenv("PANTHEON_ATTN_KERNEL", kernel)
     path = model_factory("tiny-llama", dtype="float32")
-    want, _ = tokens(path, graphs=False)
-    got, eng = tokens(path, graphs=True)
-    assert got == want
-    g = eng.compiler
-    assert isinstance(g, DecodeGraphs)
+    g = same_tokens(path)
     assert g.state.startswith("graphs: batch 1,2,4,8")
     assert g.kernel == (kernel == "1")
     assert g.checked == {8, 4, 2, 1}  # each size checked against the eager step once
@@ -73,11 +78,8 @@ def test_other_architectures_give_the_eager_tokens(model_factory, preset):
     """Qwen3 (q/k norms) and a mixture of experts (its groups counted on the device: nothing in
     its step reads a value back to the host on CUDA)."""
     path = model_factory(preset, dtype="float32")
-    want, _ = tokens(path, graphs=False)
-    got, eng = tokens(path, graphs=True)
-    assert got == want
-    g = eng.compiler
-    assert isinstance(g, DecodeGraphs) and g.checked == {8, 4, 2, 1} and g.fallbacks == 0
+    g = same_tokens(path)
+    assert g.checked == {8, 4, 2, 1} and g.fallbacks == 0
 
 
 def test_contexts_past_the_graphs_step_eagerly(model_factory, monkeypatch):
@@ -86,11 +88,7 @@ def test_contexts_past_the_graphs_step_eagerly(model_factory, monkeypatch):
     monkeypatch.setenv("PANTHEON_ATTN_KERNEL", "0")
     monkeypatch.setattr(cuda_graphs, "GATHER_CONTEXT", 48)
     path = model_factory("tiny-llama", dtype="float32")
-    want, _ = tokens(path, graphs=False)
-    got, eng = tokens(path, graphs=True)
-    assert got == want
-    g = eng.compiler
-    assert isinstance(g, DecodeGraphs)
+    g = same_tokens(path)
     assert g.max_context == 48 and g.width == 3
     assert g.fallbacks > 0 and g.replays > 0
 
@@ -109,11 +107,7 @@ def test_recurrent_layers_replay_through_their_slots(model_factory):
     """Qwen3.5 (Gated DeltaNet layers beside attention): each row's state through its static
     slot, the padding rows' through the scratch slot; the eager engine's tokens."""
     path = model_factory("tiny-qwen3.5-text", dtype="float32")
-    want, _ = tokens(path, graphs=False)
-    got, eng = tokens(path, graphs=True)
-    assert got == want
-    g = eng.compiler
-    assert isinstance(g, DecodeGraphs)
+    g = same_tokens(path)
     # (prompts are cut at block boundaries for the state checkpoints: the second step still
     # prefills two prompts' tails beside three decode rows, so one step fewer is pure decode)
     assert g.checked == {8, 4, 2, 1} and g.replays == max(LENGTHS) - 2 and g.fallbacks == 0
@@ -138,11 +132,7 @@ def test_off_by_default_on_a_cpu_die(model_factory):
 def test_captured_graphs_give_the_eager_tokens_on_cuda(model_factory, monkeypatch):
     """On cuda:0: captured, replayed, the eager engine's tokens (fp32; bf16 decodes too)."""
     path = model_factory("tiny-llama", dtype="float32")
-    want, _ = tokens(path, graphs=False, devices=["cuda:0"])
-    got, eng = tokens(path, graphs=True, devices=["cuda:0"])
-    assert got == want
-    g = eng.compiler
-    assert isinstance(g, DecodeGraphs), g.state
+    g = same_tokens(path, devices=["cuda:0"])
     assert g.replays == max(LENGTHS) - 1 and g.fallbacks == 0
     bf, eng = tokens(model_factory("tiny-llama"), graphs=True, devices=["cuda:0"], dtype="bfloat16")
     assert isinstance(eng.compiler, DecodeGraphs), eng.compiler.state
