@@ -137,3 +137,17 @@ def test_captured_graphs_give_the_eager_tokens_on_cuda(model_factory, monkeypatc
     bf, eng = tokens(model_factory("tiny-llama"), graphs=True, devices=["cuda:0"], dtype="bfloat16")
     assert isinstance(eng.compiler, DecodeGraphs), eng.compiler.state
     assert all(len(v) == n for v, n in zip(bf.values(), LENGTHS))
+
+
+@pytest.mark.gpu
+def test_hybrid_and_expert_models_capture_on_cuda(model_factory):
+    """Qwen3.5 (recurrent states through static slots; FLA's kernels when installed) gives the
+    eager tokens in fp32; a mixture of experts in bf16 (torch's grouped GEMM, nothing read back
+    to the host) captures, passes each size's check and decodes."""
+    g = same_tokens(model_factory("tiny-qwen3.5-text", dtype="float32"), devices=["cuda:0"])
+    assert g.fallbacks == 0
+    out, eng = tokens(model_factory("tiny-qwen3-moe"), graphs=True, devices=["cuda:0"], dtype="bfloat16")
+    assert isinstance(eng.compiler, DecodeGraphs), eng.compiler.state
+    assert not eng.compiler.state.startswith("failed"), eng.compiler.state
+    assert eng.compiler.checked == {8, 4, 2, 1}
+    assert all(len(v) == n for v, n in zip(out.values(), LENGTHS))
