@@ -34,7 +34,9 @@ arguments carry none; their shapes are in the comments.
 import triton  # pyright: ignore[reportMissingImports]  (an optional dependency: CUDA hosts only)
 import triton.language as tl  # pyright: ignore[reportMissingImports]
 
-LOG2E = 1.4426950408889634
+# a constexpr: a compiled kernel may read no other global (the interpreter does not mind:
+# tests/unit/test_paged_triton.py compiles each kernel for sm_90 too, where it would)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
