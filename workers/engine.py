@@ -678,6 +678,9 @@ class Engine:
         used after."""
         self.grammars.close()
         self.compiler.close()
+        # A CUDA die's graphs hold the model, its caches and their own memory: dropped here, so
+        # that the worker's gc and empty_cache right after (engine still referenced) free them
+        self.compiler = compiled.NotCompiled("closed")
         if self.draft is not None:
             self.draft.close()
         self.runner = None  # pyright: ignore[reportAttributeAccessIssue]  # dropped for good

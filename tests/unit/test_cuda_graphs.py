@@ -7,6 +7,9 @@ checks and the fallbacks are what a GPU runs; only the capture is left to the ``
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
 from pantheon.core.protocol import SamplingParams
@@ -71,6 +74,18 @@ def test_graph_steps_give_the_eager_tokens(model_factory, monkeypatch, kernel):
     # every step but the first (the prefills) is a pure decode step: one replay each
     assert g.replays == max(LENGTHS) - 1
     assert g.fallbacks == 0
+
+
+def test_closing_the_engine_lets_its_graphs_go(model_factory):
+    """The worker frees a closed engine's memory while still holding the engine (gc, then the
+    die's empty_cache): the graphs (the model, the caches, the graphs' pool) must go with close."""
+    path = model_factory("tiny-llama", dtype="float32")
+    eng = Engine(str(path), dtype="float32", kv_budget_bytes=4 << 20, compile_decode=False, cuda_graphs=True)
+    assert isinstance(eng.compiler, DecodeGraphs)
+    gone = weakref.ref(eng.compiler)
+    eng.close()
+    gc.collect()
+    assert gone() is None
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-moe"])
