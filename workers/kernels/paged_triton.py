@@ -266,9 +266,10 @@ def prefill_config(g: int, d: int, dtype: torch.dtype) -> PrefillConfig:
     D = 256)."""
     rows = 64 if d > 128 or (d == 128 and dtype == torch.float32) else 128
     rows = max(rows, triton_next_pow2(g))
-    # 8 warps where a thread's share of q, the accumulator and the scores would pass ~200
-    # registers with 4 (D 128; fp32 q and accumulators)
-    warps = 8 if d >= 128 or dtype == torch.float32 else 4
+    # 8 warps: with 4 a thread's share of q, the accumulator and the scores spills to local
+    # memory (ptxas for sm_90, tests/helpers/triton_aot.py: a 768-byte stack frame at SmolLM2's
+    # D 64 in bf16, 40 bytes with 8 warps; 1544 against 72 at D 128)
+    warps = 8
     return PrefillConfig(rows, rows // g, 32 if d > 128 else 64, warps)
 
 
