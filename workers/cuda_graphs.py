@@ -29,8 +29,10 @@ sync (the sampler's ``tolist``, outside the graph).
   static slot of each row (``decode_slots``; padding rows: the scratch slot, ``scratch_slot``),
   gathered and scattered back: never the in-place run of consecutive slots, which the eager
   step takes when the slots happen to be consecutive.
-- Not for: layers split across devices, sliding-window layers (each step's views of their rings
-  are built per sequence), dynamic RoPE (tables per sequence length), draft models.
+- Sliding-window layers (Gemma 3 / 4, gpt-oss) read their rings through a view built in the
+  graph from the same slots and lengths (``sliding.decode_window_view``: the whole window, -inf
+  past each row's end), with their own rotary tables where they differ (``sliding``).
+- Not for: layers split across devices, dynamic RoPE (tables per sequence length), draft models.
 
 On a CPU die (tests) the same static buffers and padding run eagerly instead of being captured
 (``capture=False``): everything but the capture itself is what a GPU runs.
@@ -49,6 +51,7 @@ import torch
 from workers.cache import KVCache, LayerCache, StateCache
 from workers.compiled import check_logits
 from workers.layers.attention import StepBatch
+from workers.layers.sliding import decode_window_view
 from workers.models.base import DecoderLM
 
 if TYPE_CHECKING:
@@ -78,14 +81,12 @@ def graph_sizes(num_slots: int) -> list[int]:
     raise AssertionError("unreachable")
 
 
-def why_not(devices: list[torch.device], dynamic_rope: bool, windows: bool) -> str | None:
+def why_not(devices: list[torch.device], dynamic_rope: bool) -> str | None:
     """Why a model's decode step cannot be replayed as graphs, or None."""
     if len(devices) > 1:
         return "layers split across devices"
     if dynamic_rope:
         return "dynamic RoPE: its tables depend on each sequence's length"
-    if windows:
-        return "sliding-window layers (a step's views of their rings are built per sequence)"
     return None
 
 
@@ -103,10 +104,14 @@ class DecodeGraphs:
         num_slots: int,
         max_context: int,
         capture: bool,
+        windows: tuple[int, ...] = (),
+        sliding: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ):
         """``num_slots``: the engine's; its state slot ``num_slots`` is scratch (the padding rows'
-        recurrent states)."""
+        recurrent states and rings). ``tables``: positions -> the rotary tables; ``windows``: the
+        model's sliding windows, ``sliding`` their own rotary tables where they differ."""
         self.model, self.caches, self.tables = model, caches, tables
+        self.windows, self.sliding = windows, sliding
         self.device = model.embed_tokens.weight.device
         self.block_size = bs = blocks.block_size
         self.blocks = blocks
@@ -165,6 +170,9 @@ class DecodeGraphs:
         b.positions = pos
         b.decode_blocks, b.block_size, b.decode_lens = tab, self.block_size, lens
         b.decode_slots = self.slots[:n]  # (never ``decode_slot_run``: a value, not a shape)
+        if self.windows:
+            rot = None if self.sliding is None else self.sliding(pos)
+            b.windows = {w: decode_window_view(b, w, self.slots[:n], lens, rot) for w in self.windows}
         ids = self.ids[:n]
         return self.model.logits(self.model(ids, {self.device: b}, self.caches))
 

@@ -96,11 +96,12 @@ class ModelRunner:
         from workers import cuda_graphs
         from workers.compiled import _why
 
-        why = cuda_graphs.why_not(self.devices, self.rotary.dynamic, bool(self.windows))
+        why = cuda_graphs.why_not(self.devices, self.rotary.dynamic)
         if why is not None:
             return why
         if capture is None:
             capture = self.main.type == "cuda"
+        local = self.sliding_rotary
         try:
             self.graphs = cuda_graphs.DecodeGraphs(
                 self.model,
@@ -110,6 +111,8 @@ class ModelRunner:
                 self.num_slots,
                 max_context,
                 capture,
+                tuple(self.windows),
+                None if local is None else lambda pos: self._tables(*local.cos_sin(pos)),
             )
         except Exception as e:  # noqa: BLE001 - a step that cannot be captured stays eager
             return f"capture failed: {_why(e)}"

@@ -128,13 +128,13 @@ def test_recurrent_layers_replay_through_their_slots(model_factory):
     assert g.checked == {8, 4, 2, 1} and g.replays == max(LENGTHS) - 2 and g.fallbacks == 0
 
 
-def test_sliding_window_models_stay_eager(model_factory):
-    path = model_factory("tiny-gemma3", dtype="float32")
-    eng = Engine(str(path), dtype="float32", kv_budget_bytes=8 << 20, compile_decode=False, cuda_graphs=True)
-    assert eng.runner.graphs is None
-    assert eng.compiler.state == (
-        "off: decode graphs: sliding-window layers (a step's views of their rings are built per sequence)"
-    )
+@pytest.mark.parametrize("preset", ["tiny-gemma3", "tiny-gpt-oss", "tiny-gemma4"])
+def test_sliding_window_models_read_their_rings_in_the_graph(model_factory, preset):
+    """Gemma 3 (its local RoPE), gpt-oss (sinks) and Gemma 4 (KV sharing): the rings' views built
+    from the static slots and lengths give the eager engine's tokens, contexts past the window."""
+    g = same_tokens(model_factory(preset, dtype="float32"))
+    assert g.windows and g.checked == {8, 4, 2, 1} and g.fallbacks == 0
+    assert len(PROMPTS[1]) > max(g.windows), g.windows  # (a 60-token prompt: past every window)
 
 
 def test_off_by_default_on_a_cpu_die(model_factory):
@@ -156,11 +156,12 @@ def test_captured_graphs_give_the_eager_tokens_on_cuda(model_factory, monkeypatc
 
 @pytest.mark.gpu
 def test_hybrid_and_expert_models_capture_on_cuda(model_factory):
-    """Qwen3.5 (recurrent states through static slots; FLA's kernels when installed) gives the
-    eager tokens in fp32; a mixture of experts in bf16 (torch's grouped GEMM, nothing read back
+    """Qwen3.5 (recurrent states through static slots; FLA's kernels when installed), gpt-oss and
+    Gemma 3 (sliding windows' rings) give the eager tokens in fp32; a mixture of experts in bf16 (torch's grouped GEMM, nothing read back
     to the host) captures, passes each size's check and decodes."""
-    g = same_tokens(model_factory("tiny-qwen3.5-text", dtype="float32"), devices=["cuda:0"])
-    assert g.fallbacks == 0
+    for preset in ("tiny-qwen3.5-text", "tiny-gpt-oss", "tiny-gemma3"):  # (rings: sliding windows)
+        g = same_tokens(model_factory(preset, dtype="float32"), devices=["cuda:0"])
+        assert g.fallbacks == 0, preset
     out, eng = tokens(model_factory("tiny-qwen3-moe"), graphs=True, devices=["cuda:0"], dtype="bfloat16")
     assert isinstance(eng.compiler, DecodeGraphs), eng.compiler.state
     assert not eng.compiler.state.startswith("failed"), eng.compiler.state

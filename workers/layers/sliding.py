@@ -76,6 +76,28 @@ def window_view(
     return StepBatch(cos, sin, slot_mapping, b.n_decode, gather, bias, pre, b.decode_slots, b.decode_slot_run)
 
 
+def decode_window_view(
+    b: StepBatch,
+    window: int,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    rot: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> StepBatch:
+    """``window_view`` of a pure decode step, from tensors alone: no value read on the host, so a
+    CUDA graph can hold it (``workers/cuda_graphs.py``). slots, lens: [B] int64, each row's ring
+    slot and length (its position + 1). Every row reads the ring's whole window, [B, window], the
+    positions past its end under a -inf bias (the eager view cuts the width to the longest row's
+    length instead: the same attention, a shape that depends on the lengths)."""
+    cos, sin = rot if rot is not None else (b.rot_cos, b.rot_sin)
+    dev = lens.device
+    pos = (lens - window).clamp(min=0)[:, None] + torch.arange(window, device=dev)[None, :]  # [B, W]
+    gather = slots[:, None] * window + pos % window
+    bias = torch.zeros(pos.shape, dtype=torch.float32, device=dev)
+    bias = bias.masked_fill_(pos >= lens[:, None], float("-inf"))[:, None, None, :]  # [B, 1, 1, W]
+    mapping = slots * window + (lens - 1) % window  # [B]: each row's own ring row
+    return StepBatch(cos, sin, mapping, b.n_decode, gather, bias, [], b.decode_slots, None)
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
