@@ -11,11 +11,13 @@ import gc
 import weakref
 
 import pytest
+import torch
 
 from pantheon.core.protocol import SamplingParams
 from workers import cuda_graphs
 from workers.cuda_graphs import DecodeGraphs, graph_sizes
 from workers.engine import Engine
+from workers.models.base import rounded
 
 # Prompts of several lengths and answers of several lengths: the batch shrinks from 5 rows to 1
 # (graphs of 8, 4, 2 and 1 rows, padded), contexts cross block boundaries (block_size 16).
@@ -167,3 +169,13 @@ def test_hybrid_and_expert_models_capture_on_cuda(model_factory):
     assert not eng.compiler.state.startswith("failed"), eng.compiler.state
     assert eng.compiler.checked == {8, 4, 2, 1}
     assert all(len(v) == n for v, n in zip(out.values(), LENGTHS))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_rounded_scale_multiplies_as_its_tensor_did(dtype):
+    """Gemma's embedding scales multiply by ``rounded(x, dtype)`` (a Python float), not by a 0-dim
+    tensor made on the device each step (a host-to-device copy, refused inside a capture): the
+    products are the same to the bit."""
+    a = torch.randn(257, 64).to(dtype)
+    for x in (24.0**0.5, 1536**0.5, 33.3):
+        assert torch.equal(a * torch.tensor(x).to(dtype), a * rounded(x, dtype))

@@ -3,6 +3,7 @@ or several devices), final norm and LM head. Families supply the layers and the 
 
 from __future__ import annotations
 
+import functools
 from typing import cast
 
 import torch
@@ -12,6 +13,15 @@ from torch import nn
 from workers.cache import LayerCache
 from workers.kernels import decode_layer
 from workers.layers.attention import StepBatch
+
+
+@functools.cache
+def rounded(x: float, dtype: torch.dtype) -> float:
+    """``x`` rounded to ``dtype``, as a Python float: a multiply by it is the multiply by a 0-dim
+    tensor of that dtype (the scale a checkpoint's reference rounds first, Gemma's embedding
+    scales), without the host-to-device copy such a tensor costs each step, which a CUDA
+    graph's capture refuses."""
+    return torch.tensor(x, dtype=torch.float64).to(dtype).item()
 
 
 class DecoderLayer(nn.Module):

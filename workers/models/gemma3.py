@@ -24,7 +24,7 @@ from workers.layers.norms import ZeroCenteredRMSNorm
 from workers.layers.rotary import rotate
 from workers.layers.sliding import ring_attention
 from workers.models import Target
-from workers.models.base import DecoderLayer, DecoderLM
+from workers.models.base import DecoderLayer, DecoderLM, rounded
 from workers.models.llama import GGUF_LAYER as LLAMA_GGUF_LAYER
 from workers.models.llama import GGUF_TOP, attention_targets, gguf_name_from, mlp_targets, top_targets
 
@@ -107,7 +107,7 @@ class Gemma3LM(DecoderLM):
         """input_ids: [N] -> hidden states after the final norm: [N, hidden]."""
         w = self.embed_tokens.weight
         # sqrt(hidden) as a tensor in the embedding's dtype, as transformers rounds it
-        h = self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, device=w.device).to(w.dtype)
+        h = self.embed_tokens(input_ids) * rounded(self.embed_scale, w.dtype)
         for i, layer in enumerate(self.layers):
             dev = self.layer_devices[i]
             if h.device != dev:

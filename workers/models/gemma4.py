@@ -40,7 +40,7 @@ from workers.layers.norms import RMSNorm
 from workers.layers.rotary import qk_tables, rotate
 from workers.layers.sliding import ring_attention, ring_write_prefills
 from workers.models import Target
-from workers.models.base import DecoderLM
+from workers.models.base import DecoderLM, rounded
 from workers.models.gemma3 import GeGLU
 from workers.models.llama import GGUF_LAYER as LLAMA_GGUF_LAYER
 from workers.models.llama import GGUF_TOP as LLAMA_GGUF_TOP
@@ -240,9 +240,7 @@ class Gemma4LM(DecoderLM):
         """[N] ids and their scaled embeddings [N, hidden] -> each layer's input [N, L, P]."""
         d = self.desc
         w = self.embed_tokens_per_layer.weight
-        tok = self.embed_tokens_per_layer(input_ids) * torch.tensor(d.ple_dim**0.5, device=w.device).to(
-            w.dtype
-        )
+        tok = self.embed_tokens_per_layer(input_ids) * rounded(d.ple_dim**0.5, w.dtype)
         proj = self.per_layer_model_projection(h) * d.hidden_size**-0.5
         proj = self.per_layer_projection_norm(proj.view(-1, d.num_layers, d.ple_dim))
         return (proj + tok.view(-1, d.num_layers, d.ple_dim)) * 2.0**-0.5
@@ -279,7 +277,7 @@ class Gemma4LM(DecoderLM):
         """input_ids: [N] -> hidden states after the final norm: [N, hidden]."""
         w = self.embed_tokens.weight
         # sqrt(hidden) as a tensor in the embedding's dtype, as transformers rounds it
-        h = self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, device=w.device).to(w.dtype)
+        h = self.embed_tokens(input_ids) * rounded(self.embed_scale, w.dtype)
         ple = self._per_layer_inputs(input_ids, h) if self.desc.ple_dim else None
         step = _Step()
         for i, a in enumerate(self.desc.attn):
