@@ -12,6 +12,7 @@ import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pantheon.core.protocol import SamplingParams
 from workers import cuda_graphs
@@ -179,3 +180,61 @@ def test_a_rounded_scale_multiplies_as_its_tensor_did(dtype):
     a = torch.randn(257, 64).to(dtype)
     for x in (24.0**0.5, 1536**0.5, 33.3):
         assert torch.equal(a * torch.tensor(x).to(dtype), a * rounded(x, dtype))
+
+
+class _HostReads(TorchDispatchMode):
+    """Records the ops that read a device value back to the host or copy host data to the device:
+    inside a CUDA graph's capture each is refused (or waits for the device, which a replay
+    cannot), so a step that dispatches one cannot be captured."""
+
+    FORBIDDEN = ("lift_fresh", "item", "_local_scalar_dense", "is_nonzero", "nonzero", "bincount")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.FORBIDDEN:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "preset", ["tiny-llama", "tiny", "tiny-qwen3.5-text", "tiny-gemma3", "tiny-gpt-oss", "tiny-gemma4"]
+)
+def test_the_graph_step_never_reads_the_host(model_factory, monkeypatch, preset):
+    """The step a graph holds, run here through torch's own layers (the native CPU layers off,
+    attention by the torch gather), dispatches no op that a capture would refuse: what a CUDA die
+    captures is this code. (A mixture of experts is left out: on the CPU, and in fp32 on CUDA,
+    its experts loop over the counts read back; bf16 on CUDA takes the grouped GEMM instead.)"""
+    monkeypatch.setenv("PANTHEON_ATTN_KERNEL", "0")
+    eng = Engine(
+        str(model_factory(preset, dtype="float32")),
+        dtype="float32",
+        kv_budget_bytes=8 << 20,
+        compile_decode=False,
+        cuda_graphs=True,
+        num_slots=6,
+    )
+    eng.model.fused_layers = None  # (the CPU's native layers: a CUDA die runs the torch ones)
+    g = eng.compiler
+    assert isinstance(g, DecodeGraphs)
+    modes: list[_HostReads] = []
+
+    def watched(fn):
+        def run():
+            mode = _HostReads()
+            modes.append(mode)
+            with mode:
+                return fn()
+
+        return run
+
+    g.run = {size: watched(fn) for size, fn in g.run.items()}
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        eng.submit(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    assert len(modes) >= max(LENGTHS) - 2
+    assert [m.seen for m in modes if m.seen] == []

@@ -139,8 +139,15 @@ def qk_tables(
     if d > 2 * half:
         c = torch.cat((c, c.new_ones(n, d - 2 * half)), dim=-1)  # [N, D]
         s = torch.cat((s, s.new_zeros(n, d - 2 * half)), dim=-1)
-    scale = torch.ones(1, n_heads + n_kv, 1, dtype=torch.float32, device=cos.device)
-    scale[:, :n_heads] = d**-0.5 if q_scale is None else q_scale
+    # [1, H + KV, 1]: built by fills (a slice assigned a Python number lifts it into a host tensor
+    # first: a host-to-device copy on a GPU, which a CUDA graph's capture refuses)
+    qs = d**-0.5 if q_scale is None else q_scale
+    scale = torch.cat(
+        (
+            torch.full((n_heads,), qs, dtype=torch.float32, device=cos.device),
+            torch.ones(n_kv, dtype=torch.float32, device=cos.device),
+        )
+    )[None, :, None]
     return (c[:, None, :] * scale).to(dtype), (s[:, None, :] * scale).to(dtype)
 
 
