@@ -9,6 +9,7 @@ from the chunk's last position, as transformers does for a single sequence.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -139,16 +140,16 @@ def qk_tables(
     if d > 2 * half:
         c = torch.cat((c, c.new_ones(n, d - 2 * half)), dim=-1)  # [N, D]
         s = torch.cat((s, s.new_zeros(n, d - 2 * half)), dim=-1)
-    # [1, H + KV, 1]: built by fills (a slice assigned a Python number lifts it into a host tensor
-    # first: a host-to-device copy on a GPU, which a CUDA graph's capture refuses)
-    qs = d**-0.5 if q_scale is None else q_scale
-    scale = torch.cat(
-        (
-            torch.full((n_heads,), qs, dtype=torch.float32, device=cos.device),
-            torch.ones(n_kv, dtype=torch.float32, device=cos.device),
-        )
-    )[None, :, None]
+    scale = _qk_scale(n_heads, n_kv, d**-0.5 if q_scale is None else q_scale, cos.device)
     return (c[:, None, :] * scale).to(dtype), (s[:, None, :] * scale).to(dtype)
+
+
+@functools.cache
+def _qk_scale(n_heads: int, n_kv: int, q_scale: float, device: torch.device) -> torch.Tensor:
+    """[1, H + KV, 1] fp32: ``q_scale`` on the q heads, 1 on the k heads. Made once per shape and
+    device, not each step: fewer ops a step, and a CUDA graph's capture (which refuses the
+    host-to-device copy that making it costs) finds it made by the warm-up before."""
+    return torch.tensor([q_scale] * n_heads + [1.0] * n_kv, dtype=torch.float32).view(1, -1, 1).to(device)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, rotary_dim: int = 0) -> torch.Tensor:
