@@ -55,6 +55,8 @@ from workers.layers.sliding import decode_window_view
 from workers.models.base import DecoderLM
 
 if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # (what CUDAGraph.pool() returns: an id pair)
+
     from workers.block_manager import BlockManager
     from workers.scheduler import Sequence
 
@@ -143,10 +145,15 @@ class DecodeGraphs:
         self.table = self.static[5 * big :].view(big, self.width)  # [big, width]
         self._pad_all()
         self.run: dict[int, Callable[[], torch.Tensor]] = {}
+        self._pool: _POOL_HANDLE | None = None  # the graphs' shared memory pool, once one is captured
         t0 = time.monotonic()
-        with torch.inference_mode():
-            for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool
-                self.run[size] = self._capture(size) if capture else self._eager(size)
+        try:
+            with torch.inference_mode():
+                for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool
+                    self.run[size] = self._capture(size) if capture else self._eager(size)
+        except BaseException:
+            self.close()  # a capture that fails gives its padding block back
+            raise
         self.seconds = time.monotonic() - t0
         self.state = f"{CAPTURED}: batch {','.join(map(str, self.sizes))} to {self.max_context} positions" + (
             "" if self.kernel else " (attention by gather)"
@@ -189,10 +196,9 @@ class DecodeGraphs:
                 self._forward(n)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        pool = getattr(self, "_pool", None)
         # thread_local: the worker loads on a thread of its own while its main loop steps the
         # other models on this device; "global" would refuse their allocations during capture
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._forward(n)
         self._pool = graph.pool()
 

@@ -79,6 +79,17 @@ def test_graph_steps_give_the_eager_tokens(model_factory, monkeypatch, kernel):
     assert g.fallbacks == 0
 
 
+def test_a_capture_that_fails_leaves_the_runner_eager_and_its_blocks_free(model_factory):
+    """Capturing on a CPU die fails (no CUDA stream): the runner says why, stays eager, and the
+    padding block goes back to the pool."""
+    path = model_factory("tiny-llama", dtype="float32")
+    eng = Engine(str(path), dtype="float32", kv_budget_bytes=4 << 20, compile_decode=False)
+    free = eng.blocks.num_free
+    got = eng.runner.capture_graphs(eng.max_model_len, capture=True)
+    assert isinstance(got, str) and got.startswith("capture failed: "), got
+    assert eng.runner.graphs is None and eng.blocks.num_free == free
+
+
 def test_closing_the_engine_lets_its_graphs_go(model_factory):
     """The worker frees a closed engine's memory while still holding the engine (gc, then the
     die's empty_cache): the graphs (the model, the caches, the graphs' pool) must go with close."""
