@@ -50,7 +50,7 @@ import torch
 
 from workers.cache import KVCache, LayerCache, StateCache
 from workers.compiled import check_logits
-from workers.layers.attention import StepBatch
+from workers.layers.attention import StepBatch, block_rows
 from workers.layers.sliding import decode_window_view
 from workers.models.base import DecoderLM
 
@@ -168,8 +168,7 @@ class DecodeGraphs:
         tab, lens = self.table[:n], self.lens[:n]  # [n, width], [n]
         gather = bias = None
         if not self.kernel:  # every table position's rows, -inf past each row's length
-            bs = self.block_size
-            gather = (tab[:, :, None] * bs + torch.arange(bs, device=self.device)).view(n, -1)  # [n, T]
+            gather = block_rows(tab, self.block_size)  # [n, T]
             t = torch.arange(gather.shape[1], device=self.device)
             bias = torch.zeros(gather.shape, dtype=torch.float32, device=self.device)
             bias = bias.masked_fill_(t[None, :] >= lens[:, None], float("-inf"))[:, None, None, :]

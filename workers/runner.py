@@ -18,7 +18,7 @@ from pantheon.core.kv_types import KvCacheTypes
 from workers.block_manager import BlockManager
 from workers.cache import KVCache, LayerCache, StateCache, kv_block_bytes, make_caches
 from workers.kernels import decode_layer, paged
-from workers.layers.attention import PrefillChunk, StepBatch, VerifyRun
+from workers.layers.attention import PrefillChunk, StepBatch, VerifyRun, block_rows
 from workers.layers.rotary import Rotary, qk_tables
 from workers.layers.sliding import window_view
 from workers.model_config import ModelConfig
@@ -213,22 +213,9 @@ class ModelRunner:
         bs = self.blocks.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _gather(self, tables: list[list[int]], length: int) -> torch.Tensor:
-        """Cache rows of positions 0..length-1 for each table: [B, length] int64.
-
-        Built from the block tables with tensor ops (B * blocks Python ints, not B * length):
-        this runs every step for every decoding sequence. Positions past a table's end point
-        into block 0 and must be masked by the caller.
-        """
-        bs = self.blocks.block_size
-        tab = self._block_tab(tables, length)
-        nb = tab.shape[1]
-        rows = tab[:, :, None] * bs + torch.arange(bs)  # [B, nb, bs]
-        return rows.view(len(tables), nb * bs)[:, :length].to(self.main)
-
     def _block_tab(self, tables: list[list[int]], length: int) -> torch.Tensor:
         """The blocks holding positions 0..length-1 of each table: [B, nb] int64 on the CPU
-        (padding: block 0, masked by the caller)."""
+        (padding: block 0, masked by the caller); ``block_rows`` gives their cache rows."""
         nb = -(-length // self.blocks.block_size)
         return torch.tensor([t[:nb] + [0] * (nb - len(t[:nb])) for t in tables], dtype=torch.long)
 
@@ -311,9 +298,7 @@ class ModelRunner:
             t = max(lens)
             dec_tables = [s.block_table for s, _n in dec_rows]
             dec_blocks = self._block_tab(dec_tables, t)  # [B, nb]: attention reads whole blocks
-            bs = self.blocks.block_size
-            rows = dec_blocks[:, :, None] * bs + torch.arange(bs)
-            dec_gather = rows.view(n_decode, -1)[:, :t].to(dev)  # [B, T]
+            dec_gather = block_rows(dec_blocks, self.blocks.block_size)[:, :t].to(dev)  # [B, T]
             dec_blocks = dec_blocks.to(dev)
             dec_lens = torch.tensor(lens, dtype=torch.long, device=dev)  # the paged kernel's bound
             if min(lens) < t:  # some rows are padded: mask their tail
@@ -322,10 +307,10 @@ class ModelRunner:
                 dec_bias = dec_bias.masked_fill_(pad, float("-inf"))[:, None, None, :]  # [B, 1, 1, T]
         pre = []
         for start, end, p0, p1, table, state_slot in chunks:
-            gather = self._gather([table], p1)[0]  # [T]
+            blocks = self._block_tab([table], p1)  # [1, nb]: the CUDA prefill kernel reads the pool by these
+            gather = block_rows(blocks, self.blocks.block_size)[0, :p1].to(dev)  # [T]
             # No mask: causal after p0 cached positions (paged_attention builds one if it needs it)
-            blocks = self._block_tab([table], p1)[0]  # [nb]: the CUDA prefill kernel reads the pool by these
-            pre.append(PrefillChunk(start, end, gather, None, state_slot, fresh=p0 == 0, blocks=blocks))
+            pre.append(PrefillChunk(start, end, gather, None, state_slot, fresh=p0 == 0, blocks=blocks[0]))
 
         base = StepBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre, dec_slots, slot_run)
         base.positions = pos_t  # for layers that build their own rotary tables (Gemma 4's full ones)

@@ -129,6 +129,14 @@ class StepBatch:
 AttnBatch = StepBatch  # the name the attention code grew up with
 
 
+def block_rows(tab: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool rows of block tables: [B, nb] block ids -> [B, nb * block_size] int64, the rows of
+    positions 0 .. nb * block_size - 1 in order (block j's position i in row ``tab[b, j] *
+    block_size + i``), on ``tab``'s device. Tensor ops: B * nb ids in, never B * T Python ints."""
+    rows = tab[:, :, None] * block_size + torch.arange(block_size, device=tab.device)  # [B, nb, bs]
+    return rows.view(tab.shape[0], -1)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
