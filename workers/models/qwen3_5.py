@@ -159,12 +159,9 @@ class GatedDeltaNet(nn.Module):
             conv_pool.index_copy_(0, slots, conv_new)
             q, k, v = self._split(out)
             if fla:  # FLA's fused step (workers/kernels/fla_gdn.py): new states, written back
-                rows = ssm_pool[run : run + nd] if run is not None else ssm_pool[slots]
-                o, ssm_new = fla_gdn.step(q, k, v, g[:nd], beta[:nd], rows)
-                if run is not None:
-                    ssm_pool[run : run + nd] = ssm_new
-                else:
-                    ssm_pool.index_copy_(0, slots, ssm_new)
+                at = slots if run is None else slice(run, run + nd)
+                o, ssm_new = fla_gdn.step(q, k, v, g[:nd], beta[:nd], ssm_pool[at])
+                ssm_pool[at] = ssm_new
             elif run is not None:
                 o, _ = recurrent_gated_delta_step(
                     q, k, v, g[:nd], beta[:nd], ssm_pool[run : run + nd], inplace=True
