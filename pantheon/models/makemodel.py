@@ -52,6 +52,23 @@ _COMMON = dict(
 )
 
 
+def _llama(*, rope_theta: float, tie_word_embeddings: bool, **shapes) -> dict:
+    """A Llama config: no biases; ``shapes`` (and any key of ``_COMMON`` they override, such
+    as ``rope_scaling``) after the common keys."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": rope_theta,
+        "tie_word_embeddings": tie_word_embeddings,
+        **_COMMON,
+        **shapes,
+    }
+
+
 def _qwen3(**shapes) -> dict:
     return dict(
         architectures=["Qwen3ForCausalLM"],
@@ -245,18 +262,7 @@ PRESETS: dict[str, dict] = {
     # Qwen3 architecture: per-head RMSNorm on q and k, no biases, tied embeddings.
     "tiny": _qwen3(**_TINY_SHAPES),
     # Llama: untied lm_head, no biases.
-    "tiny-llama": dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        attention_bias=False,
-        mlp_bias=False,
-        pretraining_tp=1,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-        **_COMMON,
-        **_TINY_SHAPES,
-    ),
+    "tiny-llama": _llama(rope_theta=500000.0, tie_word_embeddings=False, **_TINY_SHAPES),
     # Qwen2: q/k/v biases (always on in Qwen2, so no attention_bias key), tied embeddings.
     "tiny-qwen2": dict(
         architectures=["Qwen2ForCausalLM"],
@@ -282,16 +288,9 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=40960,
     ),
     # SmolLM2-135M's shapes (Llama, tied embeddings), for timing runs (bench/gpu_check.py).
-    "smollm2-135m": dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        attention_bias=False,
-        mlp_bias=False,
-        pretraining_tp=1,
-        rms_norm_eps=1e-5,
+    "smollm2-135m": _llama(
         rope_theta=100000.0,
         tie_word_embeddings=True,
-        **_COMMON,
         hidden_size=576,
         intermediate_size=1536,
         num_hidden_layers=30,
@@ -303,32 +302,25 @@ PRESETS: dict[str, dict] = {
     ),
     # Llama-3.1-8B's shapes (untied head, llama3 RoPE scaling), for timing runs: 16 GB in bf16,
     # written with fast=True (make-model --fast-random) in seconds.
-    "llama-3.1-8b": {
-        **_COMMON,
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "rope_scaling": {
+    "llama-3.1-8b": _llama(
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        rope_scaling={
             "rope_type": "llama3",
             "factor": 8.0,
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         },
-        "tie_word_embeddings": False,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 128256,
-        "max_position_embeddings": 131072,
-    },
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+    ),
     # Qwen3.5 as the Hub ships it (Qwen3_5ForConditionalGeneration), tiny: 3 DeltaNet layers + 1
     # full attention, a 2-block vision tower, one MTP layer, tied embeddings.
     "tiny-qwen3.5": _qwen35_vlm(
