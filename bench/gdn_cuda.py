@@ -46,6 +46,22 @@ def timed(fn: Callable[[int], object], reps: int, sets: int) -> float:
     return statistics.median(times)
 
 
+def inputs(
+    lead: tuple[int, ...], state: tuple[int, ...], dev: torch.device, dt: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """Fresh random (q, k, v, g, beta, state): q, k [*lead, HK, DK], v [*lead, HV, DV] in ``dt``;
+    log decays g and betas [*lead, HV] fp32; fp32 states [*state, HV, DK, DV]. ``lead``: (T,)
+    for one sequence's prefill, (B,) for a decode step; ``state``: () or (B,) to match."""
+    return (
+        torch.randn(*lead, HK, DK, device=dev, dtype=dt),
+        torch.randn(*lead, HK, DK, device=dev, dtype=dt),
+        torch.randn(*lead, HV, DV, device=dev, dtype=dt),
+        -torch.rand(*lead, HV, device=dev) * 0.5,
+        torch.rand(*lead, HV, device=dev),
+        torch.randn(*state, HV, DK, DV, device=dev) * 0.1,
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -67,17 +83,7 @@ def main() -> int:
     summary = []
     for t in (512,) if args.quick else (512, 4096):
         sets = 2
-        ins = [
-            (
-                torch.randn(t, HK, DK, device=dev, dtype=dt),
-                torch.randn(t, HK, DK, device=dev, dtype=dt),
-                torch.randn(t, HV, DV, device=dev, dtype=dt),
-                -torch.rand(t, HV, device=dev) * 0.5,
-                torch.rand(t, HV, device=dev),
-                torch.randn(HV, DK, DV, device=dev) * 0.1,
-            )
-            for _ in range(sets)
-        ]
+        ins = [inputs((t,), (), dev, dt) for _ in range(sets)]
         ours = timed(lambda i, ins=ins: chunk_gated_delta_rule(*ins[i]), reps, sets)
         fla = timed(lambda i, ins=ins: fla_gdn.chunk(*ins[i]), reps, sets)
         print(f"{'prefill T=' + str(t):<22}{ours:>10.3f}{fla:>10.3f}{ours / fla:>8.2f}x{'':>10}")
@@ -86,17 +92,7 @@ def main() -> int:
         state_bytes = bsz * HV * DK * DV * 4
         sets = max(2, (256 << 20) // (2 * state_bytes))  # ~256 MB of states over the sets
         sets = min(sets, 16)
-        ins = [
-            (
-                torch.randn(bsz, HK, DK, device=dev, dtype=dt),
-                torch.randn(bsz, HK, DK, device=dev, dtype=dt),
-                torch.randn(bsz, HV, DV, device=dev, dtype=dt),
-                -torch.rand(bsz, HV, device=dev) * 0.5,
-                torch.rand(bsz, HV, device=dev),
-                torch.randn(bsz, HV, DK, DV, device=dev) * 0.1,
-            )
-            for _ in range(sets)
-        ]
+        ins = [inputs((bsz,), (bsz,), dev, dt) for _ in range(sets)]
         ours = timed(lambda i, ins=ins: recurrent_gated_delta_step(*ins[i]), reps, sets)
         fla = timed(lambda i, ins=ins: fla_gdn.step(*ins[i]), reps, sets)
         gbs = 2 * state_bytes / (fla / 1e3) / 1e9
