@@ -62,14 +62,12 @@ def main() -> int:
     print(f"{Path(str(f)).name}, {len(prompt)} prompt positions, against the fp32 path\n")
     print("| linears | path | max error / scale | top-1 same | KL(ref || ours) |\n|---|---|---:|---:|---:|")
     settings = (
-        [("1", "int8"), ("1", "bf16"), ("0", "int8")]
-        if qlinear.has_bf16()
-        else [("1", "int8"), ("0", "int8")]
+        [("1", "fp32"), ("1", "int8")] + ([("1", "bf16")] if qlinear.has_bf16() else []) + [("0", "int8")]
     )
     for kernel, acts in settings:
         os.environ["PANTHEON_LINEAR_KERNEL"] = kernel
         os.environ["PANTHEON_LINEAR_ACTIVATIONS"] = acts
-        qlinear.bf16_activations.cache_clear()
+        qlinear.activations.cache_clear()
         for path in ("int4", "int8") if acts == "int8" else ("int4",):
             got = logits(path)
             err = float((got - ref).abs().max() / ref.abs().max())

@@ -68,10 +68,8 @@ def main() -> int:
     print(f"kernel: {qlinear.describe()}; torch {torch.__version__}, {args.threads} threads")
     g = torch.Generator().manual_seed(0)
     bf = qlinear.has_bf16()
-    print("\n(ours: int8 activations; ours bf16: the int4 x bf16 kernel, AVX512_BF16 only)")
-    print(
-        "\n| layer | layout | rows | ours ms | ours bf16 ms | torch ms | torch / ours | torch / ours bf16 |"
-    )
+    print("\n(ours: int8 / fp32 / bf16 activations (bf16: AVX512_BF16 only); torch: bf16 activations)")
+    print("\n| layer | layout | rows | ours int8 ms | ours fp32 ms | ours bf16 ms | torch ms | fp32 / int8 |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name, n, k in [*LAYER, HEAD]:
         kind = "int8" if name == "head" else "int4"
@@ -80,14 +78,16 @@ def main() -> int:
             x = torch.randn(m, k, generator=g).bfloat16()
             reps = max(10, args.reps // m // (8 if name == "head" else 1))
             if isinstance(ours, Int4Linear):
-                w, s = ours.weight, ours.scales_mins
-                a = _best(lambda: qlinear.q4_linear(x, w, s, bf16=False), reps, args.rounds)  # noqa: B023
-                a2 = _best(lambda: qlinear.q4_linear(x, w, s, bf16=True), reps, args.rounds) if bf else None  # noqa: B023
+                w, s, xf = ours.weight, ours.scales_mins, x.float()
+                a = _best(lambda: qlinear.q4_linear(x, w, s, acts="int8"), reps, args.rounds)  # noqa: B023
+                af = _best(lambda: qlinear.q4_linear(xf, w, s, acts="fp32"), reps, args.rounds)  # noqa: B023
+                a2 = _best(lambda: qlinear.q4_linear(x, w, s, acts="bf16"), reps, args.rounds) if bf else None  # noqa: B023
             else:
-                a, a2 = _best(lambda: ours(x), reps, args.rounds), None  # noqa: B023 - called at once
+                a, af, a2 = _best(lambda: ours(x), reps, args.rounds), None, None  # noqa: B023 - called at once
             b = _best(lambda: theirs(x), reps, args.rounds)  # noqa: B023
-            c2, r2 = ("-", "-") if a2 is None else (f"{a2:.4f}", f"{b / a2:.2f}x")
-            print(f"| {name} [{n}, {k}] | {kind} | {m} | {a:.4f} | {c2} | {b:.4f} | {b / a:.2f}x | {r2} |")
+            cf, rf = ("-", "-") if af is None else (f"{af:.4f}", f"{af / a:.2f}x")
+            c2 = "-" if a2 is None else f"{a2:.4f}"
+            print(f"| {name} [{n}, {k}] | {kind} | {m} | {a:.4f} | {cf} | {c2} | {b:.4f} | {rf} |")
     # a model's pass at one row: every layer's weights once, then the head
     layers = {True: [], False: []}
     for _ in range(30):
@@ -106,9 +106,9 @@ def main() -> int:
     print(
         "\n| model pass, 1 row | activations | ours ms | torch ms | torch / ours |\n|---|---|---:|---:|---:|"
     )
-    for acts in ("int8", "bf16") if bf else ("int8",):
+    for acts in ("int8", "fp32", "bf16") if bf else ("int8", "fp32"):
         os.environ["PANTHEON_LINEAR_ACTIVATIONS"] = acts
-        qlinear.bf16_activations.cache_clear()
+        qlinear.activations.cache_clear()
         for with_head in (False, True):
             a = _best(lambda: run(True, with_head), 20, args.rounds)  # noqa: B023
             b = _best(lambda: run(False, with_head), 20, args.rounds)  # noqa: B023

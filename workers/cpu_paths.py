@@ -21,6 +21,7 @@ can. The bytes each path allocates are what ``pantheon.core.sizing.estimate`` co
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -111,7 +112,8 @@ def probe(name: str) -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure means: not on this host
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     want = torch.cat([ref[:1], ref])
-    tol = _TOLERANCE[spec.dtype] * (8 if spec.lossy else 1)
+    # a lossy layout's error is its quantization's, whatever the dtype around it
+    tol = _TOLERANCE[torch.bfloat16] * 8 if spec.lossy else _TOLERANCE[spec.dtype]
     err = float((got - want).abs().max() / want.abs().max())
     if not err <= tol:  # also catches NaN
         return f"wrong results (relative error {err:.2g} > {tol:g})"
@@ -329,9 +331,10 @@ def choose(cfg: ModelDescription, names: list[str], rounds: int = 5, margin: flo
 
 
 def head_spec(spec: PathSpec) -> PathSpec:
-    """How the path lays out the LM head: as its linears, but int4's head in int8 rows (a file's
-    head or tied table is seldom stored in 4 bits: SmolLM2's Q4_1 file keeps it in Q8_0)."""
-    return PATHS["int8"] if spec.layout == "int4" else spec
+    """How the path lays out the LM head: as its linears, but int4's head in int8 rows in the
+    path's dtype (a file's head or tied table is seldom stored in 4 bits: SmolLM2's Q4_1 file
+    keeps it in Q8_0)."""
+    return dataclasses.replace(PATHS["int8"], dtype=spec.dtype) if spec.layout == "int4" else spec
 
 
 def apply(model: DecoderLM, name: str, cfg: ModelDescription | None = None) -> None:

@@ -135,7 +135,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("weight", packed)
             self.register_buffer("scales_mins", scales)
         else:
-            packed, scales = int4_groups(weight)
+            packed, scales = int4_groups(weight.to(torch.bfloat16))
             self.register_buffer("weight", packed)
             self.register_buffer("scales_zeros", scales)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -143,8 +143,11 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, K] bf16 -> [M, N]
-        if not self.ours:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_zeros)
+        if not self.ours:  # torch's kernel takes bf16 scales and activations alike (16-bit scales
+            # whatever the path's dtype: what sizing books)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.weight, INT4_GROUP, self.scales_zeros
+            ).to(x.dtype)
         else:
             y = qlinear.q4_linear_op(x, self.weight, self.scales_mins)
         return y if self.bias is None else y + self.bias

@@ -137,17 +137,20 @@ class Estimate:
 # packed: oneDNN-prepacked, the same bytes, plus a packed copy of a tied LM head (the table stays
 # for lookups); int8: weight-only int8 linears and head with one scale per output row (lossy: for
 # loads that ask to quantize, and files stored quantized already); int4: the decoder's linears in
-# 4-bit groups of 32 with a bf16 scale and zero each, the head in int8 rows (only for files whose
-# linears are stored in 4-bit groups already: it gives their own levels back).
+# 4-bit groups of 32 with a 16-bit scale and zero each, the head in int8 rows (only for files whose
+# linears are stored in 4-bit groups already: it gives their own levels back), its activations,
+# norms and residual stream in fp32 (issue 40: in bf16 their rounding flipped the default model's
+# near-tied greedy answers from one host's kernels to another's; llama.cpp keeps fp32 there too).
 CPU_PATHS: dict[str, tuple[str, str, bool]] = {
     "bf16-packed": ("bfloat16", "packed", False),
     "bf16": ("bfloat16", "dense", False),
     "fp32-packed": ("float32", "packed", False),
     "fp32": ("float32", "dense", False),
     "int8": ("bfloat16", "int8", True),
-    "int4": ("bfloat16", "int4", True),
+    "int4": ("float32", "int4", True),
 }
 INT4_GROUP = 32  # weights per scale and zero in the int4 layout
+INT4_SCALE_BYTES = 2  # each group's scale and zero: fp16 (our kernel) or bf16 (torch's), whatever the dtype
 
 
 def int4_fits(n: int, k: int) -> bool:
@@ -196,8 +199,13 @@ def cpu_path_names(
     too when the file is stored quantized already (int8 rows lose less than its 4-bit blocks
     did), int4 only when its linears are 4-bit groups already (``int4_source``), the load's
     ``dtype`` when one is asked for, and only those that probed well (``works``: a worker's
-    Hello ``cpu_paths``; None: not known yet, so all of them)."""
-    return [
+    Hello ``cpu_paths``; None: not known yet, so all of them).
+
+    A 4-bit file loaded as it is (no ``quantize``, no ``dtype``) goes on int4 alone where int4
+    works: its own levels, fp32 activations, so its answers are the file's on every host, where
+    a choice timed among paths of other numerics would make them depend on the host's speeds
+    (issue 40)."""
+    names = [
         n
         for n, (dt, layout, lossy) in CPU_PATHS.items()
         if (lossy if quantize else (not lossy or quantized_source))
@@ -205,6 +213,9 @@ def cpu_path_names(
         and (dtype == "auto" or dt == dtype)
         and (works is None or works.get(n) == "")
     ]
+    if int4_source and not quantize and dtype == "auto" and "int4" in names:
+        return ["int4"]
+    return names
 
 
 def dtype_bytes(dtype: str, shape: ModelDescription) -> int:
@@ -222,7 +233,8 @@ def _linear_bytes(mats: tuple[tuple[int, int], ...], layout: str, b: int) -> int
         return sum(n * k + n * b for n, k in mats)
     if layout == "int4":
         return sum(
-            n * k // 2 + n * k // INT4_GROUP * 2 * b if int4_fits(n, k) else n * k + n * b for n, k in mats
+            n * k // 2 + n * k // INT4_GROUP * 2 * INT4_SCALE_BYTES if int4_fits(n, k) else n * k + n * b
+            for n, k in mats
         )
     return sum(n * k * b for n, k in mats)
 

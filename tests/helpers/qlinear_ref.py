@@ -1,6 +1,7 @@
 """What ``workers/kernels/qmatmul.c`` computes, in torch, from the same integers: activations
 quantized per group of 32 (scale absmax / 127, round half to even), integer dot products per
-group, float scales after. Only the order of the float sums differs from the kernel's, so a
+group, float scales after; or the activations as they are (fp32) or rounded to bf16 against the
+dequantized weights, in float64. Only the order of the float sums differs from the kernel's, so a
 kernel that reads one byte from the wrong place is off by the order of the outputs, and one
 that is right by ~1e-6 of them.
 
@@ -50,11 +51,11 @@ def q4_ref(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     return y.float()
 
 
-def q4_ref_bf16(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """The int4 weight against the activations rounded to bf16 (no int8 step): what the
-    AVX512_BF16 kernel computes, in float64."""
+def q4_ref_float(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The int4 weight against the activations as ``dtype`` holds them (no int8 step): what the
+    fp32 kernel (``dtype`` fp32: x as it is) and the AVX512_BF16 one (bf16) compute, in float64."""
     w = (dm[:, 1].double()[..., None] + levels(qs) * dm[:, 0].double()[..., None]).reshape(qs.shape[0], -1)
-    return (x.bfloat16().double() @ w.t()).float()
+    return (x.to(dtype).double() @ w.t()).float()
 
 
 def q8_ref(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
@@ -63,6 +64,11 @@ def q8_ref(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
     dots = torch.einsum("mgi,ngi->mng", xq.double(), w.reshape(n, k // 32, 32).double())
     return ((dots * xd.double()[:, None]).sum(-1) * ws.double()[None]).float()
+
+
+def q8_ref_float(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as it is @ (int8 rows w [N, K] times ws [N])^T -> [M, N] fp32 (float64 sums)."""
+    return ((x.double() @ w.double().t()) * ws.double()[None]).float()
 
 
 def check() -> dict[str, float | bool | str]:
@@ -78,11 +84,15 @@ def check() -> dict[str, float | bool | str]:
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(m, k, generator=g) * 2).to(dtype)
                 cases = [
-                    (qlinear.q4_linear(x, qs, dm, bf16=False), q4_ref(x, qs, dm)),
-                    (qlinear.q8_linear(x, w8, ws), q8_ref(x, w8, ws)),
+                    (qlinear.q4_linear(x, qs, dm, acts="int8"), q4_ref(x, qs, dm)),
+                    (qlinear.q4_linear(x, qs, dm, acts="fp32"), q4_ref_float(x, qs, dm, torch.float32)),
+                    (qlinear.q8_linear(x, w8, ws, acts="int8"), q8_ref(x, w8, ws)),
+                    (qlinear.q8_linear(x, w8, ws, acts="fp32"), q8_ref_float(x, w8, ws)),
                 ]
                 if qlinear.has_bf16():
-                    cases.append((qlinear.q4_linear(x, qs, dm, bf16=True), q4_ref_bf16(x, qs, dm)))
+                    cases.append(
+                        (qlinear.q4_linear(x, qs, dm, acts="bf16"), q4_ref_float(x, qs, dm, torch.bfloat16))
+                    )
                 for got, want in cases:
                     assert got.dtype == dtype and got.shape == (m, n)
                     # a bf16 output is the sum rounded to 8 significant bits: off by at most
@@ -92,16 +102,19 @@ def check() -> dict[str, float | bool | str]:
                         off = (off - want.abs() * 2**-8).clamp(min=0)
                     worst = max(worst, float(off.max() / want.abs().max()))
                 # each row alone, and on one thread, is the batched row bit for bit
-                for bf in (False, True) if qlinear.has_bf16() else (False,):
-                    batched, batched8 = qlinear.q4_linear(x, qs, dm, bf16=bf), qlinear.q8_linear(x, w8, ws)
+                for acts in ("int8", "fp32", "bf16") if qlinear.has_bf16() else ("int8", "fp32"):
+                    batched = qlinear.q4_linear(x, qs, dm, acts=acts)
+                    batched8 = qlinear.q8_linear(x, w8, ws, acts=acts)
                     for i in range(m):
                         same &= torch.equal(
-                            qlinear.q4_linear(x[i : i + 1], qs, dm, bf16=bf), batched[i : i + 1]
+                            qlinear.q4_linear(x[i : i + 1], qs, dm, acts=acts), batched[i : i + 1]
                         )
-                        same &= torch.equal(qlinear.q8_linear(x[i : i + 1], w8, ws), batched8[i : i + 1])
+                        same &= torch.equal(
+                            qlinear.q8_linear(x[i : i + 1], w8, ws, acts=acts), batched8[i : i + 1]
+                        )
                     threads = torch.get_num_threads()
                     torch.set_num_threads(1)
-                    same &= torch.equal(qlinear.q4_linear(x, qs, dm, bf16=bf), batched)
-                    same &= torch.equal(qlinear.q8_linear(x, w8, ws), batched8)
+                    same &= torch.equal(qlinear.q4_linear(x, qs, dm, acts=acts), batched)
+                    same &= torch.equal(qlinear.q8_linear(x, w8, ws, acts=acts), batched8)
                     torch.set_num_threads(threads)
     return {"isa": qlinear.isa(), "bf16": qlinear.has_bf16(), "worst": worst, "same": same}

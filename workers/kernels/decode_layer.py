@@ -144,8 +144,8 @@ class Native:
         if parts.qk_norm is not None:
             p.qk_norm, p.eps_qk = self._f32(parts.qk_norm), parts.eps_qk
         p.qkv, p.o, p.gate_up, p.down = lins["qkv"], lins["o"], lins["gate_up"], lins["down"]
-        p.q4 = _fn(qlib, "qm_q4_linear_bf16" if qlinear.bf16_activations() else "qm_q4_linear")
-        p.q8 = _fn(qlib, "qm_q8_linear")
+        p.q4 = _fn(qlib, qlinear.q4_entry(qlib).__name__)
+        p.q8 = _fn(qlib, qlinear.q8_entry(qlib).__name__)
         p.attend = _fn(plib, "pd_paged_decode")
         self._addr = ctypes.addressof(p)
         self._lib = lib

@@ -1,6 +1,7 @@
 """Typed wrapper of the quantized linear kernel (``qmatmul.c``): int4-group and int8-row weights
 times activation rows, by integer dot products against int8 activations (VNNI / AVX2, a scalar
-fallback), or for int4 against bf16 ones (AVX512_BF16, ``PANTHEON_LINEAR_ACTIVATIONS=bf16``).
+fallback), or for int4 against fp32 ones (the default) or bf16 ones (AVX512_BF16):
+``PANTHEON_LINEAR_ACTIVATIONS``, ``activations()``.
 
 ``workers/quant.py``'s ``Int4Linear`` and ``Int8Linear`` call it on the CPU for every step,
 decode rows and prefill chunks alike, when ``available()``: each output row depends on its own
@@ -42,6 +43,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             "qm_q4_linear": (_I, [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]),
             "qm_q8_linear": (_I, [_P, _I, _L, _L, _P, _P, _I, _L, _P, _I, _I]),
             "qm_q4_linear_bf16": (_I, [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]),
+            "qm_q4_linear_f32": (_I, [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]),
+            "qm_q8_linear_f32": (_I, [_P, _I, _L, _L, _P, _P, _I, _L, _P, _I, _I]),
             "qm_has_bf16": (_I, None),
             "qm_isa": (ctypes.c_char_p, None),
         },
@@ -58,22 +61,43 @@ def has_bf16() -> bool:
     return lib is not None and bool(lib.qm_has_bf16())
 
 
-ACTIVATIONS = ("int8", "bf16")
+ACTIVATIONS = ("fp32", "bf16", "int8")
 
 
 @functools.cache
-def bf16_activations() -> bool:
-    """Whether int4 linears take their activations as bf16 rather than int8
-    (``PANTHEON_LINEAR_ACTIVATIONS``). ``int8``, the default: quantized per group of 32, as
-    llama.cpp's ``q4_1 x q8_1``; ``bf16`` where the build has the bf16 kernel (AVX512_BF16): the
-    quality of torch's bf16 path, at ~1.3x the decode step and ~1.6x the prefill (bench/qlinear.py,
-    bench/linear_quality.py); without it, int8."""
-    want = os.environ.get("PANTHEON_LINEAR_ACTIVATIONS", "int8").strip() or "int8"
+def activations() -> str:
+    """How int4 linears meet their activations (``PANTHEON_LINEAR_ACTIVATIONS``):
+
+    - ``fp32``, the default, every build: as they are, against the levels widened to fp32 (the
+      dequantized weight's fp32 product up to the order of sums): the same answers on every
+      host. Issue 40: rounding the activations (to int8 or bf16) is a step function, so two
+      hosts' kernels, differing only in the order of their float sums, step differently, and a
+      small model carries that to its logits: the default model's greedy answer to "What is the
+      capital of France?" was Paris on one ISA and "L'Étoile" on another;
+    - ``bf16`` (AVX512_BF16 builds; else fp32): rounded to bf16, vdpbf16ps;
+    - ``int8``: quantized per group of 32, integer dot products, as llama.cpp's ``q4_1 x q8_1``:
+      the fastest, and llama.cpp's answers (bench/qlinear.py, bench/linear_quality.py)."""
+    want = os.environ.get("PANTHEON_LINEAR_ACTIVATIONS", "fp32").strip() or "fp32"
     if want not in ACTIVATIONS:
-        log.warning("PANTHEON_LINEAR_ACTIVATIONS=%r is not one of %s: int8", want, ", ".join(ACTIVATIONS))
+        log.warning("PANTHEON_LINEAR_ACTIVATIONS=%r is not one of %s: fp32", want, ", ".join(ACTIVATIONS))
+        return "fp32"
     if want == "bf16" and not has_bf16():
-        log.warning("PANTHEON_LINEAR_ACTIVATIONS=bf16: this build has no AVX512_BF16 kernel: int8")
-    return want == "bf16" and has_bf16()
+        log.warning("PANTHEON_LINEAR_ACTIVATIONS=bf16: this build has no AVX512_BF16 kernel: fp32")
+        return "fp32"
+    return want
+
+
+def q4_entry(lib: ctypes.CDLL, acts: str | None = None):
+    """The kernel's int4 entry point for ``acts`` (default: ``activations()``)."""
+    return {"fp32": lib.qm_q4_linear_f32, "bf16": lib.qm_q4_linear_bf16, "int8": lib.qm_q4_linear}[
+        acts or activations()
+    ]
+
+
+def q8_entry(lib: ctypes.CDLL, acts: str | None = None):
+    """The kernel's int8-row entry point for ``acts``: int8 activations only for "int8" (the
+    bf16 kernel is int4's alone: int8 rows meet bf16 activations widened to fp32)."""
+    return lib.qm_q8_linear if (acts or activations()) == "int8" else lib.qm_q8_linear_f32
 
 
 def available() -> bool:
@@ -89,7 +113,7 @@ def describe() -> str:
     lib, why = _load()
     if lib is None:
         return f"torch: {why}"
-    return f"kernel {isa()}, int4 x {'bf16' if bf16_activations() else 'int8'} activations: {why}"
+    return f"kernel {isa()}, int4 x {activations()} activations: {why}"
 
 
 def isa() -> str:
@@ -133,18 +157,19 @@ def _matmul(
     return y
 
 
-def q4_linear(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, bf16: bool | None = None) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N]; W int4 groups (``workers.quant.q4_groups``). ``bf16``: the
-    activations as bf16 rather than int8 (default: ``bf16_activations()``)."""
-    lib = _lib()
-    fn = lib.qm_q4_linear_bf16 if (bf16_activations() if bf16 is None else bf16) else lib.qm_q4_linear
+def q4_linear(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, acts: str | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N]; W int4 groups (``workers.quant.q4_groups``). ``acts``: how the
+    activations are met, "fp32" | "bf16" | "int8" (default: ``activations()``)."""
+    fn = q4_entry(_lib(), acts)
     return _matmul(fn, x, qs.shape[0], (qs.data_ptr(), dm.data_ptr()), "int4")
 
 
-def q8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N]; W int8 rows w [N, K], scales ws [N] (fp32 / bf16)."""
+def q8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, acts: str | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N]; W int8 rows w [N, K], scales ws [N] (fp32 / bf16); ``acts`` as
+    ``q4_linear``'s."""
     s = ws if ws.dtype in _KINDS else ws.float()
-    return _matmul(_lib().qm_q8_linear, x, w.shape[0], (w.data_ptr(), s.data_ptr(), _KINDS[s.dtype]), "int8")
+    fn = q8_entry(_lib(), acts)
+    return _matmul(fn, x, w.shape[0], (w.data_ptr(), s.data_ptr(), _KINDS[s.dtype]), "int8")
 
 
 def _leading(

@@ -1,6 +1,7 @@
 /* Quantized-weight linear layers: y = x @ W^T with W in 4-bit groups or int8 rows, x quantized
- * on the fly to int8 in groups of 32, integer dot products (or, for int4 on AVX512_BF16 builds,
- * x in bf16 against the levels as bf16: see "int4 x bf16 activations" below).
+ * on the fly to int8 in groups of 32, integer dot products (or, for int4, x in fp32 against the
+ * levels widened to fp32, the default: see "int4 x fp32 activations"; or on AVX512_BF16 builds
+ * x in bf16 against the levels as bf16: see "int4 x bf16 activations").
  *
  * Built at run time by workers/kernels/build.py (cc -O3 -march=native -fopenmp -shared -fPIC,
  * or a lower ISA for the fallback tests) and called through ctypes by workers/kernels/qlinear.py.
@@ -504,6 +505,129 @@ static inline __attribute__((always_inline)) void q4b_tile(const uint16_t *xb, c
 #define QM_BF16 0
 #endif
 
+/* ---------------------------------------------------------------- int4 x fp32 activations
+ *
+ * The activations as they are, fp32, against the levels widened to fp32: per group the 32
+ * products summed by FMAs into 8 lanes, scaled by d once, the group's m * sum(x) added before
+ * the pass. No rounding of x at all, so a row's result differs from the dequantized weight's
+ * fp32 product only in the order of its sums: the same answer on every host. Rounding x (to
+ * int8 per group, or to bf16) is a step function of x: the smallest difference between two
+ * hosts' sums moves some values across a step, and a small model's 30 layers carry those
+ * steps to the logits (0.6 apart between this file's AVX2 and AVX-512 builds with bf16
+ * activations; the default model's greedy answer flipped with them, issue 40). Four converts
+ * and five FMAs per 32 weights a row: at one row still bound by the weights' bytes.
+ * Activations in order; xs the groups' sums.
+ */
+static void f32_sums(const float *x, int64_t M, int64_t K, float *xs) {
+    const int64_t G = K / QK;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float sum = 0.0f;
+            for (int j = 0; j < QK; j++) sum += x[m * K + g * QK + j];
+            xs[m * G + g] = sum;
+        }
+}
+
+static inline __attribute__((always_inline)) void q4f_tile(const float *xf, const float *xs, int64_t m0,
+                                                           const int mb, int64_t K, const uint8_t *qs,
+                                                           const uint16_t *dm, int64_t n0, const int nc, float *sc,
+                                                           float out[MAX_MB][NC]) {
+    const int64_t G = K / QK;
+    float cst[MAX_MB][NC];
+    for (int c = 0; c < nc; c++) { /* each group's scale, and the minima's terms */
+        const uint16_t *d = dm + (n0 + c) * 2 * G, *mn = d + G;
+        for (int r = 0; r < mb; r++) cst[r][c] = 0.0f;
+        for (int64_t g = 0; g < G; g++) {
+            sc[c * G + g] = f16_to_f32(d[g]);
+            for (int r = 0; r < mb; r++) cst[r][c] += f16_to_f32(mn[g]) * xs[(m0 + r) * G + g];
+        }
+    }
+#if QM_AVX2
+    __m256 acc[MAX_MB][NC];
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) acc[r][c] = _mm256_setzero_ps();
+    const __m128i lo4 = _mm_set1_epi8(0x0f);
+    for (int64_t g = 0; g < G; g++) {
+        for (int c = 0; c < nc; c++) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(qs + (n0 + c) * (K / 2) + g * 16));
+            _mm_prefetch((const char *)(qs + (n0 + c + AHEAD) * (K / 2) + g * 16), _MM_HINT_T0);
+            __m128i lo = _mm_and_si128(b, lo4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo4);
+            /* levels 0-7, 8-15 (low nibbles), 16-23, 24-31 (high nibbles) as fp32 */
+            __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
+            __m256 dg = _mm256_broadcast_ss(sc + c * G + g);
+            for (int r = 0; r < mb; r++) {
+                const float *xr = xf + (m0 + r) * K + g * QK;
+                __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+                for (int k = 1; k < 4; k++) dot = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xr + 8 * k), dot);
+                acc[r][c] = _mm256_fmadd_ps(dot, dg, acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) out[r][c] = hsum8(acc[r][c]) + cst[r][c];
+#else
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) {
+            const uint8_t *q = qs + (n0 + c) * (K / 2);
+            const float *xr = xf + (m0 + r) * K;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                float dot = 0.0f;
+                for (int j = 0; j < 16; j++)
+                    dot += (float)(q[g * 16 + j] & 0x0f) * xr[g * QK + j] + (float)(q[g * 16 + j] >> 4) * xr[g * QK + j + 16];
+                acc += dot * sc[c * G + g];
+            }
+            out[r][c] = acc + cst[r][c];
+        }
+#endif
+}
+
+/* int8 rows x fp32 activations (an int4 path's LM head; the int8 path's linears): the row's
+ * int8 weights widened to fp32 against x as it is, one FMA chain over K, the row's scale after
+ * (by run's caller, as for the int8 kernel) */
+static inline __attribute__((always_inline)) void q8f_tile(const float *xf, int64_t m0, const int mb, int64_t K,
+                                                           const int8_t *w, const void *ws, int skind, int64_t n0,
+                                                           const int nc, float out[MAX_MB][NC]) {
+#if QM_AVX2
+    __m256 acc[MAX_MB][NC];
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < K; i += QK) {
+        for (int c = 0; c < nc; c++) {
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (n0 + c) * K + i));
+            _mm_prefetch((const char *)(w + (n0 + c + AHEAD) * K + i), _MM_HINT_T0);
+            __m128i w0 = _mm256_castsi256_si128(wv), w1 = _mm256_extracti128_si256(wv, 1);
+            __m256 f[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w0)),
+                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w0, 8))),
+                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w1)),
+                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w1, 8)))};
+            for (int r = 0; r < mb; r++) {
+                const float *xr = xf + (m0 + r) * K + i;
+                for (int k = 0; k < 4; k++) acc[r][c] = _mm256_fmadd_ps(f[k], _mm256_loadu_ps(xr + 8 * k), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) out[r][c] = hsum8(acc[r][c]);
+#else
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) {
+            const int8_t *wr = w + (n0 + c) * K;
+            const float *xr = xf + (m0 + r) * K;
+            float acc = 0.0f;
+            for (int64_t i = 0; i < K; i++) acc += (float)wr[i] * xr[i];
+            out[r][c] = acc;
+        }
+#endif
+    for (int c = 0; c < nc; c++) {
+        float s = load_kind(ws, skind, n0 + c);
+        for (int r = 0; r < mb; r++) out[r][c] *= s;
+    }
+}
+
 /* ---------------------------------------------------------------- entry points */
 
 const char *qm_isa(void) { return QM_ISA; }
@@ -518,8 +642,9 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
         return 1;
     const int64_t G = K / QK;
     if (kind == 5 && !QM_BF16) return 1;
-    /* int8 activations (xq, xd, xs), or for kind 5 bf16 ones (xq as bf16, xs) */
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K) * (kind == 5 ? 2 : 1));
+    /* int8 activations (xq, xd, xs), for kind 5 bf16 ones (xq as bf16, xs), for kind 6 fp32
+     * ones (xq as fp32: x itself when it is fp32, else widened; xs) */
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K) * (kind == 5 ? 2 : kind == 6 || kind == 9 ? (xkind == X_F32 ? 1 : 4) : 1));
     float *xd = (float *)malloc((size_t)(M * G) * sizeof(float) * 2);
     if (!xq || !xd) {
         free(xq);
@@ -527,6 +652,12 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
         return 2;
     }
     float *xs = xd + M * G;
+    const float *xf = xkind == X_F32 ? (const float *)x : (const float *)xq;
+    if (kind == 6 || kind == 9) {
+        if (xkind != X_F32)
+            for (int64_t i = 0; i < M * K; i++) ((float *)xq)[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+        if (kind == 6) f32_sums(xf, M, K, xs);
+    } else
 #if QM_BF16
     if (kind == 5)
         bf16_rows(x, xkind, M, K, (uint16_t *)xq, xs);
@@ -539,11 +670,12 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(|| : failed)
     {
-        float *sc = kind != 8 ? (float *)malloc(sizeof(float) * MAX_MB * NC * SC_PER_RC(G)) : NULL;
-        if (kind != 8 && !sc) failed = 1;
+        const int scaled = kind != 8 && kind != 9; /* the int4 kinds use sc */
+        float *sc = scaled ? (float *)malloc(sizeof(float) * MAX_MB * NC * SC_PER_RC(G)) : NULL;
+        if (scaled && !sc) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t bi = 0; bi < blocks; bi++) {
-            if (kind != 8 && !sc) continue;
+            if (scaled && !sc) continue;
             float out[MAX_MB][NC];
             const int64_t n1 = (bi + 1) * NBLOCK < N ? (bi + 1) * NBLOCK : N;
             for (int64_t m0 = 0; m0 < M; m0 += MAX_MB) {
@@ -560,7 +692,17 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
                         else q4b_tile(xb, xs, m0, 1, K, qs, dm, n0, 1, sc, out);
                     } else
 #endif
-                    if (kind == 4) {
+                    if (kind == 6) {
+                        if (two && quad) q4f_tile(xf, xs, m0, 2, K, qs, dm, n0, NC, sc, out);
+                        else if (two) q4f_tile(xf, xs, m0, 2, K, qs, dm, n0, 1, sc, out);
+                        else if (quad) q4f_tile(xf, xs, m0, 1, K, qs, dm, n0, NC, sc, out);
+                        else q4f_tile(xf, xs, m0, 1, K, qs, dm, n0, 1, sc, out);
+                    } else if (kind == 9) {
+                        if (two && quad) q8f_tile(xf, m0, 2, K, w, ws, skind, n0, NC, out);
+                        else if (two) q8f_tile(xf, m0, 2, K, w, ws, skind, n0, 1, out);
+                        else if (quad) q8f_tile(xf, m0, 1, K, w, ws, skind, n0, NC, out);
+                        else q8f_tile(xf, m0, 1, K, w, ws, skind, n0, 1, out);
+                    } else if (kind == 4) {
                         if (two && quad) q4_tile(xq, xd, xs, m0, 2, K, qs, dm, n0, NC, sc, out);
                         else if (two) q4_tile(xq, xd, xs, m0, 2, K, qs, dm, n0, 1, sc, out);
                         else if (quad) q4_tile(xq, xd, xs, m0, 1, K, qs, dm, n0, NC, sc, out);
@@ -599,9 +741,22 @@ int qm_q4_linear_bf16(const void *x, int xkind, int64_t M, int64_t K, const uint
 
 int qm_has_bf16(void) { return QM_BF16; }
 
+/* The same with the activations in fp32, as they are (every build) */
+int qm_q4_linear_f32(const void *x, int xkind, int64_t M, int64_t K, const uint8_t *qs, const uint16_t *dm,
+                     int64_t N, void *y, int ykind, int nthreads) {
+    return run(x, xkind, M, K, N, y, ykind, nthreads, 6, qs, dm, NULL, NULL, 0);
+}
+
 /* y [M, N] = x [M, K] @ W^T, W int8 rows (w, ws of kind skind) */
 int qm_q8_linear(const void *x, int xkind, int64_t M, int64_t K, const int8_t *w, const void *ws, int skind,
                  int64_t N, void *y, int ykind, int nthreads) {
     if (skind != X_F32 && skind != X_BF16) return 1;
     return run(x, xkind, M, K, N, y, ykind, nthreads, 8, NULL, NULL, w, ws, skind);
+}
+
+/* The same with the activations in fp32, as they are (every build) */
+int qm_q8_linear_f32(const void *x, int xkind, int64_t M, int64_t K, const int8_t *w, const void *ws, int skind,
+                     int64_t N, void *y, int ykind, int nthreads) {
+    if (skind != X_F32 && skind != X_BF16) return 1;
+    return run(x, xkind, M, K, N, y, ykind, nthreads, 9, NULL, NULL, w, ws, skind);
 }
