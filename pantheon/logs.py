@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Any
 
+from pantheon.core.names import escaped, has_control
+
 ACCESS = logging.getLogger("pantheon.access")
 AUDIT = logging.getLogger("pantheon.audit")
 
@@ -40,8 +42,12 @@ class TextFormatter(logging.Formatter):
 
 
 def _text(v: Any) -> str:
+    """A field's value in a text line: quoted when it holds a space, ``"`` or ``=``, and its
+    control characters escaped (a request's ``model`` may hold a NUL), so a record is one line."""
     s = str(v)
-    return json.dumps(s) if (not s or any(c.isspace() or c in '"=' for c in s)) else s
+    if not s or has_control(s) or any(c.isspace() or c in '"=' for c in s):
+        return escaped(json.dumps(s))
+    return s
 
 
 class JsonFormatter(logging.Formatter):

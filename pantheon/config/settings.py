@@ -25,6 +25,7 @@ from pantheon.config.table import SETTINGS
 from pantheon.config.table import field_default as _d
 from pantheon.config.values import ConfigError, parse_dies, parse_kv_types, parse_size
 from pantheon.core.kv_types import KvCacheTypes
+from pantheon.core.names import control_problem, escaped
 from pantheon.models import generation_defaults
 
 __all__ = ["ConfigError", "ModelSpec", "ServeConfig", "build_config", "parse_dies", "parse_size"]
@@ -138,6 +139,7 @@ def _models(raw: Any, cpu_dies: int) -> tuple[ModelSpec, ...]:
         if isinstance(item, ModelSpec):
             spec = item
         else:
+            _check_names(item)
             path = str(item["path"])
             name = item.get("name") or _default_name(path)
             dies = item.get("dies")
@@ -176,6 +178,17 @@ _SPEC_EXTRAS = (
     "kv_cache_dtype",
     "draft",
 )
+
+
+def _check_names(item: dict[str, Any]) -> None:
+    """A ``--model`` / ``[[models]]`` entry's name (given, or the one its path gives) and
+    aliases hold no control characters (``pantheon.core.names``)."""
+    names = [item.get("name") or _default_name(str(item["path"]))]
+    aliases = item.get("aliases")
+    names += [a for a in aliases if isinstance(a, str)] if isinstance(aliases, (list, tuple)) else []
+    for name in names:
+        if isinstance(name, str) and (why := control_problem(name)):
+            raise ConfigError(f"model {escaped(str(item['path']))}: {why}")
 
 
 def _default_name(path: str) -> str:

@@ -9,7 +9,8 @@ Entries come from two places:
   name, a ``.gguf`` file's stem, lower-cased): a Hugging Face folder (``config.json``), a
   ``.gguf`` file, a folder holding one, and the same one level further down
   (``root/org/model``). Not preloaded. One that links out of the roots (the folder, or a file
-  in it) is listed as failed, as the admin API refuses it.
+  in it) is listed as failed, as the admin API refuses it. One whose name would hold a control
+  character (a newline in a file name) is left out, with a warning (``pantheon.core.names``).
 
 An entry that cannot be read (a truncated GGUF, a ``config.json`` that is not JSON, an
 architecture no family serves) is listed with its ``error``; serving it is a 4xx naming the file
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from pantheon.core.description import ModelError
 from pantheon.core.gguf import GGUFError, find_gguf, served_name
 from pantheon.core.kv_types import KvCacheTypes
+from pantheon.core.names import escaped, has_control
 from pantheon.core.sizing import read_shape
 
 log = logging.getLogger("pantheon.control.catalog")
@@ -215,6 +217,9 @@ class Catalog:
         found: list[CatalogEntry] = []
         for path in discover(self.roots):
             name = served_name(path)
+            if has_control(name):  # (once per change of the folders: refresh() reads them then)
+                log.warning("--models-dir: %s is left out: its name has a control character", escaped(path))
+                continue
             if name in taken or os.path.abspath(path) in paths:
                 continue  # a configured entry (or an earlier root) has it
             taken.add(name)

@@ -7,14 +7,17 @@ that fits the pool never asks the die for more memory, and one that does not fit
 - pass: the rendered prompt plus ``max_tokens`` fits the limit;
 - cap: it does not, so the oldest non-system turns are dropped (a turn: a user message and the
   assistant/tool messages after it; the turn being answered always stays), then the oldest tokens
-  of what remains, until prompt plus ``max_tokens`` fit. The response says
-  ``"context_capped": true`` and that turn is sent with ``use_cache=False``: a capped prompt is a
-  different token sequence from the conversation the prefix cache holds, and caching it would
-  only evict useful blocks;
-- deny (400 ``context_length_exceeded`` naming the numbers): even the system messages and the
-  last message alone leave no room. That is the client's error, never the server's state: the
-  limit is fixed at load (the pool is allocated once), so retrying can never make it fit. (A
-  pool full of other requests' blocks is no reason to refuse: the worker's scheduler waits.)
+  of what remains, until prompt plus ``max_tokens`` fit: the spec's sliding-window drop of the
+  oldest tokens, so a single message longer than the context keeps its newest tokens and is
+  answered (200). The response says ``"context_capped": true`` and that turn is sent with
+  ``use_cache=False``: a capped prompt is a different token sequence from the conversation the
+  prefix cache holds, and caching it would only evict useful blocks;
+- deny (400 ``context_length_exceeded`` naming the numbers): even with every non-system message
+  cut to nothing, the system messages, the template's own text and the completion's room do not
+  fit (a system prompt longer than the context: system messages are never cut). That is the
+  client's error, never the server's state: the limit is fixed at load (the pool is allocated
+  once), so retrying can never make it fit. (A pool full of other requests' blocks is no reason
+  to refuse: the worker's scheduler waits.)
 
 Without ``max_tokens`` the completion may use the rest of the limit; a capped prompt then keeps
 ``min(limit / 4, 512)`` tokens of room, so capping never leaves a single token to generate.

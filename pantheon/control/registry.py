@@ -9,8 +9,10 @@ Routing follows the spec:
 
 - a name the server knows (a ready model's, a loading, draining or failed instance's, or one
   the catalog knows: ``known``) is served by that model or gets its error (503 while it is not
-  ready), never by another. Otherwise, the spec's shortcut: exactly one resident model (one
-  name, however many replicas) takes every request whatever ``model`` says; with more, an exact
+  ready), never by another. Otherwise, the spec's shortcut: when the server has exactly one
+  model (one name among its instances, whatever their state, and its catalog; however many
+  replicas) it takes every request whatever ``model`` says (but a name with a control character,
+  which no model has: ``pantheon.core.names``); with more, an exact
   name is needed (none: the first resident one); an unknown name is 404 ``model_not_found``;
   no model at all is 503;
 - among replicas the least busy wins (in flight; between equals the one that waited longest for
@@ -45,12 +47,13 @@ import asyncio
 import collections
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pantheon import errors
 from pantheon.core.description import ModelDescription
 from pantheon.core.kv_types import KvCacheTypes
+from pantheon.core.names import has_control
 from pantheon.core.protocol import Loaded, LoadModel
 from pantheon.core.sizing import Estimate
 from pantheon.models.assets import ModelAssets
@@ -209,6 +212,9 @@ class Registry:
         # model name -> the catalog knows it (Residency sets it): such a name is never
         # answered by another model
         self.known: Callable[[str], bool] = lambda name: False
+        # the catalog's model names, loaded or not (Residency sets it): the single-model
+        # shortcut is for a server with one model only
+        self.catalog_names: Callable[[], Iterable[str]] = lambda: ()
         self.closing = False
         self._instances: list[Instance] = []
         self._ids = itertools.count(1)
@@ -290,11 +296,17 @@ class Registry:
             target = name
         elif name and (self.known(name) or any(i.name == name for i in self._instances)):
             raise errors.model_loading(name)  # a name the server knows: never another model
-        elif len(names) == 1 or not name:
+        elif not name or (self._one_model() and not has_control(name)):
             target = names[0]
         else:
             raise errors.model_not_found(name)
         return target, [i for i in ready if i.name == target]
+
+    def _one_model(self) -> bool:
+        """Whether the server has one model: one name among its instances (loading, failed or
+        draining ones too) and its catalog. With another one still loading, an unknown name is
+        a 404, not an answer from whichever model is ready first."""
+        return len({i.name for i in self._instances} | set(self.catalog_names())) == 1
 
     def _pick(self, cands: list[Instance], session_id: str | None, free_only: bool) -> Instance | None:
         pool = [i for i in cands if i.gate.free] if free_only else cands

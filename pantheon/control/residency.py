@@ -82,6 +82,7 @@ class Residency:
         self._unloading: set[str] = set()  # instance ids an unload of ours is ending
         self._tasks: set[asyncio.Task] = set()
         registry.known = catalog.known
+        registry.catalog_names = lambda: (e.name for e in catalog.entries())
         models.make_room = self.make_room
         models.holders = self.holders
         models.models_max = models_max

@@ -4,7 +4,8 @@
 
 The tests run in order on one server (each leaves the state the next starts from): the catalog
 is listed with statuses; a broken file is a 4xx and nothing else changes; a name the catalog
-knows is never answered by another model, an unknown one takes the single-model shortcut; two
+knows is never answered by another model, nor is an unknown one (the single-model shortcut is
+for a server with one model, and this catalog holds several: issue 40 §6); two
 concurrent first requests make one load; an alias loads its model; keep-alive expiry unloads;
 at the count limit the idle model is evicted and not the busy one, the pinned one stays, and
 with nothing to evict the 507 says what holds the room; a request's ``keep_alive: 0`` unloads
@@ -111,9 +112,10 @@ def test_a_broken_file_is_a_4xx_naming_it_and_changes_nothing(srv):
     assert _chat(srv, "start").status_code == 200
 
 
-def test_unknown_names_take_the_shortcut_known_ones_never_do(srv):
-    r = _chat(srv, "no-such-model")  # unknown to the catalog: the one resident model answers
-    assert r.status_code == 200 and r.json()["model"] == "start"
+def test_no_name_takes_the_shortcut_in_a_catalog_of_several(srv):
+    # one model resident, several in the catalog: an unknown name is a 404, not "start"'s answer
+    r = _chat(srv, "no-such-model")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
     # two concurrent first requests for a catalog model: one load, both answered by it
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
         got = list(ex.map(lambda _: _chat(srv, "beta"), range(2)))
@@ -121,7 +123,7 @@ def test_unknown_names_take_the_shortcut_known_ones_never_do(srv):
     assert {r.json()["model"] for r in got} == {"beta"}
     assert len(_events(srv, "loaded", "beta")) == 1
     assert len(_events(srv, "load_on_demand", "beta")) == 1
-    # with two resident models an unknown name is a 404 again
+    # with two resident models too
     assert _chat(srv, "no-such-model").status_code == 404
 
 

@@ -187,6 +187,59 @@ def test_the_clients_parse_with_a_pydantic_model(srv):
         assert isinstance(pet, Pet), r.choices[0].message.content
 
 
+class Percent(pydantic.BaseModel):
+    value: float = pydantic.Field(ge=0, le=100)
+
+
+class Real(pydantic.BaseModel):
+    value: float
+
+
+class Count(pydantic.BaseModel):
+    value: int
+
+
+class Rating(pydantic.BaseModel):
+    score: float = pydantic.Field(ge=0, le=100)
+    weight: float
+    votes: int
+    stars: int = pydantic.Field(ge=1, le=5)
+
+
+# Each of these ran to max_tokens before (greedy: ``100.000...``, ``88.888...``, ``1000...``).
+RUNAWAY = [
+    (Percent, "What is 100/3?"),
+    (Percent, "Rate it 88.888888888888888888888888."),
+    (Real, "Write pi with 50 digits."),
+    (Real, "Count to a million."),
+    (Count, "Rate it 88.888888888888888888888888."),
+    (Rating, "Rate it 88.888888888888888888888888 with a weight of 1/3."),
+]
+
+
+@pytest.mark.parametrize(
+    "form,prompt", RUNAWAY, ids=[f"{f.__name__}-{i}" for i, (f, _p) in enumerate(RUNAWAY)]
+)
+def test_numbers_end_so_parse_finishes_with_stop(srv, form, prompt):
+    """Issue 39 §4: a number ran to max_tokens (``LengthFinishReasonError``); its digit runs are
+    bounded now, so the answer stops, parses and keeps its bounds."""
+    r = srv.client().chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        response_format=form,
+        max_tokens=60,
+        temperature=0,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    parsed = choice.message.parsed
+    assert isinstance(parsed, form), choice.message.content
+    if isinstance(parsed, Percent):
+        assert 0 <= parsed.value <= 100
+    if isinstance(parsed, Rating):
+        assert 0 <= parsed.score <= 100 and 1 <= parsed.stars <= 5 and abs(parsed.votes) < 2**53
+
+
 def test_json_object_is_any_object_and_greedy_is_repeatable(srv):
     c = srv.client()
     kw = dict(

@@ -36,6 +36,23 @@ def test_routing_single_model_takes_everything():
     assert reg.route("gpt-4o") is a and reg.route(None) is a and reg.route("a") is a
 
 
+def test_the_shortcut_is_for_one_model_only():
+    """Issue 40 §6: with another model loading, failed or in the catalog, an unknown name is a
+    404, not the ready model's answer; a name with a control character is never shortcut."""
+    reg, (a,) = _registry("a")
+    loading = reg.reserve("b", "/models/b", ("cpu:0",))
+    assert _status(reg.route, "gpt-4o") == (404, "model_not_found")
+    assert reg.route(None) is a  # no name: the first resident model, as before
+    reg.discard(loading)
+    assert reg.route("gpt-4o") is a
+    reg.catalog_names = lambda: ["a", "c"]  # another model the catalog can load
+    assert _status(reg.route, "gpt-4o") == (404, "model_not_found")
+    reg.catalog_names = lambda: ["a"]
+    assert reg.route("gpt-4o") is a
+    assert _status(reg.route, "a\nb") == (404, "model_not_found")
+    assert _status(reg.route, "a\x00") == (404, "model_not_found")
+
+
 def test_routing_many_models():
     reg, (a, b) = _registry("a", "b")
     assert reg.route("b") is b and reg.route("a") is a and reg.route(None) is a

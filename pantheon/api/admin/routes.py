@@ -50,7 +50,9 @@ from pantheon.api.state import app_state
 from pantheon.config.settings import ConfigError, parse_dies
 from pantheon.config.values import parse_kv_types
 from pantheon.core.description import MTP
+from pantheon.core.gguf import served_name
 from pantheon.core.kv_types import KvCacheTypes
+from pantheon.core.names import control_problem, has_control
 
 bp = Blueprint("admin", __name__)
 MIN_INTERVAL_S = 0.05
@@ -113,8 +115,12 @@ async def load():
         raise errors.invalid_param("path", "'path' must be a model folder path")
     check_path_field("path", path)
     name = _typed(body, "name", str, "a string")
-    if name is not None and (not name.strip() or "#" in name or len(name) > 128):
-        raise errors.invalid_param("name", "'name' must be 1 to 128 characters, without '#'")
+    if name is not None and (not name.strip() or "#" in name or len(name) > 128 or has_control(name)):
+        raise errors.invalid_param(
+            "name", "'name' must be 1 to 128 characters, without '#' or control characters"
+        )
+    if name is None and (why := control_problem(served_name(path))):  # the name the path gives
+        raise errors.invalid_param("path", f"'path' gives no usable name: {why}; give 'name'")
     dies = _dies(body.get("dies"))
     quantize = _typed(body, "quantize", bool, "a boolean", False)
     slots = _typed(body, "slots", int, "an integer")

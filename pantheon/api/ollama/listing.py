@@ -7,8 +7,9 @@ that decides it), and each one's details, ``model_info``, capabilities, size, di
 - ``model_info``: a GGUF file's metadata as Ollama gives it (arrays of more than five items
   emptied, the name and chat template left out), else the same keys made from ``config.json``
   (``general.architecture``, ``<arch>.context_length``, ``.embedding_length``, ...);
-- capabilities: ``completion``; ``tools`` when the model's chat template writes ``<tool_call>``
-  blocks (what our emitter reads back), Harmony calls (gpt-oss) or Gemma 4's ``<|tool_call>``;
+- capabilities: ``completion``; ``tools`` when the model's chat template renders the tools it is
+  given (``ChatTemplate.takes_tools``: Ollama's, a template that uses ``.Tools``; SmolLM2's does
+  not: it gets our generic tool prompt, so tools still work through the API);
   ``thinking`` when it reasons in ``<think>`` blocks, Harmony's analysis channel or Gemma 4's
   thought channel; ``embedding`` when it serves ``/api/embed`` (a model that only embeds, BERT,
   has only that);
@@ -280,7 +281,7 @@ def capabilities(served: Served) -> list[str]:
     if inst is not None and not getattr(inst.shape, "can_generate", True):
         return ["embedding"]
     caps = ["completion"] + (["embedding"] if embeds else [])
-    if assets is not None and getattr(assets, "tool_call_markup", False):
+    if assets is not None and assets.template.takes_tools:
         caps.append("tools")
     if assets is not None and getattr(assets, "reasoning", False):
         caps.append("thinking")

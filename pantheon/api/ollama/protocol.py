@@ -14,7 +14,7 @@ The mapping:
   (``repetition_penalty``), ``repeat_last_n`` (the same window, -1 all, 0 none), ``num_predict``
   (``max_tokens``; 0 or negative: until the context is full, Ollama's -1 and -2), ``num_ctx``
   (the request's context: its prompt is capped to fit as a longer conversation is, at most the
-  instance's own context). Every other option (``num_keep``, ``typical_p``, ``mirostat``, the
+  instance's own context; 0 the instance's; negative or past 2^31 - 1 a 400 naming it). Every other option (``num_keep``, ``typical_p``, ``mirostat``, the
   load-time ``num_gpu``, ``num_thread`` ...) is ignored, as Ollama ignores the ones it does not
   know: a model is loaded once, as ``pantheon serve`` was told.
 - ``format``: ``"json"`` (any JSON object) or a JSON schema, enforced by constrained decoding
@@ -197,6 +197,8 @@ def _whole(v: int | float | None, param: str) -> int | None:
     return int(v)
 
 
+MAX_NUM_CTX = 2**31 - 1  # llama.cpp's n_ctx (an int32), which Ollama hands it: past it, no context
+
 _OPTION_FIELDS = (  # ours <- Ollama's
     ("temperature", "temperature"),
     ("top_p", "top_p"),
@@ -227,7 +229,12 @@ def option_fields(o: Options | None) -> tuple[dict[str, Any], int | None]:
     if o.stop is not None:
         out["stop"] = [o.stop] if isinstance(o.stop, str) else o.stop
     ctx = _whole(o.num_ctx, "options.num_ctx")
-    return out, ctx if ctx is not None and ctx > 0 else None
+    if ctx is not None and not 0 <= ctx <= MAX_NUM_CTX:
+        raise invalid_param(
+            "options.num_ctx",
+            f"'options.num_ctx' must be between 1 and {MAX_NUM_CTX} tokens (0: the model's own), got {ctx}",
+        )
+    return out, ctx or None
 
 
 def response_format(fmt: str | dict[str, Any] | None) -> dict[str, Any] | None:

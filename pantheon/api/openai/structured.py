@@ -14,7 +14,8 @@ What a request may constrain its output with (at most one of them):
   Gemma 4's ``call:NAME{key:value,...}`` (its template's argument syntax).
 
 JSON is written compactly, with ``", "`` and ``": "`` as separators and no other whitespace: a
-small model given free whitespace can spend its whole budget on newlines.
+small model given free whitespace can spend its whole budget on newlines. For the same reason its
+numbers have bounded digit runs (:mod:`pantheon.api.openai.json_numbers`).
 
 The JSON Schema subset is llguidance's (https://github.com/guidance-ai/llguidance/blob/main/docs/json_schema.md):
 types, ``properties`` / ``required`` / ``additionalProperties``, ``enum`` / ``const``, ``anyOf`` /
@@ -53,6 +54,7 @@ from typing import Any
 import llguidance as llg
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from pantheon.api.openai.json_numbers import bound_numbers
 from pantheon.chat.tools import GEMMA4_TOOL_FORMAT, HARMONY_TOOL_FORMAT, JSON_TOOL_FORMAT, XML_TOOL_FORMAT
 from pantheon.chat.xml_tools import parameter_schemas, writes_as_text
 from pantheon.core.gguf import byte_alphabet
@@ -222,7 +224,7 @@ def json_schema_grammar(schema: Any, param: str, *, strict: bool = True) -> str:
     _sized(json.dumps(schema), param)
     style = dict(JSON_STYLE, lenient=not strict)
     try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=style)  # type: ignore[arg-type]
+        grammar = llg.LLMatcher.grammar_from_json_schema(bound_numbers(schema), overrides=style)  # type: ignore[arg-type]
     except ValueError as e:
         raise invalid_param(param, f"'{param}' is not a valid schema: {e}") from None
     return check(grammar, param)
@@ -342,8 +344,10 @@ def request_grammar(body: dict) -> tuple[str, str | None]:
 
 
 def _parameters(tool: dict) -> dict:
+    """A tool's parameter schema, its numbers bounded in length (nested in a call's schema:
+    ``root=False``)."""
     params = tool.get("function", {}).get("parameters")
-    return params if isinstance(params, dict) else {"type": "object"}
+    return bound_numbers(params if isinstance(params, dict) else {"type": "object"}, root=False)
 
 
 def check_tool_schemas(tools: Sequence[dict], names: Sequence[str] | None = None) -> None:

@@ -10,6 +10,10 @@ POST     /tokenize     ``{model, prompt}`` or ``{model, messages, add_generation
 POST     /detokenize   ``{model, tokens}`` -> ``{prompt}``
 =======  ============  ==================================================================
 
+A token id is one of the model's (``service.vocab_size``: its embedding's rows, which a
+completion prompt's ids are checked against too); the rows past the tokenizer's own tokens
+(a vocabulary padded to a multiple of 32 or 64) decode to nothing.
+
 The messages are the chat route's (validated by ``parse_chat_request``) and rendered by the
 same template, so ``count`` is what a chat request's prompt would hold. ``max_model_len`` is the
 instance's real per-request limit.
@@ -25,6 +29,7 @@ from quart import Blueprint, request
 from pantheon import errors
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
+from pantheon.api.openai.service import vocab_size
 from pantheon.api.responses import json_response
 from pantheon.api.state import app_state
 from pantheon.chat.template import TemplateError
@@ -106,7 +111,7 @@ async def detokenize():
         raise errors.invalid_param("model", "'model' must be a string")
     inst = app_state().registry.route(model, None)
     ids = body.get("tokens")
-    vocab = inst.model_assets.tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab = vocab_size(inst)  # the bound a prompt's ids are checked against, the same model's
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise errors.invalid_param("tokens", "'tokens' must be an array of token ids")
     bad = next((i for i in ids if not 0 <= i < vocab), None)
