@@ -2,9 +2,11 @@
 tool calls and tool results exactly as transformers' ``apply_chat_template`` does (issue 39 §3).
 
 Pantheon is given the conversation the way an OpenAI client sends it (``content: null`` beside the
-calls, ``arguments`` as JSON text, 9-alphanumeric call ids as Mistral's templates demand) and the
+calls, ``arguments`` as JSON text, 9-alphanumeric call ids as Mistral's templates demand), that
+request as the server's protocol layer reads it (``parse_chat_request``), and the conversation the
 way transformers documents it (``arguments`` as the objects the templates read, ``content: ""``);
-both must render what transformers renders from the second. Where transformers refuses a
+all three must render what transformers renders from the last (with ``arguments`` as the client's
+text for the one template that takes text). Where transformers refuses a
 conversation (``raise_exception``, a template's own bug), Pantheon refuses it too, with a
 ``TemplateError`` (the HTTP layer's 400), never anything else (a 500).
 
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from pantheon.api.openai.protocol import parse_chat_request
 from pantheon.chat.template import ChatTemplate, TemplateError
 
 from helpers.chat_template import frozen_today, hf_render, llama_cpp_templates
@@ -115,7 +118,7 @@ def _turns(*turns) -> Shapes:
                             "type": "function",
                             "function": {
                                 "name": name,
-                                "arguments": json.dumps(args, ensure_ascii=False)
+                                "arguments": json.dumps(args, ensure_ascii=False, separators=(",", ":"))
                                 if openai or text_args
                                 else args,
                             },
@@ -276,9 +279,15 @@ def _compare(folder: Path, name: str, shapes: Shapes, **kw) -> tuple[str, str]:
     theirs = shapes.hf_text if name in TEXT_ARGUMENTS else shapes.hf
     with frozen_today(TODAY):
         want = _outcome(lambda: hf_render(src, theirs, tools=TOOLS, bos=bos, eos=eos, **kw))
-        for given, msgs in (("openai", shapes.openai), ("hf", theirs)):
+        # what the server renders: the request's messages and tools as its protocol layer reads them
+        served = parse_chat_request({"model": "m", "messages": shapes.openai, "tools": TOOLS})
+        for given, msgs, tools in (
+            ("openai", shapes.openai, TOOLS),
+            ("hf", theirs, TOOLS),
+            ("served", served.messages, served.tools),
+        ):
             try:
-                got = ours.render(msgs, tools=TOOLS, **kw)
+                got = ours.render(msgs, tools=tools, **kw)
             except TemplateError:
                 assert want[0] == "refused", f"{name}: Pantheon refuses what transformers renders ({given})"
                 continue
@@ -345,3 +354,5 @@ def test_functionary_v32_takes_arguments_as_text(folder):
     assert not v32.object_arguments and v31.object_arguments
     text = v32.render(CONVERSATIONS["one_call"].hf, tools=TOOLS)  # objects given: written as JSON
     assert '>>>get_weather\n{"location": {"city": "Zürich", "country": "CH"}, "days": 2}' in text
+    text = v32.render(CONVERSATIONS["one_call"].openai, tools=TOOLS)  # text given: kept as sent
+    assert '>>>get_weather\n{"location":{"city":"Zürich","country":"CH"},"days":2}' in text
