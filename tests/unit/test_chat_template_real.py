@@ -368,3 +368,21 @@ def test_functionary_v32_takes_arguments_as_text(folder):
     assert '>>>get_weather\n{"location": {"city": "Zürich", "country": "CH"}, "days": 2}' in text
     text = v32.render(CONVERSATIONS["one_call"].openai, tools=TOOLS)  # text given: kept as sent
     assert '>>>get_weather\n{"location":{"city":"Zürich","country":"CH"},"days":2}' in text
+
+
+def test_a_template_that_recurses_forever_is_a_400_not_a_hang(folder):
+    """Hermes 2/3 Pro's ``json_to_python_type`` recurses without end on a union type
+    (``["string", "null"]``: it iterates the string "null"): transformers dies of a RecursionError,
+    Pantheon ends it at its nesting bound, a TemplateError (a 400)."""
+    union = copy.deepcopy(TOOLS[1])
+    union["function"]["parameters"]["properties"]["note"]["type"] = ["string", "null"]
+    msgs = CONVERSATIONS["one_call"].openai
+    for name in (
+        "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
+        "NousResearch-Hermes-3-Llama-3.1-8B-tool_use",
+    ):
+        src, ours = _load(folder, name)
+        with pytest.raises(RecursionError):
+            hf_render(src, CONVERSATIONS["one_call"].hf, tools=[union])
+        with pytest.raises(TemplateError, match="nesting"):
+            ours.render(msgs, tools=[union])
