@@ -525,7 +525,7 @@ def _text_of(content: Any, where: str) -> Any:
     return "\n".join(texts)
 
 
-def _normalize_tool_call(call: Any, where: str) -> Any:
+def _normalize_tool_call(call: Any, where: str, object_arguments: bool) -> Any:
     if not isinstance(call, Mapping):
         raise TemplateError(f"{where}: a tool call must be an object")
     call = {k: v for k, v in call.items() if v is not None}
@@ -533,18 +533,23 @@ def _normalize_tool_call(call: Any, where: str) -> Any:
     if isinstance(fn, Mapping):
         fn = {k: v for k, v in fn.items() if v is not None}
         args = fn.get("arguments")
-        if isinstance(args, str):
+        if object_arguments and isinstance(args, str):
             # Qwen-style templates render ``arguments | tojson`` and expect a dict; OpenAI clients send
             # the JSON text. Text that is not JSON is left alone (templates then print it verbatim).
             try:
                 fn["arguments"] = json.loads(args) if args.strip() else {}
             except ValueError:
                 pass
+        elif not object_arguments and args is not None and not isinstance(args, str):
+            # a template that concatenates the arguments as text (Functionary v3.2's)
+            fn["arguments"] = _tojson(args)
         call["function"] = fn
     return call
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def normalize_messages(
+    messages: Sequence[Mapping[str, Any]], *, object_arguments: bool = True
+) -> list[dict[str, Any]]:
     """Turn OpenAI chat messages into the dicts Hugging Face chat templates expect.
 
     - keys whose value is ``None`` are dropped (as transformers does: templates test for a missing
@@ -552,7 +557,10 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
       assistant message without content, which OpenAI clients send on tool-call turns);
     - ``content`` given as a list of text parts is joined into one string;
     - an empty ``tool_calls`` list is dropped (Llama 3 templates test ``'tool_calls' in message``);
-    - ``tool_calls[].function.arguments`` JSON strings are parsed into dicts;
+    - ``tool_calls[].function.arguments`` JSON strings are parsed into dicts (what transformers
+      documents and nearly every template reads); with ``object_arguments`` False, for a template
+      that takes them as text (:attr:`ChatTemplate.object_arguments`), objects are written as JSON
+      text instead;
     - reasoning given as ``reasoning_content``, ``thinking`` or ``reasoning`` is offered to the
       template under the first two names (as transformers does);
     - tool messages keep ``tool_call_id`` and ``name``.
@@ -581,7 +589,8 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
                 raise TemplateError(f"{where}: tool_calls must be a list")
             if calls:
                 msg["tool_calls"] = [
-                    _normalize_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
+                    _normalize_tool_call(c, f"{where}.tool_calls[{j}]", object_arguments)
+                    for j, c in enumerate(calls)
                 ]
             else:
                 del msg["tool_calls"]
@@ -805,6 +814,37 @@ class ChatTemplate:
             return True
         return _SAMPLE_TOOLS[0]["function"]["name"] in text
 
+    @functools.cached_property
+    def object_arguments(self) -> bool:
+        """Whether the template takes a tool call's ``arguments`` as an object (what transformers
+        documents, and what nearly every template reads: ``arguments | tojson``, ``arguments.items()``)
+        rather than as the JSON text OpenAI clients send (Functionary v3.2's template concatenates
+        it: ``'>>>' + name + '\\n' + arguments``).
+
+        As llama.cpp decides it (``supports_object_arguments``), from the template itself: a sample
+        tool call is rendered with its arguments as an object and, when that fails or prints the
+        object's Python form, as text; text is kept only when it renders the arguments' JSON.
+        """
+        if self.is_fallback:
+            return True
+        sample = _SAMPLE_CALL_MESSAGES
+        limits = (LOAD_TIMEOUT_S, LOAD_MAX_OUTPUT_CHARS)
+        try:
+            text = self._render(sample, _SAMPLE_TOOLS, None, True, {}, limits, object_arguments=True)
+            if _SAMPLE_ARGUMENTS_REPR not in text:
+                return True
+        except TemplateBoundError:
+            raise
+        except TemplateError:
+            pass
+        try:
+            text = self._render(sample, _SAMPLE_TOOLS, None, True, {}, limits, object_arguments=False)
+        except TemplateBoundError:
+            raise
+        except TemplateError:
+            return True
+        return _SAMPLE_ARGUMENTS_JSON not in text
+
     @property
     def is_fallback(self) -> bool:
         """True when the model has no template and the ChatML fallback is used."""
@@ -901,8 +941,14 @@ class ChatTemplate:
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any],
         limits: tuple[float, int] | None,
+        *,
+        object_arguments: bool | None = None,
     ) -> str:
-        msgs = normalize_messages(messages)
+        if object_arguments is None:
+            calls = any(isinstance(m, Mapping) and m.get("tool_calls") for m in messages)
+            # the probe renders only when it matters: a conversation with tool calls
+            object_arguments = self.object_arguments if calls else True
+        msgs = normalize_messages(messages, object_arguments=object_arguments)
         tools = list(tools) if tools is not None else None
         if self.output_format == HARMONY:
             msgs, tools = _harmony_inputs(msgs, tools)
@@ -972,6 +1018,28 @@ _SAMPLE_MESSAGES = (
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the weather in Paris?"},
     {"role": "assistant", "content": "It is sunny in Paris today."},
+    {"role": "user", "content": "And tomorrow?"},
+)
+_SAMPLE_ARGUMENTS = {"city": "Paris"}
+_SAMPLE_ARGUMENTS_JSON = json.dumps(_SAMPLE_ARGUMENTS)  # '{"city": "Paris"}'
+_SAMPLE_ARGUMENTS_REPR = repr(_SAMPLE_ARGUMENTS)  # "{'city': 'Paris'}": a template printing a dict
+# A tool call, its result and an answer (not a user turn straight after a result: Mistral's
+# templates refuse that), to see how a template reads a call's arguments (``object_arguments``).
+_SAMPLE_CALL_MESSAGES = (
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call00001",  # 9 alphanumerics: what Mistral's templates demand
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": _SAMPLE_ARGUMENTS},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call00001", "name": "get_weather", "content": "sunny"},
+    {"role": "assistant", "content": "It is sunny in Paris."},
     {"role": "user", "content": "And tomorrow?"},
 )
 _SAMPLE_TOOLS = (

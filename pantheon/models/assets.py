@@ -86,9 +86,10 @@ class ModelAssets:
         # a template that would stall every request is refused here, at load (a 400 from the
         # admin API): one render of a sample conversation under tighter bounds than a request's
         self.template.check_cost()
-        # whether it renders tools (else the generic tool prompt): one sample render, at load
-        # rather than on a first request
+        # whether it renders tools (else the generic tool prompt), and whether it reads a call's
+        # arguments as an object or as text: sample renders, at load rather than on a first request
         self.template.takes_tools  # noqa: B018
+        self.template.object_arguments  # noqa: B018
         src = (self.template.source or "") + (self.template.tool_use_source or "")
         harmony = self.template.output_format == HARMONY
         gemma4 = self.template.output_format == GEMMA4

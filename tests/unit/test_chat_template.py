@@ -9,25 +9,11 @@ import pytest
 
 from pantheon.chat.template import ChatTemplate, TemplateError, normalize_messages, render_chatml, think_open
 
+from helpers.chat_template import hf_render
 from helpers.paths import SPECS, need_specs
 
 QWEN3 = SPECS / "qwen3-0.6B.chat_template.jinja"
 LLAMA33 = SPECS / "llama-3.3-70B-Instruct.chat_template.jinja"
-
-
-def hf_render(
-    template: str, messages, *, tools=None, add_generation_prompt=True, bos="<s>", eos="</s>", **kw
-):
-    """What transformers renders, through a real fast tokenizer object."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models
-
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.BPE()), bos_token=bos, eos_token=eos, chat_template=template
-    )
-    return tok.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kw
-    )
 
 
 TOOLS = [

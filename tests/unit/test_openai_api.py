@@ -131,7 +131,7 @@ def test_full_request():
     assert r.messages[0]["role"] == "system"
     assert r.messages[1]["content"] == "a\nb"
     assert r.messages[2]["content"] == ""
-    assert r.messages[2]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert r.messages[2]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # parsed by the renderer
     assert r.messages[3]["tool_call_id"] == "call_1"
     assert r.max_tokens == 7 and r.stop == ["END"] and r.include_usage
     assert r.tool_choice == "function" and r.tool_choice_name == "f" and r.tools_enabled

@@ -29,6 +29,7 @@ from pantheon.chat.tools import (
 from pantheon.chat.xml_tools import convert_value, parse_xml_tool_block
 from pantheon.core.protocol import TokenOut
 
+from helpers.chat_template import hf_render as shared_hf_render
 from helpers.instances import ready_instance
 from helpers.paths import SPECS, need_specs
 
@@ -83,14 +84,8 @@ def qwen35() -> ChatTemplate:
 
 
 def hf_render(template: str, messages, **kw) -> str:
-    """What transformers itself renders."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models
-
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.BPE()), eos_token="<|im_end|>", chat_template=template
-    )
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    """What transformers itself renders (Qwen3.5's tokenizer has no BOS)."""
+    return shared_hf_render(template, messages, bos=None, eos="<|im_end|>", **kw)
 
 
 def emit(chunks, *, tools=TOOLS, **kw) -> dict:

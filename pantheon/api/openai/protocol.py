@@ -309,12 +309,9 @@ def _assistant_tool_calls(calls: Any, p: str) -> list[dict[str, Any]]:
         fn = c["function"]
         if _str(fn, "name", f"{q}.function.name") is None:
             raise invalid_param(f"{q}.function.name", f"'{q}.function.name' must be a string")
+        # kept as the client sent it (JSON text): the renderer gives the template an object, or this
+        # text where the template takes text (pantheon.chat.template.normalize_messages)
         args = fn.get("arguments", "{}")
-        if isinstance(args, str):  # templates want a dict (see specs/README.md)
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                pass
         out.append(
             {"id": c.get("id") or "", "type": "function", "function": {"name": fn["name"], "arguments": args}}
         )
