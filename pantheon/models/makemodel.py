@@ -754,7 +754,7 @@ def gemma4_spm_tokenizer_json() -> str:
         trainers,
     )
 
-    from pantheon.core.gguf import GEMMA4_SPLIT  # the split llama.cpp's gemma4 tokenizer makes
+    from pantheon.core.gguf_tokenizer import GEMMA4_SPLIT  # the split llama.cpp's gemma4 tokenizer makes
 
     def pipeline(tok: Tokenizer) -> Tokenizer:
         tok.normalizer = normalizers.Replace(" ", "▁")

@@ -95,11 +95,33 @@ def converter_dir() -> Path:
     return tree
 
 
+def vocab_suite_dir() -> Path:
+    """llama.cpp's vocabulary suite (``models/ggml-vocab-*.gguf`` with their ``.inp``/``.out``), in
+    the tree ``converter_dir`` would use; not fetched here: the test fails saying how to get it."""
+    import pytest
+
+    env = os.environ.get("LLAMA_CPP_SRC")
+    peer = _peer()
+    tree = (
+        Path(env).expanduser()
+        if env
+        else peer.cache_dir() / "src" / f"llama_cpp_python-{peer.LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    )
+    models = tree / "models"
+    if not any(models.glob("ggml-vocab-*.gguf.inp")):
+        pytest.fail(
+            f"llama.cpp's vocabulary suite is missing ({models}/ggml-vocab-*.gguf.inp): run "
+            "`python3 bench/peer.py source` (downloads the llama-cpp-python sdist it pins, as .ci/run "
+            "does) or set LLAMA_CPP_SRC to a llama.cpp checkout"
+        )
+    return models
+
+
 def pre_tokenizer_name(hf_folder: Path) -> str | None:
     """llama.cpp's ``tokenizer.ggml.pre`` name for the folder's ``tokenizer.json``, from its Split
-    regex (the names Pantheon's GGUF reader knows, ``pantheon.core.gguf.PRE_TOKENIZERS``); None
-    when there is no tokenizer.json or its regex is not one of them."""
-    from pantheon.core.gguf import PRE_TOKENIZERS
+    regex (the names Pantheon's GGUF reader knows, ``pantheon.core.gguf_tokenizer.PRE_TOKENIZERS``);
+    None when there is no tokenizer.json or its regex is not one of them."""
+    from pantheon.core.gguf_tokenizer import PRE_TOKENIZERS
 
     path = Path(hf_folder) / "tokenizer.json"
     if not path.is_file():
@@ -109,8 +131,12 @@ def pre_tokenizer_name(hf_folder: Path) -> str | None:
     for step in steps:
         if step.get("type") == "Split":
             regex = (step.get("pattern") or {}).get("Regex")
-            for name, split in PRE_TOKENIZERS.items():  # the first name for a regex is the canonical one
-                if split == regex:
+            # llama.cpp spells the Hub's case-insensitive contractions out, case by case
+            regex = (regex or "").replace(
+                "(?i:'s|'t|'re|'ve|'m|'ll|'d)", "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+            )
+            for name, p in PRE_TOKENIZERS.items():  # the first name for a regex is the canonical one
+                if p.splits == (regex,):
                     return name
             return None
         if step.get("type") == "ByteLevel" and step.get("use_regex", True):
