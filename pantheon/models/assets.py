@@ -89,6 +89,9 @@ class ModelAssets:
         # whether it renders tools (else the generic tool prompt): one sample render, at load
         # rather than on a first request
         self.template.takes_tools  # noqa: B018
+        # at load, not on a first request: reading a real vocabulary (Qwen3.5's 152k tokens) takes
+        # ~0.7 s, which inside that request's render bound (0.5 s) refused it
+        self.max_token_chars  # noqa: B018
         src = (self.template.source or "") + (self.template.tool_use_source or "")
         harmony = self.template.output_format == HARMONY
         gemma4 = self.template.output_format == GEMMA4

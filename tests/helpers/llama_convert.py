@@ -195,3 +195,31 @@ def convert(
     if not out.is_file():
         raise ConvertError(f"convert_hf_to_gguf.py exited 0 but wrote no {out}:\n{proc.stderr[-4000:]}")
     return out
+
+
+def with_vocab(gguf_path: Path, vocab: Path, out: Path, chat_template: str | None = None) -> Path:
+    """A copy of ``gguf_path`` at ``out`` whose ``tokenizer.*`` metadata is exactly ``vocab``'s (a
+    vocabulary-only GGUF such as llama.cpp's ``models/ggml-vocab-*.gguf``: every key with its own
+    type), and ``chat_template`` as ``tokenizer.chat_template`` when given. The converter names a
+    tokenizer's pre-tokenizer by hashing its output on one text, and Qwen3.5's, whose regex differs
+    from Qwen2's only at combining marks, hashes as Qwen2's: copying the keys is what makes the
+    file carry the real vocabulary, whatever the converter guessed. Tensors copied as they are,
+    by gguf-py's own ``gguf_new_metadata``."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    src, voc = gguf.GGUFReader(gguf_path), gguf.GGUFReader(vocab)
+    new: dict[str, MetadataDetails] = {}
+    for f in voc.fields.values():
+        if f.name.startswith("tokenizer."):
+            kind = f.types[0]
+            sub = f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            new[f.name] = MetadataDetails(kind, f.contents(), sub_type=sub)
+    if chat_template is not None:
+        new["tokenizer.chat_template"] = MetadataDetails(gguf.GGUFValueType.STRING, chat_template)
+    remove = [name for name in src.fields if name.startswith("tokenizer.") and name not in new]
+    arch = src.get_field("general.architecture")
+    assert arch is not None, gguf_path
+    writer = gguf.GGUFWriter(out, arch=arch.contents(), endianess=src.endianess)
+    copy_with_new_metadata(src, writer, new, remove)
+    return out
