@@ -75,6 +75,21 @@ def test_vocabulary_exact(suite: Path, name: str):
     assert not bad, f"{name}: {len(want) - len(bad)}/{len(want)} exact; first: {bad[0]!r}"
 
 
+@pytest.mark.parametrize(
+    "name,before,after",
+    [("llama-spm", [1], []), ("bert-bge", [101], [102]), ("llama-bpe", [128000], []), ("qwen2", [], [])],
+)
+def test_special_tokens_as_llama_cpp(suite: Path, name: str, before: list[int], after: list[int]):
+    """What ``add_special`` adds (BOS for SentencePiece and Llama 3, [CLS] ... [SEP] for BERT,
+    nothing for Qwen), and SentencePiece's space before the text after a special token (llama.cpp
+    prefixes every text run that follows one)."""
+    tok = Tokenizer.from_str(tokenizer_json(read_gguf(suite / f"ggml-vocab-{name}.gguf")))
+    plain = tok.encode("Hello world", add_special_tokens=False).ids
+    assert tok.encode("Hello world").ids == before + plain + after
+    if name == "llama-spm":
+        assert tok.encode("</s>Hello world", add_special_tokens=False).ids == [2, *plain]
+
+
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_vocabulary_refused(suite: Path, name: str):
     g = read_gguf(suite / f"ggml-vocab-{name}.gguf")
