@@ -44,11 +44,13 @@ from pantheon.core.gguf import (
 @dataclass(frozen=True)
 class PreTokenizer:
     """llama.cpp's pre-tokenizer for one ``tokenizer.ggml.pre`` name: its split regexes, each
-    applied to the pieces the previous one left, and whether a piece that is itself a token is
-    taken whole, before any merge (``ignore_merges``)."""
+    applied to the pieces the previous one left, whether a piece that is itself a token is taken
+    whole, before any merge (``ignore_merges``), and whether BOS is added when the file does not
+    say (``tokenizer.ggml.add_bos_token`` absent)."""
 
     splits: tuple[str, ...]
     ignore_merges: bool = False
+    add_bos: bool = False
 
 
 # llama.cpp spells "(?i:'s|'t|...)" out case by case: the inline flag would also fold "ſ" into "s"
@@ -98,7 +100,7 @@ _DEEPSEEK_LATIN = (
 _DEEPSEEK_PUNCT = "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+"
 _CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 
-_LLAMA3 = PreTokenizer((LLAMA3_SPLIT,), ignore_merges=True)
+_LLAMA3 = PreTokenizer((LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
 _QWEN2 = PreTokenizer((QWEN2_SPLIT,))
 _GPT2 = PreTokenizer((GPT2_SPLIT,))
 _DIGITS_GPT2 = PreTokenizer((r"\p{N}", GPT2_SPLIT))  # each digit alone, then GPT-2's regex
@@ -120,7 +122,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "qwen35": PreTokenizer((QWEN35_SPLIT,)),
     "gpt-4o": PreTokenizer((GPT4O_SPLIT,)),
     "llama4": PreTokenizer((GPT4O_SPLIT,)),
-    "tekken": PreTokenizer((TEKKEN_SPLIT,), ignore_merges=True),
+    "tekken": PreTokenizer((TEKKEN_SPLIT,), ignore_merges=True, add_bos=True),
     "smollm": _DIGITS_GPT2,
     "starcoder": _DIGITS_GPT2,
     "refact": _DIGITS_GPT2,
@@ -147,11 +149,6 @@ MODELS = {
     "llama": "SentencePiece",
     "bert": "WordPiece",
 }
-# llama.cpp's defaults for the flags a file may leave out: (add_bos, add_eos, add_sep)
-_LLAMA_BOS_PRES = {
-    name for name, p in PRE_TOKENIZERS.items() if p.splits == (LLAMA3_SPLIT,) and p.ignore_merges
-}
-_LLAMA_BOS_PRES.add("tekken")
 
 
 def _unsupported(g: GGUFFile, field: str, value: object, supported: str) -> GGUFError:
@@ -204,15 +201,15 @@ def _merges(g: GGUFFile) -> list[list[str]]:
     return out
 
 
-def _score_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[list[str]]:
+def _score_merges(tokens: list[str], scores: list[float]) -> list[list[str]]:
     """SentencePiece's merges as BPE merges: every split of a token into two tokens, ranked by
     the merged token's score, highest first (llama.cpp's ``llm_tokenizer_spm_session`` merges the
-    pair whose concatenation scores highest). Control and unknown tokens are never merged into."""
+    pair whose concatenation scores highest, into any token of the vocabulary). Equal scores rank
+    by token id where llama.cpp takes the leftmost pair; SentencePiece's BPE models give every
+    mergeable piece a score of its own, so only the 0-scored control tokens tie."""
     ids = {t: i for i, t in enumerate(tokens)}
     ranked: list[tuple[float, int, str, str]] = []
     for i, t in enumerate(tokens):
-        if types[i] in (TOKEN_CONTROL, TOKEN_UNKNOWN):
-            continue
         for k in range(1, len(t)):
             a, b = t[:k], t[k:]
             if a in ids and b in ids:
@@ -247,10 +244,10 @@ def _added(tokens: list[str], types: list[int], vocab: dict[str, int], byte_leve
     return out
 
 
-def _post_processor(g: GGUFFile, tokens: list[str], model: str, pre: str) -> dict:
+def _post_processor(g: GGUFFile, tokens: list[str], model: str) -> dict:
     """BOS / CLS before, EOS / SEP after, as the file's flags (llama.cpp's defaults where absent)
     say: what ``encode(add_special_tokens=True)`` adds."""
-    bos_default = model in ("llama", "bert") or (model == "gpt2" and pre in _LLAMA_BOS_PRES)
+    bos_default = model in ("llama", "bert") or (model == "gpt2" and pre_tokenizer(g).add_bos)
     single: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}}]
     pair: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}]
     specials: dict[str, dict] = {}
@@ -328,7 +325,6 @@ def tokenizer_json(g: GGUFFile) -> str:
         if "tokenizer.ggml.token_type" in g.meta
         else [1] * len(tokens)
     )
-    pre_name = g.meta.get("tokenizer.ggml.pre") or "default"
     unk_id = token_id(g, "unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
     normalizer: dict | None = None
@@ -369,12 +365,14 @@ def tokenizer_json(g: GGUFFile) -> str:
         vocab = {t: i for i, t in enumerate(tokens)}
         # llama.cpp puts the space before every text run (the start, and after each special token),
         # as Prepend does before each run between added tokens
-        steps: list[dict] = [{"type": "Prepend", "prepend": "\u2581"}] if _flag(g, "add_space_prefix", True) else []
+        steps: list[dict] = (
+            [{"type": "Prepend", "prepend": "\u2581"}] if _flag(g, "add_space_prefix", True) else []
+        )
         steps.append({"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"})
         normalizer = {"type": "Sequence", "normalizers": steps}
         pre_tok = None
         decoder = _SPACE_DECODER
-        merges = _score_merges(tokens, scores, types)
+        merges = _score_merges(tokens, scores)
         tok_model = _bpe(vocab, merges, unk=unk, byte_fallback=True, ignore_merges=False)
         added = _added(tokens, types, vocab, byte_level=False)
     else:  # bert
@@ -409,7 +407,7 @@ def tokenizer_json(g: GGUFFile) -> str:
             "added_tokens": added,
             "normalizer": normalizer,
             "pre_tokenizer": pre_tok,
-            "post_processor": _post_processor(g, tokens, model, pre_name),
+            "post_processor": _post_processor(g, tokens, model),
             "decoder": decoder,
             "model": tok_model,
         },
