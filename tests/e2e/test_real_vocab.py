@@ -27,11 +27,10 @@ from pantheon.core.gguf_tokenizer import tokenizer_json
 from pantheon.models.assets import ModelAssets
 from pantheon.models.makemodel import text_config
 
-from helpers.llama_convert import convert, vocab_suite_dir, with_vocab
+from helpers.llama_convert import convert, vocab_cases, vocab_suite_dir, with_vocab
 from helpers.paths import need_specs
 from helpers.serve import Server
 
-SEP = "\n__ggml_vocab_test__\n"
 # Decomposed Vietnamese (combining marks: where Qwen3.5's split differs from Qwen2's), code, CJK
 MESSAGES = [
     {"role": "system", "content": "You answer in one word."},
@@ -40,12 +39,6 @@ MESSAGES = [
         "content": "Cu\u031b\u0309a Vie\u0323\u0302t?  def f(x):\n\treturn x**2  # 数字 12345 🦙",
     },
 ]
-
-
-def _cases(gguf: Path) -> list[tuple[str, list[int]]]:
-    texts = Path(f"{gguf}.inp").read_bytes().decode("utf-8").split(SEP)
-    outs = Path(f"{gguf}.out").read_text(encoding="utf-8").split("\n")[: len(texts)]
-    return [(t, [int(x) for x in o.split()]) for t, o in zip(texts, outs)]
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +62,12 @@ def test_assets_encode_as_llama_cpp(suite, model_factory, name, preset):
     """The router's tokenizer of the vocabulary's GGUF, and of a ``make-model --vocab`` folder, give
     llama.cpp's ids on every suite text (none holds a special token's text)."""
     gguf = suite / f"ggml-vocab-{name}.gguf"
-    folder = model_factory(preset, vocab=str(gguf))
+    # float32 for Qwen3.5: the served test's folder, made once
+    folder = model_factory(preset, vocab=str(gguf), **({"dtype": "float32"} if name == "qwen35" else {}))
     config = text_config(json.loads((folder / "config.json").read_text()))
     assert config["vocab_size"] == len(read_gguf(gguf).meta["tokenizer.ggml.tokens"])
     for assets in (ModelAssets(gguf), ModelAssets(folder)):
-        bad = [(t, ids) for t, ids in _cases(gguf) if assets.encode(t) != ids]
+        bad = [(t, ids) for t, ids in vocab_cases(gguf) if assets.encode(t) != ids]
         assert not bad, f"{name} ({assets.path}): first of {len(bad)}: {bad[0]!r}"
 
 

@@ -117,6 +117,18 @@ def vocab_suite_dir() -> Path:
     return models
 
 
+VOCAB_SEP = "\n__ggml_vocab_test__\n"
+
+
+def vocab_cases(gguf: Path) -> list[tuple[str, list[int]]]:
+    """A suite vocabulary's cases as ``tests/test-tokenizer-0.cpp`` reads them: the ``.inp`` texts
+    (between separator lines) and the ``.out`` ids (one line per text)."""
+    texts = Path(f"{gguf}.inp").read_bytes().decode("utf-8").split(VOCAB_SEP)
+    outs = Path(f"{gguf}.out").read_text(encoding="utf-8").split("\n")[: len(texts)]
+    assert len(outs) == len(texts), gguf
+    return [(t, [int(x) for x in o.split()]) for t, o in zip(texts, outs)]
+
+
 def pre_tokenizer_name(hf_folder: Path) -> str | None:
     """llama.cpp's ``tokenizer.ggml.pre`` name for the folder's ``tokenizer.json``, from its Split
     regex (the names Pantheon's GGUF reader knows, ``pantheon.core.gguf_tokenizer.PRE_TOKENIZERS``);

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from pantheon.core.gguf import GGUFError, read_gguf
 from pantheon.core.gguf_tokenizer import GPT4O_SPLIT, TEKKEN_SPLIT, tokenizer_json
 
-from helpers.llama_convert import vocab_suite_dir
+from helpers.llama_convert import vocab_cases, vocab_suite_dir
 
 # the vocabularies of families Pantheon serves (and a few that are exact for free)
 SERVED = [
@@ -40,16 +40,6 @@ SERVED = [
 ]
 # vocabularies refused at load, with the field that says why
 REFUSED = {"mpt": "tokenizer.ggml.pre", "nomic-bert-moe": "tokenizer.ggml.model"}
-SEP = "\n__ggml_vocab_test__\n"
-
-
-def cases(gguf: Path) -> list[tuple[str, list[int]]]:
-    """test-tokenizer-0.cpp's reading of ``.inp`` (texts between separator lines) and ``.out``
-    (one line of ids per text)."""
-    texts = Path(f"{gguf}.inp").read_bytes().decode("utf-8").split(SEP)
-    outs = Path(f"{gguf}.out").read_text(encoding="utf-8").split("\n")[: len(texts)]
-    assert len(outs) == len(texts), gguf
-    return [(t, [int(x) for x in o.split()]) for t, o in zip(texts, outs)]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +59,7 @@ def test_vocabulary_exact(suite: Path, name: str):
     gguf = suite / f"ggml-vocab-{name}.gguf"
     tok = Tokenizer.from_str(tokenizer_json(read_gguf(gguf)))
     tok.encode_special_tokens = True  # test-tokenizer-0 tokenizes with parse_special = false
-    want = cases(gguf)
+    want = vocab_cases(gguf)
     got = tok.encode_batch([t for t, _ in want], add_special_tokens=False)
     bad = [(text, ids, g.ids) for (text, ids), g in zip(want, got) if g.ids != ids]
     assert not bad, f"{name}: {len(want) - len(bad)}/{len(want)} exact; first: {bad[0]!r}"
@@ -137,7 +127,9 @@ def test_split_regex_matches_reference(suite: Path, ours: str, reference):
 
     ref = regex.compile(reference())
     split = pre_tokenizers.Split(pattern=__import__("tokenizers").Regex(ours), behavior="isolated")
-    texts = sorted({t for p in suite.glob("ggml-vocab-*.gguf.inp") for t, _ in cases(p.with_suffix(""))})
+    texts = sorted(
+        {t for p in suite.glob("ggml-vocab-*.gguf.inp") for t, _ in vocab_cases(p.with_suffix(""))}
+    )
     for text in texts:
         want, at = [], 0
         for m in ref.finditer(text):
