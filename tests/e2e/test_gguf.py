@@ -432,7 +432,9 @@ def assert_same_ids(path: Path, corpus: list[str]) -> None:
         assert assets.tokenizer.decode(want, skip_special_tokens=False) == ref.decode(want), text
 
 
-@pytest.mark.parametrize("pre", ["qwen2", "smollm", "llama-bpe", "default"])
+# not "default": transformers reads it as GPT-2's regex, llama.cpp as its own list of four
+# (pantheon.core.gguf_tokenizer follows llama.cpp, as for every name)
+@pytest.mark.parametrize("pre", ["qwen2", "smollm", "llama-bpe"])
 def test_tokenizer_matches_transformers(files, pre):
     assert_same_ids(files("tiny", QT.Q8_0, pre=pre), CORPUS)
 
