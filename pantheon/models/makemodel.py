@@ -3,7 +3,8 @@
 A folder holds ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards plus
 ``model.safetensors.index.json``), ``tokenizer.json`` and ``tokenizer_config.json``, and loads as-is
 with transformers' ``AutoModelForCausalLM`` / ``AutoTokenizer`` (a Qwen3.5 VLM folder also with
-``Qwen3_5ForConditionalGeneration``, as the Hub's checkpoints).
+``Qwen3_5ForConditionalGeneration``, as the Hub's checkpoints). The tokenizer is our small trained
+one, or with ``--vocab FILE.gguf`` a real vocabulary read from a GGUF file (``RealVocab``).
 
 Weights are seeded per tensor (the seed and the tensor's name), generated in row chunks and
 streamed straight into the safetensors file, so the same seed gives byte-identical files and a
