@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from pantheon.core.gguf import read_gguf, tokenizer_json  # noqa: E402
+from pantheon.core.gguf import read_gguf  # noqa: E402
+from pantheon.core.gguf_tokenizer import tokenizer_json  # noqa: E402
 from pantheon.serve import smollm2_file  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.kernels import qlinear  # noqa: E402

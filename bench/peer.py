@@ -309,9 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="build llama-server and llama-bench into the cache (once)")
     b.add_argument("-j", "--jobs", type=int, default=2)
     sub.add_parser("path", help="print the folder holding the binaries (exit 1 when not built)")
+    sub.add_parser("source", help="print the llama.cpp source tree, downloading the sdist on first use")
     args = ap.parse_args(argv)
     if args.cmd == "build":
         build(args.jobs)
+        return 0
+    if args.cmd == "source":
+        print(_source(cache_dir()))
         return 0
     d = find_bins()
     if d is None:

@@ -42,7 +42,8 @@ from pathlib import Path
 import llguidance as llg
 import torch
 
-from pantheon.core.gguf import find_gguf, read_gguf, tokenizer_json
+from pantheon.core.gguf import find_gguf, read_gguf
+from pantheon.core.gguf_tokenizer import tokenizer_json
 from pantheon.core.grammar_vocab import LIMIT_VALUES, grammar_tokenizer_json
 from workers.errors import RequestRejected
 

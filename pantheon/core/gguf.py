@@ -8,10 +8,7 @@ from a memory map with ``struct``: ``gguf.GGUFReader`` builds a numpy view per a
 takes seconds on a 49k-token vocabulary, which a load pays twice in the router and twice in the
 worker. The ``gguf`` package is imported lazily, only to name a tensor type we do not read.
 
-Why one module of ~550 lines: the header reader and the translation of its metadata into a
-Hugging Face folder's files (config, tokenizer, template) share ``GGUFFile`` and its field
-helpers, and the worker imports exactly this one module of the router's (tests/unit/
-test_import_contract.py); about half is the tokenizer translation, which is one function.
+The vocabulary's translation into a ``tokenizers`` JSON is ``pantheon.core.gguf_tokenizer``.
 
 Tensor shapes here are in torch order (GGUF lists ``ne[0]``, the contiguous dimension, first).
 Every error is a ``GGUFError(kind, reason)``, kind not_found | unsupported | invalid, and the
@@ -20,7 +17,6 @@ reason names the file and the field or tensor.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import re
@@ -359,14 +355,14 @@ def _rope_scaling(g: GGUFFile, a: str) -> dict | None:
     return out
 
 
-def _token_id(g: GGUFFile, key: str) -> int | None:
+def token_id(g: GGUFFile, key: str) -> int | None:
     v = g.meta.get(f"tokenizer.ggml.{key}")
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
 def eos_token_ids(g: GGUFFile) -> list[int]:
     """The end-of-generation ids: eos, then eot and eom when the file names them."""
-    ids = [_token_id(g, k) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    ids = [token_id(g, k) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
@@ -465,7 +461,7 @@ def hf_config(g: GGUFFile) -> dict:
         "torch_dtype": dtype,
         "quantized_source": quantized,  # ours, not transformers': see above
         "int4_source": int4,  # likewise
-        "bos_token_id": _token_id(g, "bos_token_id"),
+        "bos_token_id": token_id(g, "bos_token_id"),
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
     }
     if rot != head_dim:
@@ -510,204 +506,6 @@ def byte_alphabet() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) -> the split regex its merges were learned
-# with; None: GPT-2's own regex inside the ByteLevel pre-tokenizer.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-PRE_TOKENIZERS: dict[str, str | None] = {
-    "default": None,
-    "gpt2": None,
-    "gpt-2": None,
-    "smollm": "digits",  # GPT-2's regex after splitting every digit (as SmolLM's tokenizer.json)
-    "llama-bpe": _LLAMA3_SPLIT,
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
-    "falcon3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-    "megrez": _QWEN2_SPLIT,
-}
-
-
-# llama.cpp's gemma4 pre-tokenizer: lines and newline runs
-GEMMA4_SPLIT = r"[^\n]+|[\n]+"
-
-
-def _byte_level(use_regex: bool) -> dict:
-    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
-
-
-def _pre_tokenizer(g: GGUFFile) -> dict:
-    pre = g.meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise GGUFError(
-            "unsupported",
-            f"{g.path}: metadata field 'tokenizer.ggml.pre' is "
-            f"{pre!r}; supported: {', '.join(PRE_TOKENIZERS)}",
-        )
-    split = PRE_TOKENIZERS[pre]
-    if split is None:
-        return _byte_level(True)
-    if split == "digits":
-        return {
-            "type": "Sequence",
-            "pretokenizers": [{"type": "Digits", "individual_digits": True}, _byte_level(True)],
-        }
-    return {
-        "type": "Sequence",
-        "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False},
-            _byte_level(False),
-        ],
-    }
-
-
-def _tokens(g: GGUFFile) -> list[str]:
-    tokens = g.meta.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
-        raise GGUFError("invalid", f"{g.path}: missing metadata field 'tokenizer.ggml.tokens'")
-    return tokens
-
-
-def tokenizer_json(g: GGUFFile) -> str:
-    """A ``tokenizers`` JSON for the file's vocabulary, with the ids transformers gives it
-    (``AutoTokenizer.from_pretrained(gguf_file=...)``): CONTROL tokens added as special tokens and
-    USER_DEFINED ones as plain added tokens. ``tokenizer.ggml.model`` "gpt2": byte-level BPE,
-    tokens outside the byte alphabet respelled into it; "gemma4": SentencePiece-style BPE with
-    byte fallback, tokens as they are (raw UTF-8, U+2581 for spaces, <0xHH> bytes)."""
-    model = g.meta.get("tokenizer.ggml.model")
-    if model not in ("gpt2", "gemma4"):
-        raise GGUFError(
-            "unsupported",
-            f"{g.path}: metadata field 'tokenizer.ggml.model' is "
-            f"{model!r}; supported: 'gpt2' (byte-level BPE), 'gemma4' (SentencePiece-style BPE)",
-        )
-    spm = model == "gemma4"
-    tokens = _tokens(g)
-    merges_raw = g.meta.get("tokenizer.ggml.merges")
-    if not isinstance(merges_raw, list):
-        raise GGUFError("invalid", f"{g.path}: missing metadata field 'tokenizer.ggml.merges'")
-    types = g.meta.get("tokenizer.ggml.token_type")
-    if types is not None and (not isinstance(types, list) or len(types) != len(tokens)):
-        raise GGUFError(
-            "invalid",
-            f"{g.path}: metadata field 'tokenizer.ggml.token_type' does "
-            f"not have one entry per token ({len(tokens)})",
-        )
-    spell = byte_alphabet()
-    alphabet = set(spell.values())
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        key = t if spm or set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))
-        vocab[key] = i
-    merges = []
-    for i, m in enumerate(merges_raw):
-        parts = m.split(" ") if isinstance(m, str) else []
-        if len(parts) != 2:
-            raise GGUFError(
-                "invalid",
-                f"{g.path}: metadata field 'tokenizer.ggml.merges' entry #{i} is not two tokens: {m!r}",
-            )
-        merges.append(parts)
-    added = []
-    for i, (t, kind) in enumerate(zip(tokens, types or ())):
-        if (
-            kind == TOKEN_CONTROL
-            and (spm or set(t) <= alphabet)
-            or (kind == TOKEN_USER_DEFINED and vocab.get(t) == i)
-        ):
-            added.append(
-                {
-                    "id": i,
-                    "content": t,
-                    "single_word": False,
-                    "lstrip": False,
-                    "rstrip": False,
-                    "normalized": False,
-                    "special": kind == TOKEN_CONTROL,
-                }
-            )
-    single: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}}]
-    pair: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}]
-    specials: dict[str, dict] = {}
-    for flag, key, at_end in (
-        ("add_bos_token", "bos_token_id", False),
-        ("add_eos_token", "eos_token_id", True),
-    ):
-        tid = _token_id(g, key)
-        if g.meta.get(f"tokenizer.ggml.{flag}") is True and tid is not None and tid < len(tokens):
-            tok = tokens[tid]
-            specials[tok] = {"id": tok, "ids": [tid], "tokens": [tok]}
-            if at_end:
-                single.append({"SpecialToken": {"id": tok, "type_id": 0}})
-                pair.insert(1, {"SpecialToken": {"id": tok, "type_id": 0}})
-                pair.append({"SpecialToken": {"id": tok, "type_id": 1}})
-            else:
-                single.insert(0, {"SpecialToken": {"id": tok, "type_id": 0}})
-                pair.insert(0, {"SpecialToken": {"id": tok, "type_id": 0}})
-                pair.insert(2, {"SpecialToken": {"id": tok, "type_id": 1}})
-    if spm:
-        # llama.cpp's gemma4 model: spaces as U+2581, split only at newline runs, merges over raw
-        # UTF-8, pieces outside the vocabulary as their <0xHH> byte tokens (src/llama-vocab.cpp)
-        normalizer: dict | None = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
-        pre_tokenizer = {
-            "type": "Split",
-            "pattern": {"Regex": GEMMA4_SPLIT},
-            "behavior": "Isolated",
-            "invert": False,
-        }
-        decoder: dict = {
-            "type": "Sequence",
-            "decoders": [
-                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-                {"type": "ByteFallback"},
-                {"type": "Fuse"},
-            ],
-        }
-    else:
-        normalizer, pre_tokenizer = None, _pre_tokenizer(g)
-        decoder = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
-    unk = _token_id(g, "unknown_token_id")
-    return json.dumps(
-        {
-            "version": "1.0",
-            "truncation": None,
-            "padding": None,
-            "added_tokens": added,
-            "normalizer": normalizer,
-            "pre_tokenizer": pre_tokenizer,
-            "post_processor": {
-                "type": "TemplateProcessing",
-                "single": single,
-                "pair": pair,
-                "special_tokens": specials,
-            },
-            "decoder": decoder,
-            "model": {
-                "type": "BPE",
-                "dropout": None,
-                "unk_token": tokens[unk] if spm and unk is not None and unk < len(tokens) else None,
-                "continuing_subword_prefix": "",
-                "end_of_word_suffix": "",
-                "fuse_unk": spm,
-                "byte_fallback": spm,
-                "ignore_merges": False,
-                "vocab": vocab,
-                "merges": merges,
-            },
-        },
-        ensure_ascii=False,
-    )
-
-
 # ---------------------------------------------------------------- chat template
 
 
@@ -729,7 +527,7 @@ def special_tokens(g: GGUFFile) -> dict[str, str]:
         ("unk_token", "unknown_token_id"),
         ("pad_token", "padding_token_id"),
     ):
-        tid = _token_id(g, key)
+        tid = token_id(g, key)
         if tid is not None and tid < len(tokens):
             out[name] = tokens[tid]
     return out

@@ -25,8 +25,8 @@ from pantheon.core.gguf import (
     find_gguf,
     read_gguf,
     special_tokens,
-    tokenizer_json,
 )
+from pantheon.core.gguf_tokenizer import tokenizer_json
 from pantheon.models import generation_defaults
 
 LONG_TEXT = 65536  # characters: a text this long is encoded without holding the GIL
@@ -71,7 +71,7 @@ class ModelAssets:
             )
             eos = eos_token_ids(g)
             self.generation_defaults = generation_defaults.from_gguf(g.meta, str(gguf_file))
-            self._byte_level = g.meta.get("tokenizer.ggml.model") == "gpt2"  # else gemma4's: raw UTF-8
+            self._byte_level = g.meta.get("tokenizer.ggml.model") == "gpt2"  # else raw UTF-8
         else:
             self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
             self.template = ChatTemplate.from_model_dir(self.path)
@@ -90,6 +90,9 @@ class ModelAssets:
         # arguments as an object or as text: sample renders, at load rather than on a first request
         self.template.takes_tools  # noqa: B018
         self.template.object_arguments  # noqa: B018
+        # at load, not on a first request: reading a real vocabulary (Qwen3.5's 152k tokens) takes
+        # ~0.7 s, which inside that request's render bound (0.5 s) refused it
+        self.max_token_chars  # noqa: B018
         src = (self.template.source or "") + (self.template.tool_use_source or "")
         harmony = self.template.output_format == HARMONY
         gemma4 = self.template.output_format == GEMMA4

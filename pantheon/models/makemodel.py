@@ -3,7 +3,8 @@
 A folder holds ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards plus
 ``model.safetensors.index.json``), ``tokenizer.json`` and ``tokenizer_config.json``, and loads as-is
 with transformers' ``AutoModelForCausalLM`` / ``AutoTokenizer`` (a Qwen3.5 VLM folder also with
-``Qwen3_5ForConditionalGeneration``, as the Hub's checkpoints).
+``Qwen3_5ForConditionalGeneration``, as the Hub's checkpoints). The tokenizer is our small trained
+one, or with ``--vocab FILE.gguf`` a real vocabulary read from a GGUF file (``RealVocab``).
 
 Weights are seeded per tensor (the seed and the tensor's name), generated in row chunks and
 streamed straight into the safetensors file, so the same seed gives byte-identical files and a
@@ -20,6 +21,7 @@ import hashlib
 import json
 import struct
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from pantheon.models import tokenizer_train as tt
@@ -754,7 +756,7 @@ def gemma4_spm_tokenizer_json() -> str:
         trainers,
     )
 
-    from pantheon.core.gguf import GEMMA4_SPLIT  # the split llama.cpp's gemma4 tokenizer makes
+    from pantheon.core.gguf_tokenizer import GEMMA4_SPLIT  # the split llama.cpp's gemma4 tokenizer makes
 
     def pipeline(tok: Tokenizer) -> Tokenizer:
         tok.normalizer = normalizers.Replace(" ", "▁")
@@ -1811,6 +1813,74 @@ def _tokenizer_config_with_specials(
     return config
 
 
+# ------------------------------------------------------------------------------ a real vocabulary
+
+
+@dataclass(frozen=True)
+class RealVocab:
+    """A GGUF file's vocabulary for ``make_model(vocab=...)``: its ``tokenizers`` JSON (exact:
+    ``pantheon.core.gguf_tokenizer``), size, special tokens and chat template."""
+
+    path: Path
+    tokenizer_json: str
+    size: int
+    specials: dict[str, str]  # bos_token, eos_token, unk_token, pad_token: those the file names
+    bos_id: int | None
+    eos_ids: list[int]
+    template: str | None
+
+    @property
+    def overrides(self) -> dict:
+        """The config keys that follow the vocabulary."""
+        out: dict = {"vocab_size": self.size}
+        if self.eos_ids:
+            out["eos_token_id"] = self.eos_ids[0]
+        if self.bos_id is not None:
+            out["bos_token_id"] = self.bos_id
+        return out
+
+
+def _read_vocab(path: Path | str) -> RealVocab:
+    from pantheon.core.gguf import chat_template, eos_token_ids, read_gguf, special_tokens, token_id
+    from pantheon.core.gguf_tokenizer import tokenizer_json
+
+    g = read_gguf(path)
+    return RealVocab(
+        path=Path(path),
+        tokenizer_json=tokenizer_json(g),
+        size=len(g.meta["tokenizer.ggml.tokens"]),
+        specials=special_tokens(g),
+        bos_id=token_id(g, "bos_token_id"),
+        eos_ids=eos_token_ids(g),
+        template=chat_template(g),
+    )
+
+
+def _write_vocab(out: Path, real: RealVocab, model_max_length: int) -> int:
+    """The folder's tokenizer files replaced by ``real``'s: ``tokenizer.json`` as llama.cpp
+    tokenizes it, ``tokenizer_config.json`` with its special tokens and its chat template (else the
+    family's, which the preset's config already holds). Returns the vocabulary's size."""
+    family = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+    added = json.loads(real.tokenizer_json)["added_tokens"]
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": {
+            str(t["id"]): {
+                k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
+            }
+            for t in added
+        },
+        **{k: real.specials.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")},
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": real.template or family.get("chat_template"),
+    }
+    (out / "tokenizer.json").write_text(real.tokenizer_json, encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", config)
+    return real.size
+
+
 # ------------------------------------------------------------------------------------ the folder
 
 
@@ -1893,6 +1963,7 @@ def make_model(
     mxfp4: bool = False,
     gemma_tokenizer: bool = False,
     fast: bool = False,
+    vocab: Path | str | None = None,
     **config_overrides,
 ) -> Path:
     """Write the preset's folder into `out` (created if missing) and return it (as a Path).
@@ -1907,7 +1978,12 @@ def make_model(
     Gemma's kind of tokenizer (``gemma4_spm_tokenizer_json``), which llama.cpp's converter takes.
     ``fast``: the weights are windows of one pool of random values (``_tensor_chunks``), written
     at the disk's speed: for timing runs (an 8B folder in seconds), not for reference tests.
+    ``vocab``: a GGUF file (llama.cpp's ``ggml-vocab-*.gguf``, or any model's) whose vocabulary
+    replaces the preset's tokenizer (``_write_vocab``): ``vocab_size`` and the BOS/EOS ids follow it.
     """
+    real = _read_vocab(vocab) if vocab is not None else None
+    if real is not None:
+        config_overrides = {**real.overrides, **config_overrides}
     config = build_config(preset, dtype=dtype, **config_overrides)
     text = text_config(config)
     qwen35 = _is_qwen35(config)
@@ -1953,6 +2029,10 @@ def make_model(
         real_vocab = GEMMA4_VOCAB_SIZE
     if _is_gpt_oss(config):
         real_vocab = GPT_OSS_VOCAB_SIZE
+    if real is not None:
+        real_vocab = _write_vocab(out, real, text["max_position_embeddings"])
+        generation["eos_token_id"] = real.eos_ids
+        _write_json(out / "generation_config.json", generation)
     if mxfp4 and not _is_gpt_oss(config):
         raise ValueError("mxfp4 folders are gpt-oss's only")
     write_weights(
@@ -2010,6 +2090,13 @@ def cli(argv: list[str]) -> int:
         help="Gemma 4: Gemma's kind of tokenizer (what llama.cpp's converter takes)",
     )
     parser.add_argument(
+        "--vocab",
+        type=Path,
+        metavar="FILE.gguf",
+        help="a GGUF file whose vocabulary replaces the preset's tokenizer (llama.cpp's "
+        "models/ggml-vocab-*.gguf, or any model's); vocab_size and the BOS/EOS ids follow it",
+    )
+    parser.add_argument(
         "--fast-random",
         action="store_true",
         help="weights as windows of one pool of random values: written at the disk's speed "
@@ -2042,6 +2129,7 @@ def cli(argv: list[str]) -> int:
         mxfp4=args.mxfp4,
         gemma_tokenizer=args.gemma_tokenizer,
         fast=args.fast_random,
+        vocab=args.vocab,
         **dict(args.overrides),
     )
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())

@@ -12,7 +12,7 @@ What the converter does that the engine re-reads (``pantheon.core.archs.gemma4.g
 head dims as ``key_length`` / ``key_length_swa``, the full layers' proportional RoPE as the
 tensor ``rope_freqs.weight`` (1e30 for the frequencies that do not rotate), K as V as the absence
 of ``attn_v``, the embedding cut to the tokenizer's 4005 ids (the per-layer table is not cut), and
-its ``gemma4`` tokenizer model (``pantheon.core.gguf.tokenizer_json``). Checked four ways: the
+its ``gemma4`` tokenizer model (``pantheon.core.gguf_tokenizer.tokenizer_json``). Checked four ways: the
 description, every tensor, the logits (a 40-token prompt: past the 16-token window, then greedy
 decode), and a served q8_0 file through the ``openai`` client (``/v1/models``, ``/admin/dies``).
 
@@ -31,7 +31,8 @@ import torch
 from safetensors.torch import load_file
 
 from pantheon.core.archs.gemma4 import FULL, SLIDING, gguf_config
-from pantheon.core.gguf import GGUFError, GGUFFile, read_gguf, tokenizer_json
+from pantheon.core.gguf import GGUFError, GGUFFile, read_gguf
+from pantheon.core.gguf_tokenizer import tokenizer_json
 from pantheon.core.sizing import estimate, read_shape
 from pantheon.models.assets import ModelAssets
 from workers.gguf_weights import iter_tensors

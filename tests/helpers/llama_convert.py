@@ -95,11 +95,45 @@ def converter_dir() -> Path:
     return tree
 
 
+def vocab_suite_dir() -> Path:
+    """llama.cpp's vocabulary suite (``models/ggml-vocab-*.gguf`` with their ``.inp``/``.out``), in
+    the tree ``converter_dir`` would use; not fetched here: the test fails saying how to get it."""
+    import pytest
+
+    env = os.environ.get("LLAMA_CPP_SRC")
+    peer = _peer()
+    tree = (
+        Path(env).expanduser()
+        if env
+        else peer.cache_dir() / "src" / f"llama_cpp_python-{peer.LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    )
+    models = tree / "models"
+    if not any(models.glob("ggml-vocab-*.gguf.inp")):
+        pytest.fail(
+            f"llama.cpp's vocabulary suite is missing ({models}/ggml-vocab-*.gguf.inp): run "
+            "`python3 bench/peer.py source` (downloads the llama-cpp-python sdist it pins, as .ci/run "
+            "does) or set LLAMA_CPP_SRC to a llama.cpp checkout"
+        )
+    return models
+
+
+VOCAB_SEP = "\n__ggml_vocab_test__\n"
+
+
+def vocab_cases(gguf: Path) -> list[tuple[str, list[int]]]:
+    """A suite vocabulary's cases as ``tests/test-tokenizer-0.cpp`` reads them: the ``.inp`` texts
+    (between separator lines) and the ``.out`` ids (one line per text)."""
+    texts = Path(f"{gguf}.inp").read_bytes().decode("utf-8").split(VOCAB_SEP)
+    outs = Path(f"{gguf}.out").read_text(encoding="utf-8").split("\n")[: len(texts)]
+    assert len(outs) == len(texts), gguf
+    return [(t, [int(x) for x in o.split()]) for t, o in zip(texts, outs)]
+
+
 def pre_tokenizer_name(hf_folder: Path) -> str | None:
     """llama.cpp's ``tokenizer.ggml.pre`` name for the folder's ``tokenizer.json``, from its Split
-    regex (the names Pantheon's GGUF reader knows, ``pantheon.core.gguf.PRE_TOKENIZERS``); None
-    when there is no tokenizer.json or its regex is not one of them."""
-    from pantheon.core.gguf import PRE_TOKENIZERS
+    regex (the names Pantheon's GGUF reader knows, ``pantheon.core.gguf_tokenizer.PRE_TOKENIZERS``);
+    None when there is no tokenizer.json or its regex is not one of them."""
+    from pantheon.core.gguf_tokenizer import PRE_TOKENIZERS
 
     path = Path(hf_folder) / "tokenizer.json"
     if not path.is_file():
@@ -109,8 +143,12 @@ def pre_tokenizer_name(hf_folder: Path) -> str | None:
     for step in steps:
         if step.get("type") == "Split":
             regex = (step.get("pattern") or {}).get("Regex")
-            for name, split in PRE_TOKENIZERS.items():  # the first name for a regex is the canonical one
-                if split == regex:
+            # llama.cpp spells the Hub's case-insensitive contractions out, case by case
+            regex = (regex or "").replace(
+                "(?i:'s|'t|'re|'ve|'m|'ll|'d)", "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+            )
+            for name, p in PRE_TOKENIZERS.items():  # the first name for a regex is the canonical one
+                if p.splits == (regex,):
                     return name
             return None
         if step.get("type") == "ByteLevel" and step.get("use_regex", True):
@@ -168,4 +206,32 @@ def convert(
         raise ConvertError(f"convert_hf_to_gguf.py failed ({proc.returncode}) on {hf_folder}:\n{tail}")
     if not out.is_file():
         raise ConvertError(f"convert_hf_to_gguf.py exited 0 but wrote no {out}:\n{proc.stderr[-4000:]}")
+    return out
+
+
+def with_vocab(gguf_path: Path, vocab: Path, out: Path, chat_template: str | None = None) -> Path:
+    """A copy of ``gguf_path`` at ``out`` whose ``tokenizer.*`` metadata is exactly ``vocab``'s (a
+    vocabulary-only GGUF such as llama.cpp's ``models/ggml-vocab-*.gguf``: every key with its own
+    type), and ``chat_template`` as ``tokenizer.chat_template`` when given. The converter names a
+    tokenizer's pre-tokenizer by hashing its output on one text, and Qwen3.5's, whose regex differs
+    from Qwen2's only at combining marks, hashes as Qwen2's: copying the keys is what makes the
+    file carry the real vocabulary, whatever the converter guessed. Tensors copied as they are,
+    by gguf-py's own ``gguf_new_metadata``."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    src, voc = gguf.GGUFReader(gguf_path), gguf.GGUFReader(vocab)
+    new: dict[str, MetadataDetails] = {}
+    for f in voc.fields.values():
+        if f.name.startswith("tokenizer."):
+            kind = f.types[0]
+            sub = f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            new[f.name] = MetadataDetails(kind, f.contents(), sub_type=sub)
+    if chat_template is not None:
+        new["tokenizer.chat_template"] = MetadataDetails(gguf.GGUFValueType.STRING, chat_template)
+    remove = [name for name in src.fields if name.startswith("tokenizer.") and name not in new]
+    arch = src.get_field("general.architecture")
+    assert arch is not None, gguf_path
+    writer = gguf.GGUFWriter(out, arch=arch.contents(), endianess=src.endianess)
+    copy_with_new_metadata(src, writer, new, remove)
     return out

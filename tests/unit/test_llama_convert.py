@@ -492,7 +492,7 @@ def test_preset_names(preset, model_factory, tmp_path):
     # the file's tokenizer, as Pantheon rebuilds it, encodes as the folder's
     from tokenizers import Tokenizer
 
-    from pantheon.core.gguf import tokenizer_json
+    from pantheon.core.gguf_tokenizer import tokenizer_json
 
     text = "Hello, world! 12345 <|im_start|>user\nÇa va?<|im_end|>\n  tabs\tand  spaces"
     want = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
