@@ -17,9 +17,13 @@ the bookings returned, the name free again):
    replace the estimate;
 4. publish: the instance takes requests (queued ones first).
 
+Phases 1 and 2 run in the load's turn (``pantheon.control.room``: loads place first come first
+served); one that finds no room evicts an idle model loaded on demand, or waits for one to be
+idle (up to the queue timeout: 429), through ``make_room``.
+
 Errors before the upload come back at once (404 no such folder, 400 bad request or unsupported
 architecture, 409 a load or unload of that name in progress or a duplicate replica, 507 no room
-or a full table); a worker's failure comes from phase 3 (507 out of memory, 404/400 what the
+that anything could free, or a full table; 429 no room freed in time); a worker's failure comes from phase 3 (507 out of memory, 404/400 what the
 worker found wrong with the folder, 500 anything else). With ``wait: false`` the admin call
 returns after phase 2 and ``GET /admin/models`` shows the progress, then the instance or the
 failure.
