@@ -159,6 +159,10 @@ class Residency:
         registry's routing (its 404, or the single-model shortcut)."""
         entry = self.catalog.lookup(name)
         if entry is None:
+            if name and not self.registry.instances() and not self._loads and self.catalog.entries():
+                # models to load on demand and none loaded: a name none of them has is a 404,
+                # not the registry's "no model is loaded yet; retry" (which it would never be)
+                raise errors.model_not_found(name)
             return name
         if any(i.name == entry.name for i in self.registry.ready()):
             return entry.name

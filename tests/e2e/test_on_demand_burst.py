@@ -48,6 +48,8 @@ def _status(s: Server) -> dict[str, str]:
 def test_only_the_configured_models_are_served(srv):
     assert _status(srv) == dict.fromkeys(NAMES, "unloaded")  # no built-in default beside them
     assert httpx.get(srv.url + "/health", timeout=10).status_code == 200  # ready to load on demand
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"model": "nope", "messages": MSG}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
 
 
 def test_a_burst_over_more_models_than_fit_is_answered_in_full(srv):
