@@ -95,9 +95,9 @@ def _burst_one(url: str, model: str) -> tuple[int, str, float]:
         return 200, r.json()["model"], took
     try:
         err = r.json()["error"]
-        code = f"{err['code']}: {err['message'][:160]}"
+        code = f"{err['code']}: {err['message']}"
     except ValueError:
-        code = r.text[:160]
+        code = r.text
     return r.status_code, code, took
 
 
@@ -127,7 +127,9 @@ def burst(n: int, m: int, k: int, rounds: int) -> None:
                     got = list(ex.map(lambda name: _burst_one(url, name), asked))
                 ok = [t for (st, _, t) in got if st == 200]
                 wrong = sum(1 for a, (st, who, _) in zip(asked, got, strict=True) if st == 200 and who != a)
-                errs = collections.Counter(f"{st} {who}" for (st, who, _) in got if st != 200)
+                # by status and code; one message of each kind is printed below the round
+                errs = collections.Counter(f"{st} {who.split(':')[0]}" for (st, who, _) in got if st != 200)
+                said = {f"{st} {who.split(':')[0]}": who for (st, who, _) in got if st != 200}
                 times = [t for (_, _, t) in got]
                 totals.update(completed=len(ok), errors=n - len(ok), wrong=wrong)
                 print(
@@ -137,6 +139,8 @@ def burst(n: int, m: int, k: int, rounds: int) -> None:
                     f"max {max(times):.2f} s",
                     flush=True,
                 )
+                for kind, message in said.items():
+                    print(f"  {kind}: {message[:300]}", flush=True)
         print(
             f"\ntotal: completed {totals['completed']}/{n * rounds}, errors {totals['errors']}, "
             f"wrong model {totals['wrong']}"

@@ -148,6 +148,10 @@ class Models:
         self.dies, self.feed, self.live = dies, feed, live
         self.failures: collections.deque[dict] = collections.deque(maxlen=FAILURES_KEPT)
         self._upload = asyncio.Lock()
+        # one model's tokenizer and template read at a time: the read renders the template under
+        # a wall-clock bound (pantheon.chat.template), which reads side by side in threads (a
+        # burst's loads) would share the GIL against, and fail on a busy host
+        self._reading = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self._pending: dict[str, asyncio.Task] = {}  # model name -> its load's phases 3-4
         self._starting: dict[str, asyncio.Task[DieInfo]] = {}  # die -> its worker's start
@@ -274,7 +278,8 @@ class Models:
         dies = tuple(self.dies.check(d) for d in dies)
         self._check_new(name, dies)
         try:
-            assets = await asyncio.to_thread(ModelAssets, path)
+            async with self._reading:
+                assets = await asyncio.to_thread(ModelAssets, path)
         except Exception as e:  # noqa: BLE001 - a broken tokenizer or template
             raise errors.unreadable_assets(e) from None
         self._check_new(name, dies)  # again: another load may have started meanwhile
