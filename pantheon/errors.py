@@ -71,6 +71,9 @@ insufficient_memory       507     server_error           insufficient_memory
 kv_cache_dtype_refused    400     invalid_request_error  invalid (param kv_cache_dtype)
 no_die_available          507     server_error           no_die
 models_max_reached        507     server_error           models_max
+load_queue_full           429     rate_limit_error       queue_full                  Retry-After: 5
+load_queue_timeout        429     rate_limit_error       queue_timeout               Retry-After: 2
+load_timeout              503     server_error           model_not_ready             Retry-After: 5
 model_unavailable         400     invalid_request_error  model_unavailable (param model)
 worker_start_failed       500     server_error           worker_start
 load_failed               by kind by status              the worker's kind
@@ -606,6 +609,41 @@ def models_max_reached(limit: int, holders: str) -> ApiError:
         f"--models-max {limit} models are loaded and none can be unloaded to make room: {holders}",
         type=SERVER,
         code="models_max",
+    )
+
+
+def load_queue_full(name: str, waiting: int, depth: int) -> ApiError:
+    """429: a load of ``name`` found no room and ``depth`` loads already wait for room."""
+    return ApiError(
+        429,
+        f"no room to load model '{name}' and {waiting} loads already wait for room (at most "
+        f"{depth} may wait); retry shortly",
+        type=RATE_LIMIT,
+        code="queue_full",
+        headers=_retry_after(5),
+    )
+
+
+def load_queue_timeout(name: str, seconds: float, holders: str) -> ApiError:
+    """429: no room for a load of ``name`` freed within the queue timeout."""
+    held = f" (held by {holders})" if holders else ""
+    return ApiError(
+        429,
+        f"no room to load model '{name}' freed within {seconds:g} s{held}; retry",
+        type=RATE_LIMIT,
+        code="queue_timeout",
+        headers=_retry_after(2),
+    )
+
+
+def load_timeout(name: str, seconds: float) -> ApiError:
+    """503: the request waited ``--load-timeout`` for its model's load, which goes on."""
+    return ApiError(
+        503,
+        f"model '{name}' is still loading after {seconds:g} s (--load-timeout); retry shortly",
+        type=SERVER,
+        code="model_not_ready",
+        headers=_retry_after(5),
     )
 
 

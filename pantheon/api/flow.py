@@ -60,17 +60,19 @@ async def place(
 ) -> tuple[str | None, Instance, T]:
     """``(model name, instance holding a slot, prepare's result)``; see the module doc. The
     caller releases the slot (``s.registry.leave``) once it is done with it."""
-    name = await s.residency.ensure(model)
-    likely = s.registry.route(name, session_id)
-    ready = await prepare(likely)
-    try:
-        inst = await s.registry.acquire_slot(name, session_id)
-    except ApiError as e:
-        # let go since ensure() (an idle unload, an eviction): a catalog model loads again, once
-        if e.code != "model_not_ready" or not s.residency.catalog.known(name or ""):
-            raise
-        await s.residency.ensure(name)
-        inst = await s.registry.acquire_slot(name, session_id)
+    # until it holds a slot the request keeps its model from being evicted under it
+    with s.residency.wanting(model):
+        name = await s.residency.ensure(model)
+        likely = s.registry.route(name, session_id)
+        ready = await prepare(likely)
+        try:
+            inst = await s.registry.acquire_slot(name, session_id)
+        except ApiError as e:
+            # let go since ensure() (an idle unload, an eviction): a catalog model loads again, once
+            if e.code != "model_not_ready" or not s.residency.catalog.known(name or ""):
+                raise
+            await s.residency.ensure(name)
+            inst = await s.registry.acquire_slot(name, session_id)
     try:
         if not same_context(inst, likely):
             ready = await prepare(inst)  # another replica, another context

@@ -86,6 +86,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str = _d("log_level")
     cors_origins: tuple[str, ...] = _d("cors_origins")  # the OpenAI routes' CORS origins
     keep_alive_s: float = _d("keep_alive_s")  # idle seconds before an on-demand model unloads
+    load_timeout_s: float = _d("load_timeout_s")  # how long a request waits for its model's load
     models_max: int = _d("models_max")  # loaded instances at most (0: memory alone decides)
     speculative: int = _d("speculative")  # prompt-lookup drafts per step by default (0: off)
     fingerprint: str = ""  # computed by build_config

@@ -524,6 +524,17 @@ SETTINGS: tuple[Setting, ...] = (
         field="keep_alive_s",
     ),
     Setting(
+        "load_timeout",
+        "float",
+        300.0,
+        "seconds a request waits for its model to load (its turn for room, its worker, its "
+        "weights); past it a 503 with Retry-After, and the load goes on",
+        ("PANTHEON_LOAD_TIMEOUT",),
+        unit="s",
+        field="load_timeout_s",
+        check=above(0, " seconds"),
+    ),
+    Setting(
         "models_max",
         "int",
         0,

@@ -17,9 +17,13 @@ the bookings returned, the name free again):
    replace the estimate;
 4. publish: the instance takes requests (queued ones first).
 
+Phases 1 and 2 run in the load's turn (``pantheon.control.room``: loads place first come first
+served); one that finds no room evicts an idle model loaded on demand, or waits for one to be
+idle (up to the queue timeout: 429), through ``make_room``.
+
 Errors before the upload come back at once (404 no such folder, 400 bad request or unsupported
 architecture, 409 a load or unload of that name in progress or a duplicate replica, 507 no room
-or a full table); a worker's failure comes from phase 3 (507 out of memory, 404/400 what the
+that anything could free, or a full table; 429 no room freed in time); a worker's failure comes from phase 3 (507 out of memory, 404/400 what the
 worker found wrong with the folder, 500 anything else). With ``wait: false`` the admin call
 returns after phase 2 and ``GET /admin/models`` shows the progress, then the instance or the
 failure.
@@ -47,6 +51,7 @@ from pantheon.control.dies import DieManager, booked_of
 from pantheon.control.feed import Feed
 from pantheon.control.load_sizing import LoadSizing
 from pantheon.control.registry import DRAINING, FAILED, LOADING, READY, Instance, Registry
+from pantheon.control.room import RoomQueue, Turn
 from pantheon.core.description import MTP, ModelDescription, mtp_description, shape_digest
 from pantheon.core.gguf import GGUFError, find_gguf, served_name
 from pantheon.core.kv_types import KvCacheTypes
@@ -55,7 +60,7 @@ from pantheon.core.sizing import SizingError, estimate, read_shape, state_checkp
 from pantheon.errors import ApiError
 from pantheon.models import generation_defaults
 from pantheon.models.assets import ModelAssets
-from pantheon.workerlink.pool import LoadFailedError, PoolError, WorkerPool
+from pantheon.workerlink.pool import DieInfo, LoadFailedError, PoolError, WorkerPool
 
 log = logging.getLogger("pantheon.control.lifecycle")
 
@@ -143,14 +148,22 @@ class Models:
         self.dies, self.feed, self.live = dies, feed, live
         self.failures: collections.deque[dict] = collections.deque(maxlen=FAILURES_KEPT)
         self._upload = asyncio.Lock()
+        # one model's tokenizer and template read at a time: the read renders the template under
+        # a wall-clock bound (pantheon.chat.template), which reads side by side in threads (a
+        # burst's loads) would share the GIL against, and fail on a busy host
+        self._reading = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self._pending: dict[str, asyncio.Task] = {}  # model name -> its load's phases 3-4
+        self._starting: dict[str, asyncio.Task[DieInfo]] = {}  # die -> its worker's start
         # Eviction (pantheon.control.residency sets these): at most ``models_max`` instances
-        # (0: no count limit); ``make_room(name)`` unloads an idle instance for a load of
-        # ``name`` and says whether one went; ``holders(name)`` says what holds the room
+        # (0: no count limit); loads place in turn (``room``, FIFO); the head of the line asks
+        # ``make_room(turn)``, which evicts an idle instance or waits for a change and says
+        # whether to try again (False: nothing will ever free); ``holders(name)`` says what
+        # holds the room
         self.models_max = 0
-        self.make_room: Callable[[str], Awaitable[bool]] | None = None
         self.holders: Callable[[str], str] = lambda name: ""
+        self.room = RoomQueue(config.queue_depth, config.queue_timeout_s, lambda name: self.holders(name))
+        self.make_room: Callable[[Turn], Awaitable[bool]] | None = None
         # dies the supervisor gave up on (more deaths than --worker-restarts): nothing is
         # placed there, or a load would start their worker again round the restart limit
         self.failed_dies = failed_dies
@@ -158,14 +171,34 @@ class Models:
     # ------------------------------------------------------------ workers
 
     async def ensure_worker(self, die: str) -> None:
-        """Start ``die``'s worker unless it runs; its Hello sizes a CUDA die."""
+        """Start ``die``'s worker unless it runs; its Hello sizes a CUDA die. A start already
+        under way (the start-up's, a load's, a restart's) is waited for, not begun again:
+        every caller gets its outcome."""
         known = {d.die: d for d in self.pool.dies()}
         if die in known and known[die].alive:
             return
+        task = self._starting.get(die)
+        if task is None:
+            task = asyncio.create_task(self._start_worker(die), name=f"start-{die}")
+            self._starting[die] = task
+            self._tasks.add(task)
+            task.add_done_callback(lambda t: self._started(die, t))
+        # shielded: a caller that goes away does not stop a start others wait for
+        await asyncio.shield(task)
+
+    async def _start_worker(self, die: str) -> DieInfo:
         # a remote die is not spawned: start_worker waits for its worker to join
         budget = self.dies.cpu_budget if die_kind(die) == "cpu" and not die_host(die) else None
         info = await self.pool.start_worker(die, budget_bytes=budget)
         self.dies.on_worker(die, info.total_bytes, info.free_bytes, info.device_name)
+        return info
+
+    def _started(self, die: str, task: asyncio.Task[DieInfo]) -> None:
+        self._tasks.discard(task)
+        if self._starting.get(die) is task:
+            del self._starting[die]
+        if not task.cancelled():
+            task.exception()  # retrieved: each waiter got it
 
     def sync_dies(self) -> None:
         """Copy the workers' latest memory figures into the die manager (a few times a second)."""
@@ -245,7 +278,8 @@ class Models:
         dies = tuple(self.dies.check(d) for d in dies)
         self._check_new(name, dies)
         try:
-            assets = await asyncio.to_thread(ModelAssets, path)
+            async with self._reading:
+                assets = await asyncio.to_thread(ModelAssets, path)
         except Exception as e:  # noqa: BLE001 - a broken tokenizer or template
             raise errors.unreadable_assets(e) from None
         self._check_new(name, dies)  # again: another load may have started meanwhile
@@ -306,11 +340,24 @@ class Models:
     async def _reserve_and_place(
         self, name: str, path: str, dies: tuple[str, ...], sizing: LoadSizing, worker_path: str | None
     ) -> Instance:
-        """Phases 1 and 2: reserve the name, place the instance and book its bytes; with no
-        room, evict an idle model (``make_room``) and try again, else say what holds it."""
+        """Phases 1 and 2, in the load's turn (``room``: first come first served): reserve the
+        name, place the instance and book its bytes; with no room, evict an idle model or wait
+        for one (``make_room``) and try again, else say what holds it."""
+        async with self.room.turn(name) as turn:
+            return await self._place_in_turn(turn, name, path, dies, sizing, worker_path)
+
+    async def _place_in_turn(
+        self,
+        turn: Turn,
+        name: str,
+        path: str,
+        dies: tuple[str, ...],
+        sizing: LoadSizing,
+        worker_path: str | None,
+    ) -> Instance:
         while True:
-            await self._room_by_count(name)
-            self._check_new(name, dies)  # an eviction awaited: another load may have started
+            await self._room_by_count(turn)
+            self._check_new(name, dies)  # a wait or an eviction: another load may have started
             # phase 1: the name is taken (507 when the table is full)
             inst = self.registry.reserve(name, path, dies, slots=sizing.n_slots)
             try:
@@ -329,8 +376,9 @@ class Models:
                 self.registry.discard(inst)
                 if e.status != 507 or e.code == "table_full":
                     raise
-                # no die has room: unload an idle model and try again, else say what holds it
-                if self.make_room is None or not await self.make_room(name):
+                # no die has room: unload an idle model (or wait for one) and try again, else
+                # say what holds it
+                if self.make_room is None or not await self.make_room(turn):
                     raise self._no_room(e, name) from None
                 sizing.clear()  # the free memory changed: size again
             except BaseException:
@@ -368,11 +416,12 @@ class Models:
             speculative=cfg.speculative,
         )
 
-    async def _room_by_count(self, name: str) -> None:
-        """Below ``models_max`` instances (loading or loaded), evicting idle ones if need be."""
+    async def _room_by_count(self, turn: Turn) -> None:
+        """Below ``models_max`` instances (loading or loaded), evicting idle ones (or waiting
+        for one to be idle) if need be."""
         while self.models_max and len(self.registry.instances()) >= self.models_max:
-            if self.make_room is None or not await self.make_room(name):
-                raise errors.models_max_reached(self.models_max, self.holders(name))
+            if self.make_room is None or not await self.make_room(turn):
+                raise errors.models_max_reached(self.models_max, self.holders(turn.name))
 
     def _no_room(self, e: ApiError, name: str) -> ApiError:
         held = self.holders(name) if self.make_room is not None else ""

@@ -7,9 +7,10 @@ is listed with statuses; a broken file is a 4xx and nothing else changes; a name
 knows is never answered by another model, nor is an unknown one (the single-model shortcut is
 for a server with one model, and this catalog holds several: issue 40 §6); two
 concurrent first requests make one load; an alias loads its model; keep-alive expiry unloads;
-at the count limit the idle model is evicted and not the busy one, the pinned one stays, and
-with nothing to evict the 507 says what holds the room; a request's ``keep_alive: 0`` unloads
-once it is done; a model copied into the folder is served without a restart."""
+at the count limit the idle model is evicted and not the busy one, a load waits for a busy one
+to be idle, the pinned one stays; a request's ``keep_alive: 0`` unloads once it is done; a model
+copied into the folder is served without a restart; with nothing that will free, the 507 says
+what holds the room."""
 
 from __future__ import annotations
 
@@ -146,8 +147,9 @@ def test_an_alias_loads_its_model_and_the_count_limit_evicts_the_idle_one(srv):
     assert "make room for gamma" in ev["message"]
 
 
-def test_a_busy_model_is_not_evicted_and_the_507_names_what_holds_the_room(srv):
-    # gamma busy with a long stream: a load of beta finds nothing it may evict
+def test_a_load_waits_for_a_busy_model_to_be_idle_then_evicts_it(srv):
+    # gamma busy with a long stream: a request for beta waits for room (not a 507), and gets
+    # it once gamma is idle
     started, stop = threading.Event(), threading.Event()
 
     def stream() -> None:
@@ -160,17 +162,23 @@ def test_a_busy_model_is_not_evicted_and_the_507_names_what_holds_the_room(srv):
 
     th = threading.Thread(target=stream)
     th.start()
-    try:
-        assert started.wait(60)
-        r = _chat(srv, "beta")
-        assert r.status_code == 507, r.text
-        msg = r.json()["error"]["message"]
-        assert "--models-max 2" in msg and "start#" in msg and "pinned" in msg and "busy" in msg, msg
-        assert _status(srv)["gamma"] == "loaded"
-    finally:
-        stop.set()
-        th.join(60)
-    assert _status(srv)["beta"] == "unloaded"
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        try:
+            assert started.wait(60)
+            beta = ex.submit(_chat, srv, "beta")
+            time.sleep(1.5)
+            assert not beta.done(), beta.result().text  # it waits while gamma is busy
+            st = _status(srv)
+            assert (st["gamma"], st["beta"]) == ("loaded", "loading"), st
+        finally:
+            stop.set()
+            th.join(60)
+        r = beta.result(120)
+    assert r.status_code == 200 and r.json()["model"] == "beta", r.text
+    st = _status(srv)
+    assert (st["start"], st["gamma"], st["beta"]) == ("loaded", "unloaded", "loaded"), st
+    (ev,) = _events(srv, "evicted", "gamma")
+    assert "make room for beta" in ev["message"]
 
 
 def test_keep_alive_zero_unloads_once_done_and_a_new_folder_is_served(srv):
@@ -197,3 +205,13 @@ def test_a_request_for_a_model_the_admin_api_is_loading_waits_for_that_load(srv)
     # the admin's load made room by evicting delta, the idle on-demand model; start stays
     st = _status(srv)
     assert (st["start"], st["beta"], st["delta"]) == ("loaded", "loaded", "unloaded")
+
+
+def test_with_nothing_that_will_free_the_507_names_what_holds_the_room(srv):
+    # start (pinned) and beta (loaded by the admin API) hold --models-max 2: neither can go
+    r = _chat(srv, "gamma")
+    assert r.status_code == 507, r.text
+    msg = r.json()["error"]["message"]
+    assert "--models-max 2" in msg and "start#" in msg and "pinned" in msg, msg
+    assert "beta#" in msg and "admin API" in msg, msg
+    assert _status(srv)["gamma"] == "unloaded"

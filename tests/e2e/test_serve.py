@@ -781,6 +781,21 @@ def test_cli_places_models_without_dies(monkeypatch):
     assert [m.dies for m in cfg.models] == [("cpu:0",), ("cpu:0",)] and cfg.cpu_dies == 1
 
 
+def test_the_built_in_model_is_served_only_when_nothing_is_configured(tmp_path):
+    from pantheon import serve as server_cli
+    from pantheon.config.settings import build_config
+
+    args: dict = {"models_dir": [str(tmp_path)]}  # the user's models, loaded on demand: alone
+    cfg = server_cli.finalize(build_config(args, {}), args)
+    assert cfg.models == () and cfg.cpu_dies == 1
+    args = {"models_dir": [str(tmp_path)], "models": [{"path": "/a", "preload": False}]}
+    cfg = server_cli.finalize(build_config(args, {}), args)
+    assert [m.path for m in cfg.models] == ["/a"]
+    args = {}
+    cfg = server_cli.finalize(build_config(args, {}), args)
+    assert len(cfg.models) == 1 and cfg.models[0].preload  # nothing configured: the default
+
+
 def test_cli_refusals():
     r = _serve_cli(["--model", "/nowhere"], QWEN35_GPU_FULL_LOGITS="1")
     assert r.returncode == 2 and "QWEN35_GPU_FULL_LOGITS" in r.stderr

@@ -61,6 +61,7 @@ def samples(tmp: Path) -> dict[str, tuple[str, object]]:
         "cors_origins": ("https://a.example,http://b:8080", ("https://a.example", "http://b:8080")),
         "models_dir": (str(tmp), (os.path.realpath(tmp),)),
         "keep_alive": ("10m", 600.0),
+        "load_timeout": ("60", 60.0),
         "models_max": ("2", 2),
         "speculative": ("4", 4),
         "max_messages": ("10", 10),
