@@ -1,6 +1,6 @@
 """Embeddings: texts/s of ``POST /v1/embeddings`` at batch 1 (one text per request, one after
-the other) and batch 32 (32 texts per request), against sentence-transformers' ``encode`` with
-``batch_size`` 1 and 32 on the same model, in one run on the same host.
+the other), 32 and 64 (that many texts per request), against sentence-transformers' ``encode``
+with the same ``batch_size`` on the same model, in one run on the same host.
 
     python bench/embed.py                     # all-MiniLM-L6 shapes (tiny-bert, random weights)
     python bench/embed.py --model ST_FOLDER   # any sentence-transformers folder we serve
@@ -65,7 +65,9 @@ def main() -> None:
         "--model", default=None, help="a sentence-transformers folder (default: tiny-bert, MiniLM shapes)"
     )
     ap.add_argument("--texts", type=int, default=256, help="texts per measurement")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64], help="texts per request")
     args = ap.parse_args()
+    batches: list[int] = args.batches
     data = texts(args.texts)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
@@ -75,15 +77,15 @@ def main() -> None:
             path = str(make_model("tiny-bert", Path(tmp) / "minilm", **MINILM))
         cmd = ["--model", path, "--name", "m", "--dtype", "float32", "--cpu-path", "fp32"]
         with serve(cmd, Path(tmp) / "serve.log") as url:
-            ours_rates = {b: ours(url, data, b) for b in (1, 32)}
-        theirs_rates = {b: theirs(path, data, b) for b in (1, 32)}
+            ours_rates = {b: ours(url, data, b) for b in batches}
+        theirs_rates = {b: theirs(path, data, b) for b in batches}
     cpu = cpu_info()
     print(f"host: {cpu['model_name']}, {cpu['cpus']} CPUs, avx512f {cpu['avx512']}; threads {os.cpu_count()}")
     print(
         f"model: {args.model or 'tiny-bert at all-MiniLM-L6 shapes (random weights)'}, fp32, {len(data)} texts"
     )
     print(f"{'batch':>5} {'pantheon texts/s':>17} {'sentence-transformers':>22} {'ratio':>6}")
-    for b in (1, 32):
+    for b in batches:
         print(
             f"{b:>5} {ours_rates[b]:>17.1f} {theirs_rates[b]:>22.1f} {ours_rates[b] / theirs_rates[b]:>5.2f}x"
         )

@@ -27,6 +27,7 @@ import msgspec
 
 from pantheon.core import protocol as p
 from pantheon.core.token_times import TokenTimes
+from workers.errors import StepFailed
 from workers.instances import Instances
 
 if TYPE_CHECKING:  # the engine imports torch
@@ -90,7 +91,11 @@ class Stepper:
             busy = True
             t0 = time.monotonic()
             step_hook()
-            tokens = inst.engine.step()
+            try:
+                tokens = inst.engine.step()
+            except StepFailed as e:  # the step's requests were ended; the engine goes on
+                tokens = e.outs
+                self._fail(name, e)
             t1 = time.monotonic()
             ms = (t1 - t0) * 1000.0
             self.steps += 1
@@ -117,3 +122,19 @@ class Stepper:
                     reason = f"the output constraint could not be enforced: {error}"
                     self.send(p.Rejected(request_id=rid, kind="invalid", reason=reason))
         return busy
+
+    def _fail(self, name: str, e: StepFailed) -> None:
+        """Answer each request of a step that raised with ``Rejected(internal)`` (logged with
+        the traceback; the client gets a 500 with its request id)."""
+        log.error(
+            "a step of %s raised; its %d request(s) fail: %s",
+            name,
+            len(e.request_ids),
+            ", ".join(e.request_ids),
+            exc_info=e.cause,
+        )
+        owner = self.instances.owner
+        for rid in e.request_ids:
+            if owner.pop(rid, None) is not None:
+                reason = f"the step running this request failed ({type(e.cause).__name__})"
+                self.send(p.Rejected(request_id=rid, kind="internal", reason=reason))

@@ -30,7 +30,7 @@ PROTOCOL_VERSION = 7
 LoadFailKind = Literal["not_found", "unsupported", "invalid", "out_of_memory", "internal", "cancelled"]
 """Why a ``LoadModel`` failed (``LoadFailed.kind``)."""
 
-RejectKind = Literal["context_length", "no_instance", "invalid", "duplicate"]
+RejectKind = Literal["context_length", "no_instance", "invalid", "duplicate", "internal"]
 """Why a ``Submit`` was not run (``Rejected.kind``)."""
 
 FinishReason = Literal["stop", "length", "abort"]
