@@ -57,6 +57,10 @@ from workers.step_guard import survivable
 __all__ = ["Engine", "LoadError", "RequestRejected", "StepFailed"]
 
 
+EMBED_BATCH = 64  # whole inputs an encoder (BERT) runs in one step, at most
+EMBED_STEP_TOKENS = 16384  # and their tokens, at most (one input longer than that runs alone)
+
+
 class Engine:
     def __init__(
         self,
@@ -139,6 +143,12 @@ class Engine:
             block_bytes += draft_block_bytes(
                 draft_cfg, block_size, draft_path[1], torch.device(devices[0]), kv_types
             )
+        # An encoder that only embeds (BERT: no KV rows, nothing kept per slot) runs a batch of
+        # up to EMBED_BATCH whole inputs a step, as sentence-transformers' encode does: its slots
+        # and block tables are bookkeeping, and 8 inputs a step left most of a batch waiting
+        self.encoder = not cfg.can_generate and not block_bytes
+        if self.encoder:
+            num_slots = max(num_slots, EMBED_BATCH)
         if block_bytes:
             num_blocks = kv_budget_bytes // block_bytes
         else:
@@ -525,6 +535,10 @@ class Engine:
         if wants:
             assert self.draft is not None
             self.draft.propose(wants)
+        if self.encoder:
+            # nothing decodes beside an encoder's steps, so no stream waits on their length:
+            # a step takes the whole batch (the token bound caps one step's activations)
+            return self.scheduler.schedule(max(self.budget.ceiling, EMBED_STEP_TOKENS))
         return self.scheduler.schedule(lambda context: self.budget.tokens(decoding, context))
 
     def _run(self, plan: StepPlan, outs: list[TokenOut], t0: float) -> list[TokenOut]:

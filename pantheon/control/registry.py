@@ -53,6 +53,7 @@ from pantheon.core.description import ModelDescription
 from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import Loaded, LoadModel
 from pantheon.core.sizing import Estimate
+from pantheon.errors import ApiError
 from pantheon.models.assets import ModelAssets
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
@@ -284,17 +285,27 @@ class Registry:
         """The model a request naming ``name`` goes to, and its ready replicas."""
         ready = self.ready()
         if not ready:
-            raise errors.no_model_loaded()
+            raise self._failed_for_good(name) or errors.no_model_loaded()
         names = list(dict.fromkeys(i.name for i in ready))
         if name in names:
             target = name
         elif name and (self.known(name) or any(i.name == name for i in self._instances)):
-            raise errors.model_loading(name)  # a name the server knows: never another model
+            # a name the server knows: never another model
+            raise self._failed_for_good(name) or errors.model_loading(name)
         elif len(names) == 1 or not name:
             target = names[0]
         else:
             raise errors.model_not_found(name)
         return target, [i for i in ready if i.name == target]
+
+    def _failed_for_good(self, name: str | None) -> ApiError | None:
+        """``model_failed`` (no Retry-After) when every instance of ``name`` (else every one) is
+        failed: routing runs after a recovery under way was waited for
+        (``supervisor.await_recovery``), so a failed instance here is one given up on."""
+        insts = [i for i in self._instances if i.name == name] or list(self._instances)
+        if not insts or any(i.state != FAILED for i in insts):
+            return None
+        return errors.model_failed(insts[0].name, insts[0].error)
 
     def _pick(self, cands: list[Instance], session_id: str | None, free_only: bool) -> Instance | None:
         pool = [i for i in cands if i.gate.free] if free_only else cands
