@@ -10,7 +10,9 @@ window of steps and milliseconds since the last ``Stats``.
 
 Test seam: with ``PANTHEON_TEST_STEP_HOOK=FILE`` in its environment, the worker looks for FILE
 before each step; when it is there, the worker deletes it and sleeps inside that step for the
-seconds FILE holds, or forever if it holds ``hang``.
+seconds FILE holds, or forever if it holds ``hang``; ``raise`` makes the next step of that
+instance that samples raise inside the engine (as a bug reached by a request would), which
+fails that step's requests (``workers/step_guard.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ if TYPE_CHECKING:  # the engine imports torch
 log = logging.getLogger("pantheon.worker")
 
 
-def step_hook() -> None:
+def step_hook(engine: Engine) -> None:
     """The test seam described in the module docstring (a no-op unless the env names a file)."""
     path = os.environ.get("PANTHEON_TEST_STEP_HOOK")
     if not path or not os.path.exists(path):
@@ -45,6 +47,14 @@ def step_hook() -> None:
         what = f.read().strip()
     os.unlink(path)
     log.warning("test step hook: %s inside this step", what)
+    if what == "raise":
+
+        def raise_once(seqs: object, logits: object) -> None:
+            engine.on_logits = None
+            raise RuntimeError("test step hook: raised inside this step")
+
+        engine.on_logits = raise_once
+        return
     if what == "hang":
         threading.Event().wait()
     time.sleep(float(what))
@@ -90,7 +100,7 @@ class Stepper:
                 continue
             busy = True
             t0 = time.monotonic()
-            step_hook()
+            step_hook(inst.engine)
             try:
                 tokens = inst.engine.step()
             except StepFailed as e:  # the step's requests were ended; the engine goes on

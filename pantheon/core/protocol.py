@@ -208,6 +208,9 @@ class EmbedRequest(msgspec.Struct, tag=True, kw_only=True):
     prompt: list[int]
     pooling: Pooling
     normalize: bool = True  # L2-normalise the pooled vector in the worker
+    # more inputs of the same request follow at once: the worker waits for them (briefly) before
+    # its next step, so a batch is one step, not a few inputs that happened to arrive first
+    more: bool = False
 
 
 class ResetCache(msgspec.Struct, tag=True, kw_only=True):

@@ -233,6 +233,7 @@ async def _run(s: AppState, inst: Instance, spec: EmbeddingSpec, ids: list[list[
                 prompt=prompt,
                 pooling=spec.pooling,
                 normalize=spec.normalize,
+                more=i < len(ids) - 1,
             )
             streams.append(s.pool.submit(inst.die, msg))
         outs = await asyncio.gather(*(st.result() for st in streams))
