@@ -230,14 +230,19 @@ def test_dimensions(client, srv):
 
 
 def test_errors(srv):
-    """Empty inputs, an input past the context (the numbers named), a model that does not embed,
-    and a generation request to a model that only embeds: each a 400 naming what is wrong."""
+    """Empty inputs, token ids past the context (the numbers named), a model that does not
+    embed, and a generation request to a model that only embeds: each a 400 naming what is
+    wrong."""
     url = srv.url + "/v1/embeddings"
     for body in ({"model": "q3emb", "input": []}, {"model": "q3emb", "input": ["ok", ""]}):
         check_error(httpx.post(url, json=body, timeout=30), 400, param="input")
-    r = httpx.post(url, json={"model": "bert", "input": "word " * 600}, timeout=30)
+    r = httpx.post(url, json={"model": "bert", "input": [[5] * 600]}, timeout=30)  # ids: never cut
     err = check_error(r, 400, param="input", code="context_length_exceeded")
     assert "512" in err["message"]
+    # a text past sentence_bert_config.json's max_seq_length is cut there, as
+    # sentence-transformers cuts it
+    r = httpx.post(url, json={"model": "bert", "input": "word " * 600}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 512, r.text[:200]
     err = check_error(
         httpx.post(url, json={"model": "chat", "input": "x"}, timeout=30),
         400,
