@@ -43,6 +43,7 @@ model_loading             503     server_error           model_not_ready        
 model_gone                503     server_error           model_not_ready             Retry-After: 1
 no_instance               503     server_error           model_not_ready             Retry-After: 2
 model_recovering          503     server_error           model_not_ready             Retry-After: 2
+model_failed              503     server_error           model_failed                (none: given up on)
 **slots and backpressure** (``pantheon.control.registry``; bodies: ``pantheon.api.middleware``)
 server_busy               429     rate_limit_error       server_busy                 Retry-After: 1
 queue_full                429     rate_limit_error       queue_full                  Retry-After: 5
@@ -402,6 +403,19 @@ def model_recovering(name: str | None, seconds: float) -> ApiError:
 
 
 # ---------------------------------------------------------------- slots and backpressure
+
+
+def model_failed(name: str, reason: str | None) -> ApiError:
+    """503 without Retry-After: every instance of the model failed and nothing will bring it
+    back by itself (its die's worker was given up on after --worker-restarts deaths, or the
+    server restarts no worker): retrying cannot help until an operator acts."""
+    return ApiError(
+        503,
+        f"model '{name}' is unavailable: {reason or 'it failed'}; it will not come back by itself "
+        "(load it again through the admin API, or restart the server)",
+        type=SERVER,
+        code="model_failed",
+    )
 
 
 def server_busy() -> ApiError:

@@ -38,7 +38,7 @@ from workers.cache import check_kv_types, kv_block_bytes
 from workers.cpu_pack import weight_bytes
 from workers.cuda_graphs import DecodeGraphs
 from workers.draft import DraftModel, draft_block_bytes, draft_layout, load_draft_config
-from workers.errors import LoadError, RequestRejected
+from workers.errors import LoadError, RequestRejected, StepFailed
 from workers.grammar import Constraint, Grammars, apply_masks
 from workers.layers.moe import unread_expert_bytes
 from workers.loader import load_model, resolve_dtype
@@ -52,8 +52,13 @@ from workers.scheduler import Scheduler, Sequence, StepPlan
 from workers.speculation import SpecStats, propose
 from workers.state_checkpoints import CheckpointIndex
 from workers.step_budget import DEFAULT_TARGET_S, StepBudget
+from workers.step_guard import survivable
 
-__all__ = ["Engine", "LoadError", "RequestRejected"]
+__all__ = ["Engine", "LoadError", "RequestRejected", "StepFailed"]
+
+
+EMBED_BATCH = 64  # whole inputs an encoder (BERT) runs in one step, at most
+EMBED_STEP_TOKENS = 16384  # and their tokens, at most (one input longer than that runs alone)
 
 
 class Engine:
@@ -138,6 +143,12 @@ class Engine:
             block_bytes += draft_block_bytes(
                 draft_cfg, block_size, draft_path[1], torch.device(devices[0]), kv_types
             )
+        # An encoder that only embeds (BERT: no KV rows, nothing kept per slot) runs a batch of
+        # up to EMBED_BATCH whole inputs a step, as sentence-transformers' encode does: its slots
+        # and block tables are bookkeeping, and 8 inputs a step left most of a batch waiting
+        self.encoder = not cfg.can_generate and not block_bytes
+        if self.encoder:
+            num_slots = max(num_slots, EMBED_BATCH)
         if block_bytes:
             num_blocks = kv_budget_bytes // block_bytes
         else:
@@ -471,8 +482,41 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[TokenOut]:
-        """Run one step: decode every running sequence, plus at most one prefill chunk's worth."""
+        """Run one step: decode every running sequence, plus at most one prefill chunk's worth.
+
+        An exception inside it ends the requests the step ran and raises ``StepFailed`` naming
+        them (``workers/step_guard.py``: the engine goes on with the others), unless it leaves
+        the device unusable, which is raised as it is."""
         t0 = time.perf_counter()
+        try:
+            plan = self._plan()
+        except Exception as e:  # before the plan: which sequence it was is not known
+            if not survivable(e, self.devices[0]):
+                raise
+            raise self._failed(self.scheduler.running(), [], e) from e
+        outs = [TokenOut(s.request_id, -1, finish="length") for s in plan.truncated]
+        for s in plan.truncated:
+            self._forget(s.request_id)
+        if plan.empty:
+            return outs
+        try:
+            return self._run(plan, outs, t0)
+        except Exception as e:
+            if not survivable(e, self.devices[0]):
+                raise
+            ran = list(plan.decode) + list(plan.verify) + [s for s, _n in plan.prefill]
+            raise self._failed(ran, outs, e) from e
+
+    def _failed(self, seqs: list[Sequence], outs: list[TokenOut], cause: Exception) -> StepFailed:
+        """End ``seqs`` (a step that raised ``cause`` ran them); the ``StepFailed`` to raise."""
+        ids = [s.request_id for s in seqs]
+        for rid in ids:
+            self.abort(rid)
+        gone = set(ids)
+        return StepFailed(ids, [o for o in outs if o.request_id not in gone], cause)
+
+    def _plan(self) -> StepPlan:
+        """This step's drafts, then its plan."""
         decoding = False
         wants: list[tuple[Sequence, int]] = []  # (sequence, at most k drafts) for the draft model
         for s in self.scheduler.running():
@@ -491,12 +535,14 @@ class Engine:
         if wants:
             assert self.draft is not None
             self.draft.propose(wants)
-        plan = self.scheduler.schedule(lambda context: self.budget.tokens(decoding, context))
-        outs = [TokenOut(s.request_id, -1, finish="length") for s in plan.truncated]
-        for s in plan.truncated:
-            self._forget(s.request_id)
-        if plan.empty:
-            return outs
+        if self.encoder:
+            # nothing decodes beside an encoder's steps, so no stream waits on their length:
+            # a step takes the whole batch (the token bound caps one step's activations)
+            return self.scheduler.schedule(max(self.budget.ceiling, EMBED_STEP_TOKENS))
+        return self.scheduler.schedule(lambda context: self.budget.tokens(decoding, context))
+
+    def _run(self, plan: StepPlan, outs: list[TokenOut], t0: float) -> list[TokenOut]:
+        """Compute ``plan``; ``outs`` (its truncations) gains every token it samples."""
         seqs = plan.sampled()
         # The grammar masks of the rows about to be sampled are computed while the model runs.
         guided = [

@@ -6,7 +6,7 @@ they are, and the router refuses a message whose kind is not in its list.
 
 from __future__ import annotations
 
-from pantheon.core.protocol import LoadFailKind, RejectKind
+from pantheon.core.protocol import LoadFailKind, RejectKind, TokenOut
 
 
 class LoadError(Exception):
@@ -25,3 +25,12 @@ class RequestRejected(Exception):
         super().__init__(reason)
         self.kind = kind
         self.reason = reason
+
+
+class StepFailed(Exception):
+    """A step raised ``cause``; the requests it ran (``request_ids``) were ended. ``outs``: what
+    the step finished before it raised for other requests (a truncation), to send as usual."""
+
+    def __init__(self, request_ids: list[str], outs: list[TokenOut], cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids, self.outs, self.cause = request_ids, outs, cause

@@ -68,6 +68,8 @@ class Instances:
             )
         except RequestRejected as e:
             self.send(p.Rejected(request_id=msg.request_id, kind=cast(p.RejectKind, e.kind), reason=e.reason))
+        except Exception as e:  # noqa: BLE001  # one request's bug ends that request, not the worker
+            self._internal(inst, msg.request_id, e)
         else:
             self.owner[msg.request_id] = msg.instance
             grammars = getattr(inst.engine, "grammars", None)
@@ -82,8 +84,18 @@ class Instances:
             inst.engine.submit_embed(msg.request_id, msg.prompt, msg.pooling, msg.normalize)
         except RequestRejected as e:
             self.send(p.Rejected(request_id=msg.request_id, kind=cast(p.RejectKind, e.kind), reason=e.reason))
+        except Exception as e:  # noqa: BLE001
+            self._internal(inst, msg.request_id, e)
         else:
             self.owner[msg.request_id] = msg.instance
+
+    def _internal(self, inst: Instance, request_id: str, e: Exception) -> None:
+        """A submission that raised: whatever it left in the engine is dropped (a submission
+        touches only its own request's tables) and the request is answered ``Rejected(internal)``."""
+        log.error("request %s could not be queued", request_id, exc_info=e)
+        inst.engine.abort(request_id)
+        reason = f"the worker could not queue this request ({type(e).__name__})"
+        self.send(p.Rejected(request_id=request_id, kind="internal", reason=reason))
 
     def _target(self, name: str, request_id: str) -> Instance | None:
         """The instance a request names, or None after answering ``Rejected``."""

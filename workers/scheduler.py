@@ -79,7 +79,10 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        return self.num_computed > 0 and self.pending == 1
+        """Past its prefill: its one pending token is decoded. Never an embedding, whose last
+        pending token is still prompt (a chunk that ends one token short of its prompt left it
+        there) and is prefilled, never sampled."""
+        return self.embed is None and self.num_computed > 0 and self.pending == 1
 
 
 @dataclass

@@ -10,7 +10,9 @@ window of steps and milliseconds since the last ``Stats``.
 
 Test seam: with ``PANTHEON_TEST_STEP_HOOK=FILE`` in its environment, the worker looks for FILE
 before each step; when it is there, the worker deletes it and sleeps inside that step for the
-seconds FILE holds, or forever if it holds ``hang``.
+seconds FILE holds, or forever if it holds ``hang``; ``raise`` makes the next step of that
+instance that samples raise inside the engine (as a bug reached by a request would), which
+fails that step's requests (``workers/step_guard.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import msgspec
 
 from pantheon.core import protocol as p
 from pantheon.core.token_times import TokenTimes
+from workers.errors import StepFailed
 from workers.instances import Instances
 
 if TYPE_CHECKING:  # the engine imports torch
@@ -35,7 +38,7 @@ if TYPE_CHECKING:  # the engine imports torch
 log = logging.getLogger("pantheon.worker")
 
 
-def step_hook() -> None:
+def step_hook(engine: Engine) -> None:
     """The test seam described in the module docstring (a no-op unless the env names a file)."""
     path = os.environ.get("PANTHEON_TEST_STEP_HOOK")
     if not path or not os.path.exists(path):
@@ -44,6 +47,14 @@ def step_hook() -> None:
         what = f.read().strip()
     os.unlink(path)
     log.warning("test step hook: %s inside this step", what)
+    if what == "raise":
+
+        def raise_once(seqs: object, logits: object) -> None:
+            engine.on_logits = None
+            raise RuntimeError("test step hook: raised inside this step")
+
+        engine.on_logits = raise_once
+        return
     if what == "hang":
         threading.Event().wait()
     time.sleep(float(what))
@@ -89,8 +100,12 @@ class Stepper:
                 continue
             busy = True
             t0 = time.monotonic()
-            step_hook()
-            tokens = inst.engine.step()
+            step_hook(inst.engine)
+            try:
+                tokens = inst.engine.step()
+            except StepFailed as e:  # the step's requests were ended; the engine goes on
+                tokens = e.outs
+                self._fail(name, e)
             t1 = time.monotonic()
             ms = (t1 - t0) * 1000.0
             self.steps += 1
@@ -117,3 +132,19 @@ class Stepper:
                     reason = f"the output constraint could not be enforced: {error}"
                     self.send(p.Rejected(request_id=rid, kind="invalid", reason=reason))
         return busy
+
+    def _fail(self, name: str, e: StepFailed) -> None:
+        """Answer each request of a step that raised with ``Rejected(internal)`` (logged with
+        the traceback; the client gets a 500 with its request id)."""
+        log.error(
+            "a step of %s raised; its %d request(s) fail: %s",
+            name,
+            len(e.request_ids),
+            ", ".join(e.request_ids),
+            exc_info=e.cause,
+        )
+        owner = self.instances.owner
+        for rid in e.request_ids:
+            if owner.pop(rid, None) is not None:
+                reason = f"the step running this request failed ({type(e.cause).__name__})"
+                self.send(p.Rejected(request_id=rid, kind="internal", reason=reason))

@@ -5,7 +5,7 @@
 identity, says ``Hello``, then runs one loop:
 
 1. drain the inbox without blocking and handle every message (load, unload, submit, abort, ping,
-   shutdown);
+   shutdown), waiting briefly for the rest of an embedding batch (``EmbedRequest.more``);
 2. run one ``engine.step()`` for every loaded instance that has work and send its tokens as one
    ``StepOutput``;
 3. send ``Stats`` every 250 ms while busy and every second when idle;
@@ -72,6 +72,7 @@ log = logging.getLogger("pantheon.worker")
 # The exit codes (and what the router says they mean) are in pantheon.core.protocol: EXIT_*.
 
 LOADING_POLL_S = 0.05  # how often the main loop looks at the loader thread's progress
+MORE_WAIT_S = 0.05  # the longest wait for the rest of an embedding batch (EmbedRequest.more)
 REJOIN_MAX_S = 30.0  # a remote worker's longest wait between two Hellos to a silent router
 
 
@@ -216,16 +217,22 @@ class Worker:
     def drain(self) -> bool:
         """Handle every message already waiting; True if there was at least one."""
         got = False
+        more = False  # the last message was an embedding input with more of its batch to come
         while self.exit_code is None:
             data = self.link.recv()
             if data is None:
-                break
+                if not more:
+                    break
+                more = False  # the router sends a batch back to back: it is on its way
+                self.link.wait(MORE_WAIT_S)
+                continue
             got = True
             try:
                 msg = p.decode_router_msg(data)
             except msgspec.DecodeError as e:
                 log.error("dropped a message that does not decode: %s", e)
                 continue
+            more = isinstance(msg, p.EmbedRequest) and msg.more
             self.handle(msg)
         return got
 

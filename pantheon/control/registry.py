@@ -56,6 +56,7 @@ from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.names import has_control
 from pantheon.core.protocol import Loaded, LoadModel
 from pantheon.core.sizing import Estimate
+from pantheon.errors import ApiError
 from pantheon.models.assets import ModelAssets
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
@@ -290,12 +291,13 @@ class Registry:
         """The model a request naming ``name`` goes to, and its ready replicas."""
         ready = self.ready()
         if not ready:
-            raise errors.no_model_loaded()
+            raise self._failed_for_good(name) or errors.no_model_loaded()
         names = list(dict.fromkeys(i.name for i in ready))
         if name in names:
             target = name
         elif name and (self.known(name) or any(i.name == name for i in self._instances)):
-            raise errors.model_loading(name)  # a name the server knows: never another model
+            # a name the server knows: never another model
+            raise self._failed_for_good(name) or errors.model_loading(name)
         elif not name or (self._one_model() and not has_control(name)):
             target = names[0]
         else:
@@ -307,6 +309,15 @@ class Registry:
         draining ones too) and its catalog. With another one still loading, an unknown name is
         a 404, not an answer from whichever model is ready first."""
         return len({i.name for i in self._instances} | set(self.catalog_names())) == 1
+
+    def _failed_for_good(self, name: str | None) -> ApiError | None:
+        """``model_failed`` (no Retry-After) when every instance of ``name`` (else every one) is
+        failed: routing runs after a recovery under way was waited for
+        (``supervisor.await_recovery``), so a failed instance here is one given up on."""
+        insts = [i for i in self._instances if i.name == name] or list(self._instances)
+        if not insts or any(i.state != FAILED for i in insts):
+            return None
+        return errors.model_failed(insts[0].name, insts[0].error)
 
     def _pick(self, cands: list[Instance], session_id: str | None, free_only: bool) -> Instance | None:
         pool = [i for i in cands if i.gate.free] if free_only else cands

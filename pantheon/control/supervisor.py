@@ -133,10 +133,11 @@ class Supervisor:
             self.max_restarts,
         )
         self.failed_dies.add(die)
-        self._event(
-            "worker_failed",
-            f"the worker of {die} died {n} times in {RESTART_WINDOW_S / 60:.0f} min: no more restarts",
-        )
+        why = f"the worker of {die} died {n} times in {RESTART_WINDOW_S / 60:.0f} min: no more restarts"
+        self._event("worker_failed", why)
+        for inst in self.registry.instances():  # what their requests are told from now on
+            if inst.die == die and inst.state == "failed":
+                inst.failed(f"{why} (--worker-restarts {self.max_restarts})")
         for iid, inst in list(self._recovering.items()):
             if inst.die == die:
                 del self._recovering[iid]

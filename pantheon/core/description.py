@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pantheon.core.embedding import (
+    BASE_MODEL,
     EmbeddingError,
     EmbeddingSpec,
     gguf_embedding,
@@ -474,7 +475,10 @@ def describe(raw: Any, gen: dict, where: str) -> ModelDescription:
     if not isinstance(raw, dict):
         raise ModelError("invalid", f"{where}: not a JSON object")
     family, arch = archs.family_of(raw, where)
-    return family.describe(raw, gen, where, arch)
+    desc = family.describe(raw, gen, where, arch)
+    if archs.names_base_model(raw, family):  # no head: it embeds (its own pooling may follow)
+        desc = dataclasses.replace(desc, embedding=BASE_MODEL, can_generate=False)
+    return desc
 
 
 def read_description(path: str | Path) -> ModelDescription:

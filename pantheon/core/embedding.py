@@ -13,6 +13,17 @@ both call it through ``description.read_description``).
 ``dimensions`` (truncation then renormalisation, OpenAI's Matryoshka parameter) is allowed only
 for a model trained for it: ``config.json``'s ``is_matryoshka: true`` or
 ``matryoshka_dimensions`` (then only those sizes), as vLLM reads them.
+
+A sentence-transformers folder's ``sentence_bert_config.json`` gives ``max_seq_length``: a text
+is cut to that many tokens (its special tokens included), as ``SentenceTransformer.encode`` cuts
+it. (Its ``tokenizer.json`` may say otherwise, padding and truncating to some fixed length:
+``pantheon.models.assets`` turns both off, since a tokenizer file's padding reaching the encoder
+would be pooled as if it were text.)
+
+Base models whose ``architectures`` name the model without its head (``Qwen3Model``,
+``Qwen2Model``, ``LlamaModel``, ``MistralModel``, as sentence-transformers saves them and vLLM
+serves them as embedding models) embed: with the folder's sentence-transformers pooling, else
+``BASE_MODEL`` (the last token, normalised: vLLM's default for a decoder), and never generate.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ class EmbeddingSpec:
     pooling: Pooling
     normalize: bool
     matryoshka: tuple[int, ...] | None = None
+    max_tokens: int | None = None  # sentence_bert_config.json's max_seq_length: longer texts are cut
 
 
 def matryoshka_of(raw: dict) -> tuple[int, ...] | None:
@@ -95,7 +107,24 @@ def read_sentence_transformers(folder: Path, raw: dict) -> EmbeddingSpec | None:
     if cfg.get("include_prompt", True) is not True:
         raise EmbeddingError("unsupported", f"{cfg_path}: include_prompt false is not supported")
     normalize = any(m.get("type") == _ST_NORMALIZE for m in modules)
-    return EmbeddingSpec(_ST_MODES[on[0]], normalize, matryoshka_of(raw))
+    return EmbeddingSpec(_ST_MODES[on[0]], normalize, matryoshka_of(raw), _max_seq_length(folder))
+
+
+def _max_seq_length(folder: Path) -> int | None:
+    """``sentence_bert_config.json``'s ``max_seq_length`` (None: no such file or value)."""
+    path = folder / "sentence_bert_config.json"
+    if not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise EmbeddingError("invalid", f"{path}: not valid JSON ({e})") from None
+    n = cfg.get("max_seq_length") if isinstance(cfg, dict) else None
+    if n is None:
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise EmbeddingError("invalid", f"{path}: max_seq_length must be a positive integer, got {n!r}")
+    return n
 
 
 _GGUF_POOLING: dict[int, Pooling] = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's LLAMA_POOLING_TYPE_*
@@ -112,6 +141,9 @@ def gguf_embedding(meta: dict) -> EmbeddingSpec | None:
 
 ASKED = EmbeddingSpec("mean", True)
 """A chat model loaded with ``embeddings: true``."""
+
+BASE_MODEL = EmbeddingSpec("last", True)
+"""A decoder saved as its base model (``Qwen3Model``...) without a sentence-transformers layout."""
 
 
 def served_embedding(own: EmbeddingSpec | None, asked: bool) -> EmbeddingSpec | None:

@@ -30,7 +30,7 @@ PROTOCOL_VERSION = 7
 LoadFailKind = Literal["not_found", "unsupported", "invalid", "out_of_memory", "internal", "cancelled"]
 """Why a ``LoadModel`` failed (``LoadFailed.kind``)."""
 
-RejectKind = Literal["context_length", "no_instance", "invalid", "duplicate"]
+RejectKind = Literal["context_length", "no_instance", "invalid", "duplicate", "internal"]
 """Why a ``Submit`` was not run (``Rejected.kind``)."""
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -208,6 +208,9 @@ class EmbedRequest(msgspec.Struct, tag=True, kw_only=True):
     prompt: list[int]
     pooling: Pooling
     normalize: bool = True  # L2-normalise the pooled vector in the worker
+    # more inputs of the same request follow at once: the worker waits for them (briefly) before
+    # its next step, so a batch is one step, not a few inputs that happened to arrive first
+    more: bool = False
 
 
 class ResetCache(msgspec.Struct, tag=True, kw_only=True):

@@ -83,6 +83,12 @@ class ModelAssets:
             )
             tj = _read_json(self.path / "tokenizer.json")
             self._byte_level = "ByteLevel" in json.dumps(tj.get("decoder") or {})
+        # What a tokenizer file says of padding and truncation (all-MiniLM's pads every text
+        # to 128 and cuts it there) is for batching in the trainer's framework: ours never pads
+        # (the engine batches without pad tokens) and cuts only where the model says
+        # (the context; an embedding model's max_seq_length: pantheon.core.embedding)
+        self.tokenizer.no_padding()
+        self.tokenizer.no_truncation()
         # a template that would stall every request is refused here, at load (a 400 from the
         # admin API): one render of a sample conversation under tighter bounds than a request's
         self.template.check_cost()

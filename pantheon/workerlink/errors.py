@@ -38,7 +38,7 @@ class LoadFailedError(PoolError):
 
 class RequestRejectedError(PoolError):
     """The worker would not run a request. ``kind``: context_length | no_instance | invalid |
-    duplicate (``protocol.RejectKind``)."""
+    duplicate | internal (a step that ran it failed) (``protocol.RejectKind``)."""
 
     def __init__(self, kind: RejectKind, reason: str):
         super().__init__(f"{kind}: {reason}")

@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer
 
 from pantheon.core.description import ModelError, read_description
-from pantheon.core.embedding import EmbeddingSpec
+from pantheon.core.embedding import BASE_MODEL, EmbeddingSpec
 from pantheon.core.protocol import SamplingParams
 from workers.block_manager import BlockManager
 from workers.engine import Engine, RequestRejected
@@ -69,9 +69,9 @@ def _cos(a, b) -> float:
 
 
 def test_sentence_transformers_layout(q3, bert, tmp_path):
-    assert read_description(q3).embedding == EmbeddingSpec("last", True, ())
+    assert read_description(q3).embedding == EmbeddingSpec("last", True, (), max_tokens=4096)
     d = read_description(bert)
-    assert d.embedding == EmbeddingSpec("mean", False, None) and not d.can_generate
+    assert d.embedding == EmbeddingSpec("mean", False, None, max_tokens=512) and not d.can_generate
     # an unsupported pooling mode is refused at load, naming the file
     (tmp_path / "config.json").write_text(open(f"{q3}/config.json").read())
     (tmp_path / "modules.json").write_text(
@@ -165,6 +165,25 @@ def test_base_model_checkpoint(q3, tmp_path):
     )
     for x, y in zip(a, b):
         assert np.array_equal(x, y)
+    # saved as sentence-transformers and vLLM name it (the base model's class): an embedding
+    # model that does not generate, with its own pooling, else the last token, normalised
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for arch in ("Qwen3Model", "Qwen2Model", "LlamaModel", "MistralModel"):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
+        d = read_description(tmp_path)
+        assert not d.can_generate and d.embedding is not None and d.embedding.pooling == "last", arch
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3Model"]}))
+    (tmp_path / "modules.json").unlink()
+    d = read_description(tmp_path)
+    assert d.embedding == BASE_MODEL and not d.can_generate
+    c = _embed(
+        Engine(str(tmp_path), dtype="float32", cpu_path="fp32", kv_budget_bytes=4 << 20),
+        prompts,
+        "last",
+        True,
+    )
+    for x, y in zip(a, c):
+        assert np.array_equal(x, y)
 
 
 def test_gguf_pooling_type(tmp_path):
@@ -183,3 +202,83 @@ def test_gguf_pooling_type(tmp_path):
         w.close()
         spec = gguf_embedding(read_gguf(path).meta)
         assert (spec and spec.pooling) == want and (spec is None or spec.normalize)
+
+
+def test_an_embedding_one_token_short_of_its_prompt_is_prefilled_not_sampled():
+    """A chunk that ends one token before an embedding's last leaves it one pending token: it
+    is still prompt, prefilled in the next step, never decoded nor sampled (it was: the worker
+    died on the sampler it has none of)."""
+    sched = Scheduler(BlockManager(64, 4), num_slots=4, prefill_chunk=9)
+    for i in range(2):
+        sched.add(Sequence(f"s{i}", 5, list(range(5)), 1, use_cache=False, embed="mean"))
+    plan = sched.schedule(9)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("s0", 5), ("s1", 4)]
+    sched.commit(plan)
+    sched.finish(plan.prefill[0][0])
+    plan = sched.schedule(9)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("s1", 1)]
+    assert plan.decode == [] and plan.sampled() == []
+
+
+def test_embeddings_across_chunk_slot_and_pool_limits_beside_chat(q3):
+    """Embeddings of every length around the prefill chunk, more of them than slots, in a pool
+    they fill, beside a decoding chat request: every step runs, every vector is the one its
+    input gets alone, the chat's tokens are its own, and nothing is left behind."""
+    chunk = 8
+    eng = Engine(
+        q3, dtype="float32", cpu_path="fp32", kv_budget_bytes=1 << 16, prefill_chunk=chunk, num_slots=3
+    )
+    eng.budget.per_token_s = None  # the chunk is the whole budget: no measured step shrinks it
+    pool = eng.blocks.num_blocks * eng.blocks.block_size
+    base = _ids(q3, [" ".join(TEXTS * 20)])[0]
+    lengths = sorted({1, 2, chunk - 1, chunk, chunk + 1, 2 * chunk - 1, 2 * chunk + 1, pool - 1, pool})
+    prompts = [base[:n] if n <= len(base) else (base * (n // len(base) + 1))[:n] for n in lengths]
+    alone = [_embed(eng, [p], "last", True)[0] for p in prompts]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    eng.submit("chat-alone", base[:10], params)
+    want = []
+    while eng.has_work():
+        want += [t.token for t in eng.step()]
+    eng.submit("chat", base[:10], params)
+    for i, p in enumerate(prompts):
+        eng.submit_embed(f"e{i}", p, "last", True)
+    got, toks = {}, []
+    while eng.has_work():
+        toks += [t.token for t in eng.step() if t.request_id == "chat"]
+        got.update({o.request_id: np.frombuffer(o.vector, "<f4") for o in eng.take_embedded()})
+    assert set(got) == {f"e{i}" for i in range(len(prompts))}
+    for i, v in enumerate(alone):
+        assert np.allclose(got[f"e{i}"], v, atol=1e-5), lengths[i]
+    assert toks == want[: len(toks)] and len(toks) >= 1  # a pool-sized embedding may truncate it
+    assert all(v == 0 for k, v in eng.request_tables().items() if k != "grammar_failures")
+
+
+def test_a_step_that_raises_fails_its_requests_not_the_engine(q3):
+    """An exception inside a step ends the requests it ran (``StepFailed`` names them) and the
+    engine serves the next requests as before."""
+    from workers.errors import StepFailed
+
+    eng = Engine(q3, dtype="float32", cpu_path="fp32", kv_budget_bytes=4 << 20)
+    prompt = _ids(q3, TEXTS[:1])[0]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng.submit("before", prompt, params)
+    want = []
+    while eng.has_work():
+        want += [t.token for t in eng.step()]
+
+    def boom(seqs, logits):
+        raise RuntimeError("a bug reached by this step")
+
+    eng.on_logits = boom
+    eng.submit("a", prompt, params)
+    eng.submit_embed("e", prompt, "last", True)
+    with pytest.raises(StepFailed) as e:
+        eng.step()
+    assert set(e.value.request_ids) == {"a", "e"} and isinstance(e.value.cause, RuntimeError)
+    assert not eng.has_work() and eng.blocks.num_used == 0
+    eng.on_logits = None
+    eng.submit("after", prompt, params)
+    got = []
+    while eng.has_work():
+        got += [t.token for t in eng.step()]
+    assert got == want

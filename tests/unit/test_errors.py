@@ -63,6 +63,7 @@ CASES = {
     "model_gone": (("x",), 503, SERVER, None, "model_not_ready"),
     "no_instance": (("no such instance",), 503, SERVER, None, "model_not_ready"),
     "model_recovering": (("x", 30.0), 503, SERVER, None, "model_not_ready"),
+    "model_failed": (("x", "its worker died"), 503, SERVER, None, "model_failed"),
     "server_busy": ((), 429, RATE, None, "server_busy"),
     "queue_full": ((), 429, RATE, None, "queue_full"),
     "queue_timeout": ((30.0,), 429, RATE, None, "queue_timeout"),
@@ -137,9 +138,14 @@ def test_factory_shape(name):
 
 @pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c[1] in (429, 503)))
 def test_429_and_503_carry_retry_after(name):
+    """Every 429 and 503 says when to retry, but ``model_failed``: nothing brings that model
+    back by itself, so a Retry-After would promise what the server cannot keep."""
     args = CASES[name][0]
     e = factories()[name](*args)
-    assert int(e.headers["Retry-After"]) > 0
+    if name == "model_failed":
+        assert "Retry-After" not in e.headers and "will not come back" in e.message
+    else:
+        assert int(e.headers["Retry-After"]) > 0
 
 
 def test_retry_after_values():

@@ -20,7 +20,7 @@ from torch import nn
 from pantheon.core.archs.bert import BertDescription
 from pantheon.core.description import ModelDescription
 from workers.cache import LayerCache
-from workers.layers.attention import StepBatch
+from workers.layers.attention import PrefillChunk, StepBatch
 from workers.models import Target
 from workers.models.base import DecoderLayer, DecoderLM
 
@@ -56,17 +56,49 @@ class BertLayer(DecoderLayer):
         self.approximate = "none" if desc.hidden_act == "gelu" else "tanh"
 
     def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
+        return self.encode(x, Padded.of(b.prefills, x.device))
+
+    def encode(self, x: torch.Tensor, pad: Padded) -> torch.Tensor:
+        """x: [N, hidden], the step's inputs packed one after another -> the same shape."""
         n, hd, d = x.shape[0], self.n_heads, self.head_dim
         qkv = self.qkv(x).view(n, 3, hd, d)
-        out = x.new_empty(n, hd * d)
-        for c in b.prefills:  # one whole input each: every query sees every key of its input
-            q, k, v = (qkv[c.start : c.end, i].transpose(0, 1) for i in range(3))  # [H, T, D]
-            # no mask: bidirectional; 4-D, which takes torch's fused CPU kernel (3-D inputs ran
-            # its reference path, ~5x slower at 40 tokens)
-            a = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
-            out[c.start : c.end] = a.transpose(0, 1).reshape(c.end - c.start, hd * d)
+        if pad.mask is None:  # one input: no padding, no mask
+            q, k, v = (qkv[:, i].transpose(0, 1)[None] for i in range(3))  # [1, H, N, D]
+            out = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1).reshape(n, hd * d)
+        else:
+            # every input at once, padded to the longest (its keys masked out): one fused
+            # kernel call per layer, where a call per input cost more than the attention
+            rows = qkv[pad.gather]  # [B, T, 3, H, D]
+            q, k, v = (rows[:, :, i].transpose(1, 2) for i in range(3))  # [B, H, T, D]
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=pad.mask)  # [B, H, T, D]
+            out = a.transpose(1, 2).reshape(-1, hd * d)[pad.rows]  # [N, H * D], packed again
         x = self.attn_norm(x + self.attn_out(out))
         return self.out_norm(x + self.down(F.gelu(self.up(x), approximate=self.approximate)))
+
+
+class Padded:
+    """A step's whole inputs as a padded batch: ``gather`` [B, T] int64 (each input's rows,
+    padded with row 0), ``mask`` [B, 1, 1, T] bool (True: a key of the input; None for a
+    single input) and ``rows`` [N] int64 (where each packed row lies in the flattened [B * T]
+    batch). Built once per step, used by every layer."""
+
+    def __init__(self, gather: torch.Tensor, mask: torch.Tensor | None, rows: torch.Tensor):
+        self.gather, self.mask, self.rows = gather, mask, rows
+
+    @staticmethod
+    def of(chunks: list[PrefillChunk], device: torch.device) -> Padded:
+        lens = [c.end - c.start for c in chunks]
+        n = sum(lens)
+        if len(chunks) <= 1:
+            idx = torch.arange(n, device=device)
+            return Padded(idx[None], None, idx)
+        t = max(lens)
+        pos = torch.arange(t, device=device)
+        starts = torch.tensor([c.start for c in chunks], device=device)
+        valid = pos[None, :] < torch.tensor(lens, device=device)[:, None]  # [B, T]
+        gather = torch.where(valid, starts[:, None] + pos[None, :], 0)
+        rows = valid.flatten().nonzero().flatten()  # in input order, then position: packed order
+        return Padded(gather, valid[:, None, None, :], rows)
 
 
 class BertModel(DecoderLM):
@@ -89,11 +121,15 @@ class BertModel(DecoderLM):
         for c in b.prefills:
             positions[c.start : c.end] = torch.arange(c.end - c.start, device=dev)
         h = emb.embed(input_ids, positions)
+        pads: dict[torch.device, Padded] = {}
         for i, layer in enumerate(self.layers):
+            assert isinstance(layer, BertLayer)
             ldev = self.layer_devices[i]
             if h.device != ldev:
                 h = h.to(ldev)
-            h = layer(h, batches[ldev], caches[i])
+            if ldev not in pads:
+                pads[ldev] = Padded.of(batches[ldev].prefills, ldev)
+            h = layer.encode(h, pads[ldev])
         return h.to(dev)
 
 

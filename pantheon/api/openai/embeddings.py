@@ -119,15 +119,28 @@ def check_dimensions(inst: Instance, spec: EmbeddingSpec, dims: int | None) -> N
 
 
 def tokenize_inputs(
-    inst: Instance, inputs: list[str | list[int]], param: str = "input", truncate: bool = False
+    inst: Instance,
+    inputs: list[str | list[int]],
+    param: str = "input",
+    truncate: bool = False,
+    max_tokens: int | None = None,
 ) -> list[list[int]]:
     """Every input as token ids for ``inst`` (strings with the tokenizer's special tokens, as
-    sentence-transformers encodes them); 400 for an empty one, an id outside the vocabulary or
-    one past the model's context (``truncate``: cut to the context instead, Ollama's default)."""
+    sentence-transformers encodes them, cut to ``max_tokens`` with them as it cuts them: the
+    model's ``max_seq_length``); 400 for an empty one, an id outside the vocabulary or one past
+    the model's context (``truncate``: cut to the context instead, Ollama's default)."""
     tok, vocab, limit = inst.model_assets.tokenizer, vocab_size(inst), limit_of(inst)
     out: list[list[int]] = []
     for i, x in enumerate(inputs):
-        ids = tok.encode(x, add_special_tokens=True).ids if isinstance(x, str) else list(x)
+        if isinstance(x, str):
+            if not x:  # its special tokens alone are not a text to embed
+                raise errors.invalid_param(param, f"'{param}' {i} is empty")
+            enc = tok.encode(x, add_special_tokens=False)
+            if max_tokens is not None:
+                enc.truncate(max(1, max_tokens - tok.num_special_tokens_to_add(False)))
+            ids = tok.post_process(enc).ids
+        else:
+            ids = list(x)
         if not ids:
             raise errors.invalid_param(param, f"'{param}' {i} is empty")
         bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -160,7 +173,7 @@ async def _place(
         if spec is None:
             raise errors.model_cannot_embed(inst.name)
         check_dimensions(inst, spec, dims)
-        return spec, tokenize_inputs(inst, inputs, param, truncate)
+        return spec, tokenize_inputs(inst, inputs, param, truncate, spec.max_tokens)
 
     async def prepare(inst: Instance) -> tuple[EmbeddingSpec, list[list[int]]]:
         return await asyncio.to_thread(check, inst) if big else check(inst)
@@ -220,6 +233,7 @@ async def _run(s: AppState, inst: Instance, spec: EmbeddingSpec, ids: list[list[
                 prompt=prompt,
                 pooling=spec.pooling,
                 normalize=spec.normalize,
+                more=i < len(ids) - 1,
             )
             streams.append(s.pool.submit(inst.die, msg))
         outs = await asyncio.gather(*(st.result() for st in streams))

@@ -71,6 +71,9 @@ def _pool_error(e: BaseException, request_id: str) -> ApiError:
             return errors.context_length_exceeded(reason)
         if kind == "no_instance":
             return errors.no_instance(reason)
+        if kind == "internal":  # the worker's step failed: its traceback is in the worker's log
+            log.error("request %s: %s", request_id, reason)
+            return errors.generation_failed(request_id)
         return errors.request_rejected(reason, kind)
     if isinstance(e, WorkerDied):
         # Retry-After: the supervisor has the model back within a few seconds

@@ -26,6 +26,10 @@ class Family:
     model_types: Mapping[str, str]  # config.json model_type -> arch (when no class name is known)
     gguf_architectures: Mapping[str, tuple[str, str]]  # GGUF arch -> (class name, model_type)
     describe: Callable[[dict, dict, str, str], ModelDescription]  # raw, gen, where, arch
+    # Those of hf_architectures that name the base model without its head (``Qwen3Model``, as
+    # sentence-transformers saves an embedding model): loaded as embedding models
+    # (``pantheon.core.embedding``), never asked to generate.
+    base_architectures: frozenset[str] = frozenset()
     # Fields of the family's own that a GGUF file's metadata holds, added to the config.json dict
     # that pantheon.core.gguf.hf_config builds from the fields every family has.
     gguf_config: Callable[[GGUFFile, dict], None] | None = None
@@ -75,6 +79,14 @@ def family_of(raw: dict, where: str) -> tuple[Family, str]:
         "unsupported",
         f"{where}: field 'architectures' is {archs!r}: architecture not supported "
         f"(supported: {', '.join(supported())})",
+    )
+
+
+def names_base_model(raw: dict, family: Family) -> bool:
+    """Whether a ``config.json`` dict's ``architectures`` name ``family``'s base model."""
+    archs = raw.get("architectures") or []
+    return isinstance(archs, list) and any(
+        a in family.base_architectures for a in archs if isinstance(a, str)
     )
 
 

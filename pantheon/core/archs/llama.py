@@ -117,7 +117,13 @@ FAMILY = Family(
         "MistralForCausalLM": "llama",
         "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3",
+        # the base models, as sentence-transformers saves an embedding model (Qwen3-Embedding)
+        "LlamaModel": "llama",
+        "MistralModel": "llama",
+        "Qwen2Model": "qwen2",
+        "Qwen3Model": "qwen3",
     },
+    base_architectures=frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"}),
     model_types={"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"},
     gguf_architectures={
         "llama": ("LlamaForCausalLM", "llama"),
