@@ -481,8 +481,10 @@ def test_a_forced_call_opens_its_header_in_the_prompt(harmony_assets):
     req = parse_chat_request(dict(body, tool_choice="required"))
     ids, prefix, _, forced, _ = render(harmony_assets, req, req.messages)
     assert forced is None and prefix == "<|channel|>commentary to=functions."
-    grammar = structured.tool_grammar([WEATHER_TOOL, other], None, prefix, HARMONY_TOOL_FORMAT)
     tok = harmony_assets.tokenizer
+    grammar = structured.tool_grammar(
+        [WEATHER_TOOL, other], None, prefix, HARMONY_TOOL_FORMAT, token_id=tok.token_to_id
+    )
     vocab = structured.ModelTokenizer(tok.to_str(), tok.get_vocab_size(), harmony_assets.eos_ids)
     structured.check_for_model(grammar, vocab, "tools")
     matcher = llg.LLMatcher(vocab.tokenizer, grammar)
