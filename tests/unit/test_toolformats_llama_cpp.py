@@ -399,3 +399,36 @@ def test_mistral_history_ids_are_made_the_templates_nine_characters():
         s.split('"')[0] for s in prompt.split('"call_id": "')[1:]
     ]
     assert ids and all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 1
+
+
+# A demanded call in each format: the grammar takes the call as the family writes it (after the
+# format's forced prefix, which is in the prompt), and the format's parser reads it back.
+WRITTEN = {
+    "json": '{"arg1": 1}}\n</tool_call>',
+    "llama3": '{"name": "special_function", "parameters": {"arg1": 1}}',
+    "mistral": '[TOOL_CALLS][{"name": "special_function", "arguments": {"arg1": 1}, "id": "a1B2c3D4e"}]',
+    "mistral_args": '[TOOL_CALLS]special_function[ARGS]{"arg1": 1}',
+    "deepseek_r1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>special_function\n"
+    '```json\n{"arg1": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "functionary_v3.1": '<function=special_function>{"arg1": 1}</function>',
+    "functionary_v3.2": 'special_function\n{"arg1": 1}',
+}
+
+
+@pytest.mark.parametrize("fmt", WRITTEN)
+def test_a_demanded_call_in_the_formats_grammar_reads_back(fmt):
+    from unit.test_structured_router import accepts
+
+    from pantheon.api.openai import structured
+    from pantheon.chat.toolformats import get
+
+    prefix = get(fmt).forced_prefix("special_function")
+    grammar = structured.tool_grammar([SPECIAL_FUNCTION], "special_function", prefix, fmt)
+    assert accepts(grammar, WRITTEN[fmt])
+    assert not accepts(grammar, WRITTEN[fmt].replace('"arg1": 1', '"arg1": "one"'))  # an integer
+    parser = output_parser(fmt, reasoning=False, tools=[SPECIAL_FUNCTION])
+    got = join_deltas(parser.feed(prefix + WRITTEN[fmt]) + parser.finish())
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got["tool_calls"]] == [
+        ("special_function", {"arg1": 1})
+    ]
+    assert got["content"] == ""

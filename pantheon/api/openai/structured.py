@@ -388,21 +388,6 @@ def tool_grammar(
     return grammar if spell.tokens else check(grammar, "tools")
 
 
-def lazy_tool_grammar(
-    tools: Sequence[dict], tool_format: str, *, token_id: Callable[[str], int | None] | None = None
-) -> tuple[str, str] | None:
-    """The grammar of the calls an ``auto`` answer may make, and the text that triggers it (the
-    format's call opening): the answer is free until the model writes the trigger, constrained
-    from there (as llama.cpp's lazy grammars). None where the format has no lazy grammar."""
-    fmt = toolformats.get(tool_format)
-    spell = MarkerSpeller(token_id)
-    lark = fmt.lazy_lark(tools, spell)
-    if lark is None or not fmt.trigger:
-        return None
-    grammar = llg.LLMatcher.grammar_from_lark(lark)
-    return (grammar if spell.tokens else check(grammar, "tools")), fmt.trigger
-
-
 class MarkerSpeller:
     """Spells a format's marker in a grammar (``toolformats.Speller``): as the model's special
     token (``<[ID]>``) where ``token_id`` knows it, else as text. ``tokens``: whether it used one."""

@@ -14,7 +14,6 @@ template teaches it. One :class:`ToolFormat` per format says everything Pantheon
   own);
 - ``forced_prefix`` / ``call_lark``: what a demanded call's prompt ends with, and the Lark grammar
   of the rest (``pantheon.api.openai.structured.tool_grammar`` compiles it);
-- ``trigger``: the text that opens a call, where a lazy ``auto`` grammar starts constraining;
 - ``grammar_start``: where a grammar starts on a reasoning model (after its reasoning).
 
 Adding a format is one module in this package and one line in its ``FORMATS``.
@@ -164,11 +163,6 @@ class ToolFormat:
 
     # -------------------------------------------------------------- the output
 
-    @property
-    def trigger(self) -> str:
-        """The text that opens a call: where a lazy grammar starts."""
-        return self.opens[0] if self.opens else ""
-
     def close_of(self, opener: str) -> str | None:
         """The marker that ends a block ``opener`` opened (None: the end of the output)."""
         return self.close
@@ -226,12 +220,6 @@ class ToolFormat:
         """The Lark grammar of one demanded call of ``tools`` after ``prefix`` (already in the
         prompt); ``forced`` names the function when one is."""
         raise NotImplementedError(f"{self.name}: no call grammar")
-
-    def lazy_lark(self, tools: Tools, spell: Speller) -> str | None:
-        """The Lark grammar of the calls an ``auto`` answer may make once it wrote
-        :attr:`trigger` (its text included, so that the grammar can start at it); None where the
-        format has no lazy grammar (the answer is then unconstrained)."""
-        return None
 
     def grammar_start(self, vocab: Vocabulary, *, think_open: bool, thinks: bool) -> tuple[list[int], int]:
         """Where a grammar starts on a reasoning model: the ids it starts after, and the id of

@@ -95,9 +95,6 @@ class DeepSeekR1Format(ToolFormat):
     def call_lark(self, tools: Tools, forced: str | None, prefix: str, spell: Speller) -> str:
         return self._lark(chosen(tools, forced), spell)
 
-    def lazy_lark(self, tools: Tools, spell: Speller) -> str | None:
-        return self._lark(tools, spell)
-
     def tool_prompt(self, tools: Tools) -> str:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
         return (

@@ -61,6 +61,3 @@ class FunctionaryV31Format(ToolFormat):
 
     def call_lark(self, tools: Tools, forced: str | None, prefix: str, spell: Speller) -> str:
         return self._lark(chosen(tools, forced))
-
-    def lazy_lark(self, tools: Tools, spell: Speller) -> str | None:
-        return self._lark(tools)

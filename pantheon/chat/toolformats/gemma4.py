@@ -164,10 +164,6 @@ class Gemma4Format(ToolFormat):
     def detect(self, source: str) -> bool:
         return CALL_HEAD in source and CALL_CLOSE in source
 
-    @property
-    def trigger(self) -> str:
-        return CALL_HEAD
-
     def adapt(
         self, messages: Messages, tools: list[Mapping[str, Any]] | None, template_kwargs: dict[str, Any]
     ) -> tuple[Messages, list[Mapping[str, Any]] | None, dict[str, Any]]:

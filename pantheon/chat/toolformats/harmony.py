@@ -39,10 +39,6 @@ class HarmonyFormat(ToolFormat):
     def detect(self, source: str) -> bool:
         return CHANNEL in source and MESSAGE in source
 
-    @property
-    def trigger(self) -> str:
-        return CALL_OPEN
-
     def adapt(
         self, messages: Messages, tools: list[Mapping[str, Any]] | None, template_kwargs: dict[str, Any]
     ) -> tuple[Messages, list[Mapping[str, Any]] | None, dict[str, Any]]:

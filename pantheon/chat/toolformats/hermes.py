@@ -33,7 +33,3 @@ class HermesFormat(ToolFormat):
             return f'start: args "}}" "\\n</tool_call>"\nargs: {json_arguments(chosen(tools, forced)[0])}\n'
         opening = "" if prefix.endswith(TOOL_OPEN + "\n") else '"<tool_call>\\n" '
         return f'start: {opening}call "\\n</tool_call>"\ncall: %json {json.dumps(call_schema(tools))}\n'
-
-    def lazy_lark(self, tools: Tools, spell: Speller) -> str | None:
-        call = json.dumps(call_schema(tools, lenient=True))
-        return f'start: "<tool_call>" "\\n"? call "\\n"? "</tool_call>"\ncall: %json {call}\n'

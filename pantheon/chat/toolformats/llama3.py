@@ -85,10 +85,6 @@ class Llama3Format(ToolFormat):
     def call_lark(self, tools: Tools, forced: str | None, prefix: str, spell: Speller) -> str:
         return f"start: call\ncall: {self._call(chosen(tools, forced))}\n"
 
-    def lazy_lark(self, tools: Tools, spell: Speller) -> str | None:
-        schema = call_schema(tools, lenient=True, args_key="parameters")
-        return f"start: {spell(PYTHON_TAG)} call\ncall: %json {json.dumps(schema)}\n"
-
     def tool_prompt(self, tools: Tools) -> str:
         listing = "\n\n".join(json.dumps(t, ensure_ascii=False, indent=4) for t in tools)
         return (

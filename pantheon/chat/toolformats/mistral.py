@@ -130,9 +130,6 @@ class MistralFormat(ToolFormat):
     def call_lark(self, tools: Tools, forced: str | None, prefix: str, spell: Speller) -> str:
         return self._calls(chosen(tools, forced), spell)
 
-    def lazy_lark(self, tools: Tools, spell: Speller) -> str | None:
-        return self._calls(tools, spell, lenient=True)
-
 
 class MistralArgsFormat(MistralFormat):
     name = "mistral_args"
@@ -150,6 +147,3 @@ class MistralArgsFormat(MistralFormat):
 
     def call_lark(self, tools: Tools, forced: str | None, prefix: str, spell: Speller) -> str:
         return self._named(chosen(tools, forced), spell)
-
-    def lazy_lark(self, tools: Tools, spell: Speller) -> str | None:
-        return self._named(tools, spell)

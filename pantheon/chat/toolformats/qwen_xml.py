@@ -115,8 +115,3 @@ class QwenXmlFormat(ToolFormat):
             if not prefix.endswith(TOOL_OPEN + "\n"):
                 start = '"<tool_call>\\n" ' + start
         return "\n".join([f'start: {start} "\\n</tool_call>"', *rules, _XML_TEXT_RULES])
-
-    def lazy_lark(self, tools: Tools, spell: Speller) -> str | None:
-        calls, rules = self._calls(tools)
-        start = '"<tool_call>\\n" (' + " | ".join(f"{head} {rest}" for head, rest in calls) + ")"
-        return "\n".join([f'start: {start} "\\n</tool_call>"', *rules, _XML_TEXT_RULES])
