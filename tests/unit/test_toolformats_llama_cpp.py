@@ -315,6 +315,15 @@ CASES = [
         [("brave_search", {"query": "weather in Paris"}, None)],
     ),
     ("meta-llama-Llama-3.1-8B-Instruct", "llama3", '{"a": 1}', [SPECIAL_FUNCTION], '{"a": 1}', "", []),
+    (  # a JSON answer with a "name" field is no call
+        "meta-llama-Llama-3.1-8B-Instruct",
+        "llama3",
+        '{"name": "Ada", "age": 36}',
+        [SPECIAL_FUNCTION],
+        '{"name": "Ada", "age": 36}',
+        "",
+        [],
+    ),
 ]
 
 

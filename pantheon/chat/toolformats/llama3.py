@@ -23,6 +23,11 @@ PYTHON_TAG = "<|python_tag|>"
 _CODE_TOOLS = ("python", "ipython", "code_interpreter")
 _BUILTIN = re.compile(r"\s*([A-Za-z_]\w*)\.call\((.*)\)\s*$", re.DOTALL)
 _JSON_OPENINGS = ('"name"', '"type"')
+# a whole answer that is a call, as llama.cpp reads one: a name, then its parameters (a JSON
+# answer that merely has a "name" field is content)
+_ANSWER_CALL = re.compile(
+    r'\s*\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name"\s*:\s*"[^"]+"\s*,\s*"(?:parameters|arguments)"\s*:'
+)
 
 
 def _builtin_call(body: str) -> ParsedToolCall | None:
@@ -70,6 +75,8 @@ class Llama3Format(ToolFormat):
         return CONTENT_LEAD
 
     def parse(self, opener: str, body: str, tools: Tools) -> list[ParsedToolCall] | None:
+        if opener != PYTHON_TAG and not _ANSWER_CALL.match(body):
+            return None
         calls = parse_tool_block(body)
         if calls is not None or opener != PYTHON_TAG:
             return calls
@@ -77,6 +84,8 @@ class Llama3Format(ToolFormat):
         return None if call is None else [call]
 
     def parse_unfinished(self, opener: str, body: str, tools: Tools) -> list[ParsedToolCall]:
+        if opener != PYTHON_TAG and not _ANSWER_CALL.match(body):
+            return []
         return parse_unfinished_tool_block(body)
 
     def _call(self, tools: Tools) -> str:
