@@ -28,7 +28,8 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
-# the same function with its argument bounded (a random model's free strings run to max_tokens)
+# the same function with its arguments bounded (a random model's free strings, and the extra
+# keys a schema allows, run to max_tokens)
 PICK = {
     "type": "function",
     "function": {
@@ -37,6 +38,7 @@ PICK = {
             "type": "object",
             "properties": {"city": {"type": "string", "enum": ["Oslo", "Paris"]}},
             "required": ["city"],
+            "additionalProperties": False,
         },
     },
 }
