@@ -90,7 +90,7 @@ class DeepSeekR1Format(ToolFormat):
             for i, t in enumerate(tools)
         ]
         calls = " | ".join(f"call{i}" for i in range(len(tools)))
-        return f"start: {spell(CALLS_BEGIN)} ({calls})+ {spell(CALLS_END)}\n" + "\n".join(rules) + "\n"
+        return f"start: {spell(CALLS_BEGIN)} ({calls}) {spell(CALLS_END)}\n" + "\n".join(rules) + "\n"
 
     def call_lark(self, tools: Tools, forced: str | None, prefix: str, spell: Speller) -> str:
         return self._lark(chosen(tools, forced), spell)

@@ -125,7 +125,7 @@ class MistralFormat(ToolFormat):
         for alt in schema["anyOf"]:
             alt["properties"]["id"] = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
             alt["required"].append("id")
-        return f'start: {spell(TOOL_CALLS)} "[" call (", " call)* "]"\ncall: %json {json.dumps(schema)}\n'
+        return f'start: {spell(TOOL_CALLS)} "[" call "]"\ncall: %json {json.dumps(schema)}\n'
 
     def call_lark(self, tools: Tools, forced: str | None, prefix: str, spell: Speller) -> str:
         return self._calls(chosen(tools, forced), spell)
@@ -143,7 +143,7 @@ class MistralArgsFormat(MistralFormat):
             for i, t in enumerate(tools)
         ]
         calls = " | ".join(f"call{i}" for i in range(len(tools)))
-        return f"start: ({spell(TOOL_CALLS)} ({calls}))+\n" + "\n".join(rules) + "\n"
+        return f"start: {spell(TOOL_CALLS)} ({calls})\n" + "\n".join(rules) + "\n"
 
     def call_lark(self, tools: Tools, forced: str | None, prefix: str, spell: Speller) -> str:
         return self._named(chosen(tools, forced), spell)
