@@ -8,10 +8,9 @@ goes through it like this::
     prompt = template.render(messages, tools=policy.template_tools, **chat_template_kwargs)
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
 
-    emitter = output_parser(template.output_format,            # Harmony (gpt-oss), Gemma 4 or tags
+    emitter = output_parser(template.tool_format,              # the model's own format (toolformats)
                             reasoning=template.reasoning, stop=stop, tools_enabled=policy.parse,
-                            think_open=think_open(prompt), tool_format=template.tool_format,
-                            tools=policy.template_tools)       # JSON or Qwen3.5's XML calls
+                            think_open=think_open(prompt), tools=policy.template_tools)
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_special=emitter.keep_special)
     for token_id in generated:                                 # from the worker's StepOutputs
         send(emitter.feed(detok.push(token_id)))

@@ -32,22 +32,14 @@ The same text always gives the same deltas once they are joined per channel, how
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .tools import (
-    JSON_TOOL_FORMAT,
-    TOOL_CLOSE,
-    TOOL_OPEN,
-    XML_TOOL_FORMAT,
-    ParsedToolCall,
-    new_call_id,
-    parse_tool_block,
-    parse_unfinished_tool_block,
-)
-from .xml_tools import parse_xml_tool_block
+from .tools import JSON_TOOL_FORMAT
+
+if TYPE_CHECKING:
+    from .toolformats import ToolFormat
 
 __all__ = ["Delta", "Emitter", "MAX_STOP", "THINK_CLOSE", "THINK_OPEN", "finish_reason", "join_deltas"]
 
@@ -60,8 +52,6 @@ MAX_STOP = 4
 REASONING = "reasoning"
 CONTENT = "content"
 TOOL_CALL = "tool_call"
-
-_XML_FUNCTION = re.compile(r"<function=([^>\s]+)>")
 
 # Emitter states.
 _START = "start"  # a reasoning model's first characters: is there a <think>?
@@ -238,9 +228,10 @@ class Emitter(OutputScanner):
     ``reasoning``: the model may open its output with ``<think>`` (Qwen3 and the like).
     ``think_open``: the prompt already ends inside ``<think>``, so output starts as reasoning.
     ``stop``: up to :data:`MAX_STOP` stop strings (empty ones are ignored).
-    ``tools_enabled``: read ``<tool_call>`` blocks (off: they are plain content).
-    ``tool_format``: what is inside a block, :data:`~pantheon.chat.tools.JSON_TOOL_FORMAT` or
-    :data:`~pantheon.chat.tools.XML_TOOL_FORMAT` (``ChatTemplate.tool_format`` says which);
+    ``tools_enabled``: read tool calls (off: their markup is plain content).
+    ``tool_format``: the model's format (a :class:`~pantheon.chat.toolformats.ToolFormat` or its
+    name, ``ChatTemplate.tool_format``): the markers that open and close a call block, how the
+    answer's start reads, how a block's calls read, the reasoning markers;
     ``tools``: the request's tool definitions, whose schemas type the XML format's values.
 
     Call :meth:`feed` with each new piece of text and :meth:`finish` at the end; both return the
@@ -255,16 +246,22 @@ class Emitter(OutputScanner):
         stop: Iterable[str] = (),
         tools_enabled: bool = True,
         think_open: bool = False,
-        tool_format: str = JSON_TOOL_FORMAT,
+        tool_format: ToolFormat | str = JSON_TOOL_FORMAT,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ):
         super().__init__(stop)
+        from .toolformats import get
+
+        fmt = get(tool_format) if isinstance(tool_format, str) else tool_format
+        self._fmt = fmt
+        self.tool_format = fmt.name
+        self.keep_special = fmt.keep_special
         self.reasoning = reasoning
         self.tools_enabled = tools_enabled
-        if tool_format not in (JSON_TOOL_FORMAT, XML_TOOL_FORMAT):
-            raise ValueError(f"unknown tool call format {tool_format!r}")
-        self.tool_format = tool_format
         self._tools = list(tools or ())
+        self._think_open, self._think_close = fmt.think or (THINK_OPEN, THINK_CLOSE)
+        self._opener = ""  # the marker that opened the current call block
+        self._lead_pending = tools_enabled  # the answer's start not read yet (ToolFormat.lead)
 
         self._state = _THINK if think_open else (_START if reasoning else _CONTENT)
         self._skip_ws = think_open  # drop leading whitespace of the next channel text
@@ -278,33 +275,59 @@ class Emitter(OutputScanner):
         """The strings that change something in the current state, with whether each is a stop."""
         needles = [(s, True) for s in self._stops]
         if self._state == _THINK:
-            needles.append((THINK_CLOSE, False))
+            needles.append((self._think_close, False))
         elif self._state == _CONTENT and self.tools_enabled:
-            needles.append((TOOL_OPEN, False))
+            needles += [(m, False) for m in self._fmt.opens]
         elif self._state == _TOOL:
-            needles.append((TOOL_CLOSE, False))
+            close = self._close_marker()
+            if close is not None:
+                needles.append((close, False))
         return needles
 
+    def _close_marker(self) -> str | None:
+        return self._fmt.close_of(self._opener)
+
     def _step(self, final: bool) -> bool | None:
-        return self._decide_start(final) if self._state == _START else None
+        if self._state == _START:
+            return self._decide_start(final)
+        if self._state == _CONTENT and self._lead_pending:
+            return self._read_lead(final)
+        return None
+
+    def _read_lead(self, final: bool) -> bool:
+        """The answer's first characters, read the format's way (``ToolFormat.lead``): a call
+        that needs no marker (Llama 3's JSON), a recipient line (Functionary's), or content."""
+        lead = self._fmt.lead(self._buf, final)
+        if lead is None:
+            return False
+        self._lead_pending = False
+        self._buf = self._buf[lead.skip :]
+        if lead.call:
+            self._state = _TOOL
+            self._opener = lead.opener
+            self._tool_raw = ""
+        return True
 
     def _cut_marker(self, needles: Sequence[tuple[str, bool]]) -> int:
-        # the output ended inside the marker itself (``<tool_ca``): markup, not content
+        # the output ended inside a marker itself (``<tool_ca``): markup, not content
         if self._state != _CONTENT or not self.tools_enabled:
             return 0
-        return max((k for k in range(2, len(TOOL_OPEN)) if self._buf.endswith(TOOL_OPEN[:k])), default=0)
+        return max(
+            (k for m in self._fmt.opens for k in range(2, len(m)) if self._buf.endswith(m[:k])), default=0
+        )
 
     def _decide_start(self, final: bool) -> bool:
         """A reasoning model's output may begin (after whitespace) with ``<think>``. Returns False
         while the carry could still turn out to be that marker."""
+        opening = self._think_open
         body = self._buf.lstrip()
-        if not final and (THINK_OPEN.startswith(body) and body != THINK_OPEN):
+        if not final and (opening.startswith(body) and body != opening):
             return False
         lead = len(self._buf) - len(body)
-        marker_end = lead + len(THINK_OPEN)
+        marker_end = lead + len(opening)
         # A stop string completed before the marker did comes first: that text is content.
         stop_first = first_match(self._buf[:marker_end], [(s, True) for s in self._stops])
-        if body.startswith(THINK_OPEN) and stop_first is None:
+        if body.startswith(opening) and stop_first is None:
             self._buf = self._buf[marker_end:]
             self._state = _THINK
             self._skip_ws = True
@@ -332,6 +355,7 @@ class Emitter(OutputScanner):
         if not edge_possible:
             self._emit(kind, text)
             return
+        self._lead_pending = False
         text = self._pending_ws + text
         body = text.rstrip()
         self._pending_ws = text[len(body) :]
@@ -339,15 +363,17 @@ class Emitter(OutputScanner):
             self._emit(kind, body)
 
     def _marker(self, marker: str) -> None:
-        if marker == THINK_CLOSE:
+        if self._state == _THINK:
             self._pending_ws = ""
             self._state = _CONTENT
             self._skip_ws = True
-        elif marker == TOOL_OPEN:
+        elif self._state == _CONTENT:
+            self._lead_pending = False
             self._ws_before_tool, self._pending_ws = self._pending_ws, ""
             self._state = _TOOL
+            self._opener = marker
             self._tool_raw = ""
-        elif marker == TOOL_CLOSE:
+        elif self._state == _TOOL:
             self._state = _CONTENT
             if self._close_tool(closed=True):
                 self._skip_ws = True
@@ -356,7 +382,9 @@ class Emitter(OutputScanner):
         """End of the text (stop string or finish): settle what is still open."""
         if self._state == _TOOL:
             self._state = _CONTENT
-            self._close_tool(closed=False)
+            # a block that runs to the end of the output (Mistral's, Llama 3's) is whole here
+            # unless a stop string cut it
+            self._close_tool(closed=self._close_marker() is None and not self.stopped)
         if self._state == _CONTENT and self._pending_ws:
             self._emit(CONTENT, self._pending_ws)
         elif self._state == _THINK and self._pending_ws and self.stopped:
@@ -367,18 +395,24 @@ class Emitter(OutputScanner):
         """Turn the finished tool block into calls; True if it was one. A closed block that does
         not parse is content as written; one cut off by a stop or the end is what it holds (see
         the module doc), never markup in the content."""
-        calls = self._parse_tool_block(self._tool_raw)
-        if calls is None and not closed:
-            calls = self._parse_unfinished(self._tool_raw)
+        fmt, opener, body = self._fmt, self._opener, self._tool_raw
+        close = self._close_marker()
+        calls = fmt.parse(opener, body, self._tools)
+        if calls is None and (not closed or close is None):
+            # cut off (a block to the end of the output may be, at max_tokens): what it holds,
+            # and for the latter, content as written when it holds nothing
+            calls = fmt.parse_unfinished(opener, body, self._tools)
+            if not calls and closed:
+                calls = None
         if calls is None:
-            raw = self._ws_before_tool + TOOL_OPEN + self._tool_raw + (TOOL_CLOSE if closed else "")
+            raw = self._ws_before_tool + opener + body + ((close or "") if closed else "")
             self._tool_raw = self._ws_before_tool = ""
             self._skip_ws = False
             self._text(raw)
             return False
         for call in calls:
             index = len(self.tool_calls)
-            call_id = new_call_id()
+            call_id = call.id or fmt.new_id()
             self.tool_calls.append(
                 {
                     "id": call_id,
@@ -390,27 +424,6 @@ class Emitter(OutputScanner):
             self._out.append(Delta(TOOL_CALL, index=index, arguments=call.arguments))
         self._tool_raw = self._ws_before_tool = ""
         return True
-
-    def _parse_unfinished(self, text: str) -> list[ParsedToolCall]:
-        """A block the output ended inside (see the module doc). The XML format's cut-off call
-        keeps the parameters it finished (its arguments are then whole JSON)."""
-        if self.tool_format != XML_TOOL_FORMAT:
-            return parse_unfinished_tool_block(text)
-        head = _XML_FUNCTION.search(text)
-        if head is None:
-            return []
-        done = (
-            text[: text.rfind("</parameter>") + len("</parameter>")]
-            if "</parameter>" in text
-            else text[: head.end()]
-        )
-        calls = parse_xml_tool_block(done + "\n</function>", self._tools)
-        return calls if calls else [ParsedToolCall(name=head.group(1), arguments="{}")]
-
-    def _parse_tool_block(self, text: str) -> list[ParsedToolCall] | None:
-        if self.tool_format == XML_TOOL_FORMAT:
-            return parse_xml_tool_block(text, self._tools)
-        return parse_tool_block(text)
 
     # -------------------------------------------------------------- output
 

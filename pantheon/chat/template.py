@@ -39,8 +39,8 @@ import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .output import GEMMA4, HARMONY, output_format
-from .tools import TOOLS_POSTAMBLE, TOOLS_PREAMBLE, tool_call_format
+from .toolformats import ToolFormat, detect
+from .tools import TOOLS_POSTAMBLE, TOOLS_PREAMBLE
 
 __all__ = [
     "ChatTemplate",
@@ -601,51 +601,6 @@ def normalize_messages(
     return out
 
 
-def _harmony_inputs(
-    msgs: list[dict[str, Any]], tools: list[Mapping[str, Any]] | None
-) -> tuple[list[dict[str, Any]], list[Mapping[str, Any]] | None]:
-    """What gpt-oss's template fails on, and OpenAI clients send, made renderable (only where
-    the template would raise: everything else renders as transformers renders it):
-
-    - a tool without a ``description`` (the template adds ``"// " + tool.description``): an
-      empty one;
-    - an assistant message with tool calls and both text and reasoning (the template renders one
-      analysis message, from either, and refuses both): the reasoning, which is the analysis
-      the model wrote; the text was its preamble to the user.
-    """
-    if tools:
-        fixed: list[Mapping[str, Any]] = []
-        for t in tools:
-            fn = t.get("function")
-            if isinstance(fn, Mapping) and fn.get("description") is None:
-                t = {**t, "function": {**fn, "description": ""}}
-            fixed.append(t)
-        tools = fixed
-    out = []
-    for m in msgs:
-        if m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") and m.get("thinking"):
-            m = {**m, "content": ""}
-        out.append(m)
-    return out, tools
-
-
-def _gemma4_kwargs(template_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 4's template thinks when ``enable_thinking`` is on and reads no
-    ``reasoning_effort``: a request's ``reasoning_effort`` (chat's, Responses'
-    ``reasoning.effort``) turns it on, ``"none"`` off, unless the client's
-    ``chat_template_kwargs`` set ``enable_thinking`` themselves."""
-    effort = template_kwargs.get("reasoning_effort")
-    if effort is None or "enable_thinking" in template_kwargs:
-        return template_kwargs
-    return {**template_kwargs, "enable_thinking": effort != "none"}
-
-
-def gemma4_thinks(template_kwargs: Mapping[str, Any]) -> bool:
-    """Whether Gemma 4's template, given a request's ``chat_template_kwargs``, turns thinking on
-    (else its generation prompt closes an empty thought channel)."""
-    return bool(_gemma4_kwargs(dict(template_kwargs)).get("enable_thinking"))
-
-
 # ------------------------------------------------------------------ the ChatML fallback
 
 
@@ -781,19 +736,16 @@ class ChatTemplate:
     def eos_token(self) -> str | None:
         return self.special_tokens.get("eos_token")
 
-    @property
-    def tool_format(self) -> str:
-        """The format the model writes tool calls in (``"json"`` or ``"xml"``), as the template
-        that renders the tools teaches it (see :func:`pantheon.chat.tools.tool_call_format`)."""
-        return tool_call_format(self.tool_use_source or self.source)
+    @functools.cached_property
+    def tool_syntax(self) -> ToolFormat:
+        """The format the model writes tool calls (and reasoning) in, as the template that
+        renders the tools teaches it (:func:`pantheon.chat.toolformats.detect`)."""
+        return detect(self.tool_use_source or self.source)
 
     @property
-    def output_format(self) -> str:
-        """How the model's output is written, so which parser reads it
-        (:func:`pantheon.chat.output.output_parser`): ``"harmony"`` for gpt-oss's template (it
-        renders ``<|channel|>`` messages), ``"gemma4"`` for Gemma 4's (``<|tool_call>call:``),
-        ``"tagged"`` (``<think>`` / ``<tool_call>``) else."""
-        return output_format(self.tool_format)
+    def tool_format(self) -> str:
+        """The name of :attr:`tool_syntax` (``"json"``, ``"xml"``, ``"llama3"``, ...)."""
+        return self.tool_syntax.name
 
     @functools.cached_property
     def takes_tools(self) -> bool:
@@ -950,10 +902,7 @@ class ChatTemplate:
             object_arguments = self.object_arguments if calls else True
         msgs = normalize_messages(messages, object_arguments=object_arguments)
         tools = list(tools) if tools is not None else None
-        if self.output_format == HARMONY:
-            msgs, tools = _harmony_inputs(msgs, tools)
-        elif self.output_format == GEMMA4:
-            template_kwargs = _gemma4_kwargs(template_kwargs)
+        msgs, tools, template_kwargs = self.tool_syntax.adapt(msgs, tools, template_kwargs)
         clash = _RESERVED_KWARGS.intersection(template_kwargs)
         if clash:
             raise TemplateError(f"chat_template_kwargs may not set {sorted(clash)}")

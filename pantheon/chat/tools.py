@@ -6,10 +6,9 @@ Qwen, Hermes and most ChatML models write a call as JSON (the default, :data:`JS
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-:func:`parse_tool_block` reads the JSON between the markers. Qwen3.5 and Qwen3-Coder write the
-inside as XML instead (:data:`XML_TOOL_FORMAT`, read by :mod:`pantheon.chat.xml_tools`);
-:func:`tool_call_format` tells the two apart from the chat template, and is the only place that
-decides it. :func:`with_tool_prompt` lists the tools in the system message, in the generic form
+:func:`parse_tool_block` reads the JSON between the markers. The other formats (Qwen3.5's XML, Llama 3's,
+Mistral's, ...) are :mod:`pantheon.chat.toolformats`'; :func:`tool_call_format` names a
+template's. :func:`with_tool_prompt` lists the tools in the system message, in the generic form
 below, for a template that takes no ``tools`` (SmolLM2's); :func:`resolve_tool_choice` turns a request's ``tools`` and ``tool_choice`` into what
 the template and the emitter are given.
 """
@@ -51,19 +50,10 @@ _ALPHANUMERIC = string.ascii_letters + string.digits
 JSON_TOOL_FORMAT = "json"
 # ... or ``<function=NAME>`` with one ``<parameter=P>`` element per argument (Qwen3.5, Qwen3-Coder).
 XML_TOOL_FORMAT = "xml"
-# gpt-oss writes no block: a Harmony message to ``functions.NAME`` whose body is the arguments'
-# JSON (read by :mod:`pantheon.chat.harmony`, not by the emitter).
+# gpt-oss's Harmony messages and Gemma 4's calls (read by their own parsers) and the other
+# formats: ``pantheon.chat.toolformats``.
 HARMONY_TOOL_FORMAT = "harmony"
-
-# Gemma 4 writes ``<|tool_call>call:NAME{key:value,...}<tool_call|>``, the arguments in its
-# template's own syntax (read by :mod:`pantheon.chat.gemma4`, not by the emitter).
 GEMMA4_TOOL_FORMAT = "gemma4"
-GEMMA4_CALL_OPEN = "<|tool_call>call:"
-
-# The header of a Harmony call message up to its function's name, and after it: what a forced
-# call's prompt ends with (the template's ``<|constrain|>`` form, as gpt-oss writes calls).
-HARMONY_CALL_OPEN = "<|channel|>commentary to=functions."
-HARMONY_CALL_BODY = " <|constrain|>json<|message|>"
 
 
 TOOLS_PREAMBLE = (
@@ -84,10 +74,13 @@ def generic_tool_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
     return TOOLS_PREAMBLE + listing + TOOLS_POSTAMBLE
 
 
-def with_tool_prompt(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict]:
-    """``messages`` with the generic tool prompt in the system message: after a leading system
-    message's text (and a blank line), else as a new system message first."""
-    prompt = generic_tool_prompt(tools)
+def with_tool_prompt(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]], prompt: str | None = None
+) -> list[dict]:
+    """``messages`` with a tool prompt (``prompt``, the model's format's; by default the generic
+    one) in the system message: after a leading system message's text (and a blank line), else as
+    a new system message first."""
+    prompt = generic_tool_prompt(tools) if prompt is None else prompt
     out = [dict(m) for m in messages]
     if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
         text = out[0]["content"]
@@ -97,44 +90,19 @@ def with_tool_prompt(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapp
 
 
 def tool_call_format(template_source: str | None) -> str:
-    """The tool-call format a model writes, read from the chat template that renders its tools.
+    """The name of the tool-call format a model writes, read from the chat template that renders
+    its tools (:func:`pantheon.chat.toolformats.detect`, the only place that decides it)."""
+    from .toolformats import detect
 
-    A template that teaches the model ``<function=...>`` and ``<parameter=...>`` inside
-    ``<tool_call>`` (the Qwen3.5 / Qwen3-Coder templates spell the format out in the tools system
-    turn, and render past calls in it) gets :data:`XML_TOOL_FORMAT`; every other template, and the
-    ChatML fallback (None), the JSON format. All three markers must be there: some templates mention
-    ``<function=`` alone for a different syntax (Llama 3.1's custom tools). A Harmony template
-    (gpt-oss's: it renders ``<|channel|>``) gets :data:`HARMONY_TOOL_FORMAT`; Gemma 4's (it
-    renders past calls as ``<|tool_call>call:`` and closes them with ``<tool_call|>``)
-    :data:`GEMMA4_TOOL_FORMAT`.
-    """
-    src = template_source or ""
-    if "<|channel|>" in src and "<|message|>" in src:
-        return HARMONY_TOOL_FORMAT
-    if GEMMA4_CALL_OPEN in src and "<tool_call|>" in src:
-        return GEMMA4_TOOL_FORMAT
-    if all(marker in src for marker in (TOOL_OPEN, "<function=", "<parameter=")):
-        return XML_TOOL_FORMAT
-    return JSON_TOOL_FORMAT
+    return detect(template_source).name
 
 
 def forced_call_prefix(tool_format: str, name: str | None) -> str:
     """The opening of a demanded call that the router writes into the prompt itself, so that the
-    model only fills in the rest: ``<tool_call>`` and, when one function is forced, its name in the
-    model's own format (the JSON form leaves the arguments object open). Harmony's is the call
-    message's header: up to ``functions.`` (the model names the function), or whole, up to
-    ``<|message|>``, for a forced one (the model writes the arguments). Gemma 4's is
-    ``<|tool_call>call:`` and, for a forced function, its name and the arguments' ``{``."""
-    if tool_format == HARMONY_TOOL_FORMAT:
-        return HARMONY_CALL_OPEN + ("" if name is None else name + HARMONY_CALL_BODY)
-    if tool_format == GEMMA4_TOOL_FORMAT:
-        return GEMMA4_CALL_OPEN + ("" if name is None else name + "{")
-    prefix = TOOL_OPEN + "\n"
-    if name is None:
-        return prefix
-    if tool_format == XML_TOOL_FORMAT:
-        return prefix + f"<function={name}>\n"
-    return prefix + '{"name": ' + json.dumps(name) + ', "arguments": '
+    model only fills in the rest (the format's ``forced_prefix``)."""
+    from .toolformats import get
+
+    return get(tool_format).forced_prefix(name)
 
 
 def new_call_id() -> str:
@@ -148,6 +116,7 @@ class ParsedToolCall:
 
     name: str
     arguments: str
+    id: str | None = None  # the id the model wrote (Mistral's), else one is made
 
 
 def _strip_fence(text: str) -> str:
@@ -179,7 +148,12 @@ def _one_call(obj: Any) -> ParsedToolCall | None:
             return None
     if not isinstance(args, Mapping):
         return None
-    return ParsedToolCall(name=name.strip(), arguments=json.dumps(args, ensure_ascii=False))
+    call_id = obj.get("id")
+    return ParsedToolCall(
+        name=name.strip(),
+        arguments=json.dumps(args, ensure_ascii=False),
+        id=call_id if isinstance(call_id, str) and call_id else None,
+    )
 
 
 def parse_tool_block(text: str) -> list[ParsedToolCall] | None:

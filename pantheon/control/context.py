@@ -95,7 +95,8 @@ def render(assets: ModelAssets, req: ChatRequest, messages: list[dict]) -> Rende
     elif tools and not assets.template.takes_tools:
         # a template without a tools section (SmolLM2's) would drop them silently: the generic
         # tool prompt lists them in the system message instead, in the form the emitter reads
-        messages, given = with_tool_prompt(messages, tools), None
+        fmt = assets.template.tool_syntax
+        messages, given = with_tool_prompt(messages, tools, fmt.tool_prompt(tools)), None
     try:
         try:
             prompt = assets.template.render(

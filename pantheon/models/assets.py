@@ -12,12 +12,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from pantheon.chat.gemma4 import RESPONSE_OPEN as GEMMA4_RESPONSE_OPEN
-from pantheon.chat.gemma4 import TURN_CLOSE as GEMMA4_TURN_CLOSE
-from pantheon.chat.harmony import CALL as HARMONY_CALL
-from pantheon.chat.harmony import RETURN as HARMONY_RETURN
-from pantheon.chat.output import GEMMA4, HARMONY
 from pantheon.chat.template import ChatTemplate
+from pantheon.chat.tools import JSON_TOOL_FORMAT
 from pantheon.core.gguf import (
     byte_alphabet,
     chat_template,
@@ -100,19 +96,22 @@ class ModelAssets:
         # ~0.7 s, which inside that request's render bound (0.5 s) refused it
         self.max_token_chars  # noqa: B018
         src = (self.template.source or "") + (self.template.tool_use_source or "")
-        harmony = self.template.output_format == HARMONY
-        gemma4 = self.template.output_format == GEMMA4
-        # a Harmony model (gpt-oss) always reasons (its analysis channel) and writes calls; Gemma 4
-        # thinks in its thought channel (when the template's enable_thinking is on) and writes calls
+        fmt = self.template.tool_syntax
+        # a Harmony model (gpt-oss) always reasons (its analysis channel); Gemma 4 thinks in its
+        # thought channel (when the template's enable_thinking is on); others where the template
+        # writes the format's reasoning marker
         self.reasoning = (
-            "<think>" in src or (self.template.is_fallback and self.template.reasoning) or harmony or gemma4
+            (fmt.think is not None and fmt.think[0] in src)
+            or (self.template.is_fallback and self.template.reasoning)
+            or fmt.always_reasons
         )
-        self.tool_call_markup = "<tool_call>" in src or self.template.is_fallback or harmony or gemma4
+        # calls can be forced where the template teaches a format (Hermes': where it writes
+        # <tool_call>) or the generic tool prompt does
+        self.tool_call_markup = (
+            fmt.name != JSON_TOOL_FORMAT or "<tool_call>" in src or self.template.is_fallback
+        )
         ends = [self.template.eos_token] if self.template.eos_token else []
-        if harmony:  # a Harmony answer ends at <|return|>, a call at <|call|>, whatever the config says
-            ends += [HARMONY_RETURN, HARMONY_CALL]
-        if gemma4:  # a turn ends at <turn|>; after its calls, <|tool_response> waits for their results
-            ends += [GEMMA4_TURN_CLOSE, GEMMA4_RESPONSE_OPEN]
+        ends += fmt.ends
         for end in ends:
             tid = self.tokenizer.token_to_id(end)
             if tid is not None:

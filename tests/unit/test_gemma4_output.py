@@ -12,8 +12,9 @@ from test_structured_router import accepts
 from pantheon.api.openai import structured
 from pantheon.chat.emitter import Emitter, join_deltas
 from pantheon.chat.gemma4 import GEMMA4_MARKERS, Gemma4Parser, gemma4_arguments, read_gemma4_calls
-from pantheon.chat.output import GEMMA4, TAGGED, output_parser
-from pantheon.chat.template import ChatTemplate, gemma4_thinks
+from pantheon.chat.output import output_parser
+from pantheon.chat.template import ChatTemplate
+from pantheon.chat.toolformats.gemma4 import gemma4_thinks
 from pantheon.chat.tools import GEMMA4_TOOL_FORMAT, JSON_TOOL_FORMAT, forced_call_prefix, tool_call_format
 
 from helpers.parsers import run_parser
@@ -170,11 +171,11 @@ def test_a_closed_block_that_is_no_call_is_content_and_tools_off_too():
 def test_the_factory_picks_the_parser_from_the_template():
     src = "{{ '<|tool_call>call:' + name + '{' }}x{{ '}<tool_call|>' }}"
     assert tool_call_format(src) == GEMMA4_TOOL_FORMAT
-    assert ChatTemplate(src).output_format == GEMMA4
-    p = output_parser(GEMMA4, reasoning=True, tool_format=GEMMA4_TOOL_FORMAT, stop=["x"])
+    assert ChatTemplate(src).tool_format == GEMMA4_TOOL_FORMAT
+    p = output_parser(GEMMA4_TOOL_FORMAT, reasoning=True, stop=["x"])
     assert isinstance(p, Gemma4Parser) and p.keep_special == GEMMA4_MARKERS
     assert {'<|"|>', "<|tool_call>", "<tool_call|>", "<|channel>", "<channel|>"} <= p.keep_special
-    assert isinstance(output_parser(TAGGED, reasoning=False, tool_format=JSON_TOOL_FORMAT), Emitter)
+    assert isinstance(output_parser(JSON_TOOL_FORMAT, reasoning=False), Emitter)
     assert forced_call_prefix(GEMMA4_TOOL_FORMAT, "get_weather") == "<|tool_call>call:get_weather{"
     assert forced_call_prefix(GEMMA4_TOOL_FORMAT, None) == "<|tool_call>call:"
 
@@ -236,7 +237,7 @@ def _assistant(calls_args: list[tuple[str, dict]], reasoning: str | None = None)
 
 
 def test_the_real_template_is_gemma4s_and_renders_a_whole_conversation(template):
-    assert template.tool_format == GEMMA4_TOOL_FORMAT and template.output_format == GEMMA4
+    assert template.tool_format == GEMMA4_TOOL_FORMAT
     assert template.takes_tools
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -329,7 +330,7 @@ def assets(tmp_path_factory, template):
 
 
 def test_a_gemma4_folder_reasons_calls_and_ends_at_its_turn(assets):
-    assert assets.template.output_format == GEMMA4
+    assert assets.template.tool_format == GEMMA4_TOOL_FORMAT
     assert assets.reasoning and assets.tool_call_markup
     assert assets.tokenizer.token_to_id("<turn|>") in assets.eos_ids
 
@@ -434,7 +435,7 @@ def test_a_vocabulary_with_the_quote_token_gets_it_in_the_call_grammar():
     with pytest.raises(Exception, match="cannot be enforced with this model"):
         structured.check_for_model(text_form, model, "tools")
     for forced in ("get_weather", None):
-        g = structured.tool_grammar(TOOLS, forced, prefix, "gemma4", quote_token=True)
+        g = structured.tool_grammar(TOOLS, forced, prefix, "gemma4", token_id={'<|"|>': q}.get)
         structured.check_for_model(g, model, "tools")
 
     def consumes(grammar, pieces) -> bool:
@@ -444,7 +445,7 @@ def test_a_vocabulary_with_the_quote_token_gets_it_in_the_call_grammar():
         ]
         return m.consume_tokens(ids) and m.is_accepting()
 
-    named = structured.tool_grammar(TOOLS, "get_weather", prefix, "gemma4", quote_token=True)
+    named = structured.tool_grammar(TOOLS, "get_weather", prefix, "gemma4", token_id={'<|"|>': q}.get)
     assert consumes(named, ["city:", '<|"|>', 'Zürich, "CH"', '<|"|>', ",unit:", '<|"|>', "f", '<|"|>', "}"])
     assert consumes(named, ["city:", '<|"|>', '<|"|>', "}"])  # an empty string
     assert not consumes(named, ["city:", '<|"|>', "Paris", '<|"|>', ",unit:", '<|"|>', "k", '<|"|>', "}"])

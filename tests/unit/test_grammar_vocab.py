@@ -30,7 +30,7 @@ def test_a_required_xml_call_runs_on_a_tokenizer_with_added_tags(model_factory):
     raw = (model_factory("tiny-qwen3.5") / "tokenizer.json").read_text()
     plain = {t["content"]: t["id"] for t in json.loads(raw)["added_tokens"] if t["special"] is False}
     assert "<tool_call>" in plain and "</tool_call>" in plain
-    grammar = structured.tool_grammar(TOOLS, None, "", structured.XML_TOOL_FORMAT)
+    grammar = structured.tool_grammar(TOOLS, None, "", "xml")
 
     def probe(text: str) -> str:
         tok = llg.LLTokenizer(text, n_vocab=4032, eos_token=3993)

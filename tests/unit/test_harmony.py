@@ -354,13 +354,13 @@ WEATHER_TOOL = {
 
 
 def test_the_real_template_is_harmony_and_takes_tools():
-    from pantheon.chat.output import HARMONY, output_parser
+    from pantheon.chat.output import output_parser
     from pantheon.chat.tools import HARMONY_TOOL_FORMAT, forced_call_prefix
 
     t = _gpt_oss_template()
-    assert t.output_format == HARMONY and t.tool_format == HARMONY_TOOL_FORMAT
+    assert t.tool_format == HARMONY_TOOL_FORMAT
     assert t.takes_tools  # so the generic tool prompt is never added
-    parser = output_parser(t.output_format, reasoning=True, tool_format=t.tool_format)
+    parser = output_parser(t.tool_format, reasoning=True)
     assert isinstance(parser, HarmonyParser)
     # a forced call's prompt ends with its header: the parser reads it as the call's opening
     prefix = forced_call_prefix(t.tool_format, "get_weather")
@@ -481,8 +481,10 @@ def test_a_forced_call_opens_its_header_in_the_prompt(harmony_assets):
     req = parse_chat_request(dict(body, tool_choice="required"))
     ids, prefix, _, forced, _ = render(harmony_assets, req, req.messages)
     assert forced is None and prefix == "<|channel|>commentary to=functions."
-    grammar = structured.tool_grammar([WEATHER_TOOL, other], None, prefix, HARMONY_TOOL_FORMAT)
     tok = harmony_assets.tokenizer
+    grammar = structured.tool_grammar(
+        [WEATHER_TOOL, other], None, prefix, HARMONY_TOOL_FORMAT, token_id=tok.token_to_id
+    )
     vocab = structured.ModelTokenizer(tok.to_str(), tok.get_vocab_size(), harmony_assets.eos_ids)
     structured.check_for_model(grammar, vocab, "tools")
     matcher = llg.LLMatcher(vocab.tokenizer, grammar)

@@ -11,7 +11,7 @@ import llguidance as llg
 import pytest
 
 from pantheon.api.openai import structured
-from pantheon.api.openai.json_numbers import ANY, FRACTION_DIGITS, INTEGRAL_DIGITS, bound_numbers
+from pantheon.core.json_numbers import ANY, FRACTION_DIGITS, INTEGRAL_DIGITS, bound_numbers
 from pantheon.errors import ApiError
 
 

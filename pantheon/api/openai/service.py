@@ -37,16 +37,13 @@ from pantheon.api.openai.protocol import ChatRequest
 from pantheon.chat.answer_form import CallOrReply
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Delta
-from pantheon.chat.gemma4 import CHANNEL_CLOSE, CHANNEL_OPEN
-from pantheon.chat.gemma4 import QUOTE as GEMMA4_QUOTE
-from pantheon.chat.harmony import FINAL_OPENING, MESSAGE
-from pantheon.chat.output import GEMMA4, HARMONY, output_parser
-from pantheon.chat.template import gemma4_thinks
+from pantheon.chat.output import output_parser
 from pantheon.chat.tools import JSON_TOOL_FORMAT, forced_call_prefix
 from pantheon.control.context import Prepared
 from pantheon.control.registry import Instance
 from pantheon.core.protocol import PromptLogprobs, Submit, TokenOut
 from pantheon.errors import ApiError
+from pantheon.models.assets import ModelAssets
 from pantheon.workerlink.pool import RequestRejectedError, WorkerDied, WorkerPool
 from pantheon.workerlink.streams import RequestStream
 
@@ -209,17 +206,14 @@ def constraint_of(inst: Instance, req: ChatRequest, prep: Prepared) -> Constrain
     model (gpt-oss), after ``<|channel|>final<|message|>``, as vLLM starts it; on Gemma 4 with
     thinking on, after ``<channel|>`` when the model opens ``<|channel>``."""
     assets = inst.model_assets
+    fmt = assets.template.tool_syntax
     grammar = req.grammar
     if req.tools and _forced_call(req):
         tools = req.tools
         if req.tool_choice_name is not None:
             tools = [t for t in tools if t["function"]["name"] == req.tool_choice_name]
         grammar = structured.tool_grammar(
-            tools,
-            prep.forced,
-            prep.prefix,
-            tool_format(inst, prep),
-            quote_token=assets.tokenizer.token_to_id(GEMMA4_QUOTE) is not None,  # Gemma 4's vocabulary
+            tools, prep.forced, prep.prefix, tool_format(inst, prep), token_id=marker_ids(inst)
         )
         if prep.prefix:  # the call is already open in the prompt: no reasoning first
             return grammar, [], -1
@@ -227,25 +221,32 @@ def constraint_of(inst: Instance, req: ChatRequest, prep: Prepared) -> Constrain
         grammar = req.answer_grammar
     if grammar is None or not assets.reasoning:
         return grammar, [], -1
-    if assets.template.output_format == HARMONY:
-        # after the analysis, in the final message, when the model writes its markers as the
-        # special tokens they are (a vocabulary without them starts the grammar at once)
-        marked = assets.tokenizer.token_to_id(MESSAGE) is not None
-        return grammar, assets.encode(FINAL_OPENING) if marked else [], -1
-    if assets.template.output_format == GEMMA4:
-        # thinking on, the model may open a thought channel first (its <|channel> token): the
-        # grammar starts after its <channel|>; off, the prompt closed an empty one
-        opening = assets.encode(CHANNEL_OPEN)
-        if gemma4_thinks(req.chat_template_kwargs) and len(opening) == 1:
-            return grammar, assets.encode(CHANNEL_CLOSE), opening[0]
-        return grammar, [], -1
-    close = assets.encode("</think>")
-    if prep.think_open:
-        return grammar, close, -1
-    opening = assets.encode("<think>")
-    if len(opening) == 1 and req.chat_template_kwargs.get("enable_thinking", True) is not False:
-        return grammar, close, opening[0]
-    return grammar, [], -1
+    vocab = _Vocabulary(assets)
+    after, opening = fmt.grammar_start(
+        vocab, think_open=prep.think_open, thinks=fmt.thinks(req.chat_template_kwargs)
+    )
+    return grammar, after, opening
+
+
+class _Vocabulary:
+    """A model's tokenizer as ``ToolFormat.grammar_start`` reads it."""
+
+    def __init__(self, assets: ModelAssets):
+        self._assets = assets
+
+    def encode(self, text: str) -> list[int]:
+        return self._assets.encode(text)
+
+    def token_id(self, text: str) -> int | None:
+        return self._assets.tokenizer.token_to_id(text)
+
+
+def marker_ids(inst: Instance) -> Callable[[str], int | None]:
+    """The ids of the model's format's special-token markers in its vocabulary (a grammar spells
+    those as tokens: ``structured.MarkerSpeller``)."""
+    assets = inst.model_assets
+    markers = assets.template.tool_syntax.keep_special
+    return lambda m: assets.tokenizer.token_to_id(m) if m in markers else None
 
 
 def checked_constraint(inst: Instance, req: ChatRequest, prep: Prepared) -> Constraint:
@@ -432,12 +433,11 @@ class Generation:
         if prep.answer_form:  # call-or-reply JSON on a template without tools (auto)
             return CallOrReply(reasoning=assets.reasoning, stop=req.stop, think_open=prep.think_open)
         return output_parser(
-            assets.template.output_format,
+            self._tool_format(),
             reasoning=assets.reasoning,
             stop=req.stop,
             tools_enabled=req.tools_enabled,
             think_open=prep.think_open,
-            tool_format=self._tool_format(),
             tools=req.tools,
         )
 

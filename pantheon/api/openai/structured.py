@@ -15,7 +15,7 @@ What a request may constrain its output with (at most one of them):
 
 JSON is written compactly, with ``", "`` and ``": "`` as separators and no other whitespace: a
 small model given free whitespace can spend its whole budget on newlines. For the same reason its
-numbers have bounded digit runs (:mod:`pantheon.api.openai.json_numbers`).
+numbers have bounded digit runs (:mod:`pantheon.core.json_numbers`).
 
 The JSON Schema subset is llguidance's (https://github.com/guidance-ai/llguidance/blob/main/docs/json_schema.md):
 types, ``properties`` / ``required`` / ``additionalProperties``, ``enum`` / ``const``, ``anyOf`` /
@@ -48,22 +48,22 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance as llg
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from pantheon.api.openai.json_numbers import bound_numbers
-from pantheon.chat.tools import GEMMA4_TOOL_FORMAT, HARMONY_TOOL_FORMAT, JSON_TOOL_FORMAT, XML_TOOL_FORMAT
-from pantheon.chat.xml_tools import parameter_schemas, writes_as_text
+from pantheon.chat import toolformats
+from pantheon.chat.toolformats import JSON_STYLE, call_schema, parameters
+from pantheon.chat.tools import JSON_TOOL_FORMAT
 from pantheon.core.gguf import byte_alphabet
 from pantheon.core.grammar_vocab import LIMIT_VALUES, grammar_tokenizer_json
+from pantheon.core.json_numbers import bound_numbers
 from pantheon.errors import invalid_param
 
 MAX_GRAMMAR_BYTES = 65536  # a schema / regex / grammar longer than this is a 400
 MAX_CHOICES = 256
-JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 LIMITS = llg.LLParserLimits(**LIMIT_VALUES)
 PROBE_STEPS = 128  # tokens a probe matches at most
@@ -343,38 +343,14 @@ def request_grammar(body: dict) -> tuple[str, str | None]:
 # ---------------------------------------------------------------- tool calls
 
 
-def _parameters(tool: dict) -> dict:
-    """A tool's parameter schema, its numbers bounded in length (nested in a call's schema:
-    ``root=False``)."""
-    params = tool.get("function", {}).get("parameters")
-    return bound_numbers(params if isinstance(params, dict) else {"type": "object"}, root=False)
-
-
 def check_tool_schemas(tools: Sequence[dict], names: Sequence[str] | None = None) -> None:
     """400 if a tool a call may be forced to has parameters that cannot be enforced."""
     for i, tool in enumerate(tools):
         fn = tool.get("function", {})
         if names is None or fn.get("name") in names:
             json_schema_grammar(
-                _parameters(tool), f"tools[{i}].function.parameters", strict=fn.get("strict") is not False
+                parameters(tool), f"tools[{i}].function.parameters", strict=fn.get("strict") is not False
             )
-
-
-def _call_schema(tools: Sequence[dict], *, lenient: bool = False) -> dict:
-    """One call of any of ``tools``: ``{"name": NAME, "arguments": {...}}``, the arguments of
-    that function's parameter schema (``lenient``: keywords llguidance lacks are ignored)."""
-    return {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for t in tools
-        ],
-        "x-guidance": dict(JSON_STYLE, lenient=True) if lenient else JSON_STYLE,
-    }
 
 
 def call_or_reply_grammar(tools: Sequence[dict], *, parallel: bool = True) -> str:
@@ -388,7 +364,7 @@ def call_or_reply_grammar(tools: Sequence[dict], *, parallel: bool = True) -> st
     forms = ['"{\\"response\\": " text "}"', '"{\\"tool_call\\": " call "}"']
     if parallel:
         forms.append('"{\\"tool_calls\\": [" call (", " call)* "]}"')
-    lark = f"start: {' | '.join(forms)}\ntext: %json {text}\ncall: %json {json.dumps(_call_schema(tools, lenient=True))}\n"
+    lark = f"start: {' | '.join(forms)}\ntext: %json {text}\ncall: %json {json.dumps(call_schema(tools, lenient=True))}\n"
     return check(llg.LLMatcher.grammar_from_lark(lark), "tools")
 
 
@@ -398,214 +374,33 @@ def tool_grammar(
     prefix: str,
     tool_format: str = JSON_TOOL_FORMAT,
     *,
-    quote_token: bool = False,
+    token_id: Callable[[str], int | None] | None = None,
 ) -> str:
     """The grammar of what the model writes after ``prefix`` (already in the prompt) when a
-    call is demanded: ``forced`` named, only its arguments and the block's end; else one call
-    of any of ``tools``, ``<tool_call>`` markers included where the prompt has none.
-    ``tool_format`` is the model's (``ChatTemplate.tool_format``). Harmony's (gpt-oss): the
-    prompt holds the call's header, up to ``<|message|>`` for a forced function (its grammar is
-    the arguments alone; the request ends with them), up to ``to=functions.`` else (the grammar
-    names a function and ends the header in its special tokens, which only a matcher over the
-    model's own vocabulary knows: ``check_for_model`` checks it, not the byte-level ``check``)."""
-    if tool_format == HARMONY_TOOL_FORMAT:
-        return _harmony_call_grammar(tools, forced)
-    if tool_format == GEMMA4_TOOL_FORMAT:
-        grammar = llg.LLMatcher.grammar_from_lark(_gemma4_call_lark(tools, forced, quote_token=quote_token))
-        # (a grammar naming the <|"|> token is checked against the model's vocabulary only)
-        return grammar if quote_token else check(grammar, "tools")
-    if tool_format == XML_TOOL_FORMAT:
-        return check(llg.LLMatcher.grammar_from_lark(_xml_call_lark(tools, forced, prefix)), "tools")
-    if forced is not None:
-        tool = next(t for t in tools if t["function"]["name"] == forced)
-        schema = json.dumps(dict(_parameters(tool), **{"x-guidance": JSON_STYLE}))
-        lark = f'start: args "}}" "\\n</tool_call>"\nargs: %json {schema}\n'
-    else:
-        calls = _call_schema(tools)
-        opening = "" if prefix.endswith("<tool_call>\n") else '"<tool_call>\\n" '
-        lark = f'start: {opening}call "\\n</tool_call>"\ncall: %json {json.dumps(calls)}\n'
-    return check(llg.LLMatcher.grammar_from_lark(lark), "tools")
+    call is demanded, in the model's format (``tool_format``, ``ChatTemplate.tool_format``):
+    ``forced`` named, only that function; else one call of any of ``tools``.
+
+    ``token_id`` gives the id of each of the format's special-token markers in the model's
+    vocabulary (None where it has none): a grammar spells those as tokens (llguidance matches no
+    special token against text), and only a matcher over that vocabulary can check it
+    (``check_for_model``), not the byte-level ``check``."""
+    spell = MarkerSpeller(token_id)
+    lark = toolformats.get(tool_format).call_lark(tools, forced, prefix, spell)
+    grammar = llg.LLMatcher.grammar_from_lark(lark)
+    return grammar if spell.tokens else check(grammar, "tools")
 
 
-def _harmony_call_grammar(tools: Sequence[dict], forced: str | None) -> str:
-    def args(tool: dict) -> str:
-        return "%json " + json.dumps(dict(_parameters(tool), **{"x-guidance": JSON_STYLE}))
+class MarkerSpeller:
+    """Spells a format's marker in a grammar (``toolformats.Speller``): as the model's special
+    token (``<[ID]>``) where ``token_id`` knows it, else as text. ``tokens``: whether it used one."""
 
-    if forced is not None:
-        tool = next(t for t in tools if t["function"]["name"] == forced)
-        return check(llg.LLMatcher.grammar_from_lark(f"start: {args(tool)}\n"), "tools")
-    # after the prompt's ``to=functions.``: a name, then the rest of the header as gpt-oss
-    # writes it (`` <|constrain|>json<|message|>``), then its arguments
-    rules = [
-        f'call{i}: {json.dumps(t["function"]["name"])} " " <|constrain|> "json" <|message|> {args(t)}'
-        for i, t in enumerate(tools)
-    ]
-    lark = "start: " + " | ".join(f"call{i}" for i in range(len(tools))) + "\n" + "\n".join(rules) + "\n"
-    return llg.LLMatcher.grammar_from_lark(lark)
+    def __init__(self, token_id: Callable[[str], int | None] | None):
+        self._token_id = token_id
+        self.tokens = False
 
-
-# ---------------------------------------------------------------- tool calls in Gemma 4's syntax
-#
-# The grammar spells a call as Gemma 4's template renders a past one (``format_argument``, keys in
-# sorted order, as its ``dictsort`` writes them): ``NAME{key:value,...}``, strings between
-# ``<|"|>`` markers, numbers, ``true`` / ``false``, nested ``{...}`` and ``[...]``. The prompt
-# holds ``<|tool_call>call:`` and, for a forced function, ``NAME{``; the grammar ends at the
-# call's ``}`` (the request ends there, and the parser reads the call whole). A vocabulary that
-# has ``<|"|>`` as a token (Gemma 4's: a special one) gets it as a token reference (``quote_token``;
-# llguidance matches no special token against text, so the text literal would be refused there);
-# one without it, as text.
-
-_GEMMA4_RULES = r"""
-g_any: g_str | G_NUM | "true" | "false" | "None" | g_obj | g_arr
-g_obj: "{" (G_KEY ":" g_any ("," G_KEY ":" g_any)*)? "}"
-g_arr: "[" (g_any ("," g_any)*)? "]"
-g_text[lazy]: /(?s:.*)<\|"\|>/
-G_TEXT: /(?s:.+)/
-G_KEY: /[A-Za-z_][A-Za-z0-9_]*/
-G_NUM: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/
-G_INT: /-?(0|[1-9][0-9]*)/
-"""
-
-_GEMMA4_QUOTE = '"<|\\"|>"'  # ``<|"|>`` as a Lark string literal
-_GEMMA4_QUOTE_TOKEN = '<|"|>'  # ... and as a reference to the token
-
-
-class _Gemma4Lark:
-    """The Lark rules of values of JSON schemas in Gemma 4's argument syntax."""
-
-    def __init__(self, quote_token: bool) -> None:
-        self.quote = q = _GEMMA4_QUOTE_TOKEN if quote_token else _GEMMA4_QUOTE
-        # a string: as text, a lazy match up to the first closing marker; as a token, any text
-        # between two of them (no text is that token)
-        self.rules: list[str] = [f"g_str: {q} G_TEXT? {q}" if quote_token else f"g_str: {q} g_text"]
-
-    def _rule(self, body: str) -> str:
-        name = f"g{len(self.rules)}"
-        self.rules.append(f"{name}: {body}")
-        return name
-
-    def value(self, schema: Any) -> str:
-        if not isinstance(schema, dict):
-            return "g_any"
-        enum = schema.get("enum")
-        if isinstance(enum, list) and enum and all(isinstance(v, (str, bool, int, float)) for v in enum):
-            return "(" + " | ".join(self._literal(v) for v in dict.fromkeys(enum)) + ")"
-        kind = schema.get("type")
-        if kind == "string":
-            return "g_str"
-        if kind == "integer":
-            return "G_INT"
-        if kind == "number":
-            return "G_NUM"
-        if kind == "boolean":
-            return '("true" | "false")'
-        if kind == "null":
-            return '"None"'
-        if kind == "array":
-            item = self.value(schema.get("items"))
-            return self._rule(f'"[" ({item} ("," {item})*)? "]"')
-        if kind == "object" or (kind is None and isinstance(schema.get("properties"), dict)):
-            return self._rule('"{" ' + self.members(schema) + ' "}"')
-        return "g_any"
-
-    def _literal(self, v: str | bool | float) -> str:
-        if isinstance(v, str):
-            return f"{self.quote} {json.dumps(v)} {self.quote}" if v else f"{self.quote} {self.quote}"
-        return json.dumps("true" if v is True else "false" if v is False else str(v))
-
-    def members(self, schema: dict) -> str:
-        """An object's members, in sorted key order, the required ones always, each optional one
-        at most once: ``s_i`` (none written yet from key i on) and ``r_i`` (one was: each next is
-        preceded by a comma)."""
-        props = schema.get("properties")
-        if not isinstance(props, dict) or not props:
-            return '(G_KEY ":" g_any ("," G_KEY ":" g_any)*)?'
-        required = set(schema.get("required") or [])
-        keys = [k for k in sorted(props) if props[k] is not False]
-        s_next, r_next = "", ""
-        for k in reversed(keys):
-            member = f"{json.dumps(k + ':')} {self.value(props[k])}"
-            if k in required:
-                s_body, r_body = f"{member} {r_next}", f'"," {member} {r_next}'
-            else:
-                s_body = f"{member} {r_next} | {s_next}" if s_next else f"({member} {r_next})?"
-                r_body = f'("," {member})? {r_next}'
-            s_next, r_next = self._rule(s_body.strip()), self._rule(r_body.strip())
-        return s_next or ""
-
-
-def _gemma4_call_lark(tools: Sequence[dict], forced: str | None, *, quote_token: bool = False) -> str:
-    """The Lark grammar of one demanded call in Gemma 4's syntax, after the prompt's
-    ``<|tool_call>call:`` (and ``NAME{`` for a forced function)."""
-    g = _Gemma4Lark(quote_token)
-    if forced is not None:
-        tool = next(t for t in tools if t["function"]["name"] == forced)
-        start = g.members(_parameters(tool)) + ' "}"'
-    else:
-        start = " | ".join(
-            f'{json.dumps(t["function"]["name"] + "{")} {g.members(_parameters(t))} "}}"' for t in tools
-        )
-    return "\n".join([f"start: {start}", *g.rules, _GEMMA4_RULES])
-
-
-# ---------------------------------------------------------------- tool calls in Qwen3.5's XML
-#
-# The grammar spells the markup exactly as the chat template renders a past call (a value between
-# ``<parameter=P>\n`` and ``\n</parameter>\n``, the function closed by ``</function>``), so a forced
-# call looks to the model like the calls it was trained on. Parameters come in the schema's order,
-# the required ones always, each at most once; parameter names come from the schema only, except
-# for a function that declares no properties, which may take any.
-
-# A raw-text value: anything up to the first ``</parameter>`` (lazy: the value cannot contain it,
-# which is also where the parser ends it).
-_XML_TEXT_RULES = "xml_text[lazy]: /(?s:.*)<\\/parameter>/\nXML_NAME: /[^<>\\n]+/\n"
-
-
-def _xml_value(schema: Any) -> str:
-    """The Lark expression of one parameter's value, up to and including ``</parameter>``."""
-    enum = schema.get("enum") if isinstance(schema, dict) else None
-    if writes_as_text(schema):
-        if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-            alts = " | ".join(json.dumps(v) for v in dict.fromkeys(enum))
-            return f'({alts}) "\\n</parameter>"'
-        return "xml_text"
-    # Typed values are written as JSON (the template's ``tojson`` for objects and lists), compactly.
-    return f"%json {json.dumps(dict(schema, **{'x-guidance': JSON_STYLE}))} " + '"\\n</parameter>"'
-
-
-def _xml_parameters(rule: str, tool: dict) -> tuple[str, list[str]]:
-    """``tool``'s parameter elements: the Lark expression of their sequence, and the rules it uses
-    (named ``rule`` and a number)."""
-    fn = tool["function"]
-    schemas = parameter_schemas([tool], fn["name"])
-    params = fn.get("parameters")
-    required = set(params.get("required") or []) if isinstance(params, dict) else set()
-    if not schemas:  # no properties declared: any parameter, as raw text
-        return f"{rule}*", [f'{rule}: "<parameter=" XML_NAME ">\\n" xml_text "\\n"']
-    rules, sequence = [], []
-    for i, (name, schema) in enumerate(schemas.items()):
-        if schema is False:  # a property that may not be given
-            continue
-        head = json.dumps(f"<parameter={name}>\n")
-        rules.append(f'{rule}_{i}: {head} {_xml_value(schema)} "\\n"')
-        sequence.append(f"{rule}_{i}" + ("" if name in required else "?"))
-    return " ".join(sequence), rules
-
-
-def _xml_call_lark(tools: Sequence[dict], forced: str | None, prefix: str) -> str:
-    """The Lark grammar of one demanded call in the XML format, after ``prefix``: the prompt may
-    already hold ``<tool_call>`` and even the forced ``<function=NAME>`` line."""
-    chosen = [t for t in tools if forced is None or t["function"]["name"] == forced]
-    rules, calls = [], []
-    for i, tool in enumerate(chosen):
-        sequence, param_rules = _xml_parameters(f"param{i}", tool)
-        head = json.dumps(f"<function={tool['function']['name']}>\n")
-        calls.append((head, f'{sequence} "</function>"'))
-        rules += param_rules
-    if forced is not None and prefix.endswith(f"<function={forced}>\n"):
-        start = calls[0][1]  # the call is open in the prompt: only its parameters remain
-    else:
-        start = "(" + " | ".join(f"{head} {rest}" for head, rest in calls) + ")"
-        if not prefix.endswith("<tool_call>\n"):
-            start = '"<tool_call>\\n" ' + start
-    return "\n".join([f'start: {start} "\\n</tool_call>"', *rules, _XML_TEXT_RULES])
+    def __call__(self, marker: str) -> str:
+        tid = None if self._token_id is None else self._token_id(marker)
+        if tid is None:
+            return json.dumps(marker)
+        self.tokens = True
+        return f"<[{tid}]>"

@@ -1,0 +1,443 @@
+"""llama.cpp's ``tests/test-chat.cpp`` parse cases, ported: a real chat template from its
+``models/templates/`` (read from the llama.cpp tree at test time), a real model's output text,
+and the content, reasoning and tool calls llama.cpp expects from it. Each case runs through the
+format Pantheon detects from that template, whole and streamed one character at a time.
+
+Cases marked ``ours`` are not in test-chat.cpp (its Llama 3.x cases only check content): they
+follow the format the template itself teaches.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from pantheon.chat.emitter import join_deltas
+from pantheon.chat.output import output_parser
+from pantheon.chat.template import ChatTemplate, TemplateError, think_open
+from pantheon.chat.toolformats import detect
+
+from helpers.llama_convert import converter_dir
+
+SPECIAL_FUNCTION = {
+    "type": "function",
+    "function": {
+        "name": "special_function",
+        "description": "I'm special",
+        "parameters": {
+            "type": "object",
+            "properties": {"arg1": {"type": "integer", "description": "The arg."}},
+            "required": ["arg1"],
+        },
+    },
+}
+WITH_OPT = {
+    "type": "function",
+    "function": {
+        "name": "special_function_with_opt",
+        "description": "I'm special but have optional stuff",
+        "parameters": {
+            "type": "object",
+            "properties": {"arg1": {"type": "integer"}, "arg2": {"type": "integer"}},
+            "required": ["arg1"],
+        },
+    },
+}
+PYTHON = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "an ipython interpreter",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    },
+}
+
+HELLO = "Hello, world!\nWhat's up?"
+CALL = ("special_function", {"arg1": 1}, None)
+
+# (template, expected format, output text, tools, content, reasoning, calls (name, args, id))
+CASES = [
+    # mistralai-Mistral-Nemo-Instruct-2407
+    ("mistralai-Mistral-Nemo-Instruct-2407", "mistral", HELLO, [], HELLO, "", []),
+    (
+        "mistralai-Mistral-Nemo-Instruct-2407",
+        "mistral",
+        '[TOOL_CALLS][{"name": "special_function", "arguments": {"arg1": 1}, "id": "123456789"}]',
+        [SPECIAL_FUNCTION],
+        "",
+        "",
+        [("special_function", {"arg1": 1}, "123456789")],
+    ),
+    # meetkai-functionary-medium-v3.1
+    ("meetkai-functionary-medium-v3.1", "functionary_v3.1", HELLO, [], HELLO, "", []),
+    (
+        "meetkai-functionary-medium-v3.1",
+        "functionary_v3.1",
+        '<function=special_function>{"arg1": 1}</function>',
+        [SPECIAL_FUNCTION],
+        "",
+        "",
+        [CALL],
+    ),
+    # meetkai-functionary-medium-v3.2
+    ("meetkai-functionary-medium-v3.2", "functionary_v3.2", "all\n" + HELLO, [], HELLO, "", []),
+    (
+        "meetkai-functionary-medium-v3.2",
+        "functionary_v3.2",
+        'special_function\n{"arg1": 1}',
+        [SPECIAL_FUNCTION],
+        "",
+        "",
+        [CALL],
+    ),
+    # DeepSeek R1 distills and llama.cpp's R1 template (thinking forced open by the prompt)
+    ("deepseek-ai-DeepSeek-R1-Distill-Llama-8B", "deepseek_r1", "</think>" + HELLO, [], HELLO, "", []),
+    (
+        "deepseek-ai-DeepSeek-R1-Distill-Llama-8B",
+        "deepseek_r1",
+        "I'm\nthinking</think>" + HELLO,
+        [],
+        HELLO,
+        "I'm\nthinking",
+        [],
+    ),
+    ("llama-cpp-deepseek-r1", "deepseek_r1", "</think>" + HELLO, [], HELLO, "", []),
+    ("llama-cpp-deepseek-r1", "deepseek_r1", "I'm\nthinking</think>" + HELLO, [], HELLO, "I'm\nthinking", []),
+    (
+        "llama-cpp-deepseek-r1",
+        "deepseek_r1",
+        "</think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>special_function\n"
+        '```json\n{"arg1": 1}```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        [SPECIAL_FUNCTION],
+        "",
+        "",
+        [CALL],
+    ),
+    ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "deepseek_r1", "</think>" + HELLO, [], HELLO, "", []),
+    (
+        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+        "deepseek_r1",
+        "I'm\nthinking</think>" + HELLO,
+        [],
+        HELLO,
+        "I'm\nthinking",
+        [],
+    ),
+    (
+        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+        "deepseek_r1",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>special_function\n"
+        '```json\n{"arg1": 1}```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        [SPECIAL_FUNCTION],
+        "",
+        "",
+        [CALL],
+        False,  # enable_thinking: the prompt closes the block
+    ),
+    # MiMo-VL / Hermes 3 / Qwen 2.5 (<tool_call> JSON)
+    *[
+        case
+        for name in ("MiMo-VL", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "Qwen-Qwen2.5-7B-Instruct")
+        for case in (
+            (name, "json", HELLO, [], HELLO, "", []),
+            (
+                name,
+                "json",
+                '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_call>',
+                [SPECIAL_FUNCTION],
+                "",
+                "",
+                [CALL],
+            ),
+        )
+    ],
+    # NousResearch-Hermes-2-Pro
+    (
+        "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
+        "json",
+        '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}</tool_call>',
+        [SPECIAL_FUNCTION],
+        "",
+        "",
+        [CALL],
+    ),
+    (
+        "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
+        "json",
+        HELLO + '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}</tool_call>',
+        [SPECIAL_FUNCTION],
+        HELLO,
+        "",
+        [CALL],
+    ),
+    # Qwen QwQ (thinking forced open)
+    (
+        "Qwen-QwQ-32B",
+        "json",
+        "Let me think about this...\n</think>\nThe answer is 42.",
+        [],
+        "The answer is 42.",
+        "Let me think about this...",
+        [],
+    ),
+    ("Qwen-QwQ-32B", "json", "</think>Hello, world!", [], "Hello, world!", "", []),
+    # Mistral Small 3.2: [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}
+    ("Mistral-Small-3.2-24B-Instruct-2506", "mistral_args", HELLO, [], HELLO, "", []),
+    (
+        "Mistral-Small-3.2-24B-Instruct-2506",
+        "mistral_args",
+        '[TOOL_CALLS]special_function[CALL_ID]123456789[ARGS]{"arg1": 1}',
+        [SPECIAL_FUNCTION],
+        "",
+        "",
+        [("special_function", {"arg1": 1}, "123456789")],
+    ),
+    (
+        "Mistral-Small-3.2-24B-Instruct-2506",
+        "mistral_args",
+        '[TOOL_CALLS]special_function[CALL_ID]000000001[ARGS]{"arg1": 1}'
+        '[TOOL_CALLS]special_function_with_opt[CALL_ID]000000002[ARGS]{"arg1": 1, "arg2": 2}',
+        [SPECIAL_FUNCTION, WITH_OPT],
+        "",
+        "",
+        [
+            ("special_function", {"arg1": 1}, "000000001"),
+            ("special_function_with_opt", {"arg1": 1, "arg2": 2}, "000000002"),
+        ],
+    ),
+    # Devstral
+    ("unsloth-mistral-Devstral-Small-2507", "mistral_args", HELLO, [], HELLO, "", []),
+    (
+        "unsloth-mistral-Devstral-Small-2507",
+        "mistral_args",
+        '[TOOL_CALLS]special_function[ARGS]{"arg1": 1}',
+        [SPECIAL_FUNCTION],
+        "",
+        "",
+        [CALL],
+    ),
+    (
+        "unsloth-mistral-Devstral-Small-2507",
+        "mistral_args",
+        HELLO + '[TOOL_CALLS]special_function[ARGS]{"arg1": 1}',
+        [SPECIAL_FUNCTION],
+        HELLO,
+        "",
+        [CALL],
+    ),
+    # Ministral 3 Reasoning: [THINK] ... [/THINK]
+    ("mistralai-Ministral-3-14B-Reasoning-2512", "mistral_args", HELLO, [], HELLO, "", []),
+    (
+        "mistralai-Ministral-3-14B-Reasoning-2512",
+        "mistral_args",
+        "[THINK]I'm\nthinking[/THINK]" + HELLO,
+        [],
+        HELLO,
+        "I'm\nthinking",
+        [],
+    ),
+    (
+        "mistralai-Ministral-3-14B-Reasoning-2512",
+        "mistral_args",
+        '[TOOL_CALLS]special_function[ARGS]{"arg1":1}',
+        [SPECIAL_FUNCTION],
+        "",
+        "",
+        [CALL],
+    ),
+    (
+        "mistralai-Ministral-3-14B-Reasoning-2512",
+        "mistral_args",
+        "[THINK]I'm\nthinking[/THINK]" + '[TOOL_CALLS]special_function[ARGS]{"arg1":1}',
+        [SPECIAL_FUNCTION],
+        "",
+        "I'm\nthinking",
+        [CALL],
+    ),
+    (
+        "mistralai-Ministral-3-14B-Reasoning-2512",
+        "mistral_args",
+        '[TOOL_CALLS]special_function[ARGS]{"arg1": 1}'
+        '[TOOL_CALLS]special_function_with_opt[ARGS]{"arg1": 1, "arg2": 2}',
+        [SPECIAL_FUNCTION, WITH_OPT],
+        "",
+        "",
+        [CALL, ("special_function_with_opt", {"arg1": 1, "arg2": 2}, None)],
+    ),
+    # Llama 3.1 / 3.2 / 3.3: content with tools (test-chat.cpp), calls (ours)
+    ("meta-llama-Llama-3.1-8B-Instruct", "llama3", HELLO, [SPECIAL_FUNCTION], HELLO, "", []),
+    ("meta-llama-Llama-3.2-3B-Instruct", "llama3", HELLO, [SPECIAL_FUNCTION], HELLO, "", []),
+    ("meta-llama-Llama-3.3-70B-Instruct", "llama3", HELLO, [PYTHON], HELLO, "", []),
+    *[
+        (
+            name,
+            "llama3",
+            '{"name": "special_function", "parameters": {"arg1": 1}}',
+            [SPECIAL_FUNCTION],
+            "",
+            "",
+            [CALL],
+        )
+        for name in (
+            "meta-llama-Llama-3.1-8B-Instruct",
+            "meta-llama-Llama-3.2-3B-Instruct",
+            "meta-llama-Llama-3.3-70B-Instruct",
+        )
+    ],
+    (
+        "meta-llama-Llama-3.1-8B-Instruct",
+        "llama3",
+        '<|python_tag|>{"name": "special_function", "parameters": {"arg1": 1}}',
+        [SPECIAL_FUNCTION],
+        "",
+        "",
+        [CALL],
+    ),
+    (
+        "meta-llama-Llama-3.3-70B-Instruct",
+        "llama3",
+        "<|python_tag|>print('hey')",
+        [PYTHON],
+        "",
+        "",
+        [("python", {"code": "print('hey')"}, None)],
+    ),
+    (
+        "meta-llama-Llama-3.1-8B-Instruct",
+        "llama3",
+        '<|python_tag|>brave_search.call(query="weather in Paris")',
+        [SPECIAL_FUNCTION],
+        "",
+        "",
+        [("brave_search", {"query": "weather in Paris"}, None)],
+    ),
+    ("meta-llama-Llama-3.1-8B-Instruct", "llama3", '{"a": 1}', [SPECIAL_FUNCTION], '{"a": 1}', "", []),
+    (  # a JSON answer with a "name" field is no call
+        "meta-llama-Llama-3.1-8B-Instruct",
+        "llama3",
+        '{"name": "Ada", "age": 36}',
+        [SPECIAL_FUNCTION],
+        '{"name": "Ada", "age": 36}',
+        "",
+        [],
+    ),
+]
+
+
+@cache
+def _source(name: str) -> str:
+    path = Path(converter_dir()) / "models" / "templates" / f"{name}.jinja"
+    return path.read_text(encoding="utf-8")
+
+
+def _parse(name: str, tools: list, pieces: list[str], enable_thinking: bool) -> dict:
+    """``pieces`` as the model's answer to a prompt of the template (``enable_thinking`` as
+    test-chat.cpp sets it), through the detected format."""
+    src = _source(name)
+    fmt = detect(src)
+    reasoning = fmt.think is not None and fmt.think[0] in src
+    template = ChatTemplate(
+        src, special_tokens={"bos_token": "<s>", "eos_token": "</s>"}, reasoning=reasoning
+    )
+    # where the prompt leaves the answer (rendering with tools is the render tests' part; some of
+    # these templates refuse no tools, some refuse these)
+    user = [{"role": "user", "content": "Hey"}]
+    try:
+        prompt = template.render(user, tools=[SPECIAL_FUNCTION], enable_thinking=enable_thinking)
+    except TemplateError:
+        prompt = template.render(user, enable_thinking=enable_thinking)
+    parser = output_parser(
+        fmt.name, reasoning=reasoning, think_open=reasoning and think_open(prompt), tools=tools
+    )
+    deltas = [d for p in pieces for d in parser.feed(p)] + parser.finish()
+    return join_deltas(deltas)
+
+
+@pytest.mark.parametrize(
+    "name,fmt,text,tools,content,reasoning,calls,enable_thinking",
+    [c if len(c) == 8 else (*c, True) for c in CASES],
+    ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)],
+)
+def test_llama_cpp_case(name, fmt, text, tools, content, reasoning, calls, enable_thinking):
+    assert detect(_source(name)).name == fmt
+    for pieces in ([text], list(text)):  # whole, then streamed one character at a time
+        got = _parse(name, tools, pieces, enable_thinking)
+        assert got["content"] == content
+        assert got["reasoning"] == reasoning
+        assert [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got["tool_calls"]
+        ] == [(n, a) for n, a, _ in calls]
+        for c, (_, _, call_id) in zip(got["tool_calls"], calls, strict=True):
+            if call_id is not None:
+                assert c["id"] == call_id
+            elif fmt.startswith("mistral"):
+                assert len(c["id"]) == 9 and c["id"].isalnum()  # Mistral's own ids
+
+
+def test_every_served_template_gets_its_format():
+    """The formats the issue names, each detected from its real template."""
+    expected = {
+        "openai-gpt-oss-120b": "harmony",
+        "google-gemma-4-31B-it": "gemma4",
+        "Qwen3-Coder": "xml",
+        "Qwen3.5-4B": "xml",
+        "Qwen-Qwen3-0.6B": "json",
+        "HuggingFaceTB-SmolLM3-3B": "json",
+    }
+    for name, fmt in expected.items():
+        assert detect(_source(name)).name == fmt, name
+
+
+def test_mistral_history_ids_are_made_the_templates_nine_characters():
+    """Mistral's templates refuse a past call id that is not 9 letters and digits: OpenAI's
+    ``call_...`` ids are renamed, the same way in the call and its result."""
+    src = _source("mistralai-Mistral-Nemo-Instruct-2407")
+    template = ChatTemplate(src, special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    call = {"id": "call_abcdefghijklmnopqrstuvwx", "type": "function"}
+    call["function"] = {"name": "special_function", "arguments": '{"arg1": 1}'}
+    messages = [
+        {"role": "user", "content": "Hey"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "42"},
+    ]
+    prompt = template.render(messages, tools=[SPECIAL_FUNCTION])
+    ids = [s.split('"')[0] for s in prompt.split('"id": "')[1:]] + [
+        s.split('"')[0] for s in prompt.split('"call_id": "')[1:]
+    ]
+    assert ids and all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 1
+
+
+# A demanded call in each format: the grammar takes the call as the family writes it (after the
+# format's forced prefix, which is in the prompt), and the format's parser reads it back.
+WRITTEN = {
+    "json": '{"arg1": 1}}\n</tool_call>',
+    "llama3": '{"name": "special_function", "parameters": {"arg1": 1}}',
+    "mistral": '[TOOL_CALLS][{"name": "special_function", "arguments": {"arg1": 1}, "id": "a1B2c3D4e"}]',
+    "mistral_args": '[TOOL_CALLS]special_function[ARGS]{"arg1": 1}',
+    "deepseek_r1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>special_function\n"
+    '```json\n{"arg1": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "functionary_v3.1": '<function=special_function>{"arg1": 1}</function>',
+    "functionary_v3.2": 'special_function\n{"arg1": 1}',
+}
+
+
+@pytest.mark.parametrize("fmt", WRITTEN)
+def test_a_demanded_call_in_the_formats_grammar_reads_back(fmt):
+    from unit.test_structured_router import accepts
+
+    from pantheon.api.openai import structured
+    from pantheon.chat.toolformats import get
+
+    prefix = get(fmt).forced_prefix("special_function")
+    grammar = structured.tool_grammar([SPECIAL_FUNCTION], "special_function", prefix, fmt)
+    assert accepts(grammar, WRITTEN[fmt])
+    assert not accepts(grammar, WRITTEN[fmt].replace('"arg1": 1', '"arg1": "one"'))  # an integer
+    parser = output_parser(fmt, reasoning=False, tools=[SPECIAL_FUNCTION])
+    got = join_deltas(parser.feed(prefix + WRITTEN[fmt]) + parser.finish())
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got["tool_calls"]] == [
+        ("special_function", {"arg1": 1})
+    ]
+    assert got["content"] == ""
