@@ -77,6 +77,7 @@ class Supervisor:
         self._death_times: dict[str, collections.deque[float]] = {}
         # given up on: more deaths than --worker-restarts (a set the loads and the views share)
         self.failed_dies: set[str] = failed_dies if failed_dies is not None else set()
+        self._given_up: dict[str, str] = {}  # die -> why it stays failed (what its requests are told)
         self._recovering: dict[str, Any] = {}  # instance id -> Instance, until it is back
         self._tasks: dict[str, asyncio.Task] = {}
         self._changed = asyncio.Event()  # set whenever a recovery ends (back or given up)
@@ -135,9 +136,10 @@ class Supervisor:
         self.failed_dies.add(die)
         why = f"the worker of {die} died {n} times in {RESTART_WINDOW_S / 60:.0f} min: no more restarts"
         self._event("worker_failed", why)
+        self._given_up[die] = f"{why} (--worker-restarts {self.max_restarts})"
         for inst in self.registry.instances():  # what their requests are told from now on
             if inst.die == die and inst.state == "failed":
-                inst.failed(f"{why} (--worker-restarts {self.max_restarts})")
+                inst.failed(self._given_up[die])
         for iid, inst in list(self._recovering.items()):
             if inst.die == die:
                 del self._recovering[iid]
@@ -220,7 +222,10 @@ class Supervisor:
             async with upload:  # one upload at a time, as for admin loads
                 new = await self.pool.load(inst.die, msg, progress)
         except Exception as e:  # noqa: BLE001 - reported on the instance, retried by _recover
-            inst.failed(f"reload after a worker death failed: {e}")
+            # a death during the reload may have been the one the die was given up on: then
+            # that is what its requests are told (the reload's own error is logged below)
+            given_up = self._given_up.get(inst.die) if inst.die in self.failed_dies else None
+            inst.failed(given_up or f"reload after a worker death failed: {e}")
             if dies is not None:
                 dies.release(inst.instance_id)
             log.error("reloading %s failed: %s", inst.instance_id, e)
@@ -320,8 +325,14 @@ class Supervisor:
                 return await place()
             except ApiError as e:
                 limit = timeout_s + RECOVERY_WAIT_MAX_S if self._restarting(name) else timeout_s
-                if e.code == "model_not_ready" and self.recovering(name) and time.monotonic() < start + limit:
-                    continue  # its last replica died while it queued: wait for the restart
+                # its last replica died while it queued (no replica ready, or every one failed,
+                # which routing calls model_failed): while a restart is under way, wait for it
+                if (
+                    e.code in ("model_not_ready", "model_failed")
+                    and self.recovering(name)
+                    and time.monotonic() < start + limit
+                ):
+                    continue
                 raise
 
     async def close(self) -> None:
