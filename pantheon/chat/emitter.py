@@ -276,6 +276,8 @@ class Emitter(OutputScanner):
         needles = [(s, True) for s in self._stops]
         if self._state == _THINK:
             needles.append((self._think_close, False))
+            if self.tools_enabled:
+                needles += [(m, False) for m in self._fmt.ends_thinking]
         elif self._state == _CONTENT and self.tools_enabled:
             needles += [(m, False) for m in self._fmt.opens]
         elif self._state == _TOOL:
@@ -363,6 +365,10 @@ class Emitter(OutputScanner):
             self._emit(kind, body)
 
     def _marker(self, marker: str) -> None:
+        if self._state == _THINK and marker != self._think_close:
+            # a call opens in the reasoning (``ToolFormat.ends_thinking``): the reasoning ends there
+            self._pending_ws = ""
+            self._state = _CONTENT
         if self._state == _THINK:
             self._pending_ws = ""
             self._state = _CONTENT

@@ -327,6 +327,268 @@ CASES = [
 ]
 
 
+def _tool(name: str, **props: str) -> dict:
+    """A test-chat.cpp tool: ``props`` maps each (required) parameter to its JSON type."""
+    schema = {
+        "type": "object",
+        "properties": {k: {"type": t} for k, t in props.items()},
+        "required": list(props),
+    }
+    return {"type": "function", "function": {"name": name, "description": name, "parameters": schema}}
+
+
+EDIT = _tool("edit", filename="string", oldString="string", newString="string")
+RUN = _tool("run_in_terminal", command="string")
+EMPTY = _tool("empty_args")
+GET_TIME = _tool("get_time", city="string")
+GET_WEATHER = _tool("get_weather", city="string")
+TOGGLE = _tool("toggle", enabled="boolean")
+AMOUNT = _tool("amount", orig="number")
+TODO = _tool("todo_list", todos="array")
+CONFIG = _tool("set_config", config="object")
+HARMONY_EDIT = _tool("edit", oldString="string", newString="string", replaceAll="boolean")
+
+
+def _xml_call(name: str, *params: tuple[str, str]) -> str:
+    """A call in Qwen's XML format, as Qwen3-Coder and Qwen3.5 write it."""
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+XML_CALL = _xml_call("special_function", ("arg1", "1"))
+XML_TWO = XML_CALL + "\n" + _xml_call("special_function_with_opt", ("arg1", "1"), ("arg2", "2"))
+TWO = [CALL, ("special_function_with_opt", {"arg1": 1, "arg2": 2}, None)]
+EDIT_ARGS = {"filename": "foo.c", "oldString": "#iclunde", "newString": "#include"}
+CODE = 'def hello():\n    print("Hello, world!")\n\nhello()'
+
+# test-chat.cpp's blocks for Qwen3.5, Qwen3-Coder, gpt-oss and Gemma 4
+CASES += [
+    # Qwen3.5-4B (thinking forced open unless enable_thinking is off)
+    ("Qwen3.5-4B", "xml", "I'm\nthinking\n</think>\n\n" + HELLO, [], HELLO, "I'm\nthinking", []),
+    ("Qwen3.5-4B", "xml", XML_CALL, [SPECIAL_FUNCTION], "", "", [CALL], False),
+    (
+        "Qwen3.5-4B",
+        "xml",
+        "I'm\nthinking\n</think>\n\n" + XML_CALL,
+        [SPECIAL_FUNCTION],
+        "",
+        "I'm\nthinking",
+        [CALL],
+    ),
+    ("Qwen3.5-4B", "xml", XML_TWO, [SPECIAL_FUNCTION, WITH_OPT], "", "", TWO, False),
+    (
+        "Qwen3.5-4B",
+        "xml",
+        _xml_call("python", ("code", CODE)),
+        [PYTHON],
+        "",
+        "",
+        [("python", {"code": CODE}, None)],
+        False,
+    ),
+    (
+        "Qwen3.5-4B",
+        "xml",
+        _xml_call("edit", *EDIT_ARGS.items()),
+        [EDIT],
+        "",
+        "",
+        [("edit", EDIT_ARGS, None)],
+        False,
+    ),
+    (  # a value that ends in a newline keeps it
+        "Qwen3.5-4B",
+        "xml",
+        _xml_call("edit", ("filename", "foo.c"), ("oldString", "#iclunde"), ("newString", "#include\n")),
+        [EDIT],
+        "",
+        "",
+        [("edit", dict(EDIT_ARGS, newString="#include\n"), None)],
+        False,
+    ),
+    (  # code that starts with an indent
+        "Qwen3.5-4B",
+        "xml",
+        _xml_call("python", ("code", '    print("Hello, world!")')),
+        [PYTHON],
+        "",
+        "",
+        [("python", {"code": '    print("Hello, world!")'}, None)],
+        False,
+    ),
+    (  # a call ends the prompt's open thinking block, with or without </think>
+        "Qwen3.5-4B",
+        "xml",
+        _xml_call("run_in_terminal", ("command", "pwd")),
+        [RUN],
+        "",
+        "",
+        [("run_in_terminal", {"command": "pwd"}, None)],
+    ),
+    (
+        "Qwen3.5-4B",
+        "xml",
+        "Need to inspect the current directory.\n" + _xml_call("run_in_terminal", ("command", "pwd")),
+        [RUN],
+        "",
+        "Need to inspect the current directory.",
+        [("run_in_terminal", {"command": "pwd"}, None)],
+    ),
+    ("Qwen3.5-4B", "xml", _xml_call("empty_args"), [EMPTY], "", "", [("empty_args", {}, None)], False),
+    ("Qwen3.5-4B", "xml", "</think>\n\n" + XML_CALL, [SPECIAL_FUNCTION], "", "", [CALL]),
+    # Qwen3-Coder
+    ("Qwen3-Coder", "xml", HELLO, [], HELLO, "", []),
+    ("Qwen3-Coder", "xml", XML_CALL, [SPECIAL_FUNCTION], "", "", [CALL]),
+    # (some models skip the opening <tool_call>, only on the first call)
+    ("Qwen3-Coder", "xml", XML_CALL.removeprefix("<tool_call>\n"), [SPECIAL_FUNCTION], "", "", [CALL]),
+    (
+        "Qwen3-Coder",
+        "xml",
+        "Let me call it.\n" + XML_CALL.removeprefix("<tool_call>\n"),
+        [SPECIAL_FUNCTION],
+        "Let me call it.",  # (llama.cpp keeps the newline; we trim it at the call, as Qwen3's)
+        "",
+        [CALL],
+    ),
+    ("Qwen3-Coder", "xml", XML_TWO.removeprefix("<tool_call>\n"), [SPECIAL_FUNCTION, WITH_OPT], "", "", TWO),
+    ("Qwen3-Coder", "xml", XML_TWO, [SPECIAL_FUNCTION, WITH_OPT], "", "", TWO),
+    # gpt-oss (Harmony; the prompt ends in ``<|start|>assistant``)
+    ("openai-gpt-oss-120b", "harmony", "<|channel|>final<|message|>" + HELLO, [], HELLO, "", []),
+    ("openai-gpt-oss-120b", "harmony", "<|channel|>commentary<|message|>" + HELLO, [], HELLO, "", []),
+    (
+        "openai-gpt-oss-120b",
+        "harmony",
+        "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant<|channel|>final<|message|>"
+        + HELLO,
+        [],
+        HELLO,
+        "I'm\nthinking",
+        [],
+    ),
+    (
+        "openai-gpt-oss-120b",
+        "harmony",
+        "<|channel|>analysis<|message|>I'm\nthinking",
+        [],
+        "",
+        "I'm\nthinking",
+        [],
+    ),
+    *[
+        ("openai-gpt-oss-120b", "harmony", text + '{"arg1": 1}', [SPECIAL_FUNCTION], "", "", [CALL])
+        for text in (
+            " to=functions.special_function<|channel|>analysis<|message|>",
+            "<|channel|>analysis to=functions.special_function<|message|>",
+            " to=functions.special_function<|channel|>analysis <|constrain|>json<|message|>",
+            "<|channel|>commentary to=functions.special_function<|message|>",
+        )
+    ],
+    (
+        "openai-gpt-oss-120b",
+        "harmony",
+        "<|channel|>analysis<|message|>I'm\nthinking<|end|>"
+        '<|start|>assistant to=functions.special_function<|channel|>analysis<|message|>{"arg1": 1}',
+        [SPECIAL_FUNCTION],
+        "",
+        "I'm\nthinking",
+        [CALL],
+    ),
+    (
+        "openai-gpt-oss-120b",
+        "harmony",
+        "<|channel|>analysis<|message|>Thinking about edit...<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.edit <|constrain|>json<|message|>"
+        '{"oldString": "if (part < railCount - 1) {", "newString": "if (part < 4) {", "replaceAll": false}',
+        [HARMONY_EDIT],
+        "",
+        "Thinking about edit...",
+        [
+            (
+                "edit",
+                {
+                    "oldString": "if (part < railCount - 1) {",
+                    "newString": "if (part < 4) {",
+                    "replaceAll": False,
+                },
+                None,
+            )
+        ],
+    ),
+    # Gemma 4
+    ("google-gemma-4-31B-it", "gemma4", "Hello, world!", [], "Hello, world!", "", []),
+    (
+        "google-gemma-4-31B-it",
+        "gemma4",
+        "<|channel>thought\nI'm\nthinking<channel|>" + HELLO,
+        [],
+        HELLO,
+        "I'm\nthinking",
+        [],
+    ),
+    ("google-gemma-4-31B-it", "gemma4", "<|channel>thought<channel|>" + HELLO, [], HELLO, "", []),
+    *[
+        (
+            "google-gemma-4-31B-it",
+            "gemma4",
+            f"<|tool_call>call:{call}<tool_call|>",
+            [tool],
+            "",
+            "",
+            [(tool["function"]["name"], args, None)],
+        )
+        for call, tool, args in (
+            ('get_time{city:<|"|>London<|"|>}', GET_TIME, {"city": "London"}),
+            ('get_time{city:<|"|>San Francisco<|"|>}', GET_TIME, {"city": "San Francisco"}),
+            ("empty_args{}", EMPTY, {}),
+            ("special_function{arg1:42}", SPECIAL_FUNCTION, {"arg1": 42}),
+            ("special_function{arg1:-7}", SPECIAL_FUNCTION, {"arg1": -7}),
+            ("amount{orig:3.14}", AMOUNT, {"orig": 3.14}),
+            ("toggle{enabled:true}", TOGGLE, {"enabled": True}),
+            ("toggle{enabled:false}", TOGGLE, {"enabled": False}),
+            (
+                'todo_list{todos:[<|"|>buy milk<|"|>,<|"|>walk dog<|"|>]}',
+                TODO,
+                {"todos": ["buy milk", "walk dog"]},
+            ),
+            (
+                'set_config{config:{theme:<|"|>dark<|"|>,count:3}}',
+                CONFIG,
+                {"config": {"theme": "dark", "count": 3}},
+            ),
+            ("todo_list{todos:[]}", TODO, {"todos": []}),
+        )
+    ],
+    (
+        "google-gemma-4-31B-it",
+        "gemma4",
+        HELLO + '<|tool_call>call:get_time{city:<|"|>Paris<|"|>}<tool_call|>',
+        [GET_TIME],
+        HELLO,
+        "",
+        [("get_time", {"city": "Paris"}, None)],
+    ),
+    (
+        "google-gemma-4-31B-it",
+        "gemma4",
+        '<|channel>thought\nI\'m\nthinking<channel|><|tool_call>call:get_time{city:<|"|>Paris<|"|>}<tool_call|>',
+        [GET_TIME],
+        "",
+        "I'm\nthinking",
+        [("get_time", {"city": "Paris"}, None)],
+    ),
+    (
+        "google-gemma-4-31B-it",
+        "gemma4",
+        '<|tool_call>call:get_time{city:<|"|>London<|"|>}<tool_call|>'
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
+        [GET_TIME, GET_WEATHER],
+        "",
+        "",
+        [("get_time", {"city": "London"}, None), ("get_weather", {"city": "Paris"}, None)],
+    ),
+]
+
+
 @cache
 def _source(name: str) -> str:
     path = Path(converter_dir()) / "models" / "templates" / f"{name}.jinja"

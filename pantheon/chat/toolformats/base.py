@@ -146,6 +146,9 @@ class ToolFormat:
     always_reasons: bool = False
     # markers that end the model's answer, whatever its config's end tokens
     ends: tuple[str, ...] = ()
+    # the call openers that end the reasoning, ``</think>`` or not (Qwen3.5 calls from a
+    # thinking block its prompt opened)
+    ends_thinking: tuple[str, ...] = ()
 
     def detect(self, source: str) -> bool:
         """Whether a chat template's source teaches this format."""
