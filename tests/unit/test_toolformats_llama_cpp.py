@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pantheon.chat.emitter import join_deltas
-from pantheon.chat.output import output_parser
+from pantheon.chat.output import OutputParser, output_parser
 from pantheon.chat.template import ChatTemplate, TemplateError, think_open
 from pantheon.chat.toolformats import detect
 
@@ -598,6 +598,13 @@ def _source(name: str) -> str:
 def _parse(name: str, tools: list, pieces: list[str], enable_thinking: bool) -> dict:
     """``pieces`` as the model's answer to a prompt of the template (``enable_thinking`` as
     test-chat.cpp sets it), through the detected format."""
+    parser = _parser(name, tools, enable_thinking)
+    deltas = [d for p in pieces for d in parser.feed(p)] + parser.finish()
+    return join_deltas(deltas)
+
+
+def _parser(name: str, tools: list, enable_thinking: bool) -> OutputParser:
+    """The detected format's parser of the model's answer to a prompt of the template."""
     src = _source(name)
     fmt = detect(src)
     reasoning = fmt.think is not None and fmt.think[0] in src
@@ -611,11 +618,9 @@ def _parse(name: str, tools: list, pieces: list[str], enable_thinking: bool) -> 
         prompt = template.render(user, tools=[SPECIAL_FUNCTION], enable_thinking=enable_thinking)
     except TemplateError:
         prompt = template.render(user, enable_thinking=enable_thinking)
-    parser = output_parser(
+    return output_parser(
         fmt.name, reasoning=reasoning, think_open=reasoning and think_open(prompt), tools=tools
     )
-    deltas = [d for p in pieces for d in parser.feed(p)] + parser.finish()
-    return join_deltas(deltas)
 
 
 @pytest.mark.parametrize(
@@ -703,3 +708,74 @@ def test_a_demanded_call_in_the_formats_grammar_reads_back(fmt):
         ("special_function", {"arg1": 1})
     ]
     assert got["content"] == ""
+
+
+# ---------------------------------------------------------------- streamed argument deltas
+
+# the formats whose calls' arguments stream as the model writes them (Qwen's XML goes whole:
+# its values are typed by the schema only once each parameter is whole)
+STREAMING = {
+    "json",
+    "llama3",
+    "mistral",
+    "mistral_args",
+    "deepseek_r1",
+    "functionary_v3.1",
+    "functionary_v3.2",
+    "harmony",
+    "gemma4",
+}
+ARGS_TEXT = (
+    '{"code":"print(\\"hi\\\\n\\")  # \\u00e9\\ud83d\\ude00","n":[1,2.5e3,-0,{"x":null,"y":true}],"e":{}}'
+)
+ARGS_VALUE = json.loads(ARGS_TEXT)
+KITCHEN = _tool("python", code="string", n="array", e="object")
+# (ours) arguments in the model's own spacing, with escapes, a surrogate pair, nested values
+STREAM_CASES = [
+    (
+        "Qwen-Qwen2.5-7B-Instruct",
+        '<tool_call>\n{"name": "python", "arguments": ' + ARGS_TEXT + "}\n</tool_call>",
+    ),
+    ("meta-llama-Llama-3.1-8B-Instruct", '{"name": "python", "parameters": ' + ARGS_TEXT + "}"),
+    (
+        "mistralai-Mistral-Nemo-Instruct-2407",
+        '[TOOL_CALLS][{"name": "python", "id": "a1B2c3D4e", "arguments": ' + ARGS_TEXT + "}]",
+    ),
+    ("Mistral-Small-3.2-24B-Instruct-2506", "[TOOL_CALLS]python[ARGS]" + ARGS_TEXT),
+    (
+        "llama-cpp-deepseek-r1",
+        "</think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>python\n```json\n"
+        + ARGS_TEXT
+        + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    ),
+    ("meetkai-functionary-medium-v3.1", "<function=python>" + ARGS_TEXT + "</function>"),
+    ("meetkai-functionary-medium-v3.2", "python\n" + ARGS_TEXT),
+]
+
+
+def _streamed_cases():
+    for name, fmt, text, tools, _, _, calls, *thinking in CASES:
+        code = "<|python_tag|>" in text and not text.split("<|python_tag|>")[1].startswith("{")
+        if fmt in STREAMING and calls and not code:
+            arguments = [json.dumps(a, ensure_ascii=False) for _, a, _ in calls]
+            yield name, text, tools, arguments, thinking[0] if thinking else True
+    for name, text in STREAM_CASES:
+        yield name, text, [KITCHEN], [json.dumps(ARGS_VALUE, ensure_ascii=False)], True
+
+
+@pytest.mark.parametrize("name,text,tools,arguments,enable_thinking", list(_streamed_cases()))
+def test_a_calls_arguments_stream_as_written(name, text, tools, arguments, enable_thinking):
+    """Streamed one character at a time, a call's name goes out before its block ends and its
+    arguments in fragments as they grow, which join to exactly the arguments answered whole."""
+    whole = _parse(name, tools, [text], enable_thinking)
+    assert [c["function"]["arguments"] for c in whole["tool_calls"]] == arguments
+    parser = _parser(name, tools, enable_thinking)
+    feeds = [parser.feed(ch) for ch in text] + [parser.finish()]
+    for k, expected in enumerate(arguments):
+        named = [i for i, f in enumerate(feeds) for d in f if d.index == k and d.name is not None]
+        grown = [i for i, f in enumerate(feeds) for d in f if d.index == k and d.arguments]
+        fragments = [d.arguments for f in feeds for d in f if d.index == k and d.arguments]
+        assert len(named) == 1 and named[0] < len(text) - 1  # before the block's last character
+        if '"id"' not in text or text.index('"id"') < text.index('"arguments"'):
+            assert named[0] < grown[-1]  # the arguments went on growing after the name
+        assert "".join(fragments) == expected
