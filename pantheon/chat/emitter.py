@@ -9,8 +9,10 @@ channels as the spec describes:
 - *tool calls*: the inside of ``<tool_call>`` ... ``</tool_call>``, read when the block closes, in
   the model's format (``tool_format``): JSON (:func:`pantheon.chat.tools.parse_tool_block`) or
   Qwen3.5's XML (:func:`pantheon.chat.xml_tools.parse_xml_tool_block`, which types the values by
-  the request's ``tools``). A closed block that does not parse is content again, written out as the
-  model wrote it. A block the output ends inside (``max_tokens``, a stop string) is never markup in
+  the request's ``tools``). A format that can (``ToolFormat.stream``: the JSON ones) streams each
+  call while its block is written: its first delta once its name is read, then its arguments' JSON
+  as it grows; the block's parse then only adds what is left. A closed block that does not parse
+  and streamed nothing is content again, written out as the model wrote it. A block the output ends inside (``max_tokens``, a stop string) is never markup in
   the content: its calls are returned as what they are, the last one cut off (its name and its
   arguments so far: :func:`pantheon.chat.tools.parse_unfinished_tool_block`), or nothing when
   not even a name was written; an output ending inside the ``<tool_call>`` marker itself drops
