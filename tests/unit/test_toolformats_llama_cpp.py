@@ -346,6 +346,8 @@ TOGGLE = _tool("toggle", enabled="boolean")
 AMOUNT = _tool("amount", orig="number")
 TODO = _tool("todo_list", todos="array")
 CONFIG = _tool("set_config", config="object")
+HTML = _tool("html", markup="string")
+TODOS = [{"item": "Check stuff", "selected": False}, {"item": "Prepare stuff", "selected": True}]
 HARMONY_EDIT = _tool("edit", oldString="string", newString="string", replaceAll="boolean")
 
 
@@ -436,6 +438,30 @@ CASES += [
     ),
     ("Qwen3.5-4B", "xml", _xml_call("empty_args"), [EMPTY], "", "", [("empty_args", {}, None)], False),
     ("Qwen3.5-4B", "xml", "</think>\n\n" + XML_CALL, [SPECIAL_FUNCTION], "", "", [CALL]),
+    *[
+        (  # (llama.cpp keeps the content's last newline; we trim it at the call, as Qwen3's)
+            "Qwen3.5-4B",
+            "xml",
+            thought + "</think>\n\n" + said + "\n" + _xml_call("run_in_terminal", ("command", "pwd")),
+            [RUN],
+            said,
+            thought.strip(),
+            [("run_in_terminal", {"command": "pwd"}, None)],
+        )
+        for thought, said in (
+            ("", "Let me inspect the current directory."),
+            ("I should inspect the directory.\n", "Let me inspect it now."),
+        )
+    ],
+    (
+        "Qwen3.5-4B",
+        "xml",
+        'I need to output the invoice details in JSON\n</think>\n\n{"amount": 123.45, "date": "2025-12-03"}',
+        [],
+        '{"amount": 123.45, "date": "2025-12-03"}',
+        "I need to output the invoice details in JSON",
+        [],
+    ),
     # Qwen3-Coder
     ("Qwen3-Coder", "xml", HELLO, [], HELLO, "", []),
     ("Qwen3-Coder", "xml", XML_CALL, [SPECIAL_FUNCTION], "", "", [CALL]),
@@ -452,6 +478,24 @@ CASES += [
     ),
     ("Qwen3-Coder", "xml", XML_TWO.removeprefix("<tool_call>\n"), [SPECIAL_FUNCTION, WITH_OPT], "", "", TWO),
     ("Qwen3-Coder", "xml", XML_TWO, [SPECIAL_FUNCTION, WITH_OPT], "", "", TWO),
+    *[
+        ("Qwen3-Coder", "xml", _xml_call(name, *params), [tool], "", "", [(name, dict(params), None)])
+        for name, params, tool in (
+            ("python", [("code", CODE)], PYTHON),
+            ("python", [("code", "格")], PYTHON),
+            ("html", [("markup", "<html>\n <head>\n  <title>Hello!</title>\n </head>\n</html>")], HTML),
+            ("edit", [("newString", "#include"), ("filename", "foo.c"), ("oldString", "#iclunde")], EDIT),
+        )
+    ],
+    (  # (an array of objects, typed by its schema)
+        "Qwen3-Coder",
+        "xml",
+        _xml_call("todo_list", ("todos", json.dumps(TODOS))),
+        [TODO],
+        "",
+        "",
+        [("todo_list", {"todos": TODOS}, None)],
+    ),
     # gpt-oss (Harmony; the prompt ends in ``<|start|>assistant``)
     ("openai-gpt-oss-120b", "harmony", "<|channel|>final<|message|>" + HELLO, [], HELLO, "", []),
     ("openai-gpt-oss-120b", "harmony", "<|channel|>commentary<|message|>" + HELLO, [], HELLO, "", []),
@@ -514,6 +558,40 @@ CASES += [
             )
         ],
     ),
+    (  # structured output in the final message
+        "openai-gpt-oss-120b",
+        "harmony",
+        "<|channel|>analysis<|message|>I need to output the invoice details in JSON<|end|>"
+        '<|start|>assistant<|channel|>final <|constrain|>json<|message|>{"amount": 123.45, "date": "2025-12-03"}',
+        [],
+        '{"amount": 123.45, "date": "2025-12-03"}',
+        "I need to output the invoice details in JSON",
+        [],
+    ),
+    *[  # an unsolicited built-in call (no tools): no content
+        (
+            "openai-gpt-oss-120b",
+            "harmony",
+            "<|channel|>analysis<|message|>I will execute python to say hello<|end|>" + call,
+            [],
+            "",
+            "I will execute python to say hello",
+            [],
+        )
+        for call in (
+            "<|start|>assistant to=container.exec<|channel|>commentary<|message|>python3 -c 'print(\"hello\")'",
+            '<|start|>assistant<|channel|>commentary to=python <|constrain|>code<|message|>print("hello")',
+        )
+    ],
+    *[  # a message to the assistant itself is no call
+        ("openai-gpt-oss-120b", "harmony", text, [], HELLO, "I'm\nthinking", [])
+        for text in (
+            "<|channel|>commentary to=assistant<|channel|>analysis<|message|>I'm\nthinking<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>" + HELLO,
+            "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant<|channel|>commentary "
+            "to=assistant<|channel|>final<|message|>" + HELLO,
+        )
+    ],
     # Gemma 4
     ("google-gemma-4-31B-it", "gemma4", "Hello, world!", [], "Hello, world!", "", []),
     (
