@@ -372,7 +372,9 @@ class Gemma4Parser(OutputScanner):
             self._end_of_text()
             self._ended = True
         elif marker == CHANNEL_OPEN:
-            if self._state == _CONTENT:  # (one inside a thought is dropped)
+            # (one inside a thought is dropped; but one repeated before the thought said
+            # anything opens it again: its name follows)
+            if self._state == _CONTENT or (self._state == _THOUGHT and self._skip_ws):
                 self._pending_ws = ""
                 self._state = _NAME
         elif marker == CHANNEL_CLOSE:

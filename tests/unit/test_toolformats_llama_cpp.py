@@ -634,6 +634,17 @@ CASES += [
                 {"config": {"theme": "dark", "count": 3}},
             ),
             ("todo_list{todos:[]}", TODO, {"todos": []}),
+            ("set_config{config:{}}", CONFIG, {"config": {}}),
+            ("amount{orig:1.5e10}", AMOUNT, {"orig": 1.5e10}),
+        )
+    ],
+    *[  # stray channel markers around the answer
+        ("google-gemma-4-31B-it", "gemma4", text, [], HELLO, "", [])
+        for text in (
+            "<|channel>thought\n<channel|>" + HELLO + "<channel|>",
+            "<|channel>thought\n<channel|>" + HELLO + "<|channel>thought\n<channel|>",
+            "<|channel>thought\n<channel|>" + HELLO + "<|channel>thought\n<channel|><channel|>",
+            "<|channel><|channel>thought\n<channel|>" + HELLO,
         )
     ],
     (
