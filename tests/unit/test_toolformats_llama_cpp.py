@@ -868,3 +868,24 @@ def test_a_calls_arguments_stream_as_written(name, text, tools, arguments, enabl
         if '"id"' not in text or text.index('"id"') < text.index('"arguments"'):
             assert named[0] < grown[-1]  # the arguments went on growing after the name
         assert "".join(fragments) == expected
+
+
+@pytest.mark.parametrize(
+    "body,arguments",
+    [
+        # arguments as a JSON string (as OpenAI transmits them): read whole when the block closes
+        ('{"name": "special_function", "arguments": "{\\"arg1\\": 1}"}', '{"arg1": 1}'),
+        # a call that streamed is a call, whatever follows it in its block
+        ('{"name": "special_function", "arguments": {"arg1": 1}} and more', '{"arg1": 1}'),
+        # ... and a repeated key stays as the stream wrote it
+        ('{"name": "special_function", "arguments": {"arg1": 1, "arg1": 2}}', '{"arg1": 1, "arg1": 2}'),
+    ],
+)
+def test_a_json_block_reads_the_same_whole_and_streamed(body, arguments):
+    text = "<tool_call>\n" + body + "\n</tool_call>"
+    for pieces in ([text], list(text)):
+        got = _parse("Qwen-Qwen2.5-7B-Instruct", [SPECIAL_FUNCTION], pieces, True)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in got["tool_calls"]] == [
+            ("special_function", arguments)
+        ]
+        assert got["content"] == ""
