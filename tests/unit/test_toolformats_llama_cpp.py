@@ -327,12 +327,14 @@ CASES = [
 ]
 
 
-def _tool(name: str, **props: str) -> dict:
-    """A test-chat.cpp tool: ``props`` maps each (required) parameter to its JSON type."""
+def _tool(name: str, required: list[str] | None = None, /, **props: str | list | dict) -> dict:
+    """A test-chat.cpp tool: ``props`` maps each parameter to its JSON type (or its schema);
+    ``required``: those required (by default all)."""
+    properties = {k: t if isinstance(t, dict) else {"type": t} for k, t in props.items()}
     schema = {
         "type": "object",
-        "properties": {k: {"type": t} for k, t in props.items()},
-        "required": list(props),
+        "properties": properties,
+        "required": list(props) if required is None else required,
     }
     return {"type": "function", "function": {"name": name, "description": name, "parameters": schema}}
 
@@ -348,6 +350,16 @@ TODO = _tool("todo_list", todos="array")
 CONFIG = _tool("set_config", config="object")
 HTML = _tool("html", markup="string")
 TODOS = [{"item": "Check stuff", "selected": False}, {"item": "Prepare stuff", "selected": True}]
+OPT = {"opt1": "string", "opt2": "integer", "opt3": "string", "opt4": "integer"}
+TOOL_2REQ_4OPT = _tool("tool_2req_4opt", ["req1", "req2"], req1="string", req2="integer", **OPT)
+TOOL_2REQ_5OPT = _tool(
+    "tool_2req_5opt", ["req1", "req2"], req1="string", req2="integer", **OPT, opt5="string"
+)
+NULLABLE_STR = _tool("set_nullable_str", name=["string", "null"])
+NULLABLE_STR_NF = _tool("set_nullable_str_nf", name=["null", "string"])
+NULLABLE_INT = _tool("set_nullable_int", count=["integer", "null"])
+UNION = _tool("set_union", value=["string", "object"], amount=["string", "integer"])
+ENUM = _tool("set_unit", unit={"enum": ["celsius", "fahrenheit"]})
 HARMONY_EDIT = _tool("edit", oldString="string", newString="string", replaceAll="boolean")
 
 
@@ -438,6 +450,15 @@ CASES += [
     ),
     ("Qwen3.5-4B", "xml", _xml_call("empty_args"), [EMPTY], "", "", [("empty_args", {}, None)], False),
     ("Qwen3.5-4B", "xml", "</think>\n\n" + XML_CALL, [SPECIAL_FUNCTION], "", "", [CALL]),
+    (  # (llama.cpp's reasoning is "<think>\n\n": we trim whitespace at a channel's edges)
+        "Qwen3.5-4B",
+        "xml",
+        "<think>\n\n</think>\n\n" + XML_CALL,
+        [SPECIAL_FUNCTION],
+        "",
+        "<think>",
+        [CALL],
+    ),
     *[
         (  # (llama.cpp keeps the content's last newline; we trim it at the call, as Qwen3's)
             "Qwen3.5-4B",
@@ -485,6 +506,62 @@ CASES += [
             ("python", [("code", "格")], PYTHON),
             ("html", [("markup", "<html>\n <head>\n  <title>Hello!</title>\n </head>\n</html>")], HTML),
             ("edit", [("newString", "#include"), ("filename", "foo.c"), ("oldString", "#iclunde")], EDIT),
+        )
+    ],
+    *[  # parameters in any order, typed by their schemas (nullable, unions, enums)
+        (
+            "Qwen3-Coder",
+            "xml",
+            _xml_call(tool["function"]["name"], *params),
+            [tool],
+            "",
+            "",
+            [(tool["function"]["name"], args, None)],
+        )
+        for tool, params, args in (
+            (
+                TOOL_2REQ_4OPT,
+                [("req2", "42"), ("req1", "hello"), ("opt2", "200")],
+                {"req2": 42, "req1": "hello", "opt2": 200},
+            ),
+            (
+                TOOL_2REQ_4OPT,
+                [("req1", "hello"), ("req2", "42"), ("opt4", "100"), ("opt2", "200")],
+                {"req1": "hello", "req2": 42, "opt4": 100, "opt2": 200},
+            ),
+            (
+                TOOL_2REQ_5OPT,
+                [("req1", "world"), ("req2", "7"), ("opt5", "last"), ("opt3", "middle"), ("opt1", "first")],
+                {"req1": "world", "req2": 7, "opt5": "last", "opt3": "middle", "opt1": "first"},
+            ),
+            (
+                TOOL_2REQ_5OPT,
+                [
+                    ("req1", "test"),
+                    ("req2", "99"),
+                    ("opt3", "c"),
+                    ("opt1", "a"),
+                    ("opt5", "e"),
+                    ("opt4", "4"),
+                    ("opt2", "2"),
+                ],
+                {"req1": "test", "req2": 99, "opt3": "c", "opt1": "a", "opt5": "e", "opt4": 4, "opt2": 2},
+            ),
+            (NULLABLE_STR, [("name", "hello world")], {"name": "hello world"}),
+            (NULLABLE_STR_NF, [("name", "hello world")], {"name": "hello world"}),
+            (NULLABLE_INT, [("count", "42")], {"count": 42}),
+            (NULLABLE_STR, [("name", "null")], {"name": None}),
+            (
+                UNION,
+                [("value", '{"a": 1}'), ("amount", "2 dollars")],
+                {"value": {"a": 1}, "amount": "2 dollars"},
+            ),
+            (
+                UNION,
+                [("value", "{not valid json"), ("amount", "42")],
+                {"value": "{not valid json", "amount": 42},
+            ),
+            (ENUM, [("unit", "celsius")], {"unit": "celsius"}),
         )
     ],
     (  # (an array of objects, typed by its schema)
@@ -635,6 +712,7 @@ CASES += [
             ),
             ("todo_list{todos:[]}", TODO, {"todos": []}),
             ("set_config{config:{}}", CONFIG, {"config": {}}),
+            ("set_nullable{value:null}", _tool("set_nullable", value="null"), {"value": None}),
             ("amount{orig:1.5e10}", AMOUNT, {"orig": 1.5e10}),
         )
     ],
