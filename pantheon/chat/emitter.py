@@ -9,8 +9,10 @@ channels as the spec describes:
 - *tool calls*: the inside of ``<tool_call>`` ... ``</tool_call>``, read when the block closes, in
   the model's format (``tool_format``): JSON (:func:`pantheon.chat.tools.parse_tool_block`) or
   Qwen3.5's XML (:func:`pantheon.chat.xml_tools.parse_xml_tool_block`, which types the values by
-  the request's ``tools``). A closed block that does not parse is content again, written out as the
-  model wrote it. A block the output ends inside (``max_tokens``, a stop string) is never markup in
+  the request's ``tools``). A format that can (``ToolFormat.stream``: the JSON ones) streams each
+  call while its block is written: its first delta once its name is read, then its arguments' JSON
+  as it grows; the block's parse then only adds what is left. A closed block that does not parse
+  and streamed nothing is content again, written out as the model wrote it. A block the output ends inside (``max_tokens``, a stop string) is never markup in
   the content: its calls are returned as what they are, the last one cut off (its name and its
   arguments so far: :func:`pantheon.chat.tools.parse_unfinished_tool_block`), or nothing when
   not even a name was written; an output ending inside the ``<tool_call>`` marker itself drops
@@ -32,11 +34,11 @@ The same text always gives the same deltas once they are joined per channel, how
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .tools import JSON_TOOL_FORMAT
+from .tools import JSON_TOOL_FORMAT, ParsedToolCall
 
 if TYPE_CHECKING:
     from .toolformats import ToolFormat
@@ -221,6 +223,32 @@ class OutputScanner:
         out, self._out = self._out, []
         return out
 
+    def _stream_calls(
+        self, calls: Sequence[ParsedToolCall], sent: list[int], new_id: Callable[[], str]
+    ) -> None:
+        """Stream the calls of an open block, read so far (``calls``: each one's name, its
+        model-given id, and its arguments' JSON so far, which only grows): a call's first delta
+        once it appears, then its arguments' growth. ``sent`` holds the indexes (in
+        :attr:`tool_calls`) of the block's calls that went out; it grows here."""
+        for k, call in enumerate(calls):
+            if k == len(sent):
+                index, call_id = len(self.tool_calls), call.id or new_id()
+                fn = {"name": call.name, "arguments": ""}
+                self.tool_calls.append({"id": call_id, "type": "function", "function": fn})
+                sent.append(index)
+                self._out.append(Delta(TOOL_CALL, index=index, id=call_id, name=call.name, arguments=""))
+            index = sent[k]
+            fn = self.tool_calls[index]["function"]
+            done = fn["arguments"]
+            if len(call.arguments) > len(done) and call.arguments.startswith(done):
+                more = call.arguments[len(done) :]
+                fn["arguments"] = call.arguments
+                last = self._out[-1] if self._out else None
+                if last is not None and last.kind == TOOL_CALL and last.index == index and last.id is None:
+                    last.arguments = (last.arguments or "") + more  # one delta per piece
+                else:
+                    self._out.append(Delta(TOOL_CALL, index=index, arguments=more))
+
 
 class Emitter(OutputScanner):
     """Splits a model's output text into reasoning, content and tool calls; applies stop strings.
@@ -267,6 +295,7 @@ class Emitter(OutputScanner):
         self._skip_ws = think_open  # drop leading whitespace of the next channel text
         self._pending_ws = ""  # trailing whitespace held in case a channel edge follows
         self._tool_raw = ""  # the inside of the open <tool_call> block
+        self._block_calls: list[int] = []  # the indexes (in tool_calls) of its calls streamed so far
         self._ws_before_tool = ""  # whitespace dropped before <tool_call>, restored if it is not a call
 
     # -------------------------------------------------------------- the scanner
@@ -276,6 +305,8 @@ class Emitter(OutputScanner):
         needles = [(s, True) for s in self._stops]
         if self._state == _THINK:
             needles.append((self._think_close, False))
+            if self.tools_enabled:
+                needles += [(m, False) for m in self._fmt.ends_thinking]
         elif self._state == _CONTENT and self.tools_enabled:
             needles += [(m, False) for m in self._fmt.opens]
         elif self._state == _TOOL:
@@ -306,6 +337,7 @@ class Emitter(OutputScanner):
             self._state = _TOOL
             self._opener = lead.opener
             self._tool_raw = ""
+            self._block_calls = []
         return True
 
     def _cut_marker(self, needles: Sequence[tuple[str, bool]]) -> int:
@@ -343,6 +375,9 @@ class Emitter(OutputScanner):
             return
         if self._state == _TOOL:
             self._tool_raw += text
+            # the calls so far (ToolFormat.stream): names and arguments as they are written
+            calls = self._fmt.stream(self._opener, self._tool_raw, self._tools)
+            self._stream_calls(calls, self._block_calls, self._fmt.new_id)
             return
         kind = REASONING if self._state == _THINK else CONTENT
         if self._skip_ws:
@@ -363,6 +398,10 @@ class Emitter(OutputScanner):
             self._emit(kind, body)
 
     def _marker(self, marker: str) -> None:
+        if self._state == _THINK and marker != self._think_close:
+            # a call opens in the reasoning (``ToolFormat.ends_thinking``): the reasoning ends there
+            self._pending_ws = ""
+            self._state = _CONTENT
         if self._state == _THINK:
             self._pending_ws = ""
             self._state = _CONTENT
@@ -373,6 +412,7 @@ class Emitter(OutputScanner):
             self._state = _TOOL
             self._opener = marker
             self._tool_raw = ""
+            self._block_calls = []
         elif self._state == _TOOL:
             self._state = _CONTENT
             if self._close_tool(closed=True):
@@ -404,25 +444,26 @@ class Emitter(OutputScanner):
             calls = fmt.parse_unfinished(opener, body, self._tools)
             if not calls and closed:
                 calls = None
+        sent = self._block_calls
+        if sent:
+            # calls went out as the block was written: it is theirs, whatever follows, and each
+            # one's arguments end as the stream read them where the parse read them otherwise
+            # (the last of a block cut off: the parse gives the text, the stream its JSON)
+            streamed = fmt.stream(opener, body, self._tools)
+            done = [self.tool_calls[i]["function"]["arguments"] for i in sent]
+            calls = [
+                c if k >= len(sent) or c.arguments.startswith(done[k]) else streamed[k]
+                for k, c in enumerate(calls or streamed)
+            ]
         if calls is None:
             raw = self._ws_before_tool + opener + body + ((close or "") if closed else "")
             self._tool_raw = self._ws_before_tool = ""
             self._skip_ws = False
             self._text(raw)
             return False
-        for call in calls:
-            index = len(self.tool_calls)
-            call_id = call.id or fmt.new_id()
-            self.tool_calls.append(
-                {
-                    "id": call_id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
-                }
-            )
-            self._out.append(Delta(TOOL_CALL, index=index, id=call_id, name=call.name, arguments=""))
-            self._out.append(Delta(TOOL_CALL, index=index, arguments=call.arguments))
+        self._stream_calls(calls, sent, fmt.new_id)
         self._tool_raw = self._ws_before_tool = ""
+        self._block_calls = []
         return True
 
     # -------------------------------------------------------------- output

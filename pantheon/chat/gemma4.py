@@ -372,7 +372,9 @@ class Gemma4Parser(OutputScanner):
             self._end_of_text()
             self._ended = True
         elif marker == CHANNEL_OPEN:
-            if self._state == _CONTENT:  # (one inside a thought is dropped)
+            # (one inside a thought is dropped; but one repeated before the thought said
+            # anything opens it again: its name follows)
+            if self._state == _CONTENT or (self._state == _THOUGHT and self._skip_ws):
                 self._pending_ws = ""
                 self._state = _NAME
         elif marker == CHANNEL_CLOSE:
@@ -416,24 +418,7 @@ class Gemma4Parser(OutputScanner):
         """Stream the open block's calls: a call's first delta once its name is whole, then its
         arguments' JSON as it grows."""
         calls, _ = read_gemma4_calls(self._block)
-        for k, call in enumerate(calls):
-            if k == len(self._block_calls):
-                index, call_id = len(self.tool_calls), new_call_id()
-                fn = {"name": call.name, "arguments": ""}
-                self.tool_calls.append({"id": call_id, "type": "function", "function": fn})
-                self._block_calls.append(index)
-                self._out.append(Delta(TOOL_CALL, index=index, id=call_id, name=call.name, arguments=""))
-            index = self._block_calls[k]
-            fn = self.tool_calls[index]["function"]
-            sent = fn["arguments"]
-            if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
-                more = call.arguments[len(sent) :]
-                fn["arguments"] = call.arguments
-                last = self._out[-1] if self._out else None
-                if last is not None and last.kind == TOOL_CALL and last.index == index and last.id is None:
-                    last.arguments = (last.arguments or "") + more  # one delta per piece
-                else:
-                    self._out.append(Delta(TOOL_CALL, index=index, arguments=more))
+        self._stream_calls(calls, self._block_calls, new_call_id)
 
     def _close_call(self, *, closed: bool) -> None:
         """The block ended (``<tool_call|>``, or the output: ``closed`` False). Its calls went

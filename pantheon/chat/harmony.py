@@ -85,10 +85,15 @@ _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]+)")
 # A recipient name is whole once something follows it.
 _WHOLE_RECIPIENT = re.compile(r"(?:^|[\s>])to=([^\s<]+)(?:\s|<)")
 _ROLES = frozenset({"assistant", "user", "system", "developer"})
+# gpt-oss's built-in tools (its template's ``python``, ``browser.*``; ``container.*``): a message
+# to one is no function call and no answer, dropped (as llama.cpp drops it)
+_BUILTIN = re.compile(r"python$|browser\.|container\.")
 
 REASONING = "reasoning"
 CONTENT = "content"
 TOOL_CALL = "tool_call"
+
+_DROPPED = "dropped"  # the body of a message to a built-in tool
 
 _HEADER = "header"
 _BODY = "body"
@@ -208,17 +213,22 @@ class HarmonyParser(OutputScanner):
 
     def _open_from_header(self, header: str) -> None:
         recipient = _recipient(header)
+        if recipient is not None and _BUILTIN.match(recipient):
+            self._open(_DROPPED)
+            return
         if recipient is not None and self.tools_enabled:
             self._open_call(_call_name(recipient))
             return
-        channel = _CHANNEL.search(header)
-        self._open(REASONING if channel is not None and channel.group(1) == "analysis" else CONTENT)
+        # the channel the message is in: the header's last (``commentary to=assistant`` may
+        # come before the real one)
+        channels = _CHANNEL.findall(header)
+        self._open(REASONING if channels and channels[-1] == "analysis" else CONTENT)
 
     def _cut_header(self, header: str) -> None:
         """The output ended inside a header: a whole recipient name is a call (with no
         arguments yet); anything else is dropped."""
         recipient = _recipient(header, _WHOLE_RECIPIENT)
-        if recipient is not None and self.tools_enabled:
+        if recipient is not None and self.tools_enabled and not _BUILTIN.match(recipient):
             self._open_call(_call_name(recipient))
             self._close_message()
 
@@ -237,7 +247,7 @@ class HarmonyParser(OutputScanner):
 
     def _text(self, text: str) -> None:
         """Body text of the open message."""
-        if not text:
+        if not text or self._kind == _DROPPED:
             return
         if self._kind == TOOL_CALL:
             if self._fresh:

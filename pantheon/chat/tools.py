@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .partial_json import json_so_far, skip_ws
+
 __all__ = [
     "GEMMA4_TOOL_FORMAT",
     "HARMONY_TOOL_FORMAT",
@@ -38,6 +40,7 @@ __all__ = [
     "resolve_tool_choice",
     "tool_call_format",
     "generic_tool_prompt",
+    "json_calls_so_far",
     "with_tool_prompt",
 ]
 
@@ -221,6 +224,81 @@ def parse_unfinished_tool_block(text: str) -> list[ParsedToolCall]:
             return calls
         calls.append(ParsedToolCall(name=name.strip(), arguments=(m.group(2) or "").rstrip()))
     return calls
+
+
+def json_calls_so_far(body: str, pos: int = 0, *, wants_id: bool = False) -> list[ParsedToolCall]:
+    """The calls of an open JSON block (from ``pos``: ``{"name": ..., "arguments": {...}}``
+    objects, in a list or one after another, in a code fence or not), for streaming them: each
+    call whose name came before its arguments, from its arguments' opening ``{`` on, with the
+    arguments' JSON so far (:func:`pantheon.chat.partial_json.json_so_far`: what the block's
+    parse will give, growing). Reading stops at anything it cannot stream (arguments written
+    as a string, or before the name; the block's parse reads those whole). ``wants_id``: a call
+    whose ``"id"`` follows its arguments (Mistral Nemo's) comes once it is whole, with its id."""
+    i = skip_ws(body, pos)
+    if body.startswith("```", i):
+        i = body.find("\n", i)
+        if i < 0:
+            return []
+    elif "```".startswith(body[i : i + 3]) and body[i : i + 1] == "`":
+        return []
+    calls: list[ParsedToolCall] = []
+    decoder = json.JSONDecoder()
+    while True:
+        while i < len(body) and body[i] in " \t\r\n,;[":
+            i += 1
+        if i >= len(body) or body[i] != "{":
+            return calls
+        start, i = i, skip_ws(body, i + 1)
+        name: str | None = None
+        call_id: str | None = None
+        streamed: ParsedToolCall | None = None
+        while True:
+            try:
+                key, i = decoder.raw_decode(body, i) if body[i : i + 1] == '"' else (None, i)
+            except ValueError:
+                return calls
+            i = skip_ws(body, i)
+            if key is None or body[i : i + 1] != ":":
+                return calls
+            i = skip_ws(body, i + 1)
+            if key in ("arguments", "parameters") and body[i : i + 1] == "{" and name is not None:
+                if wants_id and call_id is None:  # the call comes whole, with its id
+                    try:
+                        obj, i = decoder.raw_decode(body, start)
+                    except ValueError:
+                        return calls
+                    call = _one_call(obj)
+                    if call is None:
+                        return calls
+                    calls.append(call)
+                    break
+                args, end = json_so_far(body, i)
+                streamed = ParsedToolCall(name=name, arguments=args, id=call_id)
+                calls.append(streamed)
+                if end is None:
+                    return calls
+                i = end
+            else:
+                try:
+                    value, i = decoder.raw_decode(body, i)
+                except ValueError:
+                    return calls
+                if key == "name" and isinstance(value, str) and value.strip():
+                    name = value.strip()
+                elif key == "id" and isinstance(value, str) and value:
+                    call_id = value
+                elif key in ("name", "arguments", "parameters"):
+                    return calls  # (not a call, or arguments it reads whole)
+            i = skip_ws(body, i)
+            if body[i : i + 1] == ",":
+                i = skip_ws(body, i + 1)
+                continue
+            if body[i : i + 1] == "}":
+                i += 1
+                if streamed is None:
+                    return calls  # a call without arguments: read whole
+                break
+            return calls
 
 
 # ------------------------------------------------------------------ tool_choice

@@ -160,14 +160,22 @@ def convert_value(text: str, schema: Any) -> Any:
     """A parameter's raw text as the JSON value its schema asks for.
 
     As vLLM's ``qwen3_coder`` parser: a parameter the schema allows a string for (or says nothing
-    about) keeps its text, except ``null`` when null is allowed too; otherwise the text is read as
+    about) keeps its text, except ``null`` when null is allowed too and JSON of another type it
+    allows (a union: llama.cpp's reading); otherwise the text is read as
     JSON and kept if it is of a declared type (``true`` / ``false`` in any case for booleans, since
     models trained on Python write ``True``). Text that does not parse as its type stays a string,
     so a call is never lost over a badly typed value.
     """
     types = value_types(schema)
     if not types or "string" in types:
-        return None if text.strip() == "null" and "null" in types else text
+        if text.strip() == "null" and "null" in types:
+            return None
+        # a union with a string (``["string", "integer"]``): text that is JSON of one of the other
+        # types is that value, anything else the string (as llama.cpp reads it)
+        others = types - {"string", "null"}
+        parsed = _loads(text) if others else _INVALID
+        typed = _INVALID if parsed is _INVALID else _as_type(parsed, frozenset(others))
+        return text if typed is _INVALID else typed
     if "boolean" in types and text.strip().lower() in ("true", "false"):
         return text.strip().lower() == "true"
     parsed = _loads(text)

@@ -11,7 +11,7 @@ template teaches it. One :class:`ToolFormat` per format says everything Pantheon
 - ``keep_special``: the special tokens whose text the parser reads (the detokenizer keeps them);
 - ``opens`` / ``close`` / ``lead`` / ``parse`` / ``parse_unfinished``: how the emitter finds and
   reads calls in the output (``parser`` builds the output parser; Harmony and Gemma 4 have their
-  own);
+  own); ``stream``: a call's name and its arguments as they are written, before its block ends;
 - ``forced_prefix`` / ``call_lark``: what a demanded call's prompt ends with, and the Lark grammar
   of the rest (``pantheon.api.openai.structured.tool_grammar`` compiles it);
 - ``grammar_start``: where a grammar starts on a reasoning model (after its reasoning).
@@ -146,6 +146,9 @@ class ToolFormat:
     always_reasons: bool = False
     # markers that end the model's answer, whatever its config's end tokens
     ends: tuple[str, ...] = ()
+    # the call openers that end the reasoning, ``</think>`` or not (Qwen3.5 calls from a
+    # thinking block its prompt opened)
+    ends_thinking: tuple[str, ...] = ()
 
     def detect(self, source: str) -> bool:
         """Whether a chat template's source teaches this format."""
@@ -189,6 +192,13 @@ class ToolFormat:
         """The calls of a block the output ended inside (``max_tokens``, a stop string): the
         whole ones and the cut-off last one, as it is (see ``pantheon.chat.emitter``)."""
         return parse_unfinished_tool_block(body)
+
+    def stream(self, opener: str, body: str, tools: Tools) -> list[ParsedToolCall]:
+        """The calls of an open block so far, for streaming them before it closes: each one
+        whose name is whole, with its arguments' JSON so far, which must only grow and end as
+        ``parse`` gives them (``pantheon.chat.partial_json``). A call it gives is a call,
+        whatever follows. By default none: the calls go out whole when the block ends."""
+        return []
 
     def new_id(self) -> str:
         """A call id for a call the model gave none: OpenAI's ``call_`` and 24 letters and

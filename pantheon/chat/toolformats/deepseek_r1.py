@@ -17,6 +17,7 @@ import json
 import re
 from collections.abc import Mapping
 
+from ..partial_json import json_so_far
 from ..tools import ParsedToolCall
 from .base import Speller, ToolFormat, Tools, chosen, json_arguments, name_of
 
@@ -39,6 +40,8 @@ _CALL = re.compile(
 _OPEN_CALL = re.compile(
     re.escape(CALL_BEGIN) + r"\s*(?:function)?\s*" + re.escape(SEP) + r"\s*([^\n`]+?)\s*\n", re.DOTALL
 )
+
+_FENCE = re.compile(r"\s*```(?:json)?\s*")
 
 
 def _arguments(text: str) -> str | None:
@@ -81,6 +84,20 @@ class DeepSeekR1Format(ToolFormat):
         if cut is not None:
             rest = body[cut.end() :].lstrip().removeprefix("```json").removeprefix("```").lstrip()
             calls.append(ParsedToolCall(cut.group(1), rest.rstrip()))
+        return calls
+
+    def stream(self, opener: str, body: str, tools: Tools) -> list[ParsedToolCall]:
+        calls, pos = [], 0
+        while (head := _OPEN_CALL.search(body, pos)) is not None:
+            fence = _FENCE.match(body, head.end())
+            if fence is None or not body.startswith("{", fence.end()):
+                break
+            args, end = json_so_far(body, fence.end())
+            calls.append(ParsedToolCall(head.group(1), args))
+            whole = _CALL.match(body, head.start()) if end is not None else None
+            if whole is None:
+                break
+            pos = whole.end()
         return calls
 
     def _lark(self, tools: Tools, spell: Speller) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from ..partial_json import json_so_far, skip_ws
 from ..tools import ParsedToolCall
 from .base import Speller, ToolFormat, Tools, chosen, json_arguments, name_of
 from .llama3 import PYTHON_TAG, code_call
@@ -51,6 +52,12 @@ class FunctionaryV31Format(ToolFormat):
             return self.parse(opener, body, tools) or []
         name, sep, args = body.partition(">")
         return [ParsedToolCall(name.strip(), args.strip())] if sep and name.strip() else []
+
+    def stream(self, opener: str, body: str, tools: Tools) -> list[ParsedToolCall]:
+        name, sep, args = body.partition(">")
+        if opener == PYTHON_TAG or not sep or not name.strip() or not args.startswith("{", skip_ws(args, 0)):
+            return []  # (code goes whole)
+        return [ParsedToolCall(name.strip(), json_so_far(args)[0])]
 
     def _lark(self, tools: Tools) -> str:
         rules = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from ..partial_json import json_so_far, skip_ws
 from ..tools import ParsedToolCall, parse_unfinished_tool_block
 from .base import CONTENT_LEAD, Lead, Speller, ToolFormat, Tools, chosen, json_arguments, name_of
 
@@ -78,6 +79,19 @@ class FunctionaryV32Format(ToolFormat):
                 )
                 calls += cut
             break
+        return calls
+
+    def stream(self, opener: str, body: str, tools: Tools) -> list[ParsedToolCall]:
+        calls = []
+        for piece in body.split(RECIPIENT):
+            name, sep, rest = piece.partition("\n")
+            name = name.strip()
+            if not sep or not name or name == _TO_USER or not rest.startswith("{", skip_ws(rest, 0)):
+                break  # (text to the user, and python's code, go whole)
+            args, end = json_so_far(rest)
+            calls.append(ParsedToolCall(name, args))
+            if end is None:
+                break
         return calls
 
     def _lark(self, tools: Tools) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from ..tools import TOOL_CLOSE, TOOL_OPEN
+from ..tools import TOOL_CLOSE, TOOL_OPEN, ParsedToolCall, json_calls_so_far
 from .base import Speller, ToolFormat, Tools, call_schema, chosen, json_arguments
 
 __all__ = ["HermesFormat"]
@@ -23,6 +23,9 @@ class HermesFormat(ToolFormat):
 
     def detect(self, source: str) -> bool:
         return True  # the default: asked last
+
+    def stream(self, opener: str, body: str, tools: Tools) -> list[ParsedToolCall]:
+        return json_calls_so_far(body)
 
     def forced_prefix(self, name: str | None) -> str:
         prefix = TOOL_OPEN + "\n"

@@ -14,7 +14,7 @@ import ast
 import json
 import re
 
-from ..tools import ParsedToolCall, parse_tool_block, parse_unfinished_tool_block
+from ..tools import ParsedToolCall, json_calls_so_far, parse_tool_block, parse_unfinished_tool_block
 from .base import CONTENT_LEAD, Lead, Speller, ToolFormat, Tools, call_schema, chosen
 
 __all__ = ["Llama3Format", "PYTHON_TAG", "code_call"]
@@ -87,6 +87,10 @@ class Llama3Format(ToolFormat):
         if opener != PYTHON_TAG and not _ANSWER_CALL.match(body):
             return []
         return parse_unfinished_tool_block(body)
+
+    def stream(self, opener: str, body: str, tools: Tools) -> list[ParsedToolCall]:
+        # (built-in calls and code go whole)
+        return json_calls_so_far(body) if opener == PYTHON_TAG or _ANSWER_CALL.match(body) else []
 
     def _call(self, tools: Tools) -> str:
         return "%json " + json.dumps(call_schema(tools, args_key="parameters"))

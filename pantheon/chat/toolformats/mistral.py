@@ -24,7 +24,8 @@ import string
 from collections.abc import Mapping
 from typing import Any
 
-from ..tools import ParsedToolCall, parse_tool_block, parse_unfinished_tool_block
+from ..partial_json import json_so_far, skip_ws
+from ..tools import ParsedToolCall, json_calls_so_far, parse_tool_block, parse_unfinished_tool_block
 from .base import Messages, Speller, ToolFormat, Tools, call_schema, chosen, json_arguments, name_of
 
 __all__ = ["MistralArgsFormat", "MistralFormat", "TOOL_CALLS"]
@@ -115,6 +116,25 @@ class MistralFormat(ToolFormat):
             else:
                 calls += parse_unfinished_tool_block(piece.lstrip().removeprefix("["))
             break
+        return calls
+
+    def stream(self, opener: str, body: str, tools: Tools) -> list[ParsedToolCall]:
+        calls: list[ParsedToolCall] = []
+        pieces = body.split(TOOL_CALLS)
+        for k, piece in enumerate(pieces):
+            if not piece.strip():
+                continue
+            whole = _one_piece(piece) if k < len(pieces) - 1 else None
+            if whole is not None:
+                calls += whole
+                continue
+            if piece.lstrip().startswith(("[", "{")):
+                # Nemo's ids follow the arguments: such a call comes whole, with its id
+                return calls + json_calls_so_far(piece, wants_id=True)
+            m = _NAMED_CALL.match(piece)
+            if m is not None and piece[skip_ws(piece, m.end()) :].startswith("{"):
+                calls.append(ParsedToolCall(m.group(1), json_so_far(piece, m.end())[0], m.group(2)))
+            return calls
         return calls
 
     def new_id(self) -> str:

@@ -67,10 +67,21 @@ def _xml_parameters(rule: str, tool: Mapping[str, Any]) -> tuple[str, list[str]]
     return " ".join(sequence), rules
 
 
+FUNCTION_OPEN = "<function="
+
+
+def _whole(opener: str, body: str) -> str:
+    """A block's inside from its ``<function=``, when that opened it."""
+    return opener + body if opener == FUNCTION_OPEN else body
+
+
 class QwenXmlFormat(ToolFormat):
     name = "xml"
-    opens = (TOOL_OPEN,)
+    # Qwen3-Coder may leave out the first call's ``<tool_call>`` and open with ``<function=``
+    # (llama.cpp reads it so); the block's body then starts at the function's name
+    opens = (TOOL_OPEN, FUNCTION_OPEN)
     close = TOOL_CLOSE
+    ends_thinking = (TOOL_OPEN,)
 
     def detect(self, source: str) -> bool:
         # all three markers: some templates mention ``<function=`` alone for a different
@@ -78,11 +89,12 @@ class QwenXmlFormat(ToolFormat):
         return all(marker in source for marker in (TOOL_OPEN, "<function=", "<parameter="))
 
     def parse(self, opener: str, body: str, tools: Tools) -> list[ParsedToolCall] | None:
-        return parse_xml_tool_block(body, tools)
+        return parse_xml_tool_block(_whole(opener, body), tools)
 
     def parse_unfinished(self, opener: str, body: str, tools: Tools) -> list[ParsedToolCall]:
         """The cut-off call keeps the parameters it finished (its arguments are then whole
         JSON)."""
+        body = _whole(opener, body)
         head = _XML_FUNCTION.search(body)
         if head is None:
             return []
