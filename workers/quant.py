@@ -202,7 +202,9 @@ class QuantExperts(nn.Module):
         weight: torch.Tensor | None = None
         scales: torch.Tensor | None = None
         for i in range(e):
-            w, s = int4(weights[i]) if self.int4 else int8_rows(weights[i])
+            # int4 groups from bf16 (torch's kernel takes bf16 scales: 16-bit whatever the path's
+            # dtype, as sizing books them); int8 rows keep a scale in the weights' dtype
+            w, s = int4(weights[i].to(torch.bfloat16)) if self.int4 else int8_rows(weights[i])
             if weight is None or scales is None:
                 weight = w.new_empty(e, *w.shape)
                 scales = s.new_empty(e, *s.shape)
@@ -219,8 +221,11 @@ class QuantExperts(nn.Module):
 
     def mm(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ expert ``e``'s [N, K]^T -> [M, N]."""
-        if self.int4:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight[e], INT4_GROUP, self.scales[e])
+        if self.int4:  # bf16 activations, as its scales (the fp32 int4 path widens the result)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.weight[e], INT4_GROUP, self.scales[e]
+            )
+            return y.to(x.dtype)
         if (
             x.device.type == "cpu"
             and x.dtype == torch.bfloat16

@@ -256,7 +256,7 @@ def test_every_working_cpu_path_stays_near_fp32(moe_bf16_reference, name):
     lossy = cpu_paths.PATHS[name].lossy
     got = Engine(str(path), kv_budget_bytes=1 << 20, cpu_path=name, quantize=lossy).prompt_logits(prompt)
     err = float((got - ref).abs().max() / ref.abs().max())
-    if cpu_paths.PATHS[name].dtype == torch.float32:
+    if cpu_paths.PATHS[name].dtype == torch.float32 and not lossy:
         assert err < 1e-4
     else:
         # int4's 16 levels a group of 32 cost this model's random weights the most (about 3x)
