@@ -137,13 +137,15 @@ def test_a_conversation_the_template_refuses_is_a_400(srv):
         else ({**m, "tool_calls": [{**m["tool_calls"][0], "id": "call_1"}]} if "tool_calls" in m else m)
         for m in conversation(json.dumps(ARGS))
     ]
-    with pytest.raises(openai.BadRequestError, match="alphanumeric strings with length 9"):
-        client.chat.completions.create(
-            model="tiny-mistral-nemo",
-            messages=openai_ids,
-            tools=[WEATHER],
-            max_tokens=2,
-        )
+    # OpenAI-style call ids, which Nemo's template refuses (not 9 letters and digits), are
+    # renamed by its tool format (toolformats.mistral), so the conversation is served
+    r = client.chat.completions.create(
+        model="tiny-mistral-nemo",
+        messages=openai_ids,
+        tools=[WEATHER],
+        max_tokens=2,
+    )
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     two_calls = conversation(json.dumps(ARGS))[:2] + [
         {
             "role": "assistant",
