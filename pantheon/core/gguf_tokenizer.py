@@ -244,20 +244,35 @@ def _added(tokens: list[str], types: list[int], vocab: dict[str, int], byte_leve
     return out
 
 
+def _first_id(g: GGUFFile, *keys: str, default: int) -> int:
+    """The first of these ``tokenizer.ggml.<key>`` ids the file names, else ``default``."""
+    return next((t for k in keys if (t := token_id(g, k)) is not None), default)
+
+
 def _post_processor(g: GGUFFile, tokens: list[str], model: str) -> dict:
     """BOS / CLS before, EOS / SEP after, as the file's flags (llama.cpp's defaults where absent)
-    say: what ``encode(add_special_tokens=True)`` adds."""
+    say: what ``encode(add_special_tokens=True)`` adds. WordPiece (``bert``) ignores the flags,
+    as llama.cpp's WPM tokenizer does: always BOS (the CLS token; an older converter wrote it as
+    ``cls_token_id``; default 101) before and SEP (default 102) after."""
     bos_default = model in ("llama", "bert") or (model == "gpt2" and pre_tokenizer(g).add_bos)
     single: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}}]
     pair: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}]
     specials: dict[str, dict] = {}
-    for flag, key, default, at_end in (
-        ("add_bos_token", "cls_token_id" if model == "bert" else "bos_token_id", bos_default, False),
-        ("add_eos_token", "eos_token_id", False, True),
-        ("add_sep_token", "seperator_token_id", model == "bert", True),
-    ):
-        tid = token_id(g, key)
-        if not _flag(g, flag, default) or tid is None or tid >= len(tokens):
+    bert = model == "bert"
+    plan = (
+        (
+            (True, _first_id(g, "bos_token_id", "cls_token_id", default=101), False),
+            (True, _first_id(g, "seperator_token_id", default=102), True),
+        )
+        if bert
+        else (
+            (_flag(g, "add_bos_token", bos_default), token_id(g, "bos_token_id"), False),
+            (_flag(g, "add_eos_token", False), token_id(g, "eos_token_id"), True),
+            (_flag(g, "add_sep_token", False), token_id(g, "seperator_token_id"), True),
+        )
+    )
+    for add, tid, at_end in plan:
+        if not add or tid is None or tid >= len(tokens):
             continue
         tok = tokens[tid]
         specials[tok] = {"id": tok, "ids": [tid], "tokens": [tok]}

@@ -23,6 +23,7 @@ from workers.cache import LayerCache
 from workers.layers.attention import PrefillChunk, StepBatch
 from workers.models import Target
 from workers.models.base import DecoderLayer, DecoderLM
+from workers.models.llama import gguf_name_from
 
 
 class BertEmbeddings(nn.Embedding):
@@ -181,9 +182,33 @@ def checkpoint_name(name: str) -> str | None:
     return name if name.startswith(("embeddings.", "encoder.")) else None
 
 
+# GGUF tensor names (llama.cpp's ``bert`` architecture, as its converter writes them) -> ours.
+GGUF_TOP = {
+    "token_embd.weight": "embeddings.word_embeddings.weight",
+    "position_embd.weight": "embeddings.position_embeddings.weight",
+    "token_types.weight": "embeddings.token_type_embeddings.weight",
+    "token_embd_norm.weight": "embeddings.LayerNorm.weight",
+    "token_embd_norm.bias": "embeddings.LayerNorm.bias",
+}
+GGUF_LAYER = {
+    f"{gguf}.{kind}": f"{hf}.{kind}"
+    for gguf, hf in (
+        ("attn_q", "attention.self.query"),
+        ("attn_k", "attention.self.key"),
+        ("attn_v", "attention.self.value"),
+        ("attn_output", "attention.output.dense"),
+        ("attn_output_norm", "attention.output.LayerNorm"),
+        ("ffn_up", "intermediate.dense"),
+        ("ffn_down", "output.dense"),
+        ("layer_output_norm", "output.LayerNorm"),
+    )
+    for kind in ("weight", "bias")
+}
+
+
 def gguf_name(name: str) -> str | None:
-    return None  # GGUF BERT files are not read yet
+    return gguf_name_from(name, GGUF_TOP, GGUF_LAYER, "encoder.layer.")
 
 
 def from_gguf(name: str, tensor: torch.Tensor, desc: ModelDescription, arch: str) -> torch.Tensor:
-    return tensor
+    return tensor  # the converter keeps BertModel's layout

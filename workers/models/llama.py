@@ -237,13 +237,16 @@ GGUF_LAYER = {
 _BLK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def gguf_name_from(name: str, top: dict[str, str], layer: dict[str, str]) -> str | None:
-    """A GGUF tensor's Hugging Face name through a family's tables (None: not in them)."""
+def gguf_name_from(
+    name: str, top: dict[str, str], layer: dict[str, str], layers: str = "model.layers."
+) -> str | None:
+    """A GGUF tensor's Hugging Face name through a family's tables (None: not in them); layer
+    ``i``'s names are under ``{layers}{i}.``."""
     if name in top:
         return top[name]
     m = _BLK.fullmatch(name)
     if m and m.group(2) in layer:
-        return f"model.layers.{int(m.group(1))}.{layer[m.group(2)]}"
+        return f"{layers}{int(m.group(1))}.{layer[m.group(2)]}"
     return None
 
 

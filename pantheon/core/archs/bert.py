@@ -4,7 +4,8 @@ is kept between steps, so its cache spec is an empty per-slot state) and a GELU 
 followed by a LayerNorm (post-norm); absolute position and token-type embeddings are added to
 the word embeddings, then normalised. Its embedding is sentence-transformers' (the folder's
 ``modules.json``) or, without that layout, mean pooling as sentence-transformers defaults to
-(``pantheon/core/embedding.py``). Torch side: ``workers/models/bert.py``."""
+(``pantheon/core/embedding.py``); a GGUF file's is its ``bert.pooling_type``, normalised, as
+llama.cpp serves it. Torch side: ``workers/models/bert.py``."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pantheon.core.description import (
     torch_dtype,
 )
 from pantheon.core.embedding import EmbeddingSpec
+from pantheon.core.gguf import GGUFError, GGUFFile, _field
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 
@@ -83,10 +85,32 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> BertDescription:
     )
 
 
+def gguf_config(g: GGUFFile, raw: dict) -> None:
+    """A ``bert`` GGUF file's own fields, as llama.cpp's converter writes them
+    (``conversion/bert.py``): ``attention.layer_norm_epsilon``; the token-type table's rows
+    (``token_types.weight``, else ``tokenizer.ggml.token_type_count``). The activation is not
+    stored: BERT's is GELU (erf), as ``BertModel``'s default. ``attention.causal`` must be false:
+    the family is bidirectional."""
+    a = g.arch
+    if g.meta.get(f"{a}.attention.causal") is True:
+        raise GGUFError(
+            "unsupported", f"{g.path}: metadata field '{a}.attention.causal' is true (BERT is bidirectional)"
+        )
+    types = g.tensors.get("token_types.weight")
+    raw.update(
+        layer_norm_eps=float(_field(g, f"{a}.attention.layer_norm_epsilon", float, 1e-12)),
+        type_vocab_size=types.shape[0]
+        if types is not None and len(types.shape) == 2
+        else _field(g, "tokenizer.ggml.token_type_count", default=2),
+        hidden_act="gelu",
+    )
+
+
 FAMILY = Family(
     name="bert",
     hf_architectures={"BertModel": "bert"},
     model_types={"bert": "bert"},
-    gguf_architectures={},
+    gguf_architectures={"bert": ("BertModel", "bert")},
     describe=describe,
+    gguf_config=gguf_config,
 )
