@@ -56,16 +56,21 @@ def _model(arg: str | None) -> Path:
     return Path(path)
 
 
+def _body(model: str) -> dict:
+    """The one short greedy chat every request of this bench sends."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+
+
 def _ask(url: str, model: str) -> float:
     t0 = time.perf_counter()
     r = httpx.post(
         url + "/v1/chat/completions",
-        json={
-            "model": model,
-            "messages": [{"role": "user", "content": "Say hello."}],
-            "max_tokens": 8,
-            "temperature": 0,
-        },
+        json=_body(model),
         timeout=300,
     )
     took = time.perf_counter() - t0
@@ -80,12 +85,7 @@ def _burst_one(url: str, model: str) -> tuple[int, str, float]:
     try:
         r = httpx.post(
             url + "/v1/chat/completions",
-            json={
-                "model": model,
-                "messages": [{"role": "user", "content": "Say hello."}],
-                "max_tokens": 8,
-                "temperature": 0,
-            },
+            json=_body(model),
             timeout=600,
         )
     except httpx.HTTPError as e:
