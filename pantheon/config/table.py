@@ -867,8 +867,8 @@ SETTINGS: tuple[Setting, ...] = (
         "auto",
         "how CPU dies run the linear layers: auto (the fastest of "
         "those that work on this CPU, timed on each model's shapes at load) or one of "
-        "bf16-packed, bf16, fp32-packed, fp32 (int8 is what quantize=true loads use); a "
-        "forced path that fails on this CPU fails loads",
+        "bf16-packed, bf16, fp32-packed, fp32, int8 (what quantize=true loads use), int4 (a "
+        "4-bit file's groups as they are); a forced path that fails on this CPU fails loads",
         ("PANTHEON_CPU_PATH",),
         metavar="PATH",
         field="ops.cpu_path",
