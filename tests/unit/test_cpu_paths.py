@@ -197,9 +197,9 @@ def test_the_qwen3_preset_fits_a_24_gib_machine_with_no_flags():
     machine, its largest CPU layout (fp32, packed head copy) and an 8k-token KV pool fit."""
     import copy
 
+    from makemodel import PRESETS
     from pantheon.control.dies import DieManager
     from pantheon.core.sizing import shape_from_config
-    from pantheon.models.makemodel import PRESETS
 
     raw = copy.deepcopy(PRESETS["qwen3-0.6b"])
     raw["torch_dtype"] = "bfloat16"
