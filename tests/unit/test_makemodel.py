@@ -258,6 +258,28 @@ def test_bad_arguments(tmp_path):
         makemodel.make_model("tiny", tmp_path, dtype="int8")
     with pytest.raises(ValueError, match="vocab_size"):
         makemodel.make_model("tiny", tmp_path, vocab_size=1000)
+    with pytest.raises(ValueError, match="vocab_size 4004 < tokenizer size 4007"):  # Harmony's markers
+        makemodel.build_config("tiny-gpt-oss", vocab_size=4004)
+    with pytest.raises(ValueError, match="model_type 'nope'"):
+        makemodel.build_config("tiny", model_type="nope")
+    with pytest.raises(ValueError, match="mxfp4"):
+        makemodel.make_model("tiny", tmp_path / "no-mxfp4", mxfp4=True)
+    with pytest.raises(ValueError, match="gemma_tokenizer"):
+        makemodel.make_model("tiny", tmp_path / "no-gemma", gemma_tokenizer=True)
+    assert not (tmp_path / "no-mxfp4").exists() and not (tmp_path / "no-gemma").exists()
+
+
+def test_the_families_mirror_the_engines_and_own_their_presets():
+    """One make-model family per architecture family the engine serves (same names as
+    pantheon/core/archs), and each preset's config is written by the family that lists it."""
+    from pantheon.core.archs import FAMILIES as ENGINE_FAMILIES
+
+    assert sorted(f.name for f in makemodel.FAMILIES) == sorted(f.name for f in ENGINE_FAMILIES)
+    for family in makemodel.FAMILIES:
+        for name, config in family.presets.items():
+            assert makemodel.family_of(config) is family, name
+        assert family.jittered <= family.presets.keys() and family.pooling.keys() <= family.presets.keys()
+    assert len(makemodel.PRESETS) == sum(len(f.presets) for f in makemodel.FAMILIES)
 
 
 # ---------------------------------------------------------------------------------- tokenizer
