@@ -116,7 +116,7 @@ def _layer_types(n: int) -> list[str]:
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
 
 
-def config_of(**shapes) -> dict:
+def gpt_oss_config(**shapes) -> dict:
     """A ``gpt_oss`` config as the Hub writes gpt-oss-20b's (without its quantization_config,
     which ``mxfp4=True`` adds), keys sorted."""
     config = dict(
@@ -154,7 +154,7 @@ _ROPE = dict(
 PRESETS: dict[str, dict] = {
     # Tiny: 2 layers (sliding, full), a 16-token window, 8 experts (top 4) of 64 rows, YaRN over
     # 1024 original positions (so that its ramp and attention factor matter at the tiny head dim).
-    "tiny-gpt-oss": config_of(
+    "tiny-gpt-oss": gpt_oss_config(
         hidden_size=64,
         intermediate_size=64,  # a multiple of 32: MXFP4 blocks along the down projection's rows
         num_hidden_layers=2,
@@ -171,7 +171,7 @@ PRESETS: dict[str, dict] = {
     # Exactly gpt-oss-20b's shapes (24 layers of 32 experts, 4 per token; tokenizer ours): the
     # decode benchmark cuts it to a few layers with num_hidden_layers (layer_types follow, see
     # follow_overrides).
-    "gpt-oss-20b": config_of(
+    "gpt-oss-20b": gpt_oss_config(
         hidden_size=2880,
         intermediate_size=2880,
         num_hidden_layers=24,

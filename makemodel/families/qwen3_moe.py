@@ -12,7 +12,7 @@ from makemodel.family import Family, TensorSpec
 from makemodel.vocab import Vocabulary
 
 
-def config_of(**shapes) -> dict:
+def qwen3_moe_config(**shapes) -> dict:
     config = llama.qwen3_config(**shapes)
     config.update(
         architectures=["Qwen3MoeForCausalLM"],
@@ -29,7 +29,7 @@ def config_of(**shapes) -> dict:
 
 
 PRESETS: dict[str, dict] = {
-    "tiny-qwen3-moe": config_of(
+    "tiny-qwen3-moe": qwen3_moe_config(
         **{**TINY_SHAPES, "num_hidden_layers": 3},
         num_experts=8,
         num_experts_per_tok=2,
@@ -37,7 +37,7 @@ PRESETS: dict[str, dict] = {
     ),
     # Exactly Qwen3-30B-A3B's shapes (48 layers of 128 experts, 8 per token; tokenizer ours). The
     # decode benchmark cuts it to a few layers with num_hidden_layers.
-    "qwen3-30b-a3b": config_of(
+    "qwen3-30b-a3b": qwen3_moe_config(
         hidden_size=2048,
         intermediate_size=6144,
         num_hidden_layers=48,
