@@ -82,7 +82,7 @@ from workers.engine import Engine  # noqa: E402
 
 
 def default_model(preset: str) -> Path:
-    from pantheon.models.makemodel import make_model
+    from makemodel import make_model
 
     out = Path(os.environ.get("PANTHEON_CACHE", Path.home() / ".cache" / "pantheon")) / "models" / preset
     if not (out / "model.safetensors").exists():
@@ -120,7 +120,7 @@ def moe_files(layers: int = 2, outtype: str = "bf16", preset: str = MOE_PRESET) 
     """A mixture-of-experts preset (Qwen3-30B-A3B's, gpt-oss-20b's or Qwen3.6-35B-A3B's shapes) cut to ``layers``
     layers, and its GGUF beside it (llama.cpp's converter), written on first use; gpt-oss's
     experts in MXFP4, as the Hub ships them."""
-    from pantheon.models.makemodel import make_model
+    from makemodel import make_model
 
     cache = Path(os.environ.get("PANTHEON_CACHE", Path.home() / ".cache" / "pantheon")) / "models"
     folder = cache / f"{preset}-{layers}l"

@@ -76,7 +76,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
         if path is None:
-            from pantheon.models.makemodel import make_model
+            from makemodel import make_model
 
             path = str(make_model("tiny-bert", Path(tmp) / "minilm", **MINILM))
         cmd = ["--model", path, "--name", "m", "--dtype", "float32", "--cpu-path", "fp32"]

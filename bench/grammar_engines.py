@@ -39,10 +39,10 @@ import llguidance as llg
 import llguidance.torch as llgt
 import torch
 
+from makemodel import make_model
 from pantheon.api.openai import structured
 from pantheon.core.gguf import eos_token_ids, read_gguf
 from pantheon.core.gguf_tokenizer import tokenizer_json
-from pantheon.models.makemodel import make_model
 from pantheon.serve import smollm2_file
 
 STEPS, SEED = 64, 0

@@ -67,7 +67,7 @@ def model_paths(names: list[str], qwen3_layers: int) -> dict[str, Path]:
 
             out[name] = default_gguf()
         elif name == "qwen3":
-            from pantheon.models.makemodel import make_model
+            from makemodel import make_model
 
             cache = Path(os.environ.get("PANTHEON_CACHE", Path.home() / ".cache" / "pantheon"))
             folder = cache / "models" / f"qwen3-0.6b-{qwen3_layers}layers"

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.pantheon_server import host_line  # noqa: E402
+from makemodel import make_model  # noqa: E402
 from pantheon.core.protocol import SamplingParams  # noqa: E402
-from pantheon.models.makemodel import make_model  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4] * 3

@@ -40,7 +40,7 @@ VARIANTS = ("bf16", "int4-fitted", "int4-minmax", "int8")
 
 
 def folder(layers: int, hidden: int | None) -> Path:
-    from pantheon.models.makemodel import make_model
+    from makemodel import make_model
 
     cache = Path(os.environ.get("PANTHEON_CACHE", Path.home() / ".cache" / "pantheon")) / "models"
     out = cache / f"gpt-oss-20b-{layers}l{f'-h{hidden}' if hidden else ''}"

@@ -15,7 +15,7 @@ _COMMANDS = {
         "run one worker process (spawned by serve, or joining one from another host)",
     ),
     "keys": ("pantheon.core.curve", "CURVE keys for workers on other hosts ('keys new DIR')"),
-    "make-model": ("pantheon.models.makemodel", "write a random-weight model folder from a preset"),
+    "make-model": ("makemodel.cli", "write a random-weight model folder from a preset"),
     "tui": ("tui.app", "the live dashboard"),
 }
 

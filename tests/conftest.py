@@ -1,6 +1,6 @@
 """Shared fixtures: small random-weight models written once per test session.
 
-Each preset is written by ``pantheon.models.makemodel.make_model`` into a session temp folder, so the
+Each preset is written by ``makemodel.make_model`` into a session temp folder, so the
 tests load real safetensors files and a real trained tokenizer, exactly as a user's folder.
 """
 
@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """Return ``make(preset, **overrides) -> Path``; each distinct call is written once."""
-    from pantheon.models.makemodel import make_model
+    from makemodel import make_model
 
     cache: dict[tuple[str, str], Path] = {}
 

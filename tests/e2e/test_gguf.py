@@ -29,10 +29,10 @@ from gguf.quants import dequantize as ref_dequantize  # noqa: E402
 from gguf.quants import quantize as ref_quantize  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
+from makemodel import tokenizer_train as tt  # noqa: E402
 from pantheon.core import gguf as pg  # noqa: E402
 from pantheon.core.protocol import SamplingParams  # noqa: E402
 from pantheon.core.sizing import SizingError, read_shape  # noqa: E402
-from pantheon.models import tokenizer_train as tt  # noqa: E402
 from pantheon.models.assets import ModelAssets  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.errors import LoadError  # noqa: E402

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from makemodel import text_config
 from pantheon.core.gguf import read_gguf
 from pantheon.core.gguf_tokenizer import tokenizer_json
 from pantheon.models.assets import ModelAssets
-from pantheon.models.makemodel import text_config
 
 from helpers.llama_convert import convert, vocab_cases, vocab_suite_dir, with_vocab
 from helpers.paths import need_specs

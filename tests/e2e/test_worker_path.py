@@ -34,9 +34,9 @@ def site(model_factory, tmp_path_factory):
     tiny = model_factory("tiny")
     shutil.copytree(tiny, root / "tiny")
     shutil.copytree(tiny, root / "tiny-copy")
-    from pantheon.models.makemodel import _TINY_VOCAB
+    from makemodel.families.common import TINY_VOCAB
 
-    other = model_factory("tiny", vocab_size=_TINY_VOCAB + TINY_VOCAB_EXTRA)
+    other = model_factory("tiny", vocab_size=TINY_VOCAB + TINY_VOCAB_EXTRA)
     shutil.copytree(other, root / "other")
     deeper = model_factory("tiny", num_hidden_layers=3)  # the same vocabulary, another shape
     shutil.copytree(deeper, root / "deeper")

@@ -2,8 +2,7 @@
 with it: a module fixture's server (``served``), a copy of a model with another chat template
 (``with_template``), the same request whole and streamed (``ask_both``, ``streamed_call``), and
 the sliding-window models' checks (``LONG``, ``stream_past_the_window``, ``reuses_its_prefix``,
-``booking``): tests/e2e/test_gemma3_serve.py, test_gemma4_serve.py, test_gemma4_chat.py,
-test_harmony_serve.py."""
+``booking``): tests/e2e/test_families_serve.py, test_gemma4_chat.py, test_harmony_serve.py."""
 
 from __future__ import annotations
 
@@ -102,11 +101,14 @@ LONG = [
 ]
 
 
-def booking(srv: Server, path: Path, die: str = "cpu:0") -> tuple[dict, dict, Estimate]:
-    """The served instance on ``die`` (from /admin/dies), what it booked there, and the router's
-    estimate of the model at ``path`` with the CPU path the worker chose."""
+def booking(
+    srv: Server, path: Path, die: str = "cpu:0", name: str | None = None
+) -> tuple[dict, dict, Estimate]:
+    """The served instance on ``die`` (from /admin/dies; the one named ``name`` where the die
+    holds several), what it booked there, and the router's estimate of the model at ``path``
+    with the CPU path the worker chose."""
     d = {x["die"]: x for x in httpx.get(srv.url + "/admin/dies", timeout=10).json()["data"]}[die]
-    inst = d["instances"][0]
+    (inst,) = [i for i in d["instances"] if name is None or i["name"] == name]
     est = estimate(read_shape(path), cpu_path=inst.get("cpu_path") or "fp32")
     return inst, d["bookings"][inst["instance"]], est
 
@@ -128,6 +130,8 @@ def stream_past_the_window(srv: Server, model: str) -> None:
     assert finishes == ["length"] and content == (ch.message.content or "")
     usage = chunks[-1].usage
     assert usage is not None and usage.prompt_tokens == whole.usage.prompt_tokens
+    # the stream came second: it went through the prefix the whole answer cached
+    assert usage.prompt_tokens_details is not None and (usage.prompt_tokens_details.cached_tokens or 0) > 16
 
 
 def reuses_its_prefix(srv: Server, model: str) -> None:

@@ -16,7 +16,7 @@ from pantheon.control.catalog import CONFIGURED, Catalog, CatalogEntry, discover
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from pantheon.models.makemodel import make_model
+    from makemodel import make_model
 
     return make_model("tiny", tmp_path_factory.mktemp("cat-tiny"))
 

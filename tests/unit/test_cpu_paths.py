@@ -105,12 +105,30 @@ def test_forced_path_from_the_environment(monkeypatch, model_factory):
     assert ei.value.kind == "invalid" and "PANTHEON_CPU_PATH" in ei.value.reason
 
 
-def test_quantize_and_dtype_narrow_the_candidates():
-    assert cpu_paths.candidates(quantize=True) == ["int8"] or cpu_paths.probe("int8") is not None
+def test_quantize_and_dtype_narrow_the_candidates(fresh_probes, monkeypatch):
+    every = {n: "" for n in CPU_PATHS}  # a host where every path works
+    assert cpu_path_names(True, works=every) == ["int8"]  # int4 only for a file in 4-bit groups
+    assert cpu_path_names(True, works=every, int4_source=True) == ["int8", "int4"]
+    assert cpu_path_names(False, works=every, quantized_source=True, int4_source=True) == ["int4"]
+    assert cpu_path_names(True, works={**every, "int8": "no"}) == []
     fp32 = cpu_paths.candidates(quantize=False, dtype="float32")
     assert "fp32" in fp32 and all(CPU_PATHS[n][0] == "float32" for n in fp32), fp32
     assert set(cpu_path_names(False)) == {"bf16-packed", "bf16", "fp32-packed", "fp32"}
     assert cpu_path_names(False, works={"bf16": "", "fp32": "no", "bf16-packed": "x"}) == ["bf16"]
+    # a host whose int8 kernel raises: a load that quantizes has no path left, and says so
+    real = cpu_paths.make_linear
+
+    def no_int8(spec, w, b):
+        if spec.name == "int8":
+            raise RuntimeError("no int8 kernel here")
+        return real(spec, w, b)
+
+    monkeypatch.setattr(cpu_paths, "make_linear", no_int8)
+    cpu_paths.probe.cache_clear()  # probed above with the real kernels
+    assert "no int8 kernel here" in (cpu_paths.probe("int8") or "")
+    with pytest.raises(LoadError) as ei:
+        cpu_paths.candidates(quantize=True)
+    assert ei.value.kind == "unsupported" and "quantize=True" in ei.value.reason
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3.5-text", "tiny-gemma3"])
@@ -197,9 +215,9 @@ def test_the_qwen3_preset_fits_a_24_gib_machine_with_no_flags():
     machine, its largest CPU layout (fp32, packed head copy) and an 8k-token KV pool fit."""
     import copy
 
+    from makemodel import PRESETS
     from pantheon.control.dies import DieManager
     from pantheon.core.sizing import shape_from_config
-    from pantheon.models.makemodel import PRESETS
 
     raw = copy.deepcopy(PRESETS["qwen3-0.6b"])
     raw["torch_dtype"] = "bfloat16"

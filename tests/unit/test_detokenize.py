@@ -75,10 +75,6 @@ def tokenizer(request) -> Tokenizer:
         return bytelevel_tokenizer()
     if request.param == "metaspace":
         return metaspace_tokenizer()
-    try:
-        import pantheon.models.makemodel  # noqa: F401
-    except ImportError:
-        pytest.skip("pantheon.models.makemodel is not there yet")
     folder = request.getfixturevalue("tiny_model")
     return Tokenizer.from_file(str(folder / "tokenizer.json"))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from makemodel import PRESETS
 from pantheon.config.file import _model_table
 from pantheon.config.settings import ConfigError, build_config
 from pantheon.control.dies import DieManager
@@ -13,7 +14,6 @@ from pantheon.control.load_sizing import LoadSizing
 from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import PROTOCOL_VERSION, LoadModel, decode_router_msg, encode
 from pantheon.core.sizing import shape_from_config
-from pantheon.models.makemodel import PRESETS
 
 TARGET = shape_from_config(PRESETS["qwen3-0.6b"], "qwen3-0.6b")
 DRAFT = shape_from_config({**PRESETS["qwen3-0.6b"], "num_hidden_layers": 4}, "draft")

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from pantheon.models import makemodel
-from pantheon.models import tokenizer_train as tt
+from makemodel import tokenizer_train as tt
+from makemodel.families import gemma3
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,7 +24,7 @@ def test_the_folder_is_a_gemma3_causal_lm(folder):
     hf = transformers.AutoConfig.from_pretrained(str(folder))
     assert hf.sliding_window == 16 and hf.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
     gen = json.loads((folder / "generation_config.json").read_text())
-    assert gen["eos_token_id"] == [makemodel.GEMMA3_TOKEN_IDS["<end_of_turn>"], tt.TOKEN_IDS["<|endoftext|>"]]
+    assert gen["eos_token_id"] == [gemma3.TOKEN_IDS["<end_of_turn>"], tt.TOKEN_IDS["<|endoftext|>"]]
 
 
 def test_the_template_writes_gemma3_turns(folder):

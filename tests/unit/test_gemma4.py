@@ -20,11 +20,11 @@ import pytest
 import torch
 from unit.test_engine_reference import assert_matches
 
+from makemodel import tokenizer_train as tt
+from makemodel.families import gemma4
 from pantheon.core.description import AttentionCache, SharedKV, read_description
 from pantheon.core.protocol import SamplingParams
 from pantheon.core.sizing import estimate
-from pantheon.models import makemodel
-from pantheon.models import tokenizer_train as tt
 from workers import cpu_paths
 from workers.cache import KVCache, SharedCache, StateCache
 from workers.engine import Engine
@@ -175,10 +175,10 @@ def test_transformers_config_spelling_and_multimodal_layout(model_factory, tmp_p
 def test_the_template_writes_gemma4_turns(model_factory):
     folder = model_factory("tiny-gemma4")
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
-    assert tok.convert_tokens_to_ids(makemodel.GEMMA4_MARKERS) == [4000, 4001, 4002, 4003, 4004]
+    assert tok.convert_tokens_to_ids(gemma4.MARKERS) == [4000, 4001, 4002, 4003, 4004]
     assert tok.eos_token == "<turn|>"
     gen = json.loads((folder / "generation_config.json").read_text())
-    assert gen["eos_token_id"][0] == makemodel.GEMMA4_TOKEN_IDS["<turn|>"]
+    assert gen["eos_token_id"][0] == gemma4.TOKEN_IDS["<turn|>"]
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi "},

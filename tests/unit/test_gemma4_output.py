@@ -318,12 +318,12 @@ def test_the_forced_call_grammar_accepts_what_the_template_writes(template):
 def assets(tmp_path_factory, template):
     """tiny-gemma4's tokenizer (its channel and turn markers special tokens) with the real
     template: what ``ModelAssets`` makes of a Gemma 4 folder (no weights needed)."""
+    from makemodel.families.gemma4 import TOKENIZER
     from pantheon.models.assets import ModelAssets
-    from pantheon.models.makemodel import gemma4_tokenizer_config, gemma4_tokenizer_json
 
     folder = tmp_path_factory.mktemp("gemma4-assets")
-    (folder / "tokenizer.json").write_text(gemma4_tokenizer_json(), encoding="utf-8")
-    cfg = gemma4_tokenizer_config(4096)
+    (folder / "tokenizer.json").write_text(TOKENIZER.json(), encoding="utf-8")
+    cfg = TOKENIZER.config(4096)
     cfg["chat_template"] = template.source
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
     return ModelAssets(folder)
@@ -424,9 +424,9 @@ def test_a_vocabulary_with_the_quote_token_gets_it_in_the_call_grammar():
     import llguidance as llg
     from tokenizers import AddedToken, Tokenizer
 
-    from pantheon.models.makemodel import gemma4_tokenizer_json
+    from makemodel.families.gemma4 import TOKENIZER
 
-    tok = Tokenizer.from_str(gemma4_tokenizer_json())
+    tok = Tokenizer.from_str(TOKENIZER.json())
     tok.add_special_tokens([AddedToken('<|"|>', special=True, normalized=False)])
     n, q = tok.get_vocab_size(with_added_tokens=True), tok.token_to_id('<|"|>')
     model = structured.ModelTokenizer(tok.to_str(), n, [tok.token_to_id("<turn|>")])

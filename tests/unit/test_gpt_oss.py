@@ -23,11 +23,11 @@ import torch
 from unit.test_engine_batching import PROMPTS, drain, greedy
 from unit.test_engine_reference import assert_matches
 
+from makemodel import build_config
+from makemodel import tokenizer_train as tt
+from makemodel.families import gpt_oss
 from pantheon.core.description import ModelError, describe, read_description
 from pantheon.core.sizing import estimate, shape_from_config
-from pantheon.models import makemodel
-from pantheon.models import tokenizer_train as tt
-from pantheon.models.makemodel import build_config
 from workers.engine import Engine
 from workers.layers.moe import ClampedSwiGLU, MoE, experts_forward, route
 from workers.layers.rotary import inv_freq_for
@@ -148,13 +148,13 @@ def test_mxfp4_codes_and_scales():
 def test_mxfp4_quantizer_round_trips_its_levels():
     """make-model's quantizer: values already on the grid come back exactly; others to the
     nearest level of their block's scale."""
-    levels = torch.tensor(makemodel._FP4_LEVELS)  # the 8 magnitudes
+    levels = torch.tensor(gpt_oss._FP4_LEVELS)  # the 8 magnitudes
     block = torch.cat((levels, -levels, levels, -levels))  # 32 values
     w = torch.cat((block * 4, block / 8))[None]  # two blocks, two scales
-    blocks, scales = makemodel._mxfp4_quantize(w)
+    blocks, scales = gpt_oss._mxfp4_quantize(w)
     assert torch.equal(dequantize(blocks, scales), w)
     x = torch.randn(3, 64)
-    blocks, scales = makemodel._mxfp4_quantize(x)
+    blocks, scales = gpt_oss._mxfp4_quantize(x)
     back = dequantize(blocks, scales)
     scale = torch.exp2(scales.float() - 127)[..., None]  # [3, 2, 1]
     assert (x.view(3, 2, 32).abs().amax(-1, keepdim=True) <= 6 * scale).all()  # the largest fits
@@ -296,10 +296,10 @@ def test_mxfp4_blocks_without_scales_are_a_load_error(model_factory, tmp_path):
 def test_the_template_writes_harmony(model_factory):
     folder = model_factory("tiny-gpt-oss")
     gen = json.loads((folder / "generation_config.json").read_text())
-    ids = makemodel.GPT_OSS_TOKEN_IDS
+    ids = gpt_oss.TOKEN_IDS
     assert gen["eos_token_id"] == [ids["<|return|>"], ids["<|call|>"], tt.TOKEN_IDS["<|endoftext|>"]]
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
-    assert tok.convert_tokens_to_ids(makemodel.GPT_OSS_TOKENS) == list(range(4000, 4007))
+    assert tok.convert_tokens_to_ids(gpt_oss.MARKERS) == list(range(4000, 4007))
     assert tok.eos_token == "<|return|>"
     tools = [
         {

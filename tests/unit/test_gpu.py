@@ -48,12 +48,38 @@ def test_cuda_batch_equals_alone_and_seeded_sampling(model_factory):
     assert run(eng, seeded) == run(eng, seeded)
 
 
-def test_bf16_and_int8_on_cuda(model_factory):
+def greedy_rows(eng: Engine, steps: int) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+    """``run``'s greedy tokens, and per request the logits row each of them was picked from."""
+    rows: dict[str, list[torch.Tensor]] = {}
+
+    def keep(seqs, logits):
+        for s, row in zip(seqs, logits):
+            rows.setdefault(s.request_id, []).append(row.float().cpu())
+
+    eng.on_logits = keep
+    return run(eng, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)), rows
+
+
+def test_bf16_and_int8_on_cuda_track_the_fp32_model(model_factory):
+    """bf16 and int8 on cuda:0 (prefill, then decode on the device's cache) give the float32
+    model's logits up to their rounding: each row's cosine with the CPU fp32 row is above 0.99
+    (a wrong kernel, scale or layout gives ~0). Rows are compared while the greedy tokens before
+    them agree; int8 rows differ from bf16's (the layers were quantized)."""
     path = str(model_factory("tiny-llama"))
+    ref_tokens, ref_rows = greedy_rows(
+        Engine(path, devices=["cpu"], dtype="float32", kv_budget_bytes=4 << 20), 8
+    )
+    got = {}
     for quant in (False, True):
         eng = Engine(path, devices=["cuda:0"], dtype="bfloat16", kv_budget_bytes=4 << 20, quantize=quant)
-        out = run(eng, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-        assert all(len(v) == 8 for v in out.values())
+        tokens, rows = got[quant] = greedy_rows(eng, 8)
+        for rid, want in ref_tokens.items():
+            assert len(tokens[rid]) == len(rows[rid]) == 8
+            same = next((k for k, (a, b) in enumerate(zip(want, tokens[rid])) if a != b), len(want) - 1)
+            for k in range(same + 1):  # row k saw the same tokens before it as the reference's
+                cos = float(torch.nn.functional.cosine_similarity(rows[rid][k], ref_rows[rid][k], dim=0))
+                assert cos > 0.99, (quant, rid, k, cos)
+    assert any(not torch.equal(a, b) for a, b in zip(got[False][1]["p0"], got[True][1]["p0"]))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

@@ -292,7 +292,7 @@ def _harmony_tokenizer():
     """Our make-model tokenizer with Harmony's markers as special tokens (as gpt-oss's are)."""
     from tokenizers import AddedToken, Tokenizer
 
-    from pantheon.models.tokenizer_train import tokenizer_json
+    from makemodel.tokenizer_train import tokenizer_json
 
     tok = Tokenizer.from_str(tokenizer_json())
     tok.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in sorted(HARMONY_MARKERS)])

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
+from makemodel import PRESETS
 from pantheon import errors
 from pantheon.control.dies import DieManager, booking
 from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import LoadModel
 from pantheon.core.sizing import estimate, shape_from_config
 from pantheon.errors import ApiError
-from pantheon.models.makemodel import PRESETS
 
 AUTO, Q8, Q4 = KvCacheTypes(), KvCacheTypes("q8_0", "q8_0"), KvCacheTypes("q4_0", "q4_0")
 QWEN3_06B = shape_from_config(PRESETS["qwen3-0.6b"], "qwen3-0.6b")  # 28 layers, 8 KV heads of 128

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from makemodel import tokenizer_train as tt
 from pantheon.core.gguf import GGUFFile, read_gguf
-from pantheon.models import tokenizer_train as tt
 
 from helpers.llama_convert import ConvertError, convert, pre_tokenizer_name
 

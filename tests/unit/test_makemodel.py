@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from pantheon.models import makemodel
-from pantheon.models import tokenizer_train as tt
+import makemodel
+from makemodel import tokenizer_train as tt
+from makemodel.cli import cli
+from makemodel.families import qwen3_5
+from makemodel.writer import numel
 
 from helpers.paths import REPO_ROOT
 
@@ -65,7 +68,7 @@ def _logits(model, ids=(3992, 100, 200, 300, 3993, 198)):
 
 
 def test_import_does_not_pull_in_torch():
-    code = "import sys, pantheon.models.makemodel; print(sorted({'torch', 'tokenizers', 'transformers'} & set(sys.modules)))"
+    code = "import sys, makemodel; print(sorted({'torch', 'tokenizers', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -147,7 +150,7 @@ def test_same_seed_same_bytes(tmp_path, tiny_model):
 
 def test_same_bytes_in_a_fresh_process(tmp_path, tiny_model):
     # A new process retrains the tokenizer and redraws the weights, with one thread.
-    code = f"from pantheon.models.makemodel import make_model; make_model('tiny', {str(tmp_path)!r})"
+    code = f"from makemodel import make_model; make_model('tiny', {str(tmp_path)!r})"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO_ROOT)
     assert _files_digest(tmp_path) == _files_digest(tiny_model)
@@ -216,7 +219,7 @@ def test_sharded_folder_loads(hf, model_factory):
     specs = makemodel.tensor_specs(makemodel.PRESETS["tiny-llama"])
     assert set(index["weight_map"]) == {name for name, _, _ in specs}
     assert set(index["weight_map"].values()) == {p.name for p in shards}
-    assert index["metadata"]["total_size"] == sum(2 * makemodel._numel(s) for _, s, _ in specs)
+    assert index["metadata"]["total_size"] == sum(2 * numel(s) for _, s, _ in specs)
     # Same seed: the sharded model computes exactly what the single-file one does.
     assert torch.equal(_logits(_load(hf, folder)), _logits(_load(hf, model_factory("tiny-llama"))))
 
@@ -245,7 +248,7 @@ def test_qwen3_06b_config_shapes():
     assert c["rms_norm_eps"] == 1e-6 and c["max_position_embeddings"] == 40960
     assert c["torch_dtype"] == "bfloat16" and c["hidden_act"] == "silu"
     specs = makemodel.tensor_specs(c)
-    assert sum(makemodel._numel(shape) for _, shape, _ in specs) == 596_049_920  # Qwen3-0.6B's count
+    assert sum(numel(shape) for _, shape, _ in specs) == 596_049_920  # Qwen3-0.6B's count
 
 
 def test_bad_arguments(tmp_path):
@@ -255,6 +258,28 @@ def test_bad_arguments(tmp_path):
         makemodel.make_model("tiny", tmp_path, dtype="int8")
     with pytest.raises(ValueError, match="vocab_size"):
         makemodel.make_model("tiny", tmp_path, vocab_size=1000)
+    with pytest.raises(ValueError, match="vocab_size 4004 < tokenizer size 4007"):  # Harmony's markers
+        makemodel.build_config("tiny-gpt-oss", vocab_size=4004)
+    with pytest.raises(ValueError, match="model_type 'nope'"):
+        makemodel.build_config("tiny", model_type="nope")
+    with pytest.raises(ValueError, match="mxfp4"):
+        makemodel.make_model("tiny", tmp_path / "no-mxfp4", mxfp4=True)
+    with pytest.raises(ValueError, match="gemma_tokenizer"):
+        makemodel.make_model("tiny", tmp_path / "no-gemma", gemma_tokenizer=True)
+    assert not (tmp_path / "no-mxfp4").exists() and not (tmp_path / "no-gemma").exists()
+
+
+def test_the_families_mirror_the_engines_and_own_their_presets():
+    """One make-model family per architecture family the engine serves (same names as
+    pantheon/core/archs), and each preset's config is written by the family that lists it."""
+    from pantheon.core.archs import FAMILIES as ENGINE_FAMILIES
+
+    assert sorted(f.name for f in makemodel.FAMILIES) == sorted(f.name for f in ENGINE_FAMILIES)
+    for family in makemodel.FAMILIES:
+        for name, config in family.presets.items():
+            assert makemodel.family_of(config) is family, name
+        assert family.jittered <= family.presets.keys() and family.pooling.keys() <= family.presets.keys()
+    assert len(makemodel.PRESETS) == sum(len(f.presets) for f in makemodel.FAMILIES)
 
 
 # ---------------------------------------------------------------------------------- tokenizer
@@ -463,7 +488,7 @@ def test_qwen35_tiny_config_layout():
     }
     assert c["tie_word_embeddings"] is t["tie_word_embeddings"] is True
     assert v["out_hidden_size"] == t["hidden_size"]
-    ids = makemodel.QWEN35_TOKEN_IDS
+    ids = qwen3_5.TOKEN_IDS
     assert _pick(c, "vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id") == (
         _pick(ids, "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
     )
@@ -508,8 +533,8 @@ def test_qwen35_08b_config_and_specs(hf, tmp_path):
     assert shapes["model.language_model.layers.3.self_attn.q_proj.weight"] == (4096, 1024)  # query + gate
     assert shapes["model.visual.merger.linear_fc2.weight"] == (1024, 3072)
     assert shapes["mtp.fc.weight"] == (1024, 2048)
-    params = sum(makemodel._numel(s) for s in shapes.values())
-    mtp = sum(makemodel._numel(s) for n, s in shapes.items() if n.startswith("mtp."))
+    params = sum(numel(s) for s in shapes.values())
+    mtp = sum(numel(s) for n, s in shapes.items() if n.startswith("mtp."))
     assert (params, mtp) == (873_438_784, 20_452_864)  # 852_985_920 in transformers + MTP
 
     # Exactly transformers' parameters (built on the meta device from the config, no weights),
@@ -555,7 +580,7 @@ def test_qwen35_vlm_loads_and_runs(hf, model_factory):
 
     model = _load_qwen35_vlm(hf, folder)
     assert model.dtype == torch.bfloat16
-    vocab = makemodel.QWEN35_VOCAB_SIZE
+    vocab = qwen3_5.VOCAB_SIZE
     logits = _logits(model, QWEN35_IDS)
     assert logits.shape == (1, len(QWEN35_IDS), 4032) and torch.isfinite(logits).all()
     real = logits[0, :, :vocab]
@@ -576,7 +601,7 @@ def test_qwen35_vlm_image_forward(hf, model_factory):
     import torch
 
     model = _load_qwen35_vlm(hf, model_factory("tiny-qwen3.5"), dtype=torch.float32)
-    ids = makemodel.QWEN35_TOKEN_IDS
+    ids = qwen3_5.TOKEN_IDS
     # A 32 x 32 image: 2 x 2 patches of 16, merged 2 x 2 into one <|image_pad|> token.
     input_ids = torch.tensor(
         [[3992, 100, ids["<|vision_start|>"], ids["<|image_pad|>"], ids["<|vision_end|>"], 200]]
@@ -705,9 +730,9 @@ def test_qwen35_special_tokens_are_single_ids(hf, model_factory, raw_tokenizer, 
     folder = model_factory(preset)
     raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tok = hf.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    ids = makemodel.QWEN35_TOKEN_IDS
-    assert raw.get_vocab_size() == makemodel.QWEN35_VOCAB_SIZE == 4005
-    for token in QWEN35_SPECIAL + makemodel.QWEN35_VISION_TOKENS:
+    ids = qwen3_5.TOKEN_IDS
+    assert raw.get_vocab_size() == qwen3_5.VOCAB_SIZE == 4005
+    for token in QWEN35_SPECIAL + qwen3_5.VISION_TOKENS:
         assert raw.encode(token).ids == [ids[token]], token
         assert tok(f"a{token}b").input_ids == raw.encode(f"a{token}b").ids
         assert ids[token] in tok(f"a{token}b").input_ids
@@ -719,7 +744,7 @@ def test_qwen35_special_tokens_are_single_ids(hf, model_factory, raw_tokenizer, 
         assert tok(text).input_ids == raw.encode(text).ids and tok.decode(raw.encode(text).ids) == text
     decoder = json.loads((folder / "tokenizer_config.json").read_text())["added_tokens_decoder"]
     assert {int(k): v["content"] for k, v in decoder.items()} == {i: t for t, i in ids.items()}
-    assert all(decoder[str(ids[t])]["special"] for t in makemodel.QWEN35_VISION_TOKENS)
+    assert all(decoder[str(ids[t])]["special"] for t in qwen3_5.VISION_TOKENS)
 
 
 def test_qwen35_same_seed_same_bytes(tmp_path, model_factory):
@@ -731,7 +756,7 @@ def test_qwen35_same_seed_same_bytes(tmp_path, model_factory):
         k: v for k, v in reference.items() if k != "model.safetensors"
     }
     # A new process retrains the tokenizer and redraws the weights.
-    code = f"from pantheon.models.makemodel import make_model; make_model('tiny-qwen3.5', {str(tmp_path / 'fresh')!r})"
+    code = f"from makemodel import make_model; make_model('tiny-qwen3.5', {str(tmp_path / 'fresh')!r})"
     subprocess.run(
         [sys.executable, "-c", code], check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO_ROOT
     )
@@ -762,7 +787,7 @@ def test_qwen35_chat_template_thinking_and_images(hf, model_factory):
         "<|im_start|>assistant\n<think>\nLooked again.\n</think>\n\nYes.<|im_end|>\n"
     )
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-    special = makemodel.QWEN35_TOKEN_IDS
+    special = qwen3_5.TOKEN_IDS
     assert ids[0] == special["<|im_start|>"] and ids[-2:] == [special["<think>"], 198]
     assert ids.count(special["<|image_pad|>"]) == 1
 
@@ -796,7 +821,7 @@ def test_qwen35_chat_template_tools(hf, model_factory):
     # Plain jinja2 (with an HF-style tojson) renders it as transformers does.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
-    ours = env.from_string(makemodel.QWEN35_CHAT_TEMPLATE).render(
+    ours = env.from_string(qwen3_5.CHAT_TEMPLATE).render(
         messages=conversation, tools=TOOLS, add_generation_prompt=True
     )
     assert ours == text
@@ -806,17 +831,17 @@ def test_qwen35_chat_template_tools(hf, model_factory):
 
 
 def test_cli_list(capsys):
-    assert makemodel.cli(["--list"]) == 0
+    assert cli(["--list"]) == 0
     out = capsys.readouterr().out
     for name in makemodel.PRESETS:
         assert name in out
 
 
 def test_cli_writes_tiny(tmp_path, tiny_model, capsys):
-    assert makemodel.cli(["--preset", "tiny", "--out", str(tmp_path / "m")]) == 0
+    assert cli(["--preset", "tiny", "--out", str(tmp_path / "m")]) == 0
     assert _files_digest(tmp_path / "m") == _files_digest(tiny_model)
     assert (
-        makemodel.cli(
+        cli(
             [
                 "--preset",
                 "tiny",
@@ -834,7 +859,7 @@ def test_cli_writes_tiny(tmp_path, tiny_model, capsys):
     )
     config = json.loads((tmp_path / "f" / "config.json").read_text())
     assert config["torch_dtype"] == "float16" and config["num_hidden_layers"] == 1
-    assert makemodel.cli(["--preset", "tiny"]) == 2
+    assert cli(["--preset", "tiny"]) == 2
 
 
 def test_pantheon_entry_point(tmp_path):

@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from makemodel.families.gpt_oss import _mxfp4_quantize
 from pantheon.core.protocol import SamplingParams
 from pantheon.core.sizing import estimate
-from pantheon.models.makemodel import _mxfp4_quantize
 from workers.cpu_paths import probe
 from workers.engine import Engine
 from workers.layers.moe import MoE, experts_forward, route
@@ -245,8 +245,8 @@ def test_gpt_oss_mxfp4_experts_stay_4_bit_on_a_bf16_path(model_factory):
 def test_mxfp4_experts_are_sized_4_bit_on_the_bf16_paths(mark):
     """A folder's quantization_config or a GGUF's MXFP4 expert tensors (gguf_config's mark) make
     the bf16 paths count the experts in int4 groups; fp32 paths keep them exact."""
+    from makemodel import build_config
     from pantheon.core.sizing import shape_from_config
-    from pantheon.models.makemodel import build_config
 
     plain = shape_from_config(build_config("tiny-gpt-oss"), "plain")
     marked = shape_from_config({**build_config("tiny-gpt-oss"), **mark}, "mxfp4")

@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_engine_reference import PROMPT, assert_matches
 
+from makemodel import build_config
 from pantheon.core.description import read_description
 from pantheon.core.sizing import estimate, shape_from_config
-from pantheon.models.makemodel import build_config
 from workers.engine import Engine
 
 transformers = pytest.importorskip("transformers")

@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_engine_reference import PROMPT, assert_matches
 
+from makemodel import build_config
 from pantheon.core.description import read_description
 from pantheon.core.sizing import estimate, shape_from_config
-from pantheon.models.makemodel import build_config
 from workers.engine import Engine
 from workers.layers.moe import Groups, MoE, experts_forward, route
 

@@ -26,7 +26,7 @@ NAMES = ("a", "b", "x", "y", "pinned")
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    from pantheon.models.makemodel import make_model
+    from makemodel import make_model
 
     tiny = make_model("tiny", tmp_path_factory.mktemp("room-tiny"))
     root = tmp_path_factory.mktemp("room-models")

@@ -18,7 +18,7 @@ from pantheon.snapshot import decode_snapshot, encode
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from pantheon.models.makemodel import make_model
+    from makemodel import make_model
 
     return make_model("tiny", tmp_path_factory.mktemp("snap-tiny"))
 

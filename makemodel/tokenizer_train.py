@@ -1,7 +1,7 @@
 """The tokenizer shipped with ``pantheon make-model`` folders.
 
 A byte-level BPE (GPT-2 / Qwen style: Qwen's split regex, NFC, ByteLevel pre-tokenizer and decoder)
-trained with the ``tokenizers`` library on the text in ``pantheon/data/``, plus Qwen3's chat tokens
+trained with the ``tokenizers`` library on the text in ``makemodel/data/``, plus Qwen3's chat tokens
 as added tokens, and a ChatML chat template of our own. Training is deterministic and takes a
 fraction of a second; the result is cached per process.
 
@@ -108,7 +108,7 @@ CHAT_TEMPLATE = """\
 
 
 def corpus_documents() -> list[str]:
-    """The training text: every ``pantheon/data/*.txt`` (sorted), split into paragraphs."""
+    """The training text: every ``makemodel/data/*.txt`` (sorted), split into paragraphs."""
     docs: list[str] = []
     for path in sorted(DATA_DIR.glob("*.txt")):
         docs += [p for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
