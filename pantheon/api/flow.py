@@ -26,12 +26,12 @@ from typing import NamedTuple, TypeVar
 from quart import Response
 
 from pantheon.api import middleware as ops
-from pantheon.api.openai.protocol import ChatRequest
 from pantheon.api.openai.service import Generation
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState
 from pantheon.control.context import Prepared, limit_of
 from pantheon.control.registry import Instance
+from pantheon.core.request import GenerationRequest
 from pantheon.core.token_times import router_times
 from pantheon.errors import ApiError
 from pantheon.models import generation_defaults
@@ -104,7 +104,7 @@ class Admitted(NamedTuple):
 
 async def admit(
     s: AppState,
-    req: ChatRequest,
+    req: GenerationRequest,
     place: Callable[[], Awaitable[tuple[Instance, Prepared]]],
     make: Callable[[Instance, Prepared], Generation],
 ) -> Admitted:

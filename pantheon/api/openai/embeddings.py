@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from quart import Blueprint, request
 
 from pantheon import errors
-from pantheon.api import flow
+from pantheon.api import fields, flow
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.routes import BIG_BODY, vocab_size
@@ -92,7 +92,7 @@ def parse_embeddings_request(raw: bytes | str) -> EmbeddingsRequest:
     dims = body.get("dimensions")
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
         raise errors.invalid_param("dimensions", "'dimensions' must be a positive integer")
-    return EmbeddingsRequest(model, inputs, fmt == "base64", dims, oa.keep_alive_field(body))
+    return EmbeddingsRequest(model, inputs, fmt == "base64", dims, fields.keep_alive_field(body))
 
 
 def embedding_of(inst: Instance) -> EmbeddingSpec | None:
