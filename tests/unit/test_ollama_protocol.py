@@ -350,11 +350,11 @@ def test_tool_calls_come_out_whole_with_object_arguments():
 
 def test_errors_are_ollamas_error_object():
     e = errors.ollama_model_not_found("llama3")
-    assert ol.error_body(e) == {"error": e.message}
+    assert e.ollama_body() == {"error": e.message}
     assert e.status == 404 and 'model "llama3" not found' in e.message and "/api/tags" in e.message
     e = errors.ollama_manage_unsupported("/api/pull")
     assert e.status == 501 and "--models-dir" in e.message
-    r = ollama.ResponseError(json.dumps(ol.error_body(e)), e.status)
+    r = ollama.ResponseError(json.dumps(e.ollama_body()), e.status)
     assert r.error == e.message and r.status_code == 501
 
 

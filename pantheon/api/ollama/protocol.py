@@ -42,7 +42,7 @@ The mapping:
 
 Responses: ``ChatResponse`` / ``GenerateResponse`` (one per NDJSON line, and the final one with
 ``done_reason`` and the durations in nanoseconds), the listings (``ListResponse``,
-``ProcessResponse``, ``ShowResponse``) and ``{"error": "..."}`` (``error_body``).
+``ProcessResponse``, ``ShowResponse``); an error is ``{"error": "..."}`` (``ApiError.ollama_body``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from pantheon.chat.emitter import Delta
 from pantheon.control.residency import KeepAliveError, parse_keep_alive
 from pantheon.core import request as core
 from pantheon.core.request import GenerationRequest, TemplateKwargs, Tool
-from pantheon.errors import ApiError, invalid_param
+from pantheon.errors import invalid_param
 
 # The Ollama release whose API this follows: the first with every field served here (the
 # logprobs of 0.12.11 being the last to land). Clients gate features on it.
@@ -664,11 +664,6 @@ class ShowResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class Version(msgspec.Struct):
     version: str
-
-
-def error_body(e: ApiError) -> dict[str, str]:
-    """Ollama's error object: the message alone."""
-    return {"error": e.message}
 
 
 _encoder = msgspec.json.Encoder()

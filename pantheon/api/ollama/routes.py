@@ -61,7 +61,7 @@ bp = Blueprint("ollama", __name__)
 
 
 def error_response(e: ApiError) -> Response:
-    return json_response(ol.error_body(e), e.status, e.headers)
+    return json_response(e.ollama_body(), e.status, e.headers)
 
 
 @bp.errorhandler(ApiError)

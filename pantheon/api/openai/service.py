@@ -43,6 +43,7 @@ from pantheon.control.registry import Instance
 from pantheon.core.protocol import PromptLogprobs, Submit, TokenOut
 from pantheon.core.request import GenerationRequest
 from pantheon.errors import ApiError
+from pantheon.logs import RequestTrace
 from pantheon.models.assets import ModelAssets
 from pantheon.workerlink.pool import RequestRejectedError, WorkerDied, WorkerPool
 from pantheon.workerlink.streams import RequestStream
@@ -389,7 +390,7 @@ class Generation:
         self._streams: list = []
         self.closing = False
         self.ending: ApiError | None = None  # why end() stopped it
-        self.trace = None  # the request's logs.RequestTrace (set by ops.attach), if any
+        self.trace: RequestTrace | None = None  # the request's (set by ops.attach), if any
         self.arrived = time.monotonic() if arrived is None else arrived
         self.first_token_at: float | None = None
         self.on_tokens = on_tokens
