@@ -39,7 +39,7 @@ import llguidance as llg
 import llguidance.torch as llgt
 import torch
 
-from pantheon.api.openai import structured
+from pantheon.api import structured
 from pantheon.core.gguf import eos_token_ids, read_gguf
 from pantheon.core.gguf_tokenizer import tokenizer_json
 from pantheon.models.makemodel import make_model

@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pantheon.api.openai import structured
+from pantheon.api import structured
 from pantheon.config.values import KeepAliveError, parse_keep_alive
 from pantheon.core.request import GenerationRequest, Message, TemplateKwargs, Tool
 from pantheon.errors import ApiError, invalid_json, invalid_param

@@ -68,7 +68,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool = True
     # ---- the output constraint
     response_format: str = "text"  # the constraint's kind: text | json_object | json_schema | regex | ...
-    grammar: str | None = None  # its llguidance grammar (pantheon.api.openai.structured), checked
+    grammar: str | None = None  # its llguidance grammar (pantheon.api.structured), checked
     # under tool_choice auto without a grammar of its own: the call-or-reply grammar a model whose
     # template takes no tools answers in (pantheon.chat.answer_form); None when the tools'
     # schemas cannot be compiled into one (such a model then answers free text, as before)

@@ -57,8 +57,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from pantheon import errors
-from pantheon.api import fields
-from pantheon.api.openai import structured
+from pantheon.api import fields, structured
 from pantheon.chat.emitter import Delta
 from pantheon.control.residency import KeepAliveError, parse_keep_alive
 from pantheon.core import request as core

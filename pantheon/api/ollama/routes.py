@@ -42,14 +42,12 @@ from quart import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
 
 from pantheon import errors
-from pantheon.api import flow
+from pantheon.api import fields, flow
 from pantheon.api import middleware as ops
 from pantheon.api.ollama import listing
 from pantheon.api.ollama import protocol as ol
 from pantheon.api.ollama.generation import OllamaGeneration
 from pantheon.api.openai import embeddings as oe
-from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.routes import BIG_BODY, place_chat
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
 from pantheon.control.registry import Instance
@@ -209,8 +207,8 @@ async def _embed(legacy: bool) -> Response:
     s = app_state()
     t0 = time.monotonic_ns()
     raw = await request.get_data(cache=False)
-    big = len(raw) > BIG_BODY
-    body = await asyncio.to_thread(oa.load_json, raw) if big else oa.load_json(raw)
+    big = len(raw) > flow.BIG_BODY
+    body = await asyncio.to_thread(fields.load_json, raw) if big else fields.load_json(raw)
     del raw
     ops.body_done()
     if not isinstance(body, dict):
@@ -270,7 +268,7 @@ async def unknown(rest: str):
 async def _body(kind: type[ol.BodyT]) -> tuple[ol.BodyT, bool]:
     """The request's body, decoded (off the event loop when big), and whether it was big."""
     raw = await request.get_data(cache=False)
-    big = len(raw) > BIG_BODY
+    big = len(raw) > flow.BIG_BODY
     body = await asyncio.to_thread(ol.decode, raw, kind) if big else ol.decode(raw, kind)
     ops.body_done()  # the body's bytes leave the --max-body-in-flight count
     return body, big
@@ -323,7 +321,7 @@ async def _generate(s: AppState, oreq: ol.Request, kind: str, arrived: float) ->
         adm = await flow.admit(
             s,
             req,
-            lambda: place_chat(s, req),
+            lambda: flow.place_chat(s, req),
             lambda inst, prep: OllamaGeneration(
                 s.pool,
                 inst,

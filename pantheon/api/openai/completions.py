@@ -44,11 +44,9 @@ from typing import Any
 from quart import Blueprint, request
 
 from pantheon import errors
-from pantheon.api import fields, flow
+from pantheon.api import fields, flow, structured
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai import structured
-from pantheon.api.openai.routes import BIG_BODY, check_token_ids
 from pantheon.api.openai.service import (
     ChoiceRun,
     Generation,
@@ -96,7 +94,7 @@ _SHARED = (
     "cache_salt",
     "keep_alive",
     "prompt_logprobs",
-    # output constraints (pantheon.api.openai.structured), vLLM's names
+    # output constraints (pantheon.api.structured), vLLM's names
     "response_format",
     "structured_outputs",
     "guided_json",
@@ -186,7 +184,7 @@ def parse_completion_request(raw: bytes | str) -> CompletionRequest:
 def _prepare(inst: Instance, creq: CompletionRequest) -> Prepared:
     """Check the prompt's token ids against ``inst``'s vocabulary, then fit the request
     (``pantheon.control.context.fit``: the model's defaults, a raw prompt that must fit)."""
-    check_token_ids(inst, creq.chat, None if isinstance(creq.prompt, str) else list(creq.prompt))
+    flow.check_token_ids(inst, creq.chat, None if isinstance(creq.prompt, str) else list(creq.prompt))
     return fit(inst, creq.chat)
 
 
@@ -348,7 +346,7 @@ async def completions():
     s = app_state()
     arrived = time.monotonic()
     raw = await request.get_data(cache=False)
-    big = len(raw) > BIG_BODY
+    big = len(raw) > flow.BIG_BODY
     creq = await asyncio.to_thread(parse_completion_request, raw) if big else parse_completion_request(raw)
     del raw
     ops.body_done()  # the body's bytes leave the --max-body-in-flight count

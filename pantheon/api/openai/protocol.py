@@ -22,9 +22,8 @@ from typing import Any
 
 import msgspec
 
-from pantheon.api import fields
+from pantheon.api import fields, structured
 from pantheon.api.fields import load_json
-from pantheon.api.openai import structured
 from pantheon.core.protocol import PromptLogprobs
 from pantheon.core.request import GenerationRequest, Message
 from pantheon.errors import invalid_param, not_an_object

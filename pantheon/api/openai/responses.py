@@ -47,11 +47,9 @@ from typing import Any
 from quart import Blueprint, request
 
 from pantheon import errors
-from pantheon.api import fields, flow
+from pantheon.api import fields, flow, structured
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai import structured
-from pantheon.api.openai.routes import BIG_BODY, place_chat
 from pantheon.api.openai.service import Generation, _pool_error
 from pantheon.api.state import app_state
 from pantheon.core.request import GenerationRequest, Message, Tool
@@ -673,7 +671,7 @@ async def responses():
     arrived = time.monotonic()
     raw = await request.get_data(cache=False)
     session = request.headers.get("X-Session-Id")
-    big = len(raw) > BIG_BODY
+    big = len(raw) > flow.BIG_BODY
     if big:
         rreq = await asyncio.to_thread(parse_responses_request, raw, header_session=session)
     else:
@@ -684,7 +682,7 @@ async def responses():
     adm = await flow.admit(
         s,
         req,
-        lambda: place_chat(s, req),
+        lambda: flow.place_chat(s, req),
         lambda inst, prep: ResponseGeneration(
             s.pool,
             inst,

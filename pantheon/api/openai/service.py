@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pantheon import errors
-from pantheon.api import auth
+from pantheon.api import auth, structured
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai import structured
 from pantheon.chat.answer_form import CallOrReply
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Delta
