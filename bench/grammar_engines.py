@@ -40,7 +40,7 @@ import llguidance.torch as llgt
 import torch
 
 from makemodel import make_model
-from pantheon.api.openai import structured
+from pantheon.api import structured
 from pantheon.core.gguf import eos_token_ids, read_gguf
 from pantheon.core.gguf_tokenizer import tokenizer_json
 from pantheon.serve import smollm2_file

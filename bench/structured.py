@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from pantheon.api.openai import structured
+from pantheon.api import structured
 from pantheon.core.protocol import SamplingParams
 from pantheon.models.assets import ModelAssets
 from pantheon.serve import smollm2_file

@@ -135,6 +135,10 @@ class ApiError(Exception):
         """The OpenAI error object."""
         return error_body(self.message, self.type, self.param, self.code)
 
+    def ollama_body(self) -> dict[str, str]:
+        """Ollama's error object: the message alone (its routes', ``/api/*``)."""
+        return {"error": self.message}
+
 
 def error_body(message: str, type: str = INVALID, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
@@ -464,7 +468,7 @@ def memory_pressure() -> ApiError:
 
 def bodies_in_flight(limit_bytes: int) -> ApiError:
     """503: the router already holds ``--max-body-in-flight`` bytes of request bodies; the
-    request is refused before its body is read (``pantheon.api.middleware.BodyBudget``)."""
+    request is refused before its body is read (``pantheon.api.inflight.BodyBudget``)."""
     return ApiError(
         503,
         f"the server is busy reading other request bodies (more than {limit_bytes} bytes in "

@@ -25,6 +25,7 @@ from quart import Quart, request
 from werkzeug.exceptions import HTTPException
 
 from pantheon import errors
+from pantheon.api import inflight
 from pantheon.api import middleware as ops
 from pantheon.api.admin.routes import bp as admin_bp
 from pantheon.api.auth import Guard
@@ -76,7 +77,7 @@ def build_state(
     failed_dies: set[str] = set()  # the supervisor adds the dies it gives up on
     models = Models(config, pool, registry, dies, feed, live, failed_dies=failed_dies)
     view = LiveView(registry, pool, dies, pressure, failed_dies)
-    bodies = ops.BodyBudget(config.body_in_flight_limit, config.max_body_bytes)
+    bodies = inflight.BodyBudget(config.body_in_flight_limit, config.max_body_bytes)
     metrics = Metrics(view, bodies)
     supervisor = (
         _supervisor(config, pool, registry, models, metrics, feed, failed_dies) if supervised else None
@@ -104,7 +105,7 @@ def build_state(
         view=view,
         guard=Guard(config.ops),
         metrics=metrics,
-        drain=ops.Drain(),
+        drain=inflight.Drain(),
         bodies=bodies,
         supervisor=supervisor,
     )

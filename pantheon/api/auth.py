@@ -39,8 +39,8 @@ import os
 from quart import g, has_request_context
 
 from pantheon import errors
-from pantheon.api.openai.protocol import ChatRequest
 from pantheon.config.ops import Limits, OpsConfig
+from pantheon.core.request import GenerationRequest
 
 OPEN_PATHS = ("/", "/health", "/metrics")
 
@@ -155,8 +155,8 @@ class Guard:
             self.check_model_path(body["path"])
 
 
-def check_limits(req: ChatRequest, limits: Limits) -> None:
-    """400 naming the limit when ``req`` goes over one of ``limits``."""
+def check_limits(req: GenerationRequest, limits: Limits) -> None:
+    """400 naming the limit, and the client's field, when ``req`` goes over one of ``limits``."""
     too_many = errors.limit_exceeded
     if len(req.messages) > limits.max_messages:
         raise too_many(
@@ -165,15 +165,16 @@ def check_limits(req: ChatRequest, limits: Limits) -> None:
     if req.n > limits.max_n:
         raise too_many("n", "'n' is too large", req.n, limits.max_n, "--max-n")
     if limits.max_tokens is not None and req.max_tokens is not None and req.max_tokens > limits.max_tokens:
-        raise too_many(
-            "max_tokens", "'max_tokens' is too large", req.max_tokens, limits.max_tokens, "--max-tokens-limit"
-        )
+        p = req.max_tokens_param  # the client's name for it (options.num_predict on Ollama)
+        raise too_many(p, f"'{p}' is too large", req.max_tokens, limits.max_tokens, "--max-tokens-limit")
     if len(req.stop) > limits.max_stop:
-        raise too_many("stop", "too many stop strings", len(req.stop), limits.max_stop, "--max-stop")
+        raise too_many(
+            req.param("stop"), "too many stop strings", len(req.stop), limits.max_stop, "--max-stop"
+        )
     for s in req.stop:
         if len(s) > limits.max_stop_len:
             raise too_many(
-                "stop",
+                req.param("stop"),
                 "a stop string is too long (characters)",
                 len(s),
                 limits.max_stop_len,

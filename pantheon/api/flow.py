@@ -10,6 +10,9 @@ own answer; between the two they share this module:
   every 400 comes here, before any slot), acquire a slot (fast path, FIFO queue, pressure:
   429 / 503; a catalog model let go since it was made resident loads again, once), and prepare
   again when the slot is on a replica that differs from the one prepared for;
+- ``place_chat(s, req)``: ``place`` for a ``GenerationRequest`` (every generating route's): its
+  token ids checked (``check_token_ids``), ``pantheon.control.context.fit`` and its output
+  constraint checked, off the event loop;
 - ``through_recovery(s, place, model)``: the same, held while the model restarts after a worker
   death (``Supervisor.await_recovery``);
 - ``admit(s, req, place, make)``: the request limits, placement through recovery (refusals
@@ -20,23 +23,27 @@ own answer; between the two they share this module:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NamedTuple, TypeVar
 
 from quart import Response
 
+from pantheon import errors
 from pantheon.api import middleware as ops
-from pantheon.api.openai.protocol import ChatRequest
-from pantheon.api.openai.service import Generation
+from pantheon.api.openai.service import Generation, checked_constraint, needs_constraint, vocab_size
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState
-from pantheon.control.context import Prepared, limit_of
+from pantheon.control.context import Prepared, fit, limit_of
 from pantheon.control.registry import Instance
+from pantheon.core.request import GenerationRequest
 from pantheon.core.token_times import router_times
 from pantheon.errors import ApiError
 from pantheon.models import generation_defaults
 
 T = TypeVar("T")
+
+BIG_BODY = 32768  # bytes: a body this long is parsed and tokenized off the event loop
 
 SSE = "text/event-stream"
 NDJSON = "application/x-ndjson"
@@ -82,6 +89,45 @@ async def place(
     return name, inst, ready
 
 
+def check_token_ids(inst: Instance, req: GenerationRequest, prompt: list[int] | None = None) -> None:
+    """A 400 naming the field for a token id ``inst``'s model does not have (``logit_bias``'s
+    keys, a completion prompt's ids), before any slot: a stream would only have an error event.
+    A model that only embeds (BERT) is a 400 here: every generating route comes through."""
+    if not getattr(inst.shape, "can_generate", True):
+        raise errors.model_cannot_generate(inst.name)
+    vocab = vocab_size(inst)
+    if prompt is not None:
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise errors.invalid_param(
+                "prompt", f"'prompt' token id {bad} is outside the vocabulary (0..{vocab - 1})"
+            )
+    bad = next((t for t in req.logit_bias if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise errors.invalid_param(
+            "logit_bias", f"'logit_bias' token id {bad} is outside the vocabulary (0..{vocab - 1})"
+        )
+
+
+async def place_chat(s: AppState, req: GenerationRequest) -> tuple[Instance, Prepared]:
+    """Place a generation request (``place``), whichever route: its token ids checked, its defaults
+    filled, its context fitted and its constraint checked for the instance, all before a slot;
+    ``req.model`` becomes the model's name (an alias resolved). Returns the instance holding a
+    slot and the request's ``Prepared``."""
+
+    async def prepare(inst: Instance) -> Prepared:
+        check_token_ids(inst, req)
+        # off the event loop: a model's template is its author's code, and even bounded
+        # (chat/template.py: 0.5 s, sizes) it must never hold /health, other streams or signals
+        prep = await asyncio.to_thread(fit, inst, req)
+        if needs_constraint(req, prep):  # what the model cannot enforce is a 400 before any slot
+            prep.constraint = await asyncio.to_thread(checked_constraint, inst, req, prep)
+        return prep
+
+    req.model, inst, prep = await place(s, req.model, req.session_id, prepare)
+    return inst, prep
+
+
 async def through_recovery(
     s: AppState, place: Callable[[], Awaitable[tuple[Instance, T]]], model: str | None
 ) -> tuple[Instance, T]:
@@ -104,7 +150,7 @@ class Admitted(NamedTuple):
 
 async def admit(
     s: AppState,
-    req: ChatRequest,
+    req: GenerationRequest,
     place: Callable[[], Awaitable[tuple[Instance, Prepared]]],
     make: Callable[[Instance, Prepared], Generation],
 ) -> Admitted:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -39,9 +39,25 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pantheon.logs import RequestTrace
 
 if TYPE_CHECKING:
-    from pantheon.api.middleware import BodyBudget
-    from pantheon.api.state import LiveView
     from pantheon.control.live import Projection
+    from pantheon.control.registry import Registry
+
+
+class LiveState(Protocol):
+    """What the gauges read at scrape time (``pantheon.api.state.LiveView``): metrics imports
+    neither the state nor the middleware that feed it."""
+
+    @property
+    def registry(self) -> Registry: ...
+    def project(self) -> Projection: ...
+
+
+class BodyCount(Protocol):
+    """The request-body bytes in flight (``pantheon.api.inflight.BodyBudget``)."""
+
+    @property
+    def in_flight(self) -> int: ...
+
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so percentiles line up across servers.
 TTFT_BUCKETS = (
@@ -132,7 +148,7 @@ class _ModelSums:
 class _Live:
     """The collector of the gauges, read from the app's state at scrape time."""
 
-    def __init__(self, state: LiveView, metrics: Metrics):
+    def __init__(self, state: LiveState, metrics: Metrics):
         self.state, self.metrics = state, metrics
 
     def describe(self):
@@ -303,7 +319,7 @@ class _Live:
 class Metrics:
     """The app's metrics: ``render()`` for the route, ``observe()`` per finished request."""
 
-    def __init__(self, state: LiveView, bodies: BodyBudget):
+    def __init__(self, state: LiveState, bodies: BodyCount):
         self.state, self.bodies = state, bodies
         r = self.registry = CollectorRegistry(auto_describe=True)
         m = ["model_name"]

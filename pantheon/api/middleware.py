@@ -32,7 +32,8 @@ its chunks arrive. A request whose reservation would go past the bound gets 503
 dropped, so the client sees the answer), and a chunked body that grows past it gets the same 503
 at that point; one body alone always passes (``--max-body`` bounds it). ``/metrics`` shows the
 count (``pantheon_body_bytes_in_flight``). After a large body's request ends, ``malloc_trim``
-(glibc) hands the freed heap back to the system, at most once per ``TRIM_EVERY_S``, in a thread.
+(glibc) hands the freed heap back to the system, at most once per ``inflight.TRIM_EVERY_S``, in a thread.
+The budget and the drain's count are ``pantheon.api.inflight``'s.
 
 Shutdown (``Drain.run``): stop admitting (every new request, ``/health`` included, gets 503
 ``shutting_down``; ``/metrics`` still answers), wait for the in-flight requests (``/v1/*``,
@@ -44,129 +45,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import ipaddress
 import json
 import logging
 import socket
-import sys
 import time
 import urllib.parse
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from quart import Quart, Response, request
 
 from pantheon import errors, logs
 from pantheon.api import auth
 from pantheon.api.admin.paths import check_path_field, check_root
+from pantheon.api.inflight import BodyTicket, Trimmer
 from pantheon.api.metrics import CONTENT_TYPE, Metrics
-from pantheon.api.ollama.protocol import error_body as ollama_error_body
 from pantheon.api.state import AppState, app_state
+from pantheon.core.request import GenerationRequest
 from pantheon.errors import ApiError
+
+if TYPE_CHECKING:
+    from pantheon.control.context import Prepared
+    from pantheon.control.registry import Instance
 
 log = logging.getLogger("pantheon.api.middleware")
 
 TRACE_KEY = "pantheon.trace"
 _ADMIN_BODY_CAP = 64 << 10  # admin bodies kept for the audit line (they are small)
-_END_GRACE_S = 5.0  # after ending the generations, how long the last responses may take
 
 
 BODY_KEY = "pantheon.body"
 TRIM_MIN_BYTES = 1 << 20  # a request whose body reached this size hands memory back when it ends
-TRIM_EVERY_S = 2.0  # at most one malloc_trim per this many seconds (a later one is deferred)
 _DRAIN_BODY_S = 30.0  # how long a refused request's body may take to be read and dropped
-
-
-class BodyTicket:
-    """One request's share of the ``BodyBudget``: ``held`` bytes until ``release``."""
-
-    __slots__ = ("budget", "held", "received", "peak", "released")
-
-    def __init__(self, budget: BodyBudget, held: int):
-        self.budget, self.held, self.received, self.peak, self.released = budget, held, 0, held, False
-
-    def arrived(self, n: int) -> bool:
-        """``n`` more bytes of the body came; False when they take the budget past its bound."""
-        self.received += n
-        if self.released or self.received <= self.held or self.received > self.budget.max_body + n:
-            return True  # reserved already, or dropped by the app (over --max-body): not held
-        grow = self.received - self.held
-        if not self.budget.take(grow, self.held):
-            return False
-        self.held += grow
-        self.peak = max(self.peak, self.held)
-        return True
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.budget.give(self.held)
-            self.held = 0
-
-
-class BodyBudget:
-    """The router-wide bound on request-body bytes in flight (see the module doc)."""
-
-    def __init__(self, limit: int, max_body: int):
-        self.limit, self.max_body = limit, max_body
-        self.in_flight = 0
-
-    def take(self, n: int, mine: int = 0) -> bool:
-        """Reserve ``n`` bytes for a body already holding ``mine``; refused past the bound unless
-        that body is the only one in flight."""
-        if self.in_flight + n > self.limit and self.in_flight > mine:
-            return False
-        self.in_flight += n
-        return True
-
-    def give(self, n: int) -> None:
-        self.in_flight = max(0, self.in_flight - n)
-
-    def ticket(self, declared: int | None) -> BodyTicket | None:
-        """A ticket for a body of ``declared`` bytes (None: chunked, counted as it comes); None
-        when the bound refuses it. A declared size over ``--max-body`` reserves nothing (the app
-        answers 413 without keeping the body)."""
-        want = declared if declared is not None and declared <= self.max_body else 0
-        if want and not self.take(want):
-            return None
-        return BodyTicket(self, want)
-
-
-def _load_trim() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        return None
-
-
-class Trimmer:
-    """Hands the heap freed by large bodies back to the system: ``malloc_trim(0)`` in a thread,
-    at most once per ``every_s`` (a request in between gets one when the interval ends)."""
-
-    def __init__(self, every_s: float = TRIM_EVERY_S):
-        self.every_s = every_s
-        self.fn = _load_trim()
-        self.last = -1e9
-        self.count = 0
-        self._pending: asyncio.Task | None = None
-
-    def request(self) -> None:
-        if self.fn is None or (self._pending is not None and not self._pending.done()):
-            return
-        self._pending = asyncio.get_running_loop().create_task(self._run(), name="malloc-trim")
-
-    async def _run(self) -> None:
-        wait = self.last + self.every_s - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        self.last = time.monotonic()
-        try:
-            await asyncio.to_thread(self.fn, 0)
-            self.count += 1
-        except Exception:  # noqa: BLE001 - memory hygiene, never an error
-            log.debug("malloc_trim failed", exc_info=True)
 
 
 def _declared_length(headers: Any) -> int | None:
@@ -177,48 +87,6 @@ def _declared_length(headers: Any) -> int | None:
             except ValueError:
                 return None
     return None
-
-
-class Drain:
-    """Requests in flight, and the shutdown sequence."""
-
-    def __init__(self) -> None:
-        self.closing = False  # no new requests
-        self.ended = False  # past the deadline: generations end at once
-        self.active = 0
-        self._idle: asyncio.Event | None = None
-
-    def enter(self) -> None:
-        self.active += 1
-
-    def leave(self) -> None:
-        self.active -= 1
-        if self.active <= 0 and self._idle is not None:
-            self._idle.set()
-
-    async def _wait_idle(self, timeout: float) -> bool:
-        if self.active <= 0:
-            return True
-        self._idle = asyncio.Event()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
-
-    async def run(self, live: set, deadline_s: float) -> None:
-        """Stop admitting, let in-flight requests finish up to ``deadline_s``, end the rest."""
-        self.closing = True
-        t0 = time.monotonic()
-        log.info("shutting down: %d request(s) in flight, waiting up to %g s", self.active, deadline_s)
-        if await self._wait_idle(deadline_s):
-            log.info("all requests finished in %.1f s", time.monotonic() - t0)
-            return
-        self.ended = True
-        log.warning("drain deadline (%g s) passed: ending %d generation(s)", deadline_s, len(live))
-        for gen in list(live):
-            gen.shutdown()
-        await self._wait_idle(_END_GRACE_S)
 
 
 # ---------------------------------------------------------------- browsers: CORS, origins, types
@@ -336,7 +204,7 @@ def is_ollama(path: str) -> bool:
 def error_json(path: str, err: ApiError) -> dict:
     """The error object the middleware answers ``path`` with itself: Ollama's shape on its
     routes, OpenAI's elsewhere."""
-    return ollama_error_body(err) if is_ollama(path) else err.body()
+    return err.ollama_body() if is_ollama(path) else err.body()
 
 
 def check_json_type(content_type: str | None, has_body: bool) -> None:
@@ -602,15 +470,26 @@ def body_done() -> None:
     request.body.clear()
 
 
-def check_request(req: Any) -> None:
-    """After parsing a chat request: note the model it names, apply the limits (400)."""
+def check_request(req: GenerationRequest) -> None:
+    """After parsing a request: note the model it names, apply the limits (400)."""
     trace = _trace()
     if trace is not None:
         trace.model = req.model
     auth.check_limits(req, app_state().guard.limits)
 
 
-def attach(gen: Any) -> None:
+class Traced(Protocol):
+    """A generation as ``attach`` traces it (``pantheon.api.openai.service.Generation``)."""
+
+    id: str
+    inst: Instance
+    prep: Prepared
+    trace: logs.RequestTrace | None
+
+    def shutdown(self) -> None: ...
+
+
+def attach(gen: Traced) -> None:
     """A ``Generation`` was made for this request: trace it; past the drain deadline, end it."""
     state = app_state()
     trace = _trace()

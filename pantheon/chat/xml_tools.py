@@ -20,7 +20,7 @@ tool's JSON schema says ``days`` is one. :func:`convert_value` applies that sche
 :func:`parse_xml_tool_block` turns the inside of one block into OpenAI calls with JSON arguments.
 The grammar that forces this format (``tool_choice`` "required" or a named function) is built from
 the same schema reading (:func:`parameter_schemas`, :func:`writes_as_text`), in
-``pantheon.api.openai.structured``.
+``pantheon.api.structured``.
 
 Pure Python, like the rest of ``pantheon.chat``.
 """

@@ -1,4 +1,10 @@
-"""Fitting a request's context (``fit_context``), before any prefill: pass, cap, or deny.
+"""Fitting a routed request to its instance (``fit``), before any prefill: the model's
+generation defaults (``pantheon.models.generation_defaults``), then the context: pass, cap, or
+deny. ``fit`` is the one place every front end's request is fitted; a conversation goes through
+``fit_context`` (below), a raw prompt (``/v1/completions``, Ollama's ``raw``) through
+``fit_prompt``, which never caps it. The limit is the instance's (``limit_of``), or a smaller
+one the client asked for (Ollama's ``num_ctx``); an error names the client's own field
+(``GenerationRequest.names``).
 
 The limit of an instance is its context (``max_model_len``) and no more than its worker's KV pool
 holds (``kv_pool_tokens``): in this design the KV pool is allocated once at load, so a context
@@ -35,10 +41,11 @@ from pantheon import errors
 from pantheon.chat.answer_form import with_answer_prompt
 from pantheon.chat.template import RENDER_TIMEOUT_S, TemplateError, render_budget, think_open
 from pantheon.chat.tools import forced_call_prefix, with_tool_prompt
+from pantheon.core.request import GenerationRequest
+from pantheon.models import generation_defaults
 from pantheon.models.assets import ModelAssets
 
-if TYPE_CHECKING:  # the request type only: control/ never imports api/ at run time
-    from pantheon.api.openai.protocol import ChatRequest
+if TYPE_CHECKING:
     from pantheon.control.registry import Instance
 
 CAPPED_ROOM = 512  # tokens kept for the completion of a capped prompt without max_tokens
@@ -69,15 +76,15 @@ class Rendered(NamedTuple):
     answer_form: bool  # the answer is call-or-reply JSON (pantheon.chat.answer_form)
 
 
-def answers_in_form(assets: ModelAssets, req: ChatRequest) -> bool:
+def answers_in_form(assets: ModelAssets, req: GenerationRequest) -> bool:
     """Whether ``req``'s answer on a model is call-or-reply JSON (``pantheon.chat.answer_form``):
     tools under ``auto`` on a template that takes none, with the grammar of that form made
-    (``ChatRequest.answer_grammar``: not when the request has an output constraint of its own,
+    (``GenerationRequest.answer_grammar``: not when the request has an output constraint of its own,
     which it keeps, with the generic tool prompt; nor when the tools' schemas do not compile)."""
     return req.tools_enabled and req.answer_grammar is not None and not assets.template.takes_tools
 
 
-def render(assets: ModelAssets, req: ChatRequest, messages: list[dict]) -> Rendered:
+def render(assets: ModelAssets, req: GenerationRequest, messages: list[dict]) -> Rendered:
     """The prompt token ids of ``messages`` under ``req``'s tools and options, and what the
     output's reading needs to know of it (:class:`Rendered`)."""
     tools = req.tools if req.tools_enabled else None
@@ -135,8 +142,68 @@ def limit_of(inst: Instance) -> int:
     return limit
 
 
+def fit(inst: Instance, req: GenerationRequest) -> Prepared:
+    """The one fitting of a routed request to ``inst``: fill the sampling fields ``req`` left
+    unset from the model's defaults (in place: the generation is built from this same request;
+    ``pantheon.models.generation_defaults``), then fit its context to the instance's limit (or
+    the smaller ``req.num_ctx``): a conversation is rendered and passed, capped or denied
+    (``fit_context``); a raw ``prompt`` is tokenized as it is and must fit, never capped
+    (``fit_prompt``). A default ``max_tokens`` is a ceiling on the fitted one, never a
+    reservation. Raises ``ApiError`` (400) naming the client's own field.
+
+    Renders a template (the model author's code, bounded): call it off the event loop."""
+    defaults = generation_defaults.in_force(inst)
+    generation_defaults.apply(req, defaults)
+    limit = limit_of(inst) if req.num_ctx is None else min(limit_of(inst), req.num_ctx)
+    ceiling = generation_defaults.ceiling(req, defaults)
+    if req.prompt is not None:
+        return fit_prompt(inst.model_assets, req, limit, ceiling)
+    prep = fit_context(inst.model_assets, req, limit)
+    prep.max_tokens = generation_defaults.capped(req, defaults, prep.max_tokens)
+    return prep
+
+
+def _check_completion_room(req: GenerationRequest, limit: int) -> None:
+    """The context rule's first half, whatever the prompt: a ``max_tokens`` no context of
+    ``limit`` tokens can hold is a 400 naming the field it came from."""
+    if req.max_tokens is not None and req.max_tokens >= limit:
+        raise errors.max_tokens_too_large(limit, req.max_tokens, req.max_tokens_param)
+
+
+def prompt_ids(assets: ModelAssets, prompt: str | list[int]) -> list[int]:
+    """A raw prompt's token ids: text tokenized with the tokenizer's special tokens (as vLLM
+    does for text), or the ids as given."""
+    if isinstance(prompt, str):
+        return assets.tokenizer.encode(prompt, add_special_tokens=True).ids
+    return list(prompt)
+
+
+def fit_prompt(
+    assets: ModelAssets, req: GenerationRequest, limit: int, ceiling: int | None = None
+) -> Prepared:
+    """A raw ``req.prompt`` (no template) fitted to ``limit``: it must fit with its completion,
+    never capped. The completion: ``max_tokens``; else up to the default ``ceiling`` within
+    what the context leaves; else ``req.fallback_max_tokens`` as if given (16 on
+    ``/v1/completions``); else the rest of the context. ``score_only``: one token, dropped."""
+    assert req.prompt is not None
+    ids = prompt_ids(assets, req.prompt)
+    if not ids:
+        p = req.param("prompt")
+        raise errors.invalid_param(p, f"'{p}' is empty")
+    _check_completion_room(req, limit)
+    if req.score_only:
+        max_tokens = 1
+    elif ceiling is not None:
+        max_tokens = min(ceiling, limit - len(ids))
+    else:
+        max_tokens = req.max_tokens or req.fallback_max_tokens or limit - len(ids)
+    if max_tokens < 1 or len(ids) + max_tokens > limit:
+        raise errors.prompt_too_long(limit, len(ids), max(max_tokens, 1))
+    return Prepared(ids, "", False, max_tokens)
+
+
 def fit_context(
-    assets: ModelAssets, req: ChatRequest, max_model_len: int, limit: int | None = None
+    assets: ModelAssets, req: GenerationRequest, max_model_len: int, limit: int | None = None
 ) -> Prepared:
     """Render and tokenize ``req``, and fit its context to ``limit`` (pass / cap / deny);
     raises ``ApiError``. All the renders this takes share one time bound (``RENDER_TIMEOUT_S``:
@@ -145,10 +212,11 @@ def fit_context(
         return _fit_context(assets, req, max_model_len, limit)
 
 
-def _fit_context(assets: ModelAssets, req: ChatRequest, max_model_len: int, limit: int | None) -> Prepared:
+def _fit_context(
+    assets: ModelAssets, req: GenerationRequest, max_model_len: int, limit: int | None
+) -> Prepared:
     limit = min(limit or max_model_len, max_model_len)
-    if req.max_tokens is not None and req.max_tokens >= limit:
-        raise errors.max_tokens_too_large(limit, req.max_tokens, req.max_tokens_param)
+    _check_completion_room(req, limit)
     req = _trim_the_provably_long(assets, req, limit)
     ids, prefix, opened, forced, form = render(assets, req, req.messages)
     if len(ids) + (req.max_tokens or 1) <= limit:
@@ -157,7 +225,7 @@ def _fit_context(assets: ModelAssets, req: ChatRequest, max_model_len: int, limi
     return _cap(assets, req, limit, room, len(ids))
 
 
-def _trim_the_provably_long(assets: ModelAssets, req: ChatRequest, limit: int) -> ChatRequest:
+def _trim_the_provably_long(assets: ModelAssets, req: GenerationRequest, limit: int) -> GenerationRequest:
     """A message whose length alone proves it cannot fit (more characters than ``limit + 64``
     tokens can cover: no token of the vocabulary is longer than ``max_token_chars``) would only
     be capped to its newest tokens: keep just its tail of that many characters before
@@ -189,7 +257,7 @@ def _turns(messages: list[dict]) -> tuple[list[int], list[list[int]]]:
     return system, turns
 
 
-def _cap(assets: ModelAssets, req: ChatRequest, limit: int, room: int, full_len: int) -> Prepared:
+def _cap(assets: ModelAssets, req: GenerationRequest, limit: int, room: int, full_len: int) -> Prepared:
     msgs = req.messages
     system, turns = _turns(msgs)
     budget = limit - room

@@ -9,7 +9,7 @@ with the added token, and the matcher then refuses the very token its mask allow
 added tokens go into the vocabulary as the text they are (their content, byte-level encoded the
 way the model's vocabulary stores text), and only the special ones stay special.
 
-The router (``pantheon/api/openai/structured.py``) and the worker (``workers/grammar.py``) both
+The router (``pantheon/api/structured.py``) and the worker (``workers/grammar.py``) both
 build their llguidance tokenizer from this and take ``LIMIT_VALUES``, so their masks and limits agree.
 """
 

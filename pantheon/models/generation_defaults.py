@@ -9,10 +9,10 @@ give come from, in order:
    a Hugging Face folder's ``generation_config.json`` (``from_generation_config``) or a GGUF
    file's ``general.sampling.*`` metadata, which llama.cpp's converter writes from that same file
    (``from_gguf``);
-3. OpenAI's defaults (``OPENAI``, which are ``ChatRequest``'s own).
+3. OpenAI's defaults (``OPENAI``, which are ``GenerationRequest``'s own).
 
 A field the client gave is never replaced, even when it holds OpenAI's value (an explicit
-``temperature: 1.0`` stays 1.0): the request records which it left out (``ChatRequest.unset``)
+``temperature: 1.0`` stays 1.0): the request records which it left out (``GenerationRequest.unset``)
 and ``apply`` fills only those. ``apply`` sets every such field from the layers each time it runs,
 so applying it again for another replica (or a retry after a worker restart) is exact.
 
@@ -40,10 +40,9 @@ import math
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
-if TYPE_CHECKING:  # the request type only: models/ never imports api/ at run time
-    from pantheon.api.openai.protocol import ChatRequest
+from pantheon.core.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ Params = dict[str, float | int]
 
 
 class Field(NamedTuple):
-    """A defaultable field: its type and the range a request may give it (``parse_chat_request``'s)."""
+    """A defaultable field: its type and the range a request may give it (``pantheon.api.fields``')."""
 
     kind: type  # float or int
     lo: float
@@ -68,7 +67,7 @@ FIELDS: dict[str, Field] = {
     "repetition_window": Field(int, -1, 2**63 - 1),  # llama.cpp's repeat_last_n
     "max_tokens": Field(int, 1, 2**63 - 1),
 }
-# OpenAI's defaults (and the extensions' neutral ones): ChatRequest's own, checked equal by a test.
+# OpenAI's defaults (and the extensions' neutral ones): GenerationRequest's own, checked equal by a test.
 # max_tokens None: the rest of the context.
 OPENAI: dict[str, float | int | None] = {
     "temperature": 1.0,
@@ -219,7 +218,7 @@ def in_force(inst: _HasDefaults) -> Params:
     return merged(inst.params, model)
 
 
-def apply(req: ChatRequest, defaults: Mapping[str, float | int]) -> None:
+def apply(req: GenerationRequest, defaults: Mapping[str, float | int]) -> None:
     """Set each sampling field ``req`` left unset from ``defaults`` (layers 1 and 2), else to
     OpenAI's default. In place, and exact to repeat for another instance."""
     for name in SAMPLING:
@@ -227,7 +226,7 @@ def apply(req: ChatRequest, defaults: Mapping[str, float | int]) -> None:
             setattr(req, name, defaults.get(name, OPENAI[name]))
 
 
-def ceiling(req: ChatRequest, defaults: Mapping[str, float | int]) -> int | None:
+def ceiling(req: GenerationRequest, defaults: Mapping[str, float | int]) -> int | None:
     """The default ``max_tokens`` for ``req``: None when the client gave its own or there is no
     default. A ceiling on the completion (see the module doc), never a reservation."""
     if "max_tokens" not in req.unset:
@@ -236,7 +235,7 @@ def ceiling(req: ChatRequest, defaults: Mapping[str, float | int]) -> int | None
     return None if v is None else int(v)
 
 
-def capped(req: ChatRequest, defaults: Mapping[str, float | int], max_tokens: int) -> int:
+def capped(req: GenerationRequest, defaults: Mapping[str, float | int], max_tokens: int) -> int:
     """``max_tokens`` as fitted to the context, under the default ceiling (if any)."""
     c = ceiling(req, defaults)
     return max_tokens if c is None else min(max_tokens, c)

@@ -10,7 +10,7 @@ import shutil
 import llguidance as llg
 import pytest
 
-from pantheon.api.openai import structured
+from pantheon.api import structured
 from pantheon.api.openai.protocol import parse_chat_request
 from pantheon.chat.answer_form import (
     AFTER_RESULTS,

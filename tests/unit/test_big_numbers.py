@@ -13,13 +13,16 @@ from typing import Any
 import msgspec
 import pytest
 
+from pantheon.api import fields
+from pantheon.api.flow import check_token_ids
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.completions import CompletionRequest, _prepare, parse_completion_request
 from pantheon.api.openai.responses import parse_responses_request
-from pantheon.api.openai.routes import check_token_ids, vocab_size
+from pantheon.api.openai.service import vocab_size
 from pantheon.api.openai.tokenize import _tokenize
 from pantheon.control.registry import Instance
 from pantheon.core.protocol import Loaded, SamplingParams
+from pantheon.core.request import GenerationRequest
 from pantheon.errors import ApiError
 
 from helpers.instances import ready_instance
@@ -73,7 +76,7 @@ def test_an_integer_past_int64_is_a_400_naming_its_field(route, field, value):
 def test_the_largest_int64_still_packs_for_the_worker(route):
     """The bound is the wire's: 2**63 - 1 passes the parser and msgspec packs it."""
     got = ROUTES[route]({"top_k": 2**63 - 1, "repetition_window": 2**63 - 1})
-    chat = got if isinstance(got, oa.ChatRequest) else got.chat
+    chat = got if isinstance(got, GenerationRequest) else got.chat
     params = chat.sampling(max_tokens=4, stop_token_ids=[])
     assert params.top_k == 2**63 - 1
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams).top_k == 2**63 - 1
@@ -81,7 +84,7 @@ def test_the_largest_int64_still_packs_for_the_worker(route):
 
 def test_past_int64_msgspec_itself_overflows():
     """What the checks guard against: the 500 the worker's packing raised."""
-    p = oa.ChatRequest(model="m", messages=MSG)
+    p = GenerationRequest(model="m", messages=MSG)
     with pytest.raises(OverflowError):
         msgspec.msgpack.encode(
             msgspec.structs.replace(p.sampling(max_tokens=4, stop_token_ids=[]), top_k=2**64)
@@ -97,7 +100,7 @@ def test_a_logit_bias_key_too_big_for_any_vocabulary_is_a_400(route, key):
 @pytest.mark.parametrize("route", sorted(ROUTES))
 def test_a_logit_bias_key_in_range_is_carried(route):
     got = ROUTES[route]({"logit_bias": {str(2**63 - 1): 5, "00007": -1}})
-    chat = got if isinstance(got, oa.ChatRequest) else got.chat
+    chat = got if isinstance(got, GenerationRequest) else got.chat
     assert chat.logit_bias == {2**63 - 1: 5.0, 7: -1.0}
 
 
@@ -107,7 +110,7 @@ def test_a_float_too_large_for_a_float_is_a_400(route):
 
 
 @pytest.mark.parametrize("route", sorted(TEMPLATE_ROUTES))
-@pytest.mark.parametrize("key", oa.RESERVED_TEMPLATE_KWARGS)
+@pytest.mark.parametrize("key", fields.RESERVED_TEMPLATE_KWARGS)
 def test_a_reserved_template_kwarg_is_a_400_naming_it(route, key):
     err = refused(TEMPLATE_ROUTES[route], {"chat_template_kwargs": {key: []}}, f"chat_template_kwargs.{key}")
     assert f"chat_template_kwargs.{key}" in err.message
@@ -117,14 +120,14 @@ def test_the_reserved_names_are_the_renderers():
     """Each name the server passes the template itself is refused in chat_template_kwargs."""
     from pantheon.chat import template
 
-    assert set(oa.RESERVED_TEMPLATE_KWARGS) >= template._RESERVED_KWARGS  # pyright: ignore[reportPrivateUsage]
+    assert set(fields.RESERVED_TEMPLATE_KWARGS) >= template._RESERVED_KWARGS  # pyright: ignore[reportPrivateUsage]
 
 
 @pytest.mark.parametrize("route", sorted(TEMPLATE_ROUTES))
 def test_other_template_kwargs_pass(route):
     got = TEMPLATE_ROUTES[route] if route != "tokenize" else _chat
     req = got({"chat_template_kwargs": {"enable_thinking": False, "tools_extra": 1}})
-    chat = req if isinstance(req, oa.ChatRequest) else req.chat
+    chat = req if isinstance(req, GenerationRequest) else req.chat
     assert chat.chat_template_kwargs == {"enable_thinking": False, "tools_extra": 1}
 
 

@@ -1,11 +1,11 @@
-"""``BodyBudget`` (``pantheon/api/middleware.py``): the router-wide bound on request-body bytes in
+"""``BodyBudget`` (``pantheon/api/inflight.py``): the router-wide bound on request-body bytes in
 flight: declared lengths are reserved up front, chunked bodies count as they arrive, one body
 alone always passes, a release gives its bytes back once, and a body over ``--max-body`` holds
 nothing (the app drops it)."""
 
 from __future__ import annotations
 
-from pantheon.api.middleware import BodyBudget
+from pantheon.api.inflight import BodyBudget
 
 MB = 1 << 20
 

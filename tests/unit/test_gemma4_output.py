@@ -9,7 +9,7 @@ import random
 import pytest
 from test_structured_router import accepts
 
-from pantheon.api.openai import structured
+from pantheon.api import structured
 from pantheon.chat.emitter import Emitter, join_deltas
 from pantheon.chat.gemma4 import GEMMA4_MARKERS, Gemma4Parser, gemma4_arguments, read_gemma4_calls
 from pantheon.chat.output import output_parser

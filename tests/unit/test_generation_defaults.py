@@ -13,10 +13,11 @@ import pytest
 
 from pantheon import serve as server_cli
 from pantheon.api.openai.completions import parse_completion_request
-from pantheon.api.openai.protocol import ChatRequest, parse_chat_request
+from pantheon.api.openai.protocol import parse_chat_request
 from pantheon.config.settings import ConfigError, build_config
 from pantheon.control.registry import Instance, Slots
 from pantheon.core.gguf import read_gguf
+from pantheon.core.request import GenerationRequest
 from pantheon.models import generation_defaults as gd
 from pantheon.models.assets import ModelAssets
 
@@ -24,12 +25,12 @@ MSG = [{"role": "user", "content": "hi"}]
 QWEN3 = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": [1, 2]}
 
 
-def chat(**fields) -> ChatRequest:
+def chat(**fields) -> GenerationRequest:
     return parse_chat_request({"messages": MSG, **fields})
 
 
 def test_the_openai_layer_is_chat_requests_own_defaults():
-    defaults = {f.name: f.default for f in msgspec.structs.fields(ChatRequest)}
+    defaults = {f.name: f.default for f in msgspec.structs.fields(GenerationRequest)}
     assert {k: defaults[k] for k in gd.FIELDS} == gd.OPENAI
     assert set(gd.FIELDS) == set(gd.OPENAI)
 
@@ -40,7 +41,7 @@ def test_the_parser_records_which_fields_were_left_out():
     assert given.unset == {"min_p", "repetition_penalty"}
     assert (given.temperature, given.top_k, given.repetition_window, given.max_tokens) == (1.0, 0, 64, 5)
     # a request built in code has every field as given
-    assert ChatRequest(messages=MSG).unset == frozenset()
+    assert GenerationRequest(messages=MSG).unset == frozenset()
 
 
 def test_entry_params_over_the_model_over_openai():

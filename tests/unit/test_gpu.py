@@ -99,7 +99,7 @@ def test_grammar_masks_on_cuda_match_cpu(model_factory):
 
     from tokenizers import Tokenizer
 
-    from pantheon.api.openai import structured
+    from pantheon.api import structured
 
     path = str(model_factory("tiny-llama", dtype="float32"))
     grammar = structured.regex_grammar("[0-9]{3}-[a-z]{2,4}", "r")

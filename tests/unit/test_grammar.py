@@ -16,7 +16,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from pantheon.api.openai import structured
+from pantheon.api import structured
 from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine, RequestRejected
 from workers.grammar import Constraint, _bit, apply_masks

@@ -21,8 +21,9 @@ import llguidance as llg
 import pytest
 
 from pantheon import serve as server_cli
+from pantheon.api import structured
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai import service, structured
+from pantheon.api.openai import service
 from pantheon.core import protocol as p
 from pantheon.core.gguf import byte_alphabet
 from pantheon.errors import ApiError

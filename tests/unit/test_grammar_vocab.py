@@ -8,7 +8,7 @@ import json
 
 import llguidance as llg
 
-from pantheon.api.openai import structured
+from pantheon.api import structured
 from pantheon.core.grammar_vocab import grammar_tokenizer_json
 
 TOOLS = [

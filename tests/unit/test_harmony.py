@@ -451,7 +451,7 @@ def test_assets_of_a_harmony_model(harmony_assets):
 def test_a_forced_call_opens_its_header_in_the_prompt(harmony_assets):
     import llguidance as llg
 
-    from pantheon.api.openai import structured
+    from pantheon.api import structured
     from pantheon.api.openai.protocol import parse_chat_request
     from pantheon.chat.tools import HARMONY_TOOL_FORMAT
     from pantheon.control.context import render

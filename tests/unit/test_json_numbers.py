@@ -10,7 +10,7 @@ from __future__ import annotations
 import llguidance as llg
 import pytest
 
-from pantheon.api.openai import structured
+from pantheon.api import structured
 from pantheon.core.json_numbers import ANY, FRACTION_DIGITS, INTEGRAL_DIGITS, bound_numbers
 from pantheon.errors import ApiError
 

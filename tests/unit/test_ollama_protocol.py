@@ -1,4 +1,4 @@
-"""The Ollama API's pure half (pantheon/api/ollama): request bodies -> ``ChatRequest`` (options,
+"""The Ollama API's pure half (pantheon/api/ollama): request bodies -> ``GenerationRequest`` (options,
 format, think, tools, messages, the refusals, errors renamed to Ollama's fields), the response
 objects (read back with the official ``ollama`` client's own types), durations in nanoseconds,
 tool calls assembled from the emitter's deltas, a stream that fails midway, the listing's
@@ -194,7 +194,9 @@ def test_chat_parser_errors_are_renamed_to_ollamas_fields():
         e = refused(chat, {"model": "m", "messages": USER, **extra})
         assert e.param == param, (extra, e.param, e.message)
         assert "'" + param.split("[")[0] in e.message or param == "keep_alive", e.message
-    e = ol.renamed(errors.max_tokens_too_large(64, 80), [])
+    # an error after mapping (the context rule) names Ollama's field too: the request keeps it
+    req = chat({"model": "m", "messages": USER, "options": {"num_predict": 80}}).chat
+    e = errors.max_tokens_too_large(64, 80, req.max_tokens_param)
     assert e.param == "options.num_predict" and "'max_tokens'" not in e.message
 
 
@@ -244,12 +246,10 @@ def test_generate_refuses_what_it_does_not_do():
 
 
 def test_a_bad_message_of_generate_names_prompt_or_system():
-    e = ol.renamed(
-        errors.invalid_param("messages[1].content", "'messages[1].content' is bad"), ["system", "prompt"]
-    )
-    assert (e.param, e.message) == ("prompt.content", "'prompt.content' is bad")
-    e = ol.renamed(errors.invalid_param("messages[0]", "'messages[0]' x"), ["system", "prompt"])
-    assert e.param == "system"
+    # generate's messages are its system and prompt, checked as such (nothing is renamed after)
+    assert refused(generate, {"model": "m", "prompt": 5}).param == "prompt"
+    assert refused(generate, {"model": "m", "prompt": "x", "system": ["s"]}).param == "system"
+    assert generate({"model": "m", "prompt": "x", "system": "s"}).where == ["system", "prompt"]
 
 
 # ---------------------------------------------------------------- responses
@@ -350,11 +350,11 @@ def test_tool_calls_come_out_whole_with_object_arguments():
 
 def test_errors_are_ollamas_error_object():
     e = errors.ollama_model_not_found("llama3")
-    assert ol.error_body(e) == {"error": e.message}
+    assert e.ollama_body() == {"error": e.message}
     assert e.status == 404 and 'model "llama3" not found' in e.message and "/api/tags" in e.message
     e = errors.ollama_manage_unsupported("/api/pull")
     assert e.status == 501 and "--models-dir" in e.message
-    r = ollama.ResponseError(json.dumps(ol.error_body(e)), e.status)
+    r = ollama.ResponseError(json.dumps(e.ollama_body()), e.status)
     assert r.error == e.message and r.status_code == 501
 
 

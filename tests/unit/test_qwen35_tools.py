@@ -14,8 +14,8 @@ import re
 import pytest
 from test_structured_router import accepts
 
+from pantheon.api import structured
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai import structured
 from pantheon.chat.emitter import Emitter, join_deltas
 from pantheon.chat.template import ChatTemplate, think_open
 from pantheon.chat.tools import (

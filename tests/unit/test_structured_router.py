@@ -1,4 +1,4 @@
-"""The router's half of structured outputs (pantheon/api/openai/structured.py): what each way of
+"""The router's half of structured outputs (pantheon/api/structured.py): what each way of
 asking for a constraint becomes, what the grammar accepts (checked with an llguidance matcher
 over the bytes of a candidate output), and the 400 every bad one gets, naming its parameter."""
 
@@ -9,8 +9,8 @@ import json
 import llguidance as llg
 import pytest
 
+from pantheon.api import structured
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai import structured
 from pantheon.core.gguf import byte_alphabet
 from pantheon.errors import ApiError
 

@@ -862,7 +862,7 @@ WRITTEN = {
 def test_a_demanded_call_in_the_formats_grammar_reads_back(fmt):
     from unit.test_structured_router import accepts
 
-    from pantheon.api.openai import structured
+    from pantheon.api import structured
     from pantheon.chat.toolformats import get
 
     prefix = get(fmt).forced_prefix("special_function")

@@ -16,7 +16,7 @@ import pytest
 import torch
 import zmq
 
-from pantheon.api.openai import structured
+from pantheon.api import structured
 from pantheon.core import protocol as p
 from workers.cache import kv_block_bytes
 from workers.devices import open_die

@@ -1,6 +1,6 @@
 """Ollama's API (``/api/*``) on the router, for the official ``ollama`` clients and the tools that
 speak Ollama: ``protocol`` (its request and response objects, typed, and the mapping of a request
-onto our ``ChatRequest``), ``listing`` (what ``/api/tags``, ``/api/ps`` and ``/api/show`` say of
+onto our ``GenerationRequest``), ``listing`` (what ``/api/tags``, ``/api/ps`` and ``/api/show`` say of
 a model), ``generation`` (a ``Generation`` whose output is Ollama's NDJSON) and ``routes`` (the
 blueprint). Generation itself is the OpenAI chat route's: same admission, slots, template,
 grammars and emitter."""

@@ -68,9 +68,9 @@ class OllamaGeneration(Generation):
                         )
             yield ol.line(self._final())
         except ApiError as e:
-            yield ol.line(ol.error_body(e))
+            yield ol.line(e.ollama_body())
         except Exception as e:  # noqa: BLE001 - the stream must still end cleanly
-            yield ol.line(ol.error_body(_pool_error(e, self.id)))
+            yield ol.line(_pool_error(e, self.id).ollama_body())
 
     async def complete(self) -> ol.ChatResponse | ol.GenerateResponse:  # type: ignore[override]
         content: list[str] = []

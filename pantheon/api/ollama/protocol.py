@@ -1,11 +1,12 @@
-"""Ollama's API objects, typed (msgspec), and the mapping of its requests onto our ``ChatRequest``.
+"""Ollama's API objects, typed (msgspec), and the mapping of its requests onto our ``GenerationRequest``.
 
 Requests (``ChatBody``, ``GenerateBody``, their ``Options``) are decoded with their types checked
 (a wrong type is a 400 naming the field) and unknown fields ignored, as Ollama does. The mapping
-builds the OpenAI chat body our parser (``pantheon.api.openai.protocol.parse_chat_request``)
-checks, so every range, tool schema, limit and output constraint is the chat route's; an error
-it raises is renamed to the Ollama field it came from (``max_tokens`` -> ``options.num_predict``,
-``response_format`` -> ``format``, ``messages[1]`` -> ``prompt``).
+goes straight to a ``GenerationRequest``: each value is checked by the checks every front end
+shares (``pantheon.api.fields``: every range, tool schema and output constraint is the chat
+route's) under the Ollama field it came from (``options.num_predict``, ``format``,
+``messages[1].role``), and the request keeps those names (``NAMES``) for the errors after mapping
+(the context rule, the limits).
 
 The mapping:
 
@@ -41,7 +42,7 @@ The mapping:
 
 Responses: ``ChatResponse`` / ``GenerateResponse`` (one per NDJSON line, and the final one with
 ``done_reason`` and the durations in nanoseconds), the listings (``ListResponse``,
-``ProcessResponse``, ``ShowResponse``) and ``{"error": "..."}`` (``error_body``).
+``ProcessResponse``, ``ShowResponse``); an error is ``{"error": "..."}`` (``ApiError.ollama_body``).
 """
 
 from __future__ import annotations
@@ -56,11 +57,12 @@ from typing import Any, TypeVar
 import msgspec
 
 from pantheon import errors
-from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.protocol import ChatRequest
+from pantheon.api import fields, structured
 from pantheon.chat.emitter import Delta
 from pantheon.control.residency import KeepAliveError, parse_keep_alive
-from pantheon.errors import ApiError, invalid_param
+from pantheon.core import request as core
+from pantheon.core.request import GenerationRequest, TemplateKwargs, Tool
+from pantheon.errors import invalid_param
 
 # The Ollama release whose API this follows: the first with every field served here (the
 # logprobs of 0.12.11 being the last to land). Clients gate features on it.
@@ -72,7 +74,7 @@ THINK_LEVELS = ("low", "medium", "high", "max")
 
 class Options(msgspec.Struct, kw_only=True):
     """The options this server maps (see the module doc); any other is ignored. Integers may
-    come as whole floats (Go's JSON numbers): the chat parser checks them."""
+    come as whole floats (Go's JSON numbers): ``pantheon.api.fields`` checks them."""
 
     temperature: float | None = None
     top_p: float | None = None
@@ -151,7 +153,7 @@ _AT = re.compile(r"at `\$\.?([^`]*)`")
 
 def decode(raw: bytes | str, kind: type[BodyT]) -> BodyT:
     """A request body -> its typed object; a 400 naming the field for a wrong type."""
-    body = oa.load_json(raw or b"{}")
+    body = fields.load_json(raw or b"{}")
     if not isinstance(body, dict):
         raise errors.not_an_object()
     try:
@@ -175,18 +177,26 @@ def model_name(body: ChatBody | GenerateBody | NameBody) -> str:
     return name
 
 
-# ---------------------------------------------------------------- the mapping onto ChatRequest
+# ---------------------------------------------------------------- the mapping onto GenerationRequest
 
 
 @dataclass
 class Request:
-    """An Ollama request mapped: the chat request, the context it asks for (``num_ctx``), and
-    the Ollama field each of the chat request's messages came from (to rename errors)."""
+    """An Ollama request mapped: the generation request, and the Ollama field each of its
+    messages came from (``messages[i]``; ``system`` and ``prompt`` on ``/api/generate``)."""
 
-    chat: ChatRequest
-    num_ctx: int | None
+    chat: GenerationRequest
     where: list[str] = field(default_factory=list)
-    prompt: str | None = None  # /api/generate with raw: the prompt, sent as it is
+
+    @property
+    def num_ctx(self) -> int | None:
+        """The context the request asks for (``options.num_ctx``; None: the instance's)."""
+        return self.chat.num_ctx
+
+    @property
+    def prompt(self) -> str | list[int] | None:
+        """``/api/generate`` with ``raw``: the prompt, sent as it is."""
+        return self.chat.prompt
 
 
 def _whole(v: int | float | None, param: str) -> int | None:
@@ -199,7 +209,7 @@ def _whole(v: int | float | None, param: str) -> int | None:
 
 MAX_NUM_CTX = 2**31 - 1  # llama.cpp's n_ctx (an int32), which Ollama hands it: past it, no context
 
-_OPTION_FIELDS = (  # ours <- Ollama's
+_OPTIONS = (  # ours <- Ollama's option (the rest are mapped by hand below)
     ("temperature", "temperature"),
     ("top_p", "top_p"),
     ("top_k", "top_k"),
@@ -209,17 +219,24 @@ _OPTION_FIELDS = (  # ours <- Ollama's
     ("repetition_penalty", "repeat_penalty"),
     ("repetition_window", "repeat_last_n"),
 )
+# ours -> Ollama's field, for every value an option gives and the fields named otherwise
+NAMES = {
+    **{ours: f"options.{theirs}" for ours, theirs in _OPTIONS},
+    "seed": "options.seed",
+    "stop": "options.stop",
+    "max_tokens": "options.num_predict",
+    "response_format": "format",
+    "chat_template_kwargs": "think",
+}
 
 
-def option_fields(o: Options | None) -> tuple[dict[str, Any], int | None]:
-    """``options`` -> (the chat body's sampling fields, ``num_ctx`` or None)."""
-    out: dict[str, Any] = {}
+def option_fields(o: Options | None) -> tuple[dict[str, object], int | None]:
+    """``options`` -> (our sampling fields as given, ``num_ctx`` or None)."""
+    out: dict[str, object] = {}
     if o is None:
         return out, None
-    for ours, theirs in _OPTION_FIELDS:
-        v = getattr(o, theirs)
-        if v is not None:
-            out[ours] = v
+    for ours, theirs in _OPTIONS:
+        out[ours] = getattr(o, theirs)
     seed = _whole(o.seed, "options.seed")
     if seed is not None and seed >= 0:  # negative: a random seed (Ollama's default -1)
         out["seed"] = seed
@@ -237,14 +254,15 @@ def option_fields(o: Options | None) -> tuple[dict[str, Any], int | None]:
     return out, ctx or None
 
 
-def response_format(fmt: str | dict[str, Any] | None) -> dict[str, Any] | None:
-    """``format`` -> the chat body's ``response_format`` (None: free text)."""
+def constraint(fmt: str | dict[str, object] | None) -> fields.Constraint:
+    """``format``: ``"json"`` (any object) or a JSON schema, enforced strictly; "" or none:
+    free text."""
     if fmt is None or fmt == "":
-        return None
+        return fields.TEXT
     if fmt == "json":
-        return {"type": "json_object"}
+        return "json_object", structured.json_schema_grammar({"type": "object"}, "format")
     if isinstance(fmt, dict):
-        return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt, "strict": True}}
+        return "json_schema", structured.json_schema_grammar(fmt, "format", strict=True)
     raise invalid_param("format", f'invalid format {fmt[:50]!r}: expected "json" or a JSON schema object')
 
 
@@ -259,7 +277,7 @@ def think_value(v: bool | str | None) -> tuple[bool | None, str | None]:
     return True, "high" if v == "max" else v
 
 
-def thinking_kwargs(think: bool | str | None, reasoning: bool | None, model: str) -> dict[str, Any]:
+def thinking_kwargs(think: bool | str | None, reasoning: bool | None, model: str) -> TemplateKwargs:
     """The chat template's switches for ``think`` on a model that reasons (``reasoning``; None:
     not known yet, the request fails at routing anyway) or not."""
     on, level = think_value(think)
@@ -269,14 +287,14 @@ def thinking_kwargs(think: bool | str | None, reasoning: bool | None, model: str
         if on:
             raise invalid_param("think", f'"{model}" does not support thinking')
         return {}
-    kw: dict[str, Any] = {"enable_thinking": on is not False}  # unset: on, as Ollama
+    kw: TemplateKwargs = {"enable_thinking": on is not False}  # unset: on, as Ollama
     if level is not None:
         kw["reasoning_effort"] = level
     return kw
 
 
-def chat_messages(msgs: list[MessageIn], model: str) -> list[dict[str, Any]]:
-    """Ollama messages -> the chat body's."""
+def chat_messages(msgs: list[MessageIn], model: str) -> list[core.Message]:
+    """Ollama messages -> the chat template's."""
     out = []
     for i, m in enumerate(msgs):
         p = f"messages[{i}]"
@@ -285,53 +303,50 @@ def chat_messages(msgs: list[MessageIn], model: str) -> list[dict[str, Any]]:
                 f"{p}.images",
                 f"'{p}.images': model {model!r} reads text only (this server loads no vision encoder)",
             )
-        role = m.role.lower()
-        msg: dict[str, Any] = {"role": role, "content": m.content or ""}
-        if role == "assistant":
-            if m.thinking:
-                msg["reasoning_content"] = m.thinking
-            if m.tool_calls:
-                msg["tool_calls"] = [
-                    {
-                        "id": c.id or "",
-                        "type": "function",
-                        "function": {"name": c.function.name, "arguments": c.function.arguments},
-                    }
-                    for c in m.tool_calls
-                ]
-        elif role == "tool":
-            msg["tool_call_id"] = m.tool_call_id or ""
-            if m.tool_name:
-                msg["name"] = m.tool_name
-        out.append(msg)
+        given = m.role.lower()
+        role = fields.role(given, f"{p}.role")
+        calls = None
+        if role == "assistant" and m.tool_calls:
+            calls = [
+                fields.tool_call(c.id or "", c.function.name, c.function.arguments) for c in m.tool_calls
+            ]
+        out.append(
+            fields.message(
+                role,
+                m.content or "",
+                tool_calls=calls,
+                reasoning=m.thinking if role == "assistant" else None,
+                tool_call_id=(m.tool_call_id or "") if given == "tool" else None,
+                name=(m.tool_name or None) if given == "tool" else None,
+            )
+        )
     return out
 
 
-def _chat_body(
-    body: ChatBody | GenerateBody, model: str, messages: list[dict[str, Any]], reasoning: bool | None
-) -> tuple[dict[str, Any], int | None]:
-    out, num_ctx = option_fields(body.options)
-    out.update(model=model, messages=messages, stream=body.stream is not False)
-    rf = response_format(body.format)
-    if rf is not None:
-        out["response_format"] = rf
-    if body.keep_alive is not None:
-        out["keep_alive"] = body.keep_alive
+def _request(
+    body: ChatBody | GenerateBody,
+    model: str,
+    messages: list[core.Message],
+    reasoning: bool | None,
+    header_session: str | None,
+    *,
+    tools: list[Tool] | None = None,
+    choice: tuple[str, str | None] = ("auto", None),
+) -> GenerationRequest:
+    """The ``GenerationRequest`` of a mapped body: its options, format, think, keep_alive and
+    logprobs, each checked under its Ollama name."""
+    given, num_ctx = option_fields(body.options)
+    fmt = constraint(body.format)
+    given.update(stream=body.stream is not False, keep_alive=body.keep_alive)
     if body.logprobs:
-        out["logprobs"] = True
-        if body.top_logprobs:
-            out["top_logprobs"] = body.top_logprobs
-    kw = thinking_kwargs(body.think, reasoning, model)
-    if kw:
-        out["chat_template_kwargs"] = kw
-    return out, num_ctx
-
-
-def _parse(out: dict[str, Any], where: list[str], header_session: str | None) -> ChatRequest:
-    try:
-        return oa.parse_chat_request(out, header_session=header_session)
-    except ApiError as e:
-        raise renamed(e, where) from None
+        given["logprobs"] = True
+        given["top_logprobs"] = body.top_logprobs or None
+    given["chat_template_kwargs"] = thinking_kwargs(body.think, reasoning, model) or None
+    req = fields.generation_request(
+        given, model=model, messages=messages, names=NAMES, header_session=header_session
+    )
+    req.num_ctx = num_ctx
+    return fields.with_tools(req, tools, choice, fmt)
 
 
 def chat_request(
@@ -340,13 +355,11 @@ def chat_request(
     """``/api/chat`` (with messages) for ``model`` -> ``Request``; ``reasoning``: the model's
     chat template reasons (None: not known)."""
     msgs = body.messages or []
-    out, num_ctx = _chat_body(body, model, chat_messages(msgs, model), reasoning)
-    if body.tools is not None:
-        out["tools"] = body.tools
-    if body.tool_choice is not None:
-        out["tool_choice"] = body.tool_choice
-    where = [f"messages[{i}]" for i in range(len(msgs))]
-    return Request(_parse(out, where, header_session), num_ctx, where)
+    messages = chat_messages(msgs, model)
+    tools = fields.tools_of(body.tools)
+    choice = fields.tool_choice_of(body.tool_choice, tools)
+    req = _request(body, model, messages, reasoning, header_session, tools=tools, choice=choice)
+    return Request(req, [f"messages[{i}]" for i in range(len(msgs))])
 
 
 def generate_request(
@@ -374,70 +387,19 @@ def generate_request(
     if body.raw:
         if body.system:
             raise invalid_param("system", "raw mode does not support 'system' (nor 'template', 'context')")
-        # no template: the prompt is tokenized as it is; the message only satisfies the parser
-        out, num_ctx = _chat_body(body, model, [{"role": "user", "content": "-"}], None)
-        # and no reasoning either (the output is plain text): a format's grammar starts at the
-        # first token, not after a <think> block the model might open (``Generation._constraint``)
-        out["chat_template_kwargs"] = {"enable_thinking": False}
-        return Request(_parse(out, ["prompt"], header_session), num_ctx, ["prompt"], prompt)
+        # no template: the prompt is tokenized as it is. And no reasoning either (the output is
+        # plain text): a format's grammar starts at the first token, not after a <think> block
+        # the model might open (``Generation._constraint``)
+        req = _request(body, model, [], None, header_session)
+        req.prompt, req.chat_template_kwargs = prompt, {"enable_thinking": False}
+        return Request(req, ["prompt"])
     messages, where = [], []
     if body.system:
-        messages.append({"role": "system", "content": body.system})
+        messages.append(fields.message("system", body.system))
         where.append("system")
-    messages.append({"role": "user", "content": prompt})
+    messages.append(fields.message("user", prompt))
     where.append("prompt")
-    out, num_ctx = _chat_body(body, model, messages, reasoning)
-    return Request(_parse(out, where, header_session), num_ctx, where)
-
-
-_RENAMES = (  # the chat parser's parameter -> Ollama's (a prefix: what follows it stays)
-    ("max_completion_tokens", "options.num_predict"),
-    ("max_tokens", "options.num_predict"),
-    ("repetition_penalty", "options.repeat_penalty"),
-    ("repetition_window", "options.repeat_last_n"),
-    ("repeat_last_n", "options.repeat_last_n"),
-    ("response_format.json_schema.schema", "format"),
-    ("response_format", "format"),
-    ("chat_template_kwargs", "think"),
-    *(
-        (k, f"options.{k}")
-        for k in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "seed",
-            "stop",
-            "presence_penalty",
-            "frequency_penalty",
-        )
-    ),
-)
-_MESSAGE = re.compile(r"messages\[(\d+)\](.*)")
-
-
-def rename(param: str, where: list[str]) -> str:
-    """A chat parameter's name -> the Ollama field it came from."""
-    m = _MESSAGE.fullmatch(param)
-    if m:
-        i = int(m.group(1))
-        return (where[i] if i < len(where) else "messages") + m.group(2)
-    for old, new in _RENAMES:
-        if param == old or param.startswith((old + ".", old + "[")):
-            return new + param[len(old) :]
-    return param
-
-
-def renamed(e: ApiError, where: list[str]) -> ApiError:
-    """``e`` with its parameter, and the name in its message, in Ollama's terms."""
-    if e.param is None:
-        return e
-    new = rename(e.param, where)
-    if new != e.param:
-        e.message = e.message.replace(f"'{e.param}'", f"'{new}'")
-        e.param = new
-        e.args = (e.message,)
-    return e
+    return Request(_request(body, model, messages, reasoning, header_session), where)
 
 
 # ---------------------------------------------------------------- responses
@@ -701,11 +663,6 @@ class ShowResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class Version(msgspec.Struct):
     version: str
-
-
-def error_body(e: ApiError) -> dict[str, str]:
-    """Ollama's error object: the message alone."""
-    return {"error": e.message}
 
 
 _encoder = msgspec.json.Encoder()

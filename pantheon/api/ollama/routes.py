@@ -26,7 +26,7 @@ want a listed name; generation routes as ``/v1/chat/completions`` does (one resi
 any name).
 
 Every error leaves in Ollama's shape, ``{"error": message}``, with its status: ours
-(``ApiError``, renamed to the Ollama field it came from), Quart's HTTP ones, and the rest (500);
+(``ApiError``, naming the Ollama field it came from), Quart's HTTP ones, and the rest (500);
 a stream that fails once started ends with an ``{"error"}`` line. The access rules (API keys,
 origins) are the middleware's, as for ``/v1/*``; a browser's POST must say JSON there too.
 """
@@ -42,18 +42,14 @@ from quart import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
 
 from pantheon import errors
-from pantheon.api import flow
+from pantheon.api import fields, flow
 from pantheon.api import middleware as ops
 from pantheon.api.ollama import listing
 from pantheon.api.ollama import protocol as ol
 from pantheon.api.ollama.generation import OllamaGeneration
 from pantheon.api.openai import embeddings as oe
-from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.protocol import ChatRequest
-from pantheon.api.openai.routes import BIG_BODY, place_chat
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
-from pantheon.control.context import Prepared, fit_context, limit_of
 from pantheon.control.registry import Instance
 from pantheon.errors import ApiError
 
@@ -63,7 +59,7 @@ bp = Blueprint("ollama", __name__)
 
 
 def error_response(e: ApiError) -> Response:
-    return json_response(ol.error_body(e), e.status, e.headers)
+    return json_response(e.ollama_body(), e.status, e.headers)
 
 
 @bp.errorhandler(ApiError)
@@ -211,8 +207,8 @@ async def _embed(legacy: bool) -> Response:
     s = app_state()
     t0 = time.monotonic_ns()
     raw = await request.get_data(cache=False)
-    big = len(raw) > BIG_BODY
-    body = await asyncio.to_thread(oa.load_json, raw) if big else oa.load_json(raw)
+    big = len(raw) > flow.BIG_BODY
+    body = await asyncio.to_thread(fields.load_json, raw) if big else fields.load_json(raw)
     del raw
     ops.body_done()
     if not isinstance(body, dict):
@@ -244,7 +240,7 @@ async def _embed(legacy: bool) -> Response:
             truncate=truncate,
         )
     except ApiError as e:
-        raise _ollama_error(e, name, []) from None
+        raise _ollama_error(e, name) from None
     if legacy:
         return json_response({"embedding": vectors[0]})
     took = time.monotonic_ns() - t0
@@ -272,7 +268,7 @@ async def unknown(rest: str):
 async def _body(kind: type[ol.BodyT]) -> tuple[ol.BodyT, bool]:
     """The request's body, decoded (off the event loop when big), and whether it was big."""
     raw = await request.get_data(cache=False)
-    big = len(raw) > BIG_BODY
+    big = len(raw) > flow.BIG_BODY
     body = await asyncio.to_thread(ol.decode, raw, kind) if big else ol.decode(raw, kind)
     ops.body_done()  # the body's bytes leave the --max-body-in-flight count
     return body, big
@@ -306,70 +302,26 @@ async def _load_or_unload(s: AppState, kind: str, name: str, keep: float | str |
     try:
         inst = s.registry.route(name)
     except ApiError as e:
-        raise _ollama_error(e, name, []) from None
+        raise _ollama_error(e, name) from None
     s.residency.keep(inst.name, keep_alive)
     return json_response(ol.output(kind, inst.name, done=True, reason="load"))
 
 
-def _ollama_error(e: ApiError, name: str | None, where: list[str]) -> ApiError:
+def _ollama_error(e: ApiError, name: str | None) -> ApiError:
+    """Ollama's own wording of a model it does not have; any other error as it is (it names
+    the Ollama field already: ``GenerationRequest.names``)."""
     if e.code == "model_not_found" and e.param == "model":
         return errors.ollama_model_not_found(name or "")
-    return ol.renamed(e, where)
-
-
-async def _place_chat(s: AppState, req: ChatRequest, num_ctx: int | None) -> tuple[Instance, Prepared]:
-    """The chat route's placement; with a ``num_ctx`` below the instance's limit the context is
-    fitted to it instead (capped as a longer conversation is)."""
-    inst, prep = await place_chat(s, req)
-    if num_ctx is None or num_ctx >= limit_of(inst):
-        return inst, prep
-    try:
-        prep = await asyncio.to_thread(fit_context, inst.model_assets, req, limit_of(inst), num_ctx)
-    except BaseException:
-        s.registry.leave(inst)
-        raise
-    return inst, prep
-
-
-def _prepare_raw(inst: Instance, req: ChatRequest, prompt: str, num_ctx: int | None) -> Prepared:
-    """A raw prompt, tokenized as it is (the tokenizer's own special tokens, as
-    ``/v1/completions``); it must fit the context (never capped). Without ``num_predict`` the
-    output may take the rest of the context, as Ollama's."""
-    ids = inst.model_assets.tokenizer.encode(prompt, add_special_tokens=True).ids
-    limit = limit_of(inst) if num_ctx is None else min(limit_of(inst), num_ctx)
-    if req.max_tokens is not None and req.max_tokens >= limit:
-        raise errors.max_tokens_too_large(limit, req.max_tokens)
-    max_tokens = req.max_tokens or limit - len(ids)
-    if max_tokens < 1 or len(ids) + max_tokens > limit:
-        raise errors.prompt_too_long(limit, len(ids), max(max_tokens, 1))
-    return Prepared(ids, "", False, max_tokens)
-
-
-async def _place_raw(
-    s: AppState, req: ChatRequest, prompt: str, num_ctx: int | None
-) -> tuple[Instance, Prepared]:
-    """Place a raw prompt (``pantheon.api.flow.place``), tokenized and checked for the instance
-    (as ``/v1/completions``)."""
-
-    async def prepare(inst: Instance) -> Prepared:
-        return await asyncio.to_thread(_prepare_raw, inst, req, prompt, num_ctx)
-
-    req.model, inst, prep = await flow.place(s, req.model, req.session_id, prepare)
-    return inst, prep
+    return e
 
 
 async def _generate(s: AppState, oreq: ol.Request, kind: str, arrived: float) -> Response:
-    req, raw = oreq.chat, oreq.prompt
-    if raw is not None:
-        prompt = raw
-        place = lambda: _place_raw(s, req, prompt, oreq.num_ctx)
-    else:
-        place = lambda: _place_chat(s, req, oreq.num_ctx)
+    req = oreq.chat
     try:
         adm = await flow.admit(
             s,
             req,
-            place,
+            lambda: flow.place_chat(s, req),
             lambda inst, prep: OllamaGeneration(
                 s.pool,
                 inst,
@@ -379,11 +331,11 @@ async def _generate(s: AppState, oreq: ol.Request, kind: str, arrived: float) ->
                 arrived=arrived,
                 on_tokens=s.feed.tokens,
                 kind=kind,
-                raw=raw is not None,
+                raw=req.prompt is not None,
             ),
         )
     except ApiError as e:
-        raise _ollama_error(e, req.model, oreq.where) from None
+        raise _ollama_error(e, req.model) from None
     return await flow.respond(adm, req.stream, flow.NDJSON)
 
 
@@ -397,7 +349,7 @@ async def chat():
     reasoning = _reasoning(await _peek(s, name))
     session = request.headers.get("X-Session-Id")
 
-    def mapped() -> ol.Request:  # the chat parser's checks: a thread's work for a big body
+    def mapped() -> ol.Request:  # the checks: a thread's work for a big body
         return ol.chat_request(body, name, reasoning=reasoning, header_session=session)
 
     oreq = await asyncio.to_thread(mapped) if big else mapped()

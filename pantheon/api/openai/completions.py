@@ -1,7 +1,7 @@
 """``POST /v1/completions``: the legacy text completion API (lm-eval-harness, aiperf and many
 benchmarks speak it), on the same slots, sampler and stop handling as the chat route.
 
-The request is the chat route's sampling fields (validated by the same parser: ``temperature``,
+The request is the chat route's sampling fields (checked by the same checks, ``pantheon.api.fields``: ``temperature``,
 ``top_p``, ``n``, ``stop``, ``seed``, ``max_tokens``, the penalties, ``logit_bias``, ``stream``,
 ``stream_options``, the extensions) plus:
 
@@ -44,11 +44,9 @@ from typing import Any
 from quart import Blueprint, request
 
 from pantheon import errors
-from pantheon.api import flow
+from pantheon.api import fields, flow, structured
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.protocol import ChatRequest
-from pantheon.api.openai.routes import BIG_BODY, check_token_ids
 from pantheon.api.openai.service import (
     ChoiceRun,
     Generation,
@@ -59,15 +57,17 @@ from pantheon.api.openai.service import (
 from pantheon.api.state import AppState, app_state
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Emitter
-from pantheon.control.context import Prepared, limit_of
+from pantheon.control.context import Prepared, fit
 from pantheon.control.registry import Instance
+from pantheon.core.request import GenerationRequest
 from pantheon.errors import ApiError
-from pantheon.models import generation_defaults
 
 bp = Blueprint("completions", __name__)
 
+OPENAI_MAX_TOKENS = 16  # the completion API's default
+
 MAX_LOGPROBS = 5  # the completion API's own ceiling
-# the body fields the chat parser validates for us (the rest are ours, or refused)
+# the body fields shared with the chat route, checked as there (the rest are ours, or refused)
 _SHARED = (
     "model",
     "max_tokens",
@@ -94,7 +94,7 @@ _SHARED = (
     "cache_salt",
     "keep_alive",
     "prompt_logprobs",
-    # output constraints (pantheon.api.openai.structured), vLLM's names
+    # output constraints (pantheon.api.structured), vLLM's names
     "response_format",
     "structured_outputs",
     "guided_json",
@@ -105,29 +105,32 @@ _SHARED = (
 
 
 class CompletionRequest:
-    """A parsed ``/v1/completions`` body: the chat-shaped sampling request, and the prompt.
+    """A parsed ``/v1/completions`` body: the generation request (its ``prompt`` raw, no
+    template), and what the completion API's output needs of the body.
 
-    ``logprobs``: -1 when not asked; ``score_only``: ``echo`` with ``max_tokens: 0``;
-    ``prompt_logprobs``: the client's own (``chat.prompt_logprobs`` is what the worker is asked
-    for, which ``echo`` with ``logprobs`` needs too)."""
+    ``logprobs``: -1 when not asked; ``prompt_logprobs``: the client's own
+    (``chat.prompt_logprobs`` is what the worker is asked for, which ``echo`` with ``logprobs``
+    needs too)."""
 
     def __init__(
-        self,
-        chat: ChatRequest,
-        prompt: str | list[int],
-        echo: bool,
-        logprobs: int,
-        *,
-        score_only: bool = False,
-        prompt_logprobs: int | None = None,
+        self, chat: GenerationRequest, echo: bool, logprobs: int, *, prompt_logprobs: int | None = None
     ):
-        self.chat, self.prompt, self.echo, self.logprobs = chat, prompt, echo, logprobs
-        self.score_only, self.prompt_logprobs = score_only, prompt_logprobs
+        self.chat, self.echo, self.logprobs, self.prompt_logprobs = chat, echo, logprobs, prompt_logprobs
+
+    @property
+    def prompt(self) -> str | list[int]:
+        assert self.chat.prompt is not None
+        return self.chat.prompt
+
+    @property
+    def score_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt scored, nothing generated."""
+        return self.chat.score_only
 
 
 def parse_completion_request(raw: bytes | str) -> CompletionRequest:
     """Bytes -> ``CompletionRequest``; raises ``ApiError`` (400)."""
-    body = oa.load_json(raw)
+    body = fields.load_json(raw)
     if not isinstance(body, dict):
         raise errors.not_an_object()
     prompt = body.get("prompt")
@@ -142,7 +145,7 @@ def parse_completion_request(raw: bytes | str) -> CompletionRequest:
             raise errors.invalid_param(
                 "prompt", "'prompt' must be a string, token ids, or a list holding one of those"
             )
-        if any(t > oa.INT64_MAX for t in prompt):  # the vocabulary is checked once routed
+        if any(t > fields.INT64_MAX for t in prompt):  # the vocabulary is checked once routed
             raise errors.invalid_param("prompt", "'prompt' holds a token id out of range")
     elif not isinstance(prompt, str):
         raise errors.invalid_param(
@@ -159,57 +162,30 @@ def parse_completion_request(raw: bytes | str) -> CompletionRequest:
     lp = body.get("logprobs")
     if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
         raise errors.invalid_param("logprobs", f"'logprobs' must be an integer 0..{MAX_LOGPROBS}")
-    shared = {k: body[k] for k in _SHARED if k in body}
+    given: dict[str, object] = {k: body[k] for k in _SHARED if k in body}
     # echo with max_tokens 0: score the prompt, generate nothing (what OpenAI's took)
     score_only = echo and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
     if score_only:
-        del shared["max_tokens"]
-    shared["messages"] = [{"role": "user", "content": "-"}]  # not used: there is no template
+        del given["max_tokens"]
     if lp is not None:
-        shared["logprobs"] = True
-        shared["top_logprobs"] = lp
-    chat = oa.parse_chat_request(shared)
+        given["logprobs"] = True
+        given["top_logprobs"] = lp
+    model = fields.string(given.get("model"), "model")
+    # no template, so no messages: the prompt is raw
+    chat = fields.generation_request(given, model=model, messages=[])
+    fields.with_tools(chat, None, ("auto", None), structured.request_grammar(given))
+    chat.prompt, chat.score_only, chat.fallback_max_tokens = prompt, score_only, OPENAI_MAX_TOKENS
     asked = chat.prompt_logprobs
     if echo and lp is not None:  # the prompt's tokens lead the logprobs: the worker computes them
         chat.prompt_logprobs = max(lp, asked or 0)
-    return CompletionRequest(
-        chat, prompt, echo, -1 if lp is None else lp, score_only=score_only, prompt_logprobs=asked
-    )
-
-
-OPENAI_MAX_TOKENS = 16  # the completion API's default
+    return CompletionRequest(chat, echo, -1 if lp is None else lp, prompt_logprobs=asked)
 
 
 def _prepare(inst: Instance, creq: CompletionRequest) -> Prepared:
-    """Fill the request's unset sampling fields from ``inst``'s defaults (in place, as the chat
-    route does), tokenize the prompt and check it fits; a completion prompt is never capped."""
-    defaults = generation_defaults.in_force(inst)
-    generation_defaults.apply(creq.chat, defaults)
-    assets = inst.model_assets
-    if isinstance(creq.prompt, str):
-        ids = assets.tokenizer.encode(creq.prompt, add_special_tokens=True).ids
-    else:
-        ids = list(creq.prompt)
-    check_token_ids(inst, creq.chat, None if isinstance(creq.prompt, str) else ids)
-    if not ids:
-        raise errors.invalid_param("prompt", "'prompt' is empty")
-    limit = limit_of(inst)
-    if creq.chat.max_tokens is not None and creq.chat.max_tokens >= limit:  # whatever the prompt
-        raise errors.max_tokens_too_large(limit, creq.chat.max_tokens)
-    if creq.score_only:  # run as one token, which is dropped
-        if len(ids) + 1 > limit:
-            raise errors.prompt_too_long(limit, len(ids), 1)
-        return Prepared(ids, "", False, 1)
-    ceiling = generation_defaults.ceiling(creq.chat, defaults)
-    if ceiling is not None:  # a default: what the context leaves, up to it
-        max_tokens = min(ceiling, limit - len(ids))
-        if max_tokens < 1:
-            raise errors.prompt_too_long(limit, len(ids), 1)
-        return Prepared(ids, "", False, max_tokens)
-    max_tokens = creq.chat.max_tokens or OPENAI_MAX_TOKENS
-    if len(ids) + max_tokens > limit:
-        raise errors.prompt_too_long(limit, len(ids), max_tokens)
-    return Prepared(ids, "", False, max_tokens)
+    """Check the prompt's token ids against ``inst``'s vocabulary, then fit the request
+    (``pantheon.control.context.fit``: the model's defaults, a raw prompt that must fit)."""
+    flow.check_token_ids(inst, creq.chat, None if isinstance(creq.prompt, str) else list(creq.prompt))
+    return fit(inst, creq.chat)
 
 
 class TextGeneration(Generation):
@@ -370,7 +346,7 @@ async def completions():
     s = app_state()
     arrived = time.monotonic()
     raw = await request.get_data(cache=False)
-    big = len(raw) > BIG_BODY
+    big = len(raw) > flow.BIG_BODY
     creq = await asyncio.to_thread(parse_completion_request, raw) if big else parse_completion_request(raw)
     del raw
     ops.body_done()  # the body's bytes leave the --max-body-in-flight count

@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from quart import Blueprint, request
 
 from pantheon import errors
-from pantheon.api import flow
+from pantheon.api import fields, flow
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.routes import BIG_BODY, vocab_size
-from pantheon.api.openai.service import _pool_error
+from pantheon.api.openai.service import _pool_error, vocab_size
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
 from pantheon.control.context import Prepared, limit_of
@@ -92,7 +91,7 @@ def parse_embeddings_request(raw: bytes | str) -> EmbeddingsRequest:
     dims = body.get("dimensions")
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
         raise errors.invalid_param("dimensions", "'dimensions' must be a positive integer")
-    return EmbeddingsRequest(model, inputs, fmt == "base64", dims, oa.keep_alive_field(body))
+    return EmbeddingsRequest(model, inputs, fmt == "base64", dims, fields.keep_alive_field(body))
 
 
 def embedding_of(inst: Instance) -> EmbeddingSpec | None:
@@ -267,7 +266,7 @@ def encode_base64(v: list[float]) -> str:
 async def embeddings():
     s = app_state()
     raw = await request.get_data(cache=False)
-    big = len(raw) > BIG_BODY
+    big = len(raw) > flow.BIG_BODY
     req = await asyncio.to_thread(parse_embeddings_request, raw) if big else parse_embeddings_request(raw)
     del raw
     ops.body_done()  # the body's bytes leave the --max-body-in-flight count

@@ -1,11 +1,11 @@
 """``POST /v1/responses``: OpenAI's Responses API, stateless, on the chat route's machinery.
 
-A Responses body is mapped to a chat body (:func:`chat_body`) and checked by the chat parser
-(``protocol.parse_chat_request``), so every sampling check, tool schema check and output
-constraint (``text.format`` -> ``response_format`` -> the same llguidance grammar) is the chat
-route's; an error the chat parser raises is renamed to the Responses parameter
-(``max_tokens`` -> ``max_output_tokens``, ``messages[3]`` -> ``input[2]``, ...). Admission is the
-chat route's ``admit``. The output (``ResponseGeneration``) is built by one state machine
+A Responses body is mapped straight to a ``GenerationRequest`` (:func:`generation_request`):
+each value is checked by the checks every front end shares (``pantheon.api.fields``: every
+sampling range, tool check and output constraint, ``text.format`` -> the same llguidance grammar)
+under the Responses name it came in by (``max_output_tokens``, ``input[2].content``,
+``tools[0].name``, ``text.format.schema``), and the request keeps those names for the errors
+after mapping. Admission is the chat route's ``admit``. The output (``ResponseGeneration``) is built by one state machine
 (:class:`OutputBuilder`) for the collected and the streamed answer, so both end in the same
 ``response`` object.
 
@@ -29,7 +29,7 @@ Mapping:
   ``include: ["message.output_text.logprobs"]``), non-function tools, image / file / audio
   inputs, ``item_reference`` and the built-in tools' items.
 
-Extensions passed to the chat parser as they are: ``seed``, ``stop``, the penalties,
+Extensions taken under their chat names, as they are: ``seed``, ``stop``, the penalties,
 ``logit_bias``, ``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_*``,
 ``session_id``, ``cache_salt``, ``chat_template_kwargs``, ``speculative``.
 """
@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -48,18 +47,17 @@ from typing import Any
 from quart import Blueprint, request
 
 from pantheon import errors
-from pantheon.api import flow
+from pantheon.api import fields, flow, structured
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.protocol import ChatRequest
-from pantheon.api.openai.routes import BIG_BODY, place_chat
 from pantheon.api.openai.service import Generation, _pool_error
 from pantheon.api.state import app_state
+from pantheon.core.request import GenerationRequest, Message, Tool
 from pantheon.errors import ApiError, invalid_param
 
 bp = Blueprint("responses", __name__)
 
-# extensions the chat parser checks, passed on as they are
+# extensions under their chat names, checked as there
 _EXTRAS = (
     "seed",
     "stop",
@@ -89,9 +87,9 @@ def _new_id(prefix: str) -> str:
 # ---------------------------------------------------------------- request: the mapping
 
 
-def _parts_text(content: Any, p: str, *, media_word: str = "inputs") -> str:
+def _parts_text(content: object, p: str, *, media_word: str = "inputs") -> str:
     """A string, or a list of text parts joined by newlines; media parts are a 400."""
-    return oa.parts_text(content, p, _TEXT_PARTS, f"this server takes text {media_word} only")
+    return fields.parts_text(content, p, _TEXT_PARTS, f"this server takes text {media_word} only")
 
 
 def _req_str(item: dict, key: str, p: str) -> str:
@@ -108,7 +106,7 @@ def _reasoning_text(item: dict, p: str) -> str:
     return "\n".join(x["text"] for x in parts if isinstance(x, dict) and isinstance(x.get("text"), str))
 
 
-def input_messages(input_: Any, instructions: Any = None) -> tuple[list[dict], list[str]]:
+def input_messages(input_: object, instructions: object = None) -> tuple[list[Message], list[str]]:
     """``instructions`` and ``input`` -> (chat messages, the Responses path each came from).
 
     Raises a 400 naming the item for what is not supported."""
@@ -196,7 +194,7 @@ def input_messages(input_: Any, instructions: Any = None) -> tuple[list[dict], l
     return msgs, where
 
 
-def chat_tools(tools: Any) -> list[dict] | None:
+def chat_tools(tools: object) -> list[Tool] | None:
     """Responses function tools (flat) -> chat tools; any other tool type is a 400."""
     if tools is None:
         return None
@@ -219,7 +217,7 @@ def chat_tools(tools: Any) -> list[dict] | None:
     return out
 
 
-def chat_tool_choice(tc: Any) -> Any:
+def chat_tool_choice(tc: object) -> str | Tool | None:
     """Responses ``tool_choice`` -> chat's."""
     if tc is None or isinstance(tc, str):
         return tc
@@ -234,7 +232,7 @@ def chat_tool_choice(tc: Any) -> Any:
     )
 
 
-def chat_format(text: Any) -> dict | None:
+def chat_format(text: object) -> dict[str, object] | None:
     """Responses ``text`` (its ``format``) -> chat's ``response_format``."""
     if text is None:
         return None
@@ -277,76 +275,69 @@ def _refuse(body: dict) -> None:
             raise invalid_param("include", "logprobs are not supported on /v1/responses")
 
 
-def _rename(param: str, where: list[str]) -> str:
-    """A chat parameter's name -> the Responses one it came from."""
-    m = re.match(r"messages\[(\d+)\](.*)", param)
-    if m:
-        i = int(m.group(1))
-        return (where[i] if i < len(where) else "input") + m.group(2)
-    for old, new in (
-        ("max_completion_tokens", "max_output_tokens"),
-        ("max_tokens", "max_output_tokens"),
-        ("response_format.json_schema", "text.format"),
-        ("response_format", "text.format"),
-        ("tool_choice.function.name", "tool_choice.name"),
-        ("reasoning_effort", "reasoning.effort"),
-    ):
-        if param == old or param.startswith(old + "."):
-            return new + param[len(old) :]
-    m = re.match(r"(tools\[\d+\])\.function(.*)", param)
-    if m:
-        return m.group(1) + m.group(2)
-    return param
-
-
-def renamed(e: ApiError, where: list[str]) -> ApiError:
-    """``e`` with its parameter (and the name in its message) in the Responses API's terms."""
-    if e.param is None:
-        return e
-    new = _rename(e.param, where)
-    if new != e.param:
-        e.message = e.message.replace(f"'{e.param}'", f"'{new}'")
-        e.param = new
-        e.args = (e.message,)
-    return e
-
-
 class ResponsesRequest:
-    """A parsed ``/v1/responses`` body: the chat request it maps to, and the fields the
+    """A parsed ``/v1/responses`` body: the generation request it maps to, and the fields the
     response object echoes."""
 
-    def __init__(self, chat: ChatRequest, echo: dict[str, Any], where: list[str]):
-        self.chat, self.echo, self.where = chat, echo, where
+    def __init__(self, chat: GenerationRequest, echo: dict[str, object]):
+        self.chat, self.echo = chat, echo
 
 
-def chat_body(body: dict) -> tuple[dict, list[str]]:
-    """A Responses body -> (the chat body it maps to, where each message came from)."""
+def generation_request(body: dict[str, object], header_session: str | None = None) -> GenerationRequest:
+    """A Responses body -> its ``GenerationRequest``: each value checked under the Responses
+    field it came from (``max_output_tokens``, ``tools[0].name``, ``text.format.schema``)."""
     _refuse(body)
-    msgs, where = input_messages(body.get("input"), body.get("instructions"))
-    out: dict[str, Any] = {"messages": msgs}
-    for key in ("model", "temperature", "top_p", "stream", "user", "parallel_tool_calls", *_EXTRAS):
-        if body.get(key) is not None:
-            out[key] = body[key]
-    if body.get("max_output_tokens") is not None:
-        out["max_tokens"] = body["max_output_tokens"]
+    msgs, _where = input_messages(body.get("input"), body.get("instructions"))
+    messages = [
+        fields.message(
+            fields.role(m["role"], "role"),
+            m["content"],
+            tool_calls=m.get("tool_calls"),
+            reasoning=m.get("reasoning_content"),
+            tool_call_id=m.get("tool_call_id"),
+            name=m.get("name"),
+        )
+        for m in msgs
+    ]
+    tools, choice, rf = (
+        chat_tools(body.get("tools")),
+        chat_tool_choice(body.get("tool_choice")),
+        chat_format(body.get("text")),
+    )
+    given: dict[str, object] = {
+        k: body[k]
+        for k in ("temperature", "top_p", "stream", "user", "parallel_tool_calls", *_EXTRAS)
+        if body.get(k) is not None
+    }
+    names = {"max_tokens": "max_output_tokens", "reasoning_effort": "reasoning.effort"}
+    given["max_tokens"] = body.get("max_output_tokens")
     if body.get("session_id") is None and isinstance(body.get("prompt_cache_key"), str):
-        out["session_id"] = body["prompt_cache_key"]
-    tools = chat_tools(body.get("tools"))
-    if tools is not None:
-        out["tools"] = tools
-    tc = chat_tool_choice(body.get("tool_choice"))
-    if tc is not None:
-        out["tool_choice"] = tc
-    rf = chat_format(body.get("text"))
-    if rf is not None:
-        out["response_format"] = rf
+        given["session_id"] = body["prompt_cache_key"]
     reasoning = body.get("reasoning")
-    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
-        out["reasoning_effort"] = reasoning["effort"]  # the template's, as chat's (gpt-oss)
-    return out, where
+    if isinstance(reasoning, dict):  # the template's, as chat's (gpt-oss)
+        given["reasoning_effort"] = reasoning.get("effort")
+    model = fields.string(body.get("model"), "model")
+    req = fields.generation_request(
+        given, model=model, messages=messages, names=names, header_session=header_session
+    )
+    checked: list[Tool] = []
+    for i, t in enumerate(tools or []):
+        checked.append(fields.function_tool(t["function"], f"tools[{i}]", checked))
+    tools = checked or None
+    if choice is None:
+        tool_choice: tuple[str, str | None] = ("auto", None)
+    elif isinstance(choice, str):
+        tool_choice = fields.tool_choice_mode(choice, tools)
+    else:
+        tool_choice = fields.named_tool_choice(choice["function"]["name"], tools, "tool_choice.name")
+    constraint = fields.TEXT if rf is None else structured.response_format(rf, "text.format", "text.format")
+    paths = [f"tools[{i}]" for i in range(len(tools or []))]
+    return fields.with_tools(
+        req, tools, tool_choice, constraint, constraint_param="text.format", tool_paths=paths
+    )
 
 
-def _echo(body: dict, chat: ChatRequest) -> dict[str, Any]:
+def _echo(body: dict, chat: GenerationRequest) -> dict[str, object]:
     """The request fields every response object carries."""
     tools = [
         {
@@ -392,17 +383,15 @@ def _echo(body: dict, chat: ChatRequest) -> dict[str, Any]:
     }
 
 
-def parse_responses_request(raw: bytes | str | Any, *, header_session: str | None = None) -> ResponsesRequest:
+def parse_responses_request(
+    raw: bytes | str | object, *, header_session: str | None = None
+) -> ResponsesRequest:
     """Bytes (or a decoded body) -> ``ResponsesRequest``; raises ``ApiError`` (400)."""
     body = oa.load_json(raw) if isinstance(raw, (bytes, bytearray, str)) else raw
     if not isinstance(body, dict):
         raise errors.not_an_object()
-    out, where = chat_body(body)
-    try:
-        chat = oa.parse_chat_request(out, header_session=header_session)
-    except ApiError as e:
-        raise renamed(e, where) from None
-    return ResponsesRequest(chat, _echo(body, chat), where)
+    chat = generation_request(body, header_session)
+    return ResponsesRequest(chat, _echo(body, chat))
 
 
 # ---------------------------------------------------------------- response: the output items
@@ -682,7 +671,7 @@ async def responses():
     arrived = time.monotonic()
     raw = await request.get_data(cache=False)
     session = request.headers.get("X-Session-Id")
-    big = len(raw) > BIG_BODY
+    big = len(raw) > flow.BIG_BODY
     if big:
         rreq = await asyncio.to_thread(parse_responses_request, raw, header_session=session)
     else:
@@ -690,22 +679,19 @@ async def responses():
     del raw
     ops.body_done()  # the body's bytes leave the --max-body-in-flight count
     req = rreq.chat
-    try:
-        adm = await flow.admit(
-            s,
+    adm = await flow.admit(
+        s,
+        req,
+        lambda: flow.place_chat(s, req),
+        lambda inst, prep: ResponseGeneration(
+            s.pool,
+            inst,
             req,
-            lambda: place_chat(s, req),
-            lambda inst, prep: ResponseGeneration(
-                s.pool,
-                inst,
-                req,
-                prep,
-                s.config.fingerprint,
-                arrived=arrived,
-                on_tokens=s.feed.tokens,
-                rreq=rreq,
-            ),
-        )
-    except ApiError as e:
-        raise renamed(e, rreq.where) from None
+            prep,
+            s.config.fingerprint,
+            arrived=arrived,
+            on_tokens=s.feed.tokens,
+            rreq=rreq,
+        ),
+    )
     return await flow.respond(adm, req.stream)

@@ -2,15 +2,14 @@
 
 A chat request, in order: parse and check it -> route it to a replica (``Registry.route``: 404
 or 503 before any work) -> fill the sampling fields it left out from that model's defaults
-(``pantheon.models.generation_defaults``) -> fit its context
-(``pantheon.control.context.fit_context``: pass, cap or deny, 400) -> acquire a slot (``Registry.acquire_slot``: fast path, FIFO queue, memory
+(``pantheon.models.generation_defaults``) and fit its context
+(``pantheon.control.context.fit``: pass, cap or deny, 400) -> acquire a slot (``Registry.acquire_slot``: fast path, FIFO queue, memory
 pressure: 429 / 503; while its model restarts after a worker death ``Supervisor.await_recovery``
 holds it) -> submit a ``Generation`` to the instance's worker -> emit one JSON body or an SSE
 stream -> release the slot, even when the client went away first.
 
 The steps between parsing and rendering are ``pantheon.api.flow``'s, which every model-serving
-route shares; ``place_chat`` is the chat request's placement (the Responses and Ollama chat
-routes use it too).
+route shares (``flow.place_chat``: a generation request's placement, every generating route's).
 """
 
 from __future__ import annotations
@@ -24,17 +23,14 @@ from pantheon import errors
 from pantheon.api import flow
 from pantheon.api import middleware as ops
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.protocol import ChatRequest
-from pantheon.api.openai.service import Generation, checked_constraint, needs_constraint, vocab_size
+from pantheon.api.openai.service import Generation
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
-from pantheon.control.context import Prepared, fit_context, limit_of
+from pantheon.control.context import limit_of
 from pantheon.control.registry import Instance
 from pantheon.models import generation_defaults
 
 bp = Blueprint("openai", __name__)
-
-BIG_BODY = 32768  # bytes: a body this long is tokenized off the event loop
 
 
 def _model_objects(s: AppState) -> list[dict]:
@@ -83,65 +79,13 @@ async def get_model(model_id: str):
     raise errors.model_not_found(model_id)
 
 
-def check_token_ids(inst: Instance, req: ChatRequest, prompt: list[int] | None = None) -> None:
-    """A 400 naming the field for a token id ``inst``'s model does not have (``logit_bias``'s
-    keys, a completion prompt's ids), before any slot: a stream would only have an error event.
-    A model that only embeds (BERT) is a 400 here: every generating route comes through."""
-    if not getattr(inst.shape, "can_generate", True):
-        raise errors.model_cannot_generate(inst.name)
-    vocab = vocab_size(inst)
-    if prompt is not None:
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise errors.invalid_param(
-                "prompt", f"'prompt' token id {bad} is outside the vocabulary (0..{vocab - 1})"
-            )
-    bad = next((t for t in req.logit_bias if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise errors.invalid_param(
-            "logit_bias", f"'logit_bias' token id {bad} is outside the vocabulary (0..{vocab - 1})"
-        )
-
-
-async def _fit_context(inst: Instance, req: ChatRequest) -> Prepared:
-    """Fill ``req``'s unset sampling fields from ``inst``'s defaults (in place: the generation
-    is built from this same request; see ``generation_defaults``), then render and tokenize for
-    ``inst`` and fit the context to its limit (pass / cap / 400); a default ``max_tokens``
-    caps the fitted one.
-
-    Always off the event loop: a model's template is its author's code, and even bounded
-    (``chat/template.py``: 0.5 s, sizes) it must never hold /health, other streams or signals."""
-    defaults = generation_defaults.in_force(inst)
-    generation_defaults.apply(req, defaults)
-    prep = await asyncio.to_thread(fit_context, inst.model_assets, req, limit_of(inst), limit_of(inst))
-    prep.max_tokens = generation_defaults.capped(req, defaults, prep.max_tokens)
-    return prep
-
-
-async def place_chat(s: AppState, req: ChatRequest) -> tuple[Instance, Prepared]:
-    """Place a chat request (``pantheon.api.flow.place``): its token ids checked, its defaults
-    filled, its context fitted and its constraint checked for the instance, all before a slot;
-    ``req.model`` becomes the model's name (an alias resolved). Returns the instance holding a
-    slot and the request's ``Prepared``."""
-
-    async def prepare(inst: Instance) -> Prepared:
-        check_token_ids(inst, req)
-        prep = await _fit_context(inst, req)
-        if needs_constraint(req, prep):  # what the model cannot enforce is a 400 before any slot
-            prep.constraint = await asyncio.to_thread(checked_constraint, inst, req, prep)
-        return prep
-
-    req.model, inst, prep = await flow.place(s, req.model, req.session_id, prepare)
-    return inst, prep
-
-
 @bp.post("/v1/chat/completions", provide_automatic_options=False)
 async def chat():
     s = app_state()
     arrived = time.monotonic()
     raw = await request.get_data(cache=False)
     session = request.headers.get("X-Session-Id")
-    big = len(raw) > BIG_BODY
+    big = len(raw) > flow.BIG_BODY
     if big:  # parsing and checking megabytes is work for a thread, not the loop
         req = await asyncio.to_thread(oa.parse_chat_request, raw, header_session=session)
     else:
@@ -151,7 +95,7 @@ async def chat():
     adm = await flow.admit(
         s,
         req,
-        lambda: place_chat(s, req),
+        lambda: flow.place_chat(s, req),
         lambda inst, prep: Generation(
             s.pool, inst, req, prep, s.config.fingerprint, arrived=arrived, on_tokens=s.feed.tokens
         ),

@@ -30,10 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pantheon import errors
-from pantheon.api import auth
+from pantheon.api import auth, structured
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai import structured
-from pantheon.api.openai.protocol import ChatRequest
 from pantheon.chat.answer_form import CallOrReply
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Delta
@@ -42,7 +40,9 @@ from pantheon.chat.tools import JSON_TOOL_FORMAT, forced_call_prefix
 from pantheon.control.context import Prepared
 from pantheon.control.registry import Instance
 from pantheon.core.protocol import PromptLogprobs, Submit, TokenOut
+from pantheon.core.request import GenerationRequest
 from pantheon.errors import ApiError
+from pantheon.logs import RequestTrace
 from pantheon.models.assets import ModelAssets
 from pantheon.workerlink.pool import RequestRejectedError, WorkerDied, WorkerPool
 from pantheon.workerlink.streams import RequestStream
@@ -141,7 +141,7 @@ def _is_json(text: str) -> bool:
 
 # ---------------------------------------------------------------- a constraint and the model
 
-# The request parameter a constraint came from, by ``ChatRequest.response_format`` (its kind).
+# The request parameter a constraint came from, by ``GenerationRequest.response_format`` (its kind).
 _CONSTRAINT_PARAMS = {
     "json_object": "response_format",
     "json_schema": "response_format",
@@ -178,11 +178,11 @@ Constraint = tuple[str | None, list[int], int]  # (grammar, ids it starts after,
 NO_CONSTRAINT: Constraint = (None, [], -1)
 
 
-def _forced_call(req: ChatRequest) -> bool:
+def _forced_call(req: GenerationRequest) -> bool:
     return bool(req.tools) and req.tools_enabled and req.tool_choice in ("required", "function")
 
 
-def needs_constraint(req: ChatRequest, prep: Prepared) -> bool:
+def needs_constraint(req: GenerationRequest, prep: Prepared) -> bool:
     """Whether ``req``'s output is constrained: a grammar, a demanded tool call, or a
     call-or-reply answer (``prep.answer_form``)."""
     return req.grammar is not None or _forced_call(req) or prep.answer_form
@@ -199,7 +199,7 @@ def tool_format(inst: Instance, prep: Prepared) -> str:
     return fmt
 
 
-def constraint_of(inst: Instance, req: ChatRequest, prep: Prepared) -> Constraint:
+def constraint_of(inst: Instance, req: GenerationRequest, prep: Prepared) -> Constraint:
     """The grammar the output must match (a demanded tool call's, else the request's), and
     where it starts on a reasoning model: after ``</think>`` when the template opened the
     block; when the model may open one itself, its ``<think>`` id (else -1); on a Harmony
@@ -249,7 +249,7 @@ def marker_ids(inst: Instance) -> Callable[[str], int | None]:
     return lambda m: assets.tokenizer.token_to_id(m) if m in markers else None
 
 
-def checked_constraint(inst: Instance, req: ChatRequest, prep: Prepared) -> Constraint:
+def checked_constraint(inst: Instance, req: GenerationRequest, prep: Prepared) -> Constraint:
     """``constraint_of``, run on a matcher over ``inst``'s own vocabulary first: a 400 naming
     the parameter when the model cannot enforce it (up to 0.25 s: call it off the event loop)."""
     if not needs_constraint(req, prep):
@@ -259,7 +259,9 @@ def checked_constraint(inst: Instance, req: ChatRequest, prep: Prepared) -> Cons
         param = (
             "tools"
             if _forced_call(req) or prep.answer_form
-            else _CONSTRAINT_PARAMS.get(req.response_format, "response_format")
+            # the client's field (Ollama's format, Responses' text.format), else the chat body's
+            else req.names.get("response_format")
+            or _CONSTRAINT_PARAMS.get(req.response_format, "response_format")
         )
         structured.check_for_model(c[0], model_tokenizer(inst), param)
     return c
@@ -368,7 +370,7 @@ class Generation:
         self,
         pool: WorkerPool,
         inst: Instance,
-        req: ChatRequest,
+        req: GenerationRequest,
         prep: Prepared,
         fingerprint: str,
         *,
@@ -387,7 +389,7 @@ class Generation:
         self._streams: list = []
         self.closing = False
         self.ending: ApiError | None = None  # why end() stopped it
-        self.trace = None  # the request's logs.RequestTrace (set by ops.attach), if any
+        self.trace: RequestTrace | None = None  # the request's (set by ops.attach), if any
         self.arrived = time.monotonic() if arrived is None else arrived
         self.first_token_at: float | None = None
         self.on_tokens = on_tokens

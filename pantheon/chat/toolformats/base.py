@@ -13,7 +13,7 @@ template teaches it. One :class:`ToolFormat` per format says everything Pantheon
   reads calls in the output (``parser`` builds the output parser; Harmony and Gemma 4 have their
   own); ``stream``: a call's name and its arguments as they are written, before its block ends;
 - ``forced_prefix`` / ``call_lark``: what a demanded call's prompt ends with, and the Lark grammar
-  of the rest (``pantheon.api.openai.structured.tool_grammar`` compiles it);
+  of the rest (``pantheon.api.structured.tool_grammar`` compiles it);
 - ``grammar_start``: where a grammar starts on a reasoning model (after its reasoning).
 
 Adding a format is one module in this package and one line in its ``FORMATS``.

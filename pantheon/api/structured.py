@@ -49,7 +49,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import llguidance as llg
 from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -143,7 +142,7 @@ def _bytes() -> llg.LLTokenizer:
     return _bytes_tokenizer
 
 
-def _verdict(key: str, judge: Any) -> str:
+def _verdict(key: str, judge: Callable[[], str]) -> str:
     with _lock:
         verdict = _verdicts.get(key)
     if verdict is None:
@@ -210,7 +209,7 @@ def _sized(text: str, param: str) -> str:
     return text
 
 
-def json_schema_grammar(schema: Any, param: str, *, strict: bool = True) -> str:
+def json_schema_grammar(schema: object, param: str, *, strict: bool = True) -> str:
     """The grammar of one JSON Schema (an object, or its JSON text)."""
     if isinstance(schema, str):
         try:
@@ -230,13 +229,13 @@ def json_schema_grammar(schema: Any, param: str, *, strict: bool = True) -> str:
     return check(grammar, param)
 
 
-def regex_grammar(regex: Any, param: str) -> str:
+def regex_grammar(regex: object, param: str) -> str:
     if not isinstance(regex, str) or not regex:
         raise invalid_param(param, f"'{param}' must be a non-empty string")
     return check(llg.LLMatcher.grammar_from_regex(_sized(regex, param)), param)
 
 
-def choice_grammar(choices: Any, param: str) -> str:
+def choice_grammar(choices: object, param: str) -> str:
     if (
         not isinstance(choices, list)
         or not choices
@@ -248,7 +247,7 @@ def choice_grammar(choices: Any, param: str) -> str:
     return check(llg.LLMatcher.grammar_from_lark(_sized(f"start: {alts}\n", param)), param)
 
 
-def lark_grammar(text: Any, param: str) -> str:
+def lark_grammar(text: object, param: str) -> str:
     """A Lark grammar, or a GBNF one (``root ::= ...``) converted to Lark."""
     if not isinstance(text, str) or not text.strip():
         raise invalid_param(param, f"'{param}' must be a non-empty grammar string")
@@ -261,38 +260,34 @@ def lark_grammar(text: Any, param: str) -> str:
     return check(llg.LLMatcher.grammar_from_lark(text), param)
 
 
-def _response_format(rf: Any) -> tuple[str, str | None]:
-    """(the format's type, its grammar or None for text)."""
+def response_format(
+    rf: object, p: str = "response_format", schema_p: str | None = None
+) -> tuple[str, str | None]:
+    """OpenAI's ``response_format`` object at ``p`` -> (the format's type, its grammar or None
+    for text); its ``json_schema`` fields (``name``, ``schema``, ``strict``) are at ``schema_p``
+    (``response_format.json_schema``; on Responses, ``text.format`` itself)."""
     if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-        raise invalid_param("response_format", "'response_format' must be an object with a 'type'")
+        raise invalid_param(p, f"'{p}' must be an object with a 'type'")
     kind = rf["type"]
     if kind == "text":
         return kind, None
     if kind == "json_object":
-        return kind, json_schema_grammar({"type": "object"}, "response_format")
+        return kind, json_schema_grammar({"type": "object"}, p)
     if kind == "json_schema":
         js = rf.get("json_schema")
+        jp = schema_p or f"{p}.json_schema"
         if not isinstance(js, dict):
-            raise invalid_param(
-                "response_format.json_schema", "'response_format.json_schema' must be an object"
-            )
+            raise invalid_param(jp, f"'{jp}' must be an object")
         name = js.get("name")
         if not isinstance(name, str) or not name:
-            raise invalid_param(
-                "response_format.json_schema.name", "'response_format.json_schema.name' is required"
-            )
+            raise invalid_param(f"{jp}.name", f"'{jp}.name' is required")
         strict = js.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise invalid_param("response_format.json_schema.strict", "'strict' must be a boolean")
+            raise invalid_param(f"{jp}.strict", "'strict' must be a boolean")
         if "schema" not in js:  # OpenAI: no schema means any JSON
-            return kind, json_schema_grammar({}, "response_format.json_schema.schema")
-        return kind, json_schema_grammar(
-            js["schema"], "response_format.json_schema.schema", strict=strict is not False
-        )
-    raise invalid_param(
-        "response_format.type",
-        f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
-    )
+            return kind, json_schema_grammar({}, f"{jp}.schema")
+        return kind, json_schema_grammar(js["schema"], f"{jp}.schema", strict=strict is not False)
+    raise invalid_param(f"{p}.type", f"{p} type {kind!r} is not supported (text, json_object, json_schema)")
 
 
 _GUIDED = {  # vLLM's request extras, and their names under ``structured_outputs``
@@ -309,7 +304,7 @@ def request_grammar(body: dict) -> tuple[str, str | None]:
     Raises a 400 for a malformed or unenforceable constraint, or for more than one of them."""
     found: list[tuple[str, str, str | None]] = []  # (param, kind, grammar)
     if body.get("response_format") is not None:
-        kind, grammar = _response_format(body["response_format"])
+        kind, grammar = response_format(body["response_format"])
         if grammar is not None:
             found.append(("response_format", kind, grammar))
     for key, (short, build) in _GUIDED.items():
@@ -343,14 +338,16 @@ def request_grammar(body: dict) -> tuple[str, str | None]:
 # ---------------------------------------------------------------- tool calls
 
 
-def check_tool_schemas(tools: Sequence[dict], names: Sequence[str] | None = None) -> None:
-    """400 if a tool a call may be forced to has parameters that cannot be enforced."""
+def check_tool_schemas(
+    tools: Sequence[dict], names: Sequence[str] | None = None, paths: Sequence[str] | None = None
+) -> None:
+    """400 if a tool a call may be forced to has parameters that cannot be enforced, naming
+    ``paths[i].parameters`` (where the client put tool i's fields; ``tools[i].function``)."""
     for i, tool in enumerate(tools):
         fn = tool.get("function", {})
         if names is None or fn.get("name") in names:
-            json_schema_grammar(
-                parameters(tool), f"tools[{i}].function.parameters", strict=fn.get("strict") is not False
-            )
+            p = f"tools[{i}].function" if paths is None else paths[i]
+            json_schema_grammar(parameters(tool), f"{p}.parameters", strict=fn.get("strict") is not False)
 
 
 def call_or_reply_grammar(tools: Sequence[dict], *, parallel: bool = True) -> str:
