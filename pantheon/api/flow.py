@@ -31,6 +31,7 @@ from quart import Response
 
 from pantheon import errors
 from pantheon.api import middleware as ops
+from pantheon.api import structured
 from pantheon.api.openai.service import Generation, checked_constraint, needs_constraint, vocab_size
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState
@@ -114,6 +115,12 @@ async def place_chat(s: AppState, req: GenerationRequest) -> tuple[Instance, Pre
     filled, its context fitted and its constraint checked for the instance, all before a slot;
     ``req.model`` becomes the model's name (an alias resolved). Returns the instance holding a
     slot and the request's ``Prepared``."""
+
+    if req.answer_grammar is not None and req.tools and s.config.ops.tool_auto == "decide":
+        # every answer a call or a reply (--tool-auto decide): the grammar without prose
+        req.answer_grammar = structured.call_or_reply_grammar(
+            req.tools, parallel=req.parallel_tool_calls, prose=False
+        )
 
     async def prepare(inst: Instance) -> Prepared:
         check_token_ids(inst, req)

@@ -350,18 +350,24 @@ def check_tool_schemas(
             json_schema_grammar(parameters(tool), f"{p}.parameters", strict=fn.get("strict") is not False)
 
 
-def call_or_reply_grammar(tools: Sequence[dict], *, parallel: bool = True) -> str:
+def call_or_reply_grammar(tools: Sequence[dict], *, parallel: bool = True, prose: bool = False) -> str:
     """The grammar of a call-or-reply answer (``pantheon.chat.answer_form``): one JSON object,
     ``{"response": "..."}`` (a non-empty string), ``{"tool_call": CALL}`` or, with ``parallel``,
     ``{"tool_calls": [CALL, ...]}``, each CALL one of ``tools`` with arguments of its schema.
-    The schemas are read leniently: the client asked for no enforcement, and an agent's schema
-    with a keyword llguidance lacks should still get its calls (``required`` checks them
-    strictly up front, ``protocol.parse_chat_request``)."""
+    With ``prose`` it is lazy, as llama.cpp's tool grammars are: an answer that does not open
+    with ``{`` is free text (a reply as the model writes it), one that does is held to the forms
+    from there. The schemas are read leniently: the client asked for no enforcement, and an
+    agent's schema with a keyword llguidance lacks should still get its calls (``required``
+    checks them strictly up front, ``protocol.parse_chat_request``)."""
     text = json.dumps({"type": "string", "minLength": 1, "x-guidance": JSON_STYLE})
     forms = ['"{\\"response\\": " text "}"', '"{\\"tool_call\\": " call "}"']
     if parallel:
         forms.append('"{\\"tool_calls\\": [" call (", " call)* "]}"')
-    lark = f"start: {' | '.join(forms)}\ntext: %json {text}\ncall: %json {json.dumps(call_schema(tools, lenient=True))}\n"
+    rules = [f"text: %json {text}", f"call: %json {json.dumps(call_schema(tools, lenient=True))}"]
+    if prose:  # text whose first character is neither "{" (a form's) nor a blank (no form's)
+        forms.insert(0, "PROSE")
+        rules.append("PROSE: /[^{\\s][\\s\\S]*/")
+    lark = f"start: {' | '.join(forms)}\n" + "".join(r + "\n" for r in rules)
     return check(llg.LLMatcher.grammar_from_lark(lark), "tools")
 
 

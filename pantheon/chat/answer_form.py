@@ -11,7 +11,12 @@ one JSON object in a form the grammar enforces (``structured.call_or_reply_gramm
     {"tool_calls": [{"name": ..., "arguments": {...}}, ...]}    (unless parallel_tool_calls is false)
     {"response": "It is sunny."}
 
-so the model's one free decision is the key after ``{"``: call or reply. :func:`with_answer_prompt`
+so the model's one free decision is the key after ``{"``: call or reply. That is ``--tool-auto
+decide``. The default, ``lazy``, lets the answer also be prose from its first token (the grammar's
+``prose``), as llama.cpp's tool grammars are lazy: an answer that opens with ``{`` is held to the
+forms, any other is the model's text; SmolLM2-135M then answers every prompt in
+``bench/tool_auto.py`` in prose, as llama-server does with this file, and calls a tool only
+where a client pushes it to (issue 40 section 5). :func:`with_answer_prompt`
 writes the prompt (the tools and this form) and rewrites the conversation's past assistant turns
 into the form (a call it made as ``{"tool_call": ...}``, a reply as ``{"response": ...}``), so
 the model sees its own history as it would have written it, and after the results of its calls

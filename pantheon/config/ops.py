@@ -53,6 +53,7 @@ class OpsConfig(msgspec.Struct, frozen=True, kw_only=True):
     driver_sample: bool = _d("ops.driver_sample")
     prefill_batch: bool = _d("ops.prefill_batch")
     step_stats: bool = _d("ops.step_stats")
+    tool_auto: str = _d("ops.tool_auto")  # "lazy" | "decide" (pantheon/chat/answer_form.py)
     kv_q4: bool = _d("ops.kv_q4")
     async_poll_us: int | None = _d("ops.async_poll_us")  # None: the worker's own 50 ms
     cpu_path: str = _d("ops.cpu_path")  # CPU dies' linear-layer path (workers/cpu_paths.py)

@@ -192,6 +192,18 @@ def _cpu_path(v: str, what: str) -> str:
     return v
 
 
+TOOL_AUTO = (
+    "lazy",
+    "decide",
+)  # tool_choice "auto" on a template that takes no tools (pantheon.chat.answer_form)
+
+
+def _tool_auto(v: str, what: str) -> str:
+    if v not in TOOL_AUTO:
+        raise ConfigError(f"{what} {v!r}: use one of {', '.join(TOOL_AUTO)}")
+    return v
+
+
 def _kv_type(v: str, what: str) -> str:
     from pantheon.core.kv_types import KV_TYPES  # torch-free
 
@@ -811,6 +823,20 @@ SETTINGS: tuple[Setting, ...] = (
         "workers log every engine step's timing to stderr",
         ("PANTHEON_STEP_STATS", "QWEN35_BS_STATS"),
         field="ops.step_stats",
+    ),
+    # tool_choice "auto" where the chat template takes no tools (pantheon/chat/answer_form.py)
+    Setting(
+        "tool_auto",
+        "str",
+        "lazy",
+        'tool_choice "auto" on a model whose chat template takes no tools: lazy (the model '
+        "answers in prose, or opens a JSON call that the grammar then holds to the tools, as "
+        "llama.cpp's lazy tool grammars) or decide (every answer is a JSON call or reply: a small "
+        "model that is not trained on tools then calls them, and sometimes where none is needed)",
+        ("PANTHEON_TOOL_AUTO",),
+        metavar="MODE",
+        field="ops.tool_auto",
+        check=_tool_auto,
     ),
     # the KV cache's element types (pantheon/core/kv_types.py: llama.cpp's names and layouts)
     Setting(

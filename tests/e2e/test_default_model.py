@@ -22,15 +22,25 @@ needs_smollm2 = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def default_srv(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("default")
-    s = Server([], tmp / "serve.log", env={"PANTHEON_CACHE_DIR": str(tmp / "cache")})
+def _default_server(tmp, *args: str):
+    s = Server(list(args), tmp / "serve.log", env={"PANTHEON_CACHE_DIR": str(tmp / "cache")})
     try:
         s.wait_ready((server_cli.DEFAULT_MODEL_NAME,), timeout=240)
         yield s
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def default_srv(tmp_path_factory):
+    """``pantheon serve`` as it starts: the built-in default model, every setting at its default."""
+    yield from _default_server(tmp_path_factory.mktemp("default"))
+
+
+@pytest.fixture(scope="module")
+def decide_srv(tmp_path_factory):
+    """The same with ``--tool-auto decide``: under ``auto`` every answer is a call or a reply."""
+    yield from _default_server(tmp_path_factory.mktemp("decide"), "--tool-auto", "decide")
 
 
 @needs_smollm2
@@ -67,13 +77,24 @@ WEATHER_TOOL = {
 WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+def _tokenize(srv: Server, text: str) -> list[int]:
+    r = httpx.post(
+        srv.url + "/tokenize",
+        json={"model": server_cli.DEFAULT_MODEL_NAME, "prompt": text, "add_special_tokens": False},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
 @needs_smollm2
-def test_tools_reach_a_template_without_a_tools_section(default_srv):
+def test_auto_is_lazy_prose_or_a_call_held_to_the_tools(default_srv):
     """SmolLM2's template renders no tools: they go into the system message (issue 26 §2), which
-    usage.prompt_tokens counts, and under auto the answer is call-or-reply JSON under a grammar
-    (pantheon.chat.answer_form): the 135M model, which answered this in prose before, calls the
-    tool, the same streamed and not; a question that needs none it answers in content, streamed
-    token by token."""
+    usage.prompt_tokens counts. Under ``auto`` (``--tool-auto lazy``, the default: issue 40 §5)
+    the model may answer in prose from its first token, as it does here for a greeting and for
+    the weather alike (llama-server --jinja made no call on these either); an answer that opens
+    with ``{`` is held to the call-or-reply forms: pushed there with a logit bias, the weather
+    question becomes a get_weather call with arguments of its schema, the same streamed."""
     c = default_srv.client()
     m = server_cli.DEFAULT_MODEL_NAME
     plain = c.chat.completions.create(model=m, messages=WEATHER_Q, max_tokens=4, temperature=0)
@@ -82,6 +103,44 @@ def test_tools_reach_a_template_without_a_tools_section(default_srv):
     )
     auto = c.chat.completions.create(**kw)
     assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 100, (plain.usage, auto.usage)
+    hello = dict(kw, messages=[{"role": "user", "content": "Hello! How are you?"}])
+    for req in (kw, hello):
+        reply = c.chat.completions.create(**req).choices[0]
+        assert reply.message.tool_calls is None and reply.message.content, reply
+        assert not reply.message.content.lstrip().startswith("{"), reply.message.content
+        pieces = [
+            ch.choices[0].delta.content
+            for ch in c.chat.completions.create(**req, stream=True)
+            if ch.choices and ch.choices[0].delta.content
+        ]
+        assert "".join(pieces) == reply.message.content and len(pieces) > 2
+
+    [brace] = _tokenize(default_srv, "{")
+    opened = dict(kw, logit_bias={str(brace): 8})  # 4 already opens a form here; 30 fills strings with "{"
+    choice = c.chat.completions.create(**opened).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+    [call] = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(**opened, stream=True) if ch.choices]
+    args = "".join(tc.function.arguments or "" for ch in chunks for tc in ch.delta.tool_calls or [])
+    assert args == call.function.arguments and chunks[-1].finish_reason == "tool_calls"
+
+
+@needs_smollm2
+def test_decide_makes_every_answer_a_call_or_a_reply(decide_srv):
+    """``--tool-auto decide``: the answer is call-or-reply JSON under a grammar
+    (pantheon.chat.answer_form): the 135M model, which answers this in prose, calls the tool,
+    the same streamed and not; a greeting it answers in content, streamed token by token."""
+    c = decide_srv.client()
+    kw = dict(
+        model=server_cli.DEFAULT_MODEL_NAME,
+        messages=WEATHER_Q,
+        tools=[WEATHER_TOOL],
+        tool_choice="auto",
+        max_tokens=32,
+        temperature=0,
+    )
+    auto = c.chat.completions.create(**kw)
     choice = auto.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
     [call] = choice.message.tool_calls or []
@@ -103,8 +162,8 @@ def test_tools_reach_a_template_without_a_tools_section(default_srv):
 
 
 @needs_smollm2
-def test_a_pydantic_ai_agent_calls_its_tool_and_answers(default_srv):
-    """pydantic-ai's agent (tool_choice auto, as it sends it): the model calls get_weather for
+def test_a_pydantic_ai_agent_calls_its_tool_and_answers(decide_srv):
+    """pydantic-ai's agent (tool_choice auto, as it sends it), ``--tool-auto decide``: the model calls get_weather for
     Paris, gets the result, and answers with it (after the results the answer form asks for the
     reply; without that line SmolLM2 called again until the request limit)."""
     pytest.importorskip("pydantic_ai")
@@ -114,7 +173,7 @@ def test_a_pydantic_ai_agent_calls_its_tool_and_answers(default_srv):
     from pydantic_ai.settings import ModelSettings
     from pydantic_ai.usage import UsageLimits
 
-    provider = OpenAIProvider(base_url=default_srv.url + "/v1", api_key="unused")
+    provider = OpenAIProvider(base_url=decide_srv.url + "/v1", api_key="unused")
     agent = Agent(
         OpenAIChatModel(server_cli.DEFAULT_MODEL_NAME, provider=provider),
         model_settings=ModelSettings(temperature=0, max_tokens=32),
@@ -133,8 +192,8 @@ def test_a_pydantic_ai_agent_calls_its_tool_and_answers(default_srv):
 
 
 @needs_smollm2
-def test_langchain_bind_tools_makes_the_call(default_srv):
-    """LangChain's ``ChatOpenAI(...).bind_tools([...])`` (tool_choice auto): a call to get_weather
+def test_langchain_bind_tools_makes_the_call(decide_srv):
+    """LangChain's ``ChatOpenAI(...).bind_tools([...])`` (tool_choice auto), ``--tool-auto decide``: a call to get_weather
     for Paris, invoked and streamed alike."""
     pytest.importorskip("langchain_openai")
     from langchain_core.tools import tool
@@ -147,7 +206,7 @@ def test_langchain_bind_tools_makes_the_call(default_srv):
 
     llm = ChatOpenAI(
         model=server_cli.DEFAULT_MODEL_NAME,
-        base_url=default_srv.url + "/v1",
+        base_url=decide_srv.url + "/v1",
         api_key="unused",  # pyright: ignore[reportArgumentType] - a str is what it takes
         temperature=0,
         max_tokens=32,  # pyright: ignore[reportCallIssue] - its alias of max_completion_tokens

@@ -186,6 +186,22 @@ def test_the_grammar_allows_a_call_or_a_reply_and_nothing_else():
     )
 
 
+def test_the_lazy_grammar_allows_prose_and_holds_an_opened_form():
+    """``prose``: free text as the model writes it, but an answer that opens with ``{`` is one of
+    the forms, as strictly as without it (issue 40 section 5)."""
+    grammar = structured.call_or_reply_grammar([WEATHER], prose=True)
+    for text in ("Paris is sunny.", "I'm fine, thanks! {not json}", '{"response": "hi"}', CALL):
+        assert _accepts(grammar, text), text
+    for text in (
+        '{"tool_call": {"name": "get_time", "arguments": {}}}',
+        '{"tool_call": {"name": "get_weather", "arguments": {}}}',
+        "{Paris is sunny.}",
+        " Paris",  # a leading blank opens nothing
+        "",
+    ):
+        assert not _accepts(grammar, text), text
+
+
 NO_TOOLS_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"

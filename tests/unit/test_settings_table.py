@@ -87,6 +87,7 @@ def samples(tmp: Path) -> dict[str, tuple[str, object]]:
         "driver_sample": ("1", True),
         "prefill_batch": ("0", False),
         "step_stats": ("1", True),
+        "tool_auto": ("decide", "decide"),
         "kv_cache_dtype": ("q8_0", "q8_0"),
         "kv_cache_dtype_k": ("q4_0", "q4_0"),
         "kv_cache_dtype_v": ("Q8_0", "q8_0"),
