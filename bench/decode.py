@@ -5,6 +5,8 @@
     python bench/decode.py --peer               # SmolLM2-135M Q4_1 GGUF against llama.cpp
     python bench/decode.py --model FILE.gguf [--hf-dir DIR] [--no-peer] [--json OUT]
     python bench/decode.py --qwen35 [--outtype q8_0]   # Qwen3.5-0.8B shapes (random weights)
+    python bench/decode.py --qwen35 --quant Q4_K_M     # ... quantized by llama-quantize
+    python bench/decode.py --peer --quant Q4_K_M       # SmolLM2-135M requantized by llama-quantize
     python bench/decode.py --moe [--moe-layers 2]     # Qwen3-30B-A3B shapes cut to 2 layers
     python bench/decode.py --moe --moe-preset gpt-oss-20b   # gpt-oss-20b shapes, MXFP4 experts
     python bench/decode.py --moe --moe-preset qwen3.6-35b-a3b-text --outtype q8_0 --cpu-path int8
@@ -40,6 +42,11 @@ use) and a GGUF next to it converted by llama.cpp's own converter (``--no-mtp``;
 bf16 by default, or q8_0 / f32; cached), then GGUF mode on that file: our engine, llama.cpp and
 the servers all load the GGUF; so does transformers where it reads ``qwen35`` GGUFs (5.x does,
 as ``Qwen3_5ForCausalLM`` in fp32), else it loads the folder (bf16) and its rows say so.
+``--quant TYPE`` (Q4_K_M, Q5_K_M, Q6_K, Q8_0, ...: the files users download): the GGUF is made by
+llama.cpp's ``llama-quantize`` (bench/peer.py builds it) and cached beside its source, so both servers
+load the same file (in the models cache): with ``--qwen35`` (or ``--moe``) from the converter's bf16 output; for the default
+SmolLM2-135M from its Q4_1 file (``--allow-requantize``: no float SmolLM2 file is reachable here, so
+the levels are Q4_1's requantized, still a trained model's).
 For a hybrid model (recurrent layers) the bytes of recurrent state each sequence reads and writes
 per step are printed beside the weights' bytes.
 
@@ -140,6 +147,30 @@ def moe_files(layers: int = 2, outtype: str = "bf16", preset: str = MOE_PRESET) 
         convert(folder, part, outtype, ("--no-mtp",) if preset.startswith("qwen3.") else ())
         part.rename(gguf)
     return folder, gguf
+
+
+def quantized_file(src: Path, qtype: str, threads: int = 2) -> Path:
+    """``src`` quantized to ``qtype`` by llama-quantize (bench/peer.py), cached in the models
+    cache (where --qwen35 and --moe write theirs; never beside a file an installed package holds)
+    as ``<stem without its type>-<qtype>.gguf``; a quantized ``src`` is requantized (said on stdout)."""
+    from bench import peer
+    from pantheon.core.gguf import read_gguf
+
+    stem = src.stem
+    for t in ("-bf16", "-f16", "-f32", ".Q4_1"):
+        stem = stem.removesuffix(t)
+    cache = Path(os.environ.get("PANTHEON_CACHE", Path.home() / ".cache" / "pantheon")) / "models"
+    cache.mkdir(parents=True, exist_ok=True)
+    dst = cache / f"{stem}-{qtype}.gguf"
+    if not dst.is_file():
+        kinds = {t.type_name for t in read_gguf(src).tensors.values()}
+        requantize = not kinds <= {"F32", "F16", "BF16"}
+        print(
+            f"quantizing {src} to {dst} ({qtype}{', requantized from ' + '/'.join(sorted(kinds)) if requantize else ''})",
+            flush=True,
+        )
+        peer.quantize(src, dst, qtype, threads, requantize=requantize)
+    return dst
 
 
 def moe_step_bytes(eng: Engine, batch: int, tokens: int) -> tuple[float, int, int] | None:
@@ -727,6 +758,12 @@ def main() -> int:
         help="--qwen35: the GGUF's type (default bf16)",
     )
     g.add_argument(
+        "--quant",
+        metavar="TYPE",
+        help="llama-quantize's TYPE (Q4_K_M, Q5_K_M, Q6_K, Q8_0, ...): the GGUF (--qwen35's, --moe's "
+        "or the default SmolLM2's) quantized so, cached beside it",
+    )
+    g.add_argument(
         "--cpu-path",
         help="our CPU path (PANTHEON_CPU_PATH, e.g. bf16-packed) for the "
         "engine and the server alike (default: the engine's timed choice, reused)",
@@ -765,6 +802,14 @@ def main() -> int:
         folder, gguf = moe_files(args.moe_layers, args.outtype, args.moe_preset)
         args.model = str(gguf)
         args.no_transformers = True
+    if args.quant:
+        if args.qwen35 or args.moe:
+            if args.outtype != "bf16":
+                ap.error("--quant starts from the converter's bf16 output; leave out --outtype")
+        elif args.model:
+            ap.error("--quant quantizes --qwen35's, --moe's or the default SmolLM2 file; leave out --model")
+        args.model = str(quantized_file(Path(args.model) if args.model else default_gguf(), args.quant))
+        print(f"quantized file: {args.model}", flush=True)
     if args.peer or (args.model and args.model.endswith(".gguf")):
         return run_gguf(args)
     if args.dtype is None:
