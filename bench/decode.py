@@ -509,70 +509,71 @@ def run_gguf(args) -> int:
     rounds = max(1, args.rounds)
     if args.cpu_path:
         os.environ["PANTHEON_CPU_PATH"] = args.cpu_path
-    eng = Engine(
-        str(ours),
-        devices=["cpu"],
-        dtype=dtype,
-        num_slots=max(8, n),
-        kv_budget_bytes=256 << 20,
-        compile_decode=args.compile,
-    )
-    compiled_now(eng)
-    # The server gets what "auto" resolved to here: the same dtype and CPU path (the engine
-    # times the paths at load, and on a busy host two loads can pick differently).
-    dtype = str(eng.dtype).removeprefix("torch.")
-    cpu_path = getattr(eng, "cpu_path", None)
-    if cpu_path:
-        os.environ["PANTHEON_CPU_PATH"] = cpu_path
-    state = state_bytes_per_sequence(eng)
-    out["ours_weights"] = (
-        f"{dtype}{', CPU path ' + cpu_path if cpu_path else ''} "
-        f"({eng.step_read_bytes / 1e6:.0f} MB of weights read per step"
-        + (f", + {state / 1e6:.1f} MB of recurrent state read and written per sequence" if state else "")
-        + ")"
-    )
-    out["step_read_bytes"] = eng.step_read_bytes
-    out["state_bytes_per_sequence"] = state
-    if eng.cpu_timings:  # what the load itself timed (the candidates this file allows)
-        out["load_cpu_timings_ms"] = {p: [a * 1e3, b * 1e3] for p, (a, b) in eng.cpu_timings.items()}
-        print(
-            "load's CPU-path timings (ms of one step's linears at 1 / 8 rows): "
-            + ", ".join(f"{p} {a:.1f} / {b:.1f}" for p, (a, b) in out["load_cpu_timings_ms"].items()),
-            flush=True,
+    if not args.http_only:  # --http-only: the servers alone (a busy host: each row costs minutes)
+        eng = Engine(
+            str(ours),
+            devices=["cpu"],
+            dtype=dtype,
+            num_slots=max(8, n),
+            kv_budget_bytes=256 << 20,
+            compile_decode=args.compile,
         )
-    print(f"ours: {out['ours_weights']}", flush=True)
-    out["cpu_paths"] = cpu_path_table(eng.cfg, cpu_path)
-    bench_engine(eng, 1, 4, "cpu")  # warm up both shapes
-    bench_engine(eng, n, 4, "cpu")
-    moe = {b: moe_step_bytes(eng, b, min(tokens, 16)) for b in (1, n)}
-    bw = measure_bandwidth("cpu") if moe[1] else 0.0
-    for b in (1, n):
-        tok_s = max(bench_engine(eng, b, tokens, "cpu") for _ in range(rounds))
-        extra = {}
-        if (m := moe[b]) is not None:
-            read, bound, every = m
-            extra = {
-                "MB_read_per_step": read / 1e6,
-                "GB_s": read * tok_s / b / 1e9,
-                "of_copy_bw": read * tok_s / b / bw,
+        compiled_now(eng)
+        # The server gets what "auto" resolved to here: the same dtype and CPU path (the engine
+        # times the paths at load, and on a busy host two loads can pick differently).
+        dtype = str(eng.dtype).removeprefix("torch.")
+        cpu_path = getattr(eng, "cpu_path", None)
+        if cpu_path:
+            os.environ["PANTHEON_CPU_PATH"] = cpu_path
+        state = state_bytes_per_sequence(eng)
+        out["ours_weights"] = (
+            f"{dtype}{', CPU path ' + cpu_path if cpu_path else ''} "
+            f"({eng.step_read_bytes / 1e6:.0f} MB of weights read per step"
+            + (f", + {state / 1e6:.1f} MB of recurrent state read and written per sequence" if state else "")
+            + ")"
+        )
+        out["step_read_bytes"] = eng.step_read_bytes
+        out["state_bytes_per_sequence"] = state
+        if eng.cpu_timings:  # what the load itself timed (the candidates this file allows)
+            out["load_cpu_timings_ms"] = {p: [a * 1e3, b * 1e3] for p, (a, b) in eng.cpu_timings.items()}
+            print(
+                "load's CPU-path timings (ms of one step's linears at 1 / 8 rows): "
+                + ", ".join(f"{p} {a:.1f} / {b:.1f}" for p, (a, b) in out["load_cpu_timings_ms"].items()),
+                flush=True,
+            )
+        print(f"ours: {out['ours_weights']}", flush=True)
+        out["cpu_paths"] = cpu_path_table(eng.cfg, cpu_path)
+        bench_engine(eng, 1, 4, "cpu")  # warm up both shapes
+        bench_engine(eng, n, 4, "cpu")
+        moe = {b: moe_step_bytes(eng, b, min(tokens, 16)) for b in (1, n)}
+        bw = measure_bandwidth("cpu") if moe[1] else 0.0
+        for b in (1, n):
+            tok_s = max(bench_engine(eng, b, tokens, "cpu") for _ in range(rounds))
+            extra = {}
+            if (m := moe[b]) is not None:
+                read, bound, every = m
+                extra = {
+                    "MB_read_per_step": read / 1e6,
+                    "GB_s": read * tok_s / b / 1e9,
+                    "of_copy_bw": read * tok_s / b / bw,
+                }
+            row("pantheon", "engine in-process, decode only", b, tok_s, **extra)
+        if moe[1] is not None:
+            _, bound, every = moe[1]
+            out["moe"] = {
+                "copy_bandwidth_GB_s": bw / 1e9,
+                "active_bound_MB": bound / 1e6,
+                "all_experts_MB": every / 1e6,
+                "read_MB": {b: m[0] / 1e6 for b, m in moe.items() if m},
             }
-        row("pantheon", "engine in-process, decode only", b, tok_s, **extra)
-    if moe[1] is not None:
-        _, bound, every = moe[1]
-        out["moe"] = {
-            "copy_bandwidth_GB_s": bw / 1e9,
-            "active_bound_MB": bound / 1e6,
-            "all_experts_MB": every / 1e6,
-            "read_MB": {b: m[0] / 1e6 for b, m in moe.items() if m},
-        }
-        print(
-            f"  mixture of experts: a step reads {moe[1][0] / 1e6:.0f} MB at 1 stream (active-parameter "
-            f"bound {bound / 1e6:.0f} MB), {moe[n][0] / 1e6 if moe[n] else 0:.0f} MB at {n} streams; "
-            f"all experts {every / 1e6:.0f} MB; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)",
-            flush=True,
-        )
-    eng.close()
-    del eng
+            print(
+                f"  mixture of experts: a step reads {moe[1][0] / 1e6:.0f} MB at 1 stream (active-parameter "
+                f"bound {bound / 1e6:.0f} MB), {moe[n][0] / 1e6 if moe[n] else 0:.0f} MB at {n} streams; "
+                f"all experts {every / 1e6:.0f} MB; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)",
+                flush=True,
+            )
+        eng.close()
+        del eng
 
     # 3. transformers on the file (before the servers: it is the slowest to load)
     if not (args.no_transformers or args.no_hf):
@@ -599,7 +600,7 @@ def run_gguf(args) -> int:
     bins = None if args.no_peer else peer.find_bins()
     if not args.no_peer and bins is None:
         print("  llama.cpp skipped: not built (python bench/peer.py build)")
-    if bins:
+    if bins and not args.http_only:
         rec = peer.llama_bench(gguf, threads, tokens)
         out["llama_bench"] = {
             k: rec.get(k)
@@ -623,17 +624,17 @@ def run_gguf(args) -> int:
             mean=float(rec["avg_ts"]),
             stddev=float(rec["stddev_ts"]),
         )
-        if not args.no_http:
-            with peer.llama_server(gguf, threads, max(8, n)) as url:
-                for k in (1, n):
-                    r = run_streams(url, k, tokens, args.rounds)
-                    row(
-                        "llama.cpp",
-                        "llama-server, HTTP streaming (wall)",
-                        r.pop("streams"),
-                        r.pop("tok_s"),
-                        **r,
-                    )
+    if bins and not args.no_http:
+        with peer.llama_server(gguf, threads, max(8, n)) as url:
+            for k in (1, n):
+                r = run_streams(url, k, tokens, args.rounds)
+                row(
+                    "llama.cpp",
+                    "llama-server, HTTP streaming (wall)",
+                    r.pop("streams"),
+                    r.pop("tok_s"),
+                    **r,
+                )
 
     prompt = {(r["system"], r["prompt_tokens"]) for r in out["rows"] if r.get("prompt_tokens") is not None}
     if len({p for _, p in prompt}) > 1:
@@ -786,6 +787,11 @@ def main() -> int:
     g.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     g.add_argument("--no-transformers", action="store_true", help="skip transformers")
     g.add_argument("--no-http", action="store_true", help="skip both HTTP servers")
+    g.add_argument(
+        "--http-only",
+        action="store_true",
+        help="only the two HTTP servers (no in-process engine, transformers nor llama-bench)",
+    )
     g.add_argument("--json", help="write the figures here (folder mode too)")
     args = ap.parse_args()
     # The servers' workers read it (compile is on by default: a bench states which it runs)
@@ -810,6 +816,8 @@ def main() -> int:
             ap.error("--quant quantizes --qwen35's, --moe's or the default SmolLM2 file; leave out --model")
         args.model = str(quantized_file(Path(args.model) if args.model else default_gguf(), args.quant))
         print(f"quantized file: {args.model}", flush=True)
+    if args.http_only:
+        args.no_transformers = True
     if args.peer or (args.model and args.model.endswith(".gguf")):
         return run_gguf(args)
     if args.dtype is None:
