@@ -33,21 +33,29 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     )
 
 
+@torch.compiler.assume_constant_result
+def _built() -> bool:
+    """The kernel is built and loaded (a constant to a ``torch.compile`` trace: no graph break
+    on the build's file checks)."""
+    return _load()[0] is not None
+
+
+MAX_DV = 1024  # gated_delta.c's MAX_DV (its stack buffers); checked against it at load in _step
+
+
 def available() -> bool:
     """Built, and not switched off (``PANTHEON_GDN_KERNEL=0``)."""
-    return os.environ.get("PANTHEON_GDN_KERNEL", "1") != "0" and _load()[0] is not None
+    return os.environ.get("PANTHEON_GDN_KERNEL", "1") != "0" and _built()
 
 
 def fits(pool: torch.Tensor, v: torch.Tensor) -> bool:
     """The kernel takes this pool (CPU, contiguous fp32 [S, H, Dk, Dv]) and these values."""
-    lib = _load()[0]
     return (
-        lib is not None
-        and pool.device.type == "cpu"
+        pool.device.type == "cpu"
         and pool.dtype == torch.float32
         and pool.dim() == 4
         and pool.is_contiguous()
-        and v.shape[-1] <= lib.gd_max_dv()
+        and v.shape[-1] <= MAX_DV
     )
 
 
@@ -71,7 +79,7 @@ def step(
 
 def _step(q, k, v, g, beta, pool, slots) -> torch.Tensor:
     lib = _load()[0]
-    assert lib is not None, "callers check available() first"
+    assert lib is not None and lib.gd_max_dv() == MAX_DV, "callers check available() first"
     b, h, dk = q.shape
     dv = v.shape[-1]
     q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
