@@ -5,6 +5,8 @@
     python bench/decode.py --peer               # SmolLM2-135M Q4_1 GGUF against llama.cpp
     python bench/decode.py --model FILE.gguf [--hf-dir DIR] [--no-peer] [--json OUT]
     python bench/decode.py --qwen35 [--outtype q8_0]   # Qwen3.5-0.8B shapes (random weights)
+    python bench/decode.py --qwen35 --quant Q4_K_M     # ... quantized by llama-quantize
+    python bench/decode.py --peer --quant Q4_K_M       # SmolLM2-135M requantized by llama-quantize
     python bench/decode.py --moe [--moe-layers 2]     # Qwen3-30B-A3B shapes cut to 2 layers
     python bench/decode.py --moe --moe-preset gpt-oss-20b   # gpt-oss-20b shapes, MXFP4 experts
     python bench/decode.py --moe --moe-preset qwen3.6-35b-a3b-text --outtype q8_0 --cpu-path int8
@@ -40,6 +42,11 @@ use) and a GGUF next to it converted by llama.cpp's own converter (``--no-mtp``;
 bf16 by default, or q8_0 / f32; cached), then GGUF mode on that file: our engine, llama.cpp and
 the servers all load the GGUF; so does transformers where it reads ``qwen35`` GGUFs (5.x does,
 as ``Qwen3_5ForCausalLM`` in fp32), else it loads the folder (bf16) and its rows say so.
+``--quant TYPE`` (Q4_K_M, Q5_K_M, Q6_K, Q8_0, ...: the files users download): the GGUF is made by
+llama.cpp's ``llama-quantize`` (bench/peer.py builds it) and cached beside its source, so both servers
+load the same file (in the models cache): with ``--qwen35`` (or ``--moe``) from the converter's bf16 output; for the default
+SmolLM2-135M from its Q4_1 file (``--allow-requantize``: no float SmolLM2 file is reachable here, so
+the levels are Q4_1's requantized, still a trained model's).
 For a hybrid model (recurrent layers) the bytes of recurrent state each sequence reads and writes
 per step are printed beside the weights' bytes.
 
@@ -140,6 +147,30 @@ def moe_files(layers: int = 2, outtype: str = "bf16", preset: str = MOE_PRESET) 
         convert(folder, part, outtype, ("--no-mtp",) if preset.startswith("qwen3.") else ())
         part.rename(gguf)
     return folder, gguf
+
+
+def quantized_file(src: Path, qtype: str, threads: int = 2) -> Path:
+    """``src`` quantized to ``qtype`` by llama-quantize (bench/peer.py), cached in the models
+    cache (where --qwen35 and --moe write theirs; never beside a file an installed package holds)
+    as ``<stem without its type>-<qtype>.gguf``; a quantized ``src`` is requantized (said on stdout)."""
+    from bench import peer
+    from pantheon.core.gguf import read_gguf
+
+    stem = src.stem
+    for t in ("-bf16", "-f16", "-f32", ".Q4_1"):
+        stem = stem.removesuffix(t)
+    cache = Path(os.environ.get("PANTHEON_CACHE", Path.home() / ".cache" / "pantheon")) / "models"
+    cache.mkdir(parents=True, exist_ok=True)
+    dst = cache / f"{stem}-{qtype}.gguf"
+    if not dst.is_file():
+        kinds = {t.type_name for t in read_gguf(src).tensors.values()}
+        requantize = not kinds <= {"F32", "F16", "BF16"}
+        print(
+            f"quantizing {src} to {dst} ({qtype}{', requantized from ' + '/'.join(sorted(kinds)) if requantize else ''})",
+            flush=True,
+        )
+        peer.quantize(src, dst, qtype, threads, requantize=requantize)
+    return dst
 
 
 def moe_step_bytes(eng: Engine, batch: int, tokens: int) -> tuple[float, int, int] | None:
@@ -478,70 +509,71 @@ def run_gguf(args) -> int:
     rounds = max(1, args.rounds)
     if args.cpu_path:
         os.environ["PANTHEON_CPU_PATH"] = args.cpu_path
-    eng = Engine(
-        str(ours),
-        devices=["cpu"],
-        dtype=dtype,
-        num_slots=max(8, n),
-        kv_budget_bytes=256 << 20,
-        compile_decode=args.compile,
-    )
-    compiled_now(eng)
-    # The server gets what "auto" resolved to here: the same dtype and CPU path (the engine
-    # times the paths at load, and on a busy host two loads can pick differently).
-    dtype = str(eng.dtype).removeprefix("torch.")
-    cpu_path = getattr(eng, "cpu_path", None)
-    if cpu_path:
-        os.environ["PANTHEON_CPU_PATH"] = cpu_path
-    state = state_bytes_per_sequence(eng)
-    out["ours_weights"] = (
-        f"{dtype}{', CPU path ' + cpu_path if cpu_path else ''} "
-        f"({eng.step_read_bytes / 1e6:.0f} MB of weights read per step"
-        + (f", + {state / 1e6:.1f} MB of recurrent state read and written per sequence" if state else "")
-        + ")"
-    )
-    out["step_read_bytes"] = eng.step_read_bytes
-    out["state_bytes_per_sequence"] = state
-    if eng.cpu_timings:  # what the load itself timed (the candidates this file allows)
-        out["load_cpu_timings_ms"] = {p: [a * 1e3, b * 1e3] for p, (a, b) in eng.cpu_timings.items()}
-        print(
-            "load's CPU-path timings (ms of one step's linears at 1 / 8 rows): "
-            + ", ".join(f"{p} {a:.1f} / {b:.1f}" for p, (a, b) in out["load_cpu_timings_ms"].items()),
-            flush=True,
+    if not args.http_only:  # --http-only: the servers alone (a busy host: each row costs minutes)
+        eng = Engine(
+            str(ours),
+            devices=["cpu"],
+            dtype=dtype,
+            num_slots=max(8, n),
+            kv_budget_bytes=256 << 20,
+            compile_decode=args.compile,
         )
-    print(f"ours: {out['ours_weights']}", flush=True)
-    out["cpu_paths"] = cpu_path_table(eng.cfg, cpu_path)
-    bench_engine(eng, 1, 4, "cpu")  # warm up both shapes
-    bench_engine(eng, n, 4, "cpu")
-    moe = {b: moe_step_bytes(eng, b, min(tokens, 16)) for b in (1, n)}
-    bw = measure_bandwidth("cpu") if moe[1] else 0.0
-    for b in (1, n):
-        tok_s = max(bench_engine(eng, b, tokens, "cpu") for _ in range(rounds))
-        extra = {}
-        if (m := moe[b]) is not None:
-            read, bound, every = m
-            extra = {
-                "MB_read_per_step": read / 1e6,
-                "GB_s": read * tok_s / b / 1e9,
-                "of_copy_bw": read * tok_s / b / bw,
+        compiled_now(eng)
+        # The server gets what "auto" resolved to here: the same dtype and CPU path (the engine
+        # times the paths at load, and on a busy host two loads can pick differently).
+        dtype = str(eng.dtype).removeprefix("torch.")
+        cpu_path = getattr(eng, "cpu_path", None)
+        if cpu_path:
+            os.environ["PANTHEON_CPU_PATH"] = cpu_path
+        state = state_bytes_per_sequence(eng)
+        out["ours_weights"] = (
+            f"{dtype}{', CPU path ' + cpu_path if cpu_path else ''} "
+            f"({eng.step_read_bytes / 1e6:.0f} MB of weights read per step"
+            + (f", + {state / 1e6:.1f} MB of recurrent state read and written per sequence" if state else "")
+            + ")"
+        )
+        out["step_read_bytes"] = eng.step_read_bytes
+        out["state_bytes_per_sequence"] = state
+        if eng.cpu_timings:  # what the load itself timed (the candidates this file allows)
+            out["load_cpu_timings_ms"] = {p: [a * 1e3, b * 1e3] for p, (a, b) in eng.cpu_timings.items()}
+            print(
+                "load's CPU-path timings (ms of one step's linears at 1 / 8 rows): "
+                + ", ".join(f"{p} {a:.1f} / {b:.1f}" for p, (a, b) in out["load_cpu_timings_ms"].items()),
+                flush=True,
+            )
+        print(f"ours: {out['ours_weights']}", flush=True)
+        out["cpu_paths"] = cpu_path_table(eng.cfg, cpu_path)
+        bench_engine(eng, 1, 4, "cpu")  # warm up both shapes
+        bench_engine(eng, n, 4, "cpu")
+        moe = {b: moe_step_bytes(eng, b, min(tokens, 16)) for b in (1, n)}
+        bw = measure_bandwidth("cpu") if moe[1] else 0.0
+        for b in (1, n):
+            tok_s = max(bench_engine(eng, b, tokens, "cpu") for _ in range(rounds))
+            extra = {}
+            if (m := moe[b]) is not None:
+                read, bound, every = m
+                extra = {
+                    "MB_read_per_step": read / 1e6,
+                    "GB_s": read * tok_s / b / 1e9,
+                    "of_copy_bw": read * tok_s / b / bw,
+                }
+            row("pantheon", "engine in-process, decode only", b, tok_s, **extra)
+        if moe[1] is not None:
+            _, bound, every = moe[1]
+            out["moe"] = {
+                "copy_bandwidth_GB_s": bw / 1e9,
+                "active_bound_MB": bound / 1e6,
+                "all_experts_MB": every / 1e6,
+                "read_MB": {b: m[0] / 1e6 for b, m in moe.items() if m},
             }
-        row("pantheon", "engine in-process, decode only", b, tok_s, **extra)
-    if moe[1] is not None:
-        _, bound, every = moe[1]
-        out["moe"] = {
-            "copy_bandwidth_GB_s": bw / 1e9,
-            "active_bound_MB": bound / 1e6,
-            "all_experts_MB": every / 1e6,
-            "read_MB": {b: m[0] / 1e6 for b, m in moe.items() if m},
-        }
-        print(
-            f"  mixture of experts: a step reads {moe[1][0] / 1e6:.0f} MB at 1 stream (active-parameter "
-            f"bound {bound / 1e6:.0f} MB), {moe[n][0] / 1e6 if moe[n] else 0:.0f} MB at {n} streams; "
-            f"all experts {every / 1e6:.0f} MB; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)",
-            flush=True,
-        )
-    eng.close()
-    del eng
+            print(
+                f"  mixture of experts: a step reads {moe[1][0] / 1e6:.0f} MB at 1 stream (active-parameter "
+                f"bound {bound / 1e6:.0f} MB), {moe[n][0] / 1e6 if moe[n] else 0:.0f} MB at {n} streams; "
+                f"all experts {every / 1e6:.0f} MB; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)",
+                flush=True,
+            )
+        eng.close()
+        del eng
 
     # 3. transformers on the file (before the servers: it is the slowest to load)
     if not (args.no_transformers or args.no_hf):
@@ -568,7 +600,7 @@ def run_gguf(args) -> int:
     bins = None if args.no_peer else peer.find_bins()
     if not args.no_peer and bins is None:
         print("  llama.cpp skipped: not built (python bench/peer.py build)")
-    if bins:
+    if bins and not args.http_only:
         rec = peer.llama_bench(gguf, threads, tokens)
         out["llama_bench"] = {
             k: rec.get(k)
@@ -592,17 +624,17 @@ def run_gguf(args) -> int:
             mean=float(rec["avg_ts"]),
             stddev=float(rec["stddev_ts"]),
         )
-        if not args.no_http:
-            with peer.llama_server(gguf, threads, max(8, n)) as url:
-                for k in (1, n):
-                    r = run_streams(url, k, tokens, args.rounds)
-                    row(
-                        "llama.cpp",
-                        "llama-server, HTTP streaming (wall)",
-                        r.pop("streams"),
-                        r.pop("tok_s"),
-                        **r,
-                    )
+    if bins and not args.no_http:
+        with peer.llama_server(gguf, threads, max(8, n)) as url:
+            for k in (1, n):
+                r = run_streams(url, k, tokens, args.rounds)
+                row(
+                    "llama.cpp",
+                    "llama-server, HTTP streaming (wall)",
+                    r.pop("streams"),
+                    r.pop("tok_s"),
+                    **r,
+                )
 
     prompt = {(r["system"], r["prompt_tokens"]) for r in out["rows"] if r.get("prompt_tokens") is not None}
     if len({p for _, p in prompt}) > 1:
@@ -727,6 +759,12 @@ def main() -> int:
         help="--qwen35: the GGUF's type (default bf16)",
     )
     g.add_argument(
+        "--quant",
+        metavar="TYPE",
+        help="llama-quantize's TYPE (Q4_K_M, Q5_K_M, Q6_K, Q8_0, ...): the GGUF (--qwen35's, --moe's "
+        "or the default SmolLM2's) quantized so, cached beside it",
+    )
+    g.add_argument(
         "--cpu-path",
         help="our CPU path (PANTHEON_CPU_PATH, e.g. bf16-packed) for the "
         "engine and the server alike (default: the engine's timed choice, reused)",
@@ -749,6 +787,11 @@ def main() -> int:
     g.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     g.add_argument("--no-transformers", action="store_true", help="skip transformers")
     g.add_argument("--no-http", action="store_true", help="skip both HTTP servers")
+    g.add_argument(
+        "--http-only",
+        action="store_true",
+        help="only the two HTTP servers (no in-process engine, transformers nor llama-bench)",
+    )
     g.add_argument("--json", help="write the figures here (folder mode too)")
     args = ap.parse_args()
     # The servers' workers read it (compile is on by default: a bench states which it runs)
@@ -764,6 +807,16 @@ def main() -> int:
             ap.error("--moe makes its own model; leave out --model")
         folder, gguf = moe_files(args.moe_layers, args.outtype, args.moe_preset)
         args.model = str(gguf)
+        args.no_transformers = True
+    if args.quant:
+        if args.qwen35 or args.moe:
+            if args.outtype != "bf16":
+                ap.error("--quant starts from the converter's bf16 output; leave out --outtype")
+        elif args.model:
+            ap.error("--quant quantizes --qwen35's, --moe's or the default SmolLM2 file; leave out --model")
+        args.model = str(quantized_file(Path(args.model) if args.model else default_gguf(), args.quant))
+        print(f"quantized file: {args.model}", flush=True)
+    if args.http_only:
         args.no_transformers = True
     if args.peer or (args.model and args.model.endswith(".gguf")):
         return run_gguf(args)

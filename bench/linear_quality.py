@@ -5,6 +5,7 @@ int8 per group of 32, as llama.cpp's ``q4_1 x q8_1``) and with torch's kernels (
 
     python bench/linear_quality.py                  # SmolLM2-135M-Instruct Q4_1, a chat prompt
     python bench/linear_quality.py --model FILE.gguf
+    python bench/linear_quality.py --model Q8_0.gguf --paths int8 --activations fp32   # one row
 
 Printed per row: the largest logit error over the logits' scale, the share of positions whose
 top token is the reference's, and the mean KL divergence of the reference's next-token
@@ -43,7 +44,15 @@ TEXT = (
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--paths", default="int4,int8", help="the quantized paths to compare (default int4,int8)")
+    ap.add_argument(
+        "--activations",
+        default=None,
+        help="only these PANTHEON_LINEAR_ACTIVATIONS settings of our kernel, e.g. fp32 "
+        "(default: all, and torch's kernels)",
+    )
     args = ap.parse_args()
+    paths = tuple(args.paths.split(","))
     torch.set_num_threads(2)
     f = args.model or smollm2_file()
     if f is None:
@@ -65,11 +74,13 @@ def main() -> int:
     settings = (
         [("1", "fp32"), ("1", "int8")] + ([("1", "bf16")] if qlinear.has_bf16() else []) + [("0", "int8")]
     )
+    if args.activations:
+        settings = [("1", a) for a in args.activations.split(",")]
     for kernel, acts in settings:
         os.environ["PANTHEON_LINEAR_KERNEL"] = kernel
         os.environ["PANTHEON_LINEAR_ACTIVATIONS"] = acts
         qlinear.activations.cache_clear()
-        for path in ("int4", "int8") if acts == "int8" else ("int4",):
+        for path in paths if acts == "int8" else paths[:1]:
             got = logits(path)
             err = float((got - ref).abs().max() / ref.abs().max())
             top = float((got.argmax(-1) == ref.argmax(-1)).float().mean())

@@ -1,6 +1,8 @@
-"""llama.cpp as the peer to benchmark against: builds ``llama-server`` and ``llama-bench`` once.
+"""llama.cpp as the peer to benchmark against: builds ``llama-server``, ``llama-bench`` and
+``llama-quantize`` once.
 
     python bench/peer.py build      # once (skipped when the binaries are there); ~20 min on 2 cores
+                                    # (a build tree without llama-quantize: a few minutes more)
     python bench/peer.py path       # prints the folder holding the binaries
 
 The sources are the llama.cpp vendored in PyPI's ``llama-cpp-python`` sdist (pinned below), fetched
@@ -9,7 +11,8 @@ with CMake + Ninja, CPU only, ``-march=native``, no curl/OpenSSL, into ``$LLAMA_
 (default ``~/.cache/pantheon/llama.cpp``): ``sdist/``, ``src/``, ``build/bin/``.
 ``LLAMA_CPP_DIR=DIR`` uses binaries from DIR instead (an existing llama.cpp build).
 
-For other bench scripts: ``find_bins()``, ``llama_bench_tg()`` and ``llama_server()``. Everything
+For other bench scripts: ``find_bins()``, ``llama_bench_tg()``, ``llama_server()`` and
+``quantize()`` (a GGUF into another type, as users make the Q4_K_M files they download). Everything
 binds and talks to 127.0.0.1 only.
 """
 
@@ -30,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"
-BINARIES = ("llama-server", "llama-bench")
+BINARIES = ("llama-server", "llama-bench", "llama-quantize")
 
 
 def cache_dir() -> Path:
@@ -42,7 +45,7 @@ def _has_bins(d: Path) -> bool:
 
 
 def find_bins() -> Path | None:
-    """The folder holding ``llama-server`` and ``llama-bench``: ``$LLAMA_CPP_DIR`` when set (an
+    """The folder holding ``BINARIES``: ``$LLAMA_CPP_DIR`` when set (an
     error if they are not there), else the cache's ``build/bin``; None when neither has them."""
     env = os.environ.get("LLAMA_CPP_DIR")
     if env:
@@ -107,7 +110,7 @@ def _configured_source(build: Path) -> Path | None:
 
 
 def build(jobs: int = 2) -> Path:
-    """Build the two binaries into the cache (nothing to do when they are there); their folder.
+    """Build ``BINARIES`` into the cache (nothing to do when they are there); their folder.
     A build tree left by an earlier (interrupted) build is resumed, whatever source it came from,
     as long as that source still exists."""
     found = find_bins()
@@ -210,6 +213,33 @@ def llama_bench_tg(gguf: str | Path, threads: int = 2, tokens: int = 64, best: b
     return float(rec["avg_ts"])
 
 
+# The types ``quantize`` makes (llama-quantize's names): the files users download
+QUANT_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q4_1")
+
+
+def quantize(
+    src: str | Path, dst: str | Path, qtype: str, threads: int = 2, requantize: bool = False
+) -> Path:
+    """``llama-quantize SRC DST TYPE``: ``src`` (the converter's f16/bf16/f32 output; with
+    ``requantize`` an already quantized file, which llama.cpp refuses without
+    ``--allow-requantize``) into ``dst`` of ``qtype`` (``QUANT_TYPES``), written to a ``.part``
+    file renamed once whole (a killed run leaves no file a later run would trust)."""
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"quantize type {qtype!r} is not one of {', '.join(QUANT_TYPES)}")
+    dst = Path(dst)
+    part = dst.with_name(dst.name + ".part")
+    cmd = [str(_bins() / "llama-quantize")]
+    if requantize:
+        cmd.append("--allow-requantize")
+    cmd += [str(src), str(part), qtype, str(threads)]
+    print("+", " ".join(cmd), flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)  # a line a tensor: shown on failure
+    if done.returncode:
+        raise RuntimeError(f"llama-quantize exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
+    part.rename(dst)
+    return dst
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -306,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="build llama-server and llama-bench into the cache (once)")
+    b = sub.add_parser(
+        "build", help="build llama-server, llama-bench and llama-quantize into the cache (once)"
+    )
     b.add_argument("-j", "--jobs", type=int, default=2)
     sub.add_parser("path", help="print the folder holding the binaries (exit 1 when not built)")
     sub.add_parser("source", help="print the llama.cpp source tree, downloading the sdist on first use")

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 from workers.errors import LoadError
 from workers.layers.moe import MoE
 from workers.mxfp4 import int4_from_fp4
-from workers.quant import Int4Linear, Int8Linear, int4_fits, int4_groups, replace_linears
+from workers.quant import Int4Linear, Int8Linear, int4_fits, int4_groups, on_grid, replace_linears
 
 AUTO = "auto"
 
@@ -94,6 +94,20 @@ def make_linear(spec: PathSpec, weight: torch.Tensor, bias: torch.Tensor | None)
     if b is not None:
         lin.bias = nn.Parameter(b, requires_grad=False)
     return lin
+
+
+def file_int4_linear(spec: PathSpec, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """A 4-bit file's linear on the int4 path: in int4 groups on its own levels when every group
+    of 32 is on a 4-bit grid (``quant.on_grid``: Q4_0 / Q4_1 / Q4_K), else in int8 rows (the
+    Q5_K / Q6_K / Q8_0 tensors a Q4_K_M file mixes in, or fused matrices holding one: 4-bit
+    groups would lose what those bits keep). weight: [N, K] in the path's dtype."""
+    if spec.layout == "int4" and int4_fits(*weight.shape):
+        grid = on_grid(weight)
+        if grid is not None:
+            w = weight.detach().to(spec.dtype)
+            return Int4Linear(w, None if bias is None else bias.detach().to(spec.dtype), grid)
+        return make_linear(dataclasses.replace(PATHS["int8"], dtype=spec.dtype), weight, bias)
+    return make_linear(spec, weight, bias)
 
 
 @functools.cache
@@ -364,7 +378,9 @@ def lay_out(module: nn.Module, name: str, cfg: ModelDescription | None = None) -
     mxfp4 = cfg is not None and mxfp4_experts(cfg)
     held = experts_spec(spec, mxfp4)
     int4 = int4_from_fp4 if mxfp4 else int4_groups
-    if spec.layout != "dense":
+    if spec.layout == "int4":
+        replace_linears(module, lambda w, b: file_int4_linear(spec, w, b))
+    elif spec.layout != "dense":
         replace_linears(module, lambda w, b: make_linear(spec, w, b))
     for m in module.modules():
         if not isinstance(m, MoE):

@@ -90,6 +90,54 @@ def _affine_groups(
     return torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15), scale, lo
 
 
+def _grid_fit(w: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """``on_grid``'s fit of groups w [R, 32]: (levels [R, 32], step [R], lowest [R], all fit)."""
+    lo = w.amin(dim=1)
+    span = w.amax(dim=1) - lo
+    # a constant group is level 0 (step 1) as it is
+    step = torch.where(span > 0, span / 15, torch.ones_like(span))
+    q = (w - lo[:, None]).div_(step[:, None])
+    fit = (q - q.round()).abs_().amax(dim=1) <= tol  # L = 15 on every group at once
+    q.round_()
+    todo = torch.nonzero(~fit).flatten()
+    for levels in range(14, 0, -1):  # the rest on the groups left, each on a coarser grid
+        if todo.numel() == 0:
+            break
+        d = span[todo] / levels
+        wq = (w[todo] - lo[todo, None]) / d[:, None]
+        r = torch.round(wq)
+        ok = ((wq - r).abs() <= tol).all(dim=1)
+        q[todo[ok]], step[todo[ok]] = r[ok], d[ok]
+        todo = todo[~ok]
+    return q, step, lo, todo.numel() == 0
+
+
+def on_grid(
+    weight: torch.Tensor, tol: float = 1e-3, sample: int = 256
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Whether every group of 32 of a [N, K] weight lies on a 4-bit affine grid already (a
+    4-bit file's dequantized levels: Q4_0, Q4_1, Q4_K), and the grid: (levels [N, G, 32] 0..15
+    as floats, step [N, G], lowest value [N, G]); None when some group does not (a Q5_K / Q6_K /
+    Q8_0 tensor, or float weights).
+
+    A group's values are ``lo + q * step`` with q spanning some L <= 15 levels between its
+    lowest and highest value (Q4_K's fitted scales need not use levels 0 and 15, so the min/max
+    fit of ``_affine_groups`` would move their values): L = 15, 14, ... 1 are tried, each on the
+    groups no larger L fitted, and a group fits when every value is within ``tol`` of a step of
+    its level. Any L that fits represents the values exactly (a finer grid than the file's own
+    when it divides it). ``sample`` groups spread over the weight are tried first: a tensor off
+    the grid is told from them without 15 passes over all of it."""
+    n, k = weight.shape
+    g = k // INT4_GROUP
+    w = weight.detach().float().reshape(n * g, INT4_GROUP)  # [N*G, 32]
+    if w.shape[0] > sample and not _grid_fit(w[:: w.shape[0] // sample], tol)[3]:
+        return None
+    q, step, lo, fits = _grid_fit(w, tol)
+    if not fits:
+        return None
+    return q.view(n, g, INT4_GROUP), step.view(n, g), lo.view(n, g)
+
+
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A [N, K] weight in 4-bit affine groups of 32 (``_affine_groups``): ``int4_pack``'s
     (packed weight, scales_zeros), torch's int4 kernel's layout."""
@@ -97,12 +145,19 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return int4_pack(q.reshape(weight.shape), scale, lo)
 
 
-def q4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [N, K] weight in 4-bit affine groups of 32 (``_affine_groups``, fitted to fp16 scales) in
-    our kernel's layout (workers/kernels/qmatmul.c): (qs [N, K/2] uint8, byte j of a group holding
+def q4_groups(
+    weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [N, K] weight in 4-bit affine groups of 32 (its own grid where it is on one, ``on_grid``:
+    a 4-bit file's levels; else ``_affine_groups``, fitted to fp16 scales) in
+    our kernel's layout (workers/kernels/qmatmul.c); ``grid``: ``on_grid``'s, when known: (qs [N, K/2] uint8, byte j of a group holding
     level j low and level j + 16 high; dm [N, 2, K/32] fp16, the groups' scales, then minima)."""
     n, k = weight.shape
-    q, scale, lo = _affine_groups(weight, torch.float16)
+    grid = grid if grid is not None else on_grid(weight)
+    if grid is not None:  # a 4-bit file's own levels, its scales and minima rounded to fp16
+        q, scale, lo = grid
+    else:
+        q, scale, lo = _affine_groups(weight, torch.float16)
     q = q.to(torch.uint8)
     qs = q[..., :16] | (q[..., 16:] << 4)
     return qs.reshape(n, k // 2).contiguous(), torch.stack([scale, lo], dim=1).half().contiguous()
@@ -124,14 +179,20 @@ class Int4Linear(nn.Module):
     scales_mins: torch.Tensor  # ours: [N, 2, K/32] fp16, each row's group scales, then minima
     bias: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ):
+        """``grid``: the weight's own 4-bit grid, ``on_grid(weight)``, when the caller has it."""
         super().__init__()
         n, k = weight.shape
         if not int4_fits(n, k):
             raise ValueError(f"int4 needs N % 16 == 0 and K % {INT4_GROUP} == 0, got [{n}, {k}]")
         self.ours = qlinear.fits(k) and qlinear.available()
         if self.ours:
-            packed, scales = q4_groups(weight)
+            packed, scales = q4_groups(weight, grid)
             self.register_buffer("weight", packed)
             self.register_buffer("scales_mins", scales)
         else:

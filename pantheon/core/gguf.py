@@ -17,6 +17,7 @@ reason names the file and the field or tensor.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -428,14 +429,16 @@ def hf_config(g: GGUFFile) -> dict:
     # Stored quantized (no float 2-D weight): a CPU die may then keep its linears in int8,
     # which costs less accuracy than the file's own quantization already did (workers/cpu_paths).
     quantized = bool(two_d) and not any(t in ("F32", "F16", "BF16") for t in two_d)
-    # The decoder's linears in 4-bit affine groups of 32 (what Q4_0, Q4_1 and Q4_K blocks are): the
-    # CPU's int4 layout then holds their own levels (workers/quant.py, Int4Linear).
+    # The decoder's linears in 4-bit affine groups of 32 (what Q4_0, Q4_1 and Q4_K blocks are), or
+    # mostly so (a Q4_K_M file keeps some in Q6_K / Q5_K): the CPU's int4 layout then holds their
+    # own levels, and the others in int8 rows (workers/cpu_paths.py, file_int4_linear).
     blk = [
-        t.type_name
+        (t.type_name, math.prod(t.shape))
         for name, t in g.tensors.items()
         if name.startswith("blk.") and len(t.shape) == 2 and t.shape[-1] >= 32
     ]
-    int4 = bool(blk) and all(t in ("Q4_0", "Q4_1", "Q4_K") for t in blk)
+    four = sum(n for t, n in blk if t in ("Q4_0", "Q4_1", "Q4_K"))
+    int4 = quantized and bool(blk) and 2 * four >= sum(n for _, n in blk)
     bias = "blk.0.attn_q.bias" in g.tensors
     eos = eos_token_ids(g)
     arch_name, model_type = family.gguf_architectures[a]

@@ -204,7 +204,9 @@ def cpu_path_names(
     A 4-bit file loaded as it is (no ``quantize``, no ``dtype``) goes on int4 alone where int4
     works: its own levels, fp32 activations, so its answers are the file's on every host, where
     a choice timed among paths of other numerics would make them depend on the host's speeds
-    (issue 40)."""
+    (issue 40). Likewise a file stored quantized otherwise (Q8_0, Q6_K, Q5_K_M) goes on int8 alone
+    (int8 rows of its levels, the bytes a step reads nearest the file's; issue 41: the timed
+    choice kept bf16-packed, twice the bytes)."""
     names = [
         n
         for n, (dt, layout, lossy) in CPU_PATHS.items()
@@ -215,6 +217,8 @@ def cpu_path_names(
     ]
     if int4_source and not quantize and dtype == "auto" and "int4" in names:
         return ["int4"]
+    if quantized_source and not quantize and dtype == "auto" and "int8" in names:
+        return ["int8"]
     return names
 
 

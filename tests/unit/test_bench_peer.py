@@ -30,7 +30,7 @@ def peer(monkeypatch, tmp_path):
 
 def _fake_bins(d: Path, bench_stdout: str = "[]") -> Path:
     d.mkdir(parents=True, exist_ok=True)
-    for name in ("llama-server", "llama-bench"):
+    for name in ("llama-server", "llama-bench", "llama-quantize"):
         f = d / name
         f.write_text("#!/bin/sh\ncat <<'EOF'\n" + bench_stdout + "\nEOF\n")
         f.chmod(f.stat().st_mode | stat.S_IXUSR)
@@ -64,6 +64,22 @@ def test_llama_cpp_dir(peer, tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMA_CPP_DIR", str(_fake_bins(tmp_path / "mine")))
     _fake_bins(tmp_path / "cache" / "build" / "bin")
     assert peer.find_bins() == tmp_path / "mine"
+
+
+def test_quantize(peer, tmp_path):
+    """``quantize`` runs llama-quantize on a .part file, renamed once whole; an unknown type
+    is refused before anything runs."""
+    bins = _fake_bins(tmp_path / "cache" / "build" / "bin")
+    (bins / "llama-quantize").write_text(
+        '#!/bin/sh\n[ "$1" = --allow-requantize ] && shift\necho "$3" > "$2"\n'
+    )
+    src = tmp_path / "m-f16.gguf"
+    src.write_bytes(b"GGUF")
+    out = peer.quantize(src, tmp_path / "m-Q4_K_M.gguf", "Q4_K_M")
+    assert out.read_text().strip() == "Q4_K_M" and not list(tmp_path.glob("*.part"))
+    assert peer.quantize(src, tmp_path / "r.gguf", "Q8_0", requantize=True).read_text().strip() == "Q8_0"
+    with pytest.raises(ValueError, match="Q4_K_M"):
+        peer.quantize(src, tmp_path / "x.gguf", "Q3_X")
 
 
 def test_llama_bench_json(peer, tmp_path):

@@ -118,3 +118,50 @@ def test_the_int4_path_on_smollm2_is_exact_to_its_file_and_booked_right(monkeypa
         )
         errs[name] = float((got - ref).abs().max() / ref.abs().max())
     assert errs["int4"] <= errs["int8"], errs
+
+
+def test_a_q4_k_grid_keeps_its_levels_where_min_max_would_move_them():
+    """Q4_K's fitted scales need not use levels 0 and 15: ``on_grid`` finds each group's own grid
+    (the levels exact, only the fp16 rounding of its step and minimum lost), where the min/max
+    fit would requantize them; weights off every 4-bit grid (Q6_K's, floats) are None, and on
+    the int4 path such a matrix goes in int8 rows (``file_int4_linear``)."""
+    from workers.cpu_paths import PATHS, file_int4_linear
+    from workers.quant import Int4Linear, Int8Linear, on_grid, q4_groups
+
+    g = torch.Generator().manual_seed(3)
+    n, k = 32, 128
+    q = torch.randint(2, 14, (n, k), generator=g).float()  # levels 2..13: 11 steps
+    q[:, ::32], q[:, 1::32] = 2, 13
+    q[:5, :32] = torch.randint(4, 7, (5, 32), generator=g).float()  # a group spanning 2 steps
+    d = torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-3
+    m = torch.rand(n, k // 32, 1, generator=g) * 0.05
+    w = (q.reshape(n, k // 32, 32) * d - m).reshape(n, k)
+    grid = on_grid(w)
+    assert grid is not None
+    levels, step, lo = grid
+    assert torch.allclose(lo[..., None] + levels * step[..., None], w.view(n, k // 32, 32), atol=1e-6, rtol=0)
+    qs, dm = q4_groups(w, grid)
+    b = qs.view(n, k // 32, 16)
+    back = dm[:, 1].float()[..., None] + torch.cat([b & 15, b >> 4], -1).float() * dm[:, 0].float()[..., None]
+    err = (back - w.view(n, k // 32, 32)).abs() / step[..., None]
+    assert float(err.max()) < 0.02  # fp16 scales: a small fraction of a step
+    minmax = (w.view(n, k // 32, 32).amax(-1) - w.view(n, k // 32, 32).amin(-1)) / 15
+    assert not torch.allclose(minmax, step)  # the min/max grid would have moved them
+    assert on_grid(torch.randn(n, k)) is None
+    w6 = w.clone()
+    w6[7, 40] += 0.3 * float(step[7, 1])  # one value off its group's grid (a Q6_K level, say)
+    assert on_grid(w6) is None
+    assert isinstance(file_int4_linear(PATHS["int4"], w, None), Int4Linear)
+    assert isinstance(file_int4_linear(PATHS["int4"], w6, None), Int8Linear)
+
+
+def test_a_quantized_file_runs_on_the_quantized_path_of_its_numerics():
+    """Issue 41: a Q8_0 / Q6_K / Q5_K_M file loaded as it is goes on int8 alone (the timed choice
+    kept bf16-packed: twice the bytes), a 4-bit one on int4; asking for a dtype or for
+    quantization keeps the other candidates."""
+    from pantheon.core.sizing import cpu_path_names
+
+    assert cpu_path_names(False, quantized_source=True) == ["int8"]
+    assert cpu_path_names(False, quantized_source=True, int4_source=True) == ["int4"]
+    assert len(cpu_path_names(False, "bfloat16", quantized_source=True)) > 1
+    assert "bf16-packed" in cpu_path_names(False)

@@ -587,23 +587,30 @@ static inline __attribute__((always_inline)) void q4f_tile(const float *xf, cons
 
 /* int8 rows x fp32 activations (an int4 path's LM head; the int8 path's linears): the row's
  * int8 weights widened to fp32 against x as it is, one FMA chain over K, the row's scale after
- * (by run's caller, as for the int8 kernel) */
+ * (by run's caller, as for the int8 kernel). ``wf``: the columns n0 .. n0 + nc - 1 widened to
+ * fp32 already ([nc, K], by widen_rows: many activation rows then share one widening, see
+ * run), or NULL to widen them here; the same values and sums either way. */
 static inline __attribute__((always_inline)) void q8f_tile(const float *xf, int64_t m0, const int mb, int64_t K,
                                                            const int8_t *w, const void *ws, int skind, int64_t n0,
-                                                           const int nc, float out[MAX_MB][NC]) {
+                                                           const int nc, float out[MAX_MB][NC], const float *wf) {
 #if QM_AVX2
     __m256 acc[MAX_MB][NC];
     for (int r = 0; r < mb; r++)
         for (int c = 0; c < nc; c++) acc[r][c] = _mm256_setzero_ps();
     for (int64_t i = 0; i < K; i += QK) {
         for (int c = 0; c < nc; c++) {
-            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (n0 + c) * K + i));
-            _mm_prefetch((const char *)(w + (n0 + c + AHEAD) * K + i), _MM_HINT_T0);
-            __m128i w0 = _mm256_castsi256_si128(wv), w1 = _mm256_extracti128_si256(wv, 1);
-            __m256 f[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w0)),
-                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w0, 8))),
-                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w1)),
-                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w1, 8)))};
+            __m256 f[4];
+            if (wf) {
+                for (int k = 0; k < 4; k++) f[k] = _mm256_loadu_ps(wf + c * K + i + 8 * k);
+            } else {
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (n0 + c) * K + i));
+                _mm_prefetch((const char *)(w + (n0 + c + AHEAD) * K + i), _MM_HINT_T0);
+                __m128i w0 = _mm256_castsi256_si128(wv), w1 = _mm256_extracti128_si256(wv, 1);
+                f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w0));
+                f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w0, 8)));
+                f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w1));
+                f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w1, 8)));
+            }
             for (int r = 0; r < mb; r++) {
                 const float *xr = xf + (m0 + r) * K + i;
                 for (int k = 0; k < 4; k++) acc[r][c] = _mm256_fmadd_ps(f[k], _mm256_loadu_ps(xr + 8 * k), acc[r][c]);
@@ -618,7 +625,7 @@ static inline __attribute__((always_inline)) void q8f_tile(const float *xf, int6
             const int8_t *wr = w + (n0 + c) * K;
             const float *xr = xf + (m0 + r) * K;
             float acc = 0.0f;
-            for (int64_t i = 0; i < K; i++) acc += (float)wr[i] * xr[i];
+            for (int64_t i = 0; i < K; i++) acc += (wf ? wf[c * K + i] : (float)wr[i]) * xr[i];
             out[r][c] = acc;
         }
 #endif
@@ -626,6 +633,11 @@ static inline __attribute__((always_inline)) void q8f_tile(const float *xf, int6
         float s = load_kind(ws, skind, n0 + c);
         for (int r = 0; r < mb; r++) out[r][c] *= s;
     }
+}
+
+/* int8 rows [n, K] -> fp32 [n, K], exactly (q8f_tile's wf) */
+static void widen_rows(const int8_t *w, int64_t n, int64_t K, float *wf) {
+    for (int64_t i = 0; i < n * K; i++) wf[i] = (float)w[i];
 }
 
 /* ---------------------------------------------------------------- entry points */
@@ -673,11 +685,16 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
         const int scaled = kind != 8 && kind != 9; /* the int4 kinds use sc */
         float *sc = scaled ? (float *)malloc(sizeof(float) * MAX_MB * NC * SC_PER_RC(G)) : NULL;
         if (scaled && !sc) failed = 1;
+        /* int8 rows x fp32 for more rows than a tile takes: a block's columns widened to fp32
+         * once (NBLOCK x K floats, cache-resident), read by each pair of rows */
+        float *wf = kind == 9 && M > MAX_MB ? (float *)malloc(sizeof(float) * NBLOCK * K) : NULL;
+        if (kind == 9 && M > MAX_MB && !wf) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t bi = 0; bi < blocks; bi++) {
-            if (scaled && !sc) continue;
+            if ((scaled && !sc) || (kind == 9 && M > MAX_MB && !wf)) continue;
             float out[MAX_MB][NC];
             const int64_t n1 = (bi + 1) * NBLOCK < N ? (bi + 1) * NBLOCK : N;
+            if (wf) widen_rows(w + bi * NBLOCK * K, n1 - bi * NBLOCK, K, wf);
             for (int64_t m0 = 0; m0 < M; m0 += MAX_MB) {
                 const int two = M - m0 >= 2;
                 for (int64_t n0 = bi * NBLOCK; n0 < n1;) {
@@ -698,10 +715,11 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
                         else if (quad) q4f_tile(xf, xs, m0, 1, K, qs, dm, n0, NC, sc, out);
                         else q4f_tile(xf, xs, m0, 1, K, qs, dm, n0, 1, sc, out);
                     } else if (kind == 9) {
-                        if (two && quad) q8f_tile(xf, m0, 2, K, w, ws, skind, n0, NC, out);
-                        else if (two) q8f_tile(xf, m0, 2, K, w, ws, skind, n0, 1, out);
-                        else if (quad) q8f_tile(xf, m0, 1, K, w, ws, skind, n0, NC, out);
-                        else q8f_tile(xf, m0, 1, K, w, ws, skind, n0, 1, out);
+                        const float *wn = wf ? wf + (n0 - bi * NBLOCK) * K : NULL;
+                        if (two && quad) q8f_tile(xf, m0, 2, K, w, ws, skind, n0, NC, out, wn);
+                        else if (two) q8f_tile(xf, m0, 2, K, w, ws, skind, n0, 1, out, wn);
+                        else if (quad) q8f_tile(xf, m0, 1, K, w, ws, skind, n0, NC, out, wn);
+                        else q8f_tile(xf, m0, 1, K, w, ws, skind, n0, 1, out, wn);
                     } else if (kind == 4) {
                         if (two && quad) q4_tile(xq, xd, xs, m0, 2, K, qs, dm, n0, NC, sc, out);
                         else if (two) q4_tile(xq, xd, xs, m0, 2, K, qs, dm, n0, 1, sc, out);
@@ -721,6 +739,7 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
             }
         }
         free(sc);
+        free(wf);
     }
     free(xq);
     free(xd);

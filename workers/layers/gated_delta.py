@@ -12,7 +12,9 @@ cache. Per token ``t`` (q and k L2-normalised, q also scaled by ``Dk**-0.5``):
 (that is the "delta" of DeltaNet). ``g_t = -exp(A_log) * softplus(a_t + dt_bias)`` and
 ``beta_t = sigmoid(b_t)`` come from the layer's projections, in fp32.
 
-- ``recurrent_gated_delta_step`` runs that recurrence for one token of B sequences (decode).
+- ``recurrent_gated_delta_step`` runs that recurrence for one token of B sequences (decode);
+  ``gated_delta_step_slots`` the same on states held in a pool of slots, in place (a C kernel
+  on the CPU: ``workers/kernels/gated_delta.c``).
 - ``chunk_gated_delta_rule`` gives the same result for T tokens of one sequence (prefill), in
   chunks of ``chunk_size``: within a chunk, its sequential rank-1 updates are folded into one
   unit-lower-triangular solve (the "UT transform" of the DeltaNet paper), so the work is matmuls,
@@ -38,10 +40,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from workers.kernels import gdn_step
+
 __all__ = [
     "causal_conv1d_prefill",
     "causal_conv1d_step",
     "chunk_gated_delta_rule",
+    "gated_delta_step_slots",
     "gated_rms_norm",
     "l2norm",
     "recurrent_gated_delta_step",
@@ -209,6 +214,32 @@ def recurrent_gated_delta_step(
     # out = q^T S_new = q^T S + (q.k) delta: no second pass over the updated state.
     out = read[..., 1, :] + (q * k).sum(-1, keepdim=True) * delta  # [B, Hv, Dv]
     return out.to(v.dtype), S
+
+
+def gated_delta_step_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor | slice,
+) -> torch.Tensor:
+    """``recurrent_gated_delta_step`` for B sequences whose states are slots of ``pool``
+    [S, Hv, Dk, Dv] fp32 (``slots``: int64 [B], or a slice of B consecutive slots), updated there
+    in place; returns out [B, Hv, Dv] in v's dtype. On the CPU by ``workers/kernels/gdn_step``'s
+    kernel where it is built (each state read once and written once, no gather or scatter:
+    the slots are its arguments), else torch's ops on the slice, or gathered and scattered back."""
+    if gdn_step.available() and gdn_step.fits(pool, v):
+        qn, kn = _prep_qk(q, k, v.shape[-2])  # [B, Hv, Dk] fp32
+        if isinstance(slots, slice):
+            return gdn_step.step(qn, kn, v, g, beta, pool[slots]).to(v.dtype)
+        return gdn_step.step(qn, kn, v, g, beta, pool, slots).to(v.dtype)
+    if isinstance(slots, slice):
+        return recurrent_gated_delta_step(q, k, v, g, beta, pool[slots], inplace=True)[0]
+    o, new = recurrent_gated_delta_step(q, k, v, g, beta, pool[slots], inplace=True)
+    pool.index_copy_(0, slots, new)
+    return o
 
 
 def causal_conv1d_prefill(

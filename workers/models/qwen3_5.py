@@ -31,6 +31,7 @@ from workers.layers.gated_delta import (
     causal_conv1d_prefill,
     causal_conv1d_step,
     chunk_gated_delta_rule,
+    gated_delta_step_slots,
     gated_rms_norm,
     recurrent_gated_delta_step,
 )
@@ -162,15 +163,9 @@ class GatedDeltaNet(nn.Module):
                 at = slots if run is None else slice(run, run + nd)
                 o, ssm_new = fla_gdn.step(q, k, v, g[:nd], beta[:nd], ssm_pool[at])
                 ssm_pool[at] = ssm_new
-            elif run is not None:
-                o, _ = recurrent_gated_delta_step(
-                    q, k, v, g[:nd], beta[:nd], ssm_pool[run : run + nd], inplace=True
-                )
-            else:
-                o, ssm_new = recurrent_gated_delta_step(
-                    q, k, v, g[:nd], beta[:nd], ssm_pool[slots], inplace=True
-                )
-                ssm_pool.index_copy_(0, slots, ssm_new)
+            else:  # in place in the pool (one run of slots: a slice)
+                at = slots if run is None else slice(run, run + nd)
+                o = gated_delta_step_slots(q, k, v, g[:nd], beta[:nd], ssm_pool, at)
             core[:nd] = o
         # the verify rows: each sequence's rows in turn from its slot's state, every row's
         # state kept aside (the slot's own is replaced once the engine knows what was accepted)
