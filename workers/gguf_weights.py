@@ -35,7 +35,7 @@ import torch
 from pantheon.core.gguf import TENSOR_TYPES, GGUFFile, GGUFTensor
 from workers.errors import LoadError
 from workers.model_config import ModelConfig
-from workers.models import family
+from workers.models import family, keeps_blocks
 
 # ---------------------------------------------------------------- dequantization
 #
@@ -230,7 +230,8 @@ def iter_tensors(
     g: GGUFFile, cfg: ModelConfig, wanted: Container[str], rename: Callable[[str], str | None] | None = None
 ) -> Iterator[tuple[Path, str, str, torch.Tensor]]:
     """``(file, label, hf_name, tensor)`` for every tensor of the file our model uses
-    (``wanted``), dequantized (float32, or the file's own float type), named and laid out as the
+    (``wanted``), dequantized (float32, or the file's own float type; block types the family
+    holds as they are as their blocks, ``workers.models.keeps_blocks``), named and laid out as the
     Hugging Face checkpoint has it (the family's ``gguf_name`` and ``from_gguf``); ``label``
     names it for errors. The loader's filling takes these as it takes safetensors', casting as
     it copies them into the parameters.
@@ -250,6 +251,11 @@ def iter_tensors(
                 "unsupported", f"{g.path}: tensor {t.name!r} is not part of a {g.arch} model this engine runs"
             )
         if name not in wanted:
+            continue
+        if keeps_blocks(fam, t.type_name):  # held as it is (MXFP4 experts): no dequantization
+            block, nbytes = _LAYOUT[t.type_name]
+            raw = raw_bytes(data, t).view(*t.shape[:-1], t.shape[-1] // block, nbytes)
+            yield g.path, f"{t.name!r} ({t.type_name})", name, raw
             continue
         native = _FLOATS.get(t.type_name, torch.float32)
         w = fam.from_gguf(name, dequantize(raw_bytes(data, t), t.type_name, t.shape, native), cfg, g.arch)

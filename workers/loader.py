@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from pantheon.core.gguf import find_gguf, read_gguf
 from workers.errors import LoadError
 from workers.gguf_weights import iter_tensors
+from workers.layers.moe import MoE
 from workers.model_config import ModelConfig, gguf_config, gguf_errors, load_config
 from workers.models import Family, Target, family, is_stacked, joined_part, joined_pieces, unstacked
 from workers.models.base import DecoderLM
@@ -163,6 +164,11 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise LoadError("invalid", f"{found or model_path}: checkpoint lacks tensor(s) {shown}")
+    for layer, dev in zip(model.layers, model.layer_devices):
+        if dev.type != "cpu":  # no MXFP4 kernel there: the experts dequantized, exactly
+            for m in layer.modules():
+                if isinstance(m, MoE):
+                    m.unpack_mxfp4(dt)
     model.eval()
     return model, cfg
 

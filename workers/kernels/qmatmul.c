@@ -768,16 +768,17 @@ int qm_q8_linear_f32(const void *x, int xkind, int64_t M, int64_t K, const int8_
  *   qs [N, K/2] uint8: block g of row n is bytes [16g, 16g + 16); byte j holds value 32g + j's
  *                      code in its low nibble, 32g + j + 16's in its high one (ggml's order)
  *   e  [N, K/32] uint8: w = fp4(code) * 2^(e - 127)
- * As llama.cpp's MXFP4 dot product: a 16-entry table of the levels doubled (small integers,
- * looked up 16 at a time by pshufb) and half the block's scale, 2^(e - 128) (ggml's
- * e8m0_to_fp32_half). The activations as they are, fp32 (bf16 widened), against the levels
- * widened to fp32: every product of a level and an activation is exact in an FMA, and the
- * block's power of two scales exactly, so a row's result is the dequantized weight's float64
- * product up to the order of the fp32 sums (no fitted grid, no rounding of x). Threads and
+ * As llama.cpp's MXFP4 dot product, a 16-entry table of levels: on AVX-512 the e2m1 levels
+ * as floats times the block's power of two (vscalef), each code's weight picked from them
+ * (vpermps: 16 at a time); on AVX2 and in C the levels doubled (small integers, looked up 16 at
+ * a time by pshufb, widened to fp32) and half the block's scale, 2^(e - 128) (ggml's
+ * e8m0_to_fp32_half). The activations as they are, fp32 (bf16 widened): every weight is exact
+ * in fp32 and every product exact in an FMA, so a row's result is the dequantized weight's
+ * float64 product up to the order of the fp32 sums (no fitted grid, no rounding of x). Threads and
  * tiles as the kernels above (NC columns by up to MAX_MB rows, OpenMP over blocks of NBLOCK
  * columns); each output is its row's dot product in a fixed order, whatever M or the threads.
  */
-static const int8_t MX_LEVELS[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static const int8_t MX_LEVELS[16] __attribute__((unused)) = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 static inline float mx_half_scale(uint8_t e) { /* 2^(e - 128), subnormal for e < 2 */
     union { uint32_t u; float f; } v;
@@ -796,12 +797,15 @@ static inline __attribute__((always_inline)) void mx_tile(const float *xf, int64
                                                           const int nc, float out[MAX_MB][NC]) {
     const int64_t G = K / QK;
 #if QM_AVX2
-    const __m128i lut = _mm_loadu_si128((const __m128i *)MX_LEVELS), lo4 = _mm_set1_epi8(0x0f);
+    const __m128i lo4 = _mm_set1_epi8(0x0f);
 #if MX_512
+    const __m512 levels = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
+                                         -2.0f, -3.0f, -4.0f, -6.0f);
     __m512 acc[MAX_MB][NC];
     for (int r = 0; r < mb; r++)
         for (int c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
 #else
+    const __m128i lut = _mm_loadu_si128((const __m128i *)MX_LEVELS);
     __m256 acc[MAX_MB][NC];
     for (int r = 0; r < mb; r++)
         for (int c = 0; c < nc; c++) acc[r][c] = _mm256_setzero_ps();
@@ -811,18 +815,22 @@ static inline __attribute__((always_inline)) void mx_tile(const float *xf, int64
             const uint8_t *q = qs + (n0 + c) * (K / 2) + g * 16;
             __m128i b = _mm_loadu_si128((const __m128i *)q);
             _mm_prefetch((const char *)(q + AHEAD * (K / 2)), _MM_HINT_T0);
-            /* the doubled levels of values 0-15 (low nibbles) and 16-31 (high ones), as int8 */
-            __m128i lv = _mm_shuffle_epi8(lut, _mm_and_si128(b, lo4));
-            __m128i hv = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), lo4));
-            const float s = mx_half_scale(e[(n0 + c) * G + g]);
+            /* the codes of values 0-15 (low nibbles) and 16-31 (high ones) */
+            __m128i lo = _mm_and_si128(b, lo4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo4);
 #if MX_512
-            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lv)), w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hv));
+            /* the levels times the block's power of two (vscalef: exact, subnormals too), then
+             * each code's value picked from those 16 (vpermps): the weights themselves, exact */
+            __m512 lv16 = _mm512_scalef_ps(levels, _mm512_set1_ps((float)e[(n0 + c) * G + g] - 127.0f));
+            __m512 w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(lo), lv16);
+            __m512 w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(hi), lv16);
             for (int r = 0; r < mb; r++) {
                 const float *xr = xf + (m0 + r) * K + g * QK;
-                __m512 dot = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xr)));
-                acc[r][c] = _mm512_fmadd_ps(dot, _mm512_set1_ps(s), acc[r][c]);
+                acc[r][c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][c]));
             }
 #else
+            /* their doubled levels as int8 (pshufb), widened to fp32, by half the block's scale */
+            __m128i lv = _mm_shuffle_epi8(lut, lo), hv = _mm_shuffle_epi8(lut, hi);
+            const float s = mx_half_scale(e[(n0 + c) * G + g]);
             __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lv)),
                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lv, 8))),
                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hv)),
