@@ -51,16 +51,30 @@ def folder(layers: int, hidden: int | None) -> Path:
     out = cache / f"gpt-oss-20b-{layers}l{f'-h{hidden}' if hidden else ''}"
     if not (out / "model.safetensors").exists():
         print(f"writing the gpt-oss-20b preset cut to {layers} layers to {out} ...", flush=True)
-        sizes = {"hidden_size": hidden, "intermediate_size": hidden} if hidden else {}
-        make_model("gpt-oss-20b", out, num_hidden_layers=layers, mxfp4=True, **sizes)
+        if hidden:
+            make_model(
+                "gpt-oss-20b",
+                out,
+                num_hidden_layers=layers,
+                mxfp4=True,
+                hidden_size=hidden,
+                intermediate_size=hidden,
+            )
+        else:
+            make_model("gpt-oss-20b", out, num_hidden_layers=layers, mxfp4=True)
     return out
+
+
+def moes(eng: Engine) -> list[MoE]:
+    assert eng.model is not None
+    return [m for m in eng.model.modules() if isinstance(m, MoE)]
 
 
 def hold(eng: Engine, variant: str) -> None:
     """The engine's MXFP4 experts (as loaded) held as ``variant`` says."""
     spec = cpu_paths.PATHS["bf16-packed"]
-    for m in eng.model.modules():
-        if not isinstance(m, MoE) or variant == "mxfp4":
+    for m in moes(eng):
+        if variant == "mxfp4":
             continue
         m.unpack_mxfp4(torch.bfloat16)
         if variant == "bf16":
@@ -71,7 +85,7 @@ def hold(eng: Engine, variant: str) -> None:
 
 def expert_bytes(eng: Engine) -> int:
     """Bytes of the routed experts one decode step reads (each layer's top k)."""
-    return sum(m.top_k * m.per_expert_bytes() for m in eng.model.modules() if isinstance(m, MoE))
+    return sum(m.top_k * m.per_expert_bytes() for m in moes(eng))
 
 
 def last_logits(eng: Engine) -> torch.Tensor:
