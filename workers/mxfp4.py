@@ -17,11 +17,14 @@ llama.cpp's MXFP4 dot product) and multiplies them by the activations as they ar
 dequantized experts' product up to the order of the sums, on every CPU path and every ISA build.
 CUDA dies dequantize them at load (``MoE.unpack_mxfp4``), where no kernel reads them.
 
-Before (measured by ``bench/mxfp4_experts.py``, which still runs it as the baseline): the bf16
-paths refitted the dequantized experts into int4 groups (``int4_from_fp4``: each block's affine
-grid fitted to its FP4 values, ~4.7% relative RMS from the exact weights, 3.4% relative L2 on the
-logits of gpt-oss-20b's preset at hidden 1024; ~20 minutes a thread to fit a real 20b) after a
-full bf16 load.
+Before (``bench/mxfp4_experts.py`` still runs it as the baseline): the bf16 paths refitted the
+dequantized experts into int4 groups (``int4_from_fp4``: each block's affine grid fitted to its
+FP4 values, ~4.7% relative RMS from the exact weights; ~20 minutes a thread to fit a real 20b)
+after a full bf16 load. Measured there (gpt-oss-20b's preset at hidden 1024, 2 layers, bf16-packed
+path, 2-core EPYC Zen 4 shared with other work, decode timings interleaved): logits against the
+bf16 experts' 0.17% relative L2 (the kernel's fp32 products against bf16's rounding; int4-fitted
+3.4%), decode 1.13x the fitted path's tok/s and 2.0x bf16's, 13 MB of experts read a step (16,
+50), load 8 s (121 s with the fit).
 """
 
 from __future__ import annotations

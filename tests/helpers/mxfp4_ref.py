@@ -18,9 +18,9 @@ from workers.kernels import qlinear
 from workers.mxfp4 import dequantize_held
 
 # K: 1 block, 3, 90 (gpt-oss-20b's 2880); N: not a multiple of the tile's 4 columns nor of a
-# thread's 16; M: 1..5 rows (pairs of rows and one alone)
+# thread's 16; M: 1..8 rows (tiles of 4 rows on AVX-512, pairs, one alone)
 SHAPES = [(32, 16), (96, 37), (2880, 50)]
-ROWS = [1, 2, 3, 5]
+ROWS = [1, 2, 3, 5, 8]
 
 
 def blocks(

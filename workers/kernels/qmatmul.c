@@ -775,7 +775,7 @@ int qm_q8_linear_f32(const void *x, int xkind, int64_t M, int64_t K, const int8_
  * e8m0_to_fp32_half). The activations as they are, fp32 (bf16 widened): every weight is exact
  * in fp32 and every product exact in an FMA, so a row's result is the dequantized weight's
  * float64 product up to the order of the fp32 sums (no fitted grid, no rounding of x). Threads and
- * tiles as the kernels above (NC columns by up to MAX_MB rows, OpenMP over blocks of NBLOCK
+ * tiles as the kernels above (NC columns by up to MX_MB rows, OpenMP over blocks of NBLOCK
  * columns); each output is its row's dot product in a fixed order, whatever M or the threads.
  */
 static const int8_t MX_LEVELS[16] __attribute__((unused)) = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -788,25 +788,27 @@ static inline float mx_half_scale(uint8_t e) { /* 2^(e - 128), subnormal for e <
 
 #if QM_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
 #define MX_512 1
+#define MX_MB 4 /* rows a tile sums at once: 16 accumulators of 32 registers */
 #else
 #define MX_512 0
+#define MX_MB 2 /* AVX2's 16 registers: 8 accumulators */
 #endif
 
 static inline __attribute__((always_inline)) void mx_tile(const float *xf, int64_t m0, const int mb, int64_t K,
                                                           const uint8_t *qs, const uint8_t *e, int64_t n0,
-                                                          const int nc, float out[MAX_MB][NC]) {
+                                                          const int nc, float out[MX_MB][NC]) {
     const int64_t G = K / QK;
 #if QM_AVX2
     const __m128i lo4 = _mm_set1_epi8(0x0f);
 #if MX_512
     const __m512 levels = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
                                          -2.0f, -3.0f, -4.0f, -6.0f);
-    __m512 acc[MAX_MB][NC];
+    __m512 acc[MX_MB][NC];
     for (int r = 0; r < mb; r++)
         for (int c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
 #else
     const __m128i lut = _mm_loadu_si128((const __m128i *)MX_LEVELS);
-    __m256 acc[MAX_MB][NC];
+    __m256 acc[MX_MB][NC];
     for (int r = 0; r < mb; r++)
         for (int c = 0; c < nc; c++) acc[r][c] = _mm256_setzero_ps();
 #endif
@@ -888,21 +890,25 @@ int qm_mxfp4_linear(const void *x, int xkind, int64_t M, int64_t K, const uint8_
     if (blocks < nt) nt = (int)blocks;
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int64_t bi = 0; bi < blocks; bi++) {
-        float out[MAX_MB][NC];
+        float out[MX_MB][NC];
         const int64_t n1 = (bi + 1) * NBLOCK < N ? (bi + 1) * NBLOCK : N;
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_MB) {
-            const int two = M - m0 >= 2;
+        for (int64_t m0 = 0; m0 < M;) {
+            const int mb = M - m0 >= MX_MB ? MX_MB : M - m0 >= 2 ? 2 : 1;
             for (int64_t n0 = bi * NBLOCK; n0 < n1;) {
                 const int quad = n1 - n0 >= NC;
-                if (two && quad) mx_tile(xf, m0, 2, K, qs, e, n0, NC, out);
-                else if (two) mx_tile(xf, m0, 2, K, qs, e, n0, 1, out);
+                /* constant (mb, nc) at each call: the compiler specializes each tile */
+                if (mb == MX_MB && quad) mx_tile(xf, m0, MX_MB, K, qs, e, n0, NC, out);
+                else if (mb == MX_MB) mx_tile(xf, m0, MX_MB, K, qs, e, n0, 1, out);
+                else if (mb == 2 && quad) mx_tile(xf, m0, 2, K, qs, e, n0, NC, out);
+                else if (mb == 2) mx_tile(xf, m0, 2, K, qs, e, n0, 1, out);
                 else if (quad) mx_tile(xf, m0, 1, K, qs, e, n0, NC, out);
                 else mx_tile(xf, m0, 1, K, qs, e, n0, 1, out);
-                const int mb = two ? 2 : 1, nc = quad ? NC : 1;
+                const int nc = quad ? NC : 1;
                 for (int r = 0; r < mb; r++)
                     for (int c = 0; c < nc; c++) store_kind(y, ykind, (m0 + r) * N + n0 + c, out[r][c]);
                 n0 += nc;
             }
+            m0 += mb;
         }
     }
     free(wide);
