@@ -26,6 +26,7 @@ Tensor names and the converter's transformations (llama's q/k row order, ...) ar
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 
@@ -256,7 +257,20 @@ def iter_tensors(
             block, nbytes = _LAYOUT[t.type_name]
             raw = raw_bytes(data, t).view(*t.shape[:-1], t.shape[-1] // block, nbytes)
             yield g.path, f"{t.name!r} ({t.type_name})", name, raw
-            continue
-        native = _FLOATS.get(t.type_name, torch.float32)
-        w = fam.from_gguf(name, dequantize(raw_bytes(data, t), t.type_name, t.shape, native), cfg, g.arch)
-        yield g.path, f"{t.name!r} ({t.type_name})", name, w
+        else:
+            native = _FLOATS.get(t.type_name, torch.float32)
+            w = fam.from_gguf(name, dequantize(raw_bytes(data, t), t.type_name, t.shape, native), cfg, g.arch)
+            yield g.path, f"{t.name!r} ({t.type_name})", name, w
+        release(data, t)
+
+
+def release(data: np.memmap, t: GGUFTensor) -> None:
+    """Drop the map's pages of a tensor the loader has copied into its parameters (it resumes
+    this generator only then): a page of a file map read once stays in the worker's resident
+    memory until the map goes, which for a whole model's file doubled the load's peak (a 3 GB
+    gpt-oss file: 6.2 GiB peak for 3.5 final). Pages read again later come back from the file."""
+    mm = getattr(data, "_mmap", None)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+    mm.madvise(mmap.MADV_DONTNEED, start, t.offset + t.nbytes - start)
