@@ -58,8 +58,8 @@ step's tokens ran, counted by the MoE layers) at 1 and ``--streams`` sequences, 
 active-parameter bound (one token's experts) and all experts' bytes, against a measured copy
 bandwidth. ``--moe-preset gpt-oss-20b``: gpt-oss-20b's shapes (32 experts, 4 per token, biases,
 sinks, alternating 128-token windows) with its experts in MXFP4 as the Hub ships them
-(``make_model(mxfp4=True)``): llama.cpp's converter keeps them MXFP4, our engine keeps them 4-bit
-too on its bf16 paths (int4 groups fitted to their FP4 levels, ``workers/mxfp4.py``).
+(``make_model(mxfp4=True)``): llama.cpp's converter keeps them MXFP4, and so does our engine on
+every CPU path (its MXFP4 kernel, ``workers/mxfp4.py``).
 ``--moe-preset qwen3.6-35b-a3b-text``: Qwen3.6-35B-A3B's text shapes (256 experts, 8 per token
 and a shared expert, on the Qwen3.5 hybrid layers; converted ``--no-mtp``). ``--cpu-path int8`` /
 ``int4`` run the experts quantized as those paths' linears (``workers/quant.py``'s

@@ -114,9 +114,11 @@ def make_model(
         if family.converter_tokenizer is None:
             raise ValueError("gemma_tokenizer is for the Gemma 4 presets")
         tokenizer = family.converter_tokenizer
-    rewrite_mxfp4 = family.mxfp4 if mxfp4 else None
-    if mxfp4 and rewrite_mxfp4 is None:
+    write_mxfp4 = family.mxfp4 if mxfp4 else None
+    if mxfp4 and write_mxfp4 is None:
         raise ValueError("mxfp4 folders are gpt-oss's only")
+    if mxfp4 and shard_bytes:
+        raise ValueError("mxfp4 folders are written unsharded")
     text = text_config(config)
     max_length = text["max_position_embeddings"]
 
@@ -145,9 +147,8 @@ def make_model(
         real_vocab=real_vocab,
         shard_bytes=shard_bytes,
         fast=fast,
+        whole=None if write_mxfp4 is None else lambda chunks_of: write_mxfp4(out, config, chunks_of, fast),
     )
-    if rewrite_mxfp4 is not None:
-        rewrite_mxfp4(out, config)
     if preset in family.pooling:
         write_sentence_transformers(out, config, *family.pooling[preset])
     return out

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from makemodel.vocab import Vocabulary
+from makemodel.writer import ChunksOf
 
 # (HF tensor name, shape, kind). ``kind`` is ``"normal"`` (std 0.02: linears, convolutions,
 # biases), ``"embed"`` (std 0.02 for the tokenizer's ids, zero rows for the padding ids past it),
@@ -44,8 +45,9 @@ class Family:
     follow_overrides: Callable[[dict, set[str]], None] | None = None
     # The tokenizer ``make_model(gemma_tokenizer=True)`` writes instead (Gemma 4's own kind).
     converter_tokenizer: Vocabulary | None = None
-    # Rewrites a written folder's experts as MXFP4 (``make_model(mxfp4=True)``; gpt-oss).
-    mxfp4: Callable[[Path, dict], None] | None = None
+    # Writes the folder's weights with its experts as MXFP4 (``make_model(mxfp4=True)``;
+    # gpt-oss): ``mxfp4(out, config, chunks_of, fast)``, ``chunks_of`` as ``writer.write_weights``'.
+    mxfp4: Callable[[Path, dict, ChunksOf, bool], None] | None = None
 
 
 def text_config(config: dict) -> dict:

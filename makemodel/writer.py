@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 STD = 0.02  # linears, embeddings and biases
 
+# A tensor's random values as consecutive byte chunks: ``chunks_of(name, shape, kind)``
+ChunksOf = Callable[[str, tuple[int, ...], str], "Iterator[np.ndarray]"]
+
 DTYPES = {  # accepted spelling -> (config name, safetensors name, bytes per element)
     "bfloat16": ("bfloat16", "BF16", 2),
     "bf16": ("bfloat16", "BF16", 2),
@@ -46,7 +49,7 @@ def numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _tensor_seed(seed: int, name: str) -> int:
+def tensor_seed(seed: int, name: str) -> int:
     """A 63-bit seed from (seed, tensor name): a tensor's values do not depend on file order.
 
     A VLM's text tensors are seeded under their text-only names (``model.language_model.X`` as
@@ -88,7 +91,7 @@ def _tensor_chunks(
     """
     import torch
 
-    gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
+    gen = torch.Generator().manual_seed(tensor_seed(seed, name))
     rows, row = shape[0], numel(shape[1:])
     step = max(1, chunk_elems // row)
     pool = _fast_pool(torch_dtype, 2 * chunk_elems) if fast else None
@@ -169,9 +172,11 @@ def write_weights(
     real_vocab: int,
     shard_bytes: int | None = None,
     fast: bool = False,
+    whole: Callable[[ChunksOf], None] | None = None,
 ) -> list[Path]:
     """Write random weights for ``specs`` in ``dtype`` (a ``DTYPES`` key) into ``out``; return
-    the safetensors paths.
+    the safetensors paths. ``whole``: writes the one ``model.safetensors`` itself from the
+    tensors' chunks (a family's own storage: gpt-oss's MXFP4 experts, ``Family.mxfp4``).
 
     Embedding (and lm_head) rows from ``real_vocab`` on, the ids the tokenizer never produces, are
     zero. ``fast``: windows of one pool of random values (``_tensor_chunks``), for timing runs.
@@ -195,6 +200,9 @@ def write_weights(
             fast=fast,
         )
 
+    if whole is not None:
+        whole(chunks_of)
+        return [out / "model.safetensors"]
     shards = _shard(specs, itemsize, shard_bytes)
     if len(shards) == 1:
         path = out / "model.safetensors"

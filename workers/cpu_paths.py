@@ -40,8 +40,7 @@ if TYPE_CHECKING:
     from workers.models.base import DecoderLM
 from workers.errors import LoadError
 from workers.layers.moe import MoE
-from workers.mxfp4 import int4_from_fp4
-from workers.quant import Int4Linear, Int8Linear, int4_fits, int4_groups, on_grid, replace_linears
+from workers.quant import Int4Linear, Int8Linear, int4_fits, on_grid, replace_linears
 
 AUTO = "auto"
 
@@ -185,11 +184,10 @@ def mxfp4_experts(cfg: ModelDescription) -> bool:
 
 def experts_spec(spec: PathSpec, mxfp4: bool) -> PathSpec:
     """How path ``spec`` holds a mixture of experts' routed experts (``sizing.experts_layout``):
-    as its linears (prepacked, int8 rows, int4 groups, or dense), except MXFP4 experts on the
-    bf16 paths, kept 4-bit (``sizing.MXFP4_EXPERTS``) when this host runs that kernel (else
-    as the path's linears)."""
+    as its linears (prepacked, int8 rows, int4 groups, or dense). MXFP4 experts are held as they
+    ship on every path (``MoE(mxfp4=True)``, the MXFP4 kernel): ``spec``, unused for them."""
     layout = experts_layout(spec.layout, DTYPE_NAMES[spec.dtype], mxfp4)
-    if layout == spec.layout or probe(layout):
+    if layout in (spec.layout, "mxfp4") or probe(layout):
         return spec
     return PathSpec(spec.name, spec.dtype, layout, True)
 
@@ -222,7 +220,7 @@ class _Bench:
             lin = make_linear(s, torch.randn(part, k, generator=g) * 0.02, None)
             xs = {m: torch.randn(m, k, generator=g).to(spec.dtype) for m in (1, 8)}
             self.parts.append((lin, xs, count * n / part))
-        for n, k, count in experts:
+        for n, k, count in () if mxfp4 else experts:  # MXFP4's: one kernel on every path
             lin = make_linear(held, torch.randn(n, k, generator=g) * 0.02, None)
             xs = {m: torch.randn(m, k, generator=g).to(spec.dtype) for m in (1, 8)}
             self.parts.append((lin, xs, float(count)))
@@ -358,7 +356,7 @@ def apply(model: DecoderLM, name: str, cfg: ModelDescription | None = None) -> N
     a tied head gets its own copy (the embedding table stays plain for lookups), an untied one
     is replaced. dense: nothing to do. A mixture of experts' routed experts as ``experts_spec``
     says (``cfg``: the model's description, whose experts may be stored as MXFP4): prepacked one
-    by one, or quantized into stacks (int4 groups fitted to FP4's levels when they were MXFP4).
+    by one, or quantized into stacks (MXFP4 experts stay as they are).
     """
     spec = PATHS[name]
     for layer, dev in zip(model.layers, model.layer_devices):
@@ -377,10 +375,9 @@ def lay_out(module: nn.Module, name: str, cfg: ModelDescription | None = None) -
     spec = PATHS[name]
     mxfp4 = cfg is not None and mxfp4_experts(cfg)
     held = experts_spec(spec, mxfp4)
-    int4 = int4_from_fp4 if mxfp4 else int4_groups
-    if spec.layout == "int4":
+    if spec.layout == "int4" and cfg is not None and cfg.int4_source:  # a 4-bit file's own grids
         replace_linears(module, lambda w, b: file_int4_linear(spec, w, b))
-    elif spec.layout != "dense":
+    elif spec.layout != "dense":  # (float weights forced onto int4: groups fitted to them)
         replace_linears(module, lambda w, b: make_linear(spec, w, b))
     for m in module.modules():
         if not isinstance(m, MoE):
@@ -388,4 +385,4 @@ def lay_out(module: nn.Module, name: str, cfg: ModelDescription | None = None) -
         if held.layout == "packed":
             m.lay_out(lambda w: make_linear(spec, w, None))
         elif held.layout in ("int8", "int4"):
-            m.quantize(held.layout, int4)
+            m.quantize(held.layout)

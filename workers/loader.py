@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from pantheon.core.gguf import find_gguf, read_gguf
 from workers.errors import LoadError
 from workers.gguf_weights import iter_tensors
+from workers.layers.moe import MoE
 from workers.model_config import ModelConfig, gguf_config, gguf_errors, load_config
 from workers.models import Family, Target, family, is_stacked, joined_part, joined_pieces, unstacked
 from workers.models.base import DecoderLM
@@ -163,6 +164,11 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise LoadError("invalid", f"{found or model_path}: checkpoint lacks tensor(s) {shown}")
+    for layer, dev in zip(model.layers, model.layer_devices):
+        if dev.type != "cpu":  # no MXFP4 kernel there: the experts dequantized, exactly
+            for m in layer.modules():
+                if isinstance(m, MoE):
+                    m.unpack_mxfp4(dt)
     model.eval()
     return model, cfg
 
@@ -281,21 +287,60 @@ def _safetensors_tensors(
     headers: dict[Path, dict], wanted: Container[str], rename: Callable[[str], str | None]
 ) -> Tensors:
     """The checkpoint's tensors that we use, file by file, under the family's names (others are
-    skipped: e.g. the rotary inv_freq buffers some checkpoints carry, a vision tower)."""
+    skipped: e.g. the rotary inv_freq buffers some checkpoints carry, a vision tower).
+
+    Each tensor is read into a buffer of its own (``_read_tensor``), which the filling copies into
+    its parameter and lets go: never more than one tensor's bytes beside the model, and no page
+    of the file mapped into the worker (a memory map of the whole file would count each page
+    read toward its resident memory until the file closes: 13 GB for gpt-oss-20b). Types we do
+    not read ourselves go through safetensors' reader."""
     for f, header in headers.items():
         names = [
             (n, ours)
             for n in header
             if n != "__metadata__" and (ours := rename(n)) is not None and ours in wanted
         ]
+        base = 8 + struct.unpack("<Q", _head(f))[0]
         try:
-            with safe_open(str(f), framework="pt", device="cpu") as st:
+            with f.open("rb") as raw, safe_open(str(f), framework="pt", device="cpu") as st:
                 for name, ours in names:
-                    yield f, repr(name), ours, st.get_tensor(name)
+                    info = header[name]
+                    t = _read_tensor(raw, base, info) if info["dtype"] in _ST_TORCH else st.get_tensor(name)
+                    yield f, repr(name), ours, t
         except LoadError:
             raise
         except Exception as e:  # safetensors raises its own error types for damaged files
             raise LoadError("invalid", f"{f}: cannot read safetensors ({e})") from None
+
+
+_ST_TORCH = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _head(path: Path) -> bytes:
+    with path.open("rb") as f:
+        return f.read(8)
+
+
+def _read_tensor(raw, base: int, info: dict) -> torch.Tensor:
+    """A tensor's bytes read from the open file ``raw`` (its data section at ``base``) into a
+    buffer of their own (``check_safetensors`` has checked its offsets and size)."""
+    start, end = info["data_offsets"]
+    buf = torch.empty(end - start, dtype=torch.uint8)
+    raw.seek(base + start)
+    if raw.readinto(buf.numpy().data) != end - start:
+        raise LoadError("invalid", f"{raw.name}: truncated safetensors file")
+    return buf.view(_ST_TORCH[info["dtype"]]).view(info["shape"])
 
 
 def _fill(

@@ -1,33 +1,30 @@
-"""MXFP4 weights (the OCP microscaling format gpt-oss's experts ship in): dequantized at load,
-then on the bf16 CPU paths kept 4-bit in the int4 path's layout (``int4_from_fp4``).
+"""MXFP4 weights (the OCP microscaling format gpt-oss's experts ship in), held as they are and
+multiplied by our kernel (``workers/kernels/qmatmul.c``'s ``qm_mxfp4_linear``).
 
 A checkpoint stores a ``[..., R, C]`` matrix as ``*_blocks`` ``[..., R, C / 32, 16]`` uint8 (two
 FP4 e2m1 values a byte: the low nibble is the even column, the high nibble the odd one) and
 ``*_scales`` ``[..., R, C / 32]`` uint8 (an e8m0 exponent per 32 values: the block's values are
 multiplied by ``2 ** (scale - 127)``), as transformers' ``integrations/mxfp4.py`` reads them.
-Every dequantized value (an FP4 level times a power of two) is exact in bf16 and fp32, so the
-result does not depend on the dtype it is computed in.
+llama.cpp's converter keeps them so in a GGUF (``MXFP4`` blocks: the exponent byte, then 16 bytes
+whose low nibbles are values 0-15 and high nibbles 16-31). Every dequantized value (an FP4 level
+times a power of two) is exact in bf16 and fp32, so the result does not depend on the dtype it is
+computed in.
 
-Holding the experts (``pantheon.core.sizing.MXFP4_EXPERTS``, measured by
-``bench/mxfp4_experts.py``; random Gaussian experts written as MXFP4, 2-core EPYC Zen 4):
+Held (``MxExperts``): each block's codes in ggml's order (``from_hub`` reorders the Hub's nibbles,
+a permutation: no value changes) and its exponent, 17 bytes a block of 32 (0.53 bytes a weight,
+against int4 groups' 0.625 and bf16's 2). The kernel looks the codes up in a 16-entry table (as
+llama.cpp's MXFP4 dot product) and multiplies them by the activations as they are (fp32): the
+dequantized experts' product up to the order of the sums, on every CPU path and every ISA build.
+CUDA dies dequantize them at load (``MoE.unpack_mxfp4``), where no kernel reads them.
 
-- (a) int4 groups of 32 (``workers.quant.QuantExperts``, torch's int4 CPU kernel): MXFP4's blocks
-  are 32 along K as the int4 groups are, but FP4's grid is not uniform, so the min/max grid
-  loses ~8.8% (relative RMS against the dequantized weights); ``int4_from_fp4`` fits each
-  block's grid to its FP4 values and loses ~4.7% (FP4 itself is ~12% from the floats it was
-  made from). 0.625 bytes a weight (MXFP4: 0.53);
-- (b) int8 rows from the dequantized values: ~0.9%, 1 byte a weight and a scale a row;
-- (c) bf16, exact: 2 bytes a weight.
-
-The logits (gpt-oss-20b's preset at hidden 1024, 2 layers, 32 experts top 4, 4 prompts' last
-positions; the rest of the model bf16), against (c): (a) fitted 3.4% relative L2, cosine >= 0.9994,
-top-1 4/4; (a) min/max 11.3%, 0.988, 3/4; (b) 6.1%, 0.993, 4/4 (random weights: a router's top-k
-flips on small changes, so the logits' error is not monotonic in the weights'; the experts'
-product errors are 4.7%, 8.8% and 0.7%). Speed, one token's 4 experts of a gpt-oss-20b layer at
-one row, one thread of a loaded 2-core EPYC: (a) ~6-10x faster than bf16 prepacked, (b) ~1-1.4x.
-
-The default is (a), fitted: the fastest, its logits close to the exact experts'. fp32 paths keep
-the exact values (the int kernels take bf16 activations); ``quantize`` / the int8 path gives (b).
+Before (``bench/mxfp4_experts.py`` still runs it as the baseline): the bf16 paths refitted the
+dequantized experts into int4 groups (``int4_from_fp4``: each block's affine grid fitted to its
+FP4 values, ~4.7% relative RMS from the exact weights; ~20 minutes a thread to fit a real 20b)
+after a full bf16 load. Measured there (gpt-oss-20b's preset at hidden 1024, 2 layers, bf16-packed
+path, 2-core EPYC Zen 4 shared with other work, decode timings interleaved): logits against the
+bf16 experts' 0.17% relative L2 (the kernel's fp32 products against bf16's rounding; int4-fitted
+3.4%), decode 1.13x the fitted path's tok/s and 2.0x bf16's, 13 MB of experts read a step (16,
+50), load 8 s (121 s with the fit).
 """
 
 from __future__ import annotations
@@ -35,7 +32,9 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import nn
 
+from workers.kernels import qlinear
 from workers.quant import int4_pack
 
 # the 16 e2m1 codes: sign bit, 2 exponent bits, 1 mantissa bit
@@ -58,7 +57,70 @@ def dequantize(
     return out.flatten(-2).to(dtype)
 
 
-# int4 grids tried for each block of FP4 values (in units of the block's scale): a step and the
+def from_hub(blocks: torch.Tensor) -> torch.Tensor:
+    """The Hub's ``[..., G, 16]`` blocks (byte j: values 2j low, 2j + 1 high) -> the kernel's
+    ``[..., G * 16]`` (byte j: values j low, j + 16 high, ggml's order): the same codes."""
+    b = blocks.to(torch.uint8)
+    codes = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)  # [..., G, 32] in order
+    return (codes[..., :16] | (codes[..., 16:] << 4)).flatten(-2)
+
+
+def dequantize_held(qs: torch.Tensor, e: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The kernel's ``qs [..., R, C / 2]`` and ``e [..., R, C / 32]`` -> ``[..., R, C]``."""
+    b = qs.reshape(*qs.shape[:-1], -1, BLOCK // 2)  # [..., R, G, 16]
+    lut = torch.tensor(FP4_LEVELS, dtype=torch.float32, device=qs.device)
+    vals = torch.cat((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1)  # [..., R, G, 32]
+    return torch.ldexp(vals, (e.to(torch.int32) - 127).unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+class MxExperts(nn.Module):
+    """``E`` stacked ``[N, K]`` matrices in MXFP4, as the file holds them (``qs`` [E, N, K/2]
+    uint8 in ggml's nibble order, ``e`` [E, N, K/32] uint8 exponents), filled by the loader
+    expert by expert. ``experts[e](x)``: x [M, K] (fp32 or bf16) -> [M, N] in x's dtype, by
+    ``qlinear.mxfp4_linear`` (exact: the dequantized weight's product), reading only expert
+    ``e``'s bytes; where the kernel is not built, by that expert dequantized for the call (the
+    same values, slowly: a host without a C compiler)."""
+
+    qs: torch.Tensor
+    e: torch.Tensor
+
+    def __init__(self, num_experts: int, n: int, k: int):
+        super().__init__()
+        if k % BLOCK:
+            raise ValueError(f"MXFP4 matrices have whole blocks of {BLOCK} along K, got K = {k}")
+        self.num_experts, self.out_features, self.in_features = num_experts, n, k
+        self.register_buffer("qs", torch.empty(num_experts, n, k // 2, dtype=torch.uint8))
+        self.register_buffer("e", torch.empty(num_experts, n, k // BLOCK, dtype=torch.uint8))
+        self.kernel = qlinear.fits(k) and qlinear.available()
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    def __getitem__(self, e: int):
+        return lambda x: self.mm(e, x)
+
+    def mm(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ expert ``e``'s [N, K]^T -> [M, N]."""
+        if self.kernel and x.device.type == "cpu":
+            return qlinear.mxfp4_linear_op(x, self.qs[e], self.e[e])
+        return torch.nn.functional.linear(x, dequantize_held(self.qs[e], self.e[e], x.dtype))
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """Every expert's matrix, ``[E, N, K]`` in ``dtype`` (exact), one expert at a time."""
+        out = torch.empty(
+            self.num_experts, self.out_features, self.in_features, dtype=dtype, device=self.qs.device
+        )
+        for i in range(self.num_experts):
+            out[i] = dequantize_held(self.qs[i], self.e[i], dtype)
+        return out
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's matrix as held (its codes and exponents)."""
+        return self.qs[0].numel() + self.e[0].numel()
+
+
+# The former holding (the baseline bench/mxfp4_experts.py measures the kernel against): int4
+# grids tried for each block of FP4 values (in units of the block's scale): a step and the
 # lowest level, -j * step with j in half steps (the kernel's 16 levels are lo + q * step).
 _STEPS = (0.5, 0.625, 0.75, 0.875, 1.0)
 _SIGNED = sorted(set(FP4_LEVELS))  # the 15 distinct values, -6 .. 6

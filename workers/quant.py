@@ -234,8 +234,9 @@ def quantize_int8(model: nn.Module) -> None:
         replace_linears(layer, Int8Linear)  # in the weights' own dtype
 
 
-# A [N, K] weight -> the int4 kernel's (packed weight, scales_zeros): ``int4_groups``, or for
-# experts stored in MXFP4 ``workers.mxfp4.int4_from_fp4`` (its grid fitted to FP4's levels)
+# A [N, K] weight -> the int4 kernel's (packed weight, scales_zeros): ``int4_groups``, or
+# ``workers.mxfp4.int4_from_fp4`` (its grid fitted to FP4's levels: the former holding of MXFP4
+# experts, bench/mxfp4_experts.py's baseline; they are held as MXFP4 now)
 Int4Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 

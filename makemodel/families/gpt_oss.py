@@ -11,12 +11,15 @@ turn (EOS), as in gpt-oss's generation_config.
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 from makemodel import tokenizer_train as tt
 from makemodel.families.common import TINY_VOCAB
 from makemodel.family import Family, TensorSpec
 from makemodel.vocab import Vocabulary
+from makemodel.writer import DTYPES, ChunksOf, numel, tensor_seed
 from makemodel.writer import write_json as _write_json  # the name _write_mxfp4 calls it by
 
 MARKERS = [
@@ -261,27 +264,101 @@ def _mxfp4_quantize(w):
     return blocks.contiguous(), scales.contiguous()
 
 
-def _write_mxfp4(out: Path, config: dict) -> None:
-    """Rewrite a written gpt-oss folder's experts as MXFP4 (``gate_up_proj`` / ``down_proj`` ->
-    ``*_blocks`` and ``*_scales`` of their untransposed ``[E, 2I, H]`` / ``[E, H, I]``, as the Hub
-    ships gpt-oss) and add its ``quantization_config``. The whole file passes through memory
-    (quantized one expert at a time): meant for tiny and layer-cut folders."""
-    from safetensors.torch import load_file, save_file
-
-    path = out / "model.safetensors"
-    if not path.is_file():
-        raise ValueError("mxfp4 folders are written unsharded")
+def _write_mxfp4(out: Path, config: dict, chunks_of: ChunksOf, fast: bool = False) -> None:
+    """Write a gpt-oss folder's weights with its experts as MXFP4 (``gate_up_proj`` /
+    ``down_proj`` -> ``*_blocks`` and ``*_scales`` of their untransposed ``[E, 2I, H]`` /
+    ``[E, H, I]``, as the Hub ships gpt-oss) into one ``model.safetensors``, and add its
+    ``quantization_config``. Tensor by tensor and expert by expert (``_mxfp4_tensors``): the
+    experts are never whole in bf16 on disk nor in memory, so gpt-oss-20b's full shapes write a
+    ~13 GB file holding a few hundred MB. ``chunks_of(name, shape, kind)``: ``writer.write_weights``'
+    generator of a tensor's bytes (the experts' values are those the bf16 folder holds); ``fast``:
+    the experts' codes random bytes instead (``_fast_mxfp4``: the whole 20b in minutes)."""
     import torch
 
-    tensors = load_file(str(path))
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        w = tensors.pop(name)
-        parts = [_mxfp4_quantize(w[e].transpose(-1, -2)) for e in range(w.shape[0])]  # an expert at a time
-        tensors[f"{name}_blocks"] = torch.stack([b for b, _ in parts])
-        tensors[f"{name}_scales"] = torch.stack([s for _, s in parts])
-    save_file(dict(sorted(tensors.items())), str(path), metadata={"format": "pt"})
+    dtype_name, st_dtype, itemsize = DTYPES[config["torch_dtype"]]
+    torch_dtype = getattr(torch, dtype_name)
+    entries = {}  # name -> (safetensors dtype, shape): the file's tensors
+    for name, shape, _ in tensor_specs(config):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            e, cols, rows = shape  # stored transposed: [E, in, out]
+            entries[f"{name}_blocks"] = ("U8", (e, rows, cols // 32, 16))
+            entries[f"{name}_scales"] = ("U8", (e, rows, cols // 32))
+        else:
+            entries[name] = (st_dtype, shape)
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in sorted(entries):
+        dt, shape = entries[name]
+        size = numel(shape) * (itemsize if dt == st_dtype else 1)
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    base = 8 + len(raw)
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.truncate(base + offset)
+        for name, data in _mxfp4_tensors(config, chunks_of, torch_dtype, fast):
+            at = base + header[name]["data_offsets"][0]
+            for pos, chunk in data:
+                f.seek(at + pos)
+                f.write(chunk if isinstance(chunk, bytes) else chunk.data)  # an array's raw bytes, uncopied
     config["quantization_config"] = dict(MXFP4_QUANTIZATION)
     _write_json(out / "config.json", dict(sorted(config.items())))
+
+
+def _mxfp4_tensors(config: dict, chunks_of: ChunksOf, torch_dtype, fast: bool = False):
+    """``(name, [(byte offset in the tensor, bytes), ...])`` for every tensor of an MXFP4 gpt-oss
+    folder, as ``_write_mxfp4`` places them: float tensors as ``chunks_of`` yields them; each
+    expert stack quantized an expert at a time (``_mxfp4_quantize`` of the expert's transposed
+    matrix, as the bf16 folder's values), its blocks and scales each at the expert's slot; or,
+    ``fast``, made directly (``_fast_mxfp4``)."""
+    import torch
+
+    for name, shape, kind in tensor_specs(config):
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            yield name, _at_offsets(chunks_of(name, shape, kind))
+            continue
+        num, cols, rows = shape
+        per_blocks, per_scales = rows * cols // 2, rows * cols // 32  # one expert's bytes
+        if fast:
+            for e in range(num):
+                blocks, scales = _fast_mxfp4(name, e, per_blocks, per_scales)
+                yield f"{name}_blocks", [(e * per_blocks, blocks)]
+                yield f"{name}_scales", [(e * per_scales, scales)]
+            continue
+        e = 0
+        for chunk in chunks_of(name, shape, kind):  # whole experts: rows of the stack
+            w = torch.from_numpy(chunk).view(torch_dtype).view(-1, cols, rows)
+            for i in range(w.shape[0]):
+                blocks, scales = _mxfp4_quantize(w[i].transpose(-1, -2))
+                yield f"{name}_blocks", [(e * per_blocks, blocks.numpy().tobytes())]
+                yield f"{name}_scales", [(e * per_scales, scales.numpy().tobytes())]
+                e += 1
+
+
+# MXFP4 exponent of the fast experts: uniform codes have an RMS of ~2.9 levels, so 2^-7 gives the
+# RMS of the other weights (_STD)
+_FAST_MXFP4_EXP = 127 - 7
+
+
+def _fast_mxfp4(name: str, e: int, nblocks: int, nscales: int) -> tuple[bytes, bytes]:
+    """One expert's MXFP4 codes as seeded random bytes (every code equally likely) and its
+    exponents all ``_FAST_MXFP4_EXP``: weights of the other tensors' spread, for timing runs."""
+    import torch
+
+    gen = torch.Generator().manual_seed(tensor_seed(e, name))
+    blocks = torch.randint(0, 256, (nblocks,), dtype=torch.uint8, generator=gen)
+    return blocks.numpy().tobytes(), bytes([_FAST_MXFP4_EXP]) * nscales
+
+
+def _at_offsets(chunks):
+    """Consecutive chunks of a tensor's bytes, each with its offset in the tensor."""
+    pos = 0
+    for chunk in chunks:
+        yield pos, chunk
+        pos += len(chunk)
 
 
 FAMILY = Family(

@@ -141,7 +141,7 @@ class ExpertSpec:
     intermediate: int
     hidden: int
     bias: bool = False  # each expert's gate, up and down have biases (gpt-oss)
-    # stored as MXFP4 blocks (gpt-oss): the bf16 CPU paths keep them 4-bit (sizing.experts_layout)
+    # stored as MXFP4 blocks (gpt-oss): CPU paths hold them as they are (sizing.experts_layout)
     mxfp4: bool = False
 
     @property

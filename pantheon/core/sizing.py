@@ -150,6 +150,7 @@ CPU_PATHS: dict[str, tuple[str, str, bool]] = {
     "int4": ("float32", "int4", True),
 }
 INT4_GROUP = 32  # weights per scale and zero in the int4 layout
+MXFP4_BLOCK = 32  # values per e8m0 exponent in MXFP4
 INT4_SCALE_BYTES = 2  # each group's scale and zero: fp16 (our kernel) or bf16 (torch's), whatever the dtype
 
 
@@ -159,25 +160,16 @@ def int4_fits(n: int, k: int) -> bool:
     return n % 16 == 0 and k % INT4_GROUP == 0
 
 
-# How the bf16 CPU paths hold a mixture of experts' routed experts stored as MXFP4 (gpt-oss):
-# requantized into the int4 path's layout, its grid fitted to each block's FP4 levels (the
-# measured choice against int8 rows and bf16: workers/mxfp4.py; bench/mxfp4_experts.py sets
-# the others to measure them, "bf16" holding them as the path's linears).
-MXFP4_EXPERTS = "int4"
-
-
 def experts_layout(layout: str, dtype: str, mxfp4: bool) -> str:
-    """How a CPU path of ``layout`` (in ``dtype``) holds the routed experts: as its linears,
-    except MXFP4 experts on a bf16 path of full-precision linears (``MXFP4_EXPERTS``). fp32
-    paths keep them dequantized, exactly (the int kernels take bf16 activations)."""
-    if mxfp4 and dtype == "bfloat16" and layout in ("dense", "packed") and MXFP4_EXPERTS in ("int8", "int4"):
-        return MXFP4_EXPERTS
-    return layout
+    """How a CPU path of ``layout`` (in ``dtype``) holds the routed experts: as its linears, except
+    MXFP4 experts, held as they ship on every path ("mxfp4": the MXFP4 kernel, exact against the
+    dequantized weights; workers/mxfp4.py)."""
+    return "mxfp4" if mxfp4 else layout
 
 
 def _experts_bytes(e: ExpertSpec, layout: str, b: int) -> int:
     """Bytes of every routed expert of a layer held in ``layout`` (biases in the dtype)."""
-    if layout not in ("int8", "int4"):
+    if layout not in ("int8", "int4", "mxfp4"):
         return e.params * b
     mats = ((2 * e.intermediate, e.hidden), (e.hidden, e.intermediate))
     return e.count * (_linear_bytes(mats, layout, b) + (e.per_expert - 3 * e.intermediate * e.hidden) * b)
@@ -232,9 +224,12 @@ def dtype_bytes(dtype: str, shape: ModelDescription) -> int:
 def _linear_bytes(mats: tuple[tuple[int, int], ...], layout: str, b: int) -> int:
     """Bytes of ``[N, K]`` matrices laid out so: a byte a weight and a scale a row (int8); half a
     byte a weight and a scale and a zero a group of 32, or int8 rows for a shape the int4 kernel
-    does not take (int4); else ``b`` bytes a weight."""
+    does not take (int4); half a byte a weight and an exponent byte a block of 32 (mxfp4); else
+    ``b`` bytes a weight."""
     if layout == "int8":
         return sum(n * k + n * b for n, k in mats)
+    if layout == "mxfp4":  # a code a half byte, an exponent byte a block of 32
+        return sum(n * k // 2 + n * k // MXFP4_BLOCK for n, k in mats)
     if layout == "int4":
         return sum(
             n * k // 2 + n * k // INT4_GROUP * 2 * INT4_SCALE_BYTES if int4_fits(n, k) else n * k + n * b

@@ -23,7 +23,7 @@ import torch
 from unit.test_engine_batching import PROMPTS, drain, greedy
 from unit.test_engine_reference import assert_matches
 
-from makemodel import build_config
+from makemodel import build_config, make_model
 from makemodel import tokenizer_train as tt
 from makemodel.families import gpt_oss
 from pantheon.core.description import ModelError, describe, read_description
@@ -271,6 +271,32 @@ def test_mxfp4_folder_equals_transformers_dequantized(model_factory):
     # and it is a different model from the unquantized folder (FP4 levels), not the same bytes
     plain = Engine(str(model_factory("tiny-gpt-oss", dtype="float32")), dtype="float32").prompt_logits(PROMPT)
     assert (ours - plain).abs().max().item() > 1e-3
+
+
+def test_mxfp4_folders_are_written_expert_by_expert(model_factory, tmp_path):
+    """make-model's MXFP4 folder is written tensor by tensor, each expert quantized on its own
+    (never a bf16 file of the whole model first): the bf16 folder's tensors, its experts as
+    ``_mxfp4_quantize`` makes them; ``fast``: the experts' codes random, their exponents one power
+    of two, and the folder loads."""
+    from safetensors.torch import load_file
+
+    mx = load_file(model_factory("tiny-gpt-oss", mxfp4=True) / "model.safetensors")
+    plain = load_file(model_factory("tiny-gpt-oss") / "model.safetensors")
+    for name, w in plain.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            assert torch.equal(mx[name], w), name
+            continue
+        parts = [gpt_oss._mxfp4_quantize(w[e].transpose(-1, -2)) for e in range(w.shape[0])]
+        assert torch.equal(mx[f"{name}_blocks"], torch.stack([b for b, _ in parts])), name
+        assert torch.equal(mx[f"{name}_scales"], torch.stack([sc for _, sc in parts])), name
+    assert len(mx) == len(plain) + sum(n.endswith("_blocks") for n in mx)
+    fast = make_model("tiny-gpt-oss", tmp_path / "fast", mxfp4=True, fast=True)
+    tensors = load_file(fast / "model.safetensors")
+    scales = tensors["model.layers.0.mlp.experts.down_proj_scales"]
+    assert scales.shape == (8, 64, 2) and (scales == gpt_oss._FAST_MXFP4_EXP).all()
+    assert tensors["model.layers.0.mlp.experts.down_proj_blocks"].unique().numel() > 200
+    logits = Engine(str(fast)).prompt_logits(PROMPT)
+    assert torch.isfinite(logits).all()
 
 
 def test_mxfp4_blocks_without_scales_are_a_load_error(model_factory, tmp_path):

@@ -1,13 +1,14 @@
 """A mixture of experts' routed experts on the int8 / int4 CPU paths (``workers/quant.py``'s
-``QuantExperts``, ``MoE.quantize``) and gpt-oss's MXFP4 experts kept 4-bit (``workers/mxfp4.py``).
+``QuantExperts``, ``MoE.quantize``) and gpt-oss's MXFP4 experts (``workers/mxfp4.py``).
 
 The stacks against the dense linears' own layouts (the same levels, the same kernels), the block's
 output against the fp32 reference within each path's tolerance, a step reading only the experts its
 tokens chose (the others' scales poisoned with NaN), a token's output the same whatever shares its
 step, the bytes a step reads (``Engine.step_read_bytes``) and sizing's count of the quantized
-experts, the int4 grid fitted to FP4's levels against the min/max one, and engines on the paths
-(qwen3_moe on int8 and int4; gpt-oss from an MXFP4 folder on a bf16 path, experts 4-bit by
-default) against the fp32 engine's logits.
+experts, the int4 grid fitted to FP4's levels against the min/max one (the former MXFP4 holding,
+bench/mxfp4_experts.py's baseline), engines on the paths (qwen3_moe on int8 and int4) against the
+fp32 engine's logits; gpt-oss's MXFP4 experts held as they ship, exact against their dequantized
+products, and sized so.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pantheon.core.sizing import estimate
 from workers.cpu_paths import probe
 from workers.engine import Engine
 from workers.layers.moe import MoE, experts_forward, route
-from workers.mxfp4 import dequantize, int4_from_fp4
+from workers.mxfp4 import MxExperts, dequantize, from_hub, int4_from_fp4
 from workers.quant import Int4Linear, Int8Linear, QuantExperts, int4_groups
 
 LAYOUTS = ("int8", "int4")
@@ -218,33 +219,78 @@ def test_qwen3_moe_on_the_quantized_paths(model_factory, path):
     eng.close()
 
 
-def test_gpt_oss_mxfp4_experts_stay_4_bit_on_a_bf16_path(model_factory):
-    """An MXFP4 folder on a bf16 path: the experts are held in int4 groups fitted to their FP4
-    levels by default (sizing counts them so), the logits close to the fp32 engine's (which
-    dequantizes them exactly)."""
-    _needs("int4")
-    folder = str(model_factory("tiny-gpt-oss", dtype="float32", mxfp4=True))
-    ref = Engine(folder, dtype="float32", cpu_path="fp32", num_slots=2, kv_budget_bytes=1 << 20)
-    eng = Engine(folder, cpu_path="bf16", num_slots=2, kv_budget_bytes=1 << 20)
+def _logits_many(eng: Engine) -> torch.Tensor:
+    return torch.stack([_first_logits(eng, PROMPT[i:] + PROMPT[:i]) for i in (0, 5)])
+
+
+def test_gpt_oss_mxfp4_experts_are_held_as_they_ship(model_factory):
+    """An MXFP4 folder on the CPU paths: the experts hold the file's own codes (reordered into the
+    kernel's nibble order) and exponents (``MxExperts``: no bf16 copy, no fitted grid), sized so
+    (sizing, the bytes a step reads); on the fp32 path the logits are those of the same engine
+    with its experts dequantized (exact: the kernel differs only in the order of its sums), on
+    the bf16 path close to them."""
+    from safetensors import safe_open
+
+    folder = model_factory("tiny-gpt-oss", dtype="float32", mxfp4=True)
+    eng = Engine(str(folder), dtype="float32", cpu_path="fp32", num_slots=2, kv_budget_bytes=1 << 20)
     mods = [m for m in eng.model.modules() if isinstance(m, MoE)]
-    assert mods and all(
-        isinstance(m.gate_up_laid_out, QuantExperts) and m.gate_up_laid_out.int4 for m in mods
+    assert mods and all(isinstance(m.gate_up_laid_out, MxExperts) and m.mxfp4 for m in mods)
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as st:
+        blocks = st.get_tensor("model.layers.0.mlp.experts.gate_up_proj_blocks")  # [E, 2I, G, 16]
+        scales = st.get_tensor("model.layers.0.mlp.experts.gate_up_proj_scales")
+    held = mods[0].gate_up_laid_out
+    inter = mods[0].inter
+    assert torch.equal(held.qs[:, :inter], from_hub(blocks[:, 0::2]))  # the gate rows
+    assert torch.equal(held.e[:, inter:], scales[:, 1::2])  # the up rows' exponents
+    e = eng.cfg.layers[0].experts
+    assert e is not None
+    mats = 3 * e.intermediate * e.hidden
+    assert all(
+        m.per_expert_bytes() == mats // 2 + mats // 32 + (2 * e.intermediate + e.hidden) * 4 for m in mods
     )
-    assert not any(isinstance(m, MoE) and m.laid_out is not None for m in ref.model.modules())
-    want, got = _first_logits(ref, PROMPT), _first_logits(eng, PROMPT)
-    cos = float(torch.nn.functional.cosine_similarity(got, want, dim=0))
-    assert cos > CLOSE["mxfp4"], cos
-    assert estimate(eng.cfg, cpu_path="bf16").weights == eng.weight_bytes
-    ref.close()
+    assert estimate(eng.cfg, cpu_path="fp32").weights == eng.weight_bytes
+    got = _logits_many(eng)
+    for m in mods:
+        m.unpack_mxfp4(torch.float32)
+    assert not any(m.mxfp4 for m in mods)
+    want = _logits_many(eng)
+    assert _rel(got, want) < 1e-5, _rel(got, want)
     eng.close()
+    bf16 = Engine(str(folder), cpu_path="bf16", num_slots=2, kv_budget_bytes=1 << 20)
+    assert all(isinstance(m.gate_up_laid_out, MxExperts) for m in bf16.model.modules() if isinstance(m, MoE))
+    assert estimate(bf16.cfg, cpu_path="bf16").weights == bf16.weight_bytes
+    cos = torch.nn.functional.cosine_similarity(_logits_many(bf16), want, dim=-1)
+    assert float(cos.min()) > CLOSE["mxfp4"], cos
+    bf16.close()
+
+
+def test_the_mxfp4_experts_equal_their_dequantized_products():
+    """A mixture of experts holding MXFP4 experts (the kernel) against the same block with the
+    experts dequantized (``unpack_mxfp4``: torch's products of the exact values), many tokens."""
+    torch.manual_seed(3)
+    m = MoE(64, 32, 8, 2, expert_bias=True, mxfp4=True)
+    for held, (n, k) in ((m.gate_up_laid_out, (64, 64)), (m.down_laid_out, (64, 32))):
+        for i in range(8):
+            b, sc = _mxfp4_quantize(torch.randn(n, k) * 0.1)
+            held.qs[i], held.e[i] = from_hub(b), sc
+    with torch.no_grad():
+        m.gate.weight.normal_()
+        assert m.gate_up_bias is not None and m.down_bias is not None
+        m.gate_up_bias.normal_()
+        m.down_bias.normal_()
+    x = torch.randn(13, 64)
+    with torch.inference_mode():
+        got = m(x)
+        m.unpack_mxfp4(torch.float32)
+        assert _rel(got, m(x)) < 1e-6
 
 
 @pytest.mark.parametrize(
     "mark", [{"quantization_config": {"quant_method": "mxfp4"}}, {"experts_mxfp4": True}]
 )
-def test_mxfp4_experts_are_sized_4_bit_on_the_bf16_paths(mark):
+def test_mxfp4_experts_are_sized_as_they_ship_on_the_cpu_paths(mark):
     """A folder's quantization_config or a GGUF's MXFP4 expert tensors (gguf_config's mark) make
-    the bf16 paths count the experts in int4 groups; fp32 paths keep them exact."""
+    every CPU path count the experts as MXFP4 (a code a half byte, an exponent a block of 32)."""
     from makemodel import build_config
     from pantheon.core.sizing import shape_from_config
 
@@ -253,8 +299,7 @@ def test_mxfp4_experts_are_sized_4_bit_on_the_bf16_paths(mark):
     e = marked.layers[0].experts
     assert e is not None and e.mxfp4 and plain.layers[0].experts is not None
     assert not plain.layers[0].experts.mxfp4
-    int4 = e.count * (3 * e.intermediate * e.hidden // 2 + 3 * e.intermediate * e.hidden // 32 * 4)
-    for path in ("bf16", "bf16-packed"):
+    mx = e.count * (3 * e.intermediate * e.hidden // 2 + 3 * e.intermediate * e.hidden // 32)
+    for path, b in (("bf16", 2), ("bf16-packed", 2), ("fp32", 4)):
         saved = estimate(plain, cpu_path=path).layer_bytes[0] - estimate(marked, cpu_path=path).layer_bytes[0]
-        assert saved == 2 * 3 * e.intermediate * e.hidden * e.count - int4  # bf16 matrices, less int4
-    assert estimate(plain, cpu_path="fp32").weights == estimate(marked, cpu_path="fp32").weights
+        assert saved == b * 3 * e.intermediate * e.hidden * e.count - mx  # the full matrices, less MXFP4

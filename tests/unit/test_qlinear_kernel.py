@@ -63,6 +63,29 @@ def test_each_isa_is_right_to_the_integers(isa):
     assert got["bf16"] == (isa == "native" and "avx512_bf16" in _cpu_flags()), got
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+def test_each_isa_multiplies_mxfp4_blocks_exactly(isa):
+    """The MXFP4 kernel (gpt-oss's experts as they ship) against the dequantized weights' float64
+    product (tests/helpers/mxfp4_ref.py): off only by the order of fp32 sums, every code and
+    exponent, each row the same alone, batched and on one thread."""
+    if not qlinear.available():
+        pytest.skip("no C compiler here: MXFP4 experts are dequantized per call (tested elsewhere)")
+    if isa != "native" and not X86:
+        pytest.skip("the avx2 / scalar builds name x86-64 levels")
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    got = json.loads(
+        _run(
+            "import json; from helpers.mxfp4_ref import check; print(json.dumps(check()))",
+            {"PANTHEON_KERNEL_ISA": isa},
+        )
+    )
+    if isa != "native":
+        assert got["isa"] == isa
+    assert got["worst"] < 1e-6, got
+    assert got["same"], got
+
+
 def test_an_unknown_isa_is_refused_with_its_name(tmp_path):
     got = _run(
         "from workers.kernels import qlinear; print(qlinear.describe())",

@@ -45,6 +45,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             "qm_q4_linear_bf16": (_I, [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]),
             "qm_q4_linear_f32": (_I, [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]),
             "qm_q8_linear_f32": (_I, [_P, _I, _L, _L, _P, _P, _I, _L, _P, _I, _I]),
+            "qm_mxfp4_linear": (_I, [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]),
             "qm_has_bf16": (_I, None),
             "qm_isa": (ctypes.c_char_p, None),
         },
@@ -172,6 +173,14 @@ def q8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, acts: str | No
     return _matmul(fn, x, w.shape[0], (w.data_ptr(), s.data_ptr(), _KINDS[s.dtype]), "int8")
 
 
+def mxfp4_linear(x: torch.Tensor, qs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N]; W in MXFP4 blocks of 32 (``workers.mxfp4``): qs [N, K/2] uint8
+    (byte j of a block: value j's FP4 code low, j + 16's high), e [N, K/32] uint8 (each block's
+    e8m0 exponent). The activations as they are (fp32; bf16 widened): the dequantized weight's
+    product up to the order of the sums, on every build."""
+    return _matmul(_lib().qm_mxfp4_linear, x, qs.shape[0], (qs.data_ptr(), e.data_ptr()), "MXFP4")
+
+
 def _leading(
     op: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, s: torch.Tensor
 ) -> torch.Tensor:
@@ -193,6 +202,13 @@ def q8_linear_op(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Te
     return _leading(torch.ops.pantheon.q8_linear if torch.compiler.is_compiling() else q8_linear, x, w, ws)
 
 
+def mxfp4_linear_op(x: torch.Tensor, qs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``mxfp4_linear``, as ``q4_linear_op``."""
+    return _leading(
+        torch.ops.pantheon.mxfp4_linear if torch.compiler.is_compiling() else mxfp4_linear, x, qs, e
+    )
+
+
 @torch.library.custom_op("pantheon::q4_linear", mutates_args=())
 def _q4_linear_custom(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     return q4_linear(x, qs, dm)
@@ -211,6 +227,16 @@ def _q8_linear_custom(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> tor
 @_q8_linear_custom.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0], dtype=x.dtype if x.dtype in _KINDS else torch.float32)
+
+
+@torch.library.custom_op("pantheon::mxfp4_linear", mutates_args=())
+def _mxfp4_linear_custom(x: torch.Tensor, qs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    return mxfp4_linear(x, qs, e)
+
+
+@_mxfp4_linear_custom.register_fake
+def _(x: torch.Tensor, qs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], qs.shape[0], dtype=x.dtype if x.dtype in _KINDS else torch.float32)
 
 
 MAX_K = 32768  # qmatmul.c's MAX_G groups of 32: its per-thread scale buffer

@@ -779,3 +779,157 @@ int qm_q8_linear_f32(const void *x, int xkind, int64_t M, int64_t K, const int8_
     if (skind != X_F32 && skind != X_BF16) return 1;
     return run(x, xkind, M, K, N, y, ykind, nthreads, 9, NULL, NULL, w, ws, skind);
 }
+
+/* ---------------------------------------------------------------- MXFP4 x fp32 activations
+ *
+ * gpt-oss's experts as they ship: FP4 e2m1 codes in blocks of 32 along K, each block with an
+ * e8m0 exponent (the OCP microscaling format; ggml's block_mxfp4 split in two arrays):
+ *   qs [N, K/2] uint8: block g of row n is bytes [16g, 16g + 16); byte j holds value 32g + j's
+ *                      code in its low nibble, 32g + j + 16's in its high one (ggml's order)
+ *   e  [N, K/32] uint8: w = fp4(code) * 2^(e - 127)
+ * As llama.cpp's MXFP4 dot product, a 16-entry table of levels: on AVX-512 the e2m1 levels
+ * as floats times the block's power of two (vscalef), each code's weight picked from them
+ * (vpermps: 16 at a time); on AVX2 and in C the levels doubled (small integers, looked up 16 at
+ * a time by pshufb, widened to fp32) and half the block's scale, 2^(e - 128) (ggml's
+ * e8m0_to_fp32_half). The activations as they are, fp32 (bf16 widened): every weight is exact
+ * in fp32 and every product exact in an FMA, so a row's result is the dequantized weight's
+ * float64 product up to the order of the fp32 sums (no fitted grid, no rounding of x). Threads and
+ * tiles as the kernels above (NC columns by up to MX_MB rows, OpenMP over blocks of NBLOCK
+ * columns); each output is its row's dot product in a fixed order, whatever M or the threads.
+ */
+static const int8_t MX_LEVELS[16] __attribute__((unused)) = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float mx_half_scale(uint8_t e) { /* 2^(e - 128), subnormal for e < 2 */
+    union { uint32_t u; float f; } v;
+    v.u = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    return v.f;
+}
+
+#if QM_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
+#define MX_512 1
+#define MX_MB 4 /* rows a tile sums at once: 16 accumulators of 32 registers */
+#else
+#define MX_512 0
+#define MX_MB 2 /* AVX2's 16 registers: 8 accumulators */
+#endif
+
+static inline __attribute__((always_inline)) void mx_tile(const float *xf, int64_t m0, const int mb, int64_t K,
+                                                          const uint8_t *qs, const uint8_t *e, int64_t n0,
+                                                          const int nc, float out[MX_MB][NC]) {
+    const int64_t G = K / QK;
+#if QM_AVX2
+    const __m128i lo4 = _mm_set1_epi8(0x0f);
+#if MX_512
+    const __m512 levels = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
+                                         -2.0f, -3.0f, -4.0f, -6.0f);
+    __m512 acc[MX_MB][NC];
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
+#else
+    const __m128i lut = _mm_loadu_si128((const __m128i *)MX_LEVELS);
+    __m256 acc[MX_MB][NC];
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) acc[r][c] = _mm256_setzero_ps();
+#endif
+    for (int64_t g = 0; g < G; g++) {
+        for (int c = 0; c < nc; c++) {
+            const uint8_t *q = qs + (n0 + c) * (K / 2) + g * 16;
+            __m128i b = _mm_loadu_si128((const __m128i *)q);
+            _mm_prefetch((const char *)(q + AHEAD * (K / 2)), _MM_HINT_T0);
+            /* the codes of values 0-15 (low nibbles) and 16-31 (high ones) */
+            __m128i lo = _mm_and_si128(b, lo4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo4);
+#if MX_512
+            /* the levels times the block's power of two (vscalef: exact, subnormals too), then
+             * each code's value picked from those 16 (vpermps): the weights themselves, exact */
+            __m512 lv16 = _mm512_scalef_ps(levels, _mm512_set1_ps((float)e[(n0 + c) * G + g] - 127.0f));
+            __m512 w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(lo), lv16);
+            __m512 w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(hi), lv16);
+            for (int r = 0; r < mb; r++) {
+                const float *xr = xf + (m0 + r) * K + g * QK;
+                acc[r][c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][c]));
+            }
+#else
+            /* their doubled levels as int8 (pshufb), widened to fp32, by half the block's scale */
+            __m128i lv = _mm_shuffle_epi8(lut, lo), hv = _mm_shuffle_epi8(lut, hi);
+            const float s = mx_half_scale(e[(n0 + c) * G + g]);
+            __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lv)),
+                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lv, 8))),
+                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hv)),
+                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hv, 8)))};
+            for (int r = 0; r < mb; r++) {
+                const float *xr = xf + (m0 + r) * K + g * QK;
+                __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+                for (int k = 1; k < 4; k++) dot = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xr + 8 * k), dot);
+                acc[r][c] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s), acc[r][c]);
+            }
+#endif
+        }
+    }
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++)
+#if MX_512
+            out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+#else
+            out[r][c] = hsum8(acc[r][c]);
+#endif
+#else
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) {
+            const uint8_t *q = qs + (n0 + c) * (K / 2);
+            const float *xr = xf + (m0 + r) * K;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                float dot = 0.0f;
+                for (int j = 0; j < 16; j++)
+                    dot += (float)MX_LEVELS[q[g * 16 + j] & 0x0f] * xr[g * QK + j] +
+                           (float)MX_LEVELS[q[g * 16 + j] >> 4] * xr[g * QK + j + 16];
+                acc += dot * mx_half_scale(e[(n0 + c) * G + g]);
+            }
+            out[r][c] = acc;
+        }
+#endif
+}
+
+/* y [M, N] = x [M, K] @ W^T, W in MXFP4 blocks (qs, e): 0, or 1 for shapes or kinds it does
+ * not take, 2 when out of memory */
+int qm_mxfp4_linear(const void *x, int xkind, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *e, int64_t N,
+                    void *y, int ykind, int nthreads) {
+    if (M == 0) return 0;
+    if (M < 0 || K < QK || K % QK || N < 1 || (xkind != X_F32 && xkind != X_BF16) || (ykind != X_F32 && ykind != X_BF16))
+        return 1;
+    float *wide = NULL; /* bf16 activations widened to fp32 once */
+    if (xkind != X_F32) {
+        wide = (float *)malloc((size_t)(M * K) * sizeof(float));
+        if (!wide) return 2;
+        for (int64_t i = 0; i < M * K; i++) wide[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    }
+    const float *xf = wide ? wide : (const float *)x;
+    int nt = nthreads < 1 ? 1 : nthreads;
+    const int64_t blocks = (N + NBLOCK - 1) / NBLOCK;
+    if (blocks < nt) nt = (int)blocks;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t bi = 0; bi < blocks; bi++) {
+        float out[MX_MB][NC];
+        const int64_t n1 = (bi + 1) * NBLOCK < N ? (bi + 1) * NBLOCK : N;
+        for (int64_t m0 = 0; m0 < M;) {
+            const int mb = M - m0 >= MX_MB ? MX_MB : M - m0 >= 2 ? 2 : 1;
+            for (int64_t n0 = bi * NBLOCK; n0 < n1;) {
+                const int quad = n1 - n0 >= NC;
+                /* constant (mb, nc) at each call: the compiler specializes each tile */
+                if (mb == MX_MB && quad) mx_tile(xf, m0, MX_MB, K, qs, e, n0, NC, out);
+                else if (mb == MX_MB) mx_tile(xf, m0, MX_MB, K, qs, e, n0, 1, out);
+                else if (mb == 2 && quad) mx_tile(xf, m0, 2, K, qs, e, n0, NC, out);
+                else if (mb == 2) mx_tile(xf, m0, 2, K, qs, e, n0, 1, out);
+                else if (quad) mx_tile(xf, m0, 1, K, qs, e, n0, NC, out);
+                else mx_tile(xf, m0, 1, K, qs, e, n0, 1, out);
+                const int nc = quad ? NC : 1;
+                for (int r = 0; r < mb; r++)
+                    for (int c = 0; c < nc; c++) store_kind(y, ykind, (m0 + r) * N + n0 + c, out[r][c]);
+                n0 += nc;
+            }
+            m0 += mb;
+        }
+    }
+    free(wide);
+    return 0;
+}

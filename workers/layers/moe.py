@@ -28,9 +28,11 @@ hosts). On the int8 / int4 paths they are quantized as those paths' linears are 
 ``workers.quant.QuantExperts``: int8 rows, or int4 groups of 32 where the kernel takes the shape,
 stacked ``[E, ...]``, run by the same kernels), so a step reads only its experts' quantized bytes
 (``per_expert_bytes``, what ``Engine.step_read_bytes`` counts); the per-token weighted sum is the
-same reduction whichever layout ran the experts. Experts stored as MXFP4 (gpt-oss) are kept 4-bit
-on the bf16 paths too: int4 groups whose grid is fitted to each block's FP4 levels
-(``workers/mxfp4.py`` states the measured choice).
+same reduction whichever layout ran the experts. Experts stored as MXFP4 (gpt-oss, ``mxfp4``) are
+held as they ship on every CPU path (``workers.mxfp4.MxExperts``, filled by the loader expert by
+expert: no bf16 copy of them ever exists) and run by the MXFP4 kernel, exact against the
+dequantized weights; the CPU paths' ``lay_out`` / ``quantize`` leave them so. CUDA dies dequantize
+them into the stacked weights after the load (``unpack_mxfp4``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.mxfp4 import MxExperts
 from workers.quant import Int4Quantizer, QuantExperts, int4_groups
 
 ROUTINGS = ("softmax", "topk_softmax")
@@ -245,6 +248,7 @@ class MoE(nn.Module):
         shared_inter: int = 0,
         expert_bias: bool = False,
         glu: GLU = silu_glu,
+        mxfp4: bool = False,
     ):
         super().__init__()
         if routing not in ROUTINGS:
@@ -265,6 +269,13 @@ class MoE(nn.Module):
         # stacks), when it does
         self.laid_out: tuple[ExpertMats, ExpertMats] | None = None
         self._matrix_bytes = 0  # one expert's gate_up and down as laid out (0: the stacked ones)
+        self.mxfp4 = mxfp4  # the experts held in MXFP4 (MxExperts), the stacked weights empty
+        if mxfp4:
+            gu, dn = MxExperts(num_experts, 2 * inter, hidden), MxExperts(num_experts, hidden, inter)
+            self.gate_up_laid_out, self.down_laid_out = gu, dn  # registered: the loader fills them
+            self.laid_out = (gu, dn)
+            self._matrix_bytes = gu.expert_bytes() + dn.expert_bytes()
+            self._drop_stacked()
 
     def per_expert_bytes(self) -> int:
         """Bytes of one routed expert's weights (gate, up and down, and biases) as held: what a
@@ -285,7 +296,9 @@ class MoE(nn.Module):
     def lay_out(self, make: Callable[[torch.Tensor], nn.Module]) -> None:
         """Hold each expert's gate_up and down as ``make(weight)`` builds them (a CPU path's
         prepacked linear), one expert at a time, and let the stacked weights go (the same bytes,
-        once)."""
+        once). MXFP4 experts stay as they are (exact, and fewer bytes than any other layout)."""
+        if self.mxfp4:
+            return
         self._matrix_bytes = (
             self.gate_up[0].numel() * self.gate_up.element_size()
             + self.down[0].numel() * self.down.element_size()
@@ -299,13 +312,27 @@ class MoE(nn.Module):
     def quantize(self, layout: str, int4: Int4Quantizer = int4_groups) -> None:
         """Hold the experts quantized as the int8 / int4 CPU paths' linears (``QuantExperts``:
         int8 rows, or int4 groups made by ``int4``, in stacks), one expert at a time, and let the
-        stacked weights go. The biases stay as they are."""
+        stacked weights go. The biases stay as they are; MXFP4 experts stay MXFP4 (``lay_out``)."""
+        if self.mxfp4:
+            return
         gu = QuantExperts(self.gate_up.detach(), layout, int4)
         dn = QuantExperts(self.down.detach(), layout, int4)
         self._matrix_bytes = gu.expert_bytes() + dn.expert_bytes()
         self.gate_up_laid_out, self.down_laid_out = gu, dn  # registered: counted as the model's weights
         self.laid_out = (gu, dn)
         self._drop_stacked()
+
+    def unpack_mxfp4(self, dtype: torch.dtype) -> None:
+        """MXFP4 experts dequantized (exactly) into the stacked weights in ``dtype``, one expert at a
+        time: where no MXFP4 kernel reads them (a CUDA die's grouped GEMM), or to lay them out as
+        a path's linears (bench/mxfp4_experts.py's baselines)."""
+        if not self.mxfp4:
+            return
+        gu, dn = cast(MxExperts, self.gate_up_laid_out), cast(MxExperts, self.down_laid_out)
+        self.gate_up = nn.Parameter(gu.dequantized(dtype), requires_grad=False)
+        self.down = nn.Parameter(dn.dequantized(dtype), requires_grad=False)
+        del self.gate_up_laid_out, self.down_laid_out
+        self.laid_out, self._matrix_bytes, self.mxfp4 = None, 0, False
 
     def _drop_stacked(self) -> None:
         empty = torch.empty(0, *self.gate_up.shape[1:], dtype=self.gate_up.dtype, device=self.gate_up.device)

@@ -19,7 +19,10 @@ A family module provides:
   checkpoint tensors that are parts of one weight together (MXFP4's ``*_blocks`` and
   ``*_scales``): the loader holds a key's parts (``{part: tensor}``) until ``join`` gives the
   weight's pieces under ``targets``' names (an iterator, so a large stack is made one piece at a
-  time), None while parts are missing. ``joined_part`` and ``joined_pieces`` apply them.
+  time), None while parts are missing. ``joined_part`` and ``joined_pieces`` apply them;
+- optionally ``gguf_blocks(type_name) -> bool``: a GGUF block type the family's model holds as it
+  is (gpt-oss's MXFP4 experts): such tensors come as their blocks (``[..., rows, blocks, block
+  bytes]`` uint8), not dequantized. ``keeps_blocks`` applies it.
 """
 
 from __future__ import annotations
@@ -87,3 +90,9 @@ def joined_pieces(
     """The pieces of weight ``key`` once ``parts`` holds all it needs; None before."""
     f = cast("Join | None", getattr(fam, "join", None))
     return None if f is None else f(key, parts)
+
+
+def keeps_blocks(fam: Family, type_name: str) -> bool:
+    """Whether GGUF tensors of block type ``type_name`` reach the family as their blocks."""
+    f = cast("Callable[[str], bool] | None", getattr(fam, "gguf_blocks", None))
+    return f is not None and f(type_name)

@@ -13,9 +13,10 @@ the experts stacked, transposed and with gate and up *interleaved* (column ``2i`
 ``i``, ``2i + 1`` up row ``i``): ``mlp.experts.gate_up_proj`` ``[E, H, 2I]``,
 ``gate_up_proj_bias`` ``[E, 2I]``, ``down_proj`` ``[E, I, H]``, ``down_proj_bias`` ``[E, H]``;
 or, as the Hub ships them, MXFP4 ``mlp.experts.{gate_up,down}_proj_{blocks,scales}`` holding
-the untransposed ``[E, 2I, H]`` / ``[E, H, I]`` (``workers/mxfp4.py``), joined and dequantized
-one expert at a time at load (``joined`` / ``join``); or llama.cpp's ``gpt-oss`` GGUF names
-(``gguf_name``). Every expert tensor is split into the stacked layout's per-expert rows (gate
+the untransposed ``[E, 2I, H]`` / ``[E, H, I]`` (``workers/mxfp4.py``), joined one expert at a
+time at load and held as they are (``joined`` / ``join``, ``MoE(mxfp4=True)``); or llama.cpp's
+``gpt-oss`` GGUF names (``gguf_name``), whose MXFP4 expert stacks are read as their blocks too
+(``gguf_blocks``). Every expert tensor is split into the stacked layout's per-expert rows (gate
 rows, then up rows: ``stacked`` / ``unstack``).
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch import nn
@@ -30,6 +32,7 @@ from torch import nn
 from pantheon.core.archs.gpt_oss import SLIDING, GptOssDescription
 from pantheon.core.description import ModelDescription
 from workers.cache import KVCache, LayerCache, StateCache
+from workers.errors import LoadError
 from workers.layers.attention import StepBatch
 from workers.layers.moe import ClampedSwiGLU, MoE
 from workers.layers.norms import RMSNorm
@@ -39,7 +42,7 @@ from workers.models import Target
 from workers.models.base import DecoderLayer, DecoderLM
 from workers.models.llama import GGUF_LAYER as GGUF_LLAMA_LAYER
 from workers.models.llama import GGUF_TOP, attention_targets, gguf_name_from, top_targets
-from workers.mxfp4 import dequantize
+from workers.mxfp4 import BLOCK, MxExperts, from_hub
 
 
 class Fp32WeightRMSNorm(RMSNorm):
@@ -94,6 +97,7 @@ class GptOssLayer(DecoderLayer):
             router_bias=True,
             expert_bias=True,
             glu=ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit),
+            mxfp4=cfg.mxfp4,
         )
 
     def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
@@ -128,17 +132,32 @@ def targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
         t[f"{p}mlp.router.weight"] = Target(moe.gate.weight, 0, moe.num_experts)
         t[f"{p}mlp.router.bias"] = Target(moe.gate.bias, 0, moe.num_experts)
         inter = moe.inter
+        held = _held(moe)
         for e in range(moe.num_experts):
             x = f"{p}mlp.experts.{e}."
-            t[f"{x}gate_proj.weight"] = Target(moe.gate_up[e], 0, inter)
-            t[f"{x}up_proj.weight"] = Target(moe.gate_up[e], inter, inter)
-            t[f"{x}down_proj.weight"] = Target(moe.down[e], 0, hidden)
+            if held is None:
+                t[f"{x}gate_proj.weight"] = Target(moe.gate_up[e], 0, inter)
+                t[f"{x}up_proj.weight"] = Target(moe.gate_up[e], inter, inter)
+                t[f"{x}down_proj.weight"] = Target(moe.down[e], 0, hidden)
+            else:  # MXFP4 as it ships: each expert's codes and exponents (``join``, ``unstack``)
+                gu, dn = held
+                for part, mat in (("blocks", "qs"), ("scales", "e")):
+                    t[f"{x}gate_proj.{part}"] = Target(getattr(gu, mat)[e], 0, inter)
+                    t[f"{x}up_proj.{part}"] = Target(getattr(gu, mat)[e], inter, inter)
+                    t[f"{x}down_proj.{part}"] = Target(getattr(dn, mat)[e], 0, hidden)
             t[f"{x}gate_proj.bias"] = Target(moe.gate_up_bias[e], 0, inter)
             t[f"{x}up_proj.bias"] = Target(moe.gate_up_bias[e], inter, inter)
             t[f"{x}down_proj.bias"] = Target(moe.down_bias[e], 0, hidden)
         t[f"{p}input_layernorm.weight"] = Target(layer.input_layernorm.weight, 0, hidden)
         t[f"{p}post_attention_layernorm.weight"] = Target(layer.post_attention_layernorm.weight, 0, hidden)
     return t
+
+
+def _held(moe: MoE) -> tuple[MxExperts, MxExperts] | None:
+    """The layer's experts as MXFP4 holds them, or None (stacked weights)."""
+    if not moe.mxfp4:
+        return None
+    return cast(MxExperts, moe.gate_up_laid_out), cast(MxExperts, moe.down_laid_out)
 
 
 def checkpoint_name(name: str) -> str | None:
@@ -165,6 +184,15 @@ def unstack(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     g = _GGUF_STACKED.fullmatch(name)
     if g is not None:  # llama.cpp's: already rows, one stack per projection
         prefix, x, w = g.groups()
+        if tensor.dtype == torch.uint8:  # MXFP4 blocks as the file has them (``gguf_blocks``)
+            return [
+                piece
+                for e in range(tensor.shape[0])
+                for piece in (
+                    (f"{prefix}{e}.{x}_proj.blocks", tensor[e, :, :, 1:].flatten(-2)),
+                    (f"{prefix}{e}.{x}_proj.scales", tensor[e, :, :, 0]),
+                )
+            ]
         return [(f"{prefix}{e}.{x}_proj.{w}", tensor[e]) for e in range(tensor.shape[0])]
     m = _STACKED.fullmatch(name)
     assert m is not None  # the loader asks only for stacked() names
@@ -190,21 +218,29 @@ def joined(name: str) -> tuple[str, str] | None:
 
 
 def join(key: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]] | None:
-    """Once both parts are there: each expert's weights dequantized (fp32, exact), one expert at
-    a time, the checkpoint's ``[E, 2I, H]`` / ``[E, H, I]`` rows split as ``unstack`` does."""
+    """Once both parts are there: each expert's MXFP4 codes (reordered into the kernel's nibble
+    order, ``workers.mxfp4.from_hub``: the same codes) and exponents, one expert at a time, the
+    checkpoint's ``[E, 2I, H]`` / ``[E, H, I]`` rows split as ``unstack`` does (whole rows: the
+    blocks run along each row)."""
     if "blocks" not in parts or "scales" not in parts:
         return None
     blocks, scales = parts["blocks"], parts["scales"]
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:
+        raise LoadError(
+            "invalid", f"{key}: MXFP4 blocks {list(blocks.shape)} do not match scales {list(scales.shape)}"
+        )
     prefix, kind = key.rsplit(".", 1)
     prefix += "."
 
     def pieces() -> Iterator[tuple[str, torch.Tensor]]:
         for e in range(blocks.shape[0]):
-            w = dequantize(blocks[e], scales[e])  # [rows, cols]
+            qs = from_hub(blocks[e])  # [rows, cols / 2]
             if kind == "gate_up_proj":
-                yield from _gate_up(prefix, e, w, "weight")
+                yield from _gate_up(prefix, e, qs, "blocks")
+                yield from _gate_up(prefix, e, scales[e], "scales")
             else:
-                yield f"{prefix}{e}.down_proj.weight", w
+                yield f"{prefix}{e}.down_proj.blocks", qs
+                yield f"{prefix}{e}.down_proj.scales", scales[e]
 
     return pieces()
 
@@ -228,6 +264,13 @@ GGUF_LAYER = {k: v for k, v in GGUF_LLAMA_LAYER.items() if not k.startswith("ffn
 
 def gguf_name(name: str) -> str | None:
     return gguf_name_from(name, GGUF_TOP, GGUF_LAYER)
+
+
+def gguf_blocks(type_name: str) -> bool:
+    """A GGUF tensor type kept as its blocks (``[..., rows, blocks, bytes]`` uint8, not
+    dequantized): MXFP4, the experts' (ggml's block: the exponent byte, then the codes in the
+    kernel's nibble order), which ``unstack`` splits into each expert's codes and exponents."""
+    return type_name == "MXFP4"
 
 
 def from_gguf(name: str, tensor: torch.Tensor, desc: ModelDescription, arch: str) -> torch.Tensor:
