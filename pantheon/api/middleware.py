@@ -51,9 +51,11 @@ import logging
 import socket
 import time
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 from quart import Quart, Response, request
+from werkzeug.datastructures import Headers
 
 from pantheon import errors, logs
 from pantheon.api import auth
@@ -66,6 +68,7 @@ from pantheon.errors import ApiError
 
 if TYPE_CHECKING:
     from pantheon.control.context import Prepared
+    from pantheon.control.feed import Feed
     from pantheon.control.registry import Instance
 
 log = logging.getLogger("pantheon.api.middleware")
@@ -79,7 +82,8 @@ TRIM_MIN_BYTES = 1 << 20  # a request whose body reached this size hands memory 
 _DRAIN_BODY_S = 30.0  # how long a refused request's body may take to be read and dropped
 
 
-def _declared_length(headers: Any) -> int | None:
+def _declared_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
+    """The ``Content-Length`` an ASGI scope's headers declare (None: none, or not a number)."""
     for k, v in headers:
         if k == b"content-length":
             try:
@@ -164,7 +168,7 @@ class Origins:
         except ValueError:
             return False
 
-    def check_admin(self, method: str, scheme: str, host: str, headers: Any) -> None:
+    def check_admin(self, method: str, scheme: str, host: str, headers: Headers) -> None:
         """403 unless this admin request may go on (see the module doc)."""
         origin = headers.get("Origin")
         site = (headers.get("Sec-Fetch-Site") or "").strip().lower()
@@ -416,7 +420,7 @@ def install(app: Quart) -> None:
     app.asgi_app = OpsMiddleware(app.asgi_app, state, origins)
 
 
-def _preflight(origins: Origins, headers: Any) -> Response:
+def _preflight(origins: Origins, headers: Headers) -> Response:
     """A CORS preflight of an OpenAI route: allowed for the ``--cors-origins``, else 403."""
     origin = headers.get("Origin")
     if origin is not None and not origins.allows(origin):
@@ -446,7 +450,7 @@ def _check_load_paths(guard: auth.Guard, raw: bytes) -> None:
                 check_root(guard, field, value)
 
 
-async def _follow(feed: Any, metrics: Metrics) -> None:
+async def _follow(feed: Feed, metrics: Metrics) -> None:
     """Count loads, load failures, unloads and worker deaths from the feed's events."""
     q = feed.subscribe()
     try:

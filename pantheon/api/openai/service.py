@@ -711,7 +711,7 @@ class Generation:
             body["prompt_logprobs"] = self.prompt_logprobs(self.req.prompt_logprobs)
         return self._capped(body)
 
-    def prompt_logprobs(self, k: int) -> list[dict[str, dict[str, Any]] | None]:
+    def prompt_logprobs(self, k: int) -> list[dict[str, oa.PromptTokenLogprob] | None]:
         """The prompt's logprobs in vLLM's form, top ``k`` (every choice has the same prompt)."""
         piece = self.inst.model_assets.piece
         return oa.prompt_logprobs(

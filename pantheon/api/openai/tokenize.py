@@ -22,7 +22,6 @@ instance's real per-request limit.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from quart import Blueprint, request
 
@@ -34,6 +33,7 @@ from pantheon.api.responses import json_response
 from pantheon.api.state import app_state
 from pantheon.chat.template import TemplateError
 from pantheon.control.context import limit_of
+from pantheon.models.assets import ModelAssets
 
 bp = Blueprint("tokenize", __name__)
 
@@ -54,7 +54,7 @@ def _flag(body: dict, key: str, default: bool) -> bool:
     return v
 
 
-def _tokenize(assets: Any, body: dict) -> list[int]:
+def _tokenize(assets: ModelAssets, body: dict) -> list[int]:
     """The token ids of the body's prompt or messages (runs off the event loop)."""
     if "messages" in body:
         if "prompt" in body:
@@ -92,7 +92,7 @@ async def tokenize():
     if model is not None and not isinstance(model, str):
         raise errors.invalid_param("model", "'model' must be a string")
     inst = app_state().registry.route(model, None)  # 404 / 503 as the chat route
-    ids = await asyncio.to_thread(_tokenize, inst.assets, body)
+    ids = await asyncio.to_thread(_tokenize, inst.model_assets, body)
     strs = (
         [inst.model_assets.tokenizer.id_to_token(i) for i in ids]
         if _flag(body, "return_token_strs", False)
