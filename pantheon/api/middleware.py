@@ -483,7 +483,7 @@ def check_request(req: GenerationRequest) -> None:
 
 
 class Traced(Protocol):
-    """A generation as ``attach`` traces it (``pantheon.api.openai.service.Generation``)."""
+    """A generation as ``attach`` traces it (``pantheon.api.generation.Generation``)."""
 
     id: str
     inst: Instance

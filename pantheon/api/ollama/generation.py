@@ -16,8 +16,8 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
+from pantheon.api.generation import Generation, _pool_error
 from pantheon.api.ollama import protocol as ol
-from pantheon.api.openai.service import Generation, _pool_error
 from pantheon.chat.emitter import Emitter
 from pantheon.control.context import Prepared
 from pantheon.control.registry import Instance

@@ -46,14 +46,14 @@ from quart import Blueprint, request
 from pantheon import errors
 from pantheon.api import fields, flow, structured
 from pantheon.api import middleware as ops
-from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.service import (
+from pantheon.api.generation import (
     ChoiceRun,
     Generation,
     _pool_error,
     checked_constraint,
     needs_constraint,
 )
+from pantheon.api.openai import protocol as oa
 from pantheon.api.state import AppState, app_state
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Emitter

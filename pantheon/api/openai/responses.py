@@ -49,8 +49,8 @@ from quart import Blueprint, request
 from pantheon import errors
 from pantheon.api import fields, flow, structured
 from pantheon.api import middleware as ops
+from pantheon.api.generation import Generation, _pool_error
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.service import Generation, _pool_error
 from pantheon.api.state import app_state
 from pantheon.control.context import Prepared
 from pantheon.control.registry import Instance

@@ -10,7 +10,7 @@ POST     /tokenize     ``{model, prompt}`` or ``{model, messages, add_generation
 POST     /detokenize   ``{model, tokens}`` -> ``{prompt}``
 =======  ============  ==================================================================
 
-A token id is one of the model's (``service.vocab_size``: its embedding's rows, which a
+A token id is one of the model's (``pantheon.api.generation.vocab_size``: its embedding's rows, which a
 completion prompt's ids are checked against too); the rows past the tokenizer's own tokens
 (a vocabulary padded to a multiple of 32 or 64) decode to nothing.
 
@@ -27,8 +27,8 @@ from quart import Blueprint, request
 
 from pantheon import errors
 from pantheon.api import middleware as ops
+from pantheon.api.generation import vocab_size
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.service import vocab_size
 from pantheon.api.responses import json_response
 from pantheon.api.state import app_state
 from pantheon.chat.template import TemplateError
