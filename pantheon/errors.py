@@ -51,7 +51,7 @@ queue_timeout             429     rate_limit_error       queue_timeout          
 memory_pressure           503     server_error           memory_pressure             Retry-After: 1
 bodies_in_flight          503     server_error           bodies_in_flight            Retry-After: 1
 shutting_down             503     server_error           shutting_down               Retry-After: 5
-**a running generation** (``pantheon.api.openai.service``, unload)
+**a running generation** (``pantheon.api.generation``, unload)
 worker_died               503     server_error           worker_died                 Retry-After: 2
 model_unloaded            503     server_error           model_unloaded              Retry-After: 2
 worker_no_finish          500     server_error           internal_error

@@ -32,7 +32,7 @@ from quart import Response
 from pantheon import errors
 from pantheon.api import middleware as ops
 from pantheon.api import structured
-from pantheon.api.openai.service import Generation, checked_constraint, needs_constraint, vocab_size
+from pantheon.api.generation import Generation, checked_constraint, needs_constraint, vocab_size
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState
 from pantheon.control.context import Prepared, fit, limit_of

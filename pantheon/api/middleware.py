@@ -51,9 +51,20 @@ import logging
 import socket
 import time
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol, cast
 
+from hypercorn.typing import (
+    ASGIFramework,
+    ASGIReceiveCallable,
+    ASGIReceiveEvent,
+    ASGISendCallable,
+    ASGISendEvent,
+    HTTPScope,
+    Scope,
+)
 from quart import Quart, Response, request
+from werkzeug.datastructures import Headers
 
 from pantheon import errors, logs
 from pantheon.api import auth
@@ -66,6 +77,7 @@ from pantheon.errors import ApiError
 
 if TYPE_CHECKING:
     from pantheon.control.context import Prepared
+    from pantheon.control.feed import Feed
     from pantheon.control.registry import Instance
 
 log = logging.getLogger("pantheon.api.middleware")
@@ -79,7 +91,14 @@ TRIM_MIN_BYTES = 1 << 20  # a request whose body reached this size hands memory 
 _DRAIN_BODY_S = 30.0  # how long a refused request's body may take to be read and dropped
 
 
-def _declared_length(headers: Any) -> int | None:
+def _put(scope: HTTPScope, key: str, value: object) -> None:
+    """Add ``key`` to the scope: ASGI lets a middleware extend it, the ``HTTPScope`` type does not
+    name our keys (the routes read them back with ``request.scope.get``)."""
+    cast(dict[str, object], scope)[key] = value
+
+
+def _declared_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
+    """The ``Content-Length`` an ASGI scope's headers declare (None: none, or not a number)."""
     for k, v in headers:
         if k == b"content-length":
             try:
@@ -164,7 +183,7 @@ class Origins:
         except ValueError:
             return False
 
-    def check_admin(self, method: str, scheme: str, host: str, headers: Any) -> None:
+    def check_admin(self, method: str, scheme: str, host: str, headers: Headers) -> None:
         """403 unless this admin request may go on (see the module doc)."""
         origin = headers.get("Origin")
         site = (headers.get("Sec-Fetch-Site") or "").strip().lower()
@@ -221,7 +240,7 @@ def check_json_type(content_type: str | None, has_body: bool) -> None:
     raise errors.unsupported_media_type(got)
 
 
-async def _send_json(send, status: int, obj: dict, headers: dict | None = None) -> None:
+async def _send_json(send: ASGISendCallable, status: int, obj: dict, headers: dict | None = None) -> None:
     body = json.dumps(obj).encode()
     hdrs = [
         (b"content-type", b"application/json"),
@@ -236,12 +255,12 @@ async def _send_json(send, status: int, obj: dict, headers: dict | None = None) 
 class OpsMiddleware:
     """The ASGI wrapper (see the module doc)."""
 
-    def __init__(self, inner, state: AppState, origins: Origins):
+    def __init__(self, inner: ASGIFramework, state: AppState, origins: Origins):
         self.inner, self.state, self.origins = inner, state, origins
         self.bodies = state.bodies
         self.trimmer = Trimmer()
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         if scope["type"] != "http":
             return await self.inner(scope, receive, send)
         path, method = scope["path"], scope["method"]
@@ -255,7 +274,7 @@ class OpsMiddleware:
             self.state.metrics.rejected.labels("", str(err.status)).inc()
             return await _send_json(send, err.status, error_json(path, err), hdrs)
         trace = logs.RequestTrace(method, path, (scope.get("client") or (None,))[0])
-        scope[TRACE_KEY] = trace
+        _put(scope, TRACE_KEY, trace)
         headers = scope.get("headers", ())
         declared = _declared_length(headers)
         chunked = any(k == b"transfer-encoding" and b"chunked" in v.lower() for k, v in headers)
@@ -264,12 +283,12 @@ class OpsMiddleware:
             ticket = self.bodies.ticket(None if chunked else declared)
             if ticket is None:  # refused before a byte of the body is kept
                 return await self._refuse_body(scope, receive, send, trace, path)
-            scope[BODY_KEY] = ticket
+            _put(scope, BODY_KEY, ticket)
         started = False
         overflow: bool | str = False
         dropper: asyncio.Task | None = None
 
-        async def send_(message):
+        async def send_(message: ASGISendEvent) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
@@ -279,7 +298,7 @@ class OpsMiddleware:
         admin = method == "POST" and path.startswith("/admin/")
         chunks: list[bytes] = []
 
-        async def receive_():
+        async def receive_() -> ASGIReceiveEvent:
             nonlocal overflow
             message = await receive()
             if message["type"] == "http.request":
@@ -323,7 +342,7 @@ class OpsMiddleware:
         if dropper is not None:
             await dropper
 
-    async def _send_refusal(self, scope, send, path: str) -> int:
+    async def _send_refusal(self, scope: HTTPScope, send: ASGISendCallable, path: str) -> int:
         err = errors.bodies_in_flight(self.bodies.limit)
         origin = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"origin"), None)
         await _send_json(
@@ -334,7 +353,14 @@ class OpsMiddleware:
         )
         return err.status
 
-    async def _refuse_body(self, scope, receive, send, trace: logs.RequestTrace, path: str) -> None:
+    async def _refuse_body(
+        self,
+        scope: HTTPScope,
+        receive: ASGIReceiveCallable,
+        send: ASGISendCallable,
+        trace: logs.RequestTrace,
+        path: str,
+    ) -> None:
         """503 ``bodies_in_flight`` at once, the body read and dropped meanwhile (a client that
         sends its whole body before reading would otherwise see a reset, not the answer, and the
         server would not get the answer out past a full receive queue); logged and metered as any
@@ -350,7 +376,7 @@ class OpsMiddleware:
             dropper.cancel()
 
 
-async def _drop_body(receive) -> None:
+async def _drop_body(receive: ASGIReceiveCallable) -> None:
     """Read the rest of a refused request's body and keep none of it (up to ``_DRAIN_BODY_S``)."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(_DRAIN_BODY_S):
@@ -416,7 +442,7 @@ def install(app: Quart) -> None:
     app.asgi_app = OpsMiddleware(app.asgi_app, state, origins)
 
 
-def _preflight(origins: Origins, headers: Any) -> Response:
+def _preflight(origins: Origins, headers: Headers) -> Response:
     """A CORS preflight of an OpenAI route: allowed for the ``--cors-origins``, else 403."""
     origin = headers.get("Origin")
     if origin is not None and not origins.allows(origin):
@@ -446,7 +472,7 @@ def _check_load_paths(guard: auth.Guard, raw: bytes) -> None:
                 check_root(guard, field, value)
 
 
-async def _follow(feed: Any, metrics: Metrics) -> None:
+async def _follow(feed: Feed, metrics: Metrics) -> None:
     """Count loads, load failures, unloads and worker deaths from the feed's events."""
     q = feed.subscribe()
     try:
@@ -479,7 +505,7 @@ def check_request(req: GenerationRequest) -> None:
 
 
 class Traced(Protocol):
-    """A generation as ``attach`` traces it (``pantheon.api.openai.service.Generation``)."""
+    """A generation as ``attach`` traces it (``pantheon.api.generation.Generation``)."""
 
     id: str
     inst: Instance

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from quart import Response
 
 from pantheon.api.openai import protocol as oa
 from pantheon.errors import ApiError
 
 
-def json_response(obj: Any, status: int = 200, headers: dict | None = None) -> Response:
+def json_response(obj: object, status: int = 200, headers: dict | None = None) -> Response:
     return Response(oa.dumps(obj), status=status, headers=headers or {}, content_type="application/json")
 
 

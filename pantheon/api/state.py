@@ -25,9 +25,9 @@ from pantheon.control.live import Projection, project
 if TYPE_CHECKING:
     from pantheon import snapshot as st
     from pantheon.api.auth import Guard
+    from pantheon.api.generation import Generation
     from pantheon.api.inflight import BodyBudget, Drain
     from pantheon.api.metrics import Metrics
-    from pantheon.api.openai.service import Generation
     from pantheon.config.settings import ServeConfig
     from pantheon.control.dies import DieManager
     from pantheon.control.feed import Feed

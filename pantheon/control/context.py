@@ -62,7 +62,7 @@ class Prepared:
     dropped_messages: int = 0
     dropped_tokens: int = 0
     # the output constraint (grammar, ids it starts after, <think> id), checked against the
-    # model it was fitted for before any slot (api.openai.service.checked_constraint); None:
+    # model it was fitted for before any slot (api.generation.checked_constraint); None:
     # not checked yet
     constraint: tuple[str | None, list[int], int] | None = None
     answer_form: bool = False  # the answer is call-or-reply JSON (pantheon.chat.answer_form)

@@ -845,7 +845,7 @@ def test_default_model_first_run_and_sigint(tmp_path):
 def test_router_never_imports_torch(srv):
     code = (
         "import sys; import pantheon.api.app, pantheon.serve, pantheon.control.registry, "
-        "pantheon.api.openai.service, pantheon.api.openai.protocol, pantheon.config.settings, pantheon.workerlink.pool; "
+        "pantheon.api.generation, pantheon.api.openai.protocol, pantheon.config.settings, pantheon.workerlink.pool; "
         "bad = [m for m in ('torch', 'textual') if m in sys.modules]; "
         "assert not bad, bad"
     )

@@ -15,10 +15,10 @@ import pytest
 
 from pantheon.api import fields
 from pantheon.api.flow import check_token_ids
+from pantheon.api.generation import vocab_size
 from pantheon.api.openai import protocol as oa
 from pantheon.api.openai.completions import CompletionRequest, _prepare, parse_completion_request
 from pantheon.api.openai.responses import parse_responses_request
-from pantheon.api.openai.service import vocab_size
 from pantheon.api.openai.tokenize import _tokenize
 from pantheon.control.registry import Instance
 from pantheon.core.protocol import Loaded, SamplingParams

@@ -236,7 +236,7 @@ def test_the_module_is_light():
 
 
 def test_clients_get_a_request_id_not_the_workers_internals():
-    from pantheon.api.openai.service import _pool_error
+    from pantheon.api.generation import _pool_error
     from pantheon.workerlink.errors import WorkerDied
 
     died = WorkerDied(

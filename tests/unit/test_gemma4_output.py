@@ -356,8 +356,8 @@ def test_the_detokenizer_keeps_the_markers_the_parser_reads(assets):
 
 
 def test_a_response_format_starts_after_the_thought_channel_when_thinking_is_on(assets):
+    from pantheon.api.generation import constraint_of
     from pantheon.api.openai.protocol import parse_chat_request
-    from pantheon.api.openai.service import constraint_of
     from pantheon.control.context import fit_context
 
     from helpers.instances import ready_instance

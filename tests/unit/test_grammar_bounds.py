@@ -21,9 +21,8 @@ import llguidance as llg
 import pytest
 
 from pantheon import serve as server_cli
-from pantheon.api import structured
+from pantheon.api import generation, structured
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai import service
 from pantheon.core import protocol as p
 from pantheon.core.gguf import byte_alphabet
 from pantheon.errors import ApiError
@@ -171,10 +170,10 @@ def test_the_red_team_choice_on_smollm2_is_a_400():
     inst = ready_instance(assets)
     odd = structured.choice_grammar(["\U00050000"], "guided_choice")
     with pytest.raises(ApiError) as ei:
-        structured.check_for_model(odd, service.model_tokenizer(inst), "guided_choice")
+        structured.check_for_model(odd, generation.model_tokenizer(inst), "guided_choice")
     assert ei.value.status == 400 and ei.value.param == "guided_choice"
     fine = structured.choice_grammar(["yes", "no"], "guided_choice")
-    structured.check_for_model(fine, service.model_tokenizer(inst), "guided_choice")
+    structured.check_for_model(fine, generation.model_tokenizer(inst), "guided_choice")
 
 
 # ---------------------------------------------------------------------------- the request path
@@ -210,7 +209,7 @@ def _generation(assets, body, pool):
     req = oa.parse_chat_request({"messages": MSG, **body})
     prep = fit_context(assets, req, 4096)
     inst = ready_instance(assets)
-    return service.Generation(pool, inst, req, prep, "fp")
+    return generation.Generation(pool, inst, req, prep, "fp")
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +221,7 @@ def tiny_assets(tiny_model):
 
 def test_a_grammar_the_model_cannot_spell_is_refused_before_the_worker(tiny_assets, monkeypatch):
     ascii_only = structured.ModelTokenizer(_byte_tokenizer_json(ascii_only=True), 129, [128])
-    monkeypatch.setattr(service, "model_tokenizer", lambda inst: ascii_only)
+    monkeypatch.setattr(generation, "model_tokenizer", lambda inst: ascii_only)
     pool = _Pool([], RuntimeError("never submitted"))
     with pytest.raises(ApiError) as ei:
         _generation(tiny_assets, {"guided_choice": ["é"]}, pool)

@@ -530,8 +530,8 @@ def test_reasoning_effort_reaches_the_template_kwargs():
 def test_a_constrained_answer_starts_after_the_analysis(harmony_assets):
     """``response_format`` on a Harmony model: the model reasons freely, the grammar starts at
     ``<|channel|>final<|message|>`` (as vLLM starts it)."""
+    from pantheon.api.generation import constraint_of
     from pantheon.api.openai.protocol import parse_chat_request
-    from pantheon.api.openai.service import constraint_of
     from pantheon.control.context import fit_context
     from pantheon.control.registry import Instance, Slots
 

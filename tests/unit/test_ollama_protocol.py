@@ -18,10 +18,10 @@ import pytest
 
 from pantheon import errors
 from pantheon.api import middleware
+from pantheon.api.generation import Piece, _pool_error
 from pantheon.api.ollama import listing
 from pantheon.api.ollama import protocol as ol
 from pantheon.api.ollama.generation import OllamaGeneration
-from pantheon.api.openai.service import Piece, _pool_error
 from pantheon.chat.emitter import Delta
 from pantheon.control.context import Prepared
 from pantheon.control.residency import FOREVER

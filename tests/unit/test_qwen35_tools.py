@@ -431,7 +431,7 @@ def qwen35_assets(tiny_model, qwen35):
 
 
 def _generate(assets, body, answer, *, prep=None, stream=False):
-    from pantheon.api.openai.service import Generation
+    from pantheon.api.generation import Generation
     from pantheon.control.context import fit_context
 
     req = oa.parse_chat_request({"messages": [{"role": "user", "content": "weather in Paris?"}], **body})

@@ -13,8 +13,8 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from pantheon.api.generation import Piece
 from pantheon.api.openai import responses as R
-from pantheon.api.openai.service import Piece
 from pantheon.chat.emitter import Delta
 from pantheon.control.context import Prepared
 from pantheon.errors import ApiError

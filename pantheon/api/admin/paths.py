@@ -6,10 +6,13 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pantheon import errors
 from pantheon.errors import ApiError
+
+if TYPE_CHECKING:
+    from pantheon.api.auth import Guard
 
 PATH_MAX = 4096  # bytes, Linux's limit for a whole path
 NAME_MAX = 255  # bytes, for one component
@@ -29,7 +32,7 @@ def check_path_field(field: str, value: str) -> None:
         raise errors.invalid_param(field, f"'{field}' has a name longer than {NAME_MAX} bytes")
 
 
-def check_root(guard: Any, field: str, value: str) -> None:
+def check_root(guard: Guard, field: str, value: str) -> None:
     """The ``--models-dir`` rule for ``field`` (403 naming it; the message is the same whether
     or not anything exists at ``value``)."""
     try:

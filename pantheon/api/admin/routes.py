@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TypeVar, overload
 
 import msgspec
 from quart import Blueprint, Response, request
@@ -55,10 +55,11 @@ from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.names import control_problem, has_control
 
 bp = Blueprint("admin", __name__)
+T = TypeVar("T")
 MIN_INTERVAL_S = 0.05
 
 
-def json_response(obj: Any, status: int = 200) -> Response:
+def json_response(obj: object, status: int = 200) -> Response:
     return Response(oa.dumps(obj), status=status, content_type="application/json")
 
 
@@ -70,7 +71,12 @@ async def _json_object() -> dict:
     return body
 
 
-def _typed(body: dict, key: str, kind: type | tuple, word: str, default: Any = None) -> Any:
+@overload
+def _typed(body: dict, key: str, kind: type[T], word: str) -> T | None: ...
+@overload
+def _typed(body: dict, key: str, kind: type[T], word: str, default: T) -> T: ...
+def _typed(body: dict, key: str, kind: type[T], word: str, default: T | None = None) -> T | None:
+    """``body[key]`` checked to be a ``kind`` (a bool is not an int); absent or null: ``default``."""
     v = body.get(key, default)
     if v is None:
         return default
@@ -79,7 +85,7 @@ def _typed(body: dict, key: str, kind: type | tuple, word: str, default: Any = N
     return v
 
 
-def _dies(raw: Any) -> tuple[str, ...]:
+def _dies(raw: object) -> tuple[str, ...]:
     if raw in (None, "", []):
         return ()
     if isinstance(raw, list):
@@ -94,7 +100,7 @@ def _dies(raw: Any) -> tuple[str, ...]:
         raise errors.invalid_param("dies", str(e)) from None
 
 
-def _kv_types(raw: Any) -> KvCacheTypes | None:
+def _kv_types(raw: object) -> KvCacheTypes | None:
     """The load's ``kv_cache_dtype`` ("q8_0", or K/V apart: "q8_0/q4_0"); None: the server's."""
     if raw is None:
         return None

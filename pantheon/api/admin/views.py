@@ -4,10 +4,14 @@ render the same projection their own way)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pantheon.control.live import DieFacts, InstanceFacts, Projection, booked
 from pantheon.control.pressure import NAMES
+
+if TYPE_CHECKING:
+    from pantheon.control.dies import DieManager
+    from pantheon.control.registry import Instance
 
 
 def instance_view(f: InstanceFacts) -> dict:
@@ -49,7 +53,7 @@ def instance_view(f: InstanceFacts) -> dict:
     return out
 
 
-def facts_of(live: Projection, inst: Any, dies: Any) -> InstanceFacts:
+def facts_of(live: Projection, inst: Instance, dies: DieManager) -> InstanceFacts:
     """The projection's facts of one instance; an instance the registry does not list yet (a
     load that just began) gets its bookings and nothing else."""
     for f in live.instances:

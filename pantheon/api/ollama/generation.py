@@ -14,19 +14,34 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
+from pantheon.api.generation import Generation, _pool_error
 from pantheon.api.ollama import protocol as ol
-from pantheon.api.openai.service import Generation, _pool_error
 from pantheon.chat.emitter import Emitter
+from pantheon.control.context import Prepared
+from pantheon.control.registry import Instance
+from pantheon.core.request import GenerationRequest
 from pantheon.errors import ApiError
+from pantheon.workerlink.pool import WorkerPool
 
 
 class OllamaGeneration(Generation):
-    def __init__(self, *a: Any, kind: str, raw: bool = False, **kw: Any):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        inst: Instance,
+        req: GenerationRequest,
+        prep: Prepared,
+        fingerprint: str,
+        *,
+        arrived: float | None = None,
+        on_tokens: Callable[[int], None] | None = None,
+        kind: str,
+        raw: bool = False,
+    ):
         """``kind``: "chat" or "generate" (the response object's shape)."""
-        super().__init__(*a, **kw)
+        super().__init__(pool, inst, req, prep, fingerprint, arrived=arrived, on_tokens=on_tokens)
         self.kind, self.raw = kind, raw
         self.placed = time.monotonic()  # made right after the slot was taken
 
@@ -35,7 +50,16 @@ class OllamaGeneration(Generation):
             return Emitter(reasoning=False, stop=self.req.stop, tools_enabled=False, think_open=False)
         return super()._emitter()
 
-    def _final(self, **out: Any) -> ol.ChatResponse | ol.GenerateResponse:
+    def _final(
+        self,
+        *,
+        content: str = "",
+        thinking: str = "",
+        calls: list[ol.ToolCall] | None = None,
+        lps: list[ol.Logprob] | None = None,
+    ) -> ol.ChatResponse | ol.GenerateResponse:
+        """The last object: ``done``, its reason and the timings, with the collected output
+        (``complete``) or none (a stream's last line)."""
         run = self.runs[0]
         stats = ol.timing(
             arrived=self.arrived,
@@ -46,7 +70,15 @@ class OllamaGeneration(Generation):
             eval_tokens=run.completion_tokens,
         )
         return ol.output(
-            self.kind, self.model, done=True, reason=ol.done_reason(run.finish_reason), stats=stats, **out
+            self.kind,
+            self.model,
+            content=content,
+            thinking=thinking,
+            calls=calls,
+            lps=lps,
+            done=True,
+            reason=ol.done_reason(run.finish_reason),
+            stats=stats,
         )
 
     async def stream_chunks(self) -> AsyncIterator[bytes]:

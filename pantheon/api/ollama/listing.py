@@ -181,7 +181,7 @@ def _elements(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _file_type(code: Any, tensor_types: list[str]) -> str:
+def _file_type(code: object, tensor_types: list[str]) -> str:
     """``general.file_type``'s name; without one, the commonest tensor type."""
     if isinstance(code, int) and code in FILE_TYPES:
         return FILE_TYPES[code]
@@ -242,7 +242,7 @@ def details(served: Served, files: Files, shape: ModelDescription | None) -> Mod
     )
 
 
-def model_info(files: Files, shape: ModelDescription | None) -> dict[str, Any]:
+def model_info(files: Files, shape: ModelDescription | None) -> dict[str, object]:
     """Ollama's ``model_info`` (see the module doc)."""
     count = files.parameters or (parameter_count(shape) if shape is not None else 0)
     if files.gguf_info is not None:

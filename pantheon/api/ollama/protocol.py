@@ -668,8 +668,8 @@ class Version(msgspec.Struct):
 _encoder = msgspec.json.Encoder()
 
 
-def line(obj: Any) -> bytes:
-    """One NDJSON line."""
+def line(obj: object) -> bytes:
+    """One NDJSON line: ``obj`` as msgspec encodes it (a Struct, or a dict of JSON values)."""
     return _encoder.encode(obj) + b"\n"
 
 

@@ -42,12 +42,11 @@ from quart import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
 
 from pantheon import errors
-from pantheon.api import fields, flow
+from pantheon.api import embedding, fields, flow
 from pantheon.api import middleware as ops
 from pantheon.api.ollama import listing
 from pantheon.api.ollama import protocol as ol
 from pantheon.api.ollama.generation import OllamaGeneration
-from pantheon.api.openai import embeddings as oe
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
 from pantheon.control.registry import Instance
@@ -221,7 +220,7 @@ async def _embed(legacy: bool) -> Response:
     value = body.get(field)
     if legacy and value == "":
         return json_response({"embedding": []})
-    inputs = oe.parse_inputs(value, field)
+    inputs = embedding.parse_inputs(value, field)
     truncate = body.get("truncate", True)
     dims = body.get("dimensions")
     if not isinstance(truncate, bool):
@@ -229,7 +228,7 @@ async def _embed(legacy: bool) -> Response:
     if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
         raise errors.invalid_param("dimensions", "'dimensions' must be a positive integer")
     try:
-        inst, vectors, tokens = await oe.embed_inputs(
+        inst, vectors, tokens = await embedding.embed_inputs(
             s,
             name,
             inputs,

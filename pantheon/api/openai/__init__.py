@@ -1,1 +1,3 @@
-"""The OpenAI-compatible API: request validation and response objects (``protocol``), the chat service (``service``)."""
+"""The OpenAI-compatible API: request validation and response objects (``protocol``) and the routes
+(chat, completions, Responses, embeddings, tokenize); the generation and embedding machinery they
+share with Ollama's routes is ``pantheon.api.generation`` and ``pantheon.api.embedding``."""

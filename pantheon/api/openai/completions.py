@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from quart import Blueprint, request
@@ -46,14 +46,14 @@ from quart import Blueprint, request
 from pantheon import errors
 from pantheon.api import fields, flow, structured
 from pantheon.api import middleware as ops
-from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.service import (
+from pantheon.api.generation import (
     ChoiceRun,
     Generation,
     _pool_error,
     checked_constraint,
     needs_constraint,
 )
+from pantheon.api.openai import protocol as oa
 from pantheon.api.state import AppState, app_state
 from pantheon.chat.detokenize import IncrementalDetokenizer
 from pantheon.chat.emitter import Emitter
@@ -61,6 +61,7 @@ from pantheon.control.context import Prepared, fit
 from pantheon.control.registry import Instance
 from pantheon.core.request import GenerationRequest
 from pantheon.errors import ApiError
+from pantheon.workerlink.pool import WorkerPool
 
 bp = Blueprint("completions", __name__)
 
@@ -192,8 +193,20 @@ class TextGeneration(Generation):
     """A ``Generation`` whose output is ``text_completion`` objects: plain text, no template,
     reasoning or tool-call parsing, the completion API's logprobs."""
 
-    def __init__(self, *a: Any, creq: CompletionRequest, prompt_text: str, **kw: Any):
-        super().__init__(*a, **kw)
+    def __init__(
+        self,
+        pool: WorkerPool,
+        inst: Instance,
+        req: GenerationRequest,
+        prep: Prepared,
+        fingerprint: str,
+        *,
+        arrived: float | None = None,
+        on_tokens: Callable[[int], None] | None = None,
+        creq: CompletionRequest,
+        prompt_text: str,
+    ):
+        super().__init__(pool, inst, req, prep, fingerprint, arrived=arrived, on_tokens=on_tokens)
         self.id = "cmpl-" + self.id.removeprefix("chatcmpl-")
         self.creq, self.prompt_text = creq, prompt_text
 

@@ -18,7 +18,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 
@@ -206,13 +206,21 @@ def token_logprob(
     }
 
 
+class PromptTokenLogprob(TypedDict):
+    """One token of one position in vLLM's ``prompt_logprobs``."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 def prompt_logprobs(
     prompt: Sequence[int], got: PromptLogprobs | None, k: int, piece: Callable[[int], str]
-) -> list[dict[str, dict[str, Any]] | None]:
+) -> list[dict[str, PromptTokenLogprob] | None]:
     """vLLM's ``prompt_logprobs``: None for the first position (nothing predicts it), then per
     position ``{token_id: {logprob, rank, decoded_token}}`` holding the prompt's own token and
     the top ``k`` (keys are strings in JSON)."""
-    out: list[dict[str, dict[str, Any]] | None] = [None]
+    out: list[dict[str, PromptTokenLogprob] | None] = [None]
     if got is None:
         return out + [None] * (len(prompt) - 1)
     for i, tok in enumerate(prompt[1:]):
@@ -223,7 +231,7 @@ def prompt_logprobs(
     return out
 
 
-def _lp_entry(logprob: float, rank: int, decoded: str) -> dict[str, Any]:
+def _lp_entry(logprob: float, rank: int, decoded: str) -> PromptTokenLogprob:
     return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": decoded}
 
 
@@ -247,11 +255,12 @@ def model_list(models: list[dict]) -> dict:
 _encoder = msgspec.json.Encoder()
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: object) -> bytes:
+    """``obj`` as JSON: anything msgspec encodes (dicts, lists, scalars, Structs)."""
     return _encoder.encode(obj)
 
 
-def sse(obj: Any) -> bytes:
+def sse(obj: object) -> bytes:
     return b"data: " + _encoder.encode(obj) + b"\n\n"
 
 

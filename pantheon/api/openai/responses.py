@@ -41,7 +41,7 @@ import contextlib
 import copy
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from quart import Blueprint, request
@@ -49,11 +49,14 @@ from quart import Blueprint, request
 from pantheon import errors
 from pantheon.api import fields, flow, structured
 from pantheon.api import middleware as ops
+from pantheon.api.generation import Generation, _pool_error
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.service import Generation, _pool_error
 from pantheon.api.state import app_state
+from pantheon.control.context import Prepared
+from pantheon.control.registry import Instance
 from pantheon.core.request import GenerationRequest, Message, Tool
 from pantheon.errors import ApiError, invalid_param
+from pantheon.workerlink.pool import WorkerPool
 
 bp = Blueprint("responses", __name__)
 
@@ -600,8 +603,19 @@ def _sse(seq: int, event: dict) -> bytes:
 class ResponseGeneration(Generation):
     """A ``Generation`` whose output is a ``response`` object (one choice)."""
 
-    def __init__(self, *a: Any, rreq: ResponsesRequest, **kw: Any):
-        super().__init__(*a, **kw)
+    def __init__(
+        self,
+        pool: WorkerPool,
+        inst: Instance,
+        req: GenerationRequest,
+        prep: Prepared,
+        fingerprint: str,
+        *,
+        arrived: float | None = None,
+        on_tokens: Callable[[int], None] | None = None,
+        rreq: ResponsesRequest,
+    ):
+        super().__init__(pool, inst, req, prep, fingerprint, arrived=arrived, on_tokens=on_tokens)
         self.id = "resp_" + self.id.removeprefix("chatcmpl-")
         self.rreq = rreq
         self.builder = OutputBuilder()

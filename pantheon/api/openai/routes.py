@@ -22,8 +22,8 @@ from quart import Blueprint, request
 from pantheon import errors
 from pantheon.api import flow
 from pantheon.api import middleware as ops
+from pantheon.api.generation import Generation
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.service import Generation
 from pantheon.api.responses import json_response
 from pantheon.api.state import AppState, app_state
 from pantheon.control.context import limit_of

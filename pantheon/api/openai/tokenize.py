@@ -10,7 +10,7 @@ POST     /tokenize     ``{model, prompt}`` or ``{model, messages, add_generation
 POST     /detokenize   ``{model, tokens}`` -> ``{prompt}``
 =======  ============  ==================================================================
 
-A token id is one of the model's (``service.vocab_size``: its embedding's rows, which a
+A token id is one of the model's (``pantheon.api.generation.vocab_size``: its embedding's rows, which a
 completion prompt's ids are checked against too); the rows past the tokenizer's own tokens
 (a vocabulary padded to a multiple of 32 or 64) decode to nothing.
 
@@ -22,18 +22,18 @@ instance's real per-request limit.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from quart import Blueprint, request
 
 from pantheon import errors
 from pantheon.api import middleware as ops
+from pantheon.api.generation import vocab_size
 from pantheon.api.openai import protocol as oa
-from pantheon.api.openai.service import vocab_size
 from pantheon.api.responses import json_response
 from pantheon.api.state import app_state
 from pantheon.chat.template import TemplateError
 from pantheon.control.context import limit_of
+from pantheon.models.assets import ModelAssets
 
 bp = Blueprint("tokenize", __name__)
 
@@ -54,7 +54,7 @@ def _flag(body: dict, key: str, default: bool) -> bool:
     return v
 
 
-def _tokenize(assets: Any, body: dict) -> list[int]:
+def _tokenize(assets: ModelAssets, body: dict) -> list[int]:
     """The token ids of the body's prompt or messages (runs off the event loop)."""
     if "messages" in body:
         if "prompt" in body:
@@ -92,7 +92,7 @@ async def tokenize():
     if model is not None and not isinstance(model, str):
         raise errors.invalid_param("model", "'model' must be a string")
     inst = app_state().registry.route(model, None)  # 404 / 503 as the chat route
-    ids = await asyncio.to_thread(_tokenize, inst.assets, body)
+    ids = await asyncio.to_thread(_tokenize, inst.model_assets, body)
     strs = (
         [inst.model_assets.tokenizer.id_to_token(i) for i in ids]
         if _flag(body, "return_token_strs", False)

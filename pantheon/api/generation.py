@@ -13,6 +13,10 @@ turned into SSE chunks (``stream_chunks``) or one completion body (``complete``)
 A choice runs as named steps: ``Generation._submission`` (its ``Submit``), ``_next_batch`` (the
 worker's tokens, traced and counted) and ``ChoiceDecoder.piece`` (tokens -> text -> the output
 parser's deltas, and how the choice finished); the streamed and the collected output share them.
+
+Every front end runs on this one machinery: ``Generation``'s own output is the OpenAI chat
+route's (``chat.completion`` objects and chunks, built by ``pantheon.api.openai.protocol``); the
+completions, Responses and Ollama routes subclass it and read its typed ``Piece``s instead.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from pantheon.models.assets import ModelAssets
 from pantheon.workerlink.pool import RequestRejectedError, WorkerDied, WorkerPool
 from pantheon.workerlink.streams import RequestStream
 
-log = logging.getLogger("pantheon.api.openai.service")
+log = logging.getLogger("pantheon.api.generation")
 
 
 # ---------------------------------------------------------------- the pool's errors
@@ -711,7 +715,7 @@ class Generation:
             body["prompt_logprobs"] = self.prompt_logprobs(self.req.prompt_logprobs)
         return self._capped(body)
 
-    def prompt_logprobs(self, k: int) -> list[dict[str, dict[str, Any]] | None]:
+    def prompt_logprobs(self, k: int) -> list[dict[str, oa.PromptTokenLogprob] | None]:
         """The prompt's logprobs in vLLM's form, top ``k`` (every choice has the same prompt)."""
         piece = self.inst.model_assets.piece
         return oa.prompt_logprobs(
