@@ -8,6 +8,10 @@
 
 No HTTP, no ZeroMQ: the worker process wraps this. ``step`` returns every new token at once;
 the caller sends them on (one message per step), so a slow consumer never blocks the loop.
+
+An engine is built from one ``EngineSpec`` (``pantheon/core/engine_spec.py``: the worker passes
+the ``LoadModel`` it got, which is one; the keywords above are its fields), in the named steps
+of ``workers/engine_build.py``.
 """
 
 from __future__ import annotations
