@@ -204,14 +204,7 @@ def moe_step_bytes(eng: Engine, batch: int, tokens: int) -> tuple[float, int, in
 def state_bytes_per_sequence(eng: Engine) -> int:
     """Bytes of recurrent state one running sequence holds (0 for attention-only models): what a
     decode step reads and writes again for each sequence, beside the weights."""
-    from workers.cache import StateCache
-
-    return sum(
-        t[0].numel() * t.element_size()
-        for c in eng.runner.caches
-        if isinstance(c, StateCache)
-        for t in c.tensors.values()
-    )
+    return sum(t[0].numel() * t.element_size() for c in eng.runner.caches for t in c.slot_states().values())
 
 
 def sync(device: str) -> None:

@@ -176,7 +176,8 @@ def main() -> None:
             num_slots=max(batches),
             kv_budget_bytes=budget,
             cpu_path=cpu_path,
-            kv_types=kt,
+            kv_cache_k=kt.k,
+            kv_cache_v=kt.v,
             prefill_chunk=1024,
             compile_decode=False,
         )

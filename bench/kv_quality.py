@@ -133,7 +133,7 @@ def main() -> None:
         del ref_eng
         res: dict = {}
         for kt in kinds:
-            eng = Engine(str(path), kv_types=kt, **kw, compile_decode=False)
+            eng = Engine(str(path), kv_cache_k=kt.k, kv_cache_v=kt.v, **kw, compile_decode=False)
             lp = log_probs(eng, ids, rows)
             del eng
             kl = (ref.exp() * (ref - lp)).sum(-1)  # [rows]

@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workers.kernels import paged  # noqa: E402
+from workers.kernels.kv_quant import QuantRows  # noqa: E402
 from workers.layers import attention as A  # noqa: E402
-from workers.layers.kv_quant import QuantRows  # noqa: E402
 
 
 def batch(lens: list[int], bs: int, seed: int = 0) -> tuple[A.StepBatch, int]:

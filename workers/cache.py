@@ -4,7 +4,7 @@
 - ``KVCache``: an attention layer's paged K and V, ``[num_blocks * block_size, KV, D]`` each; the
   block manager (``workers/block_manager.py``) says which rows each sequence holds. Under a
   quantized KV cache type (``--kv-cache-dtype``: ``pantheon/core/kv_types.py``) K and/or V are
-  ``QuantRows`` (``workers/layers/kv_quant.py``): the same rows in llama.cpp's q8_0 / q4_0 blocks
+  ``QuantRows`` (``workers/kernels/kv_quant.py``): the same rows in llama.cpp's q8_0 / q4_0 blocks
   (or fp8 on CUDA), taking exactly the bytes the router books per token;
 - ``StateCache``: a recurrent layer's state pool, one state per slot (``[slots + 1, ...]``: the
   last one is scratch for prompt logits computed outside the scheduler), on that layer's device,
@@ -18,8 +18,14 @@
   context (what quantizing saves grows with the context, and a paged pool is where it grows),
   the router sizes them as states at the compute dtype, and their prefix-cache checkpoints are
   plain copies;
+  A ring is a ``RingCache``: a ``StateCache`` that also attends;
 - ``SharedCache``: a KV-shared layer's (Gemma 4): the cache of the layer whose K/V it reads, no
   tensor of its own (its bytes are that layer's, counted there).
+
+Each is built by its spec's kind (``CacheSpec.make`` calls ``_Maker``'s method for it) and answers
+for itself (``LayerCache``): its pool's and its states' bytes, its step view (a ring reads its
+window's), its attention over what it holds, and its states' saves and restores, so the runner,
+the graphs and the layers never ask which kind a cache is.
 """
 
 from __future__ import annotations
@@ -28,13 +34,85 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pantheon.core.description import AttentionCache, ModelDescription, RecurrentState, SharedKV
-from pantheon.core.kv_types import KvCacheTypes, width_problem
-from workers.layers.kv_quant import KvRows, QuantRows
+from pantheon.core.description import (
+    FullAttention,
+    ModelDescription,
+    RecurrentState,
+    SharedKV,
+    SlidingWindow,
+)
+from pantheon.core.kv_types import KvCacheTypes
+from workers.kernels.kv_quant import KvRows, QuantRows
+from workers.layers.attention import StepBatch, paged_attention
+from workers.layers.sinks import paged_sink_attention, ring_sink_attention
+from workers.layers.sliding import ring_attention, ring_write_prefills
+
+# the per-slot tensors of a state, by name: [slots + 1, *shape] (or [checkpoints, *shape])
+States = dict[str, torch.Tensor]
+
+
+class LayerCache:
+    """What one layer keeps between steps. Defaults: nothing paged, no per-slot state."""
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the paged K/V pool (what the KV budget pays for)."""
+        return 0
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the per-slot states and their checkpoints."""
+        return 0
+
+    @property
+    def pool(self) -> KVCache | None:
+        """The paged K/V pool this layer writes (the fused decode call and the graphs read it)."""
+        return None
+
+    def slot_states(self) -> States:
+        """The per-slot state tensors, [slots + 1, *shape] each (none unless a state)."""
+        return {}
+
+    def view(self, b: StepBatch) -> StepBatch:
+        """The step as this layer's attention reads it (a ring: its window's view)."""
+        return b
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        b: StepBatch,
+        sinks: torch.Tensor | None = None,
+        write_prefills: bool = True,
+    ) -> torch.Tensor:
+        """Write the step's K/V where this cache keeps them and attend: q [N, H, D] (pre-scaled),
+        k, v [N, KV, D] -> [N, H, D]; ``sinks`` [H]: gpt-oss's per-head sink logits.
+        ``write_prefills=False``: a ring leaves the prefill chunks' K/V for ``write_prefills``
+        (later layers of the step read the ring too); a paged pool is addressed by position, so
+        it always writes."""
+        raise TypeError(f"{type(self).__name__} holds no K/V to attend to")
+
+    def write_prefills(self, k: torch.Tensor, v: torch.Tensor, b: StepBatch) -> None:
+        """The prefill chunks' K/V an ``attend(write_prefills=False)`` left out (a ring's)."""
+
+    def save_state(self, slot: int, checkpoint: int) -> None:
+        """Copy ``slot``'s state into prefix-cache ``checkpoint`` (nothing without a state)."""
+
+    def load_state(self, slot: int, checkpoint: int) -> None:
+        """Restore ``slot``'s state from prefix-cache ``checkpoint``."""
+
+    def copy_verified(self, run: int, row: int, into_checkpoints: bool, index: int) -> None:
+        """The state after row ``row`` of the step's verify run ``run`` into entry ``index`` of
+        the slots' pool (or the checkpoints'), when this layer kept its verify rows' states."""
 
 
 @dataclass
-class KVCache:
+class KVCache(LayerCache):
     k: KvRows  # [rows, KV, D] (or its quantized rows)
     v: KvRows
 
@@ -44,16 +122,37 @@ class KVCache:
             t.nbytes if isinstance(t, QuantRows) else t.numel() * t.element_size() for t in (self.k, self.v)
         )
 
+    @property
+    def kv_nbytes(self) -> int:
+        return self.nbytes
+
+    @property
+    def pool(self) -> KVCache | None:
+        return self
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        b: StepBatch,
+        sinks: torch.Tensor | None = None,
+        write_prefills: bool = True,
+    ) -> torch.Tensor:
+        if sinks is not None:
+            return paged_sink_attention(q, k, v, b, self.k, self.v, sinks)
+        return paged_attention(q, k, v, b, self.k, self.v)
+
 
 @dataclass
-class StateCache:
-    tensors: dict[str, torch.Tensor]  # name -> [slots + 1, *shape]
-    checkpoints: dict[str, torch.Tensor]  # name -> [checkpoints, *shape]
+class StateCache(LayerCache):
+    tensors: States  # name -> [slots + 1, *shape]
+    checkpoints: States  # name -> [checkpoints, *shape]
     # The last step's verify rows (speculation): name -> [rows, runs, *shape], the state after
     # each row of each verifying sequence (run j in column ``verified_cols[j]``), written by the
-    # layer, read by ``ModelRunner.keep_verified`` (the slots' own states stay as they were
-    # before the rows until the engine knows what was accepted).
-    verified: dict[str, torch.Tensor] = field(default_factory=dict)
+    # layer, read by ``copy_verified`` (the slots' own states stay as they were before the rows
+    # until the engine knows what was accepted).
+    verified: States = field(default_factory=dict)
     verified_cols: list[int] = field(default_factory=list)
 
     @property
@@ -61,20 +160,124 @@ class StateCache:
         ts = list(self.tensors.values()) + list(self.checkpoints.values())
         return sum(t.numel() * t.element_size() for t in ts)
 
+    @property
+    def state_nbytes(self) -> int:
+        return self.nbytes
+
+    def slot_states(self) -> States:
+        return self.tensors
+
+    def save_state(self, slot: int, checkpoint: int) -> None:
+        for name, t in self.tensors.items():
+            self.checkpoints[name][checkpoint].copy_(t[slot])
+
+    def load_state(self, slot: int, checkpoint: int) -> None:
+        for name, t in self.tensors.items():
+            t[slot].copy_(self.checkpoints[name][checkpoint])
+
+    def copy_verified(self, run: int, row: int, into_checkpoints: bool, index: int) -> None:
+        if not self.verified:
+            return
+        col = self.verified_cols[run]
+        for name, t in (self.checkpoints if into_checkpoints else self.tensors).items():
+            t[index].copy_(self.verified[name][row, col])
+
 
 @dataclass
-class SharedCache:
-    """A layer reading layer ``layer``'s K and V: ``source`` is that layer's cache."""
+class RingCache(StateCache):
+    """A sliding-window layer's rings (``"k"``, ``"v"``: [slots + 1, window, KV, D]): a state
+    that attends over its window (``workers/layers/sliding.py``)."""
+
+    window: int = 0
+
+    def view(self, b: StepBatch) -> StepBatch:
+        return b.windows[self.window]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        b: StepBatch,
+        sinks: torch.Tensor | None = None,
+        write_prefills: bool = True,
+    ) -> torch.Tensor:
+        k_ring, v_ring = self.tensors["k"], self.tensors["v"]
+        if sinks is not None:
+            return ring_sink_attention(q, k, v, b, k_ring, v_ring, sinks)
+        return ring_attention(q, k, v, b, k_ring, v_ring, write_prefills=write_prefills)
+
+    def write_prefills(self, k: torch.Tensor, v: torch.Tensor, b: StepBatch) -> None:
+        ring_write_prefills(k, v, b, self.tensors["k"], self.tensors["v"])
+
+
+@dataclass
+class SharedCache(LayerCache):
+    """A layer reading layer ``layer``'s K and V: ``source`` is that layer's cache (its bytes are
+    the source's, counted there)."""
 
     layer: int
-    source: KVCache | StateCache
+    source: LayerCache
 
-    @property
-    def nbytes(self) -> int:
-        return 0  # the source's bytes
+    def view(self, b: StepBatch) -> StepBatch:
+        return self.source.view(b)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        b: StepBatch,
+        sinks: torch.Tensor | None = None,
+        write_prefills: bool = True,
+    ) -> torch.Tensor:
+        return self.source.attend(q, k, v, b, sinks, write_prefills)
 
 
-LayerCache = KVCache | StateCache | SharedCache
+@dataclass
+class _Maker:
+    """Builds each kind's cache (``CacheSpec.make``) for one layer on ``dev``."""
+
+    dev: torch.device
+    dtype: torch.dtype
+    rows: int  # paged K/V rows
+    num_slots: int
+    checkpoints: int
+    kv_types: KvCacheTypes
+    built: list[LayerCache]  # the layers before this one (a shared layer reads one of them)
+
+    def full(self, spec: FullAttention) -> LayerCache:
+        shape = (self.rows, spec.kv_heads, spec.head_dim)
+
+        def rows_of(kind: str) -> KvRows:
+            if kind == "auto":
+                return torch.zeros(shape, dtype=self.dtype, device=self.dev)
+            return QuantRows.empty(kind, *shape, device=self.dev)
+
+        return KVCache(rows_of(self.kv_types.k), rows_of(self.kv_types.v))
+
+    def sliding(self, spec: SlidingWindow) -> LayerCache:
+        def ring(n: int) -> States:
+            shape = (n, spec.window, spec.kv_heads, spec.head_dim)
+            return {x: torch.zeros(shape, dtype=self.dtype, device=self.dev) for x in ("k", "v")}
+
+        return RingCache(ring(self.num_slots + 1), ring(self.checkpoints), window=spec.window)
+
+    def recurrent(self, spec: RecurrentState) -> LayerCache:
+        def pool(n: int) -> States:
+            return {
+                t.name: torch.zeros(
+                    (n, *t.shape),
+                    dtype=torch.float32 if t.dtype == "float32" else self.dtype,
+                    device=self.dev,
+                )
+                for t in spec.tensors
+            }
+
+        return StateCache(pool(self.num_slots + 1), pool(self.checkpoints))
+
+    def shared(self, spec: SharedKV) -> LayerCache:
+        return SharedCache(spec.layer, self.built[spec.layer])  # an earlier layer: built already
 
 
 def make_caches(
@@ -91,42 +294,7 @@ def make_caches(
     check_kv_types(desc, kv_types, layer_devices)
     out: list[LayerCache] = []
     for spec, dev in zip(desc.layers, layer_devices):
-        c = spec.cache
-        if isinstance(c, AttentionCache) and c.window:
-
-            def ring(
-                n: int, c: AttentionCache = c, w: int = c.window, dev: torch.device = dev
-            ) -> dict[str, torch.Tensor]:
-                shape = (n, w, c.kv_heads, c.head_dim)
-                return {x: torch.zeros(shape, dtype=dtype, device=dev) for x in ("k", "v")}
-
-            out.append(StateCache(ring(num_slots + 1), ring(checkpoints)))
-        elif isinstance(c, AttentionCache):
-            shape = (rows, c.kv_heads, c.head_dim)
-
-            def rows_of(kind: str, shape: tuple[int, int, int] = shape, dev: torch.device = dev) -> KvRows:
-                if kind == "auto":
-                    return torch.zeros(shape, dtype=dtype, device=dev)
-                return QuantRows.empty(kind, *shape, device=dev)
-
-            out.append(KVCache(rows_of(kv_types.k), rows_of(kv_types.v)))
-        elif isinstance(c, RecurrentState):
-
-            def pool(n: int, c: RecurrentState = c, dev: torch.device = dev) -> dict[str, torch.Tensor]:
-                return {
-                    t.name: torch.zeros(
-                        (n, *t.shape), dtype=torch.float32 if t.dtype == "float32" else dtype, device=dev
-                    )
-                    for t in c.tensors
-                }
-
-            out.append(StateCache(pool(num_slots + 1), pool(checkpoints)))
-        elif isinstance(c, SharedKV):
-            src = out[c.layer]  # an earlier layer: built already
-            assert not isinstance(src, SharedCache), "a shared layer reads a layer with its own cache"
-            out.append(SharedCache(c.layer, src))
-        else:  # pragma: no cover - a new spec kind needs its cache here
-            raise TypeError(f"no cache for {c!r}")
+        out.append(spec.cache.make(_Maker(dev, dtype, rows, num_slots, checkpoints, kv_types, out)))
     return out
 
 
@@ -142,12 +310,9 @@ def check_kv_types(desc: ModelDescription, kv_types: KvCacheTypes, devices: list
                     f"KV cache type fp8_e4m3 needs CUDA dies (this model has layers on {', '.join(other)}): "
                     "use q8_0 or q4_0 here"
                 )
-        for spec in desc.layers:
-            c = spec.cache
-            if isinstance(c, AttentionCache) and not c.window:
-                why = width_problem(kind, c.head_dim)
-                if why:
-                    raise ValueError(f"KV cache type {kind} cannot hold this model's cache: {why}")
+        why = desc.kv_types_problem(KvCacheTypes(kind, kind))
+        if why:
+            raise ValueError(f"KV cache type {kind} cannot hold this model's cache: {why}")
 
 
 def kv_block_bytes(
@@ -156,14 +321,7 @@ def kv_block_bytes(
     """Bytes one KV block takes over all paged attention layers (K and V), as ``kv_types``
     stores them (the sliding layers' rings are states, at the compute dtype)."""
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    if not kv_types.quantized:
-        return block_size * desc.kv_bytes_per_token(dtype_bytes)
-    per_token = sum(
-        kv_types.token_bytes(s.cache.kv_heads, s.cache.head_dim, dtype_bytes)
-        for s in desc.layers
-        if isinstance(s.cache, AttentionCache) and not s.cache.window
-    )
-    return block_size * per_token
+    return block_size * desc.kv_bytes_per_token(dtype_bytes, kv_types if kv_types.quantized else None)
 
 
 def state_bytes(desc: ModelDescription, states: int, dtype: torch.dtype) -> int:

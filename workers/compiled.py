@@ -24,7 +24,7 @@ length dynamic; a batch >= 2 always carries a padding bias (zeros when no row pa
 variant appears. Once built, the graphs run in dynamo's run-only mode: inputs that would need a
 new graph run the step eager instead (counted in ``fallbacks``) and never compile inside a step.
 
-A quantized KV cache (``q8_0`` / ``q4_0``, workers/layers/kv_quant.py) compiles too: the step
+A quantized KV cache (``q8_0`` / ``q4_0``, workers/kernels/kv_quant.py) compiles too: the step
 reads its rows through the gather, whose dequantize (int8 or nibbles times the fp16 block scale)
 inductor fuses like the rest, and writes them quantized; the check above holds it to the eager
 step on the same cache. Its types are part of the compile cache's key (a graph of their own).
@@ -356,7 +356,7 @@ def start(
         return NotCompiled("no C++ compiler found (CXX, c++, g++, clang++)")
     if runner.native:
         return NotCompiled(
-            "every decode step runs each layer as one native call (workers/kernels/decode_layer.py), "
+            "every decode step runs each layer as one native call (workers/layers/decode_layer.py), "
             "faster than the compiled graph"
         )
     spec = cpu_paths.PATHS.get(str(layout.get("cpu_path")))

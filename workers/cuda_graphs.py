@@ -40,6 +40,7 @@ On a CPU die (tests) the same static buffers and padding run eagerly instead of 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -48,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.cache import KVCache, LayerCache, StateCache
+from workers.cache import LayerCache
 from workers.compiled import check_logits
 from workers.layers.attention import StepBatch, block_rows
 from workers.layers.sliding import decode_window_view
@@ -172,13 +173,18 @@ class DecodeGraphs:
             t = torch.arange(gather.shape[1], device=self.device)
             bias = torch.zeros(gather.shape, dtype=torch.float32, device=self.device)
             bias = bias.masked_fill_(t[None, :] >= lens[:, None], float("-inf"))[:, None, None, :]
-        b = StepBatch(cos, sin, self.rows[:n], n, gather, bias, [])
-        b.positions = pos
-        b.decode_blocks, b.block_size, b.decode_lens = tab, self.block_size, lens
-        b.decode_slots = self.slots[:n]  # (never ``decode_slot_run``: a value, not a shape)
-        if self.windows:
+        b = StepBatch(
+            cos, sin, self.rows[:n], n, gather, bias, [],
+            decode_slots=self.slots[:n],  # (never ``decode_slot_run``: a value, not a shape)
+            positions=pos,
+            decode_blocks=tab,
+            block_size=self.block_size,
+            decode_lens=lens,
+        )  # fmt: skip
+        if self.windows:  # the sliding layers' views of it, by window: the step's batch with them
             rot = None if self.sliding is None else self.sliding(pos)
-            b.windows = {w: decode_window_view(b, w, self.slots[:n], lens, rot) for w in self.windows}
+            views = {w: decode_window_view(b, w, self.slots[:n], lens, rot) for w in self.windows}
+            b = dataclasses.replace(b, windows=views)
         ids = self.ids[:n]
         return self.model.logits(self.model(ids, {self.device: b}, self.caches))
 
@@ -266,12 +272,7 @@ class DecodeGraphs:
         # a recurrent state advances once per run: its rows' states are put back before the eager
         # step (which goes second, so that its writes are the ones kept)
         slots = self.slots[: len(seqs)]
-        states = [
-            (t, t[slots].clone())
-            for c in self.caches
-            if isinstance(c, StateCache)
-            for t in c.tensors.values()
-        ]
+        states = [(t, t[slots].clone()) for c in self.caches for t in c.slot_states().values()]
         got = self.run[size]()[: len(seqs)].clone()  # (the eager step may reuse the pool's memory)
         self.replays += 1
         for t, before in states:
@@ -301,7 +302,7 @@ def _kernel_reads(model: DecoderLM, caches: list[LayerCache]) -> bool:
     """Whether every attention layer's decode reads its pool in place on this device (the
     Triton kernel on CUDA, the C kernel on a CPU die), so the graph needs no gather."""
     dev = model.embed_tokens.weight.device
-    kv = [c for c in caches if isinstance(c, KVCache)]
+    kv = [p for c in caches if (p := c.pool) is not None]
     if not kv:
         return True
     dtype = model.embed_tokens.weight.dtype

@@ -8,19 +8,21 @@
 
 No HTTP, no ZeroMQ: the worker process wraps this. ``step`` returns every new token at once;
 the caller sends them on (one message per step), so a slow consumer never blocks the loop.
+
+An engine is built from one ``EngineSpec`` (``pantheon/core/engine_spec.py``: the worker passes
+the ``LoadModel`` it got, which is one; the keywords above are its fields), in the named steps
+of ``workers/engine_build.py``.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Callable
 
 import torch
 
-from pantheon.core.description import MTP
-from pantheon.core.kv_types import KvCacheTypes
+from pantheon.core.engine_spec import EngineSpec
 from pantheon.core.protocol import (
     SPECULATIVE_ON,
     SPECULATIVE_TOKENS,
@@ -31,27 +33,19 @@ from pantheon.core.protocol import (
     SlotInfo,
     TokenOut,
 )
-from pantheon.core.sizing import state_checkpoints
-from workers import compiled, cpu_paths
+from workers import compiled
+from workers import engine_build as build
 from workers.block_manager import BlockManager
-from workers.cache import check_kv_types, kv_block_bytes
-from workers.cpu_pack import weight_bytes
-from workers.cuda_graphs import DecodeGraphs
-from workers.draft import DraftModel, draft_block_bytes, draft_layout, load_draft_config
 from workers.errors import LoadError, RequestRejected, StepFailed
 from workers.grammar import Constraint, Grammars, apply_masks
-from workers.layers.moe import unread_expert_bytes
-from workers.loader import load_model, resolve_dtype
-from workers.model_config import load_config
-from workers.mtp import MtpDraft, head_description, load_head
+from workers.mtp import MtpDraft
 from workers.pooling import Pooled
 from workers.prompt_logprobs import PromptLogprobsAcc
 from workers.runner import ModelRunner
 from workers.sampler import SamplerState, sample, verify
 from workers.scheduler import Scheduler, Sequence, StepPlan
 from workers.speculation import SpecStats, propose
-from workers.state_checkpoints import CheckpointIndex
-from workers.step_budget import DEFAULT_TARGET_S, StepBudget
+from workers.step_budget import StepBudget
 from workers.step_guard import survivable
 
 __all__ = ["Engine", "LoadError", "RequestRejected", "StepFailed"]
@@ -64,231 +58,57 @@ EMBED_STEP_TOKENS = 16384  # and their tokens, at most (one input longer than th
 class Engine:
     def __init__(
         self,
-        model_path: str,
+        spec: EngineSpec | str,
         *,
-        devices: list[str] | None = None,
-        dtype: str = "auto",
-        num_slots: int = 8,
-        kv_budget_bytes: int = 256 << 20,
-        prefill_chunk: int = 512,
-        step_target_s: float = DEFAULT_TARGET_S,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        quantize: bool = False,
-        cpu_path: str | None = None,
-        compile_decode: bool | None = None,
-        cuda_graphs: bool | None = None,
-        prefix_cache: bool = True,
-        state_checkpoint_count: int | None = None,
-        speculative: int = 0,
-        draft: str | None = None,
         progress: Callable[[int, int], None] | None = None,
-        kv_types: KvCacheTypes = KvCacheTypes(),
+        **fields: object,
     ):
-        if num_slots < 1 or prefill_chunk < 1 or block_size < 1:
-            raise LoadError("invalid", "num_slots, prefill_chunk and block_size must be at least 1")
-        devices = devices or ["cpu"]
-        cfg = load_config(model_path)  # fail fast on config errors before touching weights
-        try:  # a KV cache type this model's heads or these devices cannot hold: refused before the weights
-            check_kv_types(cfg, kv_types, [torch.device(d) for d in devices])
-        except ValueError as e:
-            raise LoadError("invalid", str(e)) from None
-        # A draft model (workers/draft.py) is checked before either model's weights are read: its
-        # tokenizer, its layers, and whether this model can verify drafts at all.
-        draft_cfg = None
-        if draft is not None:
-            if not cfg.can_speculate:
-                raise LoadError(
-                    "invalid",
-                    f"{model_path} cannot speculate (sliding-window layers, or dynamic RoPE): it "
-                    "takes no draft model",
-                )
-            if draft == MTP:  # the model's own head (workers/mtp.py)
-                draft_cfg = head_description(model_path, cfg)
-            else:
-                draft_cfg = load_draft_config(draft, model_path, kv_types, [torch.device(devices[0])])
-        asked_dtype = dtype
-        # On a CPU die the path (kernel layout and compute dtype) is chosen before the weights
-        # are read: forced by ``cpu_path`` / PANTHEON_CPU_PATH, else timed on this model's shapes.
-        self.cpu_path: str | None = None
-        self.cpu_timings: dict[str, tuple[float, float]] = {}
-        self.cpu_note = ""
-        if torch.device(devices[0]).type == "cpu":
-            forced = cpu_path if cpu_path not in (None, cpu_paths.AUTO) else cpu_paths.forced_path()
-            names = cpu_paths.candidates(
-                quantize=quantize,
-                dtype=dtype,
-                forced=forced,
-                quantized_source=cfg.quantized_source,
-                int4_source=cfg.int4_source,
-            )
-            choice = cpu_paths.choose(cfg, names)
-            self.cpu_path, self.cpu_timings = choice.name, choice.timings
-            self.cpu_note = choice.note  # disturbed timings discarded, or the static order kept
-            dtype = cpu_paths.DTYPE_NAMES[cpu_paths.PATHS[choice.name].dtype]
-        dt = resolve_dtype(dtype, cfg, torch.device(devices[0]))
-        # the bytes the KV rows really take as stored (quantized types: their blocks and scales)
-        block_bytes = kv_block_bytes(cfg, block_size, dt, kv_types)
-        self.kv_types = kv_types
-        draft_path: tuple[str | None, str] = (None, asked_dtype)
-        if draft == MTP:
-            draft_path = (self.cpu_path, dtype)  # the head is laid out as the model
-        elif draft_cfg is not None:
-            # The draft's pool has as many blocks as the target's (one block table addresses
-            # both): the budget (the router booked both pools in it) is shared by their block sizes.
-            draft_path = draft_layout(
-                draft_cfg, torch.device(devices[0]), asked_dtype, self.cpu_path, quantize
-            )
-        if draft_cfg is not None:
-            block_bytes += draft_block_bytes(
-                draft_cfg, block_size, draft_path[1], torch.device(devices[0]), kv_types
-            )
-        # An encoder that only embeds (BERT: no KV rows, nothing kept per slot) runs a batch of
-        # up to EMBED_BATCH whole inputs a step, as sentence-transformers' encode does: its slots
-        # and block tables are bookkeeping, and 8 inputs a step left most of a batch waiting
-        self.encoder = not cfg.can_generate and not block_bytes
-        if self.encoder:
-            num_slots = max(num_slots, EMBED_BATCH)
-        if block_bytes:
-            num_blocks = kv_budget_bytes // block_bytes
-        else:
-            # No paged layer (every layer slides, each in its ring): the block tables are only
-            # the scheduler's and the prefix cache's bookkeeping, and cost no memory.
-            longest = min(max_model_len or cfg.context_limit, cfg.context_limit)
-            num_blocks = (num_slots + 1) * -(-longest // block_size)
-        if num_blocks < 2:
-            raise LoadError(
-                "out_of_memory",
-                f"KV budget of {kv_budget_bytes} bytes holds fewer than 2 blocks "
-                f"of {block_size} tokens ({block_bytes} bytes each)",
-            )
-        self.model, self.cfg = load_model(model_path, devices, dtype, progress, cfg)
-        if self.cpu_path is not None:
-            cpu_paths.apply(self.model, self.cpu_path, self.cfg)
-            if getattr(self.model, "embed_only", False):
-                self.model.lm_head = None  # a model that only embeds is never asked for logits
-        elif quantize:
-            from workers.quant import quantize_int8
-
-            quantize_int8(self.model)
-        self.dtype = dt
-        self.devices = [torch.device(d) for d in devices]
-        self.num_slots = num_slots
-        limit = cfg.context_limit  # dynamic NTK stretches past the trained length
-        self.max_model_len = min(max_model_len or limit, limit)
-        self.vocab_size = cfg.vocab_size
-        self.eos_token_ids = list(cfg.eos_token_ids)
-        # A recurrent layer's state (or a sliding layer's ring) cannot be rebuilt from cached KV
-        # blocks: a model with such layers keeps state checkpoints at block boundaries beside them
-        # (workers/state_checkpoints.py)
-        self.checkpoints: CheckpointIndex | None = None
-        if cfg.slot_state_layers and prefix_cache:
-            n = state_checkpoints(num_slots, state_checkpoint_count)
-            self.checkpoints = CheckpointIndex(n) if n else None
-        self.prefix_cache = prefix_cache and (not cfg.slot_state_layers or self.checkpoints is not None)
-        self.blocks = BlockManager(num_blocks, block_size, enable_cache=self.prefix_cache)
+        """Build the engine ``spec`` describes (``workers/engine_build.py``'s steps, in order);
+        ``Engine(path, **fields)`` is ``Engine(EngineSpec(path=path, **fields))``. ``progress``
+        is called with (tensors done, total) as the weights load. Raises ``LoadError``."""
+        spec = spec if isinstance(spec, EngineSpec) else build.spec_of(spec, fields)
+        p = build.plan(spec)  # config, KV types, draft checks, CPU path, dtype, block budget
+        cfg = self.cfg = p.cfg
+        self.engine_spec, self.devices, self.dtype, self.kv_types = spec, p.devices, p.dtype, p.kv_types
+        self.cpu_path, self.cpu_timings, self.cpu_note = p.cpu_path, p.cpu_timings, p.cpu_note
+        self.encoder, self.num_slots, self.max_model_len = p.encoder, p.num_slots, p.max_model_len
+        self.vocab_size, self.eos_token_ids = cfg.vocab_size, list(cfg.eos_token_ids)
+        self.model = build.load_weights(p, progress)
         # a model that only embeds (BERT): bidirectional attention, a prompt is never split
         self.embed_only = bool(getattr(self.model, "embed_only", False))
+        ck = self.checkpoints = build.checkpoint_index(p)
+        self.prefix_cache = spec.prefix_cache and (not cfg.slot_state_layers or ck is not None)
+        self.blocks = BlockManager(p.num_blocks, spec.block_size, enable_cache=self.prefix_cache)
+        # (an encoder's prompts are never split: whole_prompts)
         self.scheduler = Scheduler(
-            self.blocks,
-            num_slots,
-            prefill_chunk,
-            self.max_model_len,
-            self.checkpoints,
-            whole_prompts=self.embed_only,
+            self.blocks, p.num_slots, spec.prefill_chunk, p.max_model_len, ck, self.embed_only
         )
         # Prefill per step: at most prefill_chunk, fewer when measured steps would outgrow the
         # target (a slow CPU, a big model), so decoding streams keep flowing past long prompts.
-        self.budget = StepBudget(
-            target_s=step_target_s, ceiling=prefill_chunk, crossover=_attention_crossover(cfg)
-        )
+        self.budget = StepBudget(spec.step_target_s, spec.prefill_chunk, crossover=_attention_crossover(cfg))
         self.runner: ModelRunner = ModelRunner(
-            self.model,
-            cfg,
-            self.blocks,
-            dt,
-            num_slots,
-            self.checkpoints.capacity if self.checkpoints else 0,
-            kv_types,
+            self.model, cfg, self.blocks, p.dtype, p.num_slots, ck.capacity if ck else 0, p.kv_types
         )
-        # The decode step compiles in the background while this engine serves eager (on unless
-        # PANTHEON_COMPILE=0; workers/compiled.py); the runner switches once it is checked
-        layout = {
-            "cpu_path": self.cpu_path,
-            "dtype": dt,
-            "slots": num_slots,
-            "blocks": num_blocks,
-            "bs": block_size,
-        }
-        self.compiler: compiled.CompiledDecode | compiled.NotCompiled | DecodeGraphs = compiled.start(
-            self.runner, model_path, layout, compile_decode
-        )
+        self.compiler = build.start_compile(p, self.runner)
         # Speculation (workers/speculation.py) needs rows that can be taken back (paged K/V, or
         # a recurrent state kept per verify row): no sliding ring, no length-dependent RoPE.
         self.spec_supported = cfg.can_speculate and not self.embed_only
-        # recurrent layers keep each verify row's state: the engine keeps the accepted one
-        self.recurrent = bool(cfg.recurrent_layers)
+        self.recurrent = bool(cfg.recurrent_layers)  # the engine keeps a verify's accepted state
         self.spec = SpecStats()
-        self.spec_default = max(0, speculative)  # drafts per step for requests that do not say
-        self.draft: DraftModel | MtpDraft | None = None
-        self.draft_name = ""
-        if draft_cfg is not None:
-            assert draft is not None
-            if not self.spec_supported:
-                raise LoadError("invalid", f"{model_path} cannot speculate: it takes no draft model")
-        if draft == MTP:
-            assert draft_cfg is not None
-            head = load_head(
-                model_path, cfg, draft_cfg, self.model, self.devices[0], dt, self.cpu_path, quantize
-            )
-            self.draft = MtpDraft(head, draft_cfg, self.blocks, dt, num_slots, kv_types)
-            self.draft_name = MTP
-        elif draft_cfg is not None:
-            assert draft is not None
-            self.draft = DraftModel(
-                draft,
-                draft_cfg,
-                self.blocks,
-                self.devices[0],
-                layout=draft_path,
-                quantize=quantize,
-                num_slots=num_slots,
-                target_vocab=cfg.vocab_size,
-                catch_up=prefill_chunk,
-                kv_types=kv_types,
-            )
-            self.draft_name = draft
-        # A CUDA die replays its pure decode steps as graphs (workers/cuda_graphs.py), captured
-        # now: on unless PANTHEON_CUDA_GRAPHS=0 or ``cuda_graphs`` says; True on a CPU die runs
-        # the same static-buffer step eagerly (what the tests check)
-        if _graphs_wanted(cuda_graphs, self.devices[0]) and not self.embed_only:
-            got = (
-                "a draft model reads each step's hidden states"
-                if self.draft is not None
-                else self.runner.capture_graphs(self.max_model_len)
-            )
-            self.compiler.close()
-            self.compiler = compiled.NotCompiled(f"decode graphs: {got}") if isinstance(got, str) else got
-        self.weight_bytes = weight_bytes(self.model)
-        # Bytes one decode step streams: everything but the embedding table, of which a step
-        # reads only a few rows (unless the head is the table itself, untied and unpacked).
-        emb = self.model.embed_tokens.weight
-        head_is_table = self.model.lm_head is None
-        self.step_read_bytes = self.weight_bytes - (0 if head_is_table else emb.numel() * emb.element_size())
-        # ... and of a mixture of experts' stacked experts, the top k one sequence's token chose
-        self.step_read_bytes -= unread_expert_bytes(self.model)
-        self.kv_bytes = self.runner.kv_bytes
-        if self.draft is not None:  # booked with the instance: its own weights and its KV pool
-            self.weight_bytes += self.draft.weight_bytes
-            self.kv_bytes += self.draft.kv_bytes
-        self.state_bytes = self.runner.state_bytes  # the recurrent layers' state pools
+        self.spec_default = max(0, spec.speculative)  # drafts per step for requests that do not say
+        self.draft, self.draft_name = build.make_draft(p, self.model, self.blocks, self.spec_supported)
+        if not self.embed_only:
+            self.compiler = build.decode_graphs(p, self.runner, self.compiler, self.draft is not None)
+        held = build.byte_account(self.model, self.runner, self.draft)
+        self.weight_bytes, self.step_read_bytes = held.weight, held.step_read
+        self.kv_bytes, self.state_bytes = held.kv, held.state
         self._samplers: dict[str, SamplerState] = {}
         self._constraints: dict[str, Constraint] = {}  # request id -> its grammar, if any
         # request id -> its prompt logprobs so far, until its first token carries them
         self._prompt_lps: dict[str, PromptLogprobsAcc] = {}
         self._embeds: dict[str, Pooled] = {}  # embedding request id -> its pooling so far
         self.embedded: list[EmbedOut] = []  # finished embeddings, taken by take_embedded()
-        self.grammars = Grammars(model_path, cfg.vocab_size, self.eos_token_ids)
+        self.grammars = Grammars(spec.path, cfg.vocab_size, self.eos_token_ids)
         self.grammars.warm()  # on a thread, while the first requests arrive
         # Test and debug hook: called with (sequences, fp32 logits [B, V]) before sampling.
         self.on_logits: Callable[[list[Sequence], torch.Tensor], None] | None = None
@@ -733,14 +553,6 @@ class Engine:
         self.model = None  # pyright: ignore[reportAttributeAccessIssue]
         if any(d.type == "cuda" for d in self.devices):
             torch.cuda.empty_cache()
-
-
-def _graphs_wanted(asked: bool | None, device: torch.device) -> bool:
-    """Decode graphs: as ``asked``, else on a CUDA die unless ``PANTHEON_CUDA_GRAPHS`` says 0."""
-    if asked is not None:
-        return asked
-    off = os.environ.get("PANTHEON_CUDA_GRAPHS", "").strip().lower() in ("0", "false", "off", "no")
-    return device.type == "cuda" and not off
 
 
 def _attention_crossover(cfg) -> float:

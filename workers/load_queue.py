@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, cast
 import msgspec
 
 from pantheon.core import protocol as p
-from pantheon.core.kv_types import KvCacheTypes
 from workers.devices import Die, engine_device
 from workers.errors import LoadError
 from workers.instances import Instances
@@ -125,23 +124,10 @@ class LoadQueue:
             if self.engine_import_error:
                 raise RuntimeError(f"workers.engine failed to import: {self.engine_import_error}")
             try:
+                # the load message is the engine's spec, its dies named as torch names them
                 devices = [engine_device(d) for d in msg.devices] or [self.die.torch_device]
-                result: Engine | p.LoadFailed = engine_class()(
-                    msg.path,
-                    devices=devices,
-                    dtype=msg.dtype,
-                    num_slots=msg.num_slots,
-                    kv_budget_bytes=msg.kv_budget_bytes,
-                    prefill_chunk=msg.prefill_chunk,
-                    step_target_s=msg.step_target_s,
-                    max_model_len=msg.max_model_len,
-                    quantize=msg.quantize,
-                    state_checkpoint_count=msg.state_checkpoints,
-                    speculative=msg.speculative,
-                    draft=msg.draft,
-                    progress=self._on_progress,
-                    kv_types=KvCacheTypes(msg.kv_cache_k, msg.kv_cache_v),  # the router sized with them
-                )
+                spec = msgspec.structs.replace(msg, devices=devices)
+                result: Engine | p.LoadFailed = engine_class()(spec, progress=self._on_progress)
             except LoadError as e:
                 result = p.LoadFailed(
                     instance=msg.instance, kind=cast(p.LoadFailKind, e.kind), reason=e.reason

@@ -134,8 +134,9 @@ def load_head(
     load_part(model_path, cfg, targets, _rename, lambda name: _gguf_rename(name, n))
     head.eval()
     if cpu_path is not None:
-        for m in (head.layers[0], head):  # the layer (its experts too), then the fc
-            cpu_paths.lay_out(m, cpu_path, cfg)
+        # once, over the whole head: its layer (its experts too) and the fc; a second pass over the
+        # layer would lay its experts out again from stacks already let go (a packed path's)
+        cpu_paths.lay_out(head, cpu_path, cfg)
     elif quantize:
         from workers.quant import quantize_int8
 

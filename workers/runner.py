@@ -9,15 +9,17 @@ knows nothing of requests beyond their tokens, positions, block tables and slots
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
+from pantheon.core.engine_spec import SLOTS
 from pantheon.core.kv_types import KvCacheTypes
 from workers.block_manager import BlockManager
-from workers.cache import KVCache, LayerCache, StateCache, kv_block_bytes, make_caches
-from workers.kernels import decode_layer, paged
+from workers.cache import LayerCache, kv_block_bytes, make_caches
+from workers.kernels import paged
+from workers.layers import decode_layer
 from workers.layers.attention import PrefillChunk, StepBatch, VerifyRun, block_rows
 from workers.layers.rotary import Rotary, qk_tables
 from workers.layers.sliding import window_view
@@ -47,7 +49,7 @@ class ModelRunner:
         cfg: ModelConfig,
         blocks: BlockManager,
         dtype: torch.dtype,
-        num_slots: int = 8,
+        num_slots: int = SLOTS,
         checkpoints: int = 0,
         kv_types: KvCacheTypes = KvCacheTypes(),
     ):
@@ -71,7 +73,7 @@ class ModelRunner:
             None if local is None else Rotary(dataclasses.replace(cfg, rope=local), self.main)
         )
         # Decode steps run each layer as one native call (every layer takes it:
-        # workers/kernels/decode_layer.py), faster than the compiled graph, which they skip
+        # workers/layers/decode_layer.py), faster than the compiled graph, which they skip
         self.native = (
             self.main.type == "cpu"
             and decode_layer.kv_types_ok(kv_types.k, kv_types.v)
@@ -129,7 +131,7 @@ class ModelRunner:
             return "layers split across devices"
         if self.windows:
             return "not built yet for models with sliding-window layers"
-        if any(isinstance(c, StateCache) for c in self.caches):
+        if any(c.state_nbytes for c in self.caches):
             return "not built yet for models with recurrent layers"
         if self.main.type != "cpu":
             return "built for CPU dies only"
@@ -159,49 +161,37 @@ class ModelRunner:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(c.nbytes for c in self.caches if isinstance(c, KVCache))
+        return sum(c.kv_nbytes for c in self.caches)
 
     @property
     def state_bytes(self) -> int:
-        return sum(c.nbytes for c in self.caches if isinstance(c, StateCache))
+        return sum(c.state_nbytes for c in self.caches)
 
     @torch.inference_mode()
     def save_state(self, slot: int, checkpoint: int) -> None:
         """Copy every recurrent layer's state of ``slot`` into prefix-cache ``checkpoint``."""
         for c in self.caches:
-            if isinstance(c, StateCache):
-                for name, t in c.tensors.items():
-                    c.checkpoints[name][checkpoint].copy_(t[slot])
+            c.save_state(slot, checkpoint)
 
     @torch.inference_mode()
     def load_state(self, slot: int, checkpoint: int) -> None:
         """Restore ``slot``'s recurrent states from prefix-cache ``checkpoint``."""
         for c in self.caches:
-            if isinstance(c, StateCache):
-                for name, t in c.tensors.items():
-                    t[slot].copy_(c.checkpoints[name][checkpoint])
+            c.load_state(slot, checkpoint)
 
+    @torch.inference_mode()
     def keep_verified(self, slot: int, run: int, row: int) -> None:
         """After a verify: ``slot``'s recurrent states become those after row ``row`` of the
         step's verify run ``run`` (its index in ``plan.verify``)."""
-        self._copy_verified(run, row, lambda c: c.tensors, slot)
+        for c in self.caches:
+            c.copy_verified(run, row, False, slot)
 
+    @torch.inference_mode()
     def save_verified(self, run: int, row: int, checkpoint: int) -> None:
         """Copy the recurrent states after row ``row`` of verify run ``run`` into prefix-cache
         ``checkpoint`` (a block boundary the accepted rows passed)."""
-        self._copy_verified(run, row, lambda c: c.checkpoints, checkpoint)
-
-    @torch.inference_mode()
-    def _copy_verified(
-        self, run: int, row: int, into: Callable[[StateCache], dict[str, torch.Tensor]], index: int
-    ) -> None:
-        """Every recurrent layer's states after row ``row`` of verify run ``run`` into entry
-        ``index`` of its pool ``into`` (the slots' or the checkpoints')."""
         for c in self.caches:
-            if isinstance(c, StateCache) and c.verified:
-                col = c.verified_cols[run]
-                for name, t in into(c).items():
-                    t[index].copy_(c.verified[name][row, col])
+            c.copy_verified(run, row, True, checkpoint)
 
     def _tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -312,12 +302,15 @@ class ModelRunner:
             # No mask: causal after p0 cached positions (paged_attention builds one if it needs it)
             pre.append(PrefillChunk(start, end, gather, None, state_slot, fresh=p0 == 0, blocks=blocks[0]))
 
-        base = StepBatch(cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre, dec_slots, slot_run)
-        base.positions = pos_t  # for layers that build their own rotary tables (Gemma 4's full ones)
-        base.decode_blocks, base.block_size = dec_blocks, self.blocks.block_size
-        base.decode_lens = dec_lens
-        base.verify = runs
-        if self.windows:
+        base = StepBatch(
+            cos, sin, slot_t, n_decode, dec_gather, dec_bias, pre, dec_slots, slot_run,
+            positions=pos_t,  # for layers that build their own rotary tables (Gemma 4's full ones)
+            decode_blocks=dec_blocks,
+            block_size=self.blocks.block_size,
+            decode_lens=dec_lens,
+            verify=runs,
+        )  # fmt: skip
+        if self.windows:  # the sliding layers' views of it, by window: the step's batch with them
             rot = None
             if self.sliding_rotary is not None:
                 rot = self._tables(*self.sliding_rotary.cos_sin(pos_t))
@@ -325,7 +318,8 @@ class ModelRunner:
                 (s.slot if s.slot is not None else self.scratch_slot, s.num_computed + 1) for s in plan.decode
             ]
             spans = [(slot, p0, p1) for _s, _e, p0, p1, _t, slot in chunks]
-            base.windows = {w: window_view(base, w, dec, spans, rot) for w in self.windows}
+            views = {w: window_view(base, w, dec, spans, rot) for w in self.windows}
+            base = dataclasses.replace(base, windows=views)
         batches = {d: base if d == dev else base.to(d) for d in self.devices}
         if (
             self.compiled is not None

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pantheon.core.engine_spec import SLOTS
 from pantheon.core.protocol import FinishReason
 from workers.block_manager import BlockManager, block_hash
 from workers.state_checkpoints import CheckpointIndex
@@ -116,7 +117,7 @@ class Scheduler:
     def __init__(
         self,
         blocks: BlockManager,
-        num_slots: int = 8,
+        num_slots: int = SLOTS,
         prefill_chunk: int = 128,
         max_model_len: int = 4096,
         checkpoints: CheckpointIndex | None = None,

@@ -48,7 +48,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DEFAULT_TARGET_S = 0.5  # CPU: a decode stream waits at most about this long for a joiner
+from pantheon.core.engine_spec import PREFILL_CHUNK, STEP_TARGET_S
+
 MIN_PREFILL_TOKENS = 16  # one KV block: a prompt always moves forward
 DECODE_SHARE = 4  # while sequences decode, a prefilling step costs at most this many decode steps
 _ALPHA = 0.3  # weight of the newest measurement in the moving averages
@@ -60,8 +61,8 @@ class StepBudget:
     """Prefill tokens per step from measured step times. ``observe`` after each step,
     ``tokens()`` before the next."""
 
-    target_s: float = DEFAULT_TARGET_S
-    ceiling: int = 512
+    target_s: float = STEP_TARGET_S  # CPU: a decode stream waits at most about this long for a joiner
+    ceiling: int = PREFILL_CHUNK
     floor: int = MIN_PREFILL_TOKENS
     decode_s: float | None = None  # EWMA of a step that only decodes
     per_token_s: float | None = None  # EWMA of the cost of one prefill token at no context

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pantheon.config.values import ConfigError, KeepAliveError, parse_keep_alive
+from pantheon.core.engine_spec import PREFILL_CHUNK, SLOTS, STEP_TARGET_S
 
 AUTO = "auto"  # a flag / TOML key derived from the row's name
 
@@ -273,7 +274,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "slots",
         "int",
-        8,
+        SLOTS,
         "batch slots per model; 1 is single-user mode",
         ("PANTHEON_BATCH_SLOTS", "QWEN35_BATCH_SLOTS"),
         check=at_least(1, " (1 is single-user mode)"),
@@ -301,7 +302,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "prefill_chunk",
         "int",
-        512,
+        PREFILL_CHUNK,
         "most prompt tokens one step prefills; steps take fewer where they would outgrow --step-target",
         ("PANTHEON_PREFILL_CHUNK", "QWEN35_BS_PREFILL_CHUNK"),
         unit="tokens",
@@ -735,7 +736,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "step_target",
         "float",
-        0.5,
+        STEP_TARGET_S,
         "seconds one engine step should take: each step "
         "prefills as many prompt tokens as fit, measured as it runs, so streams keep flowing "
         "past long prompts",

@@ -10,16 +10,21 @@ on top of the fields every decoder has, plus one ``LayerSpec`` per decoder layer
 kind, the shapes of its linear matrices as the engine fuses them (what a CPU path lays out and
 what sizing counts) and its **cache spec**:
 
-- ``AttentionCache(kv_heads, head_dim)``: paged K and V rows, bytes per token; with ``window``
-  set, a sliding-window layer: each query reads at most ``window`` positions (itself and the
-  ``window - 1`` before it), as vLLM's ``SlidingWindowSpec`` (a kind of its ``AttentionSpec``).
-  Such a layer never needs more than its last ``window`` positions, so it keeps them in a ring of
-  ``window`` rows per slot instead of the paged pool: a fixed size per running sequence, counted
-  with the recurrent states (``state_bytes_per_slot``), not per token of context;
+- ``FullAttention(kv_heads, head_dim)``: paged K and V rows, bytes per token;
+- ``SlidingWindow(kv_heads, head_dim, window)``: each query reads at most ``window`` positions
+  (itself and the ``window - 1`` before it), as vLLM's ``SlidingWindowSpec``. Such a layer never
+  needs more than its last ``window`` positions, so it keeps them in a ring of ``window`` rows per
+  slot instead of the paged pool: a fixed size per running sequence, counted with the recurrent
+  states (``state_bytes_per_slot``), not per token of context. The families build either through
+  ``AttentionCache(kv_heads, head_dim, window)``;
 - ``RecurrentState(tensors)``: a fixed-size state per running sequence (a slot), whatever the
   context length: a linear-attention layer's conv window and its recurrent matrix;
 - ``SharedKV(layer)``: an attention layer that reads an earlier layer's K and V instead of its own
   (Gemma 4's KV sharing): it has no cache, so nothing is booked or allocated for it.
+
+Each kind answers for itself (``CacheSpec``: paged or per slot, bytes per token and per slot, the
+KV types it can hold, and which ``CacheMaker`` method builds its cache), so no caller asks which
+kind a spec is.
 
 A mixture-of-experts layer also names its routed experts (``ExpertSpec``: count, top k, expert
 size): all of them are resident (sizing counts them), one token reads only its top k
@@ -35,7 +40,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from pantheon.core.embedding import (
     BASE_MODEL,
@@ -62,19 +67,61 @@ class ModelError(Exception):
 # ---------------------------------------------------------------- cache specs
 
 
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class CacheMaker(Protocol[T_co]):
+    """What builds one layer's cache from its spec (``CacheSpec.make`` calls the method of its
+    kind): the worker's tensors (``workers/cache.py``), kept out of this torch-free module."""
+
+    def full(self, spec: FullAttention) -> T_co: ...
+
+    def sliding(self, spec: SlidingWindow) -> T_co: ...
+
+    def recurrent(self, spec: RecurrentState) -> T_co: ...
+
+    def shared(self, spec: SharedKV) -> T_co: ...
+
+
+class CacheSpec:
+    """What a layer keeps between steps, and what that costs: the base every kind answers for
+    (as vLLM v1's ``KVCacheSpec`` subclasses). Defaults: nothing paged, nothing per slot."""
+
+    paged = False  # K/V rows in the paged pool, one per token of context (bytes_per_token)
+    slot_state = False  # a fixed-size state per running sequence (bytes_per_slot), checkpointed
+    owns_kv = False  # an attention layer with K and V of its own (not read from another layer)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The positions a query reads back when the layer slides (None: all, or no attention)."""
+        return None
+
+    def bytes_per_token(self, dtype_bytes: int, kv_types: KvCacheTypes | None = None) -> int:
+        """Bytes of the paged pool one token of context takes (0 unless ``paged``)."""
+        return 0
+
+    def bytes_per_slot(self, dtype_bytes: int) -> int:
+        """Bytes kept per running sequence whatever its length (0 unless ``slot_state``)."""
+        return 0
+
+    def kv_types_problem(self, kv_types: KvCacheTypes) -> str | None:
+        """Why the paged rows cannot be stored as ``kv_types`` (None: they can, or none are paged)."""
+        return None
+
+    def make(self, maker: CacheMaker[T]) -> T:  # pragma: no cover - every kind overrides it
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class AttentionCache:
+class FullAttention(CacheSpec):
     """Paged K and V: ``kv_heads`` heads of ``head_dim`` values each, per token."""
 
     kv_heads: int
     head_dim: int
-    # Sliding-window attention (Mistral, Gemma 3's local layers): a query at position p reads
-    # keys p - window + 1 .. p, as transformers' ``sliding_window_overlay``. None: every past key.
-    window: int | None = None
 
-    def bytes_per_slot(self, dtype_bytes: int) -> int:
-        """A sliding layer's ring: its ``window`` positions' K and V, per slot (0 for a full layer)."""
-        return 0 if self.window is None else self.window * self.bytes_per_token(dtype_bytes)
+    paged = True
+    owns_kv = True
 
     def bytes_per_token(self, dtype_bytes: int, kv_types: KvCacheTypes | None = None) -> int:
         """K and V of one token: full width (``dtype_bytes`` a value), or stored as ``kv_types``
@@ -82,6 +129,46 @@ class AttentionCache:
         if kv_types is None:
             return 2 * self.kv_heads * self.head_dim * dtype_bytes
         return kv_types.token_bytes(self.kv_heads, self.head_dim, dtype_bytes)
+
+    def kv_types_problem(self, kv_types: KvCacheTypes) -> str | None:
+        for kind in dict.fromkeys((kv_types.k, kv_types.v)):
+            why = width_problem(kind, self.head_dim)
+            if why:
+                return why
+        return None
+
+    def make(self, maker: CacheMaker[T]) -> T:
+        return maker.full(self)
+
+
+@dataclass(frozen=True)
+class SlidingWindow(CacheSpec):
+    """Sliding-window attention (Mistral, Gemma 3's local layers): a query at position p reads
+    keys p - window + 1 .. p, as transformers' ``sliding_window_overlay``. Its last ``window``
+    positions' K and V live in a ring per slot, at the compute dtype: a slot state."""
+
+    kv_heads: int
+    head_dim: int
+    window: int
+
+    slot_state = True
+    owns_kv = True
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.window
+
+    def bytes_per_slot(self, dtype_bytes: int) -> int:
+        """The ring: its ``window`` positions' K and V, full width."""
+        return self.window * 2 * self.kv_heads * self.head_dim * dtype_bytes
+
+    def make(self, maker: CacheMaker[T]) -> T:
+        return maker.sliding(self)
+
+
+def AttentionCache(kv_heads: int, head_dim: int, window: int | None = None) -> FullAttention | SlidingWindow:  # noqa: N802 - the families' spelling of an attention layer's spec
+    """An attention layer's spec: sliding when ``window`` is set, else full."""
+    return FullAttention(kv_heads, head_dim) if window is None else SlidingWindow(kv_heads, head_dim, window)
 
 
 @dataclass(frozen=True)
@@ -102,30 +189,30 @@ class StateTensor:
 
 
 @dataclass(frozen=True)
-class RecurrentState:
+class RecurrentState(CacheSpec):
     """A fixed-size state per running sequence (slot), whatever its length."""
 
     tensors: tuple[StateTensor, ...]
 
+    slot_state = True
+
     def bytes_per_slot(self, dtype_bytes: int) -> int:
         return sum(t.nbytes(dtype_bytes) for t in self.tensors)
 
+    def make(self, maker: CacheMaker[T]) -> T:
+        return maker.recurrent(self)
+
 
 @dataclass(frozen=True)
-class SharedKV:
+class SharedKV(CacheSpec):
     """An attention layer that attends to the K and V of ``layer`` (an earlier attention layer of
-    the same kind: window, heads and head dim), as Gemma 4's KV-shared layers: no cache of its own."""
+    the same kind: window, heads and head dim), as Gemma 4's KV-shared layers: no cache of its
+    own, so nothing is booked or allocated for it."""
 
     layer: int
 
-    def bytes_per_slot(self, dtype_bytes: int) -> int:
-        return 0
-
-    def bytes_per_token(self, dtype_bytes: int) -> int:
-        return 0
-
-
-CacheSpec = AttentionCache | RecurrentState | SharedKV
+    def make(self, maker: CacheMaker[T]) -> T:
+        return maker.shared(self)
 
 
 @dataclass(frozen=True)
@@ -251,11 +338,13 @@ class ModelDescription:
 
     @property
     def attention_layers(self) -> list[int]:
-        return [i for i, s in enumerate(self.layers) if isinstance(s.cache, AttentionCache)]
+        """Attention layers with K and V of their own (full or sliding)."""
+        return [i for i, s in enumerate(self.layers) if s.cache.owns_kv]
 
     @property
     def recurrent_layers(self) -> list[int]:
-        return [i for i, s in enumerate(self.layers) if isinstance(s.cache, RecurrentState)]
+        """Layers whose per-slot state is a recurrence (not a sliding ring)."""
+        return [i for i, s in enumerate(self.layers) if s.cache.slot_state and not s.cache.owns_kv]
 
     @property
     def attention_scale(self) -> float:
@@ -271,19 +360,13 @@ class ModelDescription:
     @property
     def windows(self) -> list[int]:
         """The distinct sliding windows of the attention layers (the runner masks each)."""
-        return sorted(
-            {s.cache.window for s in self.layers if isinstance(s.cache, AttentionCache) and s.cache.window}
-        )
+        return sorted({w for s in self.layers if (w := s.cache.sliding_window)})
 
     @property
     def slot_state_layers(self) -> list[int]:
         """Layers that keep a fixed-size state per slot: recurrent ones and sliding-window rings
         (the prefix cache checkpoints them at block boundaries: cached KV blocks cannot rebuild them)."""
-        return [
-            i
-            for i, s in enumerate(self.layers)
-            if isinstance(s.cache, RecurrentState) or (isinstance(s.cache, AttentionCache) and s.cache.window)
-        ]
+        return [i for i, s in enumerate(self.layers) if s.cache.slot_state]
 
     @property
     def rewindable(self) -> bool:
@@ -303,22 +386,12 @@ class ModelDescription:
         """K and V of one token over the attention layers of the paged pool (not the sliding ones,
         whose rings stay full width: ``state_bytes_per_slot``), stored as ``kv_types`` (None:
         full width)."""
-        return sum(
-            s.cache.bytes_per_token(dtype_bytes, kv_types)
-            for s in self.layers
-            if isinstance(s.cache, AttentionCache) and not s.cache.window
-        )
+        return sum(s.cache.bytes_per_token(dtype_bytes, kv_types) for s in self.layers)
 
     def kv_types_problem(self, kv_types: KvCacheTypes) -> str | None:
         """Why this model's paged K/V rows cannot be stored as ``kv_types`` (a head width that is
         not whole quantization blocks), or None when they can."""
-        for s in self.layers:
-            if isinstance(s.cache, AttentionCache) and not s.cache.window:
-                for kind in dict.fromkeys((kv_types.k, kv_types.v)):
-                    why = width_problem(kind, s.cache.head_dim)
-                    if why:
-                        return why
-        return None
+        return next((why for s in self.layers if (why := s.cache.kv_types_problem(kv_types))), None)
 
     def state_bytes_per_slot(self, dtype_bytes: int) -> int:
         """The states of one running sequence: recurrent layers' and sliding layers' rings."""
@@ -354,9 +427,7 @@ def mtp_description(desc: ModelDescription) -> ModelDescription | None:
     None when the checkpoint has no such head."""
     if not getattr(desc, "mtp_layers", 0):
         return None
-    i = next(
-        i for i, s in enumerate(desc.layers) if isinstance(s.cache, AttentionCache) and not s.cache.window
-    )
+    i = next(i for i, s in enumerate(desc.layers) if s.cache.paged)
     spec, h = desc.layers[i], desc.hidden_size
     head = dataclasses.replace(spec, linears=(*spec.linears, (h, 2 * h)), small=spec.small + 2 * h)
     fields: dict[str, Any] = {"num_layers": 1, "layers": (head,), "skipped": ()}

@@ -16,6 +16,8 @@ from typing import Literal
 
 import msgspec
 
+from pantheon.core.engine_spec import EngineSpec
+
 # 4: EmbedRequest / EmbedOut, Submit.prompt_logprobs and TokenOut.prompt_logprobs;
 # 5: LoadModel.kv_cache_k / kv_cache_v (the KV cache's types), SamplingParams.speculative,
 # LoadModel.speculative, InstanceStats.spec_*; 6: LoadModel.draft (a draft model for speculation),
@@ -155,27 +157,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 # ---------------------------------------------------------------- router -> worker
 
 
-class LoadModel(msgspec.Struct, tag=True, kw_only=True):
-    instance: str  # the instance id the router gave it, unique in the router
-    path: str
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    devices: list[str] = []  # e.g. ["cuda:0"] or ["cuda:0", "cuda:1"] (layers split), ["cpu"]
-    kv_budget_bytes: int = 256 << 20
-    num_slots: int = 8
-    prefill_chunk: int = 512  # the most prompt tokens one step prefills (workers/step_budget.py)
-    step_target_s: float = 0.5  # the engine sizes prefill so that a step takes about this long
-    max_model_len: int | None = None
-    quantize: bool = False
-    state_checkpoints: int = 0  # a hybrid model's prefix-cache state checkpoints (router-sized)
-    # the K and the V cache's types (pantheon.core.kv_types: auto | q8_0 | q4_0 | fp8_e4m3); the
-    # router sized kv_budget_bytes with them, the worker lays its pool out in them
-    kv_cache_k: str = "auto"
-    kv_cache_v: str = "auto"
-    speculative: int = 0  # drafts per step for requests that do not say (--speculative); 0: off
-    # a draft model's path on the worker's host (workers/draft.py: same tokenizer, proposes the
-    # drafts instead of prompt lookup); its weights and KV pool are in the load's booking and
-    # kv_budget_bytes (the pool has the model's block count: the budget is shared by block size)
-    draft: str | None = None
+class LoadModel(EngineSpec, tag=True, kw_only=True):
+    """Build an engine: the ``EngineSpec`` (``pantheon/core/engine_spec.py``: its fields and
+    defaults) under the instance id the router gave it, unique in the router."""
+
+    instance: str
 
 
 class UnloadModel(msgspec.Struct, tag=True, kw_only=True):

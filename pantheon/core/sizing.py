@@ -22,7 +22,6 @@ from pathlib import Path
 
 from pantheon.core.description import (
     DTYPE_BYTES,
-    AttentionCache,
     ExpertSpec,
     ModelDescription,
     ModelError,
@@ -290,12 +289,7 @@ def estimate(
             for s in shape.layers
         ),
         # a sliding-window layer keeps a ring of its window per slot: state, not per-token KV
-        kv_layer_bytes=tuple(
-            s.cache.bytes_per_token(b, kv_types)
-            if isinstance(s.cache, AttentionCache) and not s.cache.window
-            else 0
-            for s in shape.layers
-        ),
+        kv_layer_bytes=tuple(s.cache.bytes_per_token(b, kv_types) for s in shape.layers),
         state_layer_bytes=tuple(s.cache.bytes_per_slot(b) for s in shape.layers),
         context_limit=shape.context_limit,
         total_params=shape.total_params,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
 from workers.layers import attention as A
@@ -76,7 +75,8 @@ def greedy_tokens(
 ) -> list[list[int]]:
     """Greedy tokens (``n`` each, past EOS) of ``prompts`` submitted together to a fresh engine of
     ``path`` (a 4 MB KV budget of ``kinds``; ``kw``: more ``Engine`` options), closed after."""
-    e = Engine(str(path), dtype=dtype, kv_budget_bytes=4 << 20, kv_types=KvCacheTypes(*kinds), **kw)
+    k, v = kinds
+    e = Engine(str(path), dtype=dtype, kv_budget_bytes=4 << 20, kv_cache_k=k, kv_cache_v=v, **kw)
     for i, p in enumerate(prompts):
         e.submit(str(i), p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     out = drain(e)

@@ -80,8 +80,9 @@ def test_a_quantized_kv_cache_compiles_and_gives_the_eager_tokens(model_factory,
     monkeypatch.setenv("PANTHEON_COMPILE_CACHE_DIR", str(tmp_path / "cache"))
     path = str(model_factory("tiny", dtype="float32", head_dim=32, num_hidden_layers=1))
     kv = KvCacheTypes("q8_0", "q4_0")
-    eager = Engine(path, kv_budget_bytes=1 << 20, cpu_path="fp32", kv_types=kv)
-    fast = Engine(path, kv_budget_bytes=1 << 20, cpu_path="fp32", kv_types=kv, compile_decode=True)
+    kw = dict(kv_budget_bytes=1 << 20, cpu_path="fp32", kv_cache_k=kv.k, kv_cache_v=kv.v)
+    eager = Engine(path, **kw)
+    fast = Engine(path, **kw, compile_decode=True)
     assert fast.compiler.wait(900), "the compile did not end in 15 minutes"
     assert fast.compiler.state == "checking", fast.compiler.state  # built: not refused, not failed
     batch = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3] * 40]  # unequal lengths, 2 blocks of 32 values

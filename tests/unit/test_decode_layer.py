@@ -1,4 +1,4 @@
-"""The fused decode layer (``workers/kernels/decode_layer.py`` / ``llama_layer.c``) against the
+"""The fused decode layer (``workers/layers/decode_layer.py`` / ``llama_layer.c``) against the
 layer's own torch code, on the same inputs, layer by layer, inside real decode steps.
 
 In fp32 (activations, K/V pool and rotary tables widened from the captured bf16 step) both
@@ -18,7 +18,7 @@ import torch
 from pantheon.core.protocol import SamplingParams
 from workers.cache import KVCache
 from workers.engine import Engine
-from workers.kernels import decode_layer
+from workers.layers import decode_layer
 from workers.models.llama import LlamaLayer
 
 pytestmark = pytest.mark.skipif(not decode_layer.available(), reason="no C compiler: the torch path only")
@@ -31,8 +31,9 @@ def _captured_steps(path, cpu_path: str, monkeypatch, kv_types=None) -> tuple[En
     from pantheon.core.kv_types import KvCacheTypes
 
     monkeypatch.setenv("PANTHEON_CPU_PATH", cpu_path)
+    kv = kv_types or KvCacheTypes()
     eng = Engine(str(path), num_slots=4, kv_budget_bytes=8 << 20, compile_decode=False,
-                 kv_types=kv_types or KvCacheTypes())  # fmt: skip
+                 kv_cache_k=kv.k, kv_cache_v=kv.v)  # fmt: skip
     monkeypatch.setenv("PANTHEON_FUSED_LAYER", "0")
     got: list[tuple] = []
 
@@ -162,7 +163,7 @@ def test_quantized_kv_rows_are_written_as_the_torch_code_writes_them(kinds, mode
     """K and V pools of q8_0 / q4_0 rows: the fused call quantizes the step's K/V as
     ``kv_quant.quantize`` does (in fp32, the same bytes) and attends over them."""
     from pantheon.core.kv_types import KvCacheTypes
-    from workers.layers.kv_quant import QuantRows
+    from workers.kernels.kv_quant import QuantRows
 
     model = model_factory("tiny-llama", head_dim=32)  # quantized blocks of 32 run along a head
     eng, got = _captured_steps(model, "int4", monkeypatch, KvCacheTypes(*kinds))
@@ -207,7 +208,6 @@ def test_all_layers_in_one_call_are_the_layer_calls_to_the_bit(preset, kinds, mo
     """``Layers`` (one ``ll_decode_layers`` call a step) runs each layer's own kernel in turn, so
     every decode step's hidden states and tokens are those of the per-layer calls exactly, and
     it does run the decode steps (the prefill chunks run layer by layer)."""
-    from pantheon.core.kv_types import KvCacheTypes
 
     model = model_factory(preset, head_dim=32) if kinds else model_factory(preset)
     ran: list[bool] = []
@@ -221,8 +221,9 @@ def test_all_layers_in_one_call_are_the_layer_calls_to_the_bit(preset, kinds, mo
     monkeypatch.setattr(decode_layer.Layers, "__call__", counted)
 
     def run(stacked: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
+        k, v = kinds or ("auto", "auto")
         eng = Engine(str(model), cpu_path="int8", num_slots=4, kv_budget_bytes=8 << 20, compile_decode=False,
-                     kv_types=KvCacheTypes(*kinds) if kinds else KvCacheTypes())  # fmt: skip
+                     kv_cache_k=k, kv_cache_v=v)  # fmt: skip
         assert eng.model is not None and isinstance(eng.model.fused_layers, decode_layer.Layers)
         if not stacked:
             eng.model.fused_layers = None

@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
-from workers.kernels import decode_layer, paged
+from workers.kernels import paged
+from workers.layers import decode_layer
 
 # Ops per decode step of the ``tiny`` preset (Qwen3 shapes, 2 layers) on the fp32 path, measured
 # at batch 1 and 4; 194 / 203 before the quantized KV cache and speculation merged, 197 / 206 after
@@ -28,7 +29,7 @@ from workers.kernels import decode_layer, paged
 # step (rotary._qk_scale, for the CUDA graphs). Lower them when a change cuts ops.
 MAX_OPS = {1: 125, 4: 127} if paged.available() else {1: 151, 4: 151}
 # The same count for a Llama layer whose linears run our quantized kernel: the whole layer is one
-# native call (workers/kernels/decode_layer.py), one op a layer (its output's allocation); the
+# native call (workers/layers/decode_layer.py), one op a layer (its output's allocation); the
 # rest are the step's own (rotary tables, embedding, final norm, head, argmax). ``tiny-llama``
 # (2 layers) on the int4 path, 2026-12-05: 53 at batch 1 and 4; 52 once all the layers ran in
 # one call (``decode_layer.Layers``: one allocation a step, not one a layer); 48 with the q/k scale

@@ -151,7 +151,7 @@ def test_salts_and_eviction(path):
     """Another cache salt sees nothing; a pool of one checkpoint keeps only the newest, and a
     prefix whose checkpoint was evicted is recomputed (its KV blocks are not enough)."""
     prompt = [(11 * i + 3) % 3900 for i in range(33)]
-    eng = make(path, 8, state_checkpoint_count=1)
+    eng = make(path, 8, state_checkpoints=1)
     run(eng, {"a": (prompt, {"cache_salt": "one", "n": 2})})  # prompt checkpoint, then a decode one
     toks, cached = run(eng, {"b": (prompt + [1], {"cache_salt": "two"})})
     assert cached["b"] == 0
@@ -166,7 +166,7 @@ def test_salts_and_eviction(path):
 
 
 def test_no_checkpoints_means_no_prefix_cache(path):
-    eng = make(path, 8, state_checkpoint_count=0)
+    eng = make(path, 8, state_checkpoints=0)
     assert eng.checkpoints is None and not eng.prefix_cache
     prompt = list(range(50, 90))
     run(eng, {"a": (prompt, {})})
@@ -175,7 +175,7 @@ def test_no_checkpoints_means_no_prefix_cache(path):
 
 
 def test_the_checkpoint_pool_is_booked(path):
-    eng = make(path, 8, num_slots=4, state_checkpoint_count=3)
+    eng = make(path, 8, num_slots=4, state_checkpoints=3)
     per = load_config(path).state_bytes_per_slot(4)
     assert eng.state_bytes == (4 + 1 + 3) * per
 

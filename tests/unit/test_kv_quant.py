@@ -1,4 +1,4 @@
-"""Quantized KV cache rows (workers/layers/kv_quant.py): llama.cpp's q8_0 / q4_0 layouts, round
+"""Quantized KV cache rows (workers/kernels/kv_quant.py): llama.cpp's q8_0 / q4_0 layouts, round
 trips within each type's bound, attention over a quantized cache against its dequantized copy,
 the bytes a quantized cache takes, and what an engine refuses."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from pantheon.core.kv_types import KvCacheTypes, row_bytes
-from workers.cache import KVCache, kv_block_bytes, make_caches
+from workers.cache import kv_block_bytes, make_caches
 from workers.engine import Engine, LoadError
+from workers.kernels.kv_quant import QuantRows, dequantize, quantize
 from workers.layers import attention as A
-from workers.layers.kv_quant import QuantRows, dequantize, quantize
 from workers.model_config import load_config
 
 CPU = torch.device("cpu")
@@ -126,13 +126,13 @@ def test_cache_bytes_and_block_bytes(model_factory):
     assert auto / q8 == pytest.approx(64 / 34) and auto / q4 == pytest.approx(64 / 18)
     caches = make_caches(desc, [CPU] * 2, 64, 2, torch.bfloat16, kv_types=KvCacheTypes("q8_0", "q4_0"))
     mixed = kv_block_bytes(desc, 16, torch.bfloat16, KvCacheTypes("q8_0", "q4_0"))
-    assert sum(c.nbytes for c in caches if isinstance(c, KVCache)) == mixed * 64 // 16
+    assert sum(c.kv_nbytes for c in caches) == mixed * 64 // 16
 
 
 def test_engine_refusals(model_factory):
     narrow = model_factory("tiny", dtype="float32")  # head_dim 16
     with pytest.raises(LoadError, match="blocks of 32 values"):
-        Engine(str(narrow), dtype="float32", kv_budget_bytes=1 << 20, kv_types=KvCacheTypes("q8_0", "auto"))
+        Engine(str(narrow), dtype="float32", kv_budget_bytes=1 << 20, kv_cache_k="q8_0")
     wide = model_factory("tiny", dtype="float32", head_dim=32)
     with pytest.raises(LoadError, match="fp8_e4m3 needs CUDA"):
-        Engine(str(wide), dtype="float32", kv_budget_bytes=1 << 20, kv_types=KvCacheTypes("auto", "fp8_e4m3"))
+        Engine(str(wide), dtype="float32", kv_budget_bytes=1 << 20, kv_cache_v="fp8_e4m3")

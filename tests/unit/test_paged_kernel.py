@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from workers.kernels import build, paged
+from workers.kernels.kv_quant import QuantRows
 from workers.layers import attention as A
-from workers.layers.kv_quant import QuantRows
 
 from helpers.decode_rows import PROMPTS, decode_batch, greedy_tokens
 

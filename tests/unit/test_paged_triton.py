@@ -22,9 +22,9 @@ import torch
 from pantheon.core.protocol import SamplingParams
 from workers.engine import Engine
 from workers.kernels import paged_triton as PT
+from workers.kernels.kv_quant import QuantRows
 from workers.layers import attention as A
 from workers.layers import sinks as S
-from workers.layers.kv_quant import QuantRows
 
 from helpers.decode_rows import decode_batch, drain
 

@@ -130,7 +130,7 @@ def test_zero_rows_pad_the_kernels_last_query_block() -> None:
 
 
 def _quantized(kind: str, cache: torch.Tensor):
-    from workers.layers.kv_quant import QuantRows
+    from workers.kernels.kv_quant import QuantRows
 
     rows, kv, d = cache.shape
     qr = QuantRows.empty(kind, rows, kv, d, cache.device)

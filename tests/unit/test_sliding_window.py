@@ -273,7 +273,7 @@ def test_mistral_window_slides_every_layer():
 def test_qwen2_window_slides_from_max_window_layers():
     raw = {**MISTRAL, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 4}
     d = describe({**raw, "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 1}, {}, "c")
-    assert [s.cache.window for s in d.layers if isinstance(s.cache, AttentionCache)] == [
+    assert [s.cache.sliding_window for s in d.layers] == [
         None,
         4096,
         4096,

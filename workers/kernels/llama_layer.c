@@ -12,7 +12,7 @@
  * what lies between them.
  *
  * Built at run time by workers/kernels/build.py; called through ctypes by
- * workers/kernels/decode_layer.py, which checks that a layer and a step are of the kind this
+ * workers/layers/decode_layer.py, which checks that a layer and a step are of the kind this
  * takes (see ``fits`` there) and keeps the torch path for everything else.
  *
  * Shapes (contiguous): x, out [M, hidden] fp32 or bf16 (xkind); rot_cos, rot_sin [M, H + KV, D]
@@ -32,7 +32,7 @@
 #include "convert.h"
 
 /* No a * b + c contracted into one rounding: the K/V quantization below rounds as torch's
- * (workers/layers/kv_quant.py), one operation at a time */
+ * (workers/kernels/kv_quant.py), one operation at a time */
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
 #elif defined(__GNUC__)
@@ -86,7 +86,7 @@ typedef struct {
 } Step;
 
 /* One token's K (or V) heads, x [KV * D] fp32, into pool row ``row`` of kind: copied, or
- * quantized per block of 32 as workers/layers/kv_quant.py's quantize does */
+ * quantized per block of 32 as workers/kernels/kv_quant.py's quantize does */
 static void write_row(void *data, uint16_t *scales, int kind, int64_t row, int64_t n, const float *x) {
     if (kind == F32 || kind == BF16) {
         for (int64_t i = 0; i < n; i++) store_kind(data, kind, row * n + i, x[i]);

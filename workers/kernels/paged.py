@@ -15,7 +15,7 @@ import os
 import torch
 
 from workers.kernels.build import load
-from workers.layers.kv_quant import KvRows, QuantRows
+from workers.kernels.kv_quant import KvRows, QuantRows
 
 # The kernel's element kinds (paged_decode.c's enum)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from workers.layers.kv_quant import KvRows
+from workers.kernels.kv_quant import KvRows
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_D, MAX_D = 16, 256  # head widths: powers of two (tl.arange), 16 at least (tl.dot's K and N)

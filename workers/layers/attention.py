@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.kernels import paged, paged_triton
-from workers.layers.kv_quant import KvRows, read_blocks, read_rows, write_rows
+from workers.kernels.kv_quant import KvRows, read_blocks, read_rows, write_rows
 
 
 @dataclass

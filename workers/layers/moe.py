@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.layers.mlp import GatedMLP
 from workers.mxfp4 import MxExperts
 from workers.quant import Int4Quantizer, QuantExperts, int4_groups
 
@@ -215,20 +216,6 @@ def experts_forward(
     return (per_token * weights.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
-class SwiGLU(nn.Module):
-    """A dense SwiGLU MLP with gate and up fused: ``down(silu(gate x) * up x)`` (a shared expert)."""
-
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.inter = inter
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
-
-
 class MoE(nn.Module):
     """Router, stacked routed experts (with biases when ``expert_bias``, activated by ``glu``),
     optional shared expert with its sigmoid gate.
@@ -262,7 +249,7 @@ class MoE(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * inter)) if expert_bias else None
         self.down_bias = nn.Parameter(torch.empty(num_experts, hidden)) if expert_bias else None
         self.glu = glu
-        self.shared_expert = SwiGLU(hidden, shared_inter) if shared_inter else None
+        self.shared_expert = GatedMLP(hidden, shared_inter) if shared_inter else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
         self.stats: list[int] | None = None  # set to a list to collect active-expert counts
         # each expert's matrices as a CPU path lays them out (oneDNN-prepacked, or quantized

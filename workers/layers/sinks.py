@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from workers.kernels.kv_quant import KvRows, read_rows, write_rows
 from workers.layers.attention import StepBatch, decode_attention, prefill_kernel
-from workers.layers.kv_quant import KvRows, read_rows, write_rows
 
 _SCORES = 1 << 24  # fp32 scores per block of query rows (64 MiB)
 

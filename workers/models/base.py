@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.cache import LayerCache
-from workers.kernels import decode_layer
+from workers.layers import decode_layer
 from workers.layers.attention import StepBatch
 
 
@@ -48,7 +48,7 @@ class DecoderLM(nn.Module):
         # Filled by the loader: the device of each layer (layers split across dies).
         self.layer_devices: list[torch.device] = []
         # Set by the runner when every layer runs its decode steps fused, on one CPU: all the
-        # layers in one native call (workers/kernels/decode_layer.py ``Layers``)
+        # layers in one native call (workers/layers/decode_layer.py ``Layers``)
         self.fused_layers: decode_layer.Layers | None = None
 
     def head_weight(self) -> torch.Tensor:

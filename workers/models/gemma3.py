@@ -13,16 +13,15 @@ the rotary tables (``ModelDescription.attention_scale``); the final logits are s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pantheon.core.archs.gemma3 import SLIDING, Gemma3Description
 from pantheon.core.description import ModelDescription
-from workers.cache import KVCache, LayerCache, StateCache
-from workers.layers.attention import StepBatch, paged_attention
+from workers.cache import LayerCache
+from workers.layers.attention import StepBatch
+from workers.layers.mlp import GELU_TANH, GatedMLP
 from workers.layers.norms import ZeroCenteredRMSNorm
 from workers.layers.rotary import rotate
-from workers.layers.sliding import ring_attention
 from workers.models import Target
 from workers.models.base import DecoderLayer, DecoderLM, rounded
 from workers.models.llama import GGUF_LAYER as LLAMA_GGUF_LAYER
@@ -43,33 +42,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
         # x: [N, hidden]
         n, h, kvh, d = x.shape[0], self.n_heads, self.n_kv, self.head_dim
-        if self.window is not None:
-            b = b.windows[self.window]
+        b = cache.view(b)  # a sliding layer's: its window's (workers/layers/sliding.py)
         qkv = self.qkv_proj(x)  # [N, Q + 2 KV]
         q = self.q_norm(qkv[:, : self.q_size].view(n, h, d))
         k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(n, kvh, d))
         qk = rotate(torch.cat((q, k), dim=1), b.rot_cos, b.rot_sin)  # [N, H + KV, D], q pre-scaled
         v = qkv[:, self.q_size + self.kv_size :].view(n, kvh, d)
-        if isinstance(cache, StateCache):  # a sliding layer's ring (workers/layers/sliding.py)
-            out = ring_attention(qk[:, :h], qk[:, h:], v, b, cache.tensors["k"], cache.tensors["v"])
-        else:
-            assert isinstance(cache, KVCache)  # not a SharedCache: this family shares no KV
-            out = paged_attention(qk[:, :h], qk[:, h:], v, b, cache.k, cache.v)  # [N, H, D]
+        out = cache.attend(qk[:, :h], qk[:, h:], v, b)  # [N, H, D]: the paged pool or the ring
         return self.o_proj(out.reshape(n, self.q_size))
-
-
-class GeGLU(nn.Module):
-    """``down(gelu_tanh(gate x) * up x)`` with gate and up fused (as the Llama family's MLP)."""
-
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.inter = inter
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)  # [N, 2I]
-        return self.down_proj(F.gelu(gu[:, : self.inter], approximate="tanh") * gu[:, self.inter :])
 
 
 class Gemma3Layer(DecoderLayer):
@@ -80,7 +60,7 @@ class Gemma3Layer(DecoderLayer):
         self.self_attn = Attention(cfg, cfg.sliding_window if kind == SLIDING else None)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = ZeroCenteredRMSNorm(hidden, eps)
-        self.mlp = GeGLU(hidden, cfg.intermediate_size)
+        self.mlp = GatedMLP(hidden, cfg.intermediate_size, GELU_TANH)
         self.post_feedforward_layernorm = ZeroCenteredRMSNorm(hidden, eps)
 
     def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
@@ -142,7 +122,7 @@ def targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
         attention_targets(t, p, a, desc, qkv_bias=desc.attention_bias, o_bias=desc.attention_bias)
         t[f"{p}self_attn.q_norm.weight"] = Target(a.q_norm.weight, 0, desc.head_dim)
         t[f"{p}self_attn.k_norm.weight"] = Target(a.k_norm.weight, 0, desc.head_dim)
-        mlp_targets(t, p, layer.mlp, hidden)  # pyright: ignore[reportArgumentType]  # same fused shape as the Llama MLP
+        mlp_targets(t, p, layer.mlp, hidden)
         for norm in _LAYER_NORMS:
             t[f"{p}{norm}.weight"] = Target(getattr(layer, norm).weight, 0, hidden)
     return t

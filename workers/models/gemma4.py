@@ -33,15 +33,14 @@ from torch import nn
 
 from pantheon.core.archs.gemma4 import SLIDING, Gemma4Description
 from pantheon.core.description import ModelDescription
-from workers.cache import KVCache, LayerCache, SharedCache, StateCache
-from workers.layers.attention import StepBatch, paged_attention
+from workers.cache import LayerCache
+from workers.layers.attention import StepBatch
+from workers.layers.mlp import GELU_TANH, GatedMLP
 from workers.layers.moe import MoE, experts_forward, route
 from workers.layers.norms import RMSNorm
 from workers.layers.rotary import qk_tables, rotate
-from workers.layers.sliding import ring_attention, ring_write_prefills
 from workers.models import Target
 from workers.models.base import DecoderLM, rounded
-from workers.models.gemma3 import GeGLU
 from workers.models.llama import GGUF_LAYER as LLAMA_GGUF_LAYER
 from workers.models.llama import GGUF_TOP as LLAMA_GGUF_TOP
 from workers.models.llama import gguf_name_from, mlp_targets, top_targets
@@ -77,7 +76,7 @@ class _Step:
     and the full layers' rotary tables by (device, head dim, KV heads)."""
 
     kv: dict[int, tuple[torch.Tensor, torch.Tensor, StepBatch]] = field(default_factory=dict)
-    deferred: list[tuple[torch.Tensor, torch.Tensor, StepBatch, StateCache]] = field(default_factory=list)
+    deferred: list[tuple[torch.Tensor, torch.Tensor, StepBatch, LayerCache]] = field(default_factory=list)
     tables: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )
@@ -109,35 +108,28 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # x: [N, hidden]; rot: this layer kind's tables [N, H + KV, D]
         n, h, kvh, d = x.shape[0], self.n_heads, self.n_kv, self.head_dim
-        if self.window is not None:
-            b = b.windows[self.window]
+        b = cache.view(b)  # a sliding layer's: its window's (a shared one: its owner's)
         cos, sin = rot
         qkv = self.qkv_proj(x)  # [N, Q (+ KV (+ KV))]
         q = self.q_norm(qkv[:, : self.q_size].view(n, h, d))
         if self.shares is not None:  # the owner's K/V, over the owner's cache (on its device)
-            assert isinstance(cache, SharedCache)
             q = rotate(q, cos[:, :h], sin[:, :h])
             k, v, b = step.kv[self.shares]
-            q, store = q.to(k.device), cache.source
+            q = q.to(k.device)
         else:
-            assert isinstance(cache, (KVCache, StateCache))
             k_raw = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, kvh, d)
             v_raw = k_raw if self.k_eq_v else qkv[:, self.q_size + self.kv_size :].view(n, kvh, d)
             assert self.k_norm is not None
             qk = rotate(torch.cat((q, self.k_norm(k_raw)), dim=1), cos, sin)  # [N, H + KV, D]
             q, k = qk[:, :h], qk[:, h:]
             v = _rms(v_raw, self.eps).to(v_raw.dtype)
-            store = cache
             if self.read:
                 step.kv[self.index] = (k, v, b)
-        if isinstance(store, StateCache):  # a sliding layer's ring (workers/layers/sliding.py)
-            ring_k, ring_v = store.tensors["k"], store.tensors["v"]
-            shared = self.read or self.shares is not None
-            out = ring_attention(q, k, v, b, ring_k, ring_v, write_prefills=not shared)
-            if self.read:
-                step.deferred.append((k, v, b, store))
-        else:
-            out = paged_attention(q, k, v, b, store.k, store.v)  # [N, H, D]
+        # A ring read by later layers of the step gets its prefill chunks' K/V after the last
+        # of them (a chunk's write may overwrite history their queries still read): ``deferred``
+        out = cache.attend(q, k, v, b, write_prefills=not (self.read or self.shares is not None))
+        if self.read:
+            step.deferred.append((k, v, b, cache))
         return self.o_proj(out.reshape(n, self.q_size).to(x.device))
 
 
@@ -185,7 +177,7 @@ class Gemma4Layer(nn.Module):
         self.self_attn = Attention(desc, index, read)
         self.post_attention_layernorm = Norm(hidden, eps)
         self.pre_feedforward_layernorm = Norm(hidden, eps)
-        self.mlp = GeGLU(hidden, desc.attn[index].intermediate)
+        self.mlp = GatedMLP(hidden, desc.attn[index].intermediate, GELU_TANH)
         self.post_feedforward_layernorm = Norm(hidden, eps)
         self.sparse = SparseBlock(desc) if desc.moe_experts is not None else None
         self.post_feedforward_layernorm_1 = Norm(hidden, eps) if self.sparse is not None else None
@@ -292,8 +284,8 @@ class Gemma4LM(DecoderLM):
             else:
                 rot = self._full_tables(b, a.head_dim, a.kv_heads, h.dtype, step)
             h = layer(h, b, caches[i], rot, step, None if ple is None else ple[:, i].to(dev))
-        for k, v, view, ring in step.deferred:  # the owners' rings, now that every reader has read
-            ring_write_prefills(k, v, view, ring.tensors["k"], ring.tensors["v"])
+        for k, v, view, owner in step.deferred:  # the owners' rings, now that every reader has read
+            owner.write_prefills(k, v, view)
         return self.norm(h.to(w.device))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -352,7 +344,7 @@ def targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
         t[f"{p}self_attn.q_norm.weight"] = Target(a.q_norm.weight, 0, a.head_dim)
         if a.k_norm is not None:
             t[f"{p}self_attn.k_norm.weight"] = Target(a.k_norm.weight, 0, a.head_dim)
-        mlp_targets(t, p, layer.mlp, hidden)  # pyright: ignore[reportArgumentType]  # same fused shape as the Llama MLP
+        mlp_targets(t, p, layer.mlp, hidden)
         for norm in _LAYER_NORMS:
             t[f"{p}{norm}.weight"] = Target(getattr(layer, norm).weight, 0, hidden)
         t[f"{p}layer_scalar"] = Target(layer.layer_scalar, 0, 1)

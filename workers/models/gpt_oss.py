@@ -31,13 +31,12 @@ from torch import nn
 
 from pantheon.core.archs.gpt_oss import SLIDING, GptOssDescription
 from pantheon.core.description import ModelDescription
-from workers.cache import KVCache, LayerCache, StateCache
+from workers.cache import LayerCache
 from workers.errors import LoadError
 from workers.layers.attention import StepBatch
 from workers.layers.moe import ClampedSwiGLU, MoE
 from workers.layers.norms import RMSNorm
 from workers.layers.rotary import rotate
-from workers.layers.sinks import paged_sink_attention, ring_sink_attention
 from workers.models import Target
 from workers.models.base import DecoderLayer, DecoderLM
 from workers.models.llama import GGUF_LAYER as GGUF_LLAMA_LAYER
@@ -68,17 +67,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
         n, h, kvh, d = x.shape[0], self.n_heads, self.n_kv, self.head_dim
-        if self.window is not None:
-            b = b.windows[self.window]
+        b = cache.view(b)  # a sliding layer's: its window's (workers/layers/sliding.py)
         # the fused output as heads, split once (as the Llama family's attention: fewer ops)
         qk, v = self.qkv_proj(x).view(n, h + 2 * kvh, d).tensor_split((h + kvh,), dim=1)
         q, k = rotate(qk, b.rot_cos, b.rot_sin).tensor_split((h,), dim=1)  # q pre-scaled
-        if isinstance(cache, StateCache):  # a sliding layer's ring (workers/layers/sliding.py)
-            k_ring, v_ring = cache.tensors["k"], cache.tensors["v"]
-            out = ring_sink_attention(q, k, v, b, k_ring, v_ring, self.sinks)
-        else:
-            assert isinstance(cache, KVCache)  # not a SharedCache: this family shares no KV
-            out = paged_sink_attention(q, k, v, b, cache.k, cache.v, self.sinks)
+        out = cache.attend(q, k, v, b, self.sinks)  # the paged pool or the ring, with sinks
         return self.o_proj(out.reshape(n, self.q_size))
 
 

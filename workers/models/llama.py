@@ -11,17 +11,16 @@ import re
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pantheon.core.archs.llama import LlamaDescription
-from pantheon.core.description import AttentionCache, ModelDescription
-from workers.cache import KVCache, LayerCache, StateCache
-from workers.kernels import decode_layer
-from workers.layers.attention import StepBatch, paged_attention
+from pantheon.core.description import ModelDescription
+from workers.cache import LayerCache
+from workers.layers import decode_layer
+from workers.layers.attention import StepBatch
+from workers.layers.mlp import GatedMLP
 from workers.layers.norms import RMSNorm, rms_norm
 from workers.layers.rotary import rotate
-from workers.layers.sliding import ring_attention
 from workers.models import Target
 from workers.models.base import DecoderLayer, DecoderLM
 
@@ -50,14 +49,9 @@ class Attention(nn.Module):
         qk, v = heads.tensor_split((h + kvh,), dim=1)  # [N, H + KV, D], [N, KV, D]
         if self.q_norm is not None and self.k_norm is not None:  # both or neither
             qk = rms_norm(qk, self.qk_norm_weight(), self.q_norm.eps)
-        if self.window is not None:
-            b = b.windows[self.window]
+        b = cache.view(b)  # a sliding layer's: its window's (workers/layers/sliding.py)
         q, k = rotate(qk, b.rot_cos, b.rot_sin).tensor_split((h,), dim=1)  # q pre-scaled
-        if isinstance(cache, StateCache):  # a sliding layer's ring (workers/layers/sliding.py)
-            out = ring_attention(q, k, v, b, cache.tensors["k"], cache.tensors["v"])
-        else:
-            assert isinstance(cache, KVCache)  # not a SharedCache: this family shares no KV
-            out = paged_attention(q, k, v, b, cache.k, cache.v)  # [N, H, D]
+        out = cache.attend(q, k, v, b)  # [N, H, D]: the paged pool, or a sliding layer's ring
         return self.o_proj(out.reshape(n, self.q_size))
 
     def qk_norm_weight(self) -> torch.Tensor:
@@ -72,28 +66,14 @@ class Attention(nn.Module):
         )
 
 
-class MLP(nn.Module):
-    """SwiGLU with gate and up fused: ``down(silu(gate x) * up x)``."""
-
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.inter = inter
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each: one split, not two slices
-        return self.down_proj(F.silu(gate) * up)
-
-
 class LlamaLayer(DecoderLayer):
     def __init__(self, cfg: LlamaDescription, window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        # the whole layer in one native call at decode (workers/kernels/decode_layer.py): planned
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        # the whole layer in one native call at decode (workers/layers/decode_layer.py): planned
         # at the first step, once the CPU path has laid the linears out
         self.native: decode_layer.Native | None = None
 
@@ -132,9 +112,7 @@ class LlamaLayer(DecoderLayer):
 
 def build(desc: ModelDescription) -> DecoderLM:
     assert isinstance(desc, LlamaDescription)
-    layers: list[nn.Module] = [
-        LlamaLayer(desc, s.cache.window if isinstance(s.cache, AttentionCache) else None) for s in desc.layers
-    ]
+    layers: list[nn.Module] = [LlamaLayer(desc, s.cache.sliding_window) for s in desc.layers]
     norm = RMSNorm(desc.hidden_size, desc.rms_norm_eps)
     return DecoderLM(desc.vocab_size, desc.hidden_size, layers, norm, desc.tie_word_embeddings)
 
@@ -142,7 +120,7 @@ def build(desc: ModelDescription) -> DecoderLM:
 # ---------------------------------------------------------------- checkpoint names
 
 
-def mlp_targets(t: dict[str, Target], p: str, mlp: MLP, hidden: int) -> None:
+def mlp_targets(t: dict[str, Target], p: str, mlp: GatedMLP, hidden: int) -> None:
     """gate_proj and up_proj fill the fused gate_up matrix; down_proj its own."""
     t[f"{p}mlp.gate_proj.weight"] = Target(mlp.gate_up_proj.weight, 0, mlp.inter)
     t[f"{p}mlp.up_proj.weight"] = Target(mlp.gate_up_proj.weight, mlp.inter, mlp.inter)

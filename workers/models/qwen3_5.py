@@ -35,12 +35,13 @@ from workers.layers.gated_delta import (
     gated_rms_norm,
     recurrent_gated_delta_step,
 )
+from workers.layers.mlp import GatedMLP
 from workers.layers.norms import ZeroCenteredRMSNorm
 from workers.layers.rotary import rotate
 from workers.models import Target
 from workers.models.base import DecoderLayer, DecoderLM
 from workers.models.llama import GGUF_LAYER as LLAMA_GGUF_LAYER
-from workers.models.llama import GGUF_TOP, MLP, gguf_name_from, mlp_targets, top_targets
+from workers.models.llama import GGUF_TOP, gguf_name_from, mlp_targets, top_targets
 
 
 class GatedAttention(nn.Module):
@@ -193,7 +194,7 @@ class Qwen35Layer(DecoderLayer):
         )
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # a dense SwiGLU, or the caller's (Qwen3.5-MoE's mixture of experts)
-        self.mlp: nn.Module = mlp if mlp is not None else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = mlp if mlp is not None else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
         x = x + self.mixer(self.input_layernorm(x), b, cache)  # pyright: ignore[reportArgumentType]  # the cache kind follows the layer kind (workers/cache.make_caches)
@@ -242,7 +243,7 @@ def targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
             t[f"{a}dt_bias"] = Target(m.dt_bias, 0, hv)
             t[f"{a}norm.weight"] = Target(m.norm_weight, 0, m.dv)
             t[f"{a}out_proj.weight"] = Target(m.out_proj.weight, 0, hidden)
-        if isinstance(layer.mlp, MLP):  # else the caller's (workers/models/qwen3_5_moe.py)
+        if isinstance(layer.mlp, GatedMLP):  # else the caller's (workers/models/qwen3_5_moe.py)
             mlp_targets(t, p, layer.mlp, hidden)
         t[f"{p}input_layernorm.weight"] = Target(layer.input_layernorm.weight, 0, hidden)
         t[f"{p}post_attention_layernorm.weight"] = Target(layer.post_attention_layernorm.weight, 0, hidden)

@@ -20,14 +20,15 @@ from torch import nn
 
 from pantheon.core.archs.qwen3_moe import Qwen3MoeDescription
 from pantheon.core.description import ModelDescription
-from workers.cache import KVCache, LayerCache
+from workers.cache import LayerCache
 from workers.layers.attention import StepBatch
+from workers.layers.mlp import GatedMLP
 from workers.layers.moe import MoE
 from workers.layers.norms import RMSNorm
 from workers.models import Target
 from workers.models import llama as _llama
 from workers.models.base import DecoderLayer, DecoderLM
-from workers.models.llama import MLP, Attention, attention_targets, gguf_name_from, mlp_targets, top_targets
+from workers.models.llama import Attention, attention_targets, gguf_name_from, mlp_targets, top_targets
 
 
 class Qwen3MoeLayer(DecoderLayer):
@@ -36,7 +37,7 @@ class Qwen3MoeLayer(DecoderLayer):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: MoE | MLP = (
+        self.mlp: MoE | GatedMLP = (
             MoE(
                 cfg.hidden_size,
                 cfg.moe_intermediate_size,
@@ -45,11 +46,10 @@ class Qwen3MoeLayer(DecoderLayer):
                 norm_topk_prob=cfg.norm_topk_prob,
             )
             if sparse
-            else MLP(cfg.hidden_size, cfg.intermediate_size)
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         )
 
     def forward(self, x: torch.Tensor, b: StepBatch, cache: LayerCache) -> torch.Tensor:
-        assert isinstance(cache, KVCache)  # every layer is attention
         x = x + self.self_attn(self.input_layernorm(x), b, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -29,8 +29,8 @@ from torch import nn
 from workers.cache import KVCache, LayerCache
 from workers.kernels import paged, qlinear
 from workers.kernels.build import load
+from workers.kernels.kv_quant import KvRows, QuantRows
 from workers.layers.attention import StepBatch
-from workers.layers.kv_quant import KvRows, QuantRows
 from workers.quant import Int4Linear, Int8Linear
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}
@@ -174,11 +174,11 @@ class Native:
         if self.why is not None or not available():
             return None
         step = _step(b)  # the step's own checks, made once for all its layers
-        if step is None or not _takes(x, b, cache, self._plan):
+        pool = cache.pool
+        if step is None or pool is None or not _takes(x, b, pool, self._plan):
             return None
-        assert isinstance(cache, KVCache)  # _takes checked, and both pools of a kind it writes
         out = torch.empty_like(x)
-        (kd, ks, kk), (vd, vs, vk) = _pool(cache.k), _pool(cache.v)
+        (kd, ks, kk), (vd, vs, vk) = _pool(pool.k), _pool(pool.v)
         rc = self._lib.ll_decode(
             self._addr, ctypes.addressof(step), x.data_ptr(), _KINDS[x.dtype], out.data_ptr(), x.shape[0],
             kd, ks, kk, vd, vs, vk, torch.get_num_threads(),
@@ -238,7 +238,7 @@ class Layers:
     def _pools(self, caches: list[LayerCache]) -> tuple[ctypes.Array, ...] | None:
         """The per-layer pool arrays of the call (data, scales, kind for K, then V), built again
         only when a pool changed; None when a layer's cache is not one the call writes."""
-        kvs = [c for c in caches if isinstance(c, KVCache)]
+        kvs = [p for c in caches if (p := c.pool) is not None]
         if len(kvs) != len(self._natives) or len(caches) != len(kvs):
             return None
         key = tuple(id(pool) for c in kvs for pool in (c.k, c.v))
@@ -284,9 +284,9 @@ def why_not(layers: Iterable[nn.Module]) -> str | None:
     return None
 
 
-def _takes(x: torch.Tensor, b: StepBatch, cache: LayerCache, plan: _Plan) -> bool:
+def _takes(x: torch.Tensor, b: StepBatch, pool: KVCache, plan: _Plan) -> bool:
     """This layer's part of a step ``_step`` took: its rows (``_takes_rows``) and its pools."""
-    return _takes_rows(x, b, plan) and isinstance(cache, KVCache) and _writes(cache.k) and _writes(cache.v)
+    return _takes_rows(x, b, plan) and _writes(pool.k) and _writes(pool.v)
 
 
 def _takes_rows(x: torch.Tensor, b: StepBatch, plan: _Plan) -> bool:
