@@ -218,8 +218,10 @@ def test_the_graph_step_never_reads_the_host(model_factory, monkeypatch, preset)
     """The step a graph holds, run here through torch's own layers (the native CPU layers off,
     attention by the torch gather), dispatches no op that a capture would refuse: what a CUDA die
     captures is this code. (A mixture of experts is left out: on the CPU, and in fp32 on CUDA,
-    its experts loop over the counts read back; bf16 on CUDA takes the grouped GEMM instead.)"""
+    its experts loop over the counts read back; bf16 on CUDA takes the grouped GEMM instead.)
+    The gated-delta step's C kernel is one of those CPU layers (it checks its slots on the host)."""
     monkeypatch.setenv("PANTHEON_ATTN_KERNEL", "0")
+    monkeypatch.setenv("PANTHEON_GDN_KERNEL", "0")
     eng = Engine(
         str(model_factory(preset, dtype="float32")),
         dtype="float32",
