@@ -2,6 +2,7 @@
 
     python bench/step_ops.py                                   # SmolLM2-135M Q4_1, the chosen path
     python bench/step_ops.py --cpu-path int4 --batch 1 --steps 50
+    python bench/step_ops.py --model FILE.gguf --times    # and ms per step by module
     PYTHONPATH=/work/main python bench/step_ops.py ...         # another tree, for a before/after
 
 On a 2-core CPU every dispatched op costs microseconds before any arithmetic, so a small model's
@@ -74,6 +75,49 @@ def _hook(model: nn.Module, count: _Count) -> list[torch.utils.hooks.RemovableHa
     return handles
 
 
+class _Times:
+    """Inclusive wall time per module, layer indices folded (``layers.*.mixer.in_proj``), and the
+    model's forward against the whole step (the rest: the engine's scheduling, batch building,
+    sampling and bookkeeping)."""
+
+    def __init__(self) -> None:
+        self.ms: collections.Counter[str] = collections.Counter()
+        self.starts: list[float] = []
+
+    def hook(self, model: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+        handles = []
+        for name, mod in model.named_modules():
+            parts = name.split(".")
+            label = ".".join("*" if p.isdigit() else p for p in parts) if name else "model"
+            label += f" ({type(mod).__name__})"
+
+            def pre(_m, _a, _label=label):
+                self.starts.append(time.perf_counter())
+
+            def post(_m, _a, _o, label=label):
+                self.ms[label] += (time.perf_counter() - self.starts.pop()) * 1e3
+
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        return handles
+
+
+def time_modules(eng: Engine, lm: nn.Module, steps: int, top: int) -> None:
+    """``--times``: ms per step in each module (inclusive, every layer's together)."""
+    times = _Times()
+    handles = times.hook(lm)
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    whole = (time.perf_counter() - t) / steps * 1e3
+    for h in handles:
+        h.remove()
+    print(f"ms/step by module (inclusive, hooks on: {whole:.2f} ms a step):")
+    for label, ms in times.ms.most_common(top):
+        print(f"  {ms / steps:7.3f}  {label}")
+    model_ms = times.ms.most_common(1)[0][1] / steps if times.ms else 0.0
+    print(f"  {whole - model_ms:7.3f}  (the step outside the model's forward)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a model folder or GGUF file (default: SmolLM2-135M)")
@@ -83,6 +127,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=25, help="op kinds to list")
+    ap.add_argument("--times", action="store_true", help="also ms per step by module (forward hooks)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = args.model or smollm2_file()
@@ -99,7 +144,7 @@ def main() -> int:
     lm = eng.model
     assert lm is not None  # a loaded engine has its model
     n_layers = len(lm.layers)
-    total_tokens = 8 + args.rounds * args.steps + 8
+    total_tokens = 8 + (args.rounds + 1) * args.steps + 8  # (+1: the --times steps)
     for i in range(args.batch):
         eng.submit(
             f"r{i}",
@@ -135,6 +180,8 @@ def main() -> int:
     for m, kinds in sorted(layer0.items()):
         print(f"  {m} {sum(kinds.values())}: " + ", ".join(f"{k} {c}" for k, c in kinds.most_common()))
     print("outside layers: " + ", ".join(f"{k} {c}" for k, c in outside.most_common()))
+    if args.times:
+        time_modules(eng, lm, args.steps, args.top)
     best = cpu = float("inf")
     for _ in range(args.rounds):
         t, c = time.perf_counter(), time.process_time()
