@@ -19,10 +19,10 @@ from workers.kernels import qlinear
 from workers.quant import q4_groups
 
 # K: 18 groups (blocks of 4, then a pair), 3 (a pair and one alone), 1, 5 (a block and one
-# alone), 48; N: not a multiple of the tile's 4 columns nor of a thread's 16; M: 1..5 rows
-# (pairs of rows and one alone)
+# alone), 48; N: not a multiple of the tile's 4 columns nor of a thread's 16; M: rows in tiles
+# of every size (the fp32 kernels' fours on AVX-512, then a pair, then one alone: 7 = 4 + 2 + 1)
 SHAPES = [(576, 50), (96, 37), (32, 16), (160, 64), (1536, 24)]
-ROWS = [1, 2, 3, 5]
+ROWS = [1, 2, 3, 4, 5, 7, 9]
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

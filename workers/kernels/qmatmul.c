@@ -178,7 +178,16 @@ static void quantize_rows(const void *x, int xkind, int64_t M, int64_t K, int bl
 #ifndef AHEAD
 #define AHEAD 8 /* columns ahead whose weights a tile prefetches (the same bytes of a later tile) */
 #endif
-#define MAX_MB 2
+#define MAX_MB 4 /* the most rows any tile takes (F32_MB; the integer kernels take 2) */
+/* Rows a tile of the fp32-activation kernels (int4 and int8 rows x fp32) sums at once: on
+ * AVX-512's 32 registers 4 (16 accumulators, the widened weights and the scale beside them),
+ * AVX2's 16 registers 2. Past two rows these kernels are bound by the multiply-adds, not the
+ * bytes, and four rows a widening halves the widenings per product (batched decode, prefill) */
+#if QM_512
+#define F32_MB 4
+#else
+#define F32_MB 2
+#endif
 #define MAX_G 1024 /* groups a row may have: K <= 32768 (qlinear.MAX_K) */
 
 /* sc, per (row, column): each group's scale, weight scale times activation scale */
@@ -587,12 +596,13 @@ static inline __attribute__((always_inline)) void q4f_tile(const float *xf, cons
 
 /* int8 rows x fp32 activations (an int4 path's LM head; the int8 path's linears): the row's
  * int8 weights widened to fp32 against x as it is, one FMA chain over K, the row's scale after
- * (by run's caller, as for the int8 kernel). ``wf``: the columns n0 .. n0 + nc - 1 widened to
- * fp32 already ([nc, K], by widen_rows: many activation rows then share one widening, see
- * run), or NULL to widen them here; the same values and sums either way. */
+ * (by run's caller, as for the int8 kernel). Each column's 32 weights are widened once in
+ * registers for the tile's mb rows. (A block's columns widened into a buffer first, shared by
+ * every pair of rows, was 1.8x slower at 4 rows than two tiles widening for themselves: the
+ * buffer's 64 KB is read from L2 by each pair.) */
 static inline __attribute__((always_inline)) void q8f_tile(const float *xf, int64_t m0, const int mb, int64_t K,
                                                            const int8_t *w, const void *ws, int skind, int64_t n0,
-                                                           const int nc, float out[MAX_MB][NC], const float *wf) {
+                                                           const int nc, float out[MAX_MB][NC]) {
 #if QM_AVX2
     __m256 acc[MAX_MB][NC];
     for (int r = 0; r < mb; r++)
@@ -600,17 +610,13 @@ static inline __attribute__((always_inline)) void q8f_tile(const float *xf, int6
     for (int64_t i = 0; i < K; i += QK) {
         for (int c = 0; c < nc; c++) {
             __m256 f[4];
-            if (wf) {
-                for (int k = 0; k < 4; k++) f[k] = _mm256_loadu_ps(wf + c * K + i + 8 * k);
-            } else {
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (n0 + c) * K + i));
-                _mm_prefetch((const char *)(w + (n0 + c + AHEAD) * K + i), _MM_HINT_T0);
-                __m128i w0 = _mm256_castsi256_si128(wv), w1 = _mm256_extracti128_si256(wv, 1);
-                f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w0));
-                f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w0, 8)));
-                f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w1));
-                f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w1, 8)));
-            }
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (n0 + c) * K + i));
+            _mm_prefetch((const char *)(w + (n0 + c + AHEAD) * K + i), _MM_HINT_T0);
+            __m128i w0 = _mm256_castsi256_si128(wv), w1 = _mm256_extracti128_si256(wv, 1);
+            f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w0));
+            f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w0, 8)));
+            f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w1));
+            f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w1, 8)));
             for (int r = 0; r < mb; r++) {
                 const float *xr = xf + (m0 + r) * K + i;
                 for (int k = 0; k < 4; k++) acc[r][c] = _mm256_fmadd_ps(f[k], _mm256_loadu_ps(xr + 8 * k), acc[r][c]);
@@ -625,7 +631,7 @@ static inline __attribute__((always_inline)) void q8f_tile(const float *xf, int6
             const int8_t *wr = w + (n0 + c) * K;
             const float *xr = xf + (m0 + r) * K;
             float acc = 0.0f;
-            for (int64_t i = 0; i < K; i++) acc += (wf ? wf[c * K + i] : (float)wr[i]) * xr[i];
+            for (int64_t i = 0; i < K; i++) acc += (float)wr[i] * xr[i];
             out[r][c] = acc;
         }
 #endif
@@ -633,11 +639,6 @@ static inline __attribute__((always_inline)) void q8f_tile(const float *xf, int6
         float s = load_kind(ws, skind, n0 + c);
         for (int r = 0; r < mb; r++) out[r][c] *= s;
     }
-}
-
-/* int8 rows [n, K] -> fp32 [n, K], exactly (q8f_tile's wf) */
-static void widen_rows(const int8_t *w, int64_t n, int64_t K, float *wf) {
-    for (int64_t i = 0; i < n * K; i++) wf[i] = (float)w[i];
 }
 
 /* ---------------------------------------------------------------- entry points */
@@ -685,18 +686,16 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
         const int scaled = kind != 8 && kind != 9; /* the int4 kinds use sc */
         float *sc = scaled ? (float *)malloc(sizeof(float) * MAX_MB * NC * SC_PER_RC(G)) : NULL;
         if (scaled && !sc) failed = 1;
-        /* int8 rows x fp32 for more rows than a tile takes: a block's columns widened to fp32
-         * once (NBLOCK x K floats, cache-resident), read by each pair of rows */
-        float *wf = kind == 9 && M > MAX_MB ? (float *)malloc(sizeof(float) * NBLOCK * K) : NULL;
-        if (kind == 9 && M > MAX_MB && !wf) failed = 1;
+        /* rows a tile takes: F32_MB for the fp32-activation kernels, 2 for the others */
+        const int most = kind == 6 || kind == 9 ? F32_MB : 2;
 #pragma omp for schedule(static)
         for (int64_t bi = 0; bi < blocks; bi++) {
-            if ((scaled && !sc) || (kind == 9 && M > MAX_MB && !wf)) continue;
+            if (scaled && !sc) continue;
             float out[MAX_MB][NC];
             const int64_t n1 = (bi + 1) * NBLOCK < N ? (bi + 1) * NBLOCK : N;
-            if (wf) widen_rows(w + bi * NBLOCK * K, n1 - bi * NBLOCK, K, wf);
-            for (int64_t m0 = 0; m0 < M; m0 += MAX_MB) {
-                const int two = M - m0 >= 2;
+            for (int64_t m0 = 0, mb; m0 < M; m0 += mb) {
+                mb = M - m0 >= most ? most : M - m0 >= 2 ? 2 : 1;
+                const int four = mb == 4, two = mb == 2;
                 for (int64_t n0 = bi * NBLOCK; n0 < n1;) {
                     const int quad = n1 - n0 >= NC;
                     /* constant (mb, nc) at each call: the compiler specializes each tile */
@@ -710,16 +709,19 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
                     } else
 #endif
                     if (kind == 6) {
-                        if (two && quad) q4f_tile(xf, xs, m0, 2, K, qs, dm, n0, NC, sc, out);
+                        if (four && quad) q4f_tile(xf, xs, m0, 4, K, qs, dm, n0, NC, sc, out);
+                        else if (four) q4f_tile(xf, xs, m0, 4, K, qs, dm, n0, 1, sc, out);
+                        else if (two && quad) q4f_tile(xf, xs, m0, 2, K, qs, dm, n0, NC, sc, out);
                         else if (two) q4f_tile(xf, xs, m0, 2, K, qs, dm, n0, 1, sc, out);
                         else if (quad) q4f_tile(xf, xs, m0, 1, K, qs, dm, n0, NC, sc, out);
                         else q4f_tile(xf, xs, m0, 1, K, qs, dm, n0, 1, sc, out);
                     } else if (kind == 9) {
-                        const float *wn = wf ? wf + (n0 - bi * NBLOCK) * K : NULL;
-                        if (two && quad) q8f_tile(xf, m0, 2, K, w, ws, skind, n0, NC, out, wn);
-                        else if (two) q8f_tile(xf, m0, 2, K, w, ws, skind, n0, 1, out, wn);
-                        else if (quad) q8f_tile(xf, m0, 1, K, w, ws, skind, n0, NC, out, wn);
-                        else q8f_tile(xf, m0, 1, K, w, ws, skind, n0, 1, out, wn);
+                        if (four && quad) q8f_tile(xf, m0, 4, K, w, ws, skind, n0, NC, out);
+                        else if (four) q8f_tile(xf, m0, 4, K, w, ws, skind, n0, 1, out);
+                        else if (two && quad) q8f_tile(xf, m0, 2, K, w, ws, skind, n0, NC, out);
+                        else if (two) q8f_tile(xf, m0, 2, K, w, ws, skind, n0, 1, out);
+                        else if (quad) q8f_tile(xf, m0, 1, K, w, ws, skind, n0, NC, out);
+                        else q8f_tile(xf, m0, 1, K, w, ws, skind, n0, 1, out);
                     } else if (kind == 4) {
                         if (two && quad) q4_tile(xq, xd, xs, m0, 2, K, qs, dm, n0, NC, sc, out);
                         else if (two) q4_tile(xq, xd, xs, m0, 2, K, qs, dm, n0, 1, sc, out);
@@ -731,7 +733,7 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
                         else if (quad) q8_tile(xq, xd, m0, 1, K, w, ws, skind, n0, NC, out);
                         else q8_tile(xq, xd, m0, 1, K, w, ws, skind, n0, 1, out);
                     }
-                    const int mb = two ? 2 : 1, nc = quad ? NC : 1;
+                    const int nc = quad ? NC : 1;
                     for (int r = 0; r < mb; r++)
                         for (int c = 0; c < nc; c++) store_kind(y, ykind, (m0 + r) * N + n0 + c, out[r][c]);
                     n0 += nc;
@@ -739,7 +741,6 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
             }
         }
         free(sc);
-        free(wf);
     }
     free(xq);
     free(xd);
