@@ -4,12 +4,18 @@
 ``check()`` runs the built kernel (whichever ISA ``PANTHEON_KERNEL_ISA`` built) over shapes and
 slot orders and returns its worst error relative to the outputs' and states' scale, whether the
 slots it was not given stayed untouched, and whether one and two threads give the same bits.
-The kernel tests run it in a subprocess per ISA.
+``check_decode()`` does the same for the whole decode step (``gd_decode``: conv, norms, gates, the
+step and the gated norm) against ``decode_reference``, and returns a digest of its outputs so
+that the builds of two ISAs can be held to the same bits. The kernel tests run them in a
+subprocess per ISA.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
+import torch.nn.functional as F
 
 from workers.kernels import gdn_step
 from workers.layers.gated_delta import l2norm
@@ -61,3 +67,64 @@ def check() -> dict:
         worst = max(worst, float((out.double() - want_out).abs().max() / want_out.abs().max()))
         worst = max(worst, float((p[:b].double() - want_s).abs().max() / want_s.abs().max()))
     return {"worst": worst, "untouched": untouched, "same": same}
+
+
+# (B, Hk, Hv, Dk, Dv, K): Qwen3.5-0.8B's heads (16 x 128, 4 taps), GQA with odd sizes, one sequence
+DECODE_SHAPES = [(3, 16, 16, 128, 128, 4), (2, 2, 4, 16, 37, 3), (1, 1, 1, 8, 8, 4)]
+
+
+def decode_reference(proj, conv_w, conv, a_log, dt_bias, norm_w, ssm, heads, eps):
+    """float64, the layer's decode math between its linears (workers/models/qwen3_5.py):
+    returns the gated-norm output [B, Hv * Dv], the new conv states and the new states."""
+    hk, hv, dk, dv = heads
+    c = conv_w.shape[0]
+    proj, conv_w, conv, a_log, dt_bias, norm_w, ssm = (
+        t.double() for t in (proj, conv_w, conv, a_log, dt_bias, norm_w, ssm)
+    )
+    b = proj.shape[0]
+    xs = torch.cat([conv, proj[:, :c, None]], dim=-1)  # [B, C, K]
+    mixed = F.silu((xs * conv_w).sum(-1))
+    q = l2norm(mixed[:, : hk * dk].view(b, hk, dk)) * dk**-0.5
+    k = l2norm(mixed[:, hk * dk : 2 * hk * dk].view(b, hk, dk))
+    q, k = (t.repeat_interleave(hv // hk, dim=1) for t in (q, k))
+    v = mixed[:, 2 * hk * dk :].view(b, hv, dv)
+    z = proj[:, c : c + hv * dv].view(b, hv, dv)
+    beta = torch.sigmoid(proj[:, c + hv * dv : c + hv * dv + hv])
+    g = -a_log.exp() * F.softplus(proj[:, c + hv * dv + hv :] + dt_bias)
+    o, s = reference(q, k, v, g, beta, ssm)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_w
+    return (o * F.silu(z)).reshape(b, hv * dv), xs[..., 1:], s
+
+
+def check_decode() -> dict:
+    worst, untouched, same = 0.0, True, True
+    digest = hashlib.sha256()
+    g_ = torch.Generator().manual_seed(4)
+    for b, hk, hv, dk, dv, taps in DECODE_SHAPES:
+        c = 2 * hk * dk + hv * dv
+        proj = torch.randn(b, c + hv * dv + 2 * hv, generator=g_)
+        conv_w = torch.randn(c, taps, generator=g_) * 0.5
+        a_log, dt_bias = torch.randn(hv, generator=g_) * 0.5, torch.randn(hv, generator=g_)
+        norm_w = 1 + torch.randn(dv, generator=g_) * 0.1
+        conv = torch.randn(b + 2, c, taps - 1, generator=g_)
+        ssm = torch.randn(b + 2, hv, dk, dv, generator=g_) * 0.1
+        slots = torch.randperm(b + 2, generator=g_)[:b]
+        heads = (hk, hv, dk, dv)
+        want_o, want_c, want_s = decode_reference(
+            proj, conv_w, conv[slots], a_log, dt_bias, norm_w, ssm[slots], heads, 1e-6
+        )
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            pc, ps = conv.clone(), ssm.clone()
+            out = gdn_step.decode(proj, conv_w, pc, a_log, dt_bias, norm_w, ps, slots, heads, 1e-6)
+            outs.append((out, pc, ps))
+            for got, want in ((out, want_o), (pc[slots], want_c), (ps[slots], want_s)):
+                worst = max(worst, float((got.double() - want).abs().max() / want.abs().max()))
+            others = torch.ones(b + 2, dtype=torch.bool)
+            others[slots] = False
+            untouched &= bool(torch.equal(pc[others], conv[others]) and torch.equal(ps[others], ssm[others]))
+        same &= all(torch.equal(x, y) for x, y in zip(outs[0], outs[1]))
+        for t in outs[0]:
+            digest.update(t.contiguous().numpy().tobytes())
+    return {"worst": worst, "untouched": untouched, "same": same, "digest": digest.hexdigest()}

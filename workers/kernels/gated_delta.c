@@ -32,6 +32,15 @@
 #include <omp.h>
 #endif
 
+/* No a * b + c contracted into one rounding: where the compiler fuses is its choice per ISA and
+ * vector width, and the values must be one on every build (tests/unit/test_gdn_kernel.py holds
+ * the AVX2, AVX-512 and plain C builds to the same bits) */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 #define MAX_DV 1024 /* the stack buffers' length; the caller checks Dv against gd_max_dv() */
 
 int gd_max_dv(void) { return MAX_DV; }
@@ -77,5 +86,166 @@ int gd_step(const float *q, const float *k, const float *v, const float *g, cons
         head_step(q + bh * Dk, k + bh * Dk, v + bh * Dv, g[bh], beta[bh], pool + (slot * H + h) * per,
                   out + bh * Dv, Dk, Dv);
     }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- the whole decode step
+ *
+ * gd_decode: everything a Qwen3.5 linear-attention layer does to B decode rows between its two
+ * linears, in one call: the causal conv1d step and its SiLU (the conv state shifted in place),
+ * q and k L2-normalised (q scaled by Dk^-0.5; key head h / (Hv / Hk) serves value head h), the
+ * decay g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), head_step above, and the
+ * output's RMSNorm gated by silu(z). In torch that is ~70 ops a layer, each a few microseconds
+ * of dispatch at one row: more than the arithmetic (bench/step_ops.py --times).
+ *
+ * Numbers follow the torch path's roundings (workers/models/qwen3_5.py, GatedDeltaNet.forward
+ * with workers/layers/gated_delta.py): values the torch path holds in the model's dtype (xkind:
+ * F32 or BF16) are rounded to it where it rounds them (the conv's products and sum in the
+ * weight's dtype, its output, the step's output, the norm's x-hat and its weight product, the
+ * gated output); everything else is fp32.
+ *
+ * Layouts (contiguous, row-major):
+ *   proj   [B, P]      xkind: the in_proj rows, P = C + Hv*Dv + 2*Hv (q k v | z | b | a)
+ *   convw  [C, Kc]     wkind         conv  [S, C, Kc-1]  xkind, slot slots[b], shifted in place
+ *   A_log, dt_bias [Hv] akind        normw [Dv]  nkind
+ *   ssm    [S, Hv, Dk, Dv] fp32, updated in place       out [B, Hv*Dv] xkind
+ * Work for each sequence's conv, then for each (sequence, value head), over OpenMP; the sums
+ * run in a fixed order, so the result does not depend on the thread count.
+ */
+
+enum { GD_F32 = 0, GD_BF16 = 1 };
+
+static inline float gd_load(const void *p, int kind, int64_t i) {
+    if (kind == GD_BF16) {
+        union { uint32_t u; float f; } v;
+        v.u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        return v.f;
+    }
+    return ((const float *)p)[i];
+}
+
+static inline float gd_round(float f, int kind) { /* to bf16, nearest even (as torch), or as is */
+    if (kind != GD_BF16 || f != f) return f;
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    v.u = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
+    return v.f;
+}
+
+static inline void gd_store(void *p, int kind, int64_t i, float f) {
+    if (kind == GD_BF16) {
+        union { uint32_t u; float f; } v;
+        v.f = gd_round(f, kind);
+        ((uint16_t *)p)[i] = (uint16_t)(v.u >> 16);
+    } else {
+        ((float *)p)[i] = f;
+    }
+}
+
+/* e^x in plain float arithmetic the compiler vectorizes (libm's expf is a call per value:
+ * ~10 ns, where the ~250 k SiLUs of a batch-8 step's conv and norms are a few ms): x = n ln2 + r,
+ * |r| <= ln2 / 2, Cephes' degree-6 polynomial for e^r (within 2 ulp of expf), 2^n from its
+ * exponent bits. Plain operations, each rounded (no contraction, above): one value on every build */
+static inline float gd_exp(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* nearest integer */
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } two;
+    two.i = ((int32_t)n + 127) << 23;
+    return p * two.f;
+}
+
+static inline float gd_silu(float x) { return x / (1.0f + gd_exp(-x)); }
+
+/* xs[0 .. n) = silu(xs), each rounded to kind after (as torch's silu of a tensor of that kind) */
+static void gd_silu_rows(float *xs, int64_t n, int kind) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) xs[i] = gd_silu(xs[i]);
+    if (kind == GD_BF16)
+        for (int64_t i = 0; i < n; i++) xs[i] = gd_round(xs[i], kind);
+}
+
+#define GD_MAX_K 16 /* conv taps */
+
+/* 0 on success, 1 on bad sizes, 2 out of memory */
+int gd_decode(const void *proj, const void *convw, void *conv, const void *A_log, const void *dt_bias,
+              const void *normw, float *ssm, const int64_t *slots, void *out, int xkind, int wkind, int akind,
+              int nkind, int64_t B, int64_t C, int64_t Kc, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
+              float eps, int nthreads) {
+    if (B < 0 || Hk < 1 || Hv < 1 || Hv % Hk || Dk < 1 || Dk > MAX_DV || Dv < 1 || Dv > MAX_DV || Kc < 2 ||
+        Kc > GD_MAX_K || C != 2 * Hk * Dk + Hv * Dv)
+        return 1;
+    if (B == 0) return 0;
+    const int64_t P = C + Hv * Dv + 2 * Hv, Ks = Kc - 1, rep = Hv / Hk;
+    float *mixed = (float *)malloc(sizeof(float) * (size_t)(B * C)); /* the conv's outputs, fp32 */
+    if (!mixed) return 2;
+    int nt = nthreads < 1 ? 1 : nthreads;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        /* the conv: channel c of sequence b is its K-tap dot product over (state, x), then SiLU */
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t c = 0; c < C; c++) {
+                float xs[GD_MAX_K];
+                const int64_t at = (slots[b] * C + c) * Ks;
+                for (int64_t j = 0; j < Ks; j++) xs[j] = gd_load(conv, xkind, at + j);
+                xs[Ks] = gd_load(proj, xkind, b * P + c);
+                float acc = 0.0f;
+                for (int64_t j = 0; j < Kc; j++) acc += gd_round(gd_round(xs[j], wkind) * gd_load(convw, wkind, c * Kc + j), wkind);
+                mixed[b * C + c] = gd_round(acc, wkind);
+                for (int64_t j = 0; j < Ks; j++) gd_store(conv, xkind, at + j, xs[j + 1]);
+            }
+            gd_silu_rows(mixed + b * C, C, wkind);
+            if (xkind != wkind)
+                for (int64_t c = 0; c < C; c++) mixed[b * C + c] = gd_round(mixed[b * C + c], xkind);
+        }
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * Hv; bh++) {
+            const int64_t b = bh / Hv, h = bh % Hv, hk = h / rep;
+            const float *row = mixed + b * C;
+            const float *q0 = row + hk * Dk, *k0 = row + Hk * Dk + hk * Dk, *v = row + 2 * Hk * Dk + h * Dv;
+            float q[MAX_DV], k[MAX_DV], o[MAX_DV];
+            float sq = 0.0f, sk = 0.0f;
+            for (int64_t i = 0; i < Dk; i++) {
+                sq += q0[i] * q0[i];
+                sk += k0[i] * k0[i];
+            }
+            const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
+            const float scale = 1.0f / sqrtf((float)Dk);
+            for (int64_t i = 0; i < Dk; i++) {
+                q[i] = q0[i] * rq * scale;
+                k[i] = k0[i] * rk;
+            }
+            const float bb = gd_load(proj, xkind, b * P + C + Hv * Dv + h);
+            const float a = gd_load(proj, xkind, b * P + C + Hv * Dv + Hv + h) + gd_load(dt_bias, akind, h);
+            const float sp = a > 20.0f ? a : log1pf(expf(a));
+            const float g = -expf(gd_load(A_log, akind, h)) * sp;
+            const float beta = 1.0f / (1.0f + expf(-bb));
+            head_step(q, k, v, g, beta, ssm + (slots[b] * Hv + h) * Dk * Dv, o, Dk, Dv);
+            /* the gated RMSNorm of the step's output (rounded to the model's dtype first) */
+            float ss = 0.0f;
+            for (int64_t j = 0; j < Dv; j++) {
+                o[j] = gd_round(o[j], xkind);
+                ss += o[j] * o[j];
+            }
+            const float r = 1.0f / sqrtf(ss / (float)Dv + eps);
+            float gate[MAX_DV]; /* silu(z), fp32 */
+            for (int64_t j = 0; j < Dv; j++) gate[j] = gd_load(proj, xkind, b * P + C + h * Dv + j);
+            gd_silu_rows(gate, Dv, GD_F32);
+            for (int64_t j = 0; j < Dv; j++) {
+                const float hj = gd_round(gd_load(normw, nkind, j) * gd_round(o[j] * r, xkind), xkind);
+                gd_store(out, xkind, b * Hv * Dv + h * Dv + j, hj * gate[j]);
+            }
+        }
+    }
+    free(mixed);
     return 0;
 }

@@ -29,6 +29,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         {
             "gd_step": (ctypes.c_int, [_P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, ctypes.c_int]),
             "gd_max_dv": (ctypes.c_int, None),
+            "gd_decode": (
+                ctypes.c_int,
+                [_P] * 9 + [ctypes.c_int] * 4 + [_L] * 7 + [ctypes.c_float, ctypes.c_int],
+            ),
         },
     )
 
@@ -127,3 +131,87 @@ def _gdn_step_custom(
 @_gdn_step_custom.register_fake
 def _(q, k, v, g, beta, pool, slots) -> torch.Tensor:
     return v.new_empty(v.shape, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- the whole decode step
+
+_KIND = {torch.float32: 0, torch.bfloat16: 1}
+MAX_TAPS = 16  # gated_delta.c's GD_MAX_K
+
+
+def decode_fits(proj: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, dk: int, dv: int) -> bool:
+    """``decode`` takes these: CPU tensors, in_proj rows and the conv pool contiguous in fp32 or
+    bf16, the state pool contiguous fp32, heads the stack buffers hold, not inside a trace."""
+    return (
+        not torch.compiler.is_compiling()
+        and available()
+        and proj.device.type == "cpu"
+        and proj.dtype in _KIND
+        and conv.dtype == proj.dtype
+        and proj.is_contiguous()
+        and conv.is_contiguous()
+        and conv.shape[-1] + 1 <= MAX_TAPS
+        and ssm.dtype == torch.float32
+        and ssm.is_contiguous()
+        and dk <= MAX_DV
+        and dv <= MAX_DV
+    )
+
+
+def decode(
+    proj: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    ssm: torch.Tensor,
+    slots: torch.Tensor,
+    heads: tuple[int, int, int, int],
+    eps: float,
+) -> torch.Tensor:
+    """Everything a Qwen3.5 linear-attention layer does to B decode rows between in_proj and
+    out_proj (``gated_delta.c``'s gd_decode): ``proj`` [B, P] the in_proj rows (``decode_fits``),
+    ``conv_weight`` [C, K], ``conv`` [S, C, K-1] and ``ssm`` [S, Hv, Dk, Dv] the slots' pools
+    (sequence b's in slot ``slots[b]``, int64 [B]), updated in place; ``heads`` (Hk, Hv, Dk, Dv).
+    Returns the gated-norm output [B, Hv * Dv] in proj's dtype, what out_proj takes."""
+    lib = _load()[0]
+    assert lib is not None, "callers check decode_fits() first"
+    hk, hv, dk, dv = heads
+    b = proj.shape[0]
+    c, taps = conv_weight.shape
+    w, nw = (
+        t.contiguous() if t.dtype in _KIND else t.float().contiguous() for t in (conv_weight, norm_weight)
+    )
+    a, dt = a_log.float().contiguous(), dt_bias.float().contiguous()  # (as the torch path: fp32)
+    s = slots.to(torch.int64).contiguous()
+    if s.numel() != b or (b and not 0 <= int(s.min()) <= int(s.max()) < ssm.shape[0]):
+        raise ValueError(f"gated-delta decode: {b} rows, slots {s}, pool of {ssm.shape[0]}")
+    out = torch.empty(b, hv * dv, dtype=proj.dtype)
+    rc = lib.gd_decode(
+        proj.data_ptr(),
+        w.data_ptr(),
+        conv.data_ptr(),
+        a.data_ptr(),
+        dt.data_ptr(),
+        nw.data_ptr(),
+        ssm.data_ptr(),
+        s.data_ptr(),
+        out.data_ptr(),
+        _KIND[proj.dtype],
+        _KIND[w.dtype],
+        0,
+        _KIND[nw.dtype],
+        b,
+        c,
+        taps,
+        hk,
+        hv,
+        dk,
+        dv,
+        eps,
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise ValueError(f"gated-delta decode kernel refused proj {tuple(proj.shape)} (code {rc})")
+    return out

@@ -25,7 +25,7 @@ from torch import nn
 from pantheon.core.archs.qwen3_5 import FULL, Qwen35Description
 from pantheon.core.description import ModelDescription
 from workers.cache import KVCache, LayerCache, StateCache
-from workers.kernels import fla_gdn
+from workers.kernels import fla_gdn, gdn_step
 from workers.layers.attention import StepBatch, paged_attention
 from workers.layers.gated_delta import (
     causal_conv1d_prefill,
@@ -141,12 +141,32 @@ class GatedDeltaNet(nn.Module):
         # x: [N, hidden]; cache.tensors: conv [S, C, K-1], ssm [S, Hv, Dk, Dv] fp32
         n, c = x.shape[0], self.conv_dim
         proj = self.in_proj(x)  # [N, C + Vd + 2 Hv]
+        conv_pool, ssm_pool = cache.tensors["conv"], cache.tensors["ssm"]
+        if (
+            b.n_plain == n
+            and not b.verify
+            and not b.prefills
+            and b.decode_slots is not None
+            and gdn_step.decode_fits(proj, conv_pool, ssm_pool, self.dk, self.dv)
+        ):  # a pure decode step on the CPU: the whole layer between its linears in one call
+            normed = gdn_step.decode(
+                proj,
+                self.conv_weight.squeeze(1),
+                conv_pool,
+                self.A_log,
+                self.dt_bias,
+                self.norm_weight,
+                ssm_pool,
+                b.decode_slots[:n],
+                (self.hk, self.hv, self.dk, self.dv),
+                self.eps,
+            )  # [N, Vd]
+            return self.out_proj(normed)
         mixed = proj[:, :c]
         z = proj[:, c : c + self.value_dim].reshape(n, self.hv, self.dv)
         beta = torch.sigmoid(proj[:, c + self.value_dim : c + self.value_dim + self.hv].float())  # [N, Hv]
         a = proj[:, c + self.value_dim + self.hv :].float()
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())  # [N, Hv] fp32
-        conv_pool, ssm_pool = cache.tensors["conv"], cache.tensors["ssm"]
         w = self.conv_weight.squeeze(1)  # [C, K]
         core = torch.empty(n, self.hv, self.dv, dtype=x.dtype, device=x.device)  # [N, Hv, Dv]
         nd = b.n_plain
