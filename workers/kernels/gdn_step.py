@@ -31,7 +31,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             "gd_max_dv": (ctypes.c_int, None),
             "gd_decode": (
                 ctypes.c_int,
-                [_P] * 9 + [ctypes.c_int] * 4 + [_L] * 7 + [ctypes.c_float, ctypes.c_int],
+                [*[_P] * 9, *[ctypes.c_int] * 4, *[_L] * 7, ctypes.c_float, ctypes.c_int],
             ),
         },
     )
