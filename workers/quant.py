@@ -45,10 +45,9 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        w = weight.detach().float()  # [N, K]
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [N]
-        self.register_buffer("weight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(weight.dtype))
+        q, scale = int8_rows(weight)  # [N, K] int8, [N]
+        self.register_buffer("weight", q)
+        self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.kernel = self.in_features % INT8_KERNEL_K == 0  # see INT8_KERNEL_K
@@ -163,12 +162,25 @@ def q4_groups(
     return qs.reshape(n, k // 2).contiguous(), torch.stack([scale, lo], dim=1).half().contiguous()
 
 
+_ROWS_VALUES = 1 << 16  # fp32 values a chunk of int8_rows works on (256 KB: in L2)
+
+
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A [N, K] weight as int8 rows (one scale a row, absmax / 127), as ``Int8Linear`` holds it:
-    (int8 [N, K], scales [N] in the weight's dtype)."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale.to(weight.dtype)
+    (int8 [N, K], scales [N] in the weight's dtype). In chunks of rows: the whole weight in fp32
+    at once is 4 bytes a weight more at a load's peak (1 GB for a 248k-token head), and six
+    passes over it from memory instead of from the cache (a 0.8B model's load spent 4.4 s here)."""
+    w = weight.detach()
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.int8, device=w.device)
+    scale = torch.empty(n, dtype=torch.float32, device=w.device)
+    step = max(1, _ROWS_VALUES // max(1, k))
+    for r in range(0, n, step):
+        c = w[r : r + step].float()  # [rows, K] (the weight itself when it is fp32: not written)
+        s = c.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [rows]
+        q[r : r + step] = torch.round(c / s[:, None]).clamp_(-127, 127)
+        scale[r : r + step] = s
+    return q, scale.to(weight.dtype)
 
 
 class Int4Linear(nn.Module):
