@@ -75,3 +75,24 @@ def test_context_shrinks_the_chunk_to_keep_the_step_near_the_target() -> None:
     b2 = StepBudget(target_s=0.5, ceiling=4096, crossover=1000)
     b2.observe(0, 64, cost(64, 6000), 6032.5)
     assert b2.tokens(False, 0) == b.tokens(False, 0)
+
+
+def test_a_short_prompt_is_not_measured_but_a_small_budget_is():
+    b = StepBudget(target_s=0.5, ceiling=512, floor=16)
+    b.observe(0, 512, 512 * 0.02)  # a cold first step: 20 ms a token
+    assert b.tokens(decoding=False) == 25
+    b.observe(0, 8, 0.2)  # an 8-token prompt alone: the step's fixed cost, not a token's
+    assert b.per_token_s == pytest.approx(0.02)
+    chunks = []
+    for _ in range(12):  # the budget's own chunks, rounded down to a block (16 of 25 at first)
+        n = b.tokens(decoding=False) // 16 * 16
+        chunks.append(n)
+        b.observe(0, n, n * 0.008)  # 8 ms a token once warm
+    assert chunks[0] == 16 and chunks[-1] == 48  # (before: 16 for good)
+    assert b.per_token_s == pytest.approx(0.008, rel=0.05)
+    assert b.tokens(decoding=False) in (61, 62)
+    b2 = StepBudget(target_s=0.5, ceiling=512)
+    b2.observe(0, 512, 512 * 0.001)
+    assert b2.tokens() == 500
+    b2.observe(0, 8, 0.2)  # few tokens against a budget of 500: a short prompt, not measured
+    assert b2.per_token_s == pytest.approx(0.001)
