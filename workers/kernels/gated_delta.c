@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "convert.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -116,30 +118,18 @@ int gd_step(const float *q, const float *k, const float *v, const float *g, cons
 enum { GD_F32 = 0, GD_BF16 = 1 };
 
 static inline float gd_load(const void *p, int kind, int64_t i) {
-    if (kind == GD_BF16) {
-        union { uint32_t u; float f; } v;
-        v.u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        return v.f;
-    }
-    return ((const float *)p)[i];
+    return kind == GD_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline float gd_round(float f, int kind) { /* to bf16, nearest even (as torch), or as is */
-    if (kind != GD_BF16 || f != f) return f;
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    v.u = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
-    return v.f;
+static inline float gd_round(float f, int kind) { /* to bf16 (convert.h: nearest even), or as is */
+    return kind == GD_BF16 ? bf16_to_f32(f32_to_bf16(f)) : f;
 }
 
 static inline void gd_store(void *p, int kind, int64_t i, float f) {
-    if (kind == GD_BF16) {
-        union { uint32_t u; float f; } v;
-        v.f = gd_round(f, kind);
-        ((uint16_t *)p)[i] = (uint16_t)(v.u >> 16);
-    } else {
+    if (kind == GD_BF16)
+        ((uint16_t *)p)[i] = f32_to_bf16(f);
+    else
         ((float *)p)[i] = f;
-    }
 }
 
 /* e^x in plain float arithmetic the compiler vectorizes (libm's expf is a call per value:
