@@ -4,6 +4,7 @@ exactly as they did in the unbounded sandbox."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -57,10 +58,17 @@ BAD = {
 def test_a_pathological_template_is_refused_quickly(name):
     source, bound = BAD[name]
     t = ChatTemplate(source, name="the chat template of bad-model")
-    start = time.monotonic()
-    with pytest.raises(TemplateBoundError) as info:
-        t.render(MSGS)
-    took = time.monotonic() - start
+    # The suite's own heap out of the collector's way: deep recursion triggers a full collection,
+    # which in a process that ran two thousand tests scanned for ~1 s (a router's heap is small)
+    gc.collect()
+    gc.freeze()
+    try:
+        start = time.monotonic()
+        with pytest.raises(TemplateBoundError) as info:
+            t.render(MSGS)
+        took = time.monotonic() - start
+    finally:
+        gc.unfreeze()
     assert info.value.bound == bound, info.value.message
     assert info.value.message.startswith(f"the chat template of bad-model exceeded its {bound} bound"), (
         info.value.message
