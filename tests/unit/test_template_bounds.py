@@ -4,7 +4,6 @@ exactly as they did in the unbounded sandbox."""
 
 from __future__ import annotations
 
-import gc
 import sys
 import threading
 import time
@@ -58,24 +57,20 @@ BAD = {
 def test_a_pathological_template_is_refused_quickly(name):
     source, bound = BAD[name]
     t = ChatTemplate(source, name="the chat template of bad-model")
-    # The suite's own heap out of the collector's way: deep recursion triggers a full collection,
-    # which in a process that ran two thousand tests scanned for ~1 s (a router's heap is small)
-    gc.collect()
-    gc.freeze()
-    try:
-        start = time.monotonic()
-        with pytest.raises(TemplateBoundError) as info:
-            t.render(MSGS)
-        took = time.monotonic() - start
-    finally:
-        gc.unfreeze()
+    start, cpu = time.monotonic(), time.thread_time()
+    with pytest.raises(TemplateBoundError) as info:
+        t.render(MSGS)
+    took, cpu = time.monotonic() - start, time.thread_time() - cpu
     assert info.value.bound == bound, info.value.message
     assert info.value.message.startswith(f"the chat template of bad-model exceeded its {bound} bound"), (
         info.value.message
     )
-    assert took < T.RENDER_TIMEOUT_S + 0.5, took
-    if bound != "time":
-        assert took < 0.3, took  # refused by a check, not by waiting for the deadline
+    if bound == "time":
+        assert took < T.RENDER_TIMEOUT_S + 0.5, took  # the watchdog's deadline, on the wall clock
+    else:
+        # refused by a check, not by waiting for the deadline: the render's own CPU time (the
+        # rendering thread's; in a full CI run the wall clock once read 1.1 s for a 0.15 s render)
+        assert cpu < 0.3, cpu
 
 
 def test_a_huge_literal_is_refused_without_allocating_it():
