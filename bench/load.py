@@ -32,10 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 
 
-def _status() -> dict[str, int]:
-    """This process's memory lines of /proc/self/status, in bytes."""
+def _status(pid: int | str = "self") -> dict[str, int]:
+    """A process's memory lines of /proc/<pid>/status (this one's by default), in bytes."""
     out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, rest = line.partition(":")
         if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
             out[key] = int(rest.split()[0]) * 1024
@@ -124,15 +124,6 @@ def child(model: str, cpu_path: str, threads: int, answer: int = 0) -> dict:
     }
 
 
-def _proc_status(pid: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-            out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
 def peer_load(model: str, threads: int, answer: int) -> dict:
     """llama-server's load of the same GGUF: seconds to /health 200, resident memory sampled
     every 10 ms until then, and ``answer`` tokens from /completion."""
@@ -155,7 +146,7 @@ def peer_load(model: str, threads: int, answer: int) -> dict:
         while True:
             if proc.poll() is not None:
                 raise SystemExit(f"llama-server exited with {proc.returncode}: see {log.name}")
-            peak = max(peak, _proc_status(proc.pid).get("VmRSS", 0))
+            peak = max(peak, _status(proc.pid).get("VmRSS", 0))
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
@@ -170,7 +161,7 @@ def peer_load(model: str, threads: int, answer: int) -> dict:
             timeout=600,
         )
         answer_s = time.perf_counter() - t
-        final = _proc_status(proc.pid)
+        final = _status(proc.pid)
         return {
             "load_s": load_s,
             "peak_rss": max(peak, final["VmHWM"]),

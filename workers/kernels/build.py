@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch  # noqa: F401 - loaded before any kernel: its libgomp is the one kernels bind to
+import torch  # loaded before any kernel: its libgomp is the one kernels bind to
 
 HERE = Path(__file__).resolve().parent
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
@@ -133,6 +133,10 @@ def build(name: str) -> tuple[ctypes.CDLL | None, str]:
 
 # an entry point's ctypes types: (restype, argtypes or None to leave them unset)
 Signature = tuple[object, list[object] | None]
+
+# The float kinds the kernels read and write as activations and outputs (convert.h's F32, BF16:
+# qmatmul.c's X_F32 / X_BF16, llama_layer.c's and gated_delta.c's kinds): a dtype's code
+FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def load(name: str, without: str, entries: dict[str, Signature]) -> tuple[ctypes.CDLL | None, str]:

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from workers.kernels.build import load
+from workers.kernels.build import FLOAT_KINDS, load
 
 _P = ctypes.c_void_p
 _L = ctypes.c_int64
@@ -87,11 +87,9 @@ def _step(q, k, v, g, beta, pool, slots) -> torch.Tensor:
     b, h, dk = q.shape
     dv = v.shape[-1]
     q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
-    s = None if slots is None else slots.to(torch.int64).contiguous()
-    if (s is None and pool.shape[0] < b) or (
-        s is not None and (s.numel() != b or (b and not 0 <= int(s.min()) <= int(s.max()) < pool.shape[0]))
-    ):
-        raise ValueError(f"gated-delta step: {b} sequences, pool of {pool.shape[0]} slots, slots {s}")
+    if slots is None and pool.shape[0] < b:
+        raise ValueError(f"gated-delta step: {b} sequences, pool of {pool.shape[0]} slots")
+    s = None if slots is None else _slots(slots, b, pool, "gated-delta step")
     out = torch.empty(b, h, dv, dtype=torch.float32)
     rc = lib.gd_step(
         q.data_ptr(),
@@ -115,6 +113,15 @@ def _step(q, k, v, g, beta, pool, slots) -> torch.Tensor:
     return out
 
 
+def _slots(slots: torch.Tensor, b: int, pool: torch.Tensor, what: str) -> torch.Tensor:
+    """``slots`` as the kernels read them (int64, contiguous), checked: one a sequence, each a slot
+    of ``pool`` [S, ...] (the C code indexes the pool with them unchecked)."""
+    s = slots.to(torch.int64).contiguous()
+    if s.numel() != b or (b and not 0 <= int(s.min()) <= int(s.max()) < pool.shape[0]):
+        raise ValueError(f"{what}: {b} sequences, pool of {pool.shape[0]} slots, slots {s}")
+    return s
+
+
 @torch.library.custom_op("pantheon::gdn_step", mutates_args=("pool",))
 def _gdn_step_custom(
     q: torch.Tensor,
@@ -135,7 +142,6 @@ def _(q, k, v, g, beta, pool, slots) -> torch.Tensor:
 
 # ---------------------------------------------------------------- the whole decode step
 
-_KIND = {torch.float32: 0, torch.bfloat16: 1}
 MAX_TAPS = 16  # gated_delta.c's GD_MAX_K
 
 
@@ -146,7 +152,7 @@ def decode_fits(proj: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, dk: i
         not torch.compiler.is_compiling()
         and available()
         and proj.device.type == "cpu"
-        and proj.dtype in _KIND
+        and proj.dtype in FLOAT_KINDS
         and conv.dtype == proj.dtype
         and proj.is_contiguous()
         and conv.is_contiguous()
@@ -180,13 +186,17 @@ def decode(
     hk, hv, dk, dv = heads
     b = proj.shape[0]
     c, taps = conv_weight.shape
+    # each in its own kind where the kernel reads it (read as fp32 there, as the torch path
+    # widens them): no conversion on the step's path for a model's fp32 or bf16 parameters
     w, nw = (
-        t.contiguous() if t.dtype in _KIND else t.float().contiguous() for t in (conv_weight, norm_weight)
+        t.contiguous() if t.dtype in FLOAT_KINDS else t.float().contiguous()
+        for t in (conv_weight, norm_weight)
     )
-    a, dt = a_log.float().contiguous(), dt_bias.float().contiguous()  # (as the torch path: fp32)
-    s = slots.to(torch.int64).contiguous()
-    if s.numel() != b or (b and not 0 <= int(s.min()) <= int(s.max()) < ssm.shape[0]):
-        raise ValueError(f"gated-delta decode: {b} rows, slots {s}, pool of {ssm.shape[0]}")
+    a, dt = a_log, dt_bias
+    if a.dtype != dt.dtype or a.dtype not in FLOAT_KINDS:
+        a, dt = a.float(), dt.float()
+    a, dt = a.contiguous(), dt.contiguous()
+    s = _slots(slots, b, ssm, "gated-delta decode")
     out = torch.empty(b, hv * dv, dtype=proj.dtype)
     rc = lib.gd_decode(
         proj.data_ptr(),
@@ -198,10 +208,10 @@ def decode(
         ssm.data_ptr(),
         s.data_ptr(),
         out.data_ptr(),
-        _KIND[proj.dtype],
-        _KIND[w.dtype],
-        0,
-        _KIND[nw.dtype],
+        FLOAT_KINDS[proj.dtype],
+        FLOAT_KINDS[w.dtype],
+        FLOAT_KINDS[a.dtype],
+        FLOAT_KINDS[nw.dtype],
         b,
         c,
         taps,

@@ -22,12 +22,11 @@ from collections.abc import Callable
 
 import torch
 
-from workers.kernels.build import load
+from workers.kernels.build import FLOAT_KINDS, load
 
 log = logging.getLogger("pantheon.worker")
 
 GROUP = 32  # weights per int4 group, activations per int8 group (qmatmul.c's QK)
-_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -131,7 +130,7 @@ def _lib() -> ctypes.CDLL:
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel reads it: contiguous fp32 or bf16 (another float dtype widened to fp32)."""
-    return x.contiguous() if x.dtype in _KINDS else x.float().contiguous()
+    return x.contiguous() if x.dtype in FLOAT_KINDS else x.float().contiguous()
 
 
 def _matmul(
@@ -144,13 +143,13 @@ def _matmul(
     y = torch.empty(m, n, dtype=xr.dtype)
     rc = fn(
         xr.data_ptr(),
-        _KINDS[xr.dtype],
+        FLOAT_KINDS[xr.dtype],
         m,
         k,
         *weights,
         n,
         y.data_ptr(),
-        _KINDS[y.dtype],
+        FLOAT_KINDS[y.dtype],
         torch.get_num_threads(),
     )
     if rc:
@@ -168,9 +167,9 @@ def q4_linear(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, acts: str | N
 def q8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, acts: str | None = None) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N]; W int8 rows w [N, K], scales ws [N] (fp32 / bf16); ``acts`` as
     ``q4_linear``'s."""
-    s = ws if ws.dtype in _KINDS else ws.float()
+    s = ws if ws.dtype in FLOAT_KINDS else ws.float()
     fn = q8_entry(_lib(), acts)
-    return _matmul(fn, x, w.shape[0], (w.data_ptr(), s.data_ptr(), _KINDS[s.dtype]), "int8")
+    return _matmul(fn, x, w.shape[0], (w.data_ptr(), s.data_ptr(), FLOAT_KINDS[s.dtype]), "int8")
 
 
 def mxfp4_linear(x: torch.Tensor, qs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -216,7 +215,7 @@ def _q4_linear_custom(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> to
 
 @_q4_linear_custom.register_fake
 def _(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], qs.shape[0], dtype=x.dtype if x.dtype in _KINDS else torch.float32)
+    return x.new_empty(x.shape[0], qs.shape[0], dtype=x.dtype if x.dtype in FLOAT_KINDS else torch.float32)
 
 
 @torch.library.custom_op("pantheon::q8_linear", mutates_args=())
@@ -226,7 +225,7 @@ def _q8_linear_custom(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> tor
 
 @_q8_linear_custom.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[0], dtype=x.dtype if x.dtype in _KINDS else torch.float32)
+    return x.new_empty(x.shape[0], w.shape[0], dtype=x.dtype if x.dtype in FLOAT_KINDS else torch.float32)
 
 
 @torch.library.custom_op("pantheon::mxfp4_linear", mutates_args=())
@@ -236,7 +235,7 @@ def _mxfp4_linear_custom(x: torch.Tensor, qs: torch.Tensor, e: torch.Tensor) -> 
 
 @_mxfp4_linear_custom.register_fake
 def _(x: torch.Tensor, qs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], qs.shape[0], dtype=x.dtype if x.dtype in _KINDS else torch.float32)
+    return x.new_empty(x.shape[0], qs.shape[0], dtype=x.dtype if x.dtype in FLOAT_KINDS else torch.float32)
 
 
 MAX_K = 32768  # qmatmul.c's MAX_G groups of 32: its per-thread scale buffer

@@ -28,12 +28,11 @@ from torch import nn
 
 from workers.cache import KVCache, LayerCache
 from workers.kernels import paged, qlinear
-from workers.kernels.build import load
+from workers.kernels.build import FLOAT_KINDS, load
 from workers.kernels.kv_quant import KvRows, QuantRows
 from workers.layers.attention import StepBatch
 from workers.quant import Int4Linear, Int8Linear
 
-_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
@@ -160,8 +159,8 @@ class Native:
         lin = _Linear(bias=None if bias is None else self._f32(bias))
         if isinstance(mod, Int4Linear) and mod.ours:
             lin.kind, lin.a, lin.b = 4, mod.weight.data_ptr(), mod.scales_mins.data_ptr()
-        elif isinstance(mod, Int8Linear) and mod.ours and mod.scale.dtype in _KINDS:
-            lin.kind, lin.skind = 8, _KINDS[mod.scale.dtype]
+        elif isinstance(mod, Int8Linear) and mod.ours and mod.scale.dtype in FLOAT_KINDS:
+            lin.kind, lin.skind = 8, FLOAT_KINDS[mod.scale.dtype]
             lin.a, lin.b = mod.weight.data_ptr(), mod.scale.data_ptr()
         else:
             return None
@@ -180,7 +179,7 @@ class Native:
         out = torch.empty_like(x)
         (kd, ks, kk), (vd, vs, vk) = _pool(pool.k), _pool(pool.v)
         rc = self._lib.ll_decode(
-            self._addr, ctypes.addressof(step), x.data_ptr(), _KINDS[x.dtype], out.data_ptr(), x.shape[0],
+            self._addr, ctypes.addressof(step), x.data_ptr(), FLOAT_KINDS[x.dtype], out.data_ptr(), x.shape[0],
             kd, ks, kk, vd, vs, vk, torch.get_num_threads(),
         )  # fmt: skip
         if rc:
@@ -228,7 +227,7 @@ class Layers:
             return None
         out = x.clone()  # in place from here: the caller's x stays as it was
         rc = self._lib.ll_decode_layers(
-            self._plans, len(self._natives), ctypes.addressof(step), out.data_ptr(), _KINDS[x.dtype],
+            self._plans, len(self._natives), ctypes.addressof(step), out.data_ptr(), FLOAT_KINDS[x.dtype],
             x.shape[0], *arrays, torch.get_num_threads(),
         )  # fmt: skip
         if rc:
@@ -292,7 +291,7 @@ def _takes(x: torch.Tensor, b: StepBatch, pool: KVCache, plan: _Plan) -> bool:
 def _takes_rows(x: torch.Tensor, b: StepBatch, plan: _Plan) -> bool:
     """x [N, hidden] is what a fused call reads: the step's decode rows, contiguous fp32 / bf16
     on the CPU, with RoPE tables [N, H + KV, D] of the plan's heads."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in _KINDS or not x.is_contiguous():
+    if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in FLOAT_KINDS or not x.is_contiguous():
         return False
     rot = (x.shape[0], plan.heads + plan.kv_heads, plan.head_dim)
     return x.shape[0] == b.n_decode and b.rot_cos.shape == rot
@@ -306,14 +305,14 @@ def _writes(pool: KvRows) -> bool:
     if isinstance(pool, QuantRows):
         parts = (pool.data, pool.scales)
         return pool.kind in _QUANT and all(t.device.type == "cpu" and t.is_contiguous() for t in parts)
-    return pool.dtype in _KINDS and pool.device.type == "cpu" and pool.is_contiguous()
+    return pool.dtype in FLOAT_KINDS and pool.device.type == "cpu" and pool.is_contiguous()
 
 
 def _pool(pool: KvRows) -> tuple[int, int | None, int]:
     """(data, scales or None, kind) of a pool ``_writes`` took."""
     if isinstance(pool, QuantRows):
         return pool.data.data_ptr(), pool.scales.data_ptr(), _QUANT[pool.kind]
-    return pool.data_ptr(), None, _KINDS[pool.dtype]
+    return pool.data_ptr(), None, FLOAT_KINDS[pool.dtype]
 
 
 def kv_types_ok(k: str, v: str) -> bool:
@@ -342,12 +341,12 @@ def _build_step(b: StepBatch) -> tuple[_Step | None, list[torch.Tensor]]:
         t.contiguous() for t in (b.rot_cos, b.rot_sin, b.slot_mapping.long(), b.decode_blocks, b.decode_lens)
     ]
     cos, sin, slots, tab, lens = keep
-    if cos.dtype not in _KINDS or sin.dtype != cos.dtype or tab.dtype not in (torch.int32, torch.int64):
+    if cos.dtype not in FLOAT_KINDS or sin.dtype != cos.dtype or tab.dtype not in (torch.int32, torch.int64):
         return None, []
     if lens.dtype not in (torch.int32, torch.int64):
         return None, []
     s = _Step(
-        rot_cos=cos.data_ptr(), rot_sin=sin.data_ptr(), rot_kind=_KINDS[cos.dtype], slots=slots.data_ptr(),
+        rot_cos=cos.data_ptr(), rot_sin=sin.data_ptr(), rot_kind=FLOAT_KINDS[cos.dtype], slots=slots.data_ptr(),
         table=tab.data_ptr(), table_i32=int(tab.dtype == torch.int32), nb=tab.shape[1],
         lens=lens.data_ptr(), lens_i32=int(lens.dtype == torch.int32),
         block_size=b.block_size, min_parallel=paged.MIN_PARALLEL,

@@ -143,9 +143,7 @@ class GatedDeltaNet(nn.Module):
         proj = self.in_proj(x)  # [N, C + Vd + 2 Hv]
         conv_pool, ssm_pool = cache.tensors["conv"], cache.tensors["ssm"]
         if (
-            b.n_plain == n
-            and not b.verify
-            and not b.prefills
+            b.n_plain == n  # every row a plain decode row: no verify rows, no prefill chunk
             and b.decode_slots is not None
             and gdn_step.decode_fits(proj, conv_pool, ssm_pool, self.dk, self.dv)
         ):  # a pure decode step on the CPU: the whole layer between its linears in one call
