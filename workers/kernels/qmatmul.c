@@ -188,6 +188,9 @@ static void quantize_rows(const void *x, int xkind, int64_t M, int64_t K, int bl
 #else
 #define F32_MB 2
 #endif
+/* The int4 x fp32 tile on AVX-512: each group's 16 dequantized weights as a table, picked by
+ * code (see q4f_tile) */
+#define F32_512 QM_512
 #define MAX_G 1024 /* groups a row may have: K <= 32768 (qlinear.MAX_K) */
 
 /* sc, per (row, column): each group's scale, weight scale times activation scale */
@@ -524,8 +527,12 @@ static inline __attribute__((always_inline)) void q4b_tile(const uint16_t *xb, c
  * hosts' sums moves some values across a step, and a small model's 30 layers carry those
  * steps to the logits (0.6 apart between this file's AVX2 and AVX-512 builds with bf16
  * activations; the default model's greedy answer flipped with them, issue 40). Four converts
- * and five FMAs per 32 weights a row: at one row still bound by the weights' bytes.
- * Activations in order; xs the groups' sums.
+ * and five FMAs per 32 weights a row (AVX2, C). On AVX-512 (F32_512) the weights themselves:
+ * each group's 16 possible values level * d + m made once (one FMA: the dequantized weight,
+ * rounded once), each code's picked by vpermps, two FMAs per 32 weights a row into 16 lanes;
+ * no m * sum(x) term. Half the instructions of widening the levels, which bound one row at
+ * ~15 GB/s (Qwen3.5-0.8B's int4 linears 28 -> 17-22 ms a step, bench/qlinear_rows.py).
+ * Activations in order; xs the groups' sums (AVX2, C).
  */
 static void f32_sums(const float *x, int64_t M, int64_t K, float *xs) {
     const int64_t G = K / QK;
@@ -542,6 +549,45 @@ static inline __attribute__((always_inline)) void q4f_tile(const float *xf, cons
                                                            const uint16_t *dm, int64_t n0, const int nc, float *sc,
                                                            float out[MAX_MB][NC]) {
     const int64_t G = K / QK;
+#if F32_512
+    (void)xs;
+    for (int c = 0; c < nc; c++) { /* each group's scale and minimum, as fp32 */
+        const uint16_t *d = dm + (n0 + c) * 2 * G, *mn = d + G;
+        float *s = sc + c * 2 * G;
+        int64_t g = 0;
+        for (; g + 16 <= G; g += 16) {
+            _mm512_storeu_ps(s + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + g))));
+            _mm512_storeu_ps(s + G + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + g))));
+        }
+        for (; g < G; g++) {
+            s[g] = f16_to_f32(d[g]);
+            s[G + g] = f16_to_f32(mn[g]);
+        }
+    }
+    const __m512 lv = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 acc[MAX_MB][NC];
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        for (int c = 0; c < nc; c++) {
+            const uint8_t *q = qs + (n0 + c) * (K / 2) + g * 16;
+            _mm_prefetch((const char *)(q + AHEAD * (K / 2)), _MM_HINT_T0);
+            /* the group's 16 weights, level * d + m (one rounding each), picked by code (vpermps
+             * reads an index's low 4 bits: the low nibbles as the bytes are, the high ones
+             * shifted down) */
+            const float *s = sc + c * 2 * G;
+            __m512 lv16 = _mm512_fmadd_ps(lv, _mm512_set1_ps(s[g]), _mm512_set1_ps(s[G + g]));
+            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+            __m512 w0 = _mm512_permutexvar_ps(b, lv16), w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lv16);
+            for (int r = 0; r < mb; r++) {
+                const float *xr = xf + (m0 + r) * K + g * QK;
+                acc[r][c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][c]));
+            }
+        }
+    }
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+#else
     float cst[MAX_MB][NC];
     for (int c = 0; c < nc; c++) { /* each group's scale, and the minima's terms */
         const uint16_t *d = dm + (n0 + c) * 2 * G, *mn = d + G;
@@ -592,6 +638,7 @@ static inline __attribute__((always_inline)) void q4f_tile(const float *xf, cons
             out[r][c] = acc + cst[r][c];
         }
 #endif
+#endif
 }
 
 /* int8 rows x fp32 activations (an int4 path's LM head; the int8 path's linears): the row's
@@ -603,7 +650,26 @@ static inline __attribute__((always_inline)) void q4f_tile(const float *xf, cons
 static inline __attribute__((always_inline)) void q8f_tile(const float *xf, int64_t m0, const int mb, int64_t K,
                                                            const int8_t *w, const void *ws, int skind, int64_t n0,
                                                            const int nc, float out[MAX_MB][NC]) {
-#if QM_AVX2
+#if F32_512
+    /* 16 lanes: each 32 weights widened in two (vpmovsxbd, vcvtdq2ps), two FMAs a row */
+    __m512 acc[MAX_MB][NC];
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < K; i += QK) {
+        for (int c = 0; c < nc; c++) {
+            const int8_t *wr = w + (n0 + c) * K + i;
+            _mm_prefetch((const char *)(wr + AHEAD * K), _MM_HINT_T0);
+            __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wr)));
+            __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + 16))));
+            for (int r = 0; r < mb; r++) {
+                const float *xr = xf + (m0 + r) * K + i;
+                acc[r][c] = _mm512_fmadd_ps(f1, _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(f0, _mm512_loadu_ps(xr), acc[r][c]));
+            }
+        }
+    }
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < nc; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+#elif QM_AVX2
     __m256 acc[MAX_MB][NC];
     for (int r = 0; r < mb; r++)
         for (int c = 0; c < nc; c++) acc[r][c] = _mm256_setzero_ps();
@@ -669,7 +735,7 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
     if (kind == 6 || kind == 9) {
         if (xkind != X_F32)
             for (int64_t i = 0; i < M * K; i++) ((float *)xq)[i] = bf16_to_f32(((const uint16_t *)x)[i]);
-        if (kind == 6) f32_sums(xf, M, K, xs);
+        if (kind == 6 && !F32_512) f32_sums(xf, M, K, xs);
     } else
 #if QM_BF16
     if (kind == 5)
