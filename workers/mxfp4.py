@@ -105,6 +105,10 @@ class MxExperts(nn.Module):
             return qlinear.mxfp4_linear_op(x, self.qs[e], self.e[e])
         return torch.nn.functional.linear(x, dequantize_held(self.qs[e], self.e[e], x.dtype))
 
+    def stack(self) -> qlinear.Stack | None:
+        """The stack as ``qlinear.experts`` takes it, when the kernel is built."""
+        return qlinear.Stack("mxfp4", self.qs, self.e) if self.kernel else None
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """Every expert's matrix, ``[E, N, K]`` in ``dtype`` (exact), one expert at a time."""
         out = torch.empty(

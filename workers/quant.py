@@ -258,13 +258,17 @@ class QuantExperts(nn.Module):
     when ``layout`` is "int4" and the kernel takes ``[N, K]`` (else int8 rows, as the int4 path's
     linears). One expert is quantized at a time into the stack, so a load holds one expert's
     float copy at most beside it. ``experts[e](x)``: x [M, K] (bf16 on CPU) -> [M, N], reading
-    only expert ``e``'s block."""
+    only expert ``e``'s block. Where our kernel is built (``ours``), int4 groups in its layout
+    (``q4_groups``: a 4-bit file's own grid kept) and int8 rows both go through it, and
+    ``stack()`` hands the whole stack to ``qlinear.experts`` (a MoE layer's experts in one call)."""
 
     # torch's int8 CPU kernel sums wrongly (or crashes) unless K is a multiple of 16 (torch 2.13:
     # K = 24, 40 wrong, 100 a segfault); other K widen the expert's int8 rows per call
     INT8_KERNEL_K = 16
     weight: torch.Tensor  # [E, N, K] int8 | [E, N, K/2] uint8 (int4, the kernel's packing)
-    scales: torch.Tensor  # [E, N] (int8 rows, the weights' dtype) | [E, K/32, N, 2] bf16 (int4)
+    # [E, N] (int8 rows, the weights' dtype) | int4: [E, N, 2, K/32] fp16 (ours) or
+    # [E, K/32, N, 2] bf16 (torch's)
+    scales: torch.Tensor
 
     def __init__(self, weights: torch.Tensor, layout: str, int4: Int4Quantizer = int4_groups):
         super().__init__()
@@ -272,13 +276,19 @@ class QuantExperts(nn.Module):
             raise ValueError(f"experts are quantized to int8 or int4, not {layout!r}")
         e, n, k = weights.shape
         self.int4 = layout == "int4" and int4_fits(n, k)
+        # our kernel (not for another int4 quantizer: bench/mxfp4_experts.py's fitted baseline)
+        self.ours = qlinear.fits(k) and qlinear.available() and (not self.int4 or int4 is int4_groups)
         self.num_experts, self.out_features, self.in_features = e, n, k
         weight: torch.Tensor | None = None
         scales: torch.Tensor | None = None
         for i in range(e):
-            # int4 groups from bf16 (torch's kernel takes bf16 scales: 16-bit whatever the path's
-            # dtype, as sizing books them); int8 rows keep a scale in the weights' dtype
-            w, s = int4(weights[i].to(torch.bfloat16)) if self.int4 else int8_rows(weights[i])
+            # int4 groups in our layout (fp16 scales, the file's grid where it has one), or from
+            # bf16 for torch's kernel (bf16 scales: 16-bit whatever the path's dtype, as sizing
+            # books them); int8 rows keep a scale in the weights' dtype
+            if self.int4:
+                w, s = q4_groups(weights[i]) if self.ours else int4(weights[i].to(torch.bfloat16))
+            else:
+                w, s = int8_rows(weights[i])
             if weight is None or scales is None:
                 weight = w.new_empty(e, *w.shape)
                 scales = s.new_empty(e, *s.shape)
@@ -295,6 +305,10 @@ class QuantExperts(nn.Module):
 
     def mm(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ expert ``e``'s [N, K]^T -> [M, N]."""
+        if self.ours and x.device.type == "cpu":
+            if self.int4:
+                return qlinear.q4_linear_op(x, self.weight[e], self.scales[e])
+            return qlinear.q8_linear_op(x, self.weight[e], self.scales[e])
         if self.int4:  # bf16 activations, as its scales (the fp32 int4 path widens the result)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), self.weight[e], INT4_GROUP, self.scales[e]
@@ -307,6 +321,12 @@ class QuantExperts(nn.Module):
         ):
             return torch._weight_int8pack_mm(x, self.weight[e], self.scales[e])  # pyright: ignore[reportPrivateImportUsage]  # the int8 CPU kernel
         return F.linear(x, self.weight[e].to(x.dtype)) * self.scales[e].to(x.dtype)
+
+    def stack(self) -> qlinear.Stack | None:
+        """The stack as ``qlinear.experts`` takes it, when our kernel holds it."""
+        if not self.ours:
+            return None
+        return qlinear.Stack("int4" if self.int4 else "int8", self.weight, self.scales)
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's matrix as held (its levels and scales)."""

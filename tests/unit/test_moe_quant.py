@@ -48,8 +48,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_stacks_hold_the_linears_levels(layout, monkeypatch):
     """Each expert quantized as the path's dense linear would be on torch's kernels: the same
-    bytes, the same output. (Experts keep torch's kernels; dense linears run ours where it is
-    built, ``workers/kernels/qlinear.py``, switched off here.)"""
+    bytes, the same output, with our kernel switched off (``workers/kernels/qlinear.py``; with it
+    on both hold its layout: ``test_a_layers_experts_run_in_one_kernel_call``)."""
     _needs(layout)
     monkeypatch.setenv("PANTHEON_LINEAR_KERNEL", "0")
     w = (torch.randn(3, 48, 64) * 0.1).bfloat16()
@@ -112,6 +112,56 @@ def test_a_quantized_step_reads_only_the_experts_its_tokens_chose(layout):
             stack.scales[e] = float("nan")
     got = experts_forward(x, weights, ids, m.gate_up, m.down, laid_out=m.laid_out)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_layers_experts_run_in_one_kernel_call(layout):
+    """Where our kernel holds the stacks (int4 groups in its layout, int8 rows), the block runs
+    every routed expert in one call (``qlinear.experts``): the same sums as the experts one by
+    one through the same kernel (to the fp32 rounding of the activation between the matrices),
+    only the chosen experts read (the others' scales poisoned), each token the same bits alone
+    as beside others."""
+    _needs(layout)
+    from workers.kernels import qlinear
+
+    if not qlinear.available():
+        pytest.skip("no C compiler here: the experts run one by one")
+    torch.manual_seed(5)
+    m = MoE(64, 32, 8, 2, expert_bias=True)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    m.quantize(layout)
+    assert m._kernel() is not None and m.gate_up_laid_out.ours
+    x = torch.randn(6, 64)
+    weights, ids = route(m.gate(x), 2)
+    with torch.inference_mode():
+        want = experts_forward(
+            x,
+            weights,
+            ids,
+            m.gate_up,
+            m.down,
+            laid_out=m.laid_out,
+            gate_up_bias=m.gate_up_bias,
+            down_bias=m.down_bias,
+        )
+        got = m(x)
+        assert _rel(got, want) < 1e-5, _rel(got, want)
+        chosen = set(ids.flatten().tolist())
+        for stack in (m.gate_up_laid_out, m.down_laid_out):
+            for e in set(range(8)) - chosen:
+                stack.scales[e] = float("nan")
+        assert torch.equal(m(x), got)
+        # (the router's own torch GEMM may round a row alone differently: the experts' call is
+        # held to the bits given the same routing)
+        fused = m._kernel()
+        assert fused is not None
+        gu, dn, glu, _, _ = fused
+        for n in range(6):
+            alone = qlinear.experts(
+                x[n : n + 1], ids[n : n + 1], weights[n : n + 1], gu, dn, glu, 0.0, 0.0, m.gate_up_bias, m.down_bias
+            )
+            assert torch.equal(alone, got[n : n + 1])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

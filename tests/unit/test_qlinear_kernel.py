@@ -86,6 +86,45 @@ def test_each_isa_multiplies_mxfp4_blocks_exactly(isa):
     assert got["same"], got
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+def test_each_isa_runs_a_layers_experts_in_one_call(isa):
+    """``qm_experts`` (a MoE layer's routed experts, their biases, the gated activation and the
+    weighted sum in one call) against the dequantized experts' float64 sum
+    (tests/helpers/experts_ref.py), for int4 groups, int8 rows and MXFP4, both activations: each
+    token the same alone, batched and on one thread."""
+    if not qlinear.available():
+        pytest.skip("no C compiler here: the experts run one by one through torch (tested elsewhere)")
+    if isa != "native" and not X86:
+        pytest.skip("the avx2 / scalar builds name x86-64 levels")
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    got = json.loads(
+        _run(
+            "import json; from helpers.experts_ref import check; print(json.dumps(check()))",
+            {"PANTHEON_KERNEL_ISA": isa},
+        )
+    )
+    if isa != "native":
+        assert got["isa"] == isa
+    assert got["worst"] < 1e-5, got
+    assert got["same"], got
+
+
+def test_the_experts_call_refuses_an_id_out_of_range():
+    if not qlinear.available():
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(0)
+    from helpers.experts_ref import E, stack
+
+    gu, _ = stack("int8", 64, 32, g)
+    dn, _ = stack("int8", 32, 32, g)
+    x, wts = torch.randn(2, 32), torch.full((2, 2), 0.5)
+    for bad in (E, -1):
+        with pytest.raises(ValueError, match="experts kernel refused"):
+            qlinear.experts(x, torch.tensor([[0, 1], [2, bad]]), wts, gu, dn)
+    assert qlinear.experts(x[:0], torch.zeros(0, 2, dtype=torch.long), wts[:0], gu, dn).shape == (0, 32)
+
+
 def test_an_unknown_isa_is_refused_with_its_name(tmp_path):
     got = _run(
         "from workers.kernels import qlinear; print(qlinear.describe())",

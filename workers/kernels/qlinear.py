@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +46,11 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             "qm_q4_linear_f32": (_I, [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]),
             "qm_q8_linear_f32": (_I, [_P, _I, _L, _L, _P, _P, _I, _L, _P, _I, _I]),
             "qm_mxfp4_linear": (_I, [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]),
+            "qm_experts": (
+                _I,
+                [_P, _I, _L, _L, _L, _I, _P, _P, _L, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I]
+                + [ctypes.c_float, ctypes.c_float, _P, _I, _I],
+            ),
             "qm_has_bf16": (_I, None),
             "qm_isa": (ctypes.c_char_p, None),
         },
@@ -180,6 +186,127 @@ def mxfp4_linear(x: torch.Tensor, qs: torch.Tensor, e: torch.Tensor) -> torch.Te
     return _matmul(_lib().qm_mxfp4_linear, x, qs.shape[0], (qs.data_ptr(), e.data_ptr()), "MXFP4")
 
 
+class Stack(NamedTuple):
+    """``E`` experts' matrices ``[N, K]`` as one of the fp32-activation kernels holds them:
+    ``kind`` "int4" (``a`` levels [E, N, K/2] uint8, ``b`` scales and minima [E, N, 2, K/32]
+    fp16: ``q4_groups``'), "int8" (``a`` rows [E, N, K] int8, ``b`` scales [E, N] fp32 / bf16)
+    or "mxfp4" (``a`` codes [E, N, K/2] uint8, ``b`` exponents [E, N, K/32] uint8)."""
+
+    kind: str
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+_STACK_KINDS = {"int4": 6, "int8": 9, "mxfp4": 10}
+GLUS = {"silu": 0, "clamped": 1}  # qmatmul.c's GLU_SILU, GLU_CLAMPED
+
+
+def experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: Stack,
+    down: Stack,
+    glu: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A MoE layer's routed experts in one call (``qm_experts``): x [M, H] (fp32 / bf16), ids
+    [M, k] (int64, each in [0, E)), weights [M, k] -> sum_j weights[m, j] * expert_{ids[m, j]}(x[m])
+    [M, H] in x's dtype, each expert ``down @ glu(gate_up @ x + gate_up_bias) + down_bias`` with
+    gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I] in the same kind, biases
+    [E, 2I] / [E, H] or None. ``glu``: "silu" (silu(gate) * up) or "clamped" (gpt-oss's, with
+    ``alpha`` and ``limit``). Everything between the matrices in fp32; the activations met as
+    they are (the fp32-activation kernels'); an id out of range is refused (ValueError)."""
+    if gate_up.kind != down.kind or gate_up.kind not in _STACK_KINDS:
+        raise ValueError(f"experts in {gate_up.kind!r} and {down.kind!r}: one of {', '.join(_STACK_KINDS)}")
+    xr = _rows(x)
+    m, h = xr.shape
+    e, two_i = gate_up.a.shape[0], gate_up.a.shape[1]
+    inter = two_i // 2
+    k = ids.shape[1]
+    ids_c = ids.to(torch.int64).contiguous()
+    w_c = weights.float().contiguous()
+    biases = [
+        bias if bias is None or bias.dtype in FLOAT_KINDS else bias.float()
+        for bias in (gate_up_bias, down_bias)
+    ]
+    bkinds = {FLOAT_KINDS[bias.dtype] for bias in biases if bias is not None}
+    sb = gate_up.b if gate_up.kind != "int8" or gate_up.b.dtype in FLOAT_KINDS else gate_up.b.float()
+    db = down.b if down.kind != "int8" or down.b.dtype in FLOAT_KINDS else down.b.float()
+    skind = FLOAT_KINDS[sb.dtype] if gate_up.kind == "int8" else 0
+    if len(bkinds) > 1 or (gate_up.kind == "int8" and db.dtype != sb.dtype):
+        raise ValueError("the experts' biases (and int8 scales) must share one float kind")
+    gb, dnb = (None if bias is None else bias.contiguous() for bias in biases)
+    y = torch.empty(m, h, dtype=xr.dtype)
+    rc = _lib().qm_experts(
+        xr.data_ptr(),
+        FLOAT_KINDS[xr.dtype],
+        m,
+        h,
+        inter,
+        k,
+        ids_c.data_ptr(),
+        w_c.data_ptr(),
+        e,
+        _STACK_KINDS[gate_up.kind],
+        gate_up.a.data_ptr(),
+        sb.data_ptr(),
+        down.a.data_ptr(),
+        db.data_ptr(),
+        skind,
+        None if gb is None else gb.data_ptr(),
+        None if dnb is None else dnb.data_ptr(),
+        bkinds.pop() if bkinds else 0,
+        GLUS[glu],
+        alpha,
+        limit,
+        y.data_ptr(),
+        FLOAT_KINDS[y.dtype],
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise ValueError(
+            f"experts kernel refused x {tuple(x.shape)}, {e} experts of [{two_i}, {h}] / [{h}, {inter}]"
+            f" in {gate_up.kind}, ids in [{int(ids.min())}, {int(ids.max())}] (code {rc})"
+        )
+    return y
+
+
+def experts_op(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: Stack,
+    down: Stack,
+    glu: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``experts``, or inside a ``torch.compile`` trace the custom op that calls it."""
+    if not torch.compiler.is_compiling():
+        return experts(x, ids, weights, gate_up, down, glu, alpha, limit, gate_up_bias, down_bias)
+    return torch.ops.pantheon.experts(
+        x,
+        ids,
+        weights,
+        gate_up.kind,
+        gate_up.a,
+        gate_up.b,
+        down.a,
+        down.b,
+        glu,
+        alpha,
+        limit,
+        gate_up_bias,
+        down_bias,
+    )
+
+
 def _leading(
     op: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, s: torch.Tensor
 ) -> torch.Tensor:
@@ -236,6 +363,43 @@ def _mxfp4_linear_custom(x: torch.Tensor, qs: torch.Tensor, e: torch.Tensor) -> 
 @_mxfp4_linear_custom.register_fake
 def _(x: torch.Tensor, qs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], qs.shape[0], dtype=x.dtype if x.dtype in FLOAT_KINDS else torch.float32)
+
+
+@torch.library.custom_op("pantheon::experts", mutates_args=())
+def _experts_custom(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    kind: str,
+    gu_a: torch.Tensor,
+    gu_b: torch.Tensor,
+    dn_a: torch.Tensor,
+    dn_b: torch.Tensor,
+    glu: str,
+    alpha: float,
+    limit: float,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return experts(
+        x,
+        ids,
+        weights,
+        Stack(kind, gu_a, gu_b),
+        Stack(kind, dn_a, dn_b),
+        glu,
+        alpha,
+        limit,
+        gate_up_bias,
+        down_bias,
+    )
+
+
+@_experts_custom.register_fake
+def _(
+    x, ids, weights, kind, gu_a, gu_b, dn_a, dn_b, glu, alpha, limit, gate_up_bias, down_bias
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], x.shape[1], dtype=x.dtype if x.dtype in FLOAT_KINDS else torch.float32)
 
 
 MAX_K = 32768  # qmatmul.c's MAX_G groups of 32: its per-thread scale buffer

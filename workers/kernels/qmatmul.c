@@ -1000,3 +1000,214 @@ int qm_mxfp4_linear(const void *x, int xkind, int64_t M, int64_t K, const uint8_
     free(wide);
     return 0;
 }
+
+/* ---------------------------------------------------------------- a MoE layer's routed experts
+ *
+ * One call for every token's routed experts of one layer (what a step otherwise spends on ~10
+ * torch ops an expert: gathers, biases, the gated activation, the weighted sum):
+ *   y[m] = sum_j wts[m, j] * (down_e(glu(gate_up_e(x[m]) + bu_e)) + bd_e),  e = ids[m, j]
+ * x [M, H]; ids [M, k] int64 in [0, E); wts [M, k] fp32; each expert's gate_up [2I, H] (gate rows,
+ * then up rows) and down [H, I] in one of the fp32-activation kinds: 6 int4 groups (a: qs
+ * [E, 2I|H, K/2], b: dm [E, N, 2, K/32] fp16), 9 int8 rows (a: w [E, N, K], b: scales [E, N] of
+ * skind), 10 MXFP4 (a: qs [E, N, K/2], b: e [E, N, K/32]); biases bu [E, 2I], bd [E, H] of bkind,
+ * or NULL; glu 0: silu(gate) * up, 1: gpt-oss's clamped SwiGLU (alpha, limit).
+ * Everything between the two matrices in fp32. The assignments are grouped by expert (stable:
+ * tokens in order), each expert's rows multiplied in the tiles above, all experts' column blocks
+ * shared out among the threads at once (one barrier a phase, not one an expert); each token's
+ * k outputs summed in its own slot order. A row's result depends on its own row only: the
+ * same bits alone, batched and on any thread count.
+ */
+enum { GLU_SILU = 0, GLU_CLAMPED = 1 };
+
+typedef struct { /* one expert's matrix, as its kind holds it */
+    const uint8_t *qs;  /* int4 levels / MXFP4 codes */
+    const uint16_t *dm; /* int4 scales and minima */
+    const int8_t *w;    /* int8 rows */
+    const void *ws;     /* their scales (skind) */
+    const uint8_t *e;   /* MXFP4 exponents */
+} qmat;
+
+static qmat expert_mat(int kind, const void *a, const void *b, int skind, int64_t ex, int64_t N, int64_t K) {
+    qmat m = {0};
+    if (kind == 6) {
+        m.qs = (const uint8_t *)a + ex * N * (K / 2);
+        m.dm = (const uint16_t *)b + ex * N * 2 * (K / QK);
+    } else if (kind == 9) {
+        m.w = (const int8_t *)a + ex * N * K;
+        m.ws = (const char *)b + ex * N * (skind == X_BF16 ? 2 : 4);
+    } else {
+        m.qs = (const uint8_t *)a + ex * N * (K / 2);
+        m.e = (const uint8_t *)b + ex * N * (K / QK);
+    }
+    return m;
+}
+
+/* Column block bi of rows [M, K] (fp32, contiguous; xs their group sums for the non-AVX-512 int4
+ * tile) times one matrix, into y [M, N] fp32: run's tiles for the fp32-activation kinds */
+static void block_rows(int kind, const qmat *w, int skind, const float *xf, const float *xs, int64_t M, int64_t K,
+                       int64_t N, int64_t bi, float *y, float *sc) {
+    float out[MAX_MB][NC];
+    const int64_t n1 = (bi + 1) * NBLOCK < N ? (bi + 1) * NBLOCK : N;
+    for (int64_t m0 = 0, mb; m0 < M; m0 += mb) {
+        mb = M - m0 >= F32_MB ? F32_MB : M - m0 >= 2 ? 2 : 1; /* F32_MB <= MX_MB on every build */
+        const int four = mb == 4, two = mb == 2;
+        for (int64_t n0 = bi * NBLOCK; n0 < n1;) {
+            const int quad = n1 - n0 >= NC;
+            if (kind == 6) {
+                if (four && quad) q4f_tile(xf, xs, m0, 4, K, w->qs, w->dm, n0, NC, sc, out);
+                else if (four) q4f_tile(xf, xs, m0, 4, K, w->qs, w->dm, n0, 1, sc, out);
+                else if (two && quad) q4f_tile(xf, xs, m0, 2, K, w->qs, w->dm, n0, NC, sc, out);
+                else if (two) q4f_tile(xf, xs, m0, 2, K, w->qs, w->dm, n0, 1, sc, out);
+                else if (quad) q4f_tile(xf, xs, m0, 1, K, w->qs, w->dm, n0, NC, sc, out);
+                else q4f_tile(xf, xs, m0, 1, K, w->qs, w->dm, n0, 1, sc, out);
+            } else if (kind == 9) {
+                if (four && quad) q8f_tile(xf, m0, 4, K, w->w, w->ws, skind, n0, NC, out);
+                else if (four) q8f_tile(xf, m0, 4, K, w->w, w->ws, skind, n0, 1, out);
+                else if (two && quad) q8f_tile(xf, m0, 2, K, w->w, w->ws, skind, n0, NC, out);
+                else if (two) q8f_tile(xf, m0, 2, K, w->w, w->ws, skind, n0, 1, out);
+                else if (quad) q8f_tile(xf, m0, 1, K, w->w, w->ws, skind, n0, NC, out);
+                else q8f_tile(xf, m0, 1, K, w->w, w->ws, skind, n0, 1, out);
+            } else {
+#if F32_MB == 4
+                if (four && quad) mx_tile(xf, m0, 4, K, w->qs, w->e, n0, NC, out);
+                else if (four) mx_tile(xf, m0, 4, K, w->qs, w->e, n0, 1, out);
+                else
+#endif
+                if (two && quad) mx_tile(xf, m0, 2, K, w->qs, w->e, n0, NC, out);
+                else if (two) mx_tile(xf, m0, 2, K, w->qs, w->e, n0, 1, out);
+                else if (quad) mx_tile(xf, m0, 1, K, w->qs, w->e, n0, NC, out);
+                else mx_tile(xf, m0, 1, K, w->qs, w->e, n0, 1, out);
+            }
+            const int nc = quad ? NC : 1;
+            for (int64_t r = 0; r < mb; r++)
+                for (int c = 0; c < nc; c++) y[(m0 + r) * N + n0 + c] = out[r][c];
+            n0 += nc;
+        }
+    }
+}
+
+typedef struct { /* an expert with rows this call: its matrices and its rows' place in the sorted assignments */
+    qmat gu, dn;
+    int64_t ex, start, rows;
+} active_expert;
+
+/* The (expert, column block) of work item it among nb blocks an expert */
+static inline void locate(int64_t it, int64_t nb, int64_t *a, int64_t *bi) {
+    *a = it / nb;
+    *bi = it % nb;
+}
+
+static inline float glu_one(float g, float u, int glu, float alpha, float limit) {
+    if (glu == GLU_SILU) return g / (1.0f + expf(-g)) * u;
+    g = g < limit ? g : limit;
+    u = u < -limit ? -limit : u > limit ? limit : u;
+    return (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
+}
+
+int qm_experts(const void *x, int xkind, int64_t M, int64_t H, int64_t I, int topk, const int64_t *ids,
+               const float *wts, int64_t E, int kind, const void *gu_a, const void *gu_b, const void *dn_a,
+               const void *dn_b, int skind, const void *gu_bias, const void *dn_bias, int bkind, int glu,
+               float alpha, float limit, void *y, int ykind, int nthreads) {
+    if (M == 0) return 0;
+    if (M < 0 || topk < 1 || E < 1 || H < QK || H % QK || I < QK || I % QK || H / QK > MAX_G || 2 * I / QK > MAX_G ||
+        (kind != 6 && kind != 9 && kind != 10) || (xkind != X_F32 && xkind != X_BF16) ||
+        (ykind != X_F32 && ykind != X_BF16) || (skind != X_F32 && skind != X_BF16) ||
+        (bkind != X_F32 && bkind != X_BF16) || (glu != GLU_SILU && glu != GLU_CLAMPED))
+        return 1;
+    const int64_t A = M * topk;
+    for (int64_t i = 0; i < A; i++)
+        if (ids[i] < 0 || ids[i] >= E) return 1;
+    const int64_t G = H > I ? H / QK : I / QK; /* the most groups a row of either matrix has */
+    /* the assignments sorted by expert (a counting sort: stable), where each landed */
+    int64_t *count = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
+    /* pos[a]: where assignment a landed; src[r]: the assignment sorted row r holds */
+    int64_t *pos = (int64_t *)malloc((size_t)A * sizeof(int64_t)), *src = (int64_t *)malloc((size_t)A * sizeof(int64_t));
+    active_expert *act = (active_expert *)malloc((size_t)(E < A ? E : A) * sizeof(active_expert));
+    /* the sorted rows: inputs [A, H], gate_up out [A, 2I], activated [A, I], expert out [A, H];
+     * their group sums (the non-AVX-512 int4 tile's) [A, G] */
+    float *xg = (float *)malloc((size_t)A * (size_t)(H + 2 * I + I + H + G) * sizeof(float));
+    if (!count || !pos || !src || !act || !xg) {
+        free(count), free(pos), free(src), free(act), free(xg);
+        return 2;
+    }
+    float *gu = xg + A * H, *av = gu + A * 2 * I, *ys = av + A * I, *xs = ys + A * H;
+    for (int64_t i = 0; i < A; i++) count[ids[i] + 1]++;
+    for (int64_t e = 0; e < E; e++) count[e + 1] += count[e];
+    int64_t na = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (count[e + 1] > count[e]) {
+            act[na].gu = expert_mat(kind, gu_a, gu_b, skind, e, 2 * I, H);
+            act[na].dn = expert_mat(kind, dn_a, dn_b, skind, e, H, I);
+            act[na].ex = e, act[na].start = count[e], act[na].rows = count[e + 1] - count[e];
+            na++;
+        }
+    for (int64_t i = 0; i < A; i++) { /* count[e] runs from e's start to its end */
+        pos[i] = count[ids[i]]++;
+        src[pos[i]] = i;
+    }
+    const int q4 = kind == 6 && !F32_512; /* the tile that wants its rows' group sums */
+    const int64_t nb_gu = (2 * I + NBLOCK - 1) / NBLOCK, nb_dn = (H + NBLOCK - 1) / NBLOCK;
+    int nt = nthreads < 1 ? 1 : nthreads;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(|| : failed)
+    {
+        float *sc = (float *)malloc(sizeof(float) * MAX_MB * NC * SC_PER_RC(G));
+        if (!sc) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < A; r++) { /* gather each sorted row's input, in fp32 */
+            const int64_t m = src[r] / topk;
+            float *dst = xg + r * H;
+            if (xkind == X_F32) memcpy(dst, (const float *)x + m * H, (size_t)H * sizeof(float));
+            else
+                for (int64_t i = 0; i < H; i++) dst[i] = bf16_to_f32(((const uint16_t *)x)[m * H + i]);
+            if (q4) f32_sums(dst, 1, H, xs + r * (H / QK));
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < na * nb_gu; it++) {
+            int64_t a, bi;
+            locate(it, nb_gu, &a, &bi);
+            const active_expert *ae = &act[a];
+            if (sc) block_rows(kind, &ae->gu, skind, xg + ae->start * H, xs + ae->start * (H / QK), ae->rows, H, 2 * I, bi,
+                               gu + ae->start * 2 * I, sc);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < A; r++) { /* each row's gate_up bias, then its gated activation */
+            const int64_t e = ids[src[r]];
+            const float *g = gu + r * 2 * I;
+            float *o = av + r * I;
+            for (int64_t i = 0; i < I; i++) {
+                float gv = g[i], uv = g[I + i];
+                if (gu_bias) {
+                    gv += load_kind(gu_bias, bkind, e * 2 * I + i);
+                    uv += load_kind(gu_bias, bkind, e * 2 * I + I + i);
+                }
+                o[i] = glu_one(gv, uv, glu, alpha, limit);
+            }
+            if (q4) f32_sums(o, 1, I, xs + r * (I / QK));
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < na * nb_dn; it++) {
+            int64_t a, bi;
+            locate(it, nb_dn, &a, &bi);
+            const active_expert *ae = &act[a];
+            if (sc) block_rows(kind, &ae->dn, skind, av + ae->start * I, xs + ae->start * (I / QK), ae->rows, I, H, bi,
+                               ys + ae->start * H, sc);
+        }
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) { /* each token's k outputs, in its slot order */
+            for (int64_t i = 0; i < H; i++) {
+                float acc = 0.0f;
+                for (int j = 0; j < topk; j++) {
+                    const int64_t a = m * topk + j;
+                    float v = ys[pos[a] * H + i];
+                    if (dn_bias) v += load_kind(dn_bias, bkind, ids[a] * H + i);
+                    acc += wts[a] * v;
+                }
+                store_kind(y, ykind, m * H + i, acc);
+            }
+        }
+        free(sc);
+    }
+    free(count), free(pos), free(src), free(act), free(xg);
+    return failed ? 2 : 0;
+}

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.kernels import qlinear
 from workers.layers.mlp import GatedMLP
 from workers.mxfp4 import MxExperts
 from workers.quant import Int4Quantizer, QuantExperts, int4_groups
@@ -329,20 +330,48 @@ class MoE(nn.Module):
             requires_grad=False,
         )
 
+    def _kernel(self) -> tuple[qlinear.Stack, qlinear.Stack, str, float, float] | None:
+        """The experts' stacks and activation as ``qlinear.experts`` takes them (every expert in
+        one call), when our kernel holds both stacks, the activations are met as they are (the
+        fp32-activation kernels: ``PANTHEON_LINEAR_ACTIVATIONS=fp32``, the default) and the
+        activation is one it knows."""
+        if self.laid_out is None or qlinear.activations() != "fp32":
+            return None
+        gu, dn = self.laid_out
+        if not isinstance(gu, (QuantExperts, MxExperts)) or not isinstance(dn, (QuantExperts, MxExperts)):
+            return None
+        a, b = gu.stack(), dn.stack()
+        if a is None or b is None or a.kind != b.kind:
+            return None
+        if self.glu is silu_glu:
+            return a, b, "silu", 0.0, 0.0
+        if isinstance(self.glu, ClampedSwiGLU):
+            return a, b, "clamped", self.glu.alpha, self.glu.limit
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.routing, self.norm_topk_prob)
-        out = experts_forward(
-            x,
-            weights,
-            ids,
-            self.gate_up,
-            self.down,
-            stats=self.stats,
-            laid_out=self.laid_out,
-            glu=self.glu,
-            gate_up_bias=self.gate_up_bias,
-            down_bias=self.down_bias,
-        )
+        fused = self._kernel() if x.device.type == "cpu" else None
+        if fused is not None:
+            gu, dn, glu, alpha, limit = fused
+            if self.stats is not None:  # a benchmark's count of the experts a step reads
+                self.stats.append(int(ids.unique().numel()))
+            out = qlinear.experts_op(
+                x, ids, weights, gu, dn, glu, alpha, limit, self.gate_up_bias, self.down_bias
+            )
+        else:
+            out = experts_forward(
+                x,
+                weights,
+                ids,
+                self.gate_up,
+                self.down,
+                stats=self.stats,
+                laid_out=self.laid_out,
+                glu=self.glu,
+                gate_up_bias=self.gate_up_bias,
+                down_bias=self.down_bias,
+            )
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
