@@ -885,7 +885,6 @@ static inline __attribute__((always_inline)) void mx_tile(const float *xf, int64
                                                           const int nc, float out[MX_MB][NC]) {
     const int64_t G = K / QK;
 #if QM_AVX2
-    const __m128i lo4 = _mm_set1_epi8(0x0f);
 #if MX_512
     const __m512 levels = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
                                          -2.0f, -3.0f, -4.0f, -6.0f);
@@ -893,6 +892,7 @@ static inline __attribute__((always_inline)) void mx_tile(const float *xf, int64
     for (int r = 0; r < mb; r++)
         for (int c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
 #else
+    const __m128i lo4 = _mm_set1_epi8(0x0f);
     const __m128i lut = _mm_loadu_si128((const __m128i *)MX_LEVELS);
     __m256 acc[MX_MB][NC];
     for (int r = 0; r < mb; r++)
@@ -903,20 +903,21 @@ static inline __attribute__((always_inline)) void mx_tile(const float *xf, int64
             const uint8_t *q = qs + (n0 + c) * (K / 2) + g * 16;
             __m128i b = _mm_loadu_si128((const __m128i *)q);
             _mm_prefetch((const char *)(q + AHEAD * (K / 2)), _MM_HINT_T0);
-            /* the codes of values 0-15 (low nibbles) and 16-31 (high ones) */
-            __m128i lo = _mm_and_si128(b, lo4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo4);
 #if MX_512
             /* the levels times the block's power of two (vscalef: exact, subnormals too), then
              * each code's value picked from those 16 (vpermps): the weights themselves, exact */
             __m512 lv16 = _mm512_scalef_ps(levels, _mm512_set1_ps((float)e[(n0 + c) * G + g] - 127.0f));
-            __m512 w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(lo), lv16);
-            __m512 w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(hi), lv16);
+            __m512i bz = _mm512_cvtepu8_epi32(b); /* vpermps reads an index's low 4 bits */
+            __m512 w0 = _mm512_permutexvar_ps(bz, lv16);
+            __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bz, 4), lv16);
             for (int r = 0; r < mb; r++) {
                 const float *xr = xf + (m0 + r) * K + g * QK;
                 acc[r][c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][c]));
             }
 #else
-            /* their doubled levels as int8 (pshufb), widened to fp32, by half the block's scale */
+            /* the codes of values 0-15 (low nibbles) and 16-31 (high ones), their doubled levels
+             * as int8 (pshufb), widened to fp32, by half the block's scale */
+            __m128i lo = _mm_and_si128(b, lo4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo4);
             __m128i lv = _mm_shuffle_epi8(lut, lo), hv = _mm_shuffle_epi8(lut, hi);
             const float s = mx_half_scale(e[(n0 + c) * G + g]);
             __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lv)),
