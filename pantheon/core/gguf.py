@@ -367,6 +367,43 @@ def eos_token_ids(g: GGUFFile) -> list[int]:
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
+FLOAT_TYPES = ("F32", "F16", "BF16")
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit affine groups of 32: the int4 layout's own levels
+
+
+def storage(tensors: dict[str, GGUFTensor]) -> tuple[str, bool, bool]:
+    """How a file stores its matrices: (torch_dtype of its float ones, stored quantized, mostly in
+    4-bit groups). The matrices: tensors of 2 or 3 dimensions (a mixture of experts' stacks) whose
+    rows hold at least one quantization block, less what every quantizer keeps in float and a
+    CPU die keeps as it is: a depthwise convolution's [C, 4] taps (Qwen3.5's ssm_conv1d, short
+    rows), a mixture of experts' router (``ffn_gate_inp``, F32 in llama-quantize's files) and
+    MXFP4 experts (held as they ship on every path). Stored quantized: no float matrix left
+    (a CPU die may then keep its linears in int8 rows, which costs less accuracy than the file's
+    own quantization already did: workers/cpu_paths). Mostly 4-bit: at least half the decoder's
+    matrix weights in Q4_0 / Q4_1 / Q4_K (a Q4_K_M file keeps some in Q6_K / Q5_K), the experts
+    counted: the int4 layout then holds their own levels, the others int8 rows."""
+    mats = [
+        (name, t.type_name, math.prod(t.shape))
+        for name, t in tensors.items()
+        if len(t.shape) in (2, 3)
+        and t.shape[-1] >= 32
+        and t.type_name != "MXFP4"
+        and ".ffn_gate_inp" not in name
+    ]
+    kinds = [kind for _, kind, _ in mats]
+    dtype = (
+        "float32"
+        if kinds and all(k == "F32" for k in kinds)
+        else "float16"
+        if kinds and all(k == "F16" for k in kinds)
+        else "bfloat16"
+    )
+    quantized = bool(kinds) and not any(k in FLOAT_TYPES for k in kinds)
+    blk = [(kind, n) for name, kind, n in mats if name.startswith("blk.")]
+    four = sum(n for kind, n in blk if kind in FOUR_BIT_TYPES)
+    return dtype, quantized, quantized and bool(blk) and 2 * four >= sum(n for _, n in blk)
+
+
 def hf_config(g: GGUFFile) -> dict:
     """The ``config.json`` a Hugging Face folder of this model would have (checked by the same
     code as a real one: ``workers.model_config.config_from_dict``, ``pantheon.core.sizing``)."""
@@ -416,29 +453,7 @@ def hf_config(g: GGUFFile) -> dict:
         vocab = len(tokens)
     else:
         vocab = _field(g, f"{a}.vocab_size")
-    # The matrices (a row of at least one quantization block): a depthwise convolution's [C, 4]
-    # taps (Qwen3.5's ssm_conv1d, which the converter keeps in F32) are not among them.
-    two_d = [t.type_name for t in g.tensors.values() if len(t.shape) == 2 and t.shape[-1] >= 32]
-    dtype = (
-        "float32"
-        if two_d and all(t == "F32" for t in two_d)
-        else "float16"
-        if two_d and all(t == "F16" for t in two_d)
-        else "bfloat16"
-    )
-    # Stored quantized (no float 2-D weight): a CPU die may then keep its linears in int8,
-    # which costs less accuracy than the file's own quantization already did (workers/cpu_paths).
-    quantized = bool(two_d) and not any(t in ("F32", "F16", "BF16") for t in two_d)
-    # The decoder's linears in 4-bit affine groups of 32 (what Q4_0, Q4_1 and Q4_K blocks are), or
-    # mostly so (a Q4_K_M file keeps some in Q6_K / Q5_K): the CPU's int4 layout then holds their
-    # own levels, and the others in int8 rows (workers/cpu_paths.py, file_int4_linear).
-    blk = [
-        (t.type_name, math.prod(t.shape))
-        for name, t in g.tensors.items()
-        if name.startswith("blk.") and len(t.shape) == 2 and t.shape[-1] >= 32
-    ]
-    four = sum(n for t, n in blk if t in ("Q4_0", "Q4_1", "Q4_K"))
-    int4 = quantized and bool(blk) and 2 * four >= sum(n for _, n in blk)
+    dtype, quantized, int4 = storage(g.tensors)
     bias = "blk.0.attn_q.bias" in g.tensors
     eos = eos_token_ids(g)
     arch_name, model_type = family.gguf_architectures[a]

@@ -112,6 +112,12 @@ def test_f32_file_gives_the_folders_logits(folder, files):
 def test_q8_0_file_stays_close_to_the_folder(folder, files):
     path = files(Q8_0)
     assert read_gguf(path).tensors["blk.0.ffn_down_exps.weight"].type_name == "Q8_0"
+    # stored quantized though its router is F32 (as the converter keeps it): the int8 path alone,
+    # the experts in int8 rows of their own levels
+    assert load_config(str(path)).quantized_source
+    default = Engine(str(path), kv_budget_bytes=1 << 20)  # no dtype asked (the suite's ask fp32)
+    assert default.cpu_path == "int8"
+    default.close()
     want = engine(folder).prompt_logits(PROMPT)
     got = engine(path).prompt_logits(PROMPT)
     assert (got - want).abs().max().item() < Q8_0_LOGIT_TOL
