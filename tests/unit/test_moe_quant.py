@@ -159,7 +159,16 @@ def test_a_layers_experts_run_in_one_kernel_call(layout):
         gu, dn, glu, _, _ = fused
         for n in range(6):
             alone = qlinear.experts(
-                x[n : n + 1], ids[n : n + 1], weights[n : n + 1], gu, dn, glu, 0.0, 0.0, m.gate_up_bias, m.down_bias
+                x[n : n + 1],
+                ids[n : n + 1],
+                weights[n : n + 1],
+                gu,
+                dn,
+                glu,
+                0.0,
+                0.0,
+                m.gate_up_bias,
+                m.down_bias,
             )
             assert torch.equal(alone, got[n : n + 1])
 
