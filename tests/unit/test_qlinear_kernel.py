@@ -92,7 +92,7 @@ def test_the_default_model_gives_the_same_logits_on_every_isa():
     code = (
         "import hashlib, torch; from pantheon.serve import smollm2_file; from workers.engine import Engine; "
         "e = Engine(str(smollm2_file()), devices=['cpu'], kv_budget_bytes=1 << 22, cpu_path='int4'); "
-        "print(hashlib.sha256(e.prompt_logits(list(range(100, 164))).float().numpy().tobytes()).hexdigest())"
+        "print(hashlib.sha256(e.prompt_logits(list(range(100, 112))).float().numpy().tobytes()).hexdigest())"
     )
     got = {isa: _run(code, {"PANTHEON_KERNEL_ISA": isa}) for isa in _isas()}
     assert len(set(got.values())) == 1, got
