@@ -222,9 +222,16 @@ def experts(
     they are (the fp32-activation kernels'); an id out of range is refused (ValueError)."""
     if gate_up.kind != down.kind or gate_up.kind not in _STACK_KINDS:
         raise ValueError(f"experts in {gate_up.kind!r} and {down.kind!r}: one of {', '.join(_STACK_KINDS)}")
+    for t in (gate_up.a, gate_up.b, down.a, down.b):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"experts kernel: its stacks are contiguous CPU tensors, got one on {t.device}")
     xr = _rows(x)
     m, h = xr.shape
     e, two_i = gate_up.a.shape[0], gate_up.a.shape[1]
+    if down.a.shape[0] != e or down.a.shape[1] != h:
+        raise ValueError(
+            f"experts kernel: gate_up {tuple(gate_up.a.shape)} and down {tuple(down.a.shape)} for x {tuple(x.shape)}"
+        )
     inter = two_i // 2
     k = ids.shape[1]
     ids_c = ids.to(torch.int64).contiguous()

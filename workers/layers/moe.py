@@ -256,12 +256,14 @@ class MoE(nn.Module):
         # each expert's matrices as a CPU path lays them out (oneDNN-prepacked, or quantized
         # stacks), when it does
         self.laid_out: tuple[ExpertMats, ExpertMats] | None = None
+        # (activation, alpha, limit) when qlinear.experts runs the experts (MoE._hold)
+        self.kernel_glu: tuple[str, float, float] | None = None
         self._matrix_bytes = 0  # one expert's gate_up and down as laid out (0: the stacked ones)
         self.mxfp4 = mxfp4  # the experts held in MXFP4 (MxExperts), the stacked weights empty
         if mxfp4:
             gu, dn = MxExperts(num_experts, 2 * inter, hidden), MxExperts(num_experts, hidden, inter)
             self.gate_up_laid_out, self.down_laid_out = gu, dn  # registered: the loader fills them
-            self.laid_out = (gu, dn)
+            self._hold((gu, dn))
             self._matrix_bytes = gu.expert_bytes() + dn.expert_bytes()
             self._drop_stacked()
 
@@ -294,7 +296,7 @@ class MoE(nn.Module):
         gu = nn.ModuleList(make(self.gate_up[e]) for e in range(self.num_experts))
         dn = nn.ModuleList(make(self.down[e]) for e in range(self.num_experts))
         self.gate_up_laid_out, self.down_laid_out = gu, dn  # registered: counted as the model's weights
-        self.laid_out = (cast(ExpertMats, gu), cast(ExpertMats, dn))
+        self._hold((cast(ExpertMats, gu), cast(ExpertMats, dn)))
         self._drop_stacked()
 
     def quantize(self, layout: str, int4: Int4Quantizer = int4_groups) -> None:
@@ -307,7 +309,7 @@ class MoE(nn.Module):
         dn = QuantExperts(self.down.detach(), layout, int4)
         self._matrix_bytes = gu.expert_bytes() + dn.expert_bytes()
         self.gate_up_laid_out, self.down_laid_out = gu, dn  # registered: counted as the model's weights
-        self.laid_out = (gu, dn)
+        self._hold((gu, dn))
         self._drop_stacked()
 
     def unpack_mxfp4(self, dtype: torch.dtype) -> None:
@@ -320,7 +322,8 @@ class MoE(nn.Module):
         self.gate_up = nn.Parameter(gu.dequantized(dtype), requires_grad=False)
         self.down = nn.Parameter(dn.dequantized(dtype), requires_grad=False)
         del self.gate_up_laid_out, self.down_laid_out
-        self.laid_out, self._matrix_bytes, self.mxfp4 = None, 0, False
+        self._hold(None)
+        self._matrix_bytes, self.mxfp4 = 0, False
 
     def _drop_stacked(self) -> None:
         empty = torch.empty(0, *self.gate_up.shape[1:], dtype=self.gate_up.dtype, device=self.gate_up.device)
@@ -330,30 +333,45 @@ class MoE(nn.Module):
             requires_grad=False,
         )
 
+    def _hold(self, laid_out: tuple[ExpertMats, ExpertMats] | None) -> None:
+        """Hold the experts as ``laid_out`` (None: the stacked weights), and settle once whether
+        the kernel runs them (not at each step: a compiled step reads the attribute). The stacks
+        themselves are read at each call: a load or ``.to()`` replaces the tensors they hold."""
+        self.laid_out = laid_out
+        fused = self._kernel()
+        self.kernel_glu = None if fused is None else fused[2:]
+
     def _kernel(self) -> tuple[qlinear.Stack, qlinear.Stack, str, float, float] | None:
         """The experts' stacks and activation as ``qlinear.experts`` takes them (every expert in
         one call), when our kernel holds both stacks, the activations are met as they are (the
         fp32-activation kernels: ``PANTHEON_LINEAR_ACTIVATIONS=fp32``, the default) and the
         activation is one it knows."""
-        if self.laid_out is None or qlinear.activations() != "fp32":
+        stacks = self._stacks()
+        if stacks is None or qlinear.activations() != "fp32" or stacks[0].kind != stacks[1].kind:
             return None
-        gu, dn = self.laid_out
-        if not isinstance(gu, (QuantExperts, MxExperts)) or not isinstance(dn, (QuantExperts, MxExperts)):
-            return None
-        a, b = gu.stack(), dn.stack()
-        if a is None or b is None or a.kind != b.kind:
-            return None
+        a, b = stacks
         if self.glu is silu_glu:
             return a, b, "silu", 0.0, 0.0
         if isinstance(self.glu, ClampedSwiGLU):
             return a, b, "clamped", self.glu.alpha, self.glu.limit
         return None
 
+    def _stacks(self) -> tuple[qlinear.Stack, qlinear.Stack] | None:
+        """The experts' stacks as the kernel takes them, as the module holds them now."""
+        if self.laid_out is None:
+            return None
+        gu, dn = self.laid_out
+        if not isinstance(gu, (QuantExperts, MxExperts)) or not isinstance(dn, (QuantExperts, MxExperts)):
+            return None
+        a, b = gu.stack(), dn.stack()
+        return None if a is None or b is None else (a, b)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.routing, self.norm_topk_prob)
-        fused = self._kernel() if x.device.type == "cpu" else None
-        if fused is not None:
-            gu, dn, glu, alpha, limit = fused
+        fused = self._stacks() if self.kernel_glu is not None and x.device.type == "cpu" else None
+        if fused is not None and self.kernel_glu is not None:
+            gu, dn = fused
+            glu, alpha, limit = self.kernel_glu
             if self.stats is not None:  # a benchmark's count of the experts a step reads
                 self.stats.append(int(ids.unique().numel()))
             out = qlinear.experts_op(
