@@ -23,7 +23,6 @@ from workers.kernels import qlinear
 from workers.quant import Int4Linear, Int8Linear
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECK = "import json; from helpers.qlinear_ref import check; print(json.dumps(check()))"
 X86 = platform.machine() in ("x86_64", "AMD64")
 
 
@@ -42,20 +41,27 @@ def _run(code: str, env: dict[str, str]) -> str:
     return r.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
-def test_each_isa_is_right_to_the_integers(isa):
+def _check_on(isa: str, helper: str, why_none: str) -> dict:
+    """``helpers.<helper>.check()`` run in a subprocess on the ``isa`` build (PANTHEON_KERNEL_ISA),
+    skipped where this host cannot build or run it; ``why_none``: what runs instead where no
+    kernel is built."""
     if not qlinear.available():
-        pytest.skip("no C compiler here: the linears keep torch's kernels (tested elsewhere)")
+        pytest.skip(f"no C compiler here: {why_none}")
     if isa != "native" and not X86:
         pytest.skip("the avx2 / scalar builds name x86-64 levels")
     if isa == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
         pytest.skip("this CPU has no AVX2 + FMA + F16C")
-    got = json.loads(_run(CHECK, {"PANTHEON_KERNEL_ISA": isa}))
-    want_isa = {"avx2": "avx2", "scalar": "scalar"}.get(isa)
-    if want_isa:
-        assert got["isa"] == want_isa
-    else:
-        assert got["isa"] in ("avx512vnni", "avxvnni", "avx2", "scalar")
+    code = f"import json; from helpers.{helper} import check; print(json.dumps(check()))"
+    got = json.loads(_run(code, {"PANTHEON_KERNEL_ISA": isa}))
+    if isa != "native":
+        assert got["isa"] == isa
+    return got
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+def test_each_isa_is_right_to_the_integers(isa):
+    got = _check_on(isa, "qlinear_ref", "the linears keep torch's kernels (tested elsewhere)")
+    assert got["isa"] in ("avx512vnni", "avxvnni", "avx2", "scalar")
     assert got["worst"] < 1e-5, got
     assert got["same"], got
     # the int4 x bf16 kernel only where the build has AVX512_BF16 (the native build, here); the
@@ -103,20 +109,7 @@ def test_each_isa_multiplies_mxfp4_blocks_exactly(isa):
     """The MXFP4 kernel (gpt-oss's experts as they ship) against the dequantized weights' float64
     product (tests/helpers/mxfp4_ref.py): off only by the order of fp32 sums, every code and
     exponent, each row the same alone, batched and on one thread."""
-    if not qlinear.available():
-        pytest.skip("no C compiler here: MXFP4 experts are dequantized per call (tested elsewhere)")
-    if isa != "native" and not X86:
-        pytest.skip("the avx2 / scalar builds name x86-64 levels")
-    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
-        pytest.skip("this CPU has no AVX2 + FMA + F16C")
-    got = json.loads(
-        _run(
-            "import json; from helpers.mxfp4_ref import check; print(json.dumps(check()))",
-            {"PANTHEON_KERNEL_ISA": isa},
-        )
-    )
-    if isa != "native":
-        assert got["isa"] == isa
+    got = _check_on(isa, "mxfp4_ref", "MXFP4 experts are dequantized per call (tested elsewhere)")
     assert got["worst"] < 1e-6, got
     assert got["same"], got
 
@@ -127,20 +120,7 @@ def test_each_isa_runs_a_layers_experts_in_one_call(isa):
     weighted sum in one call) against the dequantized experts' float64 sum
     (tests/helpers/experts_ref.py), for int4 groups, int8 rows and MXFP4, both activations: each
     token the same alone, batched and on one thread."""
-    if not qlinear.available():
-        pytest.skip("no C compiler here: the experts run one by one through torch (tested elsewhere)")
-    if isa != "native" and not X86:
-        pytest.skip("the avx2 / scalar builds name x86-64 levels")
-    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
-        pytest.skip("this CPU has no AVX2 + FMA + F16C")
-    got = json.loads(
-        _run(
-            "import json; from helpers.experts_ref import check; print(json.dumps(check()))",
-            {"PANTHEON_KERNEL_ISA": isa},
-        )
-    )
-    if isa != "native":
-        assert got["isa"] == isa
+    got = _check_on(isa, "experts_ref", "the experts run one by one through torch (tested elsewhere)")
     assert got["worst"] < 1e-5, got
     assert got["same"], got
 
