@@ -335,25 +335,24 @@ class MoE(nn.Module):
 
     def _hold(self, laid_out: tuple[ExpertMats, ExpertMats] | None) -> None:
         """Hold the experts as ``laid_out`` (None: the stacked weights), and settle once whether
-        the kernel runs them (not at each step: a compiled step reads the attribute). The stacks
-        themselves are read at each call: a load or ``.to()`` replaces the tensors they hold."""
+        the kernel runs them (``kernel_glu``; not at each step: a compiled step reads the
+        attribute). The stacks themselves are read at each call (``_stacks``): a load or ``.to()``
+        replaces the tensors they hold."""
         self.laid_out = laid_out
-        fused = self._kernel()
-        self.kernel_glu = None if fused is None else fused[2:]
+        self.kernel_glu = self._kernel_glu()
 
-    def _kernel(self) -> tuple[qlinear.Stack, qlinear.Stack, str, float, float] | None:
-        """The experts' stacks and activation as ``qlinear.experts`` takes them (every expert in
-        one call), when our kernel holds both stacks, the activations are met as they are (the
+    def _kernel_glu(self) -> tuple[str, float, float] | None:
+        """The activation as ``qlinear.experts`` takes it (every expert in one call), when our
+        kernel holds both stacks in one kind, the activations are met as they are (the
         fp32-activation kernels: ``PANTHEON_LINEAR_ACTIVATIONS=fp32``, the default) and the
         activation is one it knows."""
         stacks = self._stacks()
         if stacks is None or qlinear.activations() != "fp32" or stacks[0].kind != stacks[1].kind:
             return None
-        a, b = stacks
         if self.glu is silu_glu:
-            return a, b, "silu", 0.0, 0.0
+            return "silu", 0.0, 0.0
         if isinstance(self.glu, ClampedSwiGLU):
-            return a, b, "clamped", self.glu.alpha, self.glu.limit
+            return "clamped", self.glu.alpha, self.glu.limit
         return None
 
     def _stacks(self) -> tuple[qlinear.Stack, qlinear.Stack] | None:
