@@ -757,9 +757,7 @@ class ChatTemplate:
         if self.is_fallback:
             return True
         try:
-            text = self._render(
-                _SAMPLE_MESSAGES, _SAMPLE_TOOLS, None, True, {}, (LOAD_TIMEOUT_S, LOAD_MAX_OUTPUT_CHARS)
-            )
+            text = self._load_render(_SAMPLE_MESSAGES, _SAMPLE_TOOLS)
         except TemplateBoundError:
             raise
         except TemplateError:
@@ -780,9 +778,8 @@ class ChatTemplate:
         if self.is_fallback:
             return True
         sample = _SAMPLE_CALL_MESSAGES
-        limits = (LOAD_TIMEOUT_S, LOAD_MAX_OUTPUT_CHARS)
         try:
-            text = self._render(sample, _SAMPLE_TOOLS, None, True, {}, limits, object_arguments=True)
+            text = self._load_render(sample, _SAMPLE_TOOLS, object_arguments=True)
             if _SAMPLE_ARGUMENTS_REPR not in text:
                 return True
         except TemplateBoundError:
@@ -790,7 +787,7 @@ class ChatTemplate:
         except TemplateError:
             pass
         try:
-            text = self._render(sample, _SAMPLE_TOOLS, None, True, {}, limits, object_arguments=False)
+            text = self._load_render(sample, _SAMPLE_TOOLS, object_arguments=False)
         except TemplateBoundError:
             raise
         except TemplateError:
@@ -885,6 +882,26 @@ class ChatTemplate:
         """
         return self._render(messages, tools, documents, add_generation_prompt, template_kwargs, None)
 
+    def _load_render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        *,
+        object_arguments: bool | None = None,
+    ) -> str:
+        """A sample render at load, under the load bounds (``LOAD_TIMEOUT_S``,
+        ``LOAD_MAX_OUTPUT_CHARS``). One past the time bound is rendered once more: a sample that
+        takes milliseconds was held past 0.25 s on the wall clock by a busy 2-core host (a full
+        CI run refused the real SmolLM2 template so), where a template that is really that slow
+        is past it again; the other bounds are not timing and refuse at once."""
+        limits = (LOAD_TIMEOUT_S, LOAD_MAX_OUTPUT_CHARS)
+        try:
+            return self._render(messages, tools, None, True, {}, limits, object_arguments=object_arguments)
+        except TemplateBoundError as e:
+            if e.bound != "time":
+                raise
+        return self._render(messages, tools, None, True, {}, limits, object_arguments=object_arguments)
+
     def _render(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -956,7 +973,7 @@ class ChatTemplate:
         at load. A template that merely refuses the sample (``raise_exception``) passes."""
         for tools in (None, _SAMPLE_TOOLS):
             try:
-                self._render(_SAMPLE_MESSAGES, tools, None, True, {}, (LOAD_TIMEOUT_S, LOAD_MAX_OUTPUT_CHARS))
+                self._load_render(_SAMPLE_MESSAGES, tools)
             except TemplateBoundError:
                 raise
             except TemplateError:
