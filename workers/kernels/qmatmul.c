@@ -202,7 +202,8 @@ static void quantize_rows(const void *x, int xkind, int64_t M, int64_t K, int bl
 #define F32_512 QM_512
 #define MAX_G 1024 /* groups a row may have: K <= 32768 (qlinear.MAX_K) */
 
-/* sc, per (row, column): each group's scale, weight scale times activation scale */
+/* sc, per (row, column): each group's scale, weight scale times activation scale (the int8-
+ * activation tiles); the fp32 int4 tile keeps 2G a column there (scales, then minima) */
 #define SC_PER_RC(G) (G)
 
 static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, const float *xd, const float *xs,
@@ -1097,14 +1098,8 @@ static void block_rows(int kind, const qmat *w, int skind, const float *xf, int6
 
 typedef struct { /* an expert with rows this call: its matrices and its rows' place in the sorted assignments */
     qmat gu, dn;
-    int64_t ex, start, rows;
+    int64_t start, rows;
 } active_expert;
-
-/* The (expert, column block) of work item it among nb blocks an expert */
-static inline void locate(int64_t it, int64_t nb, int64_t *a, int64_t *bi) {
-    *a = it / nb;
-    *bi = it % nb;
-}
 
 static inline float glu_one(float g, float u, int glu, float alpha, float limit) {
     if (glu == GLU_SILU) return g / (1.0f + expf(-g)) * u;
@@ -1146,7 +1141,7 @@ int qm_experts(const void *x, int xkind, int64_t M, int64_t H, int64_t I, int to
         if (count[e + 1] > count[e]) {
             act[na].gu = expert_mat(kind, gu_a, gu_b, skind, e, 2 * I, H);
             act[na].dn = expert_mat(kind, dn_a, dn_b, skind, e, H, I);
-            act[na].ex = e, act[na].start = count[e], act[na].rows = count[e + 1] - count[e];
+            act[na].start = count[e], act[na].rows = count[e + 1] - count[e];
             na++;
         }
     for (int64_t i = 0; i < A; i++) { /* count[e] runs from e's start to its end */
@@ -1170,9 +1165,8 @@ int qm_experts(const void *x, int xkind, int64_t M, int64_t H, int64_t I, int to
         }
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < na * nb_gu; it++) {
-            int64_t a, bi;
-            locate(it, nb_gu, &a, &bi);
-            const active_expert *ae = &act[a];
+            const active_expert *ae = &act[it / nb_gu]; /* work item it: (expert, column block) */
+            const int64_t bi = it % nb_gu;
             if (sc) block_rows(kind, &ae->gu, skind, xg + ae->start * H, ae->rows, H, 2 * I, bi,
                                gu + ae->start * 2 * I, sc);
         }
@@ -1192,9 +1186,8 @@ int qm_experts(const void *x, int xkind, int64_t M, int64_t H, int64_t I, int to
         }
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < na * nb_dn; it++) {
-            int64_t a, bi;
-            locate(it, nb_dn, &a, &bi);
-            const active_expert *ae = &act[a];
+            const active_expert *ae = &act[it / nb_dn]; /* work item it: (expert, column block) */
+            const int64_t bi = it % nb_dn;
             if (sc) block_rows(kind, &ae->dn, skind, av + ae->start * I, ae->rows, I, H, bi,
                                ys + ae->start * H, sc);
         }
