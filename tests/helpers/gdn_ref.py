@@ -128,3 +128,58 @@ def check_decode() -> dict:
         for t in outs[0]:
             digest.update(t.contiguous().numpy().tobytes())
     return {"worst": worst, "untouched": untouched, "same": same, "digest": digest.hexdigest()}
+
+
+# (hk, hv, dk, dv, taps, runs: (rows, fresh) each): a 1-row decode run beside prefill chunks,
+# a chunk shorter than the conv's state, fresh and continuing ones; C past one channel block
+RUNS_SHAPES = [
+    (16, 16, 128, 128, 4, [(1, False), (9, True), (2, False), (17, False)]),
+    (2, 4, 16, 37, 3, [(5, True), (1, False), (1, True)]),
+    (1, 1, 8, 8, 4, [(3, False)]),
+]
+
+
+def check_runs() -> dict:
+    """``gd_runs`` (runs of rows, each a sequence's consecutive tokens) against the same kernel
+    fed the same tokens one decode row at a time: the same bits (outputs, conv and recurrent
+    states; a fresh run as from zero states); on one and two threads the same; a digest for the
+    builds of two ISAs."""
+    same_as_rows, same = True, True
+    digest = hashlib.sha256()
+    g_ = torch.Generator().manual_seed(5)
+    for hk, hv, dk, dv, taps, spec in RUNS_SHAPES:
+        c = 2 * hk * dk + hv * dv
+        n = sum(r for r, _ in spec)
+        proj = torch.randn(n, c + hv * dv + 2 * hv, generator=g_)
+        conv_w = torch.randn(c, taps, generator=g_) * 0.5
+        a_log, dt_bias = torch.randn(hv, generator=g_) * 0.5, torch.randn(hv, generator=g_)
+        norm_w = 1 + torch.randn(dv, generator=g_) * 0.1
+        s = len(spec) + 2
+        conv = torch.randn(s, c, taps - 1, generator=g_)
+        ssm = torch.randn(s, hv, dk, dv, generator=g_) * 0.1
+        slots = torch.randperm(s, generator=g_)[: len(spec)]
+        runs, first = [], 0
+        for rows, fresh in spec:
+            runs.append((first, rows, fresh))
+            first += rows
+        heads = (hk, hv, dk, dv)
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            pc, ps = conv.clone(), ssm.clone()
+            out = gdn_step.decode(proj, conv_w, pc, a_log, dt_bias, norm_w, ps, slots, heads, 1e-6, runs)
+            outs.append((out, pc, ps))
+        same &= all(torch.equal(x, y) for x, y in zip(outs[0], outs[1]))
+        # the same tokens as decode rows, one step at a time per sequence
+        pc, ps = conv.clone(), ssm.clone()
+        rows_out = torch.empty_like(outs[0][0])
+        for (r0, rows, fresh), slot in zip(runs, slots.tolist()):
+            if fresh:
+                pc[slot], ps[slot] = 0, 0
+            for r in range(r0, r0 + rows):
+                one = torch.tensor([slot])
+                rows_out[r] = gdn_step.decode(proj[r : r + 1], conv_w, pc, a_log, dt_bias, norm_w, ps, one, heads, 1e-6)[0]
+        same_as_rows &= all(torch.equal(x, y) for x, y in zip(outs[0], (rows_out, pc, ps)))
+        for t in outs[0]:
+            digest.update(t.contiguous().numpy().tobytes())
+    return {"same_as_rows": same_as_rows, "same": same, "digest": digest.hexdigest()}

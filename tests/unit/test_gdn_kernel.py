@@ -52,6 +52,25 @@ def test_the_whole_decode_step_is_right_and_the_same_bits_on_every_isa():
     assert len({r["digest"] for r in got.values()}) == 1, {isa: r["digest"][:12] for isa, r in got.items()}
 
 
+RUNS = "import json; from helpers.gdn_ref import check_runs; print(json.dumps(check_runs()))"
+
+
+def test_runs_of_rows_are_their_decode_steps_to_the_bit_on_every_isa():
+    """``gd_runs`` (a step's prefill chunks and decode rows, each a run of a sequence's tokens) gives
+    what the decode kernel gives fed the same tokens one row at a time, to the bit (outputs, conv
+    and recurrent states, a fresh run from zero states), on one and two threads, and the same
+    bits on every build: a prompt's states do not depend on how it was chunked or batched."""
+    if not gdn_step.available():
+        pytest.skip("no C compiler here: prefill keeps torch's chunked rule")
+    isas = ["native", "scalar"] + (["avx2"] if X86 and {"avx2", "fma", "f16c"} <= _cpu_flags() else [])
+    if not X86:
+        isas = ["native"]
+    got = {isa: json.loads(_run(RUNS, {"PANTHEON_KERNEL_ISA": isa})) for isa in isas}
+    for isa, r in got.items():
+        assert r["same_as_rows"] and r["same"], (isa, r)
+    assert len({r["digest"] for r in got.values()}) == 1, {isa: r["digest"][:12] for isa, r in got.items()}
+
+
 def test_the_slots_step_matches_torchs_ops_and_the_switch(monkeypatch):
     """``gated_delta_step_slots`` (the kernel) against ``recurrent_gated_delta_step`` on
     gathered states, for slot lists and runs, GQA heads and bf16 values; with

@@ -94,7 +94,11 @@ int gd_step(const float *q, const float *k, const float *v, const float *g, cons
 /* ---------------------------------------------------------------- the whole decode step
  *
  * gd_decode: everything a Qwen3.5 linear-attention layer does to B decode rows between its two
- * linears, in one call: the causal conv1d step and its SiLU (the conv state shifted in place),
+ * linears, in one call (gd_runs: the same for runs of rows, each a sequence's consecutive tokens,
+ * a prefill chunk's among them, every row as a decode step of its own; a chunk's rows cost their
+ * arithmetic on a state that stays in the core's cache, where the chunked rule's torch ops pass
+ * over the states several times: 16 against 32 us a token on Qwen3.5-0.8B's layer shapes, 2
+ * threads, and 9-token chunks 17 against ~70): the causal conv1d step and its SiLU (the conv state shifted in place),
  * q and k L2-normalised (q scaled by Dk^-0.5; key head h / (Hv / Hk) serves value head h), the
  * decay g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), head_step above, and the
  * output's RMSNorm gated by silu(z). In torch that is ~70 ops a layer, each a few microseconds
@@ -107,12 +111,13 @@ int gd_step(const float *q, const float *k, const float *v, const float *g, cons
  * gated output); everything else is fp32.
  *
  * Layouts (contiguous, row-major):
- *   proj   [B, P]      xkind: the in_proj rows, P = C + Hv*Dv + 2*Hv (q k v | z | b | a)
+ *   proj   [N, P]      xkind: the in_proj rows (N = B for gd_decode), P = C + Hv*Dv + 2*Hv (q k v | z | b | a)
  *   convw  [C, Kc]     wkind         conv  [S, C, Kc-1]  xkind, slot slots[b], shifted in place
  *   A_log, dt_bias [Hv] akind        normw [Dv]  nkind
- *   ssm    [S, Hv, Dk, Dv] fp32, updated in place       out [B, Hv*Dv] xkind
- * Work for each sequence's conv, then for each (sequence, value head), over OpenMP; the sums
- * run in a fixed order, so the result does not depend on the thread count.
+ *   ssm    [S, Hv, Dk, Dv] fp32, updated in place       out [N, Hv*Dv] xkind
+ *   runs   [B, 3] int64 (gd_runs): sequence b's first row, rows, and whether it starts fresh
+ * Work for each (sequence, block of conv channels), then for each (sequence, value head), over
+ * OpenMP; the sums run in a fixed order, so the result does not depend on the thread count.
  */
 
 enum { GD_F32 = 0, GD_BF16 = 1 };
@@ -164,78 +169,144 @@ static void gd_silu_rows(float *xs, int64_t n, int kind) {
 }
 
 #define GD_MAX_K 16 /* conv taps */
+#define GD_CBLK 256 /* conv channels a work item takes (a run's channels split among threads) */
 
-/* 0 on success, 1 on bad sizes, 2 out of memory */
-int gd_decode(const void *proj, const void *convw, void *conv, const void *A_log, const void *dt_bias,
-              const void *normw, float *ssm, const int64_t *slots, void *out, int xkind, int wkind, int akind,
-              int nkind, int64_t B, int64_t C, int64_t Kc, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
-              float eps, int nthreads) {
+/* Rows of proj / out: run b's are [first, first + rows), consecutive tokens of sequence b, taken
+ * in order from its slot's states (zeros first when fresh). runs NULL: one row each (decode). */
+#define RUN_FIRST(b) (runs ? runs[3 * (b)] : (b))
+#define RUN_ROWS(b) (runs ? runs[3 * (b) + 1] : 1)
+#define RUN_FRESH(b) (runs ? runs[3 * (b) + 2] : 0)
+
+static int gd_layer(const void *proj, const void *convw, void *conv, const void *A_log, const void *dt_bias,
+                    const void *normw, float *ssm, const int64_t *slots, const int64_t *runs, void *out, int xkind,
+                    int wkind, int akind, int nkind, int64_t B, int64_t C, int64_t Kc, int64_t Hk, int64_t Hv,
+                    int64_t Dk, int64_t Dv, float eps, int nthreads) {
     if (B < 0 || Hk < 1 || Hv < 1 || Hv % Hk || Dk < 1 || Dk > MAX_DV || Dv < 1 || Dv > MAX_DV || Kc < 2 ||
         Kc > GD_MAX_K || C != 2 * Hk * Dk + Hv * Dv)
         return 1;
     if (B == 0) return 0;
-    const int64_t P = C + Hv * Dv + 2 * Hv, Ks = Kc - 1, rep = Hv / Hk;
-    float *mixed = (float *)malloc(sizeof(float) * (size_t)(B * C)); /* the conv's outputs, fp32 */
+    int64_t R = 0; /* rows of proj and out */
+    for (int64_t b = 0; b < B; b++) {
+        if (RUN_FIRST(b) < 0 || RUN_ROWS(b) < 0) return 1;
+        if (RUN_FIRST(b) + RUN_ROWS(b) > R) R = RUN_FIRST(b) + RUN_ROWS(b);
+    }
+    const int64_t P = C + Hv * Dv + 2 * Hv, Ks = Kc - 1, rep = Hv / Hk, CB = (C + GD_CBLK - 1) / GD_CBLK;
+    float *mixed = (float *)malloc(sizeof(float) * (size_t)(R * C + 1)); /* the conv's outputs, fp32 */
     if (!mixed) return 2;
     int nt = nthreads < 1 ? 1 : nthreads;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        /* the conv: channel c of sequence b is its K-tap dot product over (state, x), then SiLU */
+        /* the conv: output (row, channel c) is its K-tap dot product over the K inputs ending
+         * at that row (the run's earlier rows, or the slot's state before its first), then
+         * SiLU; the state becomes the run's last K-1 inputs. Work items: (run, block of
+         * channels), each row's channels in one vectorized loop. The same sums as one row at a
+         * time: each output's taps added in order. */
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) {
-            for (int64_t c = 0; c < C; c++) {
-                float xs[GD_MAX_K];
-                const int64_t at = (slots[b] * C + c) * Ks;
-                for (int64_t j = 0; j < Ks; j++) xs[j] = gd_load(conv, xkind, at + j);
-                xs[Ks] = gd_load(proj, xkind, b * P + c);
-                float acc = 0.0f;
-                for (int64_t j = 0; j < Kc; j++) acc += gd_round(gd_round(xs[j], wkind) * gd_load(convw, wkind, c * Kc + j), wkind);
-                mixed[b * C + c] = gd_round(acc, wkind);
-                for (int64_t j = 0; j < Ks; j++) gd_store(conv, xkind, at + j, xs[j + 1]);
+        for (int64_t bc = 0; bc < B * CB; bc++) {
+            const int64_t b = bc / CB, c0 = (bc % CB) * GD_CBLK, c1 = c0 + GD_CBLK < C ? c0 + GD_CBLK : C;
+            const int64_t nc = c1 - c0, r0 = RUN_FIRST(b), nr = RUN_ROWS(b), at = slots[b] * C * Ks;
+            float st[GD_MAX_K][GD_CBLK], wt[GD_MAX_K][GD_CBLK]; /* the state's inputs, oldest first; the taps */
+            for (int64_t c = 0; c < nc; c++) {
+                for (int64_t j = 0; j < Ks; j++) st[j][c] = RUN_FRESH(b) ? 0.0f : gd_load(conv, xkind, at + (c0 + c) * Ks + j);
+                for (int64_t j = 0; j < Kc; j++) wt[j][c] = gd_load(convw, wkind, (c0 + c) * Kc + j);
             }
-            gd_silu_rows(mixed + b * C, C, wkind);
-            if (xkind != wkind)
-                for (int64_t c = 0; c < C; c++) mixed[b * C + c] = gd_round(mixed[b * C + c], xkind);
+            for (int64_t i = 0; i < nr; i++) {
+                float *m = mixed + (r0 + i) * C + c0;
+                for (int64_t c = 0; c < nc; c++) m[c] = 0.0f;
+                for (int64_t j = 0; j < Kc; j++) {
+                    const int64_t src = i - Ks + j; /* the run's row of tap j; < 0: the state's */
+                    const float *w = wt[j];
+                    if (src < 0) {
+                        const float *x = st[Ks + src];
+#pragma omp simd
+                        for (int64_t c = 0; c < nc; c++) m[c] += gd_round(gd_round(x[c], wkind) * w[c], wkind);
+                    } else {
+                        const int64_t base = (r0 + src) * P + c0;
+#pragma omp simd
+                        for (int64_t c = 0; c < nc; c++)
+                            m[c] += gd_round(gd_round(gd_load(proj, xkind, base + c), wkind) * w[c], wkind);
+                    }
+                }
+                for (int64_t c = 0; c < nc; c++) m[c] = gd_round(m[c], wkind);
+                gd_silu_rows(m, nc, wkind);
+                if (xkind != wkind)
+                    for (int64_t c = 0; c < nc; c++) m[c] = gd_round(m[c], xkind);
+            }
+            for (int64_t j = 0; j < Ks; j++) { /* the new state: the run's last K-1 inputs */
+                const int64_t src = nr - Ks + j;
+                for (int64_t c = 0; c < nc; c++)
+                    gd_store(conv, xkind, at + (c0 + c) * Ks + j,
+                             src < 0 ? st[Ks + src][c] : gd_load(proj, xkind, (r0 + src) * P + c0 + c));
+            }
         }
+        /* the heads: (run, value head) items, each taking its run's rows in order on its state
+         * (64 KiB at 128 x 128: it stays in the core's cache from one row to the next) */
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * Hv; bh++) {
             const int64_t b = bh / Hv, h = bh % Hv, hk = h / rep;
-            const float *row = mixed + b * C;
-            const float *q0 = row + hk * Dk, *k0 = row + Hk * Dk + hk * Dk, *v = row + 2 * Hk * Dk + h * Dv;
-            float q[MAX_DV], k[MAX_DV], o[MAX_DV];
-            float sq = 0.0f, sk = 0.0f;
-            for (int64_t i = 0; i < Dk; i++) {
-                sq += q0[i] * q0[i];
-                sk += k0[i] * k0[i];
-            }
-            const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
+            float *S = ssm + (slots[b] * Hv + h) * Dk * Dv;
+            if (RUN_FRESH(b))
+                for (int64_t i = 0; i < Dk * Dv; i++) S[i] = 0.0f;
             const float scale = 1.0f / sqrtf((float)Dk);
-            for (int64_t i = 0; i < Dk; i++) {
-                q[i] = q0[i] * rq * scale;
-                k[i] = k0[i] * rk;
-            }
-            const float bb = gd_load(proj, xkind, b * P + C + Hv * Dv + h);
-            const float a = gd_load(proj, xkind, b * P + C + Hv * Dv + Hv + h) + gd_load(dt_bias, akind, h);
-            const float sp = a > 20.0f ? a : log1pf(expf(a));
-            const float g = -expf(gd_load(A_log, akind, h)) * sp;
-            const float beta = 1.0f / (1.0f + expf(-bb));
-            head_step(q, k, v, g, beta, ssm + (slots[b] * Hv + h) * Dk * Dv, o, Dk, Dv);
-            /* the gated RMSNorm of the step's output (rounded to the model's dtype first) */
-            float ss = 0.0f;
-            for (int64_t j = 0; j < Dv; j++) {
-                o[j] = gd_round(o[j], xkind);
-                ss += o[j] * o[j];
-            }
-            const float r = 1.0f / sqrtf(ss / (float)Dv + eps);
-            float gate[MAX_DV]; /* silu(z), fp32 */
-            for (int64_t j = 0; j < Dv; j++) gate[j] = gd_load(proj, xkind, b * P + C + h * Dv + j);
-            gd_silu_rows(gate, Dv, GD_F32);
-            for (int64_t j = 0; j < Dv; j++) {
-                const float hj = gd_round(gd_load(normw, nkind, j) * gd_round(o[j] * r, xkind), xkind);
-                gd_store(out, xkind, b * Hv * Dv + h * Dv + j, hj * gate[j]);
+            const float dtb = gd_load(dt_bias, akind, h), A = expf(gd_load(A_log, akind, h));
+            for (int64_t r = RUN_FIRST(b); r < RUN_FIRST(b) + RUN_ROWS(b); r++) {
+                const float *row = mixed + r * C;
+                const float *q0 = row + hk * Dk, *k0 = row + Hk * Dk + hk * Dk, *v = row + 2 * Hk * Dk + h * Dv;
+                float q[MAX_DV], k[MAX_DV], o[MAX_DV];
+                float sq = 0.0f, sk = 0.0f;
+                for (int64_t i = 0; i < Dk; i++) {
+                    sq += q0[i] * q0[i];
+                    sk += k0[i] * k0[i];
+                }
+                const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
+                for (int64_t i = 0; i < Dk; i++) {
+                    q[i] = q0[i] * rq * scale;
+                    k[i] = k0[i] * rk;
+                }
+                const float bb = gd_load(proj, xkind, r * P + C + Hv * Dv + h);
+                const float a = gd_load(proj, xkind, r * P + C + Hv * Dv + Hv + h) + dtb;
+                const float sp = a > 20.0f ? a : log1pf(expf(a));
+                const float g = -A * sp;
+                const float beta = 1.0f / (1.0f + expf(-bb));
+                head_step(q, k, v, g, beta, S, o, Dk, Dv);
+                /* the gated RMSNorm of the step's output (rounded to the model's dtype first) */
+                float ss = 0.0f;
+                for (int64_t j = 0; j < Dv; j++) {
+                    o[j] = gd_round(o[j], xkind);
+                    ss += o[j] * o[j];
+                }
+                const float rn = 1.0f / sqrtf(ss / (float)Dv + eps);
+                float gate[MAX_DV]; /* silu(z), fp32 */
+                for (int64_t j = 0; j < Dv; j++) gate[j] = gd_load(proj, xkind, r * P + C + h * Dv + j);
+                gd_silu_rows(gate, Dv, GD_F32);
+                for (int64_t j = 0; j < Dv; j++) {
+                    const float hj = gd_round(gd_load(normw, nkind, j) * gd_round(o[j] * rn, xkind), xkind);
+                    gd_store(out, xkind, r * Hv * Dv + h * Dv + j, hj * gate[j]);
+                }
             }
         }
     }
     free(mixed);
     return 0;
+}
+
+/* B decode rows, row b of sequence b: 0 on success, 1 on bad sizes, 2 out of memory */
+int gd_decode(const void *proj, const void *convw, void *conv, const void *A_log, const void *dt_bias,
+              const void *normw, float *ssm, const int64_t *slots, void *out, int xkind, int wkind, int akind,
+              int nkind, int64_t B, int64_t C, int64_t Kc, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
+              float eps, int nthreads) {
+    return gd_layer(proj, convw, conv, A_log, dt_bias, normw, ssm, slots, NULL, out, xkind, wkind, akind, nkind, B,
+                    C, Kc, Hk, Hv, Dk, Dv, eps, nthreads);
+}
+
+/* B runs of rows (runs [B, 3]: first row, rows, fresh), each a sequence's consecutive tokens
+ * (a prefill chunk, or one decode row), every row as a decode step of its own: a chunk's
+ * result is the token-by-token decode's to the bit, however the prompt is chunked or batched */
+int gd_runs(const void *proj, const void *convw, void *conv, const void *A_log, const void *dt_bias,
+            const void *normw, float *ssm, const int64_t *slots, const int64_t *runs, void *out, int xkind,
+            int wkind, int akind, int nkind, int64_t B, int64_t C, int64_t Kc, int64_t Hk, int64_t Hv, int64_t Dk,
+            int64_t Dv, float eps, int nthreads) {
+    if (!runs) return 1;
+    return gd_layer(proj, convw, conv, A_log, dt_bias, normw, ssm, slots, runs, out, xkind, wkind, akind, nkind, B,
+                    C, Kc, Hk, Hv, Dk, Dv, eps, nthreads);
 }

@@ -33,6 +33,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
                 ctypes.c_int,
                 [*[_P] * 9, *[ctypes.c_int] * 4, *[_L] * 7, ctypes.c_float, ctypes.c_int],
             ),
+            "gd_runs": (
+                ctypes.c_int,
+                [*[_P] * 10, *[ctypes.c_int] * 4, *[_L] * 7, ctypes.c_float, ctypes.c_int],
+            ),
         },
     )
 
@@ -175,16 +179,22 @@ def decode(
     slots: torch.Tensor,
     heads: tuple[int, int, int, int],
     eps: float,
+    runs: list[tuple[int, int, bool]] | None = None,
 ) -> torch.Tensor:
-    """Everything a Qwen3.5 linear-attention layer does to B decode rows between in_proj and
-    out_proj (``gated_delta.c``'s gd_decode): ``proj`` [B, P] the in_proj rows (``decode_fits``),
-    ``conv_weight`` [C, K], ``conv`` [S, C, K-1] and ``ssm`` [S, Hv, Dk, Dv] the slots' pools
-    (sequence b's in slot ``slots[b]``, int64 [B]), updated in place; ``heads`` (Hk, Hv, Dk, Dv).
-    Returns the gated-norm output [B, Hv * Dv] in proj's dtype, what out_proj takes."""
+    """Everything a Qwen3.5 linear-attention layer does to its rows between in_proj and
+    out_proj (``gated_delta.c``): ``proj`` [N, P] the in_proj rows (``decode_fits``),
+    ``conv_weight`` [C, K], ``conv`` [S, C, K-1] and ``ssm`` [S, Hv, Dk, Dv] the slots' pools,
+    updated in place; ``heads`` (Hk, Hv, Dk, Dv). Without ``runs``: N decode rows, row b of the
+    sequence in slot ``slots[b]`` (gd_decode). With ``runs``: sequence b's rows are ``runs[b]`` =
+    (first row, rows, fresh), its consecutive tokens from its slot's states (zeros first when
+    fresh), each row as a decode step (gd_runs: a prefill chunk's result is the token-by-token
+    decode's, to the bit); the runs must not overlap, and rows of no run are left unwritten.
+    Returns the gated-norm output [N, Hv * Dv] in proj's dtype, what out_proj takes."""
     lib = _load()[0]
     assert lib is not None, "callers check decode_fits() first"
     hk, hv, dk, dv = heads
-    b = proj.shape[0]
+    n = proj.shape[0]
+    b = n if runs is None else len(runs)
     c, taps = conv_weight.shape
     # each in its own kind where the kernel reads it (read as fp32 there, as the torch path
     # widens them): no conversion on the step's path for a model's fp32 or bf16 parameters
@@ -197,31 +207,17 @@ def decode(
         a, dt = a.float(), dt.float()
     a, dt = a.contiguous(), dt.contiguous()
     s = _slots(slots, b, ssm, "gated-delta decode")
-    out = torch.empty(b, hv * dv, dtype=proj.dtype)
-    rc = lib.gd_decode(
-        proj.data_ptr(),
-        w.data_ptr(),
-        conv.data_ptr(),
-        a.data_ptr(),
-        dt.data_ptr(),
-        nw.data_ptr(),
-        ssm.data_ptr(),
-        s.data_ptr(),
-        out.data_ptr(),
-        FLOAT_KINDS[proj.dtype],
-        FLOAT_KINDS[w.dtype],
-        FLOAT_KINDS[a.dtype],
-        FLOAT_KINDS[nw.dtype],
-        b,
-        c,
-        taps,
-        hk,
-        hv,
-        dk,
-        dv,
-        eps,
-        torch.get_num_threads(),
-    )
+    out = torch.empty(n, hv * dv, dtype=proj.dtype)
+    args = [proj.data_ptr(), w.data_ptr(), conv.data_ptr(), a.data_ptr(), dt.data_ptr(), nw.data_ptr()]
+    args += [ssm.data_ptr(), s.data_ptr()]
+    if runs is not None:  # the C code indexes proj and out by them unchecked
+        if any(r0 < 0 or r < 0 or r0 + r > n for r0, r, _ in runs):
+            raise ValueError(f"gated-delta runs {runs} outside {n} rows")
+        table = torch.tensor([[r0, r, int(fresh)] for r0, r, fresh in runs], dtype=torch.int64)
+        args.append(table.data_ptr())
+    args += [out.data_ptr(), FLOAT_KINDS[proj.dtype], FLOAT_KINDS[w.dtype], FLOAT_KINDS[a.dtype]]
+    args += [FLOAT_KINDS[nw.dtype], b, c, taps, hk, hv, dk, dv, eps, torch.get_num_threads()]
+    rc = (lib.gd_decode if runs is None else lib.gd_runs)(*args)
     if rc:
         raise ValueError(f"gated-delta decode kernel refused proj {tuple(proj.shape)} (code {rc})")
     return out
