@@ -47,19 +47,83 @@
 
 int gd_max_dv(void) { return MAX_DV; }
 
-static void head_step(const float *q, const float *k, const float *v, float g, float beta, float *S, float *out,
-                      int64_t Dk, int64_t Dv) {
-    float u[MAX_DV], p[MAX_DV], delta[MAX_DV];
-    for (int64_t j = 0; j < Dv; j++) u[j] = p[j] = 0.0f;
-    for (int64_t i = 0; i < Dk; i++) { /* pass 1: both reads of the old state, row by row */
-        const float ki = k[i], qi = q[i], *row = S + i * Dv;
+#define JB 64 /* state columns a pass takes at once: their sums stay in registers down the rows */
+
+/* pass 1 (read): u = k^T S, p = q^T S, each column's sum over the rows i in order */
+static void head_read(const float *S, const float *k, const float *q, float *u, float *p, int64_t Dk, int64_t Dv) {
+    int64_t j0 = 0;
+    for (; j0 + JB <= Dv; j0 += JB) {
+        float ub[JB], pb[JB];
+        for (int j = 0; j < JB; j++) ub[j] = pb[j] = 0.0f;
+        for (int64_t i = 0; i < Dk; i++) {
+            const float ki = k[i], qi = q[i], *row = S + i * Dv + j0;
 #pragma omp simd
-        for (int64_t j = 0; j < Dv; j++) {
-            u[j] += ki * row[j];
-            p[j] += qi * row[j];
+            for (int j = 0; j < JB; j++) {
+                ub[j] += ki * row[j];
+                pb[j] += qi * row[j];
+            }
+        }
+        for (int j = 0; j < JB; j++) u[j0 + j] = ub[j], p[j0 + j] = pb[j];
+    }
+    if (j0 < Dv) {
+        for (int64_t j = j0; j < Dv; j++) u[j] = p[j] = 0.0f;
+        for (int64_t i = 0; i < Dk; i++) {
+            const float ki = k[i], qi = q[i], *row = S + i * Dv;
+            for (int64_t j = j0; j < Dv; j++) {
+                u[j] += ki * row[j];
+                p[j] += qi * row[j];
+            }
         }
     }
-    const float e = expf(g);
+}
+
+/* pass 2 (write): S = e S + k delta^T in place; with k2 (not NULL) also the next row's pass 1 on
+ * the new state as it is written (u2 = k2^T S, p2 = q2^T S): one pass over the state a row of a
+ * run, the same sums as a separate read */
+static void head_write(float *S, float e, const float *k, const float *delta, const float *k2, const float *q2,
+                       float *u2, float *p2, int64_t Dk, int64_t Dv) {
+    int64_t j0 = 0;
+    for (; j0 + JB <= Dv; j0 += JB) {
+        float ub[JB], pb[JB], db[JB];
+        for (int j = 0; j < JB; j++) ub[j] = pb[j] = 0.0f, db[j] = delta[j0 + j];
+        for (int64_t i = 0; i < Dk; i++) {
+            const float ki = k[i];
+            float *row = S + i * Dv + j0;
+#pragma omp simd
+            for (int j = 0; j < JB; j++) row[j] = e * row[j] + ki * db[j];
+            if (k2) {
+                const float ki2 = k2[i], qi2 = q2[i];
+#pragma omp simd
+                for (int j = 0; j < JB; j++) {
+                    ub[j] += ki2 * row[j];
+                    pb[j] += qi2 * row[j];
+                }
+            }
+        }
+        if (k2)
+            for (int j = 0; j < JB; j++) u2[j0 + j] = ub[j], p2[j0 + j] = pb[j];
+    }
+    if (j0 < Dv) {
+        for (int64_t i = 0; i < Dk; i++) {
+            const float ki = k[i];
+            float *row = S + i * Dv;
+            for (int64_t j = j0; j < Dv; j++) row[j] = e * row[j] + ki * delta[j];
+        }
+        if (k2) { /* the tail's columns read after its writes: the same sums */
+            for (int64_t j = j0; j < Dv; j++) u2[j] = p2[j] = 0.0f;
+            for (int64_t i = 0; i < Dk; i++)
+                for (int64_t j = j0; j < Dv; j++) {
+                    u2[j] += k2[i] * S[i * Dv + j];
+                    p2[j] += q2[i] * S[i * Dv + j];
+                }
+        }
+    }
+}
+
+/* between the passes: delta = beta (v - e u), the row's output e p + (q . k) delta (q^T of the
+ * new state, no third pass) */
+static void head_delta(const float *q, const float *k, const float *v, const float *u, const float *p, float e,
+                       float beta, float *delta, float *out, int64_t Dk, int64_t Dv) {
     float qk = 0.0f;
     for (int64_t i = 0; i < Dk; i++) qk += q[i] * k[i];
 #pragma omp simd
@@ -67,12 +131,15 @@ static void head_step(const float *q, const float *k, const float *v, float g, f
         delta[j] = beta * (v[j] - e * u[j]);
         out[j] = e * p[j] + qk * delta[j];
     }
-    for (int64_t i = 0; i < Dk; i++) { /* pass 2: decay and rank-1 write, in place */
-        const float ki = k[i];
-        float *row = S + i * Dv;
-#pragma omp simd
-        for (int64_t j = 0; j < Dv; j++) row[j] = e * row[j] + ki * delta[j];
-    }
+}
+
+static void head_step(const float *q, const float *k, const float *v, float g, float beta, float *S, float *out,
+                      int64_t Dk, int64_t Dv) {
+    float u[MAX_DV], p[MAX_DV], delta[MAX_DV];
+    head_read(S, k, q, u, p, Dk, Dv);
+    const float e = expf(g);
+    head_delta(q, k, v, u, p, e, beta, delta, out, Dk, Dv);
+    head_write(S, e, k, delta, NULL, NULL, NULL, NULL, Dk, Dv);
 }
 
 /* 0 on success, 1 on bad sizes */
@@ -169,7 +236,6 @@ static void gd_silu_rows(float *xs, int64_t n, int kind) {
 }
 
 #define GD_MAX_K 16 /* conv taps */
-#define GD_CBLK 256 /* conv channels a work item takes (a run's channels split among threads) */
 
 /* Rows of proj / out: run b's are [first, first + rows), consecutive tokens of sequence b, taken
  * in order from its slot's states (zeros first when fresh). runs NULL: one row each (decode). */
@@ -190,54 +256,68 @@ static int gd_layer(const void *proj, const void *convw, void *conv, const void 
         if (RUN_FIRST(b) < 0 || RUN_ROWS(b) < 0) return 1;
         if (RUN_FIRST(b) + RUN_ROWS(b) > R) R = RUN_FIRST(b) + RUN_ROWS(b);
     }
-    const int64_t P = C + Hv * Dv + 2 * Hv, Ks = Kc - 1, rep = Hv / Hk, CB = (C + GD_CBLK - 1) / GD_CBLK;
-    float *mixed = (float *)malloc(sizeof(float) * (size_t)(R * C + 1)); /* the conv's outputs, fp32 */
-    if (!mixed) return 2;
+    const int64_t P = C + Hv * Dv + 2 * Hv, Ks = Kc - 1, rep = Hv / Hk;
+    float *mixed = (float *)malloc(sizeof(float) * (size_t)(R * C + Kc * C)); /* the conv's outputs, fp32 */
+    int64_t *run_of = (int64_t *)malloc(sizeof(int64_t) * (size_t)R); /* each row's run, or -1 */
+    if (!mixed || !run_of) {
+        free(mixed);
+        free(run_of);
+        return 2;
+    }
+    float *wt = mixed + R * C; /* the conv's taps [Kc, C], fp32 (values of wkind) */
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t j = 0; j < Kc; j++) wt[j * C + c] = gd_load(convw, wkind, c * Kc + j);
+    for (int64_t r = 0; r < R; r++) run_of[r] = -1;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t r = RUN_FIRST(b); r < RUN_FIRST(b) + RUN_ROWS(b); r++) run_of[r] = b;
     int nt = nthreads < 1 ? 1 : nthreads;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         /* the conv: output (row, channel c) is its K-tap dot product over the K inputs ending
          * at that row (the run's earlier rows, or the slot's state before its first), then
-         * SiLU; the state becomes the run's last K-1 inputs. Work items: (run, block of
-         * channels), each row's channels in one vectorized loop. The same sums as one row at a
-         * time: each output's taps added in order. */
+         * SiLU, each output's taps added in order. Rows are independent (they read inputs
+         * only): work items are rows, each one's channels in vectorized loops over contiguous
+         * memory (the in_proj row as it lies). */
 #pragma omp for schedule(static)
-        for (int64_t bc = 0; bc < B * CB; bc++) {
-            const int64_t b = bc / CB, c0 = (bc % CB) * GD_CBLK, c1 = c0 + GD_CBLK < C ? c0 + GD_CBLK : C;
-            const int64_t nc = c1 - c0, r0 = RUN_FIRST(b), nr = RUN_ROWS(b), at = slots[b] * C * Ks;
-            float st[GD_MAX_K][GD_CBLK], wt[GD_MAX_K][GD_CBLK]; /* the state's inputs, oldest first; the taps */
-            for (int64_t c = 0; c < nc; c++) {
-                for (int64_t j = 0; j < Ks; j++) st[j][c] = RUN_FRESH(b) ? 0.0f : gd_load(conv, xkind, at + (c0 + c) * Ks + j);
-                for (int64_t j = 0; j < Kc; j++) wt[j][c] = gd_load(convw, wkind, (c0 + c) * Kc + j);
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t b = run_of[r];
+            if (b < 0) continue;
+            const int64_t i = r - RUN_FIRST(b), at = slots[b] * C * Ks, fresh = RUN_FRESH(b);
+            float *m = mixed + r * C;
+            for (int64_t c = 0; c < C; c++) m[c] = 0.0f;
+            for (int64_t j = 0; j < Kc; j++) {
+                const int64_t src = i - Ks + j; /* the run's row of tap j; < 0: the state's */
+                const float *w = wt + j * C;
+                if (src >= 0) {
+                    const int64_t base = (RUN_FIRST(b) + src) * P;
+#pragma omp simd
+                    for (int64_t c = 0; c < C; c++)
+                        m[c] += gd_round(gd_round(gd_load(proj, xkind, base + c), wkind) * w[c], wkind);
+                } else if (!fresh) { /* (a fresh run's state is zeros: its products add zero) */
+#pragma omp simd
+                    for (int64_t c = 0; c < C; c++)
+                        m[c] += gd_round(gd_round(gd_load(conv, xkind, at + c * Ks + Ks + src), wkind) * w[c], wkind);
+                } else
+                    for (int64_t c = 0; c < C; c++) m[c] += gd_round(0.0f * w[c], wkind);
             }
-            for (int64_t i = 0; i < nr; i++) {
-                float *m = mixed + (r0 + i) * C + c0;
-                for (int64_t c = 0; c < nc; c++) m[c] = 0.0f;
-                for (int64_t j = 0; j < Kc; j++) {
-                    const int64_t src = i - Ks + j; /* the run's row of tap j; < 0: the state's */
-                    const float *w = wt[j];
-                    if (src < 0) {
-                        const float *x = st[Ks + src];
-#pragma omp simd
-                        for (int64_t c = 0; c < nc; c++) m[c] += gd_round(gd_round(x[c], wkind) * w[c], wkind);
-                    } else {
-                        const int64_t base = (r0 + src) * P + c0;
-#pragma omp simd
-                        for (int64_t c = 0; c < nc; c++)
-                            m[c] += gd_round(gd_round(gd_load(proj, xkind, base + c), wkind) * w[c], wkind);
-                    }
+            for (int64_t c = 0; c < C; c++) m[c] = gd_round(m[c], wkind);
+            gd_silu_rows(m, C, wkind);
+            if (xkind != wkind)
+                for (int64_t c = 0; c < C; c++) m[c] = gd_round(m[c], xkind);
+        }
+        /* each run's new conv state, once every row has read the old: its last K-1 inputs (the
+         * old state's last ones shifted down first when the run has fewer rows) */
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t nr = RUN_ROWS(b), at = slots[b] * C * Ks;
+            for (int64_t c = 0; c < C; c++)
+                for (int64_t j = 0; j < Ks; j++) {
+                    const int64_t src = nr - Ks + j;
+                    const float x = src >= 0 ? gd_load(proj, xkind, (RUN_FIRST(b) + src) * P + c)
+                                    : RUN_FRESH(b) ? 0.0f
+                                                   : gd_load(conv, xkind, at + c * Ks + Ks + src);
+                    gd_store(conv, xkind, at + c * Ks + j, x);
                 }
-                for (int64_t c = 0; c < nc; c++) m[c] = gd_round(m[c], wkind);
-                gd_silu_rows(m, nc, wkind);
-                if (xkind != wkind)
-                    for (int64_t c = 0; c < nc; c++) m[c] = gd_round(m[c], xkind);
-            }
-            for (int64_t j = 0; j < Ks; j++) { /* the new state: the run's last K-1 inputs */
-                const int64_t src = nr - Ks + j;
-                for (int64_t c = 0; c < nc; c++)
-                    gd_store(conv, xkind, at + (c0 + c) * Ks + j,
-                             src < 0 ? st[Ks + src][c] : gd_load(proj, xkind, (r0 + src) * P + c0 + c));
-            }
         }
         /* the heads: (run, value head) items, each taking its run's rows in order on its state
          * (64 KiB at 128 x 128: it stays in the core's cache from one row to the next) */
@@ -249,26 +329,49 @@ static int gd_layer(const void *proj, const void *convw, void *conv, const void 
                 for (int64_t i = 0; i < Dk * Dv; i++) S[i] = 0.0f;
             const float scale = 1.0f / sqrtf((float)Dk);
             const float dtb = gd_load(dt_bias, akind, h), A = expf(gd_load(A_log, akind, h));
-            for (int64_t r = RUN_FIRST(b); r < RUN_FIRST(b) + RUN_ROWS(b); r++) {
-                const float *row = mixed + r * C;
-                const float *q0 = row + hk * Dk, *k0 = row + Hk * Dk + hk * Dk, *v = row + 2 * Hk * Dk + h * Dv;
-                float q[MAX_DV], k[MAX_DV], o[MAX_DV];
-                float sq = 0.0f, sk = 0.0f;
-                for (int64_t i = 0; i < Dk; i++) {
-                    sq += q0[i] * q0[i];
-                    sk += k0[i] * k0[i];
-                }
-                const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
-                for (int64_t i = 0; i < Dk; i++) {
-                    q[i] = q0[i] * rq * scale;
-                    k[i] = k0[i] * rk;
-                }
-                const float bb = gd_load(proj, xkind, r * P + C + Hv * Dv + h);
-                const float a = gd_load(proj, xkind, r * P + C + Hv * Dv + Hv + h) + dtb;
-                const float sp = a > 20.0f ? a : log1pf(expf(a));
-                const float g = -A * sp;
-                const float beta = 1.0f / (1.0f + expf(-bb));
-                head_step(q, k, v, g, beta, S, o, Dk, Dv);
+            /* row r's q, k (L2-normalised, q scaled), v, log decay and write strength */
+#define PREP(r, q, k, v, g, beta)                                                                   \
+    do {                                                                                           \
+        const float *row_ = mixed + (r) * C, *q0_ = row_ + hk * Dk, *k0_ = row_ + Hk * Dk + hk * Dk; \
+        float sq_ = 0.0f, sk_ = 0.0f;                                                              \
+        for (int64_t i = 0; i < Dk; i++) {                                                         \
+            sq_ += q0_[i] * q0_[i];                                                                \
+            sk_ += k0_[i] * k0_[i];                                                                \
+        }                                                                                          \
+        const float rq_ = 1.0f / sqrtf(sq_ + 1e-6f), rk_ = 1.0f / sqrtf(sk_ + 1e-6f);              \
+        for (int64_t i = 0; i < Dk; i++) {                                                         \
+            (q)[i] = q0_[i] * rq_ * scale;                                                         \
+            (k)[i] = k0_[i] * rk_;                                                                 \
+        }                                                                                          \
+        v = row_ + 2 * Hk * Dk + h * Dv;                                                           \
+        const float bb_ = gd_load(proj, xkind, (r) * P + C + Hv * Dv + h);                         \
+        const float a_ = gd_load(proj, xkind, (r) * P + C + Hv * Dv + Hv + h) + dtb;               \
+        g = -A * (a_ > 20.0f ? a_ : log1pf(expf(a_)));                                             \
+        beta = 1.0f / (1.0f + expf(-bb_));                                                         \
+    } while (0)
+            float qa[MAX_DV], ka[MAX_DV], qb[MAX_DV], kb[MAX_DV], ua[MAX_DV], pa[MAX_DV], ub[MAX_DV], pb[MAX_DV];
+            float *q = qa, *k = ka, *q2 = qb, *k2 = kb, *u = ua, *p = pa, *u2 = ub, *p2 = pb, *tmp;
+            float delta[MAX_DV], o[MAX_DV], g = 0.0f, beta = 0.0f, g2, beta2;
+            const float *v = NULL, *v2;
+            const int64_t r1 = RUN_FIRST(b) + RUN_ROWS(b);
+            if (RUN_ROWS(b) > 0) {
+                PREP(RUN_FIRST(b), q, k, v, g, beta);
+                head_read(S, k, q, u, p, Dk, Dv);
+            }
+            for (int64_t r = RUN_FIRST(b); r < r1; r++) {
+                /* the row as head_step takes it, its write fused with the next row's read */
+                const float e = expf(g);
+                head_delta(q, k, v, u, p, e, beta, delta, o, Dk, Dv);
+                if (r + 1 < r1) {
+                    PREP(r + 1, q2, k2, v2, g2, beta2);
+                    head_write(S, e, k, delta, k2, q2, u2, p2, Dk, Dv);
+                    tmp = q, q = q2, q2 = tmp;
+                    tmp = k, k = k2, k2 = tmp;
+                    tmp = u, u = u2, u2 = tmp;
+                    tmp = p, p = p2, p2 = tmp;
+                    v = v2, g = g2, beta = beta2;
+                } else
+                    head_write(S, e, k, delta, NULL, NULL, NULL, NULL, Dk, Dv);
                 /* the gated RMSNorm of the step's output (rounded to the model's dtype first) */
                 float ss = 0.0f;
                 for (int64_t j = 0; j < Dv; j++) {
@@ -287,6 +390,7 @@ static int gd_layer(const void *proj, const void *convw, void *conv, const void 
         }
     }
     free(mixed);
+    free(run_of);
     return 0;
 }
 
