@@ -2,9 +2,10 @@
 
 The file is memory-mapped once (copy-on-write, so torch gets writable views and nothing is ever
 written back); each tensor's bytes become a uint8 tensor through ``torch.from_numpy`` without a
-copy, and the block formats are unpacked with torch ops over many blocks at once (no loop per
-block) into float32; the loader casts as it copies into the parameters. F32/F16/BF16 tensors are
-views of the map.
+copy, and the block formats are unpacked into float32 in one native pass
+(``workers/kernels/dequant.c``), or where it does not build with torch ops over many blocks at
+once (no loop per block; the same values); the loader casts as it copies into the parameters.
+F32/F16/BF16 tensors are views of the map.
 
 Block layouts (ggml's, all little-endian, ``d``/``m``/``dmin`` are fp16):
 
@@ -35,6 +36,7 @@ import torch
 
 from pantheon.core.gguf import TENSOR_TYPES, GGUFFile, GGUFTensor
 from workers.errors import LoadError
+from workers.kernels import dequant as dequant_kernel
 from workers.model_config import ModelConfig
 from workers.models import family, keeps_blocks
 
@@ -205,6 +207,9 @@ def dequantize(
     block, nbytes = _LAYOUT[type_name]
     blocks = raw.view(-1, nbytes)
     out = torch.empty(blocks.shape[0], block, dtype=torch.float32)
+    if dequant_kernel.available() and type_name in dequant_kernel.TYPES and blocks.is_contiguous():
+        dequant_kernel.blocks(blocks, type_name, out)  # one native pass, the same values
+        return out.view(shape).to(dtype)
     fill, step = _BLOCKS[type_name], max(1, CHUNK_VALUES // block)
     for i in range(0, blocks.shape[0], step):
         fill(blocks[i : i + step], out[i : i + step])

@@ -1,0 +1,27 @@
+"""The GGUF dequantization kernel (``workers/kernels/dequant.c`` through ``dequant.py``): every block
+format gives the torch path's values to the bit (random bytes with finite scales, several
+thousand blocks: the threaded pass), on the native, AVX2 and plain C builds; gguf-py's reference
+for the same bytes is tests/e2e/test_gguf.py's, which runs whichever path the host has."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_qlinear_kernel import X86, _cpu_flags, _run
+
+from workers.kernels import dequant
+
+CHECK = "import json; from helpers.dequant_ref import check; print(json.dumps(check()))"
+
+
+def test_every_format_is_the_torch_paths_to_the_bit_on_every_isa():
+    if not dequant.available():
+        pytest.skip("no C compiler here: loads keep torch's ops")
+    isas = ["native", "scalar"] + (["avx2"] if X86 and {"avx2", "fma", "f16c"} <= _cpu_flags() else [])
+    if not X86:
+        isas = ["native"]
+    for isa in isas:
+        got = json.loads(_run(CHECK, {"PANTHEON_KERNEL_ISA": isa}))
+        assert got["differ"] == {}, (isa, got)
+        assert set(got["checked"]) == set(dequant.TYPES), (isa, got)

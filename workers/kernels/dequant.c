@@ -1,0 +1,175 @@
+/* GGUF's block formats -> float32, the loader's dequantization (workers/gguf_weights.py, which
+ * documents each layout and keeps the torch version of every format: the fallback without a C
+ * compiler, and what this is held to bit for bit by tests/unit/test_dequant_kernel.py).
+ *
+ * Why C: the torch version unpacks a chunk of blocks at a time with ~10-30 ops a chunk; a
+ * Qwen3.5-0.8B Q4_K_M file took 6.2 s of its 13.8 s load there (its Q4_K and Q6_K tensors), where
+ * a pass in C over the bytes takes a fraction of a second and one core's cache.
+ *
+ * Each value is ggml's: the scales' products rounded to fp32 as the torch path rounds them, then
+ * d * q (and - m) each rounded once; Q4_1 and Q5_1's d * q + m is one fused multiply-add, as
+ * torch's addcmul computes it on the hosts we run (fmaf: the same value on every build).
+ *
+ * Built by workers/kernels/build.py, called through ctypes by workers/kernels/dequant.py.
+ * OpenMP over blocks; every value depends on its block alone.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "convert.h"
+
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+/* the formats, in workers/kernels/dequant.py's order */
+enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, N_TYPES };
+static const int BLOCK[N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 256, 256, 32};
+static const int BYTES[N_TYPES] = {18, 20, 22, 24, 34, 84, 110, 144, 176, 210, 17};
+
+static inline float half_at(const uint8_t *b) {
+    uint16_t h;
+    memcpy(&h, b, 2);
+    return f16_to_f32(h);
+}
+
+/* Q5_0 / Q5_1's 5-bit values: nibbles (low ones x[0:16]) and bit i of the LE uint32 qh for x[i] */
+static inline void q5_values(const uint8_t *qh4, const uint8_t *qs, int q[32]) {
+    uint32_t qh;
+    memcpy(&qh, qh4, 4);
+    for (int i = 0; i < 16; i++) {
+        q[i] = (qs[i] & 0x0F) | (((qh >> i) & 1) << 4);
+        q[i + 16] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+    }
+}
+
+/* Q4_K / Q5_K's 12 bytes -> 8 6-bit scales and 8 6-bit mins */
+static inline void scale_min_k4(const uint8_t *r, int sc[8], int mn[8]) {
+    for (int i = 0; i < 4; i++) {
+        sc[i] = r[i] & 0x3F;
+        mn[i] = r[4 + i] & 0x3F;
+        sc[4 + i] = (r[8 + i] & 0x0F) | ((r[i] >> 2) & 0x30);
+        mn[4 + i] = (r[8 + i] >> 4) | ((r[4 + i] >> 2) & 0x30);
+    }
+}
+
+static const float MX_LEVELS[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static void block(int type, const uint8_t *b, float *y) {
+    switch (type) {
+    case Q8_0: {
+        const float d = half_at(b);
+        for (int i = 0; i < 32; i++) y[i] = (float)(int8_t)b[2 + i] * d;
+        break;
+    }
+    case Q4_0: {
+        const float d = half_at(b);
+        for (int i = 0; i < 16; i++) {
+            y[i] = (float)((b[2 + i] & 0x0F) - 8) * d;
+            y[i + 16] = (float)((b[2 + i] >> 4) - 8) * d;
+        }
+        break;
+    }
+    case Q4_1: {
+        const float d = half_at(b), m = half_at(b + 2);
+        for (int i = 0; i < 16; i++) {
+            y[i] = fmaf(d, (float)(b[4 + i] & 0x0F), m);
+            y[i + 16] = fmaf(d, (float)(b[4 + i] >> 4), m);
+        }
+        break;
+    }
+    case Q5_0: {
+        int q[32];
+        const float d = half_at(b);
+        q5_values(b + 2, b + 6, q);
+        for (int i = 0; i < 32; i++) y[i] = (float)(q[i] - 16) * d;
+        break;
+    }
+    case Q5_1: {
+        int q[32];
+        const float d = half_at(b), m = half_at(b + 2);
+        q5_values(b + 4, b + 8, q);
+        for (int i = 0; i < 32; i++) y[i] = fmaf(d, (float)q[i], m);
+        break;
+    }
+    case Q2_K: { /* 16 sub-blocks of 16: scale low nibble, min high nibble; 2-bit values */
+        const uint8_t *sc = b, *qs = b + 16;
+        const float d = half_at(b + 80), dmin = half_at(b + 82);
+        for (int idx = 0; idx < 256; idx++) { /* value idx: half, shift, byte */
+            const int half = idx / 128, sh = (idx / 32) % 4, j = idx % 32, s = idx / 16;
+            const float q = (float)((qs[half * 32 + j] >> (2 * sh)) & 3);
+            const float dl = d * (float)(sc[s] & 0x0F), ml = dmin * (float)(sc[s] >> 4);
+            y[idx] = dl * q - ml;
+        }
+        break;
+    }
+    case Q3_K: { /* 16 6-bit scales (low nibbles in bytes 0-7, high 2 bits in 8-11), 3-bit values */
+        const uint8_t *hmask = b, *qs = b + 32, *raw = b + 96;
+        const float d = half_at(b + 108);
+        float ds[16];
+        for (int i = 0; i < 16; i++) {
+            const int low = i < 8 ? raw[i] & 0x0F : raw[i - 8] >> 4;
+            const int high = (raw[8 + i % 4] >> (2 * (i / 4))) & 3;
+            ds[i] = d * (float)((int8_t)(low | (high << 4)) - 32);
+        }
+        for (int idx = 0; idx < 256; idx++) {
+            const int half = idx / 128, sh = (idx / 32) % 4, j = idx % 32, s = idx / 32;
+            const int q = ((qs[half * 32 + j] >> (2 * sh)) & 3) - (((hmask[j] >> s) & 1) ? 0 : 4);
+            y[idx] = ds[idx / 16] * (float)q;
+        }
+        break;
+    }
+    case Q4_K:
+    case Q5_K: { /* 8 sub-blocks of 32: x = d * scale * q - dmin * min */
+        int sc[8], mn[8];
+        scale_min_k4(b + 4, sc, mn);
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const uint8_t *qs = b + (type == Q4_K ? 16 : 48), *qh = b + 16;
+        for (int s = 0; s < 8; s++) {
+            const float dl = d * (float)sc[s], ml = dmin * (float)mn[s];
+            for (int j = 0; j < 32; j++) { /* chunk s / 2's low nibbles, then its high ones */
+                int q = (qs[(s / 2) * 32 + j] >> (4 * (s % 2))) & 0x0F;
+                if (type == Q5_K) q |= ((qh[j] >> s) & 1) << 4;
+                y[s * 32 + j] = dl * (float)q - ml;
+            }
+        }
+        break;
+    }
+    case Q6_K: { /* 16 int8 scales of 16 values; 4 low bits in ql, 2 high bits in qh */
+        const uint8_t *ql = b, *qh = b + 128;
+        const float d = half_at(b + 208);
+        for (int idx = 0; idx < 256; idx++) {
+            const int half = idx / 128, k = (idx / 64) % 2, t = idx % 64;
+            const int sh = (idx / 32) % 4, j = idx % 32;
+            const int lo = (ql[half * 64 + t] >> (4 * k)) & 0x0F;
+            const int hi = (qh[half * 32 + j] >> (2 * sh)) & 3;
+            const float ds = d * (float)(int8_t)b[192 + idx / 16];
+            y[idx] = ds * (float)((int8_t)(lo | (hi << 4)) - 32);
+        }
+        break;
+    }
+    case MXFP4: { /* e8m0 exponent byte, e2m1 nibbles (low ones x[0:16]); ggml's doubled levels */
+        const int e = (int)b[0] - 128;
+        for (int i = 0; i < 16; i++) {
+            y[i] = ldexpf(MX_LEVELS[b[1 + i] & 0x0F], e);
+            y[i + 16] = ldexpf(MX_LEVELS[b[1 + i] >> 4], e);
+        }
+        break;
+    }
+    }
+}
+
+/* y [nblocks * block] = the nblocks blocks at src; 0 on success, 1 for an unknown type */
+int dq_blocks(int type, const uint8_t *src, int64_t nblocks, float *y, int nthreads) {
+    if (type < 0 || type >= N_TYPES || nblocks < 0) return 1;
+    const int64_t bs = BLOCK[type], nb = BYTES[type];
+    int nt = nthreads < 1 ? 1 : nthreads;
+    if (nblocks < 4096) nt = 1; /* a small tensor: not worth waking the threads */
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t i = 0; i < nblocks; i++) block(type, src + i * nb, y + i * bs);
+    return 0;
+}

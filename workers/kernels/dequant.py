@@ -1,0 +1,50 @@
+"""Typed wrapper of the GGUF dequantization kernel (``dequant.c``): a tensor's blocks -> float32 in
+one native pass (``workers/gguf_weights.py``'s ``dequantize`` calls it; its torch ops per chunk of
+blocks are the fallback without a C compiler, or with ``PANTHEON_DEQUANT_KERNEL=0``, and the
+values this is held to, bit for bit)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from workers.kernels.build import load
+
+# dequant.c's type codes, in its enum's order
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    return load(
+        "dequant",
+        "GGUF dequantization kernel unavailable, loads unpack blocks with torch's ops",
+        {
+            "dq_blocks": (
+                ctypes.c_int,
+                [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int],
+            )
+        },
+    )
+
+
+def available() -> bool:
+    """Built, and not switched off (``PANTHEON_DEQUANT_KERNEL=0``, read at each call)."""
+    return os.environ.get("PANTHEON_DEQUANT_KERNEL", "1") != "0" and _load()[0] is not None
+
+
+def blocks(raw: torch.Tensor, type_name: str, out: torch.Tensor) -> None:
+    """Fill ``out`` ([n, block] float32, contiguous) from ``raw`` ([n, block bytes] uint8, the
+    file's bytes) for a type of ``TYPES``; callers check ``available()`` first."""
+    lib = _load()[0]
+    assert lib is not None, "callers check available() first"
+    if raw.dtype != torch.uint8 or out.dtype != torch.float32 or raw.shape[0] != out.shape[0]:
+        raise ValueError(f"dequantize {type_name}: {raw.dtype} {tuple(raw.shape)} into {out.dtype} {tuple(out.shape)}")
+    if not (raw.is_contiguous() and out.is_contiguous()):
+        raise ValueError(f"dequantize {type_name}: the bytes and the output must be contiguous")
+    rc = lib.dq_blocks(TYPES.index(type_name), raw.data_ptr(), raw.shape[0], out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"dequantize kernel refused {type_name} (code {rc})")
