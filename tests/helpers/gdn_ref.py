@@ -178,7 +178,9 @@ def check_runs() -> dict:
                 pc[slot], ps[slot] = 0, 0
             for r in range(r0, r0 + rows):
                 one = torch.tensor([slot])
-                rows_out[r] = gdn_step.decode(proj[r : r + 1], conv_w, pc, a_log, dt_bias, norm_w, ps, one, heads, 1e-6)[0]
+                rows_out[r] = gdn_step.decode(
+                    proj[r : r + 1], conv_w, pc, a_log, dt_bias, norm_w, ps, one, heads, 1e-6
+                )[0]
         same_as_rows &= all(torch.equal(x, y) for x, y in zip(outs[0], (rows_out, pc, ps)))
         for t in outs[0]:
             digest.update(t.contiguous().numpy().tobytes())

@@ -42,9 +42,13 @@ def blocks(raw: torch.Tensor, type_name: str, out: torch.Tensor) -> None:
     lib = _load()[0]
     assert lib is not None, "callers check available() first"
     if raw.dtype != torch.uint8 or out.dtype != torch.float32 or raw.shape[0] != out.shape[0]:
-        raise ValueError(f"dequantize {type_name}: {raw.dtype} {tuple(raw.shape)} into {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"dequantize {type_name}: {raw.dtype} {tuple(raw.shape)} into {out.dtype} {tuple(out.shape)}"
+        )
     if not (raw.is_contiguous() and out.is_contiguous()):
         raise ValueError(f"dequantize {type_name}: the bytes and the output must be contiguous")
-    rc = lib.dq_blocks(TYPES.index(type_name), raw.data_ptr(), raw.shape[0], out.data_ptr(), torch.get_num_threads())
+    rc = lib.dq_blocks(
+        TYPES.index(type_name), raw.data_ptr(), raw.shape[0], out.data_ptr(), torch.get_num_threads()
+    )
     if rc:
         raise ValueError(f"dequantize kernel refused {type_name} (code {rc})")

@@ -159,7 +159,9 @@ class GatedDeltaNet(nn.Module):
                 slots = chunk_slots if slots is None else torch.cat([slots.to(torch.int64), chunk_slots])
                 runs = [(i, 1, False) for i in range(nd)]
                 runs += [(ch.start, ch.end - ch.start, ch.fresh) for ch in b.prefills]
-            assert slots is not None and nd + sum(ch.end - ch.start for ch in b.prefills) == n  # every row in a run
+            assert (
+                slots is not None and nd + sum(ch.end - ch.start for ch in b.prefills) == n
+            )  # every row in a run
             normed = gdn_step.decode(
                 proj,
                 self.conv_weight.squeeze(1),
