@@ -21,7 +21,7 @@ from pantheon.core.protocol import SamplingParams
 from pantheon.core.sizing import estimate
 from workers.cpu_paths import probe
 from workers.engine import Engine
-from workers.layers.moe import MoE, experts_forward, route
+from workers.layers.moe import MoE, Router, experts_forward, route
 from workers.mxfp4 import MxExperts, dequantize, from_hub, int4_from_fp4
 from workers.quant import Int4Linear, Int8Linear, QuantExperts, int4_groups
 
@@ -258,6 +258,12 @@ def test_qwen3_moe_on_the_quantized_paths(model_factory, path):
     eng = Engine(folder, cpu_path=path, num_slots=2, kv_budget_bytes=1 << 20)
     mods = [m for m in eng.model.modules() if isinstance(m, MoE)]
     assert mods and all(isinstance(m.gate_up_laid_out, QuantExperts) for m in mods)
+    # the router stays dense in the path's dtype (llama.cpp keeps it F32): the checkpoint's
+    # weights as they are, not int8 rows, so a token's experts are the ones its logits pick
+    refs = [m for m in ref.model.modules() if isinstance(m, MoE)]
+    for m, r in zip(mods, refs):
+        assert type(m.gate) is Router and m.gate.weight.dtype == eng.dtype
+        assert torch.equal(m.gate.weight, r.gate.weight.to(eng.dtype))
     want, got = _first_logits(ref, PROMPT), _first_logits(eng, PROMPT)
     cos = float(torch.nn.functional.cosine_similarity(got, want, dim=0))
     assert cos > CLOSE[path], cos

@@ -21,8 +21,10 @@ without a grouped GEMM), or one ``torch._grouped_mm`` over all groups (CUDA, bf1
 torch has it and the shapes are aligned). A decode step of one token thus reads ``top_k``
 experts, not ``E``: the point of a mixture of experts.
 
-The router and the shared expert are ``nn.Linear``\\ s, laid out by the CPU paths like any other
-linear. The experts are prepacked for oneDNN one by one on the packed paths (``MoE.lay_out``: the
+The router (``Router``) stays dense in the model's dtype on every path, as llama.cpp keeps
+``ffn_gate_inp`` in F32: its logits pick each token's experts, and int8 rows' rounding moved a
+near-tied top-k choice (a different expert, not a slightly different sum). The shared expert is
+``nn.Linear``\\ s, laid out by the CPU paths like any other linear. The experts are prepacked for oneDNN one by one on the packed paths (``MoE.lay_out``: the
 same bytes, and plain bf16 ``F.linear`` at one row is ~4x slower than a prepacked one on AVX-512
 hosts). On the int8 / int4 paths they are quantized as those paths' linears are (``MoE.quantize``,
 ``workers.quant.QuantExperts``: int8 rows, or int4 groups of 32 where the kernel takes the shape,
@@ -217,6 +219,19 @@ def experts_forward(
     return (per_token * weights.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
+class Router(nn.Module):
+    """A mixture of experts' router: logits [M, E] = x [M, H] @ weight^T (+ bias, gpt-oss's). Not an
+    ``nn.Linear``, so that the CPU paths' layouts (``quant.replace_linears``) leave it dense."""
+
+    def __init__(self, hidden: int, num_experts: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class MoE(nn.Module):
     """Router, stacked routed experts (with biases when ``expert_bias``, activated by ``glu``),
     optional shared expert with its sigmoid gate.
@@ -243,7 +258,7 @@ class MoE(nn.Module):
             raise ValueError(f"unknown routing {routing!r} (known: {', '.join(ROUTINGS)})")
         self.num_experts, self.top_k, self.inter = num_experts, top_k, inter
         self.routing, self.norm_topk_prob = routing, norm_topk_prob
-        self.gate = nn.Linear(hidden, num_experts, bias=router_bias)  # the router
+        self.gate = Router(hidden, num_experts, bias=router_bias)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
         # the experts' biases (gpt-oss), in the stacked layout: gate then up, per expert

@@ -275,8 +275,8 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> Gemma4Description:
             linears += [(ple, hidden), (hidden, ple)]
             small += hidden
         if experts is not None:
-            linears.append((experts.count, hidden))  # the router
-            small += hidden + experts.count + 3 * hidden  # its scale, per-expert scale, three norms
+            # the router (dense on every path), its scale, per-expert scale, three norms
+            small += experts.count * hidden + hidden + experts.count + 3 * hidden
         cache = (
             SharedKV(a.shares)
             if a.shares is not None

@@ -98,9 +98,9 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> GptOssDescription:
         types = [FULL] * n
     bias = bool(raw.get("attention_bias", True))
     q, kv = heads * head_dim, kv_heads * head_dim
-    linears = ((q + 2 * kv, hidden), (hidden, q), (experts, hidden))  # q/k/v, o, the router
-    # two norms, the sinks, the router's bias, the attention's biases
-    small = 2 * hidden + heads + experts + ((q + 2 * kv + hidden) if bias else 0)
+    linears = ((q + 2 * kv, hidden), (hidden, q))  # q/k/v, o
+    # two norms, the sinks, the router (dense on every path) and its bias, the attention's biases
+    small = 2 * hidden + heads + experts * (hidden + 1) + ((q + 2 * kv + hidden) if bias else 0)
     mxfp4 = _mxfp4(raw, where) or bool(raw.get("experts_mxfp4"))  # a folder's or a GGUF's
     spec = ExpertSpec(count=experts, top_k=top_k, intermediate=inter, hidden=hidden, bias=True, mxfp4=mxfp4)
 

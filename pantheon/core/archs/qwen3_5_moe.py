@@ -42,7 +42,8 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> Qwen35MoeDescriptio
     h = base.hidden_size
     moe = ExpertSpec(count=experts, top_k=top_k, intermediate=moe_inter, hidden=h)
     layers = tuple(
-        dataclasses.replace(s, linears=(*s.linears, (experts, h), (1, h)), experts=moe)  # router, shared gate
+        # the shared expert's gate a linear; the router dense on every path
+        dataclasses.replace(s, linears=(*s.linears, (1, h)), small=s.small + experts * h, experts=moe)
         for s in base.layers
     )
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}

@@ -66,8 +66,8 @@ def describe(raw: dict, gen: dict, where: str, arch: str) -> Qwen3MoeDescription
     cache = AttentionCache(kv_heads, head_dim)
     moe = LayerSpec(
         kind="attention",
-        linears=(*attn, (experts, hidden)),  # the router; the experts are stacked
-        small=small,
+        linears=attn,  # the experts are stacked; the router stays dense (workers/layers/moe.py's Router)
+        small=small + experts * hidden,
         cache=cache,
         experts=ExpertSpec(count=experts, top_k=top_k, intermediate=moe_inter, hidden=hidden),
     )
