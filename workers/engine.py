@@ -359,7 +359,9 @@ class Engine:
             # nothing decodes beside an encoder's steps, so no stream waits on their length:
             # a step takes the whole batch (the token bound caps one step's activations)
             return self.scheduler.schedule(max(self.budget.ceiling, EMBED_STEP_TOKENS))
-        return self.scheduler.schedule(lambda context: self.budget.tokens(decoding, context))
+        return self.scheduler.schedule(
+            lambda context, pending: self.budget.tokens(decoding, context, pending)
+        )
 
     def _run(self, plan: StepPlan, outs: list[TokenOut], t0: float) -> list[TokenOut]:
         """Compute ``plan``; ``outs`` (its truncations) gains every token it samples."""

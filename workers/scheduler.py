@@ -162,17 +162,21 @@ class Scheduler:
 
     # ------------------------------------------------------------ the step
 
-    def schedule(self, prefill_tokens: int | Callable[[int], int] | None = None) -> StepPlan:
+    def schedule(self, prefill_tokens: int | Callable[[int, int], int] | None = None) -> StepPlan:
         """Plan the next step; it prefills at most ``prefill_tokens`` (default ``prefill_chunk``).
         A function is given the context of the sequence the step prefills first (its positions
         already computed, a cached prefix included), once this step's joiners have their slots
-        and their prefixes: a joiner that finds 7k positions cached starts 7k deep."""
+        and their prefixes: a joiner that finds 7k positions cached starts 7k deep; and the prompt
+        tokens all the slots' prefilling sequences still have."""
         plan = StepPlan(decode=[], prefill=[])
         self._admit(plan)
         running = sorted(self.running(), key=lambda s: s.arrival)
         if callable(prefill_tokens):
-            first = next((s for s in running if s.slot is not None and not s.decoding and not s.finish), None)
-            prefill_tokens = prefill_tokens(first.num_computed if first is not None else 0)
+            prefilling = [s for s in running if s.slot is not None and not s.decoding and not s.finish]
+            first = prefilling[0] if prefilling else None
+            prefill_tokens = prefill_tokens(
+                first.num_computed if first is not None else 0, sum(s.pending for s in prefilling)
+            )
 
         for seq in running:
             if seq.slot is None or not seq.decoding:

@@ -185,9 +185,11 @@ def test_the_budget_is_asked_at_the_context_a_joiner_starts_from():
     a = seq("a", 10, max_tokens=3)
     s.add(a)
     asked: list[int] = []
+    pending: list[int] = []
 
-    def budget(context: int) -> int:
+    def budget(context: int, waiting: int) -> int:
         asked.append(context)
+        pending.append(waiting)
         return 100
 
     while not a.finish:
@@ -195,11 +197,13 @@ def test_the_budget_is_asked_at_the_context_a_joiner_starts_from():
         s.commit(plan)
         for q in plan.sampled():
             s.append_token(q, 500)
-    assert asked[0] == 0  # a fresh prompt
+    assert asked[0] == 0 and pending[0] == 10  # a fresh prompt, all of it to prefill
     s.add(Sequence("b", 10, list(range(1, 11)), 3))  # its first 8 positions are cached
     asked.clear()
+    pending.clear()
     plan = s.schedule(budget)
     assert asked == [8] and [(q.request_id, n) for q, n in plan.prefill] == [("b", 2)]
+    assert pending == [2]  # the tokens the prefilling sequences still have (b's uncached two)
 
 
 def test_scheduler_reuses_prefix_and_publishes_full_blocks():

@@ -96,3 +96,16 @@ def test_a_short_prompt_is_not_measured_but_a_small_budget_is():
     assert b2.tokens() == 500
     b2.observe(0, 8, 0.2)  # few tokens against a budget of 500: a short prompt, not measured
     assert b2.per_token_s == pytest.approx(0.001)
+
+
+def test_prompts_that_all_finish_within_the_target_are_taken_whole():
+    """Beside decoding streams the cap (DECODE_SHARE decode steps) holds a long prompt back; a
+    burst of prompts that all finish within the target gets them all in one step."""
+    b = StepBudget(target_s=0.5, ceiling=4096)
+    b.observe(n_decode=8, n_prefill=0, seconds=0.1)
+    b.observe(n_decode=8, n_prefill=100, seconds=0.1 + 100 * 0.004)
+    assert b.tokens() == 75  # capped: (min(0.5, 4 x 0.1) - 0.1) / 0.004
+    assert b.tokens(pending=100) == 100  # (0.5 - 0.1) / 0.004 = 100: every waiting token fits
+    assert b.tokens(pending=72) == 100  # the room (the scheduler takes the 72 there are)
+    assert b.tokens(pending=101) == 75  # one token more than fits: the cap, as for a long prompt
+    assert b.tokens(decoding=False, pending=500) == 125  # nothing decodes: the target, as before

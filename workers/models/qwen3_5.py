@@ -152,7 +152,7 @@ class GatedDeltaNet(nn.Module):
             # the state: 8 prompts of 9 tokens through Qwen3.5-0.8B's 18 DeltaNet layers took
             # ~150 ms in those)
             nd = b.n_plain
-            slots = b.decode_slots[:nd] if nd else None
+            slots = b.decode_slots[:nd] if nd and b.decode_slots is not None else None
             runs = None
             if b.prefills:
                 chunk_slots = torch.tensor([ch.slot for ch in b.prefills], dtype=torch.int64)
