@@ -50,3 +50,34 @@ def check() -> dict:
                 differ[f"{name}@{threads}"] = bad
         checked.append(name)
     return {"checked": checked, "differ": differ}
+
+
+def check_grid() -> dict:
+    """``dequant.grid_fit`` against ``workers.quant._grid_fit`` on the same groups: 4-bit grids of
+    every span (L = 1 .. 15 levels used, fp16-rounded steps and minima, as a Q4_K file's unpacked
+    values are), constant groups, and off-grid ones (6-bit levels); the same levels, steps,
+    minima and verdict, bit for bit, on one and two threads."""
+    from workers.quant import _grid_fit
+
+    g = torch.Generator().manual_seed(3)
+    r = 6000
+    levels = torch.randint(1, 16, (r, 1), generator=g)  # the highest level a group uses
+    q = torch.minimum(torch.randint(0, 16, (r, 32), generator=g), levels).float()
+    q[:, 0], q[:, 1] = 0, levels[:, 0].float()  # its lowest and highest level both present
+    step = (torch.rand(r, 1, generator=g) * 0.01 + 1e-4).half().float()
+    lo = (torch.randn(r, 1, generator=g) * 0.05).half().float()
+    on_grid = lo + q * step  # [r, 32]
+    on_grid[:50] = on_grid[:50, :1]  # constant groups
+    off_grid = torch.randint(0, 64, (r, 32), generator=g).float() * step + lo  # 6-bit levels
+    out: dict = {"same": True, "verdicts": []}
+    for w in (on_grid, off_grid, on_grid[::7]):
+        want = _grid_fit(w.contiguous(), 1e-3)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = dequant.grid_fit(w, 1e-3)
+            same = got[3] == want[3] and all(
+                torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got[:3], want[:3])
+            )
+            out["same"] &= bool(same)
+        out["verdicts"].append(bool(want[3]))
+    return out

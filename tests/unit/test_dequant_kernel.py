@@ -25,3 +25,20 @@ def test_every_format_is_the_torch_paths_to_the_bit_on_every_isa():
         got = json.loads(_run(CHECK, {"PANTHEON_KERNEL_ISA": isa}))
         assert got["differ"] == {}, (isa, got)
         assert set(got["checked"]) == set(dequant.TYPES), (isa, got)
+
+
+GRID = "import json; from helpers.dequant_ref import check_grid; print(json.dumps(check_grid()))"
+
+
+def test_the_grid_fit_is_the_torch_paths_to_the_bit_on_every_isa():
+    """A 4-bit file's grids found in one pass a group (``on_grid``'s kernel) give the torch fit's
+    levels, steps, minima and verdict: on-grid groups of every span fit, 6-bit ones do not."""
+    if not dequant.available():
+        pytest.skip("no C compiler here: loads keep torch's ops")
+    isas = ["native", "scalar"] + (["avx2"] if X86 and {"avx2", "fma", "f16c"} <= _cpu_flags() else [])
+    if not X86:
+        isas = ["native"]
+    for isa in isas:
+        got = json.loads(_run(GRID, {"PANTHEON_KERNEL_ISA": isa}))
+        assert got["same"], (isa, got)
+        assert got["verdicts"] == [True, False, True], (isa, got)

@@ -26,7 +26,11 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             "dq_blocks": (
                 ctypes.c_int,
                 [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int],
-            )
+            ),
+            "dq_grid_fit": (
+                ctypes.c_int,
+                [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, *[ctypes.c_void_p] * 3, ctypes.c_int],
+            ),
         },
     )
 
@@ -52,3 +56,19 @@ def blocks(raw: torch.Tensor, type_name: str, out: torch.Tensor) -> None:
     )
     if rc:
         raise ValueError(f"dequantize kernel refused {type_name} (code {rc})")
+
+
+def grid_fit(w: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """``workers.quant._grid_fit`` in one native pass a group (the same levels, steps and
+    minima): groups w [R, 32] float32 -> (levels [R, 32], step [R], lowest [R], all fit)."""
+    lib = _load()[0]
+    assert lib is not None, "callers check available() first"
+    w = w.float().contiguous()
+    if w.dim() != 2 or w.shape[1] != 32:
+        raise ValueError(f"grid fit takes groups [R, 32], got {tuple(w.shape)}")
+    r = w.shape[0]
+    q, step, lo = torch.empty(r, 32), torch.empty(r), torch.empty(r)
+    fits = lib.dq_grid_fit(
+        w.data_ptr(), r, tol, q.data_ptr(), step.data_ptr(), lo.data_ptr(), torch.get_num_threads()
+    )
+    return q, step, lo, bool(fits)
