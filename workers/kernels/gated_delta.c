@@ -264,15 +264,18 @@ static int gd_layer(const void *proj, const void *convw, void *conv, const void 
         free(run_of);
         return 2;
     }
-    float *wt = mixed + R * C; /* the conv's taps [Kc, C], fp32 (values of wkind) */
-    for (int64_t c = 0; c < C; c++)
-        for (int64_t j = 0; j < Kc; j++) wt[j * C + c] = gd_load(convw, wkind, c * Kc + j);
+    float *wt = mixed + R * C; /* the conv's taps [Kc, C], fp32 (values of wkind), made below */
     for (int64_t r = 0; r < R; r++) run_of[r] = -1;
     for (int64_t b = 0; b < B; b++)
         for (int64_t r = RUN_FIRST(b); r < RUN_FIRST(b) + RUN_ROWS(b); r++) run_of[r] = b;
     int nt = nthreads < 1 ? 1 : nthreads;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
+        /* the taps transposed, channels contiguous (shared among the threads: a decode step's
+         * one row made them serially in ~10 us a layer) */
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < C; c++)
+            for (int64_t j = 0; j < Kc; j++) wt[j * C + c] = gd_load(convw, wkind, c * Kc + j);
         /* the conv: output (row, channel c) is its K-tap dot product over the K inputs ending
          * at that row (the run's earlier rows, or the slot's state before its first), then
          * SiLU, each output's taps added in order. Rows are independent (they read inputs
