@@ -19,7 +19,9 @@ cache. Per token ``t`` (q and k L2-normalised, q also scaled by ``Dk**-0.5``):
   chunks of ``chunk_size``: within a chunk, its sequential rank-1 updates are folded into one
   unit-lower-triangular solve (the "UT transform" of the DeltaNet paper), so the work is matmuls,
   and only the chunks are scanned in order. It continues from any state, so a prompt may be fed
-  in pieces (chunked prefill) and then decoded token by token.
+  in pieces (chunked prefill) and then decoded token by token. (On the CPU Qwen3.5's layer runs
+  prefill chunks through the native kernel instead, every row as a decode step: the state stays
+  in the core's cache, and a chunk's rows give their decode's bits; ``workers/models/qwen3_5.py``.)
 - ``causal_conv1d_prefill`` / ``causal_conv1d_step``: the depthwise causal convolution (with
   SiLU) that precedes the recurrence, carrying the last ``K - 1`` inputs between calls.
 - ``gated_rms_norm``: the RMSNorm gated by ``silu(z)`` that follows it.
