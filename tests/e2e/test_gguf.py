@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.dequant_ref import HALVES
 from helpers.paths import REPO_ROOT
 
 gguf = pytest.importorskip("gguf")
@@ -202,19 +203,7 @@ def files(model_factory, tmp_path_factory):
 
 RNG = np.random.default_rng(0)
 # every quantized type: byte offsets of its fp16 scale fields (kept finite in random blocks)
-QUANTIZED = {
-    QT.Q4_0: (0,),
-    QT.Q4_1: (0, 2),
-    QT.Q5_0: (0,),
-    QT.Q5_1: (0, 2),
-    QT.Q8_0: (0,),
-    QT.Q2_K: (80, 82),
-    QT.Q3_K: (108,),
-    QT.Q4_K: (0, 2),
-    QT.Q5_K: (0, 2),
-    QT.Q6_K: (208,),
-    QT.MXFP4: (),  # its scale is an e8m0 byte: every value is a power of two
-}
+QUANTIZED = {QT[name]: at for name, at in HALVES.items()}
 
 
 def ours(raw: np.ndarray, qtype: QT, shape) -> torch.Tensor:

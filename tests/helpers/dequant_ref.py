@@ -11,7 +11,8 @@ import torch
 from workers import gguf_weights
 from workers.kernels import dequant
 
-# byte offsets of each format's fp16 scales (kept finite and small in random blocks)
+# byte offsets of each format's fp16 scales, kept finite and small in random blocks (MXFP4's scale is
+# an e8m0 byte: every value a power of two); tests/e2e/test_gguf.py's random blocks use them too
 HALVES = {
     "Q4_0": (0,),
     "Q4_1": (0, 2),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_qlinear_kernel import X86, _cpu_flags, _run
+from test_qlinear_kernel import _isas, _run
 
 from workers.kernels import dequant
 
@@ -18,10 +18,7 @@ CHECK = "import json; from helpers.dequant_ref import check; print(json.dumps(ch
 def test_every_format_is_the_torch_paths_to_the_bit_on_every_isa():
     if not dequant.available():
         pytest.skip("no C compiler here: loads keep torch's ops")
-    isas = ["native", "scalar"] + (["avx2"] if X86 and {"avx2", "fma", "f16c"} <= _cpu_flags() else [])
-    if not X86:
-        isas = ["native"]
-    for isa in isas:
+    for isa in _isas():
         got = json.loads(_run(CHECK, {"PANTHEON_KERNEL_ISA": isa}))
         assert got["differ"] == {}, (isa, got)
         assert set(got["checked"]) == set(dequant.TYPES), (isa, got)
@@ -35,10 +32,7 @@ def test_the_grid_fit_is_the_torch_paths_to_the_bit_on_every_isa():
     levels, steps, minima and verdict: on-grid groups of every span fit, 6-bit ones do not."""
     if not dequant.available():
         pytest.skip("no C compiler here: loads keep torch's ops")
-    isas = ["native", "scalar"] + (["avx2"] if X86 and {"avx2", "fma", "f16c"} <= _cpu_flags() else [])
-    if not X86:
-        isas = ["native"]
-    for isa in isas:
+    for isa in _isas():
         got = json.loads(_run(GRID, {"PANTHEON_KERNEL_ISA": isa}))
         assert got["same"], (isa, got)
         assert got["verdicts"] == [True, False, True], (isa, got)

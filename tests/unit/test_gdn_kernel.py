@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from test_qlinear_kernel import X86, _cpu_flags, _run
+from test_qlinear_kernel import X86, _cpu_flags, _isas, _run
 
 from workers.kernels import gdn_step
 from workers.layers.gated_delta import gated_delta_step_slots, recurrent_gated_delta_step
@@ -43,10 +43,7 @@ def test_the_whole_decode_step_is_right_and_the_same_bits_on_every_isa():
     depend on the CPU, issue 40)."""
     if not gdn_step.available():
         pytest.skip("no C compiler here: decode keeps torch's ops")
-    isas = ["native", "scalar"] + (["avx2"] if X86 and {"avx2", "fma", "f16c"} <= _cpu_flags() else [])
-    if not X86:
-        isas = ["native"]
-    got = {isa: json.loads(_run(DECODE, {"PANTHEON_KERNEL_ISA": isa})) for isa in isas}
+    got = {isa: json.loads(_run(DECODE, {"PANTHEON_KERNEL_ISA": isa})) for isa in _isas()}
     for isa, r in got.items():
         assert r["worst"] < 1e-5 and r["untouched"] and r["same"], (isa, r)
     assert len({r["digest"] for r in got.values()}) == 1, {isa: r["digest"][:12] for isa, r in got.items()}
@@ -62,10 +59,7 @@ def test_runs_of_rows_are_their_decode_steps_to_the_bit_on_every_isa():
     bits on every build: a prompt's states do not depend on how it was chunked or batched."""
     if not gdn_step.available():
         pytest.skip("no C compiler here: prefill keeps torch's chunked rule")
-    isas = ["native", "scalar"] + (["avx2"] if X86 and {"avx2", "fma", "f16c"} <= _cpu_flags() else [])
-    if not X86:
-        isas = ["native"]
-    got = {isa: json.loads(_run(RUNS, {"PANTHEON_KERNEL_ISA": isa})) for isa in isas}
+    got = {isa: json.loads(_run(RUNS, {"PANTHEON_KERNEL_ISA": isa})) for isa in _isas()}
     for isa, r in got.items():
         assert r["same_as_rows"] and r["same"], (isa, r)
     assert len({r["digest"] for r in got.values()}) == 1, {isa: r["digest"][:12] for isa, r in got.items()}
