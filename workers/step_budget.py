@@ -110,7 +110,7 @@ class StepBudget:
         if decoding and self.decode_s:  # streams beside a prefill keep ~1/DECODE_SHARE of their speed
             whole = self._fit(self.target_s, decoding, context)
             if pending is not None and pending <= whole:
-                return max(self.floor, min(self.ceiling, whole))  # every waiting prompt finishes now
+                return whole  # every waiting prompt finishes now (_fit clamps it already)
             return self._fit(min(self.target_s, DECODE_SHARE * self.decode_s), decoding, context)
         return self._fit(self.target_s, decoding, context)
 
