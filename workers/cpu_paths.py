@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import os
 import time
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -349,18 +350,21 @@ def head_spec(spec: PathSpec) -> PathSpec:
     return dataclasses.replace(PATHS["int8"], dtype=spec.dtype) if spec.layout == "int4" else spec
 
 
-def apply(model: DecoderLM, name: str, cfg: ModelDescription | None = None) -> None:
+def apply(
+    model: DecoderLM, name: str, cfg: ModelDescription | None = None, laid_out: Container[int] = ()
+) -> None:
     """Lay a loaded model (in the path's dtype) out for path ``name``, in place.
 
     packed / int8 / int4: every decoder linear laid out so, and the LM head too (``head_spec``):
+    ``laid_out``: the layers laid out already (by the loader's ``on_layer``, as they were read);
     a tied head gets its own copy (the embedding table stays plain for lookups), an untied one
     is replaced. dense: nothing to do. A mixture of experts' routed experts as ``experts_spec``
     says (``cfg``: the model's description, whose experts may be stored as MXFP4): prepacked one
     by one, or quantized into stacks (MXFP4 experts stay as they are).
     """
     spec = PATHS[name]
-    for layer, dev in zip(model.layers, model.layer_devices):
-        if dev.type == "cpu":
+    for i, (layer, dev) in enumerate(zip(model.layers, model.layer_devices)):
+        if dev.type == "cpu" and i not in laid_out:
             lay_out(layer, name, cfg)
     if spec.layout == "dense":
         return

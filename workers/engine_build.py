@@ -190,9 +190,17 @@ def _num_blocks(spec: EngineSpec, block_bytes: int, num_slots: int, max_model_le
 def load_weights(p: Plan, progress: Callable[[int, int], None] | None) -> DecoderLM:
     """The model's weights in the plan's dtype, laid out for its CPU path (int8 elsewhere when
     the spec quantizes)."""
-    model, _cfg = load_model(p.spec.path, p.spec.devices or ["cpu"], p.dtype_name, progress, p.cfg)
+    laid: set[int] = set()  # layers the CPU path laid out while the load went on
+
+    def lay_out(i: int, layer: torch.nn.Module) -> None:
+        if p.cpu is not None and all(t.device.type == "cpu" for t in layer.parameters()):
+            cpu_paths.lay_out(layer, p.cpu.name, p.cfg)
+            laid.add(i)
+
+    on_layer = lay_out if p.cpu is not None else None
+    model, _cfg = load_model(p.spec.path, p.spec.devices or ["cpu"], p.dtype_name, progress, p.cfg, on_layer)
     if p.cpu is not None:
-        cpu_paths.apply(model, p.cpu.name, p.cfg)
+        cpu_paths.apply(model, p.cpu.name, p.cfg, laid)
         if getattr(model, "embed_only", False):
             model.lm_head = None  # a model that only embeds is never asked for logits
     elif p.spec.quantize:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from pantheon.core.gguf import find_gguf, read_gguf
@@ -129,10 +130,15 @@ def load_model(
     dtype: str = "auto",
     progress: Callable[[int, int], None] | None = None,
     cfg: ModelConfig | None = None,
+    on_layer: Callable[[int, nn.Module], None] | None = None,
 ) -> tuple[DecoderLM, ModelConfig]:
     """Load a Hugging Face model folder, a GGUF file or a folder holding one onto ``devices``
     (layers split across several). ``cfg``: the model's description when the caller has read it
-    already (the engine does, before any weight is touched), so it is parsed once per load."""
+    already (the engine does, before any weight is touched), so it is parsed once per load.
+    ``on_layer(i, layer)``: called once decoder layer ``i`` has every tensor, before the next
+    tensor is read (a CPU path lays the layer out there: ``workers/engine_build.py``), and the
+    loader's own references to its parameters dropped then: a layer's weights in the load's
+    dtype live until it is laid out, not until the whole model is read."""
     model_path = Path(model_path)
     with gguf_errors():
         found = find_gguf(model_path)
@@ -154,7 +160,8 @@ def load_model(
         if g is not None
         else _safetensors_tensors(headers, wanted, fam.checkpoint_name)
     )
-    filled = _fill(targets, _pieces(tensors, fam, targets), source, progress)
+    watch = None if on_layer is None else _LayerWatch(model, targets, on_layer)
+    filled = _fill(targets, _pieces(tensors, fam, targets), source, progress, watch)
 
     missing = [n for n in targets if n not in filled]
     if missing == ["lm_head.weight"]:
@@ -343,13 +350,63 @@ def _read_tensor(raw, base: int, info: dict) -> torch.Tensor:
     return buf.view(_ST_TORCH[info["dtype"]]).view(info["shape"])
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _LayerWatch:
+    """Which decoder layer each target fills (by its parameter's storage), to hand each layer to
+    ``on_layer`` as soon as all of its targets are filled, and then forget those targets (the
+    loader's references to parameters the layout replaces). A target of no layer (embeddings,
+    final norm, head) is never watched; a layer whose targets never all come is left alone (the
+    load fails on its missing tensors)."""
+
+    def __init__(
+        self, model: DecoderLM, targets: dict[str, Target], on_layer: Callable[[int, nn.Module], None]
+    ):
+        self.model, self.targets, self.on_layer = model, targets, on_layer
+        # by storage: a target may fill a view of its parameter (one expert of a stack)
+        owner = {
+            _storage(t): i
+            for i, layer in enumerate(model.layers)
+            for t in (*layer.parameters(), *layer.buffers())
+        }
+        self.layer_of: dict[str, int] = {}
+        self.left: dict[int, set[str]] = {}
+        for name, t in targets.items():
+            i = owner.get(_storage(t.param))
+            if i is not None:
+                self.layer_of[name] = i
+                self.left.setdefault(i, set()).add(name)
+
+    def filled(self, name: str) -> None:
+        i = self.layer_of.get(name)
+        if i is None or i not in self.left:
+            return
+        left = self.left[i]
+        left.discard(name)
+        if left:
+            return
+        del self.left[i]
+        for n in [n for n, j in self.layer_of.items() if j == i]:
+            self.targets.pop(n, None)
+        self.on_layer(i, self.model.layers[i])
+
+
 def _fill(
-    targets: dict[str, Target], tensors: Tensors, source: str, progress: Callable[[int, int], None] | None
+    targets: dict[str, Target],
+    tensors: Tensors,
+    source: str,
+    progress: Callable[[int, int], None] | None,
+    watch: _LayerWatch | None = None,
 ) -> set[str]:
-    """Copy every checkpoint tensor into its parameter rows; returns the names filled."""
+    """Copy every checkpoint tensor into its parameter rows; returns the names filled.
+    ``watch``: told of each name filled (a layer's targets leave ``targets`` once it is whole)."""
     filled: set[str] = set()
     total, done = len(targets), 0
     for f, label, name, src in tensors:
+        if name not in targets:  # a layer laid out already (``watch``): its tensor came twice
+            raise LoadError("invalid", f"{f}: tensor {label} fills {name!r} a second time")
         param, off, rows = targets[name]
         want = (rows,) + tuple(param.shape[1:])
         if tuple(src.shape) != want:
@@ -363,8 +420,10 @@ def _fill(
             dst, step = param[off : off + rows], max(1, _COPY_VALUES // max(1, src[0].numel()))
             for r in range(0, rows, step):
                 dst[r : r + step].copy_(src[r : r + step])
-        del src
+        del src, dst, param
         filled.add(name)
+        if watch is not None:
+            watch.filled(name)
         done += 1
         if progress:
             progress(done, total)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import weakref
 
 import pytest
 import torch
@@ -173,3 +174,46 @@ def test_weights_fill_without_a_second_copy(model_factory):
     model, cfg = load_model(model_factory("tiny"))
     for name, p in model.named_parameters():
         assert p.device.type == "cpu" and torch.isfinite(p).all(), name
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-moe"])
+def test_each_layer_is_handed_over_once_when_whole(model_factory, preset):
+    """``on_layer`` gets each decoder layer once, when every tensor of it is in (a mixture of
+    experts' experts included: each fills a view of its stack), in file order: what it sees is
+    what the finished load holds."""
+    path = model_factory(preset, dtype="float32")
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_layer(i: int, layer: torch.nn.Module) -> None:
+        assert i not in seen
+        seen[i] = {n: t.clone() for n, t in layer.state_dict().items()}
+
+    _model, cfg = load_model(path, on_layer=on_layer)
+    ref, _ = load_model(path)
+    assert list(seen) == list(range(cfg.num_layers))
+    for i, layer in enumerate(ref.layers):
+        want = layer.state_dict()
+        assert seen[i].keys() == want.keys()
+        for n, t in want.items():
+            assert torch.equal(seen[i][n], t), (i, n)
+
+
+def test_a_layer_laid_out_during_the_load_frees_its_weights_at_once(model_factory):
+    """The loader keeps no reference to a layer's parameters once ``on_layer`` has had it: a CPU
+    path laying the layer out there frees its weights in the load's dtype before the next layer
+    is read (a load's peak is then one layer's weights in that dtype, not the model's)."""
+    from workers import cpu_paths
+
+    path = model_factory("tiny", dtype="float32")
+    old: list[weakref.ref[torch.Tensor]] = []
+
+    def on_layer(i: int, layer: torch.nn.Module) -> None:
+        if old:
+            assert old[-1]() is None, f"layer {i - 1}'s weight outlived its layout"
+        lin = next(m for m in layer.modules() if isinstance(m, torch.nn.Linear))
+        old.append(weakref.ref(lin.weight))
+        cpu_paths.lay_out(layer, "int8")
+
+    model, cfg = load_model(path, on_layer=on_layer)
+    assert len(old) == cfg.num_layers and old[-1]() is None
+    assert not any(isinstance(m, torch.nn.Linear) for layer in model.layers for m in layer.modules())
