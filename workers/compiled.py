@@ -121,7 +121,7 @@ class CompiledDecode:
         rel_tolerance: float = REL_TOLERANCE,
     ):
         self.model, self.caches = model, caches
-        self.device = model.embed_tokens.weight.device
+        self.device = model.embed_device
         self.cache, self.key, self.rel = cache, key, rel_tolerance
         self.state = COMPILING
         self.error: str | None = None

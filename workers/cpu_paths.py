@@ -40,8 +40,9 @@ from workers.cpu_pack import PackedLinear
 if TYPE_CHECKING:
     from workers.models.base import DecoderLM
 from workers.errors import LoadError
+from workers.layers.block_embedding import BlockEmbedding
 from workers.layers.moe import MoE
-from workers.quant import Int4Linear, Int8Linear, int4_fits, on_grid, replace_linears
+from workers.quant import Int4Linear, Int8Linear, int4_fits, int8_rows_of, on_grid, replace_linears
 
 AUTO = "auto"
 
@@ -368,8 +369,27 @@ def apply(
             lay_out(layer, name, cfg)
     if spec.layout == "dense":
         return
-    if model.embed_tokens.weight.device.type == "cpu":
-        model.lm_head = make_linear(head_spec(spec), model.head_weight(), None)
+    if model.embed_device.type == "cpu":
+        model.lm_head = head_linear(spec, model)
+
+
+def head_linear(spec: PathSpec, model: DecoderLM) -> nn.Module:
+    """The model's LM head laid out for ``spec`` (``head_spec``). A head tied to a token table
+    held as its blocks (``BlockEmbedding``) is made in int8 rows from the blocks a run of rows at a
+    time (the same rows as from the unpacked table, which is never made whole); other layouts
+    take the dense weight (a transient unpacked copy for such a table)."""
+    hs = head_spec(spec)
+    emb = model.embed_tokens
+    if model.lm_head is None and isinstance(emb, BlockEmbedding) and hs.layout == "int8":
+        rows = int8_rows_of(
+            lambda a, b: emb.rows(a, b).to(hs.dtype),
+            emb.num_embeddings,
+            emb.embedding_dim,
+            hs.dtype,
+            emb.device,
+        )
+        return Int8Linear(rows, None)
+    return make_linear(hs, model.head_weight(), None)
 
 
 def lay_out(module: nn.Module, name: str, cfg: ModelDescription | None = None) -> None:

@@ -115,7 +115,7 @@ class DecodeGraphs:
         model's sliding windows, ``sliding`` their own rotary tables where they differ."""
         self.model, self.caches, self.tables = model, caches, tables
         self.windows, self.sliding = windows, sliding
-        self.device = model.embed_tokens.weight.device
+        self.device = model.embed_device
         self.block_size = bs = blocks.block_size
         self.blocks = blocks
         self.sizes = graph_sizes(num_slots)
@@ -301,11 +301,11 @@ class DecodeGraphs:
 def _kernel_reads(model: DecoderLM, caches: list[LayerCache]) -> bool:
     """Whether every attention layer's decode reads its pool in place on this device (the
     Triton kernel on CUDA, the C kernel on a CPU die), so the graph needs no gather."""
-    dev = model.embed_tokens.weight.device
+    dev = model.embed_device
     kv = [p for c in caches if (p := c.pool) is not None]
     if not kv:
         return True
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.embed_dtype
     for c in kv:
         heads = c.k.shape[1] * 1  # one query head per KV head: reads() looks at dtypes and shapes
         q = torch.empty(1, heads, c.k.shape[2], dtype=dtype, device=dev)

@@ -198,7 +198,12 @@ def load_weights(p: Plan, progress: Callable[[int, int], None] | None) -> Decode
             laid.add(i)
 
     on_layer = lay_out if p.cpu is not None else None
-    model, _cfg = load_model(p.spec.path, p.spec.devices or ["cpu"], p.dtype_name, progress, p.cfg, on_layer)
+    # a path that lays the head out on its own reads a GGUF's quantized token table from its
+    # blocks (workers/layers/block_embedding.py); dense's tied head is the table itself
+    blocks = p.cpu is not None and cpu_paths.PATHS[p.cpu.name].layout != "dense"
+    model, _cfg = load_model(
+        p.spec.path, p.spec.devices or ["cpu"], p.dtype_name, progress, p.cfg, on_layer, embed_blocks=blocks
+    )
     if p.cpu is not None:
         cpu_paths.apply(model, p.cpu.name, p.cfg, laid)
         if getattr(model, "embed_only", False):
@@ -301,9 +306,8 @@ def byte_account(model: DecoderLM, runner: ModelRunner, draft: DraftModel | MtpD
     rows (unless the head is the table itself, untied and unpacked), and of a mixture of
     experts' stacked experts only the top k one sequence's token chose."""
     weights = weight_bytes(model)
-    emb = model.embed_tokens.weight
     head_is_table = model.lm_head is None
-    step_read = weights - (0 if head_is_table else emb.numel() * emb.element_size())
+    step_read = weights - (0 if head_is_table else model.embed_bytes())
     step_read -= unread_expert_bytes(model)
     kv = runner.kv_bytes
     if draft is not None:  # booked with the instance: its own weights and its KV pool

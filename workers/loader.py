@@ -20,9 +20,10 @@ from safetensors import safe_open
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from pantheon.core.gguf import find_gguf, read_gguf
+from pantheon.core.gguf import GGUFFile, find_gguf, read_gguf
 from workers.errors import LoadError
-from workers.gguf_weights import iter_tensors
+from workers.gguf_weights import iter_tensors, table_blocks
+from workers.layers.block_embedding import BlockEmbedding
 from workers.layers.moe import MoE
 from workers.model_config import ModelConfig, gguf_config, gguf_errors, load_config
 from workers.models import Family, Target, family, is_stacked, joined_part, joined_pieces, unstacked
@@ -131,6 +132,7 @@ def load_model(
     progress: Callable[[int, int], None] | None = None,
     cfg: ModelConfig | None = None,
     on_layer: Callable[[int, nn.Module], None] | None = None,
+    embed_blocks: bool = False,
 ) -> tuple[DecoderLM, ModelConfig]:
     """Load a Hugging Face model folder, a GGUF file or a folder holding one onto ``devices``
     (layers split across several). ``cfg``: the model's description when the caller has read it
@@ -138,7 +140,9 @@ def load_model(
     ``on_layer(i, layer)``: called once decoder layer ``i`` has every tensor, before the next
     tensor is read (a CPU path lays the layer out there: ``workers/engine_build.py``), and the
     loader's own references to its parameters dropped then: a layer's weights in the load's
-    dtype live until it is laid out, not until the whole model is read."""
+    dtype live until it is laid out, not until the whole model is read. ``embed_blocks``: a
+    GGUF's quantized token table on a CPU die is held as the file's blocks
+    (``workers/layers/block_embedding.py``; for a caller that lays the LM head out on its own)."""
     model_path = Path(model_path)
     with gguf_errors():
         found = find_gguf(model_path)
@@ -154,9 +158,10 @@ def load_model(
     fam = family(cfg)
     model = _empty_model(fam.build, cfg, devs, dt)
     targets = fam.targets(model, cfg)
+    as_blocks = _table_as_blocks(model, cfg, g, targets, dt) if embed_blocks and g is not None else set()
     wanted = _Wanted(targets, fam)
     tensors = (
-        iter_tensors(g, cfg, wanted)
+        iter_tensors(g, cfg, wanted, as_blocks=as_blocks)
         if g is not None
         else _safetensors_tensors(headers, wanted, fam.checkpoint_name)
     )
@@ -178,6 +183,27 @@ def load_model(
                     m.unpack_mxfp4(dt)
     model.eval()
     return model, cfg
+
+
+EMBED = "model.embed_tokens.weight"  # the token table's name, in the families that have one so
+
+
+def _table_as_blocks(
+    model: DecoderLM, cfg: ModelConfig, g: GGUFFile, targets: dict[str, Target], dt: torch.dtype
+) -> set[str]:
+    """Hold the token table as the file's blocks (``BlockEmbedding``) where it may be: a CPU
+    table, stored in a block type the family keeps as it is (``table_blocks``); the names to read
+    as blocks (empty: the table stays dense)."""
+    emb = model.embed_tokens
+    if EMBED not in targets or not isinstance(emb, nn.Embedding) or emb.weight.device.type != "cpu":
+        return set()
+    kind = table_blocks(g, cfg, EMBED)
+    if kind is None:
+        return set()
+    table = BlockEmbedding(emb.num_embeddings, emb.embedding_dim, kind, dt, emb.weight.device)
+    model.embed_tokens = table  # (the dense table's storage, allocated untouched, goes with it)
+    targets[EMBED] = Target(table.blocks, 0, emb.num_embeddings)
+    return {EMBED}
 
 
 def load_part(

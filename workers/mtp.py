@@ -158,7 +158,7 @@ def draft_head(target: DecoderLM, cfg: ModelDescription, cpu_path: str | None) -
     if cpu_path is None or cpu_paths.PATHS[cpu_path].dtype != torch.bfloat16:
         return None
     if cfg.tie_word_embeddings or target.lm_head is None:  # (a tied head's laid-out copy aside)
-        weight = target.embed_tokens.weight
+        weight = target.embed_table()
     elif isinstance(target.lm_head, nn.Linear):
         weight = target.lm_head.weight
     else:  # an untied head laid out already: its dense weight is gone

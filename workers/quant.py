@@ -44,15 +44,16 @@ class Int8Linear(nn.Module):
     scale: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None):
+        """``weight``: dense [N, K], or its int8 rows and scales already made (``int8_rows_of``)."""
         super().__init__()
-        q, scale = int8_rows(weight)  # [N, K] int8, [N]
+        q, scale = int8_rows(weight) if isinstance(weight, torch.Tensor) else weight  # [N, K] int8, [N]
         self.register_buffer("weight", q)
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.kernel = self.in_features % INT8_KERNEL_K == 0  # see INT8_KERNEL_K
-        self.ours = weight.device.type == "cpu" and qlinear.fits(self.in_features) and qlinear.available()
+        self.ours = q.device.type == "cpu" and qlinear.fits(self.in_features) and qlinear.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, K] -> [M, N]
@@ -175,16 +176,24 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     at once is 4 bytes a weight more at a load's peak (1 GB for a 248k-token head), and six
     passes over it from memory instead of from the cache (a 0.8B model's load spent 4.4 s here)."""
     w = weight.detach()
-    n, k = w.shape
-    q = torch.empty(n, k, dtype=torch.int8, device=w.device)
-    scale = torch.empty(n, dtype=torch.float32, device=w.device)
+    return int8_rows_of(lambda a, b: w[a:b], w.shape[0], w.shape[1], w.dtype, w.device)
+
+
+def int8_rows_of(
+    rows: Callable[[int, int], torch.Tensor], n: int, k: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``int8_rows`` of a [n, k] weight of ``dtype`` that exists a run of rows at a time:
+    ``rows(a, b)`` gives rows [a, b) (a token table held as its blocks unpacks them then, and the
+    whole table in its dtype is never made)."""
+    q = torch.empty(n, k, dtype=torch.int8, device=device)
+    scale = torch.empty(n, dtype=torch.float32, device=device)
     step = max(1, _ROWS_VALUES // max(1, k))
     for r in range(0, n, step):
-        c = w[r : r + step].float()  # [rows, K] (the weight itself when it is fp32: not written)
+        c = rows(r, min(n, r + step)).float()  # [rows, K] (the weight itself when it is fp32: not written)
         s = c.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [rows]
         q[r : r + step] = torch.round(c / s[:, None]).clamp_(-127, 127)
         scale[r : r + step] = s
-    return q, scale.to(weight.dtype)
+    return q, scale.to(dtype)
 
 
 class Int4Linear(nn.Module):

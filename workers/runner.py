@@ -55,7 +55,7 @@ class ModelRunner:
     ):
         self.model, self.cfg, self.blocks, self.dtype = model, cfg, blocks, dtype
         self.devices = list(dict.fromkeys(model.layer_devices))
-        self.main = model.embed_tokens.weight.device
+        self.main = model.embed_device
         rows = blocks.num_blocks * blocks.block_size
         self.caches: list[LayerCache] = make_caches(
             cfg, model.layer_devices, rows, num_slots, dtype, checkpoints, kv_types

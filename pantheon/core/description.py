@@ -308,6 +308,10 @@ class ModelDescription:
     layers: tuple[LayerSpec, ...]
     quantized_source: bool = False  # a GGUF file whose weights are all stored quantized
     int4_source: bool = False  # ... and its decoder linears in 4-bit groups of 32 (Q4_0/Q4_1/Q4_K)
+    # A GGUF whose token table is stored in a block type: the bytes a row takes as its blocks,
+    # which a CPU path laying its head out on its own holds (workers/layers/block_embedding.py);
+    # 0: a float table
+    table_row_bytes: int = 0
     skipped: tuple[str, ...] = ()  # what of the checkpoint the engine leaves out, said in the load log
     # Parameters outside the layers besides the embedding table, final norm and head (Gemma 4's
     # per-layer embeddings and their projection), on the first die with the embeddings.
@@ -532,6 +536,7 @@ def decoder_fields(
         eos_token_ids=eos_ids(raw, gen),
         quantized_source=bool(raw.get("quantized_source", False)),
         int4_source=bool(raw.get("int4_source", False)),
+        table_row_bytes=int(raw.get("table_row_bytes", 0)),
     )
 
 

@@ -371,6 +371,15 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit affine groups of 32: the int4 layout's own levels
 
 
+def _block_row_bytes(t: GGUFTensor | None) -> int:
+    """The bytes a row of matrix ``t`` takes when it is stored in a block type whose blocks its
+    rows hold whole (a quantized token table); 0 for a float one (or none)."""
+    if t is None or len(t.shape) != 2 or t.type not in TENSOR_TYPES:
+        return 0
+    _name, block, nbytes = TENSOR_TYPES[t.type]
+    return 0 if block == 1 or t.shape[1] % block else t.shape[1] // block * nbytes
+
+
 def storage(tensors: dict[str, GGUFTensor]) -> tuple[str, bool, bool]:
     """How a file stores its matrices: (torch_dtype of its float ones, stored quantized, mostly in
     4-bit groups). The matrices: tensors of 2 or 3 dimensions (a mixture of experts' stacks) whose
@@ -479,6 +488,7 @@ def hf_config(g: GGUFFile) -> dict:
         "torch_dtype": dtype,
         "quantized_source": quantized,  # ours, not transformers': see above
         "int4_source": int4,  # likewise
+        "table_row_bytes": _block_row_bytes(emb),  # likewise
         "bos_token_id": token_id(g, "bos_token_id"),
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
     }

@@ -269,11 +269,15 @@ def estimate(
         dtype, layout, _ = CPU_PATHS[cpu_path]
     b = dtype_bytes(dtype, shape)
     h = shape.hidden_size
-    table = shape.vocab_size * h * b
+    dense_table = shape.vocab_size * h * b
     # The LM head as the path lays it out (CPU paths only; CUDA's int8 keeps a plain head):
     # int8 rows plus a scale each (the int4 path's head too), else the table's bytes again.
     head_layout = layout if cpu else "dense"
-    head = shape.vocab_size * (h + b) if head_layout in ("int8", "int4") else table
+    head = shape.vocab_size * (h + b) if head_layout in ("int8", "int4") else dense_table
+    # a GGUF's quantized token table stays its blocks where the head is laid out on its own
+    # (workers/layers/block_embedding.py; an embedding model's table is its own module)
+    blocks = head_layout != "dense" and shape.table_row_bytes and shape.can_generate
+    table = shape.vocab_size * shape.table_row_bytes if blocks else dense_table
     base = table + h * b + shape.extra_params * b  # embeddings, the final norm (Gemma 4's PLE)
     if not shape.tie_word_embeddings:
         base += head  # the LM head (laid out in place of the checkpoint's)

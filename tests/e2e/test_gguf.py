@@ -37,7 +37,7 @@ from pantheon.core.sizing import SizingError, read_shape  # noqa: E402
 from pantheon.models.assets import ModelAssets  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.errors import LoadError  # noqa: E402
-from workers.gguf_weights import dequantize  # noqa: E402
+from workers.gguf_blocks import dequantize  # noqa: E402
 from workers.loader import load_model  # noqa: E402
 from workers.model_config import load_config  # noqa: E402
 from workers.models.llama import GGUF_LAYER, GGUF_TOP, unpermute  # noqa: E402

@@ -1,5 +1,5 @@
 """``check()``: the dequantization kernel (whichever ISA ``PANTHEON_KERNEL_ISA`` built) against
-``workers/gguf_weights.py``'s torch ops on the same random blocks, every format; returns the
+``workers/gguf_blocks.py``'s torch ops on the same random blocks, every format; returns the
 formats checked and, for each that differs, how many values do. Run in a subprocess per ISA by
 tests/unit/test_dequant_kernel.py."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from workers import gguf_weights
+from workers import gguf_blocks
 from workers.kernels import dequant
 
 # byte offsets of each format's fp16 scales, kept finite and small in random blocks (MXFP4's scale is
@@ -32,16 +32,16 @@ def check() -> dict:
     rng = np.random.default_rng(7)
     checked, differ = [], {}
     for name in dequant.TYPES:
-        block, nbytes = gguf_weights._LAYOUT[name]
+        block, nbytes = gguf_blocks.LAYOUT[name]
         n = 5000  # past the kernel's threshold for threads
         raw = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
         for at in HALVES[name]:
             raw[:, at : at + 2] = (rng.standard_normal((n, 1)) * 0.01).astype(np.float16).view(np.uint8)
         b = torch.from_numpy(raw)
         want = torch.empty(n, block)
-        step = max(1, gguf_weights.CHUNK_VALUES // block)
+        step = max(1, gguf_blocks.CHUNK_VALUES // block)
         for i in range(0, n, step):
-            gguf_weights._BLOCKS[name](b[i : i + step], want[i : i + step])
+            gguf_blocks.BLOCKS[name](b[i : i + step], want[i : i + step])
         got = torch.empty(n, block)
         for threads in (1, 2):
             torch.set_num_threads(threads)

@@ -1,5 +1,5 @@
 """Typed wrapper of the GGUF dequantization kernel (``dequant.c``): a tensor's blocks -> float32 in
-one native pass (``workers/gguf_weights.py``'s ``dequantize`` calls it; its torch ops per chunk of
+one native pass (``workers/gguf_blocks.py``'s ``dequantize`` calls it; its torch ops per chunk of
 blocks are the fallback without a C compiler, or with ``PANTHEON_DEQUANT_KERNEL=0``, and the
 values this is held to, bit for bit)."""
 

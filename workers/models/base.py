@@ -13,6 +13,7 @@ from torch import nn
 from workers.cache import LayerCache
 from workers.layers import decode_layer
 from workers.layers.attention import StepBatch
+from workers.layers.block_embedding import BlockEmbedding
 
 
 @functools.cache
@@ -38,7 +39,8 @@ class DecoderLM(nn.Module):
         self, vocab_size: int, hidden_size: int, layers: list[nn.Module], norm: nn.Module, tied: bool
     ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        # (a CPU path's loader may hold a GGUF's table as its blocks: BlockEmbedding)
+        self.embed_tokens: nn.Embedding | BlockEmbedding = nn.Embedding(vocab_size, hidden_size)
         # an nn.ModuleList (registered as submodules), typed as what it holds
         self.layers = cast("list[DecoderLayer]", nn.ModuleList(layers))
         self.norm = norm
@@ -52,7 +54,33 @@ class DecoderLM(nn.Module):
         self.fused_layers: decode_layer.Layers | None = None
 
     def head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else cast(torch.Tensor, self.lm_head.weight)
+        """The LM head's dense weight [vocab, hidden]: its own, or the token table it is tied to
+        (unpacked whole when the table is held as blocks: a transient copy)."""
+        return self.embed_table() if self.lm_head is None else cast(torch.Tensor, self.lm_head.weight)
+
+    def embed_table(self) -> torch.Tensor:
+        """The token table, dense [vocab, hidden] (unpacked whole when it is held as blocks: a
+        transient copy)."""
+        emb = self.embed_tokens
+        return emb.weight if isinstance(emb, nn.Embedding) else emb.table()
+
+    @property
+    def embed_device(self) -> torch.device:
+        """The token table's die: where a step's hidden states start and end."""
+        emb = self.embed_tokens
+        return emb.weight.device if isinstance(emb, nn.Embedding) else emb.device
+
+    @property
+    def embed_dtype(self) -> torch.dtype:
+        """The dtype the token table's rows come out in (the model's)."""
+        emb = self.embed_tokens
+        return emb.weight.dtype if isinstance(emb, nn.Embedding) else emb.dtype
+
+    def embed_bytes(self) -> int:
+        """The bytes the token table holds."""
+        emb = self.embed_tokens
+        t = emb.weight if isinstance(emb, nn.Embedding) else emb.blocks
+        return t.numel() * t.element_size()
 
     def forward(
         self,
@@ -72,11 +100,11 @@ class DecoderLM(nn.Module):
             if h.device != dev:
                 h = h.to(dev)
             h = layer(h, batches[dev], caches[i])
-        home = self.embed_tokens.weight.device
+        home = self.embed_device
         return self.norm(h if h.device == home else h.to(home))  # (a same-device .to is an op too)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [M, hidden] -> logits [M, vocab] in fp32."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        return F.linear(hidden, self.head_weight()).float()

@@ -85,15 +85,14 @@ class Gemma3LM(DecoderLM):
         caches: list[LayerCache],
     ) -> torch.Tensor:
         """input_ids: [N] -> hidden states after the final norm: [N, hidden]."""
-        w = self.embed_tokens.weight
         # sqrt(hidden) as a tensor in the embedding's dtype, as transformers rounds it
-        h = self.embed_tokens(input_ids) * rounded(self.embed_scale, w.dtype)
+        h = self.embed_tokens(input_ids) * rounded(self.embed_scale, self.embed_dtype)
         for i, layer in enumerate(self.layers):
             dev = self.layer_devices[i]
             if h.device != dev:
                 h = h.to(dev)
             h = layer(h, batches[dev], caches[i])
-        return self.norm(h.to(w.device))
+        return self.norm(h.to(self.embed_device))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = super().logits(hidden)  # fp32

@@ -267,9 +267,8 @@ class Gemma4LM(DecoderLM):
         caches: list[LayerCache],
     ) -> torch.Tensor:
         """input_ids: [N] -> hidden states after the final norm: [N, hidden]."""
-        w = self.embed_tokens.weight
         # sqrt(hidden) as a tensor in the embedding's dtype, as transformers rounds it
-        h = self.embed_tokens(input_ids) * rounded(self.embed_scale, w.dtype)
+        h = self.embed_tokens(input_ids) * rounded(self.embed_scale, self.embed_dtype)
         ple = self._per_layer_inputs(input_ids, h) if self.desc.ple_dim else None
         step = _Step()
         for i, a in enumerate(self.desc.attn):
@@ -286,7 +285,7 @@ class Gemma4LM(DecoderLM):
             h = layer(h, b, caches[i], rot, step, None if ple is None else ple[:, i].to(dev))
         for k, v, view, owner in step.deferred:  # the owners' rings, now that every reader has read
             owner.write_prefills(k, v, view)
-        return self.norm(h.to(w.device))
+        return self.norm(h.to(self.embed_device))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = super().logits(hidden)  # fp32

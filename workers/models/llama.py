@@ -153,8 +153,10 @@ def top_targets(model: DecoderLM, desc: ModelDescription) -> dict[str, Target]:
     """The embedding table, the final norm and an untied LM head."""
     norm = model.norm.weight
     assert isinstance(norm, torch.Tensor)  # every family's final norm has a weight
+    emb = model.embed_tokens
+    assert isinstance(emb, nn.Embedding)  # as built (the loader may then hold it as blocks)
     t = {
-        "model.embed_tokens.weight": Target(model.embed_tokens.weight, 0, desc.vocab_size),
+        "model.embed_tokens.weight": Target(emb.weight, 0, desc.vocab_size),
         "model.norm.weight": Target(norm, 0, desc.hidden_size),
     }
     if model.lm_head is not None:
