@@ -41,11 +41,19 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     )
 
 
-@torch.compiler.assume_constant_result
+_BUILT: bool | None = None  # whether the kernel built and loaded, settled at the first ask
+
+
 def _built() -> bool:
-    """The kernel is built and loaded (a constant to a ``torch.compile`` trace: no graph break
-    on the build's file checks)."""
-    return _load()[0] is not None
+    """The kernel is built and loaded. Settled once, at the first call (eager: the layers ask
+    before any step runs); a ``torch.compile`` trace then reads a constant global, with no graph
+    break on the build's file checks. (``torch.compiler.assume_constant_result`` did the same,
+    and importing it brought in ``torch._dynamo`` at the model's load: 1.5 s of a Qwen3.5 load
+    on a 2-core Zen 5, where a compiled step imports it later, in the background.)"""
+    global _BUILT
+    if _BUILT is None:
+        _BUILT = _load()[0] is not None
+    return _BUILT
 
 
 MAX_DV = 1024  # gated_delta.c's MAX_DV (its stack buffers); checked against it at load in _step

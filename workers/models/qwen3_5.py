@@ -76,6 +76,7 @@ class GatedAttention(nn.Module):
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: Qwen35Description):
         super().__init__()
+        gdn_step.available()  # the kernel's build settled now, eagerly: traces read it as a constant
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim, self.conv_dim = cfg.linear_key_dim, cfg.linear_value_dim, cfg.conv_dim
