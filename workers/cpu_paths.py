@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 from workers.errors import LoadError
 from workers.layers.block_embedding import BlockEmbedding
 from workers.layers.moe import MoE
-from workers.quant import Int4Linear, Int8Linear, int4_fits, int8_rows_of, on_grid, replace_linears
+from workers.quant import Int4Linear, Int8Linear, int4_fits, on_grid, replace_linears
 
 AUTO = "auto"
 
@@ -375,20 +375,13 @@ def apply(
 
 def head_linear(spec: PathSpec, model: DecoderLM) -> nn.Module:
     """The model's LM head laid out for ``spec`` (``head_spec``). A head tied to a token table
-    held as its blocks (``BlockEmbedding``) is made in int8 rows from the blocks a run of rows at a
-    time (the same rows as from the unpacked table, which is never made whole); other layouts
-    take the dense weight (a transient unpacked copy for such a table)."""
+    held as its blocks (``BlockEmbedding``) is made in int8 rows from the blocks
+    (``BlockEmbedding.int8_rows``: the same rows as from the unpacked table, which is never made
+    whole); other layouts take the dense weight (a transient unpacked copy for such a table)."""
     hs = head_spec(spec)
     emb = model.embed_tokens
     if model.lm_head is None and isinstance(emb, BlockEmbedding) and hs.layout == "int8":
-        rows = int8_rows_of(
-            lambda a, b: emb.rows(a, b).to(hs.dtype),
-            emb.num_embeddings,
-            emb.embedding_dim,
-            hs.dtype,
-            emb.device,
-        )
-        return Int8Linear(rows, None)
+        return Int8Linear(emb.int8_rows(hs.dtype), None)
     return make_linear(hs, model.head_weight(), None)
 
 

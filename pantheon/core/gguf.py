@@ -171,6 +171,26 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary's tokens, its merges: 250k of them in
+        Qwen3.5's files), as ``string`` reads them, in one loop without its calls (0.53 -> 0.2 s
+        a Qwen3.5 file's header on a 2-core Zen 5)."""
+        buf, pos, size, length = self.buf, self.pos, self.size, _LENGTH.unpack_from
+        out = []
+        for _ in range(count):
+            if pos + 8 > size:
+                break
+            (n,) = length(buf, pos)
+            pos += 8
+            if pos + n > size:
+                break
+            out.append(buf[pos : pos + n].decode("utf-8", errors="replace"))
+            pos += n
+        self.pos = pos
+        if len(out) < count:  # past the end: the error string() gives
+            self.string()
+        return out
+
     def value(self, vtype: int):
         if vtype in _SCALARS:
             return self.unpack(*_SCALARS[vtype])
@@ -187,12 +207,15 @@ class _Cursor:
                 return out
             if itype == _STRING:
                 self.need(count * 8)  # at least the lengths
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if itype == _ARRAY:
                 self.need(count * 12)
                 return [self.value(_ARRAY) for _ in range(count)]
             raise GGUFError("invalid", f"{self.path}: {self.what} is an array of unknown value type {itype}")
         raise GGUFError("invalid", f"{self.path}: {self.what} has unknown value type {vtype}")
+
+
+_LENGTH = struct.Struct("<Q")  # a string's length
 
 
 def _type_name(type_id: int) -> str:

@@ -82,3 +82,42 @@ def check_grid() -> dict:
             out["same"] &= bool(same)
         out["verdicts"].append(bool(want[3]))
     return out
+
+
+def check_int8_rows() -> dict:
+    """``dequant.int8_rows`` / ``int8_rows_blocks`` against ``workers.quant.int8_rows_of``'s torch
+    ops: the same int8 rows and fp32 scales, bit for bit, for fp32 and bf16 weights (rows of very
+    different scales, an all-zero row, values on the .5 rounding edges) and for a Q6_K table's
+    blocks (fp32, and rounded to bf16 first), on one and two threads."""
+    from workers.quant import int8_rows_of
+
+    def torch_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return int8_rows_of(lambda a, b: w[a:b], w.shape[0], w.shape[1], torch.float32, w.device)
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(700, 384, generator=g) * torch.logspace(-6, 2, 700)[:, None]
+    w[3] = 0
+    w[4] = torch.arange(384) - 191.5  # halves: nearest-even rounding decides
+    cases = {"fp32": w, "bf16": w.bfloat16()}
+    rng = np.random.default_rng(9)
+    raw = rng.integers(0, 256, (300 * 2, 210), dtype=np.uint8)
+    raw[:, 208:210] = (rng.standard_normal((600, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    blocks = torch.from_numpy(raw).view(300, 2, 210)
+    table = torch.empty(600, 256)
+    gguf_blocks.BLOCKS["Q6_K"](blocks.reshape(600, 210), table)
+    table = table.view(300, 512)
+    out: dict = {"same": {}}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for name, x in cases.items():
+            got, want = dequant.int8_rows(x), torch_rows(x)
+            out["same"][f"{name}@{threads}"] = torch.equal(got[0], want[0]) and torch.equal(
+                got[1].view(torch.int32), want[1].view(torch.int32)
+            )
+        for bf16 in (False, True):
+            got = dequant.int8_rows_blocks(blocks.contiguous(), "Q6_K", 512, bf16)
+            want = torch_rows(table.bfloat16().float() if bf16 else table)
+            out["same"][f"Q6_K{'-bf16' if bf16 else ''}@{threads}"] = torch.equal(
+                got[0], want[0]
+            ) and torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
+    return out

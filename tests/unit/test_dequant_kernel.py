@@ -36,3 +36,16 @@ def test_the_grid_fit_is_the_torch_paths_to_the_bit_on_every_isa():
         got = json.loads(_run(GRID, {"PANTHEON_KERNEL_ISA": isa}))
         assert got["same"], (isa, got)
         assert got["verdicts"] == [True, False, True], (isa, got)
+
+
+ROWS = "import json; from helpers.dequant_ref import check_int8_rows; print(json.dumps(check_int8_rows()))"
+
+
+def test_int8_rows_are_the_torch_paths_to_the_bit_on_every_isa():
+    """A weight's int8 rows made in one native pass (``quant.int8_rows``; a token table's from its
+    blocks, ``BlockEmbedding.int8_rows``) are the torch ops' rows and scales."""
+    if not dequant.available():
+        pytest.skip("no C compiler here: loads keep torch's ops")
+    for isa in _isas():
+        got = json.loads(_run(ROWS, {"PANTHEON_KERNEL_ISA": isa}))
+        assert got["same"] and all(got["same"].values()), (isa, got)

@@ -16,6 +16,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "convert.h"
@@ -225,4 +226,77 @@ int dq_grid_fit(const float *w, int64_t groups, float tol, float *q, float *step
         misfits += !ok;
     }
     return misfits == 0;
+}
+
+/* ---------------------------------------------------------------- int8 rows
+ *
+ * workers/quant.py's int8_rows in one pass a row (its torch ops take a run of rows at a time:
+ * ~7 passes over each, 1.0 s of a Qwen3.5-0.8B Q4_K_M load for its head and Q6_K linears):
+ * s = max(max |w|, 1e-8) / 127 and q = w / s rounded to nearest-even and clamped to +-127, in fp32
+ * as torch computes them (the same q and s, bit for bit). dq_int8_rows takes a dense weight
+ * (fp32 or bf16, wkind 0 / 1); dq_int8_rows_blocks a GGUF tensor's blocks, each row unpacked as
+ * dq_blocks unpacks it (and rounded to bf16 when bf16 is set: a bf16 model's table holds those
+ * values), so a token table held as blocks gives its tied head's rows without a dense copy. */
+static void q8_row(const float *w, int64_t K, int8_t *q, float *scale) {
+    float mx = 0.0f;
+    for (int64_t i = 0; i < K; i++) {
+        const float a = fabsf(w[i]);
+        mx = a > mx ? a : mx;
+    }
+    const float s = (mx > 1e-8f ? mx : 1e-8f) / 127.0f;
+    for (int64_t i = 0; i < K; i++) {
+        float r = nearbyintf(w[i] / s);
+        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+        q[i] = (int8_t)r;
+    }
+    *scale = s;
+}
+
+int dq_int8_rows(const void *w, int wkind, int64_t N, int64_t K, int8_t *q, float *scale, int nthreads) {
+    if ((wkind != 0 && wkind != 1) || N < 0 || K < 1) return 1;
+    int nt = nthreads < 1 ? 1 : nthreads;
+    if (N * K < (1 << 17)) nt = 1;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(|| : failed)
+    {
+        float *row = wkind == 1 ? (float *)malloc(sizeof(float) * (size_t)K) : NULL;
+        if (wkind == 1 && !row) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            if (failed) continue;
+            const float *x = (const float *)w + n * K;
+            if (wkind == 1) {
+                const uint16_t *b = (const uint16_t *)w + n * K;
+                for (int64_t i = 0; i < K; i++) row[i] = bf16_to_f32(b[i]);
+                x = row;
+            }
+            q8_row(x, K, q + n * K, scale + n);
+        }
+        free(row);
+    }
+    return failed ? 2 : 0;
+}
+
+int dq_int8_rows_blocks(int type, const uint8_t *src, int64_t N, int64_t K, int bf16, int8_t *q, float *scale,
+                        int nthreads) {
+    if (type < 0 || type >= N_TYPES || N < 0 || K < 1 || K % BLOCK[type]) return 1;
+    const int64_t bs = BLOCK[type], nb = BYTES[type], per = K / bs;
+    int nt = nthreads < 1 ? 1 : nthreads;
+    if (N * K < (1 << 17)) nt = 1;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(|| : failed)
+    {
+        float *row = (float *)malloc(sizeof(float) * (size_t)K);
+        if (!row) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            if (!row) continue;
+            for (int64_t j = 0; j < per; j++) block(type, src + (n * per + j) * nb, row + j * bs);
+            if (bf16)
+                for (int64_t i = 0; i < K; i++) row[i] = bf16_to_f32(f32_to_bf16(row[i]));
+            q8_row(row, K, q + n * K, scale + n);
+        }
+        free(row);
+    }
+    return failed ? 2 : 0;
 }

@@ -27,6 +27,23 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
                 ctypes.c_int,
                 [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int],
             ),
+            "dq_int8_rows": (
+                ctypes.c_int,
+                [
+                    ctypes.c_void_p,
+                    ctypes.c_int,
+                    ctypes.c_int64,
+                    ctypes.c_int64,
+                    *[ctypes.c_void_p] * 2,
+                    ctypes.c_int,
+                ],
+            ),
+            "dq_int8_rows_blocks": (
+                ctypes.c_int,
+                [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+                + [ctypes.c_void_p] * 2
+                + [ctypes.c_int],
+            ),
             "dq_grid_fit": (
                 ctypes.c_int,
                 [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, *[ctypes.c_void_p] * 3, ctypes.c_int],
@@ -72,3 +89,50 @@ def grid_fit(w: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor, t
         w.data_ptr(), r, tol, q.data_ptr(), step.data_ptr(), lo.data_ptr(), torch.get_num_threads()
     )
     return q, step, lo, bool(fits)
+
+
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``workers.quant.int8_rows``'s int8 rows and fp32 scales of ``w`` ([N, K] fp32 or bf16,
+    contiguous, on the CPU), in one native pass (the same values); callers check
+    ``available()`` first."""
+    lib = _load()[0]
+    assert lib is not None, "callers check available() first"
+    if w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16) or not w.is_contiguous():
+        raise ValueError(f"int8 rows of {w.dtype} {tuple(w.shape)}: a contiguous fp32 / bf16 [N, K] weight")
+    n, k = w.shape
+    q, scale = torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=torch.float32)
+    kind = 1 if w.dtype == torch.bfloat16 else 0
+    rc = lib.dq_int8_rows(w.data_ptr(), kind, n, k, q.data_ptr(), scale.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"int8 rows kernel refused {w.dtype} {tuple(w.shape)} (code {rc})")
+    return q, scale
+
+
+def int8_rows_blocks(
+    raw: torch.Tensor, type_name: str, k: int, bf16: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 rows and fp32 scales of a GGUF tensor held as its blocks (``raw`` [N, K / block,
+    block bytes] uint8, contiguous), each row unpacked as ``blocks`` unpacks it (then rounded to
+    bf16 when ``bf16``: the values a bf16 model's dense copy would hold); callers check
+    ``available()`` first."""
+    lib = _load()[0]
+    assert lib is not None, "callers check available() first"
+    if raw.dtype != torch.uint8 or raw.dim() != 3 or not raw.is_contiguous():
+        raise ValueError(
+            f"int8 rows of {type_name} blocks {raw.dtype} {tuple(raw.shape)}: contiguous [N, B, bytes] uint8"
+        )
+    n = raw.shape[0]
+    q, scale = torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=torch.float32)
+    rc = lib.dq_int8_rows_blocks(
+        TYPES.index(type_name),
+        raw.data_ptr(),
+        n,
+        k,
+        int(bf16),
+        q.data_ptr(),
+        scale.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise ValueError(f"int8 rows kernel refused {type_name} blocks {tuple(raw.shape)} (code {rc})")
+    return q, scale

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from workers.gguf_blocks import block_layout, dequantize
+from workers.kernels import dequant
+from workers.quant import int8_rows_of
 
 
 class BlockEmbedding(nn.Module):
@@ -55,6 +57,27 @@ class BlockEmbedding(nn.Module):
         part = self.blocks[start:stop]
         return dequantize(part.reshape(-1), self.type_name, (part.shape[0], self.embedding_dim)).to(
             self.dtype
+        )
+
+    def int8_rows(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``quant.int8_rows`` of the table as ``dtype`` holds it (a tied head's int8 rows), made
+        from the blocks without the dense table: in one native pass where the dequantization
+        kernel is built, else a run of rows at a time (``quant.int8_rows_of``)."""
+        if (
+            dequant.available()
+            and self.type_name in dequant.TYPES
+            and dtype in (torch.float32, torch.bfloat16)
+        ):
+            q, scale = dequant.int8_rows_blocks(
+                self.blocks, self.type_name, self.embedding_dim, bf16=dtype == torch.bfloat16
+            )
+            return q, scale.to(dtype)
+        return int8_rows_of(
+            lambda a, b: self.rows(a, b).to(dtype),
+            self.num_embeddings,
+            self.embedding_dim,
+            dtype,
+            self.device,
         )
 
     def table(self) -> torch.Tensor:
