@@ -20,6 +20,8 @@ Block layouts (ggml's, all little-endian, ``d``/``m``/``dmin`` are fp16):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pantheon.core.gguf import TENSOR_TYPES
@@ -204,3 +206,37 @@ def dequantize(
     for i in range(0, blocks.shape[0], step):
         fill(blocks[i : i + step], out[i : i + step])
     return out.view(shape).to(dtype)
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    """A GGUF tensor's blocks, unpacked where the loader puts them: ``into(dst)`` writes the
+    values straight into a float32 parameter (no float copy of the tensor in between: a fresh
+    tensor's pages, then a copy out of it, were half of a Qwen3.5-0.8B load's memory traffic);
+    ``tensor()`` unpacks them into a new tensor, as ``dequantize`` does."""
+
+    raw: torch.Tensor  # the file's bytes, uint8
+    type_name: str
+    shape: tuple[int, ...]
+
+    def tensor(self) -> torch.Tensor:
+        return dequantize(self.raw, self.type_name, self.shape)
+
+    def into(self, dst: torch.Tensor) -> bool:
+        """Unpack into ``dst`` (of ``shape``) when it takes the values as they are: contiguous
+        float32 on the CPU, with the native kernel built. False (nothing written) otherwise."""
+        if not (
+            dst.dtype == torch.float32
+            and dst.device.type == "cpu"
+            and dst.is_contiguous()
+            and tuple(dst.shape) == self.shape
+            and dequant_kernel.available()
+            and self.type_name in dequant_kernel.TYPES
+        ):
+            return False
+        block, nbytes = LAYOUT[self.type_name]
+        blocks = self.raw.reshape(-1, nbytes)
+        if not blocks.is_contiguous():
+            return False
+        dequant_kernel.blocks(blocks, self.type_name, dst.view(-1, block))
+        return True

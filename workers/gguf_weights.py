@@ -21,9 +21,9 @@ import torch
 
 from pantheon.core.gguf import GGUFFile, GGUFTensor
 from workers.errors import LoadError
-from workers.gguf_blocks import BLOCKS, FLOATS, LAYOUT, dequantize
+from workers.gguf_blocks import BLOCKS, FLOATS, LAYOUT, Unpacked, dequantize
 from workers.model_config import ModelConfig
-from workers.models import family, keeps_blocks
+from workers.models import Family, family, is_stacked, joined_part, keeps_blocks, unstacked
 
 
 def table_blocks(g: GGUFFile, cfg: ModelConfig, name: str) -> str | None:
@@ -68,7 +68,8 @@ def iter_tensors(
     wanted: Container[str],
     rename: Callable[[str], str | None] | None = None,
     as_blocks: Container[str] = (),
-) -> Iterator[tuple[Path, str, str, torch.Tensor]]:
+    lazy: bool = False,
+) -> Iterator[tuple[Path, str, str, torch.Tensor | Unpacked]]:
     """``(file, label, hf_name, tensor)`` for every tensor of the file our model uses
     (``wanted``), dequantized (float32, or the file's own float type; block types the family
     holds as they are as their blocks, ``workers.models.keeps_blocks``), named and laid out as the
@@ -79,7 +80,9 @@ def iter_tensors(
     ``rename``: reading a part of the file (``loader.load_part``): the family's name of each
     tensor renamed so (None: not the part's, skipped), before ``from_gguf``. ``as_blocks``: our
     names of tensors to give as their blocks whatever their type (a token table the model holds
-    so: ``table_blocks``, ``workers/layers/block_embedding.py``)."""
+    so: ``table_blocks``, ``workers/layers/block_embedding.py``). ``lazy``: a quantized tensor the
+    family takes as it is comes as ``Unpacked`` (the loader unpacks it straight into its
+    parameter); else every tensor comes as a tensor."""
     fam = family(cfg)
     data = open_data(g)
     for t in g.tensors.values():
@@ -98,11 +101,54 @@ def iter_tensors(
             block, nbytes = LAYOUT[t.type_name]
             raw = raw_bytes(data, t).view(*t.shape[:-1], t.shape[-1] // block, nbytes)
             yield g.path, f"{t.name!r} ({t.type_name})", name, raw
+        elif (pieces := _stack_pieces(fam, name, t, cfg, g.arch)) is not None:
+            # a quantized stack (a mixture of experts' experts) unpacked a piece at a time: the
+            # stack is never held whole in fp32 (0.8 GB a Qwen3-30B-A3B layer's gate, up, down)
+            raw = raw_bytes(data, t)
+            for piece, (start, stop, shape) in pieces:
+                part = Unpacked(raw[start:stop], t.type_name, shape)
+                yield g.path, f"{t.name!r} ({piece})", piece, part if lazy else part.tensor()
+        elif (
+            lazy and t.type_name in BLOCKS and _kept(fam, name, t, cfg, g.arch) and not joined_part(fam, name)
+        ):
+            yield (
+                g.path,
+                f"{t.name!r} ({t.type_name})",
+                name,
+                Unpacked(raw_bytes(data, t), t.type_name, t.shape),
+            )
         else:
             native = FLOATS.get(t.type_name, torch.float32)
             w = fam.from_gguf(name, dequantize(raw_bytes(data, t), t.type_name, t.shape, native), cfg, g.arch)
             yield g.path, f"{t.name!r} ({t.type_name})", name, w
         release(data, t)
+
+
+def _kept(fam: Family, name: str, t: GGUFTensor, cfg: ModelConfig, arch: str) -> bool:
+    """Whether the family takes tensor ``name`` as the file holds it (its ``from_gguf`` returns
+    the tensor itself: asked of a data-less one of its shape)."""
+    shaped = torch.empty(t.shape, device="meta")
+    return fam.from_gguf(name, shaped, cfg, arch) is shaped
+
+
+def _stack_pieces(
+    fam: Family, name: str, t: GGUFTensor, cfg: ModelConfig, arch: str
+) -> list[tuple[str, tuple[int, int, tuple[int, ...]]]] | None:
+    """A quantized stacked tensor's pieces (``workers.models.unstacked``'s names) as byte ranges
+    of its blocks: ``(piece, (first byte, last byte, shape))``, each piece a run of whole rows;
+    None where the family transforms the stack on load (``from_gguf`` not the identity) or a
+    piece is no such run (then the stack is unpacked whole, as any tensor)."""
+    if t.type_name not in BLOCKS or not is_stacked(fam, name) or not _kept(fam, name, t, cfg, arch):
+        return None
+    shaped = torch.empty(t.shape, device="meta")  # where each piece lies, without its data
+    block, nbytes = LAYOUT[t.type_name]
+    out = []
+    for piece, view in unstacked(fam, name, shaped):
+        off, n = int(view.storage_offset()), int(view.numel())
+        if not view.is_contiguous() or off % block or n % block or view.shape[-1] % block:
+            return None
+        out.append((piece, (off // block * nbytes, (off + n) // block * nbytes, tuple(view.shape))))
+    return out
 
 
 def release(data: np.memmap, t: GGUFTensor) -> None:

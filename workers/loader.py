@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from pantheon.core.gguf import GGUFFile, find_gguf, read_gguf
 from workers.errors import LoadError
+from workers.gguf_blocks import Unpacked
 from workers.gguf_weights import iter_tensors, table_blocks
 from workers.layers.block_embedding import BlockEmbedding
 from workers.layers.moe import MoE
@@ -162,7 +163,7 @@ def load_model(
     as_blocks = _table_as_blocks(model, cfg, g, targets, dt) if embed_blocks and g is not None else set()
     wanted = _Wanted(targets, fam)
     tensors = (
-        iter_tensors(g, cfg, wanted, as_blocks=as_blocks)
+        iter_tensors(g, cfg, wanted, as_blocks=as_blocks, lazy=True)
         if g is not None
         else _safetensors_tensors(headers, wanted, fam.checkpoint_name)
     )
@@ -264,7 +265,9 @@ def _empty_model(
     return model
 
 
-Tensors = Iterator[tuple[Path, str, str, torch.Tensor]]  # (file, label for errors, our name, data)
+Tensors = Iterator[
+    tuple[Path, str, str, "torch.Tensor | Unpacked"]
+]  # (file, label for errors, our name, data)
 
 
 class _Wanted:
@@ -280,6 +283,10 @@ class _Wanted:
         )
 
 
+def _tensor(src: torch.Tensor | Unpacked) -> torch.Tensor:
+    return src.tensor() if isinstance(src, Unpacked) else src
+
+
 def _pieces(tensors: Tensors, fam: Family, targets: dict[str, Target]) -> Tensors:
     """Stacked tensors split into the targets they fill, parts of one weight (MXFP4 blocks and
     scales) joined first (``workers.models.joined_part``); others pass as they are."""
@@ -289,7 +296,7 @@ def _pieces(tensors: Tensors, fam: Family, targets: dict[str, Target]) -> Tensor
         if part is not None:
             key, which = part
             parts = pending.setdefault(key, {})
-            parts[which] = src
+            parts[which] = _tensor(src)
             pieces = joined_pieces(fam, key, parts)
             if pieces is None:
                 continue
@@ -305,7 +312,7 @@ def _pieces(tensors: Tensors, fam: Family, targets: dict[str, Target]) -> Tensor
         if not is_stacked(fam, name):
             yield f, label, name, src
             continue
-        for piece, t in unstacked(fam, name, src):
+        for piece, t in unstacked(fam, name, _tensor(src)):
             if piece not in targets:
                 raise LoadError(
                     "invalid",
@@ -463,8 +470,10 @@ def _fill(
                 f"{f}: tensor {label} has shape {list(src.shape)}, expected {list(want)} from {source}",
             )
         with torch.no_grad():
-            _copy(param.detach()[off : off + rows], src)
-        del src, param
+            dst = param.detach()[off : off + rows]
+            if not (isinstance(src, Unpacked) and src.into(dst)):  # unpacked in place, else copied
+                _copy(dst, _tensor(src))
+        del src, param, dst
         filled.add(name)
         if watch is not None:
             watch.filled(name)

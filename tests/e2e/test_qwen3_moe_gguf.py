@@ -18,7 +18,9 @@ from safetensors.torch import load_file
 
 from pantheon.core.gguf import read_gguf
 from workers.engine import Engine
-from workers.gguf_weights import iter_tensors
+from workers.gguf_blocks import Unpacked, dequantize
+from workers.gguf_weights import iter_tensors, open_data, raw_bytes
+from workers.kernels import dequant
 from workers.model_config import load_config
 from workers.models import qwen3_moe
 
@@ -142,3 +144,33 @@ def test_qwen35moe_file_gives_the_folders_logits(model_factory, tmp_path):
     want_tokens, want_rows = greedy(engine(src), 8)
     assert got_tokens == want_tokens
     assert (got_rows - want_rows).abs().max().item() < F32_TOL
+
+
+@pytest.mark.slow
+def test_a_quantized_stack_comes_a_piece_at_a_time_with_the_whole_stacks_values(folder, files):
+    """A Q8_0 file's expert stacks reach the loader one expert's piece at a time, unpacked straight
+    into their parameters (``Unpacked``: no fp32 copy of a whole stack), each piece holding the
+    values the whole stack unpacked at once gives it."""
+    path = files(Q8_0)
+    g = read_gguf(path)
+    cfg = load_config(path)
+    data = open_data(g)
+    want: dict[str, torch.Tensor] = {}
+    for t in g.tensors.values():
+        name = qwen3_moe.gguf_name(t.name)
+        if name and qwen3_moe.stacked(name):
+            assert t.type_name == "Q8_0"
+            whole = dequantize(raw_bytes(data, t), t.type_name, t.shape)
+            want.update(qwen3_moe.unstack(name, whole))
+    wanted = {n for n in (qwen3_moe.gguf_name(t) for t in g.tensors) if n}
+    got = 0
+    for _file, label, name, src in iter_tensors(g, cfg, wanted, lazy=True):
+        if name not in want:
+            continue
+        assert isinstance(src, Unpacked), label
+        into = torch.full(src.shape, float("nan"))
+        assert src.into(into) or not dequant.available()
+        for t in (src.tensor(), into) if dequant.available() else (src.tensor(),):
+            assert torch.equal(t, want[name]), label
+        got += 1
+    assert got == len(want) == cfg.num_layers * cfg.num_experts * 3
