@@ -5,7 +5,10 @@ uninitialised storage on its die and every checkpoint tensor is copied into plac
 memory-mapped file, so the weights exist once in memory (plus the page cache). Fused
 parameters (qkv, gate_up) are filled slice by slice. Both sources share the filling (names,
 shape check, progress, missing tensors, the tied head); a GGUF's tensors are dequantized one at
-a time by ``workers.gguf_weights``. safetensors or GGUF only: never pickle.
+a time by ``workers.gguf_weights``, a quantized one straight into its parameter where it can be
+(``workers.gguf_blocks.Unpacked``). A caller may lay each decoder layer out as soon as it is
+whole (``on_layer``), and hold a GGUF's quantized token table as its blocks (``embed_blocks``).
+safetensors or GGUF only: never pickle.
 """
 
 from __future__ import annotations
@@ -265,9 +268,8 @@ def _empty_model(
     return model
 
 
-Tensors = Iterator[
-    tuple[Path, str, str, "torch.Tensor | Unpacked"]
-]  # (file, label for errors, our name, data)
+# (file, label for errors, our name, data: a tensor, or a GGUF tensor's blocks to unpack in place)
+Tensors = Iterator[tuple[Path, str, str, "torch.Tensor | Unpacked"]]
 
 
 class _Wanted:
@@ -406,12 +408,13 @@ class _LayerWatch:
             for t in (*layer.parameters(), *layer.buffers())
         }
         self.layer_of: dict[str, int] = {}
-        self.left: dict[int, set[str]] = {}
+        self.names: dict[int, list[str]] = {}  # each layer's targets
         for name, t in targets.items():
             i = owner.get(_storage(t.param))
             if i is not None:
                 self.layer_of[name] = i
-                self.left.setdefault(i, set()).add(name)
+                self.names.setdefault(i, []).append(name)
+        self.left = {i: set(names) for i, names in self.names.items()}  # those not filled yet
 
     def filled(self, name: str) -> None:
         i = self.layer_of.get(name)
@@ -422,7 +425,7 @@ class _LayerWatch:
         if left:
             return
         del self.left[i]
-        for n in [n for n, j in self.layer_of.items() if j == i]:
+        for n in self.names.pop(i):
             self.targets.pop(n, None)
         self.on_layer(i, self.model.layers[i])
 
