@@ -374,14 +374,15 @@ def apply(
 
 
 def head_linear(spec: PathSpec, model: DecoderLM) -> nn.Module:
-    """The model's LM head laid out for ``spec`` (``head_spec``). A head tied to a token table
-    held as its blocks (``BlockEmbedding``) is made in int8 rows from the blocks
-    (``BlockEmbedding.int8_rows``: the same rows as from the unpacked table, which is never made
-    whole); other layouts take the dense weight (a transient unpacked copy for such a table)."""
+    """The model's LM head laid out for ``spec`` (``head_spec``). A head held as its blocks
+    (``BlockEmbedding``: a token table it is tied to, or an untied head's own) is made in int8
+    rows from the blocks (``BlockEmbedding.int8_rows``: the same rows as from the unpacked
+    table, which is never made whole); other layouts take the dense weight (a transient unpacked
+    copy for such a table)."""
     hs = head_spec(spec)
-    emb = model.embed_tokens
-    if model.lm_head is None and isinstance(emb, BlockEmbedding) and hs.layout == "int8":
-        return Int8Linear(emb.int8_rows(hs.dtype), None)
+    table = model.embed_tokens if model.lm_head is None else model.lm_head  # (an untied head's own)
+    if isinstance(table, BlockEmbedding) and hs.layout == "int8":
+        return Int8Linear(table.int8_rows(hs.dtype), None)
     return make_linear(hs, model.head_weight(), None)
 
 

@@ -146,7 +146,7 @@ def load_model(
     tensor is read (a CPU path lays the layer out there: ``workers/engine_build.py``), and the
     loader's own references to its parameters dropped then: a layer's weights in the load's
     dtype live until it is laid out, not until the whole model is read. ``embed_blocks``: a
-    GGUF's quantized token table on a CPU die is held as the file's blocks
+    GGUF's quantized token table (and untied head) on a CPU die is held as the file's blocks
     (``workers/layers/block_embedding.py``; for a caller that lays the LM head out on its own)."""
     model_path = Path(model_path)
     with gguf_errors():
@@ -191,24 +191,35 @@ def load_model(
 
 
 EMBED = "model.embed_tokens.weight"  # the token table's name, in the families that have one so
+HEAD = "lm_head.weight"  # an untied LM head's
 
 
 def _table_as_blocks(
     model: DecoderLM, cfg: ModelConfig, g: GGUFFile, targets: dict[str, Target], dt: torch.dtype
 ) -> set[str]:
-    """Hold the token table as the file's blocks (``BlockEmbedding``) where it may be: a CPU
-    table, stored in a block type the family keeps as it is (``table_blocks``); the names to read
-    as blocks (empty: the table stays dense)."""
+    """Hold the token table, and an untied LM head, as the file's blocks (``BlockEmbedding``)
+    where they may be: on the CPU, stored in a block type the family keeps as it is
+    (``table_blocks``); the names to read as blocks (empty: both stay dense). The head is held so
+    only until the caller lays it out (``cpu_paths.head_linear``: its int8 rows made from the
+    blocks, never the whole head in fp32: 1.2 GB for Qwen3-30B-A3B's 152k x 2048)."""
+    names: set[str] = set()
     emb = model.embed_tokens
-    if EMBED not in targets or not isinstance(emb, nn.Embedding) or emb.weight.device.type != "cpu":
-        return set()
-    kind = table_blocks(g, cfg, EMBED)
-    if kind is None:
-        return set()
-    table = BlockEmbedding(emb.num_embeddings, emb.embedding_dim, kind, dt, emb.weight.device)
-    model.embed_tokens = table  # (the dense table's storage, allocated untouched, goes with it)
-    targets[EMBED] = Target(table.blocks, 0, emb.num_embeddings)
-    return {EMBED}
+    if EMBED in targets and isinstance(emb, nn.Embedding) and emb.weight.device.type == "cpu":
+        kind = table_blocks(g, cfg, EMBED)
+        if kind is not None:
+            table = BlockEmbedding(emb.num_embeddings, emb.embedding_dim, kind, dt, emb.weight.device)
+            model.embed_tokens = table  # (the dense table's storage, allocated untouched, goes with it)
+            targets[EMBED] = Target(table.blocks, 0, emb.num_embeddings)
+            names.add(EMBED)
+    head = model.lm_head
+    if HEAD in targets and isinstance(head, nn.Linear) and head.weight.device.type == "cpu":
+        kind = table_blocks(g, cfg, HEAD)
+        if kind is not None:
+            held = BlockEmbedding(head.out_features, head.in_features, kind, dt, head.weight.device)
+            model.lm_head = held
+            targets[HEAD] = Target(held.blocks, 0, head.out_features)
+            names.add(HEAD)
+    return names
 
 
 def load_part(

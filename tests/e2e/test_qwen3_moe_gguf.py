@@ -17,12 +17,16 @@ import torch
 from safetensors.torch import load_file
 
 from pantheon.core.gguf import read_gguf
+from workers import cpu_paths
 from workers.engine import Engine
 from workers.gguf_blocks import Unpacked, dequantize
 from workers.gguf_weights import iter_tensors, open_data, raw_bytes
 from workers.kernels import dequant
+from workers.layers.block_embedding import BlockEmbedding
+from workers.loader import load_model
 from workers.model_config import load_config
 from workers.models import qwen3_moe
+from workers.quant import Int8Linear
 
 from helpers.engines import Engines
 from helpers.engines import greedy as greedy_logits
@@ -174,3 +178,23 @@ def test_a_quantized_stack_comes_a_piece_at_a_time_with_the_whole_stacks_values(
             assert torch.equal(t, want[name]), label
         got += 1
     assert got == len(want) == cfg.num_layers * cfg.num_experts * 3
+
+
+@pytest.mark.slow
+def test_an_untied_quantized_head_is_laid_out_from_its_blocks(files):
+    """An untied head stored quantized (this Q8_0 file's ``output.weight``) is held as its blocks
+    until the CPU path lays it out (int8 rows made from the blocks: never the whole head in
+    fp32), and those rows are the ones the dense head gives."""
+    path = files(Q8_0)
+    g = read_gguf(path)
+    assert g.tensors["output.weight"].type_name == "Q8_0"  # untied, quantized
+    cfg = load_config(path)
+    held, _ = load_model(path, dtype="float32", embed_blocks=True)
+    dense, _ = load_model(path, dtype="float32")
+    assert isinstance(held.lm_head, BlockEmbedding) and isinstance(dense.lm_head, torch.nn.Linear)
+    assert torch.equal(held.head_weight(), dense.head_weight())
+    for m in (held, dense):
+        cpu_paths.apply(m, "int8", cfg)
+    assert isinstance(held.lm_head, Int8Linear) and isinstance(dense.lm_head, Int8Linear)
+    assert torch.equal(held.lm_head.weight, dense.lm_head.weight)
+    assert torch.equal(held.lm_head.scale, dense.lm_head.scale)

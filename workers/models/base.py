@@ -56,7 +56,11 @@ class DecoderLM(nn.Module):
     def head_weight(self) -> torch.Tensor:
         """The LM head's dense weight [vocab, hidden]: its own, or the token table it is tied to
         (unpacked whole when the table is held as blocks: a transient copy)."""
-        return self.embed_table() if self.lm_head is None else cast(torch.Tensor, self.lm_head.weight)
+        head = self.lm_head
+        if head is None:
+            return self.embed_table()
+        # (an untied head the loader holds as blocks until the CPU path lays it out)
+        return head.table() if isinstance(head, BlockEmbedding) else cast(torch.Tensor, head.weight)
 
     def embed_table(self) -> torch.Tensor:
         """The token table, dense [vocab, hidden] (unpacked whole when it is held as blocks: a
