@@ -1,4 +1,5 @@
-"""A GGUF token table held as the file's blocks: each lookup unpacks only the rows it asks for.
+"""A GGUF token table (or untied LM head) held as the file's blocks: each lookup unpacks only the
+rows it asks for.
 
 A step reads a few rows of the token table, yet a table unpacked to the activations' dtype is
 the largest tensor of a small model: Qwen3.5-0.8B's 248k x 1024 table is 1 GB in fp32 (the
@@ -9,7 +10,9 @@ then the cast to the model's dtype), so a model answers the same either way.
 
 The loader chooses it (``loader.load_model``'s ``embed_blocks``) on a CPU path that lays the LM
 head out on its own (every path but ``dense``, whose tied head is the table itself); a tied
-head is then made from the blocks a chunk of rows at a time (``cpu_paths.head_linear``).
+head's int8 rows are then made from the blocks in one native pass (``int8_rows``,
+``cpu_paths.head_linear``). An untied head stored quantized is held in one too, only until that
+layout (it is never looked up): its fp32 copy never exists.
 """
 
 from __future__ import annotations
