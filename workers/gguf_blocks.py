@@ -199,13 +199,20 @@ def dequantize(
     block, nbytes = LAYOUT[type_name]
     blocks = raw.view(-1, nbytes)
     out = torch.empty(blocks.shape[0], block, dtype=torch.float32)
-    if dequant_kernel.available() and type_name in dequant_kernel.TYPES and blocks.is_contiguous():
-        dequant_kernel.blocks(blocks, type_name, out)  # one native pass, the same values
-        return out.view(shape).to(dtype)
-    fill, step = BLOCKS[type_name], max(1, CHUNK_VALUES // block)
+    _unpack(blocks, type_name, out)
+    return out.view(shape).to(dtype)
+
+
+def _unpack(blocks: torch.Tensor, type_name: str, out: torch.Tensor) -> None:
+    """Fill ``out`` ([n, block] float32, contiguous) from ``blocks`` ([n, block bytes] uint8) of
+    quantized type ``type_name``: in one native pass where the kernel takes them, else with the
+    torch ops a run of blocks at a time (the same values)."""
+    if dequant_kernel.takes(type_name) and blocks.is_contiguous():
+        dequant_kernel.blocks(blocks, type_name, out)
+        return
+    fill, step = BLOCKS[type_name], max(1, CHUNK_VALUES // out.shape[1])
     for i in range(0, blocks.shape[0], step):
         fill(blocks[i : i + step], out[i : i + step])
-    return out.view(shape).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -224,19 +231,14 @@ class Unpacked:
 
     def into(self, dst: torch.Tensor) -> bool:
         """Unpack into ``dst`` (of ``shape``) when it takes the values as they are: contiguous
-        float32 on the CPU, with the native kernel built. False (nothing written) otherwise."""
+        float32 on the CPU. False (nothing written) otherwise."""
         if not (
             dst.dtype == torch.float32
             and dst.device.type == "cpu"
             and dst.is_contiguous()
             and tuple(dst.shape) == self.shape
-            and dequant_kernel.available()
-            and self.type_name in dequant_kernel.TYPES
         ):
             return False
         block, nbytes = LAYOUT[self.type_name]
-        blocks = self.raw.reshape(-1, nbytes)
-        if not blocks.is_contiguous():
-            return False
-        dequant_kernel.blocks(blocks, self.type_name, dst.view(-1, block))
+        _unpack(self.raw.view(-1, nbytes), self.type_name, dst.view(-1, block))
         return True

@@ -57,6 +57,11 @@ def available() -> bool:
     return os.environ.get("PANTHEON_DEQUANT_KERNEL", "1") != "0" and _load()[0] is not None
 
 
+def takes(type_name: str) -> bool:
+    """``available()``, and ``type_name`` one of the block formats it unpacks (``TYPES``)."""
+    return type_name in TYPES and available()
+
+
 def blocks(raw: torch.Tensor, type_name: str, out: torch.Tensor) -> None:
     """Fill ``out`` ([n, block] float32, contiguous) from ``raw`` ([n, block bytes] uint8, the
     file's bytes) for a type of ``TYPES``; callers check ``available()`` first."""

@@ -66,11 +66,7 @@ class BlockEmbedding(nn.Module):
         """``quant.int8_rows`` of the table as ``dtype`` holds it (a tied head's int8 rows), made
         from the blocks without the dense table: in one native pass where the dequantization
         kernel is built, else a run of rows at a time (``quant.int8_rows_of``)."""
-        if (
-            dequant.available()
-            and self.type_name in dequant.TYPES
-            and dtype in (torch.float32, torch.bfloat16)
-        ):
+        if dequant.takes(self.type_name) and dtype in (torch.float32, torch.bfloat16):
             q, scale = dequant.int8_rows_blocks(
                 self.blocks, self.type_name, self.embedding_dim, bf16=dtype == torch.bfloat16
             )
