@@ -27,23 +27,15 @@ from workers.models import Family, family, is_stacked, joined_part, keeps_blocks
 
 
 def table_blocks(g: GGUFFile, cfg: ModelConfig, name: str) -> str | None:
-    """The block type tensor ``name`` (our name: the token table's) is stored as, when the
-    family may take it as its blocks: a quantized block type whose rows are whole blocks, that
-    the family's ``from_gguf`` keeps as it is (checked on its first rows); else None."""
+    """The block type tensor ``name`` (our name: the token table's, an untied head's) is stored
+    as, when the family may take it as its blocks: a quantized block type whose rows are whole
+    blocks, that the family's ``from_gguf`` keeps as it is (``_kept``); else None."""
     fam = family(cfg)
     t = next((t for t in g.tensors.values() if fam.gguf_name(t.name) == name), None)
-    if t is None or t.type_name in FLOATS or t.type_name not in BLOCKS or len(t.shape) != 2:
+    if t is None or t.type_name not in BLOCKS or len(t.shape) != 2:
         return None
-    block, nbytes = LAYOUT[t.type_name]
-    if t.shape[1] % block:
-        return None
-    data = open_data(g)
-    rows = min(2, t.shape[0])
-    sample = dequantize(
-        raw_bytes(data, t)[: rows * t.shape[1] // block * nbytes], t.type_name, (rows, t.shape[1])
-    )
-    kept = fam.from_gguf(name, sample.clone(), cfg, g.arch)
-    return t.type_name if kept.shape == sample.shape and torch.equal(kept, sample) else None
+    block, _ = LAYOUT[t.type_name]
+    return t.type_name if t.shape[1] % block == 0 and _kept(fam, name, t, cfg, g.arch) else None
 
 
 # ---------------------------------------------------------------- the file's tensors

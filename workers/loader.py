@@ -203,22 +203,19 @@ def _table_as_blocks(
     only until the caller lays it out (``cpu_paths.head_linear``: its int8 rows made from the
     blocks, never the whole head in fp32: 1.2 GB for Qwen3-30B-A3B's 152k x 2048)."""
     names: set[str] = set()
-    emb = model.embed_tokens
-    if EMBED in targets and isinstance(emb, nn.Embedding) and emb.weight.device.type == "cpu":
-        kind = table_blocks(g, cfg, EMBED)
+    for name, attr in ((EMBED, "embed_tokens"), (HEAD, "lm_head")):
+        dense = getattr(model, attr)  # [V, H] weight either way
+        if name not in targets or not isinstance(dense, nn.Embedding | nn.Linear):
+            continue
+        if getattr(dense, "bias", None) is not None:  # (a head with a bias keeps its own layout)
+            continue
+        kind = table_blocks(g, cfg, name) if dense.weight.device.type == "cpu" else None
         if kind is not None:
-            table = BlockEmbedding(emb.num_embeddings, emb.embedding_dim, kind, dt, emb.weight.device)
-            model.embed_tokens = table  # (the dense table's storage, allocated untouched, goes with it)
-            targets[EMBED] = Target(table.blocks, 0, emb.num_embeddings)
-            names.add(EMBED)
-    head = model.lm_head
-    if HEAD in targets and isinstance(head, nn.Linear) and head.weight.device.type == "cpu":
-        kind = table_blocks(g, cfg, HEAD)
-        if kind is not None:
-            held = BlockEmbedding(head.out_features, head.in_features, kind, dt, head.weight.device)
-            model.lm_head = held
-            targets[HEAD] = Target(held.blocks, 0, head.out_features)
-            names.add(HEAD)
+            rows, cols = dense.weight.shape
+            held = BlockEmbedding(rows, cols, kind, dt, dense.weight.device)
+            setattr(model, attr, held)  # (the dense storage, allocated untouched, goes with it)
+            targets[name] = Target(held.blocks, 0, rows)
+            names.add(name)
     return names
 
 
