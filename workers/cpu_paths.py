@@ -351,6 +351,13 @@ def head_spec(spec: PathSpec) -> PathSpec:
     return dataclasses.replace(PATHS["int8"], dtype=spec.dtype) if spec.layout == "int4" else spec
 
 
+def lays_out_head(name: str | None) -> bool:
+    """Whether CPU path ``name`` lays the LM head out on its own (every path but ``dense``, whose
+    tied head is the token table itself): then a GGUF's quantized table and untied head may be
+    read as their blocks (``loader.load_model``'s ``embed_blocks``)."""
+    return name is not None and PATHS[name].layout != "dense"
+
+
 def apply(
     model: DecoderLM, name: str, cfg: ModelDescription | None = None, laid_out: Container[int] = ()
 ) -> None:
@@ -367,9 +374,7 @@ def apply(
     for i, (layer, dev) in enumerate(zip(model.layers, model.layer_devices)):
         if dev.type == "cpu" and i not in laid_out:
             lay_out(layer, name, cfg)
-    if spec.layout == "dense":
-        return
-    if model.embed_device.type == "cpu":
+    if lays_out_head(name) and model.embed_device.type == "cpu":
         model.lm_head = head_linear(spec, model)
 
 

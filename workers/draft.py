@@ -122,9 +122,7 @@ class DraftModel:
         self.path, self.cfg, self.blocks = path, cfg, blocks
         self.cpu_path, dtype = layout  # draft_layout's answer
         self.dtype = resolve_dtype(dtype, cfg, device)
-        # as the engine's own load (engine_build.load_weights): a head laid out on its own
-        # leaves a GGUF's quantized token table as its blocks
-        as_blocks = self.cpu_path is not None and cpu_paths.PATHS[self.cpu_path].layout != "dense"
+        as_blocks = cpu_paths.lays_out_head(self.cpu_path)  # as engine_build.load_weights
         model, _ = load_model(path, [str(device)], dtype, None, cfg, embed_blocks=as_blocks)
         self.model: DecoderLM = model
         if getattr(self.model, "embed_only", False):

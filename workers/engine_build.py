@@ -198,9 +198,7 @@ def load_weights(p: Plan, progress: Callable[[int, int], None] | None) -> Decode
             laid.add(i)
 
     on_layer = lay_out if p.cpu is not None else None
-    # a path that lays the head out on its own reads a GGUF's quantized token table from its
-    # blocks (workers/layers/block_embedding.py); dense's tied head is the table itself
-    blocks = p.cpu is not None and cpu_paths.PATHS[p.cpu.name].layout != "dense"
+    blocks = cpu_paths.lays_out_head(p.cpu_path)  # (workers/layers/block_embedding.py)
     model, _cfg = load_model(
         p.spec.path, p.spec.devices or ["cpu"], p.dtype_name, progress, p.cfg, on_layer, embed_blocks=blocks
     )
