@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.dequant_ref import HALVES
+from helpers.dequant_ref import HALVES, random_blocks
 from helpers.paths import REPO_ROOT
 
 gguf = pytest.importorskip("gguf")
@@ -248,14 +248,9 @@ def test_quantized_by_the_package_equals_the_reference(qtype):
 @pytest.mark.parametrize("qtype", list(QUANTIZED), ids=lambda t: t.name)
 def test_random_blocks_equal_the_reference(qtype):
     """Every bit pattern: random bytes, with finite fp16 scales (several chunks of blocks)."""
-    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    block, _nbytes = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = 40, 2 * 256
-    blocks = RNG.integers(0, 256, (rows * cols // block, nbytes), dtype=np.uint8)
-    for at in QUANTIZED[qtype]:
-        blocks[:, at : at + 2] = (
-            (RNG.standard_normal((len(blocks), 1)) * 0.01).astype(np.float16).view(np.uint8)
-        )
-    raw = blocks.reshape(rows, -1)
+    raw = random_blocks(RNG, qtype.name, rows * cols // block).reshape(rows, -1)
     want = torch.from_numpy(ref_dequantize(raw, qtype).astype(np.float32))
     got = ours(raw, qtype, (rows, cols))
     assert got.shape == want.shape == (rows, cols)

@@ -28,16 +28,23 @@ HALVES = {
 }
 
 
+def random_blocks(rng: np.random.Generator, type_name: str, n: int) -> np.ndarray:
+    """``n`` blocks of ``type_name`` of random bytes, their fp16 scales finite and small
+    (``HALVES``): [n, block bytes] uint8."""
+    _block, nbytes = gguf_blocks.LAYOUT[type_name]
+    raw = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
+    for at in HALVES[type_name]:
+        raw[:, at : at + 2] = (rng.standard_normal((n, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    return raw
+
+
 def check() -> dict:
     rng = np.random.default_rng(7)
     checked, differ = [], {}
     for name in dequant.TYPES:
-        block, nbytes = gguf_blocks.LAYOUT[name]
+        block, _ = gguf_blocks.LAYOUT[name]
         n = 5000  # past the kernel's threshold for threads
-        raw = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
-        for at in HALVES[name]:
-            raw[:, at : at + 2] = (rng.standard_normal((n, 1)) * 0.01).astype(np.float16).view(np.uint8)
-        b = torch.from_numpy(raw)
+        b = torch.from_numpy(random_blocks(rng, name, n))
         want = torch.empty(n, block)
         step = max(1, gguf_blocks.CHUNK_VALUES // block)
         for i in range(0, n, step):
@@ -100,9 +107,7 @@ def check_int8_rows() -> dict:
     w[4] = torch.arange(384) - 191.5  # halves: nearest-even rounding decides
     cases = {"fp32": w, "bf16": w.bfloat16()}
     rng = np.random.default_rng(9)
-    raw = rng.integers(0, 256, (300 * 2, 210), dtype=np.uint8)
-    raw[:, 208:210] = (rng.standard_normal((600, 1)) * 0.01).astype(np.float16).view(np.uint8)
-    blocks = torch.from_numpy(raw).view(300, 2, 210)
+    blocks = torch.from_numpy(random_blocks(rng, "Q6_K", 600)).view(300, 2, 210)
     table = torch.empty(600, 256)
     gguf_blocks.BLOCKS["Q6_K"](blocks.reshape(600, 210), table)
     table = table.view(300, 512)

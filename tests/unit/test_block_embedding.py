@@ -14,7 +14,6 @@ from torch import nn
 from pantheon.core.gguf import read_gguf
 from pantheon.core.sizing import estimate, read_shape
 from pantheon.serve import smollm2_file
-from tests.helpers.dequant_ref import HALVES
 from workers import cpu_paths
 from workers.engine import Engine
 from workers.gguf_blocks import LAYOUT, dequantize
@@ -24,16 +23,13 @@ from workers.loader import load_model
 from workers.model_config import gguf_config
 from workers.quant import Int8Linear
 
+from helpers.dequant_ref import random_blocks
+
 
 def _table(type_name: str, vocab: int = 300, dim: int = 512, seed: int = 3) -> BlockEmbedding:
     """A table of random ``type_name`` blocks (finite scales), as the loader would fill it."""
     block, nbytes = LAYOUT[type_name]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (vocab * dim // block, nbytes), dtype=np.uint8)
-    for at in HALVES[type_name]:
-        raw[:, at : at + 2] = (
-            (rng.standard_normal((raw.shape[0], 1)) * 0.01).astype(np.float16).view(np.uint8)
-        )
+    raw = random_blocks(np.random.default_rng(seed), type_name, vocab * dim // block)
     emb = BlockEmbedding(vocab, dim, type_name, torch.float32, torch.device("cpu"))
     emb.blocks.copy_(torch.from_numpy(raw).view(vocab, dim // block, nbytes))
     return emb
