@@ -194,6 +194,16 @@ def experts_spec(spec: PathSpec, mxfp4: bool) -> PathSpec:
     return PathSpec(spec.name, spec.dtype, layout, True)
 
 
+def quantized_experts(name: str, cfg: ModelDescription) -> str | None:
+    """The layout ("int8" / "int4") path ``name`` quantizes a mixture of experts' routed experts
+    into (``experts_spec``): a load may quantize them as they arrive (``loader.load_model``'s
+    ``experts``). None where it holds them otherwise (prepacked, dense, MXFP4 as they ship)."""
+    if mxfp4_experts(cfg):
+        return None
+    layout = experts_spec(PATHS[name], False).layout
+    return layout if layout in ("int8", "int4") else None
+
+
 def expert_shapes(cfg: ModelDescription) -> list[tuple[int, int, int]]:
     """(N, K, how many) of the routed experts one token runs per step (a mixture of experts'
     ``top_k`` per layer: gate/up and down), run as the path holds them (``experts_spec``)."""
@@ -396,8 +406,7 @@ def lay_out(module: nn.Module, name: str, cfg: ModelDescription | None = None) -
     head: ``workers/mtp.py``) out for path ``name``, in place; its mixtures of experts as
     ``apply`` says. Modules that are no ``nn.Linear`` (a head laid out already) stay."""
     spec = PATHS[name]
-    mxfp4 = cfg is not None and mxfp4_experts(cfg)
-    held = experts_spec(spec, mxfp4)
+    held = experts_spec(spec, cfg is not None and mxfp4_experts(cfg))
     if spec.layout == "int4" and cfg is not None and cfg.int4_source:  # a 4-bit file's own grids
         replace_linears(module, lambda w, b: file_int4_linear(spec, w, b))
     elif spec.layout != "dense":  # (float weights forced onto int4: groups fitted to them)

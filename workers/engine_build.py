@@ -199,8 +199,16 @@ def load_weights(p: Plan, progress: Callable[[int, int], None] | None) -> Decode
 
     on_layer = lay_out if p.cpu is not None else None
     blocks = cpu_paths.lays_out_head(p.cpu_path)  # (workers/layers/block_embedding.py)
+    experts = None if p.cpu is None else cpu_paths.quantized_experts(p.cpu.name, p.cfg)
     model, _cfg = load_model(
-        p.spec.path, p.spec.devices or ["cpu"], p.dtype_name, progress, p.cfg, on_layer, embed_blocks=blocks
+        p.spec.path,
+        p.spec.devices or ["cpu"],
+        p.dtype_name,
+        progress,
+        p.cfg,
+        on_layer,
+        embed_blocks=blocks,
+        experts=experts,
     )
     if p.cpu is not None:
         cpu_paths.apply(model, p.cpu.name, p.cfg, laid)

@@ -7,7 +7,8 @@ parameters (qkv, gate_up) are filled slice by slice. Both sources share the fill
 shape check, progress, missing tensors, the tied head); a GGUF's tensors are dequantized one at
 a time by ``workers.gguf_weights``, a quantized one straight into its parameter where it can be
 (``workers.gguf_blocks.Unpacked``). A caller may lay each decoder layer out as soon as it is
-whole (``on_layer``), and hold a GGUF's quantized token table as its blocks (``embed_blocks``).
+whole (``on_layer``), hold a GGUF's quantized token table as its blocks (``embed_blocks``), and
+have a mixture of experts' experts quantized as their pieces arrive (``experts``).
 safetensors or GGUF only: never pickle.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable, Container, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +35,7 @@ from workers.layers.moe import MoE
 from workers.model_config import ModelConfig, gguf_config, gguf_errors, load_config
 from workers.models import Family, Target, family, is_stacked, joined_part, joined_pieces, unstacked
 from workers.models.base import DecoderLM
+from workers.quant import QuantExperts
 
 _COPY_VALUES = 1 << 14  # values per copy into a parameter (see _fill)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -138,6 +141,7 @@ def load_model(
     cfg: ModelConfig | None = None,
     on_layer: Callable[[int, nn.Module], None] | None = None,
     embed_blocks: bool = False,
+    experts: str | None = None,
 ) -> tuple[DecoderLM, ModelConfig]:
     """Load a Hugging Face model folder, a GGUF file or a folder holding one onto ``devices``
     (layers split across several). ``cfg``: the model's description when the caller has read it
@@ -147,7 +151,10 @@ def load_model(
     loader's own references to its parameters dropped then: a layer's weights in the load's
     dtype live until it is laid out, not until the whole model is read. ``embed_blocks``: a
     GGUF's quantized token table (and untied head) on a CPU die is held as the file's blocks
-    (``workers/layers/block_embedding.py``; for a caller that lays the LM head out on its own)."""
+    (``workers/layers/block_embedding.py``; for a caller that lays the LM head out on its own).
+    ``experts``: "int8" / "int4", the layout a CPU die's routed experts are quantized into as
+    their pieces arrive (``_experts_on_arrival``; the caller's path then holds them so:
+    ``MoE.quantize``)."""
     model_path = Path(model_path)
     with gguf_errors():
         found = find_gguf(model_path)
@@ -171,6 +178,8 @@ def load_model(
         else _safetensors_tensors(headers, wanted, fam.checkpoint_name)
     )
     watch = None if on_layer is None else _LayerWatch(model, targets, on_layer)
+    if experts is not None:
+        _experts_on_arrival(model, targets, experts)
     filled = _fill(targets, _pieces(tensors, fam, targets), source, progress, watch)
 
     missing = [n for n in targets if n not in filled]
@@ -217,6 +226,44 @@ def _table_as_blocks(
             targets[name] = Target(held.blocks, 0, rows)
             names.add(name)
     return names
+
+
+def _experts_on_arrival(model: DecoderLM, targets: dict[str, Target], layout: str) -> None:
+    """Each CPU layer's routed experts quantized into ``layout`` as their pieces arrive
+    (``MoE.receive``): an expert's target fills a scratch of one expert's matrix in the load's
+    dtype, then puts its rows into the stack (``QuantExperts.put``). A load then holds one
+    matrix of experts in that dtype, not a layer's stacks (2.4 GB in fp32 a Qwen3-30B-A3B
+    layer). A mixture whose stack a target fills whole (Gemma 4's stacked checkpoint tensors)
+    is left to be quantized once loaded, as before."""
+    by_stack: dict[int, list[str]] = {}  # targets by their parameter's storage
+    for name, t in targets.items():
+        by_stack.setdefault(_storage(t.param), []).append(name)
+    scratch: dict[tuple, torch.Tensor] = {}  # one a shape: the pieces come one at a time
+    for layer, dev in zip(model.layers, model.layer_devices):
+        if dev.type != "cpu":
+            continue
+        for m in layer.modules():
+            if not isinstance(m, MoE) or m.mxfp4:
+                continue
+            stacks = (m.gate_up, m.down)  # [E, N, K] each (``receive`` lets them go)
+            names = [by_stack.get(_storage(s), []) for s in stacks]
+            if any(targets[n].param.dim() != s.dim() - 1 for s, ns in zip(stacks, names) for n in ns):
+                continue
+            held = m.receive(layout)
+            if held is None:
+                continue
+            for stack, q, ns in zip(stacks, held, names):
+                key = (tuple(stack.shape[1:]), stack.dtype, stack.device)
+                buf = scratch.setdefault(key, torch.empty(key[0], dtype=stack.dtype, device=stack.device))
+                for n in ns:
+                    t = targets[n]  # rows of expert e's matrix: a view of the stack
+                    e = (t.param.storage_offset() - stack.storage_offset()) // stack.stride(0)
+                    put = partial(_put, q, e, buf, t.offset, t.rows)
+                    targets[n] = Target(buf, t.offset, t.rows, put)
+
+
+def _put(q: QuantExperts, e: int, buf: torch.Tensor, offset: int, rows: int) -> None:
+    q.put(e, offset, buf[offset : offset + rows])
 
 
 def load_part(
@@ -473,7 +520,8 @@ def _fill(
     for f, label, name, src in tensors:
         if name not in targets:  # a layer laid out already (``watch``): its tensor came twice
             raise LoadError("invalid", f"{f}: tensor {label} fills {name!r} a second time")
-        param, off, rows = targets[name]
+        t = targets[name]
+        param, off, rows = t.param, t.offset, t.rows
         want = (rows,) + tuple(param.shape[1:])
         if tuple(src.shape) != want:
             raise LoadError(
@@ -484,7 +532,9 @@ def _fill(
             dst = param.detach()[off : off + rows]
             if not (isinstance(src, Unpacked) and src.into(dst)):  # unpacked in place, else copied
                 _copy(dst, _tensor(src))
-        del src, param, dst
+            if t.then is not None:  # (a piece converted as it arrives: ``_experts_on_arrival``)
+                t.then()
+        del src, param, dst, t
         filled.add(name)
         if watch is not None:
             watch.filled(name)

@@ -277,11 +277,14 @@ class QuantExperts(nn.Module):
     """``E`` stacked ``[N, K]`` matrices (a mixture of experts' gate_up or down) quantized as the
     CPU paths' linears are: int8 rows (``Int8Linear``'s), or int4 groups (``Int4Linear``'s kernel)
     when ``layout`` is "int4" and the kernel takes ``[N, K]`` (else int8 rows, as the int4 path's
-    linears). One expert is quantized at a time into the stack, so a load holds one expert's
-    float copy at most beside it. ``experts[e](x)``: x [M, K] (bf16 on CPU) -> [M, N], reading
-    only expert ``e``'s block. Where our kernel is built (``ours``), int4 groups in its layout
-    (``q4_groups``: a 4-bit file's own grid kept) and int8 rows both go through it, and
-    ``stack()`` hands the whole stack to ``qlinear.experts`` (a MoE layer's experts in one call)."""
+    linears). One expert is quantized at a time into the stack (``put``), so a load holds one
+    expert's float copy at most beside it; ``fill=False``: the stacks made empty, for a loader
+    that puts each expert's pieces as they arrive (``weights`` then gives only the shape, dtype
+    and device: ``loader._experts_on_arrival``). ``experts[e](x)``: x [M, K] (bf16 on CPU) ->
+    [M, N], reading only expert ``e``'s block. Where our kernel is built (``ours``), int4 groups
+    in its layout (``q4_groups``: a 4-bit file's own grid kept) and int8 rows both go through
+    it, and ``stack()`` hands the whole stack to ``qlinear.experts`` (a MoE layer's experts in
+    one call)."""
 
     # torch's int8 CPU kernel sums wrongly (or crashes) unless K is a multiple of 16 (torch 2.13:
     # K = 24, 40 wrong, 100 a segfault); other K widen the expert's int8 rows per call
@@ -291,7 +294,9 @@ class QuantExperts(nn.Module):
     # [E, K/32, N, 2] bf16 (torch's)
     scales: torch.Tensor
 
-    def __init__(self, weights: torch.Tensor, layout: str, int4: Int4Quantizer = int4_groups):
+    def __init__(
+        self, weights: torch.Tensor, layout: str, int4: Int4Quantizer = int4_groups, fill: bool = True
+    ):
         super().__init__()
         if layout not in ("int8", "int4"):
             raise ValueError(f"experts are quantized to int8 or int4, not {layout!r}")
@@ -299,24 +304,48 @@ class QuantExperts(nn.Module):
         self.int4 = layout == "int4" and int4_fits(n, k)
         # our kernel (not for another int4 quantizer: bench/mxfp4_experts.py's fitted baseline)
         self.ours = qlinear.fits(k) and qlinear.available() and (not self.int4 or int4 is int4_groups)
+        self.quantizer = int4
         self.num_experts, self.out_features, self.in_features = e, n, k
-        weight: torch.Tensor | None = None
-        scales: torch.Tensor | None = None
-        for i in range(e):
-            # int4 groups in our layout (fp16 scales, the file's grid where it has one), or from
-            # bf16 for torch's kernel (bf16 scales: 16-bit whatever the path's dtype, as sizing
-            # books them); int8 rows keep a scale in the weights' dtype
-            if self.int4:
-                w, s = q4_groups(weights[i]) if self.ours else int4(weights[i].to(torch.bfloat16))
-            else:
-                w, s = int8_rows(weights[i])
-            if weight is None or scales is None:
-                weight = w.new_empty(e, *w.shape)
-                scales = s.new_empty(e, *s.shape)
-            weight[i], scales[i] = w, s
-        assert weight is not None and scales is not None  # E >= 1
+        # int4 groups in our layout (fp16 scales, the file's grid where it has one), or from bf16
+        # for torch's kernel (bf16 scales: 16-bit whatever the path's dtype, as sizing books
+        # them); int8 rows keep a scale in the weights' dtype
+        dev, g = weights.device, k // INT4_GROUP
+        if self.int4 and self.ours:
+            weight = torch.empty(e, n, k // 2, dtype=torch.uint8, device=dev)
+            scales = torch.empty(e, n, 2, g, dtype=torch.float16, device=dev)
+        elif self.int4:
+            weight = torch.empty(e, n, k // 2, dtype=torch.uint8, device=dev)
+            scales = torch.empty(e, g, n, 2, dtype=torch.bfloat16, device=dev)
+        else:
+            weight = torch.empty(e, n, k, dtype=torch.int8, device=dev)
+            scales = torch.empty(e, n, dtype=weights.dtype, device=dev)
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
+        if fill:
+            for i in range(e):
+                self.put(i, 0, weights[i])
+
+    @property
+    def takes_rows(self) -> bool:
+        """Whether ``put`` takes an expert a run of rows at a time: int8 rows (a scale a row) and
+        our int4 groups (32 values of one row) do; torch's int4 packing takes whole matrices."""
+        return not self.int4 or self.ours
+
+    def put(self, e: int, row: int, w: torch.Tensor) -> None:
+        """Rows ``[row, row + r)`` of expert ``e``'s matrix, from ``w`` [r, K] in the weights'
+        dtype, quantized into the stack (a run of rows gets the levels and scales its whole
+        matrix would: every layout here is per row, and a 4-bit grid is found per group)."""
+        r = w.shape[0]
+        if not self.takes_rows and (row, r) != (0, self.out_features):
+            raise ValueError("torch's int4 packing takes an expert's whole matrix")
+        if self.int4:
+            q, s = q4_groups(w) if self.ours else self.quantizer(w.to(torch.bfloat16))
+        else:
+            q, s = int8_rows(w)
+        if self.int4 and not self.ours:  # scales [K/32, N, 2]: a column of rows
+            self.weight[e], self.scales[e] = q, s
+        else:
+            self.weight[e, row : row + r], self.scales[e, row : row + r] = q, s
 
     def __len__(self) -> int:
         return self.num_experts

@@ -22,6 +22,7 @@ from workers.engine import Engine
 from workers.gguf_blocks import Unpacked, dequantize
 from workers.gguf_weights import iter_tensors, open_data, raw_bytes
 from workers.layers.block_embedding import BlockEmbedding
+from workers.layers.moe import MoE
 from workers.loader import load_model
 from workers.model_config import load_config
 from workers.models import qwen3_moe
@@ -197,3 +198,25 @@ def test_an_untied_quantized_head_is_laid_out_from_its_blocks(files):
     assert isinstance(held.lm_head, Int8Linear) and isinstance(dense.lm_head, Int8Linear)
     assert torch.equal(held.lm_head.weight, dense.lm_head.weight)
     assert torch.equal(held.lm_head.scale, dense.lm_head.scale)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["int8", "int4"])
+def test_a_files_experts_are_quantized_as_their_pieces_arrive(files, layout):
+    """The Q8_0 file's expert stacks, unpacked a piece at a time into one expert's scratch and
+    quantized there (``load_model(experts=)``), give the stacks that quantizing the whole loaded
+    stacks gives, to the bit; and the engine on the path answers as before."""
+    if why := cpu_paths.probe(layout):
+        pytest.skip(why)
+    path = files(Q8_0)
+    cfg = load_config(path)
+    got, _ = load_model(path, dtype="float32", experts=layout)
+    want, _ = load_model(path, dtype="float32")
+    for m in (got, want):
+        cpu_paths.apply(m, layout, cfg)
+    moes = [(a, b) for a, b in zip(got.modules(), want.modules()) if isinstance(a, MoE)]
+    assert len(moes) == cfg.num_layers
+    for a, b in moes:
+        assert isinstance(b, MoE) and a.kernel_glu == b.kernel_glu
+        for qa, qb in ((a.gate_up_laid_out, b.gate_up_laid_out), (a.down_laid_out, b.down_laid_out)):
+            assert torch.equal(qa.weight, qb.weight) and torch.equal(qa.scales, qb.scales)

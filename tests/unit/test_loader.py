@@ -217,3 +217,62 @@ def test_a_layer_laid_out_during_the_load_frees_its_weights_at_once(model_factor
     model, cfg = load_model(path, on_layer=on_layer)
     assert len(old) == cfg.num_layers and old[-1]() is None
     assert not any(isinstance(m, torch.nn.Linear) for layer in model.layers for m in layer.modules())
+
+
+def _quantized_experts(model: torch.nn.Module) -> list[torch.Tensor]:
+    from workers.layers.moe import MoE
+
+    out = []
+    for m in model.modules():
+        if isinstance(m, MoE):
+            for q in (m.gate_up_laid_out, m.down_laid_out):
+                out += [q.weight, q.scales]
+    return out
+
+
+@pytest.mark.parametrize("layout", ["int8", "int4"])
+def test_experts_are_quantized_as_their_pieces_arrive(model_factory, layout):
+    """``experts``: a CPU layer's routed experts go into their int8 / int4 stacks a piece at a
+    time as the checkpoint's per-expert tensors arrive, the stacked weights in the load's dtype
+    never made (each layer handed over with its stacks empty and already filled); the stacks hold
+    the very levels and scales that quantizing the loaded stacks gives."""
+    from workers import cpu_paths
+    from workers.layers.moe import MoE
+
+    if why := cpu_paths.probe(layout):
+        pytest.skip(why)
+    path = model_factory("tiny-qwen3-moe", dtype="float32")
+    handed: list[int] = []
+
+    def on_layer(i: int, layer: torch.nn.Module) -> None:
+        for m in layer.modules():
+            if isinstance(m, MoE):
+                assert m.receiving == layout and m.gate_up.numel() == 0 and m.down.numel() == 0
+                handed.append(i)
+        cpu_paths.lay_out(layer, layout)
+
+    model, cfg = load_model(path, dtype="float32", on_layer=on_layer, experts=layout)
+    ref, _ = load_model(path, dtype="float32")
+    cpu_paths.apply(ref, layout)
+    assert handed == list(range(cfg.num_layers))
+    got, want = _quantized_experts(model), _quantized_experts(ref)
+    assert len(got) == len(want) == 4 * cfg.num_layers
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_experts_filled_as_whole_stacks_are_quantized_once_loaded(model_factory):
+    """A checkpoint that stores a layer's experts as one stacked tensor (Gemma 4's) cannot be taken
+    a piece at a time: those stacks are loaded as before and quantized once loaded."""
+    from workers import cpu_paths
+    from workers.layers.moe import MoE
+
+    path = model_factory("tiny-gemma4-moe", dtype="float32")
+    model, cfg = load_model(path, dtype="float32", experts="int8")
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert moes and all(m.receiving is None and m.gate_up.numel() for m in moes)
+    ref, _ = load_model(path, dtype="float32")
+    for m in (model, ref):
+        cpu_paths.apply(m, "int8", None)
+    for a, b in zip(_quantized_experts(model), _quantized_experts(ref), strict=True):
+        assert torch.equal(a, b)

@@ -73,6 +73,43 @@ def test_int8_experts_of_any_width_sum_right(k):
     assert torch.allclose(q[1](x).float(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_expert_put_a_run_of_rows_at_a_time_gets_its_whole_matrixs_levels(layout):
+    """``put`` of an expert's rows in runs (a checkpoint's gate, then its up) gives the stack the
+    same bytes as the whole matrix at once: int8 rows are per row, int4 groups per 32 values of
+    a row (an on-grid run keeps its levels: the weights here are a 4-bit grid's, as a Q4 file's)."""
+    _needs(layout)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(3, 64, 96, generator=g) * 0.1
+    grid = (torch.randint(0, 16, w.shape, generator=g) - 8) * 0.01 + 0.002  # levels on one grid
+    for weights in (w, grid):
+        whole = QuantExperts(weights, layout)
+        runs = QuantExperts(weights, layout, fill=False)
+        assert runs.takes_rows
+        for e in (2, 0, 1):  # in any order
+            runs.put(e, 32, weights[e, 32:])
+            runs.put(e, 0, weights[e, :32])
+        assert torch.equal(runs.weight, whole.weight) and torch.equal(runs.scales, whole.scales)
+
+
+def test_torchs_int4_packing_takes_whole_matrices_and_a_moe_then_loads_as_before(monkeypatch):
+    """With our kernel off the int4 stacks are torch's packing, which takes an expert's whole
+    matrix only: a run of rows is refused, and ``MoE.receive`` declines (the stacks are then
+    filled in the load's dtype and quantized once loaded, as without it), changing nothing."""
+    _needs("int4")
+    monkeypatch.setenv("PANTHEON_LINEAR_KERNEL", "0")
+    w = (torch.randn(2, 48, 64) * 0.1).bfloat16()
+    q = QuantExperts(w, "int4", fill=False)
+    assert q.int4 and not q.takes_rows
+    with pytest.raises(ValueError, match="whole matrix"):
+        q.put(0, 0, w[0, :16])
+    q.put(0, 0, w[0])
+    assert torch.equal(q.weight[0], QuantExperts(w, "int4").weight[0])
+    moe = MoE(64, 24, 4, 2)
+    assert moe.receive("int4") is None
+    assert moe.receiving is None and moe.gate_up.shape == (4, 48, 64) and moe.laid_out is None
+
+
 def test_int4_keeps_a_shape_its_kernel_does_not_take_in_int8_rows():
     _needs("int4")
     q = QuantExperts(torch.randn(2, 24, 64).bfloat16(), "int4")  # 24 rows: not in 16s

@@ -274,6 +274,7 @@ class MoE(nn.Module):
         # (activation, alpha, limit) when qlinear.experts runs the experts (MoE._hold)
         self.kernel_glu: tuple[str, float, float] | None = None
         self._matrix_bytes = 0  # one expert's gate_up and down as laid out (0: the stacked ones)
+        self.receiving: str | None = None  # the layout a load fills the stacks in (``receive``)
         self.mxfp4 = mxfp4  # the experts held in MXFP4 (MxExperts), the stacked weights empty
         if mxfp4:
             gu, dn = MxExperts(num_experts, 2 * inter, hidden), MxExperts(num_experts, hidden, inter)
@@ -317,15 +318,40 @@ class MoE(nn.Module):
     def quantize(self, layout: str, int4: Int4Quantizer = int4_groups) -> None:
         """Hold the experts quantized as the int8 / int4 CPU paths' linears (``QuantExperts``:
         int8 rows, or int4 groups made by ``int4``, in stacks), one expert at a time, and let the
-        stacked weights go. The biases stay as they are; MXFP4 experts stay MXFP4 (``lay_out``)."""
+        stacked weights go. The biases stay as they are; MXFP4 experts stay MXFP4 (``lay_out``).
+        Experts ``receive``d in ``layout`` are held as their stacks were filled."""
         if self.mxfp4:
             return
-        gu = QuantExperts(self.gate_up.detach(), layout, int4)
-        dn = QuantExperts(self.down.detach(), layout, int4)
+        if self.receiving is not None:
+            if self.receiving != layout:
+                raise ValueError(f"experts received as {self.receiving} cannot be held as {layout}")
+            gu, dn = cast(QuantExperts, self.gate_up_laid_out), cast(QuantExperts, self.down_laid_out)
+            self.receiving = None
+        else:
+            gu = QuantExperts(self.gate_up.detach(), layout, int4)
+            dn = QuantExperts(self.down.detach(), layout, int4)
         self._matrix_bytes = gu.expert_bytes() + dn.expert_bytes()
         self.gate_up_laid_out, self.down_laid_out = gu, dn  # registered: counted as the model's weights
         self._hold((gu, dn))
         self._drop_stacked()
+
+    def receive(self, layout: str) -> tuple[QuantExperts, QuantExperts] | None:
+        """Empty int8 / int4 stacks (``quantize``'s) for a load to fill an expert's rows at a time
+        as the checkpoint's pieces arrive (``QuantExperts.put``: ``loader._experts_on_arrival``),
+        the stacked weights let go now: they are never made in the load's dtype (2.4 GB a
+        Qwen3-30B-A3B layer in fp32). ``quantize(layout)`` then holds them. None, and nothing
+        changed, where the stacks take no runs of rows (torch's int4 packing) or the experts are
+        MXFP4 (held as they ship)."""
+        if self.mxfp4:
+            return None
+        gu = QuantExperts(self.gate_up, layout, fill=False)
+        dn = QuantExperts(self.down, layout, fill=False)
+        if not (gu.takes_rows and dn.takes_rows):
+            return None
+        self.gate_up_laid_out, self.down_laid_out = gu, dn
+        self.receiving = layout
+        self._drop_stacked()
+        return gu, dn
 
     def unpack_mxfp4(self, dtype: torch.dtype) -> None:
         """MXFP4 experts dequantized (exactly) into the stacked weights in ``dtype``, one expert at a

@@ -42,6 +42,8 @@ class Target(NamedTuple):
     param: torch.Tensor  # the parameter (or buffer) it fills
     offset: int  # first row it fills
     rows: int  # rows it fills
+    # called once its rows are filled (a piece converted as it arrives: ``loader._experts_on_arrival``)
+    then: Callable[[], None] | None = None
 
 
 class Family(Protocol):
