@@ -118,8 +118,10 @@ def iter_tensors(
 
 def _kept(fam: Family, name: str, t: GGUFTensor, cfg: ModelConfig, arch: str) -> bool:
     """Whether the family takes tensor ``name`` as the file holds it (its ``from_gguf`` returns
-    the tensor itself: asked of a data-less one of its shape)."""
-    shaped = torch.empty(t.shape, device="meta")
+    the tensor itself: asked of one value viewed as its shape, stride 0). Not of a meta tensor:
+    the meta device's ops (a ``torch.cat``) import ``torch._dynamo`` on their first call, 1.4 s
+    of a Qwen3.5 load; a family's transform of this view costs what it costs on the tensor."""
+    shaped = torch.zeros((), dtype=torch.float32).expand(t.shape)
     return fam.from_gguf(name, shaped, cfg, arch) is shaped
 
 

@@ -317,10 +317,34 @@ def _empty_model(
     model.layer_devices = layer_placement(cfg.num_layers, devs)
     for name, child in model.named_children():  # embeddings, final norm, head (and a family's own)
         if name != "layers":
-            child.to_empty(device=devs[0])
+            _allocate(child, devs[0])
     for layer, dev in zip(model.layers, model.layer_devices):
-        layer.to_empty(device=dev)
+        _allocate(layer, dev)
     return model
+
+
+def _allocate(module: nn.Module, dev: torch.device) -> None:
+    """Uninitialised storage on ``dev`` for every parameter and buffer of ``module`` (on the meta
+    device), as ``Module.to_empty`` gives, a shared one staying shared. Not ``to_empty``: its
+    ``empty_like`` of a meta tensor runs torch's Python reference ops, whose first call imports
+    sympy (0.7 s of a load)."""
+    params: dict[torch.Tensor, nn.Parameter] = {}
+    buffers: dict[torch.Tensor, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev)
+
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                if p not in params:
+                    params[p] = nn.Parameter(empty(p), p.requires_grad)
+                m._parameters[name] = params[p]
+        for name, b in m._buffers.items():
+            if b is not None:
+                if b not in buffers:
+                    buffers[b] = empty(b)
+                m._buffers[name] = buffers[b]
 
 
 # (file, label for errors, our name, data: a tensor, or a GGUF tensor's blocks to unpack in place)

@@ -314,3 +314,24 @@ def test_the_mtp_head_reads_as_from_its_folder(files):
             e.close()
     with pytest.raises(LoadError, match="no multi-token-prediction head"):
         Engine(str(files(NO_MTP_F32)[1]), dtype="float32", kv_budget_bytes=4 << 20, draft="mtp")
+
+
+@pytest.mark.slow
+def test_a_load_imports_neither_dynamo_nor_sympy(files):
+    """A GGUF load on a CPU path runs no meta-device op of torch's Python references (asking a
+    family whether it transforms a tensor, allocating the parameters): their first call imports
+    ``torch._dynamo`` (1.4 s) or sympy (0.7 s), which a Qwen3.5 load paid, and the engine needs
+    neither without compiling. A fresh interpreter, as a worker's load."""
+    import subprocess
+    import sys
+
+    _folder, path = files(MTP_Q8_0)
+    code = (
+        "import sys\n"
+        "from workers.engine import Engine\n"
+        f"Engine({str(path)!r}, cpu_path='int8', num_slots=1, kv_budget_bytes=1 << 22, compile_decode=False)\n"
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

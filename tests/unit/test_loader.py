@@ -276,3 +276,22 @@ def test_experts_filled_as_whole_stacks_are_quantized_once_loaded(model_factory)
         cpu_paths.apply(m, "int8", None)
     for a, b in zip(_quantized_experts(model), _quantized_experts(ref), strict=True):
         assert torch.equal(a, b)
+
+
+def test_parameters_get_storage_on_their_die_and_shared_ones_stay_shared():
+    """``_allocate``: every meta parameter and buffer gets uninitialised storage of its shape,
+    strides and dtype on the die, a parameter keeps ``requires_grad``, and one held by two
+    modules (a tied head) is still one tensor."""
+    from workers.loader import _allocate
+
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=True))
+        m[1].weight = m[0].weight  # tied
+        m.register_buffer("steps", torch.empty(3, 2).t())  # a strided buffer
+        m[1].bias.requires_grad_(False)
+    _allocate(m, torch.device("cpu"))
+    assert m[1].weight is m[0].weight and isinstance(m[0].weight, torch.nn.Parameter)
+    for name, t in [*m.named_parameters(), *m.named_buffers()]:
+        assert t.device.type == "cpu", name
+    assert m[0].weight.shape == (10, 4) and m[0].weight.requires_grad and not m[1].bias.requires_grad
+    assert m.steps.shape == (2, 3) and m.steps.stride() == (1, 2)
