@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 from workers.errors import LoadError
 from workers.layers.block_embedding import BlockEmbedding
 from workers.layers.moe import MoE
-from workers.quant import Int4Linear, Int8Linear, int4_fits, on_grid, replace_linears
+from workers.quant import Int4Linear, Int8Linear, grid_groups, int4_fits, replace_linears
 
 AUTO = "auto"
 
@@ -99,14 +99,14 @@ def make_linear(spec: PathSpec, weight: torch.Tensor, bias: torch.Tensor | None)
 
 def file_int4_linear(spec: PathSpec, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     """A 4-bit file's linear on the int4 path: in int4 groups on its own levels when every group
-    of 32 is on a 4-bit grid (``quant.on_grid``: Q4_0 / Q4_1 / Q4_K), else in int8 rows (the
+    of 32 is on a 4-bit grid (``quant.grid_groups``: Q4_0 / Q4_1 / Q4_K), else in int8 rows (the
     Q5_K / Q6_K / Q8_0 tensors a Q4_K_M file mixes in, or fused matrices holding one: 4-bit
     groups would lose what those bits keep). weight: [N, K] in the path's dtype."""
     if spec.layout == "int4" and int4_fits(*weight.shape):
-        grid = on_grid(weight)
-        if grid is not None:
-            w = weight.detach().to(spec.dtype)
-            return Int4Linear(w, None if bias is None else bias.detach().to(spec.dtype), grid)
+        w = weight.detach().to(spec.dtype)
+        packed = grid_groups(w)
+        if packed is not None:
+            return Int4Linear(w, None if bias is None else bias.detach().to(spec.dtype), packed)
         return make_linear(dataclasses.replace(PATHS["int8"], dtype=spec.dtype), weight, bias)
     return make_linear(spec, weight, bias)
 

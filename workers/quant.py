@@ -113,8 +113,11 @@ def _grid_fit(w: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor, 
     return q, step, lo, todo.numel() == 0
 
 
+GRID_TOL = 1e-3  # a value within this many steps of a level is on it (``on_grid``)
+
+
 def on_grid(
-    weight: torch.Tensor, tol: float = 1e-3, sample: int = 256
+    weight: torch.Tensor, tol: float = GRID_TOL, sample: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Whether every group of 32 of a [N, K] weight lies on a 4-bit affine grid already (a
     4-bit file's dequantized levels: Q4_0, Q4_1, Q4_K), and the grid: (levels [N, G, 32] 0..15
@@ -149,22 +152,33 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return int4_pack(q.reshape(weight.shape), scale, lo)
 
 
-def q4_groups(
-    weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [N, K] weight in 4-bit affine groups of 32 (its own grid where it is on one, ``on_grid``:
-    a 4-bit file's levels; else ``_affine_groups``, fitted to fp16 scales) in
-    our kernel's layout (workers/kernels/qmatmul.c); ``grid``: ``on_grid``'s, when known: (qs [N, K/2] uint8, byte j of a group holding
-    level j low and level j + 16 high; dm [N, 2, K/32] fp16, the groups' scales, then minima)."""
-    n, k = weight.shape
-    grid = grid if grid is not None else on_grid(weight)
-    if grid is not None:  # a 4-bit file's own levels, its scales and minima rounded to fp16
-        q, scale, lo = grid
-    else:
-        q, scale, lo = _affine_groups(weight, torch.float16)
+def grid_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A [N, K] weight whose every group of 32 lies on a 4-bit grid (``on_grid``: a 4-bit file's
+    levels) in our kernel's layout (``q4_groups``'); None when some group does not. One native
+    pass, fit and packing, where the kernel builds and the weight is fp32 (the int4 path's)."""
+    if dequant_kernel.available() and weight.device.type == "cpu" and weight.dtype == torch.float32:
+        return dequant_kernel.q4_groups(weight.detach(), GRID_TOL)
+    grid = on_grid(weight)
+    return None if grid is None else _q4_pack(*grid)
+
+
+def q4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [N, K] weight in 4-bit affine groups of 32 (its own grid where it is on one,
+    ``grid_groups``: a 4-bit file's levels, its scales and minima rounded to fp16; else
+    ``_affine_groups``, fitted to fp16 scales) in our kernel's layout
+    (workers/kernels/qmatmul.c): (qs [N, K/2] uint8, byte j of a group holding level j low and
+    level j + 16 high; dm [N, 2, K/32] fp16, the groups' scales, then minima)."""
+    packed = grid_groups(weight)
+    return packed if packed is not None else _q4_pack(*_affine_groups(weight, torch.float16))
+
+
+def _q4_pack(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Levels q [N, G, 32] (0..15, as floats), scale and lowest value [N, G] -> ``q4_groups``'
+    (qs, dm)."""
+    n, g, _ = q.shape
     q = q.to(torch.uint8)
     qs = q[..., :16] | (q[..., 16:] << 4)
-    return qs.reshape(n, k // 2).contiguous(), torch.stack([scale, lo], dim=1).half().contiguous()
+    return qs.reshape(n, g * 16).contiguous(), torch.stack([scale, lo], dim=1).half().contiguous()
 
 
 _ROWS_VALUES = 1 << 16  # fp32 values a chunk of int8_rows works on (256 KB: in L2)
@@ -216,21 +230,21 @@ class Int4Linear(nn.Module):
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        packed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
-        """``grid``: the weight's own 4-bit grid, ``on_grid(weight)``, when the caller has it."""
+        """``packed``: the weight in our kernel's layout (``grid_groups``), when the caller has it."""
         super().__init__()
         n, k = weight.shape
         if not int4_fits(n, k):
             raise ValueError(f"int4 needs N % 16 == 0 and K % {INT4_GROUP} == 0, got [{n}, {k}]")
         self.ours = qlinear.fits(k) and qlinear.available()
         if self.ours:
-            packed, scales = q4_groups(weight, grid)
-            self.register_buffer("weight", packed)
-            self.register_buffer("scales_mins", scales)
+            qs, dm = packed if packed is not None else q4_groups(weight)
+            self.register_buffer("weight", qs)
+            self.register_buffer("scales_mins", dm)
         else:
-            packed, scales = int4_groups(weight.to(torch.bfloat16))
-            self.register_buffer("weight", packed)
+            qs, scales = int4_groups(weight.to(torch.bfloat16))
+            self.register_buffer("weight", qs)
             self.register_buffer("scales_zeros", scales)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.in_features, self.out_features = k, n

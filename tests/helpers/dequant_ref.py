@@ -64,8 +64,9 @@ def check_grid() -> dict:
     """``dequant.grid_fit`` against ``workers.quant._grid_fit`` on the same groups: 4-bit grids of
     every span (L = 1 .. 15 levels used, fp16-rounded steps and minima, as a Q4_K file's unpacked
     values are), constant groups, and off-grid ones (6-bit levels); the same levels, steps,
-    minima and verdict, bit for bit, on one and two threads."""
-    from workers.quant import _grid_fit
+    minima and verdict, bit for bit, on one and two threads; and the fit packed in one native pass
+    (``dequant.q4_groups``) the torch packing's bytes, or None where a group is off every grid."""
+    from workers.quant import _grid_fit, _q4_pack
 
     g = torch.Generator().manual_seed(3)
     r = 6000
@@ -77,9 +78,22 @@ def check_grid() -> dict:
     on_grid = lo + q * step  # [r, 32]
     on_grid[:50] = on_grid[:50, :1]  # constant groups
     off_grid = torch.randint(0, 64, (r, 32), generator=g).float() * step + lo  # 6-bit levels
-    out: dict = {"same": True, "verdicts": []}
-    for w in (on_grid, off_grid, on_grid[::7]):
+    tiny = lo * 1e-3 + q * step * 1e-3  # steps and minima that are fp16 subnormals
+    out: dict = {"same": True, "packed": True, "verdicts": []}
+    for w in (on_grid, off_grid, on_grid[::7], tiny):
         want = _grid_fit(w.contiguous(), 1e-3)
+        # the fit packed in the kernel's layout (dequant.q4_groups), a group a row of [N, 32]
+        # and four a row of [N / 4, 128]: quant._q4_pack's bytes, fp16 rounded as torch rounds
+        packs = []
+        for k in (32, 128):
+            n = w.shape[0] * 32 // k
+            m = n * k // 32  # groups used
+            grid = (
+                want[0][:m].view(n, k // 32, 32),
+                want[1][:m].view(n, k // 32),
+                want[2][:m].view(n, k // 32),
+            )
+            packs.append((w[:m].reshape(n, k), _q4_pack(*grid) if want[3] else None))
         for threads in (1, 2):
             torch.set_num_threads(threads)
             got = dequant.grid_fit(w, 1e-3)
@@ -87,6 +101,15 @@ def check_grid() -> dict:
                 torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got[:3], want[:3])
             )
             out["same"] &= bool(same)
+            for weight, ref in packs:
+                mine = dequant.q4_groups(weight, 1e-3)
+                ok = (mine is None) == (ref is None) and (
+                    mine is None
+                    or ref is None
+                    or torch.equal(mine[0], ref[0])
+                    and torch.equal(mine[1].view(torch.int16), ref[1].view(torch.int16))
+                )
+                out["packed"] &= bool(ok)
         out["verdicts"].append(bool(want[3]))
     return out
 

@@ -29,13 +29,14 @@ GRID = "import json; from helpers.dequant_ref import check_grid; print(json.dump
 
 def test_the_grid_fit_is_the_torch_paths_to_the_bit_on_every_isa():
     """A 4-bit file's grids found in one pass a group (``on_grid``'s kernel) give the torch fit's
-    levels, steps, minima and verdict: on-grid groups of every span fit, 6-bit ones do not."""
+    levels, steps, minima and verdict: on-grid groups of every span fit, 6-bit ones do not; and
+    packed in the same pass (``quant.grid_groups``' kernel), the torch packing's bytes."""
     if not dequant.available():
         pytest.skip("no C compiler here: loads keep torch's ops")
     for isa in _isas():
         got = json.loads(_run(GRID, {"PANTHEON_KERNEL_ISA": isa}))
-        assert got["same"], (isa, got)
-        assert got["verdicts"] == [True, False, True], (isa, got)
+        assert got["same"] and got["packed"], (isa, got)
+        assert got["verdicts"] == [True, False, True, True], (isa, got)
 
 
 ROWS = "import json; from helpers.dequant_ref import check_int8_rows; print(json.dumps(check_int8_rows()))"

@@ -140,7 +140,7 @@ def test_a_q4_k_grid_keeps_its_levels_where_min_max_would_move_them():
     assert grid is not None
     levels, step, lo = grid
     assert torch.allclose(lo[..., None] + levels * step[..., None], w.view(n, k // 32, 32), atol=1e-6, rtol=0)
-    qs, dm = q4_groups(w, grid)
+    qs, dm = q4_groups(w)  # (the grid found again: ``grid_groups``)
     b = qs.view(n, k // 32, 16)
     back = dm[:, 1].float()[..., None] + torch.cat([b & 15, b >> 4], -1).float() * dm[:, 0].float()[..., None]
     err = (back - w.view(n, k // 32, 32)).abs() / step[..., None]

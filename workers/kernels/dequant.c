@@ -194,38 +194,77 @@ static inline int grid_fits(const float *x, float lo, float step, float tol, flo
     return ok;
 }
 
+/* Whether the group fits the grid, stopping at the first value off it (a coarser L is tried on
+ * most Q4_K groups, and most values miss it: 32 divisions a try were 0.9 s of a MoE load). */
+static inline int grid_try(const float *x, float lo, float step, float tol) {
+    for (int i = 0; i < 32; i++) {
+        const float v = (x[i] - lo) / step;
+        if (!(fabsf(v - nearbyintf(v)) <= tol)) return 0;
+    }
+    return 1;
+}
+
+/* One group's fit: its levels q, step and lowest value; 1 when it fits. */
+static int fit_group(const float *x, float tol, float *q, float *step, float *lo) {
+    float mn = x[0], mx = x[0];
+    for (int i = 1; i < 32; i++) {
+        mn = x[i] < mn ? x[i] : mn;
+        mx = x[i] > mx ? x[i] : mx;
+    }
+    const float span = mx - mn;
+    float st = span > 0 ? span / 15.0f : 1.0f; /* a constant group is level 0 (step 1) */
+    int ok = grid_fits(x, mn, st, tol, q);
+    for (int L = 14; L >= 1 && !ok; L--) {
+        const float d = span / (float)L;
+        if (grid_try(x, mn, d, tol)) {
+            grid_fits(x, mn, d, tol, q);
+            st = d;
+            ok = 1;
+        }
+    }
+    *step = st;
+    *lo = mn;
+    return ok;
+}
+
 int dq_grid_fit(const float *w, int64_t groups, float tol, float *q, float *step, float *lo, int nthreads) {
     int64_t misfits = 0;
     int nt = nthreads < 1 ? 1 : nthreads;
     if (groups < 4096) nt = 1;
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static) reduction(+ : misfits)
-    for (int64_t g = 0; g < groups; g++) {
-        const float *x = w + g * 32;
-        float mn = x[0], mx = x[0];
-        for (int i = 1; i < 32; i++) {
-            mn = x[i] < mn ? x[i] : mn;
-            mx = x[i] > mx ? x[i] : mx;
-        }
-        const float span = mx - mn;
-        float st = span > 0 ? span / 15.0f : 1.0f; /* a constant group is level 0 (step 1) */
-        float *qg = q + g * 32;
-        int ok = grid_fits(x, mn, st, tol, qg);
-        if (!ok) {
-            float r[32];
-            for (int L = 14; L >= 1 && !ok; L--) {
-                const float d = span / (float)L;
-                if (grid_fits(x, mn, d, tol, r)) {
-                    memcpy(qg, r, sizeof r);
-                    st = d;
-                    ok = 1;
-                }
-            }
-        }
-        step[g] = st;
-        lo[g] = mn;
-        misfits += !ok;
-    }
+    for (int64_t g = 0; g < groups; g++) misfits += !fit_group(w + g * 32, tol, q + g * 32, step + g, lo + g);
     return misfits == 0;
+}
+
+/* dq_q4_groups: a [N, K] fp32 weight on 4-bit grids (dq_grid_fit's verdict on every group) straight
+ * into the int4 kernel's layout, as workers/quant.py's q4_groups packs the fit (its torch ops a
+ * whole weight at a time, then a stack and a conversion: ~1 s of a Qwen3-30B-A3B 2-layer load):
+ * qs [N, K/2], byte j of group g holding level j low and level j + 16 high; dm [N, 2, K/32] fp16,
+ * the groups' steps, then their lowest values, rounded to nearest even. Returns 1 when every
+ * group fits, 0 when one does not (found early: the outputs are then unfinished), 2 on bad
+ * arguments. */
+int dq_q4_groups(const float *w, int64_t N, int64_t K, float tol, uint8_t *qs, uint16_t *dm, int nthreads) {
+    if (N < 0 || K < 32 || K % 32) return 2;
+    const int64_t G = K / 32;
+    int nt = nthreads < 1 ? 1 : nthreads;
+    if (N * K < (1 << 17)) nt = 1;
+    volatile int missed = 0;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        if (missed) continue;
+        for (int64_t g = 0; g < G; g++) {
+            float q[32], st, lo;
+            if (!fit_group(w + n * K + g * 32, tol, q, &st, &lo)) {
+                missed = 1;
+                break;
+            }
+            uint8_t *b = qs + n * (K / 2) + g * 16;
+            for (int j = 0; j < 16; j++) b[j] = (uint8_t)((int)q[j] | ((int)q[j + 16] << 4));
+            dm[n * 2 * G + g] = f32_to_f16(st);
+            dm[n * 2 * G + G + g] = f32_to_f16(lo);
+        }
+    }
+    return missed ? 0 : 1;
 }
 
 /* ---------------------------------------------------------------- int8 rows

@@ -48,6 +48,11 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
                 ctypes.c_int,
                 [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, *[ctypes.c_void_p] * 3, ctypes.c_int],
             ),
+            "dq_q4_groups": (
+                ctypes.c_int,
+                [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, *[ctypes.c_void_p] * 2]
+                + [ctypes.c_int],
+            ),
         },
     )
 
@@ -94,6 +99,22 @@ def grid_fit(w: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor, t
         w.data_ptr(), r, tol, q.data_ptr(), step.data_ptr(), lo.data_ptr(), torch.get_num_threads()
     )
     return q, step, lo, bool(fits)
+
+
+def q4_groups(w: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``workers.quant.q4_groups`` of a weight on 4-bit grids in one native pass (``grid_fit``'s
+    fit, then the kernel's packing): w [N, K] float32 -> (qs [N, K/2] uint8, dm [N, 2, K/32]
+    fp16), the same bytes; None when some group is on no grid."""
+    lib = _load()[0]
+    assert lib is not None, "callers check available() first"
+    w = w.float().contiguous()
+    n, k = w.shape
+    qs = torch.empty(n, k // 2, dtype=torch.uint8)
+    dm = torch.empty(n, 2, k // 32, dtype=torch.float16)
+    rc = lib.dq_q4_groups(w.data_ptr(), n, k, tol, qs.data_ptr(), dm.data_ptr(), torch.get_num_threads())
+    if rc == 2:
+        raise ValueError(f"int4 groups take [N, K] with K in 32s, got {tuple(w.shape)}")
+    return (qs, dm) if rc == 1 else None
 
 
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
