@@ -254,7 +254,9 @@ def _experts_on_arrival(model: DecoderLM, targets: dict[str, Target], layout: st
                 continue
             for stack, q, ns in zip(stacks, held, names):
                 key = (tuple(stack.shape[1:]), stack.dtype, stack.device)
-                buf = scratch.setdefault(key, torch.empty(key[0], dtype=stack.dtype, device=stack.device))
+                if key not in scratch:
+                    scratch[key] = torch.empty(key[0], dtype=stack.dtype, device=stack.device)
+                buf = scratch[key]
                 for n in ns:
                     t = targets[n]  # rows of expert e's matrix: a view of the stack
                     e = (t.param.storage_offset() - stack.storage_offset()) // stack.stride(0)

@@ -205,7 +205,7 @@ def test_an_untied_quantized_head_is_laid_out_from_its_blocks(files):
 def test_a_files_experts_are_quantized_as_their_pieces_arrive(files, layout):
     """The Q8_0 file's expert stacks, unpacked a piece at a time into one expert's scratch and
     quantized there (``load_model(experts=)``), give the stacks that quantizing the whole loaded
-    stacks gives, to the bit; and the engine on the path answers as before."""
+    stacks gives, to the bit."""
     if why := cpu_paths.probe(layout):
         pytest.skip(why)
     path = files(Q8_0)
