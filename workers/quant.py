@@ -169,7 +169,11 @@ def q4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (workers/kernels/qmatmul.c): (qs [N, K/2] uint8, byte j of a group holding level j low and
     level j + 16 high; dm [N, 2, K/32] fp16, the groups' scales, then minima)."""
     packed = grid_groups(weight)
-    return packed if packed is not None else _q4_pack(*_affine_groups(weight, torch.float16))
+    if packed is not None:
+        return packed
+    if dequant_kernel.available() and weight.device.type == "cpu" and weight.dtype == torch.float32:
+        return dequant_kernel.q4_affine(weight.detach())  # the same fit, one native pass
+    return _q4_pack(*_affine_groups(weight, torch.float16))
 
 
 def _q4_pack(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

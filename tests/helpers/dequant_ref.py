@@ -65,8 +65,9 @@ def check_grid() -> dict:
     every span (L = 1 .. 15 levels used, fp16-rounded steps and minima, as a Q4_K file's unpacked
     values are), constant groups, and off-grid ones (6-bit levels); the same levels, steps,
     minima and verdict, bit for bit, on one and two threads; and the fit packed in one native pass
-    (``dequant.q4_groups``) the torch packing's bytes, or None where a group is off every grid."""
-    from workers.quant import _grid_fit, _q4_pack
+    (``dequant.q4_groups``) the torch packing's bytes, or None where a group is off every grid;
+    the min/max fit of groups off every grid (``dequant.q4_affine``) the torch fit's bytes."""
+    from workers.quant import _affine_groups, _grid_fit, _q4_pack
 
     g = torch.Generator().manual_seed(3)
     r = 6000
@@ -111,6 +112,17 @@ def check_grid() -> dict:
                 )
                 out["packed"] &= bool(ok)
         out["verdicts"].append(bool(want[3]))
+    # off every grid: the min/max fit to fp16 scales in one native pass (dequant.q4_affine), the
+    # torch fit's bytes; constant groups (a step that rounds to 0 in fp16) and tiny spans included
+    odd = torch.cat([off_grid, on_grid[:48], tiny[:64] * 1e-3, off_grid[:64] * 300]).reshape(-1, 128)
+    ref = _q4_pack(*_affine_groups(odd, torch.float16))
+    out["affine"] = True
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        mine = dequant.q4_affine(odd)
+        out["affine"] &= torch.equal(mine[0], ref[0]) and torch.equal(
+            mine[1].view(torch.int16), ref[1].view(torch.int16)
+        )
     return out
 
 

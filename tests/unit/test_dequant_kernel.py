@@ -30,12 +30,13 @@ GRID = "import json; from helpers.dequant_ref import check_grid; print(json.dump
 def test_the_grid_fit_is_the_torch_paths_to_the_bit_on_every_isa():
     """A 4-bit file's grids found in one pass a group (``on_grid``'s kernel) give the torch fit's
     levels, steps, minima and verdict: on-grid groups of every span fit, 6-bit ones do not; and
-    packed in the same pass (``quant.grid_groups``' kernel), the torch packing's bytes."""
+    packed in the same pass (``quant.grid_groups``' kernel), the torch packing's bytes; and a
+    weight off every grid fitted min/max in one pass (``quant.q4_groups``), the torch fit's."""
     if not dequant.available():
         pytest.skip("no C compiler here: loads keep torch's ops")
     for isa in _isas():
         got = json.loads(_run(GRID, {"PANTHEON_KERNEL_ISA": isa}))
-        assert got["same"] and got["packed"], (isa, got)
+        assert got["same"] and got["packed"] and got["affine"], (isa, got)
         assert got["verdicts"] == [True, False, True, True], (isa, got)
 
 

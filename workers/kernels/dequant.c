@@ -312,6 +312,44 @@ int dq_q4_groups(const float *w, int64_t N, int64_t K, float tol, uint8_t *qs, u
     return missed ? 0 : 1;
 }
 
+/* dq_q4_affine: a [N, K] fp32 weight off the 4-bit grids in the same layout, each group of 32 on
+ * the min/max grid workers/quant.py's _affine_groups fits (the torch ops: 0.46 s of the 2-layer
+ * Qwen3-30B-A3B's load for one layer's Q6_K down experts): step (max - min) / 15, at least 1e-8,
+ * step and minimum rounded to fp16 first, each level (w - min) / step rounded to nearest even
+ * and clamped to 0..15 (a constant group's step rounds to 0: its 0 / 0 levels are 0, as torch
+ * converts them). Returns 0, or 2 on bad arguments. */
+int dq_q4_affine(const float *w, int64_t N, int64_t K, uint8_t *qs, uint16_t *dm, int nthreads) {
+    if (N < 0 || K < 32 || K % 32) return 2;
+    const int64_t G = K / 32;
+    int nt = nthreads < 1 ? 1 : nthreads;
+    if (N * K < (1 << 17)) nt = 1;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t g = 0; g < G; g++) {
+            const float *x = w + n * K + g * 32;
+            float mn = x[0], mx = x[0];
+            for (int i = 1; i < 32; i++) {
+                mn = x[i] < mn ? x[i] : mn;
+                mx = x[i] > mx ? x[i] : mx;
+            }
+            float st = (mx - mn) / 15.0f;
+            st = st < 1e-8f ? 1e-8f : st;
+            const uint16_t sh = f32_to_f16(st), lh = f32_to_f16(mn);
+            const float s = f16_to_f32(sh), lo = f16_to_f32(lh);
+            uint8_t q[32];
+            for (int i = 0; i < 32; i++) {
+                const float r = nearbyintf((x[i] - lo) / s);
+                q[i] = r >= 15.0f ? 15 : r > 0.0f ? (uint8_t)r : 0; /* NaN: 0 */
+            }
+            uint8_t *b = qs + n * (K / 2) + g * 16;
+            for (int j = 0; j < 16; j++) b[j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+            dm[n * 2 * G + g] = sh;
+            dm[n * 2 * G + G + g] = lh;
+        }
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------- int8 rows
  *
  * workers/quant.py's int8_rows in one pass a row (its torch ops take a run of rows at a time:

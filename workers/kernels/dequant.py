@@ -48,6 +48,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
                 ctypes.c_int,
                 [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, *[ctypes.c_void_p] * 3, ctypes.c_int],
             ),
+            "dq_q4_affine": (
+                ctypes.c_int,
+                [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 2, ctypes.c_int],
+            ),
             "dq_q4_groups": (
                 ctypes.c_int,
                 [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, *[ctypes.c_void_p] * 2]
@@ -115,6 +119,20 @@ def q4_groups(w: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor] 
     if rc == 2:
         raise ValueError(f"int4 groups take [N, K] with K in 32s, got {tuple(w.shape)}")
     return (qs, dm) if rc == 1 else None
+
+
+def q4_affine(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``workers.quant.q4_groups`` of a weight off the 4-bit grids (``_affine_groups``' min/max fit
+    to fp16 scales) in one native pass: w [N, K] float32 -> (qs, dm), the same bytes."""
+    lib = _load()[0]
+    assert lib is not None, "callers check available() first"
+    w = w.float().contiguous()
+    n, k = w.shape
+    qs = torch.empty(n, k // 2, dtype=torch.uint8)
+    dm = torch.empty(n, 2, k // 32, dtype=torch.float16)
+    if lib.dq_q4_affine(w.data_ptr(), n, k, qs.data_ptr(), dm.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"int4 groups take [N, K] with K in 32s, got {tuple(w.shape)}")
+    return qs, dm
 
 
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
