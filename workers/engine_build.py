@@ -28,6 +28,7 @@ import torch
 
 from pantheon.core.description import MTP
 from pantheon.core.engine_spec import EngineSpec
+from pantheon.core.gguf import GGUFFile
 from pantheon.core.kv_types import KvCacheTypes
 from pantheon.core.sizing import state_checkpoints
 from workers import compiled, cpu_paths
@@ -39,7 +40,7 @@ from workers.draft import DraftModel, draft_block_bytes, draft_layout, load_draf
 from workers.errors import LoadError
 from workers.layers.moe import unread_expert_bytes
 from workers.loader import load_model, resolve_dtype
-from workers.model_config import ModelConfig, load_config
+from workers.model_config import ModelConfig, read_model
 from workers.models.base import DecoderLM
 from workers.mtp import MtpDraft, head_description, load_head
 from workers.runner import ModelRunner
@@ -68,6 +69,7 @@ class Plan:
     num_slots: int  # the spec's, or EMBED_BATCH for an encoder
     encoder: bool  # an encoder that only embeds (BERT): no KV rows, nothing kept per slot
     max_model_len: int
+    gguf: GGUFFile | None = None  # a GGUF model's parsed header (the load reads its tensors' places)
 
     @property
     def cpu_path(self) -> str | None:
@@ -102,7 +104,7 @@ def plan(spec: EngineSpec) -> Plan:
     if spec.num_slots < 1 or spec.prefill_chunk < 1 or spec.block_size < 1:
         raise LoadError("invalid", "num_slots, prefill_chunk and block_size must be at least 1")
     devices = [torch.device(d) for d in spec.devices or ["cpu"]]
-    cfg = load_config(spec.path)  # fail fast on config errors before touching weights
+    cfg, gguf = read_model(spec.path)  # fail fast on config errors before touching weights
     try:  # a KV cache type this model's heads or these devices cannot hold: refused before the weights
         kv_types = spec.kv_types
         check_kv_types(cfg, kv_types, devices)
@@ -134,7 +136,7 @@ def plan(spec: EngineSpec) -> Plan:
     max_model_len = min(spec.max_model_len or limit, limit)
     return Plan(
         spec, cfg, devices, kv_types, cpu, dtype_name, dtype, draft_cfg, draft_path, block_bytes,
-        _num_blocks(spec, block_bytes, num_slots, max_model_len), num_slots, encoder, max_model_len,
+        _num_blocks(spec, block_bytes, num_slots, max_model_len), num_slots, encoder, max_model_len, gguf,
     )  # fmt: skip
 
 
@@ -209,6 +211,7 @@ def load_weights(p: Plan, progress: Callable[[int, int], None] | None) -> Decode
         on_layer,
         embed_blocks=blocks,
         experts=experts,
+        gguf=p.gguf,
     )
     if p.cpu is not None:
         cpu_paths.apply(model, p.cpu.name, p.cfg, laid)

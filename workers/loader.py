@@ -142,6 +142,7 @@ def load_model(
     on_layer: Callable[[int, nn.Module], None] | None = None,
     embed_blocks: bool = False,
     experts: str | None = None,
+    gguf: GGUFFile | None = None,
 ) -> tuple[DecoderLM, ModelConfig]:
     """Load a Hugging Face model folder, a GGUF file or a folder holding one onto ``devices``
     (layers split across several). ``cfg``: the model's description when the caller has read it
@@ -154,11 +155,12 @@ def load_model(
     (``workers/layers/block_embedding.py``; for a caller that lays the LM head out on its own).
     ``experts``: "int8" / "int4", the layout a CPU die's routed experts are quantized into as
     their pieces arrive (``_experts_on_arrival``; the caller's path then holds them so:
-    ``MoE.quantize``)."""
+    ``MoE.quantize``). ``gguf``: the model's GGUF header when the caller has parsed it
+    (``model_config.read_model``)."""
     model_path = Path(model_path)
     with gguf_errors():
-        found = find_gguf(model_path)
-        g = read_gguf(found) if found is not None else None
+        found = gguf.path if gguf is not None else find_gguf(model_path)
+        g = gguf if gguf is not None else read_gguf(found) if found is not None else None
     headers: dict[Path, dict] = {}  # safetensors files' headers (a GGUF file has none)
     if g is not None:
         cfg, source = cfg or gguf_config(g), "the GGUF metadata"

@@ -40,7 +40,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pantheon.core.embedding import (
     BASE_MODEL,
@@ -50,6 +50,9 @@ from pantheon.core.embedding import (
     read_sentence_transformers,
 )
 from pantheon.core.kv_types import KvCacheTypes, width_problem
+
+if TYPE_CHECKING:
+    from pantheon.core.gguf import GGUFFile
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 ROPE_TYPES = {"default", "linear", "dynamic", "llama3", "yarn"}
@@ -557,19 +560,26 @@ def describe(raw: Any, gen: dict, where: str) -> ModelDescription:
     return desc
 
 
+def gguf_description(g: GGUFFile) -> ModelDescription:
+    """``read_description`` of a parsed GGUF file (its metadata as a ``config.json``, and the
+    embedding spec its pooling keys give). Raises ``ModelError`` (or ``GGUFError``)."""
+    from pantheon.core.gguf import hf_config
+
+    desc = describe(hf_config(g), {}, f"{g.path} (GGUF metadata)")
+    spec = gguf_embedding(g.meta)
+    return dataclasses.replace(desc, embedding=spec) if spec is not None else desc
+
+
 def read_description(path: str | Path) -> ModelDescription:
     """Read and check a model's description: a Hugging Face folder's ``config.json`` (and
     ``generation_config.json`` for EOS ids), or a GGUF file's metadata (the file, or the one
     ``.gguf`` in a folder). Raises ``ModelError``."""
-    from pantheon.core.gguf import GGUFError, find_gguf, hf_config, read_gguf
+    from pantheon.core.gguf import GGUFError, find_gguf, read_gguf
 
     try:
         found = find_gguf(path)
         if found is not None:
-            g = read_gguf(found)
-            desc = describe(hf_config(g), {}, f"{found} (GGUF metadata)")
-            spec = gguf_embedding(g.meta)
-            return dataclasses.replace(desc, embedding=spec) if spec is not None else desc
+            return gguf_description(read_gguf(found))
     except GGUFError as e:
         raise ModelError(e.kind, e.reason) from None
     folder = Path(path)
