@@ -27,8 +27,9 @@ tests/unit/test_gguf_vocab_suite.py checks every vocabulary against llama.cpp's 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+import msgspec
 
 from pantheon.core.gguf import (
     TOKEN_CONTROL,
@@ -414,7 +415,7 @@ def tokenizer_json(g: GGUFFile) -> str:
             "vocab": vocab,
         }
         added = _added(tokens, types, vocab, byte_level=False)
-    return json.dumps(
+    return msgspec.json.encode(
         {
             "version": "1.0",
             "truncation": None,
@@ -426,5 +427,4 @@ def tokenizer_json(g: GGUFFile) -> str:
             "decoder": decoder,
             "model": tok_model,
         },
-        ensure_ascii=False,
-    )
+    ).decode()  # (json.dumps: 0.09 s of 0.37 for Qwen3.5's 248k tokens)

@@ -47,3 +47,19 @@ def test_anything_else_is_left_as_it_is():
     assert grammar_tokenizer_json("not json") == "not json"
     wordpiece = json.dumps({"model": {"type": "WordPiece", "vocab": {}}, "added_tokens": []})
     assert grammar_tokenizer_json(wordpiece) == wordpiece
+
+
+def test_a_tokenizer_json_with_a_lone_surrogate_is_read_as_json_reads_it():
+    """A tokenizer.json may escape a lone surrogate (a byte-level vocabulary written by Python's
+    json), which the fast decoder refuses: it is read and written by json's instead, its plain
+    added tokens moved all the same."""
+    raw = json.dumps(
+        {
+            "model": {"type": "BPE", "vocab": {"a": 0, "\ud83d": 1}, "merges": []},
+            "pre_tokenizer": None,
+            "decoder": None,
+            "added_tokens": [{"id": 2, "content": "<x>", "special": False}],
+        }
+    )
+    moved = json.loads(grammar_tokenizer_json(raw))
+    assert moved["model"]["vocab"] == {"a": 0, "\ud83d": 1, "<x>": 2} and moved["added_tokens"] == []
