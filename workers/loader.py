@@ -158,9 +158,12 @@ def load_model(
     ``MoE.quantize``). ``gguf``: the model's GGUF header when the caller has parsed it
     (``model_config.read_model``)."""
     model_path = Path(model_path)
-    with gguf_errors():
-        found = gguf.path if gguf is not None else find_gguf(model_path)
-        g = gguf if gguf is not None else read_gguf(found) if found is not None else None
+    g = gguf
+    if g is None:
+        with gguf_errors():
+            found = find_gguf(model_path)
+            g = read_gguf(found) if found is not None else None
+    found = None if g is None else g.path
     headers: dict[Path, dict] = {}  # safetensors files' headers (a GGUF file has none)
     if g is not None:
         cfg, source = cfg or gguf_config(g), "the GGUF metadata"

@@ -156,7 +156,7 @@ def grid_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     """A [N, K] weight whose every group of 32 lies on a 4-bit grid (``on_grid``: a 4-bit file's
     levels) in our kernel's layout (``q4_groups``'); None when some group does not. One native
     pass, fit and packing, where the kernel builds and the weight is fp32 (the int4 path's)."""
-    if dequant_kernel.available() and weight.device.type == "cpu" and weight.dtype == torch.float32:
+    if _packs_natively(weight):
         return dequant_kernel.q4_groups(weight.detach(), GRID_TOL)
     grid = on_grid(weight)
     return None if grid is None else _q4_pack(*grid)
@@ -171,9 +171,15 @@ def q4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     packed = grid_groups(weight)
     if packed is not None:
         return packed
-    if dequant_kernel.available() and weight.device.type == "cpu" and weight.dtype == torch.float32:
+    if _packs_natively(weight):
         return dequant_kernel.q4_affine(weight.detach())  # the same fit, one native pass
     return _q4_pack(*_affine_groups(weight, torch.float16))
+
+
+def _packs_natively(weight: torch.Tensor) -> bool:
+    """Whether the kernel fits and packs ``weight``: built, and an fp32 weight on the CPU (the
+    int4 path's)."""
+    return dequant_kernel.available() and weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
 def _q4_pack(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,16 +360,13 @@ class QuantExperts(nn.Module):
         dtype, quantized into the stack (a run of rows gets the levels and scales its whole
         matrix would: every layout here is per row, and a 4-bit grid is found per group)."""
         r = w.shape[0]
-        if not self.takes_rows and (row, r) != (0, self.out_features):
-            raise ValueError("torch's int4 packing takes an expert's whole matrix")
-        if self.int4:
-            q, s = q4_groups(w) if self.ours else self.quantizer(w.to(torch.bfloat16))
-        else:
-            q, s = int8_rows(w)
-        if self.int4 and not self.ours:  # scales [K/32, N, 2]: a column of rows
-            self.weight[e], self.scales[e] = q, s
-        else:
-            self.weight[e, row : row + r], self.scales[e, row : row + r] = q, s
+        if not self.takes_rows:  # torch's int4 packing (scales [K/32, N, 2]): a whole matrix
+            if (row, r) != (0, self.out_features):
+                raise ValueError("torch's int4 packing takes an expert's whole matrix")
+            self.weight[e], self.scales[e] = self.quantizer(w.to(torch.bfloat16))
+            return
+        q, s = q4_groups(w) if self.int4 else int8_rows(w)
+        self.weight[e, row : row + r], self.scales[e, row : row + r] = q, s
 
     def __len__(self) -> int:
         return self.num_experts

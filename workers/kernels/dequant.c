@@ -249,13 +249,21 @@ static inline int grid_try(const float *x, float lo, float step, float tol) {
     return 1;
 }
 
-/* One group's fit: its levels q, step and lowest value; 1 when it fits. */
-static int fit_group(const float *x, float tol, float *q, float *step, float *lo) {
+/* A group's lowest and highest value. */
+static inline void group_range(const float *x, float *lo, float *hi) {
     float mn = x[0], mx = x[0];
     for (int i = 1; i < 32; i++) {
         mn = x[i] < mn ? x[i] : mn;
         mx = x[i] > mx ? x[i] : mx;
     }
+    *lo = mn;
+    *hi = mx;
+}
+
+/* One group's fit: its levels q, step and lowest value; 1 when it fits. */
+static int fit_group(const float *x, float tol, float *q, float *step, float *lo) {
+    float mn, mx;
+    group_range(x, &mn, &mx);
     const float span = mx - mn;
     float st = span > 0 ? span / 15.0f : 1.0f; /* a constant group is level 0 (step 1) */
     int ok = grid_fits(x, mn, st, tol, q);
@@ -281,14 +289,34 @@ int dq_grid_fit(const float *w, int64_t groups, float tol, float *q, float *step
     return misfits == 0;
 }
 
-/* dq_q4_groups: a [N, K] fp32 weight on 4-bit grids (dq_grid_fit's verdict on every group) straight
- * into the int4 kernel's layout, as workers/quant.py's q4_groups packs the fit (its torch ops a
- * whole weight at a time, then a stack and a conversion: ~1 s of a Qwen3-30B-A3B 2-layer load):
- * qs [N, K/2], byte j of group g holding level j low and level j + 16 high; dm [N, 2, K/32] fp16,
- * the groups' steps, then their lowest values, rounded to nearest even. Returns 1 when every
- * group fits, 0 when one does not (found early: the outputs are then unfinished), 2 on bad
- * arguments. */
-int dq_q4_groups(const float *w, int64_t N, int64_t K, float tol, uint8_t *qs, uint16_t *dm, int nthreads) {
+/* One group on the min/max grid workers/quant.py's _affine_groups fits: step (max - min) / 15,
+ * at least 1e-8, step and minimum rounded to fp16 first (sh, lh), each level (w - min) / step
+ * rounded to nearest even and clamped to 0..15 (a constant group's step rounds to 0: its 0 / 0
+ * levels are 0, as torch converts them). */
+static void affine_group(const float *x, float *q, uint16_t *sh, uint16_t *lh) {
+    float mn, mx;
+    group_range(x, &mn, &mx);
+    float st = (mx - mn) / 15.0f;
+    st = st < 1e-8f ? 1e-8f : st;
+    *sh = f32_to_f16(st);
+    *lh = f32_to_f16(mn);
+    const float s = f16_to_f32(*sh), lo = f16_to_f32(*lh);
+    for (int i = 0; i < 32; i++) {
+        const float r = nearbyintf((x[i] - lo) / s);
+        q[i] = r >= 15.0f ? 15.0f : r > 0.0f ? r : 0.0f; /* NaN: 0 */
+    }
+}
+
+/* dq_q4_pack: a [N, K] fp32 weight straight into the int4 kernel's layout, as workers/quant.py's
+ * q4_groups packs it (its torch ops a whole weight at a time, then a stack and a conversion: ~1
+ * s of a Qwen3-30B-A3B 2-layer load, and 0.46 s more for one layer's Q6_K down experts): qs
+ * [N, K/2], byte j of group g holding level j low and level j + 16 high; dm [N, 2, K/32] fp16,
+ * the groups' steps, then their lowest values, rounded to nearest even. affine 0: each group on
+ * its own 4-bit grid (dq_grid_fit's verdict), found early when one is not (the outputs are then
+ * unfinished); affine 1: each on its min/max grid (affine_group). Returns 1 when every group is
+ * packed, 0 when one is on no grid, 2 on bad arguments. */
+int dq_q4_pack(const float *w, int64_t N, int64_t K, float tol, int affine, uint8_t *qs, uint16_t *dm,
+               int nthreads) {
     if (N < 0 || K < 32 || K % 32) return 2;
     const int64_t G = K / 32;
     int nt = nthreads < 1 ? 1 : nthreads;
@@ -298,56 +326,25 @@ int dq_q4_groups(const float *w, int64_t N, int64_t K, float tol, uint8_t *qs, u
     for (int64_t n = 0; n < N; n++) {
         if (missed) continue;
         for (int64_t g = 0; g < G; g++) {
+            const float *x = w + n * K + g * 32;
             float q[32], st, lo;
-            if (!fit_group(w + n * K + g * 32, tol, q, &st, &lo)) {
+            uint16_t sh, lh;
+            if (affine) {
+                affine_group(x, q, &sh, &lh);
+            } else if (fit_group(x, tol, q, &st, &lo)) {
+                sh = f32_to_f16(st);
+                lh = f32_to_f16(lo);
+            } else {
                 missed = 1;
                 break;
             }
             uint8_t *b = qs + n * (K / 2) + g * 16;
             for (int j = 0; j < 16; j++) b[j] = (uint8_t)((int)q[j] | ((int)q[j + 16] << 4));
-            dm[n * 2 * G + g] = f32_to_f16(st);
-            dm[n * 2 * G + G + g] = f32_to_f16(lo);
-        }
-    }
-    return missed ? 0 : 1;
-}
-
-/* dq_q4_affine: a [N, K] fp32 weight off the 4-bit grids in the same layout, each group of 32 on
- * the min/max grid workers/quant.py's _affine_groups fits (the torch ops: 0.46 s of the 2-layer
- * Qwen3-30B-A3B's load for one layer's Q6_K down experts): step (max - min) / 15, at least 1e-8,
- * step and minimum rounded to fp16 first, each level (w - min) / step rounded to nearest even
- * and clamped to 0..15 (a constant group's step rounds to 0: its 0 / 0 levels are 0, as torch
- * converts them). Returns 0, or 2 on bad arguments. */
-int dq_q4_affine(const float *w, int64_t N, int64_t K, uint8_t *qs, uint16_t *dm, int nthreads) {
-    if (N < 0 || K < 32 || K % 32) return 2;
-    const int64_t G = K / 32;
-    int nt = nthreads < 1 ? 1 : nthreads;
-    if (N * K < (1 << 17)) nt = 1;
-#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t g = 0; g < G; g++) {
-            const float *x = w + n * K + g * 32;
-            float mn = x[0], mx = x[0];
-            for (int i = 1; i < 32; i++) {
-                mn = x[i] < mn ? x[i] : mn;
-                mx = x[i] > mx ? x[i] : mx;
-            }
-            float st = (mx - mn) / 15.0f;
-            st = st < 1e-8f ? 1e-8f : st;
-            const uint16_t sh = f32_to_f16(st), lh = f32_to_f16(mn);
-            const float s = f16_to_f32(sh), lo = f16_to_f32(lh);
-            uint8_t q[32];
-            for (int i = 0; i < 32; i++) {
-                const float r = nearbyintf((x[i] - lo) / s);
-                q[i] = r >= 15.0f ? 15 : r > 0.0f ? (uint8_t)r : 0; /* NaN: 0 */
-            }
-            uint8_t *b = qs + n * (K / 2) + g * 16;
-            for (int j = 0; j < 16; j++) b[j] = (uint8_t)(q[j] | (q[j + 16] << 4));
             dm[n * 2 * G + g] = sh;
             dm[n * 2 * G + G + g] = lh;
         }
     }
-    return 0;
+    return missed ? 0 : 1;
 }
 
 /* ---------------------------------------------------------------- int8 rows

@@ -48,13 +48,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
                 ctypes.c_int,
                 [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, *[ctypes.c_void_p] * 3, ctypes.c_int],
             ),
-            "dq_q4_affine": (
+            "dq_q4_pack": (
                 ctypes.c_int,
-                [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 2, ctypes.c_int],
-            ),
-            "dq_q4_groups": (
-                ctypes.c_int,
-                [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, *[ctypes.c_void_p] * 2]
+                [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+                + [ctypes.c_void_p] * 2
                 + [ctypes.c_int],
             ),
         },
@@ -109,30 +106,30 @@ def q4_groups(w: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor] 
     """``workers.quant.q4_groups`` of a weight on 4-bit grids in one native pass (``grid_fit``'s
     fit, then the kernel's packing): w [N, K] float32 -> (qs [N, K/2] uint8, dm [N, 2, K/32]
     fp16), the same bytes; None when some group is on no grid."""
-    lib = _load()[0]
-    assert lib is not None, "callers check available() first"
-    w = w.float().contiguous()
-    n, k = w.shape
-    qs = torch.empty(n, k // 2, dtype=torch.uint8)
-    dm = torch.empty(n, 2, k // 32, dtype=torch.float16)
-    rc = lib.dq_q4_groups(w.data_ptr(), n, k, tol, qs.data_ptr(), dm.data_ptr(), torch.get_num_threads())
-    if rc == 2:
-        raise ValueError(f"int4 groups take [N, K] with K in 32s, got {tuple(w.shape)}")
-    return (qs, dm) if rc == 1 else None
+    return _q4_pack(w, tol, affine=False)
 
 
 def q4_affine(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``workers.quant.q4_groups`` of a weight off the 4-bit grids (``_affine_groups``' min/max fit
     to fp16 scales) in one native pass: w [N, K] float32 -> (qs, dm), the same bytes."""
+    packed = _q4_pack(w, 0.0, affine=True)
+    assert packed is not None  # (every group has a min/max grid)
+    return packed
+
+
+def _q4_pack(w: torch.Tensor, tol: float, affine: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
     lib = _load()[0]
     assert lib is not None, "callers check available() first"
     w = w.float().contiguous()
     n, k = w.shape
     qs = torch.empty(n, k // 2, dtype=torch.uint8)
     dm = torch.empty(n, 2, k // 32, dtype=torch.float16)
-    if lib.dq_q4_affine(w.data_ptr(), n, k, qs.data_ptr(), dm.data_ptr(), torch.get_num_threads()):
+    rc = lib.dq_q4_pack(
+        w.data_ptr(), n, k, tol, int(affine), qs.data_ptr(), dm.data_ptr(), torch.get_num_threads()
+    )
+    if rc == 2:
         raise ValueError(f"int4 groups take [N, K] with K in 32s, got {tuple(w.shape)}")
-    return qs, dm
+    return (qs, dm) if rc == 1 else None
 
 
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
